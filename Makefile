@@ -1,0 +1,31 @@
+# Two entry points for a fresh machine: `make demo` and `make test`.
+# Each creates .venv if missing and installs anchormesh (editable) with its dev extra.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test bench-quality proto clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch first, pinned: 2.13.0 is the CPU build this project tests with (an unpinned torch pulls CUDA).
+	$(PY) -m pip install --quiet "torch==2.13.0"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/anchormesh demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench-quality: $(STAMP)
+	$(VENV)/bin/anchormesh bench quality --quick --json bench-quality.json
+
+proto: $(STAMP)
+	$(PY) -m peer.wire.gen
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""anchormesh bootstrap node: first DHT node, tracker and status service (arrives with the swarm issue)."""

@@ -1,0 +1,276 @@
+"""Config dataclasses for the training core, with defaults that run.
+
+Every dataclass validates itself in `__post_init__` and raises `ConfigError` naming the field and
+the value; nothing is silently clamped. The entry points build one `TrainConfig` and hand its
+parts to the components (codec, DP sync, anchor scheduler, optimizer, runner).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from peer.errors import ConfigError
+
+
+def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(name, value, f"must be one of {', '.join(allowed)}")
+
+
+def _positive(name: str, value: float, *, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(name, value, "must be > 0" if not allow_zero else "must be >= 0")
+
+
+@dataclass
+class ModelConfig:
+    """Which causal LM to train and how to cut it.
+
+    Args:
+        name: "tiny-llama" / "tiny-gpt2" (built from a config, byte vocabulary, no download),
+            a Hugging Face hub id, or a local model directory.
+        num_stages: K contiguous pipeline stages; stage 0 owns the embeddings, stage K-1 the
+            final norm, head and loss.
+        hidden_size, num_layers, num_heads: sizes of the tiny built-in models (ignored for hub/path).
+    """
+
+    name: str = "tiny-llama"
+    num_stages: int = 2
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    max_seq_len: int = 256
+
+    def __post_init__(self) -> None:
+        if self.num_stages < 1:
+            raise ConfigError("model.num_stages", self.num_stages, "must be >= 1")
+        for name in ("hidden_size", "num_layers", "num_heads", "max_seq_len"):
+            _positive(f"model.{name}", getattr(self, name))
+        if self.hidden_size % self.num_heads:
+            raise ConfigError("model.hidden_size", self.hidden_size, f"must be divisible by num_heads={self.num_heads}")
+
+
+MASK_FILLS = ("zero", "token_prior")
+VALUE_DTYPES = ("fp32", "fp16", "bf16", "int8")
+
+
+@dataclass
+class MaskConfig:
+    """Activation masking on pipeline links (DESIGN.md §4, fast circuit).
+
+    Args:
+        drop: P(drop) of each hidden-state element at a stage boundary; 0 sends everything
+            (dense). The paper's settings are 0.90 ("M90") and 0.95 ("M95").
+        fill: what the receiver puts in dropped entries: "zero" (the paper: h * m, no rescaling)
+            or "token_prior" (a per-token running mean of the boundary activation that the
+            receiver learns from the values it does receive; costs no extra bytes).
+        values: how kept values travel: fp32, fp16, bf16 or int8 (blockwise absmax).
+        seed: run-wide seed of the mask PRF; both link ends derive the same mask from it.
+        prior_momentum: EMA momentum of the token prior (fill="token_prior").
+    """
+
+    drop: float = 0.0
+    fill: str = "zero"
+    values: str = "fp16"
+    seed: int = 0
+    prior_momentum: float = 0.99
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.drop < 1.0):
+            raise ConfigError("mask.drop", self.drop, "keep fraction 1-drop must be in (0, 1]: need 0 <= drop < 1")
+        _choice("mask.fill", self.fill, MASK_FILLS)
+        _choice("mask.values", self.values, VALUE_DTYPES)
+        if not (0.0 <= self.prior_momentum < 1.0):
+            raise ConfigError("mask.prior_momentum", self.prior_momentum, "must be in [0, 1)")
+
+    @property
+    def keep(self) -> float:
+        return 1.0 - self.drop
+
+    @property
+    def enabled(self) -> bool:
+        return self.drop > 0.0
+
+
+DP_SCHEMES = ("dense", "powersgd", "int8", "diloco")
+DILOCO_COMPRESSIONS = ("none", "powersgd", "int8")
+
+
+@dataclass
+class DPConfig:
+    """Data-parallel sync inside one stage group.
+
+    Args:
+        replicas: peers per stage (R). 1 disables sync.
+        scheme: "dense" (fp32 mean of gradients every step), "powersgd" (rank-`rank` gradients
+            with error feedback every step), "int8" (8-bit gradients with error feedback every
+            step), "diloco" (Streaming DiLoCo: local steps, outer Nesterov step on parameter
+            deltas every `inner_steps`, deltas compressed by `outer_compression`).
+        rank: PowerSGD rank (paper: 64); must not exceed min(rows, cols) of any synced matrix.
+        error_feedback: keep the compression residual and add it to the next round.
+        inner_steps: DiLoCo H (paper: >= 10).
+        fragments: Streaming DiLoCo fragments; fragment f syncs at steps where step % H == f*H/fragments.
+        outer_lr, outer_momentum: DiLoCo outer Nesterov SGD.
+        outer_compression: how DiLoCo deltas travel: none (fp32), powersgd, int8.
+    """
+
+    replicas: int = 1
+    scheme: str = "dense"
+    rank: int = 64
+    error_feedback: bool = True
+    inner_steps: int = 10
+    fragments: int = 1
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    outer_compression: str = "int8"
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ConfigError("dp.replicas", self.replicas, "must be >= 1")
+        _choice("dp.scheme", self.scheme, DP_SCHEMES)
+        _choice("dp.outer_compression", self.outer_compression, DILOCO_COMPRESSIONS)
+        if self.rank < 1:
+            raise ConfigError("dp.rank", self.rank, "must be >= 1")
+        if self.inner_steps < 1:
+            raise ConfigError("dp.inner_steps", self.inner_steps, "must be >= 1")
+        if not (1 <= self.fragments <= self.inner_steps):
+            raise ConfigError("dp.fragments", self.fragments, f"must be in [1, inner_steps={self.inner_steps}]")
+        _positive("dp.outer_lr", self.outer_lr)
+        if not (0.0 <= self.outer_momentum < 1.0):
+            raise ConfigError("dp.outer_momentum", self.outer_momentum, "must be in [0, 1)")
+
+
+@dataclass
+class AnchorConfig:
+    """The slow anchor circuit: unmasked forward-backward from a K-step-stale snapshot.
+
+    Args:
+        every: cadence K in steps (paper: 20); 0 disables anchors. The snapshot an anchor runs
+            on is the weights of step s - K when it is launched at step s (K-step stale).
+        micro_batches: micro-batches per anchor pass.
+        executor: "inline" runs the pass right away in the caller's thread (deterministic,
+            for tests and the quality benchmark); "thread" runs it on a background thread at
+            low priority so fast steps never wait.
+        with_masked: also compute the masked gradient on the anchor batch from the same
+            snapshot (needed by the error-feedback correction; doubles anchor compute).
+    """
+
+    every: int = 0
+    micro_batches: int = 2
+    executor: str = "inline"
+    with_masked: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("anchor.every", self.every, allow_zero=True)
+        _positive("anchor.micro_batches", self.micro_batches)
+        _choice("anchor.executor", self.executor, ("inline", "thread"))
+
+    @property
+    def enabled(self) -> bool:
+        return self.every > 0
+
+
+SPECTRAL_MODES = ("off", "paper", "ef", "paper_ef")
+
+
+@dataclass
+class SpectralConfig:
+    """Spectral correction of masked gradients with anchor priors (DESIGN.md §4).
+
+    Args:
+        mode: "off" (plain AdamW), "paper" (two-sided Tikhonov filter in the anchor EMA's
+            singular basis, blended with alpha), "ef" (delayed error feedback:
+            G + lam * (M - M_masked), the anchor's estimate of what the mask removes),
+            "paper_ef" (the filter, then the error feedback).
+        beta: EMA momentum of the anchor gradient M (paper 0.95).
+        alpha: weight of the raw masked gradient in the blend (paper 0.3).
+        tau: Tikhonov constant of the weights d_i = s_i / (s_i + tau) (paper 1e-3).
+        rank: keep the top-`rank` singular triplets of M; 0 keeps the full thin SVD (paper).
+        ef_lambda: weight of the error-feedback term.
+    """
+
+    mode: str = "off"
+    beta: float = 0.95
+    alpha: float = 0.3
+    tau: float = 1e-3
+    rank: int = 0
+    ef_lambda: float = 1.0
+
+    def __post_init__(self) -> None:
+        _choice("spectral.mode", self.mode, SPECTRAL_MODES)
+        if not (0.0 <= self.beta < 1.0):
+            raise ConfigError("spectral.beta", self.beta, "must be in [0, 1)")
+        if not (0.0 <= self.alpha <= 1.0):
+            raise ConfigError("spectral.alpha", self.alpha, "must be in [0, 1]")
+        _positive("spectral.tau", self.tau)
+        _positive("spectral.rank", self.rank, allow_zero=True)
+        _positive("spectral.ef_lambda", self.ef_lambda, allow_zero=True)
+
+
+@dataclass
+class OptimConfig:
+    """AdamW after the correction."""
+
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+
+    def __post_init__(self) -> None:
+        _positive("optim.lr", self.lr)
+        _positive("optim.weight_decay", self.weight_decay, allow_zero=True)
+        _positive("optim.grad_clip", self.grad_clip, allow_zero=True)
+        for name in ("beta1", "beta2"):
+            if not (0.0 <= getattr(self, name) < 1.0):
+                raise ConfigError(f"optim.{name}", getattr(self, name), "must be in [0, 1)")
+
+
+@dataclass
+class PipelineConfig:
+    """Micro-batching and asynchrony of the fast circuit.
+
+    Args:
+        micro_batch_size: sequences per micro-batch.
+        micro_batches: micro-batches per optimizer step (per replica).
+        seq_len: tokens per sequence.
+        max_staleness: how many steps a stage may run ahead of the gradients it has applied
+            (0 = every forward sees the newest weights, equal to synchronous training).
+        staleness_correction: "none" or "lookahead" (forward on weights extrapolated by the
+            last update times the delay, so stale gradients are taken near where they apply).
+    """
+
+    micro_batch_size: int = 8
+    micro_batches: int = 2
+    seq_len: int = 128
+    max_staleness: int = 0
+    staleness_correction: str = "lookahead"
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch_size", "micro_batches", "seq_len"):
+            _positive(f"pipeline.{name}", getattr(self, name))
+        _positive("pipeline.max_staleness", self.max_staleness, allow_zero=True)
+        _choice("pipeline.staleness_correction", self.staleness_correction, ("none", "lookahead"))
+
+
+@dataclass
+class TrainConfig:
+    """Everything one training run needs; each part goes to the component that owns it."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mask: MaskConfig = field(default_factory=MaskConfig)
+    dp: DPConfig = field(default_factory=DPConfig)
+    anchor: AnchorConfig = field(default_factory=AnchorConfig)
+    spectral: SpectralConfig = field(default_factory=SpectralConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    steps: int = 100
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _positive("steps", self.steps)
+        if self.pipeline.seq_len > self.model.max_seq_len:
+            raise ConfigError("pipeline.seq_len", self.pipeline.seq_len, f"exceeds model.max_seq_len={self.model.max_seq_len}")
+        if self.spectral.mode in ("ef", "paper_ef") and self.anchor.enabled and not self.anchor.with_masked:
+            raise ConfigError("anchor.with_masked", False, f"spectral.mode={self.spectral.mode!r} needs the masked anchor gradient")
