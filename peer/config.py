@@ -109,7 +109,7 @@ class DPConfig:
         rank: PowerSGD rank (paper: 64); must not exceed min(rows, cols) of any synced matrix.
         error_feedback: keep the compression residual and add it to the next round.
         inner_steps: DiLoCo H (paper: >= 10).
-        fragments: Streaming DiLoCo fragments; fragment f syncs at steps where step % H == f*H/fragments.
+        fragments: Streaming DiLoCo fragments; fragment f syncs after steps where (step+1) % H == f*H//fragments.
         outer_lr, outer_momentum: DiLoCo outer Nesterov SGD.
         outer_compression: how DiLoCo deltas travel: none (fp32), powersgd, int8.
     """

@@ -1,0 +1,198 @@
+"""`anchormesh bench quality`: does masked pipeline training reach the loss of dense training?
+
+One small model is "pretrained" on corpus A (general prose) inside the benchmark and cached;
+every row then adapts a copy of it on corpus B (Python source) with the same token budget,
+the same data order and the same seed, through the local pipeline runner. Eval losses are
+dense (unmasked) forward passes of the trained stages on held-out B and held-out A (forgetting):
+what the exported model would score. Nothing here is tuned to pass: it reports what it measures.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from peer.config import AnchorConfig, DPConfig, MaskConfig, ModelConfig, OptimConfig, PipelineConfig, SpectralConfig, TrainConfig
+from peer.data import TokenStream, default_corpus, read_path
+from peer.model.loading import load_causal_lm
+from peer.model.stages import lm_loss
+from peer.pipeline.runner import LocalPipelineRunner, evaluate_stages
+
+CACHE_DIR = Path(os.environ.get("ANCHORMESH_CACHE", ".anchormesh-cache"))
+
+
+@dataclass
+class QualitySetup:
+    """Sizes of one benchmark run; `quick` fits in 5 minutes on 2 CPU cores."""
+
+    model: ModelConfig
+    pretrain_steps: int
+    adapt_steps: int
+    micro_batch_size: int
+    micro_batches: int
+    seq_len: int
+    pretrain_lr: float
+    adapt_lr: float
+    eval_batches: int
+    drop: float = 0.95
+    anchor_every: int = 20
+    seed: int = 0
+
+
+def setup_for(quick: bool) -> QualitySetup:
+    if quick:
+        return QualitySetup(ModelConfig(hidden_size=128, num_layers=4, num_heads=4, max_seq_len=128), 300, 120, 8, 2, 128, 3e-3, 1e-3, 8)
+    return QualitySetup(ModelConfig(hidden_size=192, num_layers=6, num_heads=6, max_seq_len=256), 1200, 400, 8, 4, 256, 2e-3, 6e-4, 32)
+
+
+def rows(setup: QualitySetup) -> dict[str, TrainConfig]:
+    """The compared runs. DP rows keep the token budget: 2 replicas x half the micro-batches."""
+    m = setup.micro_batches
+    pipe = PipelineConfig(micro_batch_size=setup.micro_batch_size, micro_batches=m, seq_len=setup.seq_len)
+    pipe_dp = replace(pipe, micro_batches=max(1, m // 2))
+    optim = OptimConfig(lr=setup.adapt_lr)
+    anchor = AnchorConfig(every=setup.anchor_every, micro_batches=max(1, m // 2))
+    mask = MaskConfig(drop=setup.drop)
+    prior = MaskConfig(drop=setup.drop, fill="token_prior")
+    dp = DPConfig(replicas=2, scheme="diloco", inner_steps=10, outer_compression="int8")
+
+    def cfg(**kw) -> TrainConfig:
+        base = dict(model=setup.model, pipeline=pipe, optim=optim, steps=setup.adapt_steps, seed=setup.seed)
+        base.update(kw)
+        return TrainConfig(**base)
+
+    return {
+        "dense": cfg(),
+        "masked": cfg(mask=mask),
+        "masked_anchor": cfg(mask=mask, anchor=anchor, spectral=SpectralConfig(mode="paper")),
+        "masked_anchor_ef": cfg(mask=mask, anchor=anchor, spectral=SpectralConfig(mode="ef")),
+        "masked_prior": cfg(mask=prior),
+        "masked_prior_anchor_ef": cfg(mask=prior, anchor=anchor, spectral=SpectralConfig(mode="ef")),
+        "dense_dp": cfg(dp=DPConfig(replicas=2, scheme="dense"), pipeline=pipe_dp),
+        "masked_anchor_dp": cfg(mask=mask, anchor=anchor, spectral=SpectralConfig(mode="paper"), dp=dp, pipeline=pipe_dp),
+    }
+
+
+def _windows(stream: TokenStream, seed: int) -> Callable[[int, int, int], torch.Tensor]:
+    """Deterministic data order: the same (step, replica, micro-batch) gives the same windows in every row."""
+
+    def batch(step: int, replica: int, j: int, *, bs: int, T: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(hash((seed, step, replica, j)) & 0x7FFFFFFF)
+        return stream.batch(bs, T, g)
+
+    return batch
+
+
+def pretrain(setup: QualitySetup, corpus_a: TokenStream, key: str) -> dict[str, torch.Tensor]:
+    """Dense single-process pretraining on corpus A; cached on disk by `key`."""
+    path = CACHE_DIR / f"pretrained-{key}.pt"
+    if path.exists():
+        return torch.load(path, weights_only=True)
+    model = load_causal_lm(setup.model, seed=setup.seed)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=setup.pretrain_lr, betas=(0.9, 0.95), weight_decay=0.0)
+    g = torch.Generator().manual_seed(setup.seed + 1)
+    bs = setup.micro_batch_size * setup.micro_batches
+    for step in tqdm(range(setup.pretrain_steps), desc="pretrain on corpus A", unit="step", leave=False):
+        lr = setup.pretrain_lr * min(1.0, (step + 1) / 30)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        window = corpus_a.batch(bs, setup.seq_len, g)
+        loss = lm_loss(model(input_ids=window[:, :-1]).logits, window[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    tmp.replace(path)
+    return state
+
+
+def run_row(name: str, cfg: TrainConfig, base_state: dict, setup: QualitySetup, corpus_b: TokenStream, eval_b: list, eval_a: list) -> dict:
+    model = load_causal_lm(setup.model, seed=setup.seed)
+    model.load_state_dict(base_state)
+    batch = _windows(corpus_b, setup.seed)
+    bs, T = cfg.pipeline.micro_batch_size, cfg.pipeline.seq_len
+    m_dense = setup.micro_batches  # anchor batches use the dense row's micro-batch numbering space
+    runner = LocalPipelineRunner(
+        cfg,
+        model,
+        lambda step, r, j: batch(step, r, j, bs=bs, T=T) if cfg.dp.replicas == 1 else batch(step, 0, r * cfg.pipeline.micro_batches + j, bs=bs, T=T),
+        anchor_batch_fn=lambda step, j: batch(step, 99, m_dense + j, bs=bs, T=T),
+    )
+    t0 = time.perf_counter()
+    bar = tqdm(total=cfg.steps, desc=f"{name:>24}", unit="step", leave=False)
+    losses: list[float] = []
+
+    def on_step(rep) -> None:
+        losses.append(rep.loss)
+        bar.update(1)
+        bar.set_postfix(loss=f"{rep.loss:.3f}")
+
+    reports = runner.run(on_step=on_step)
+    bar.close()
+    seconds = time.perf_counter() - t0
+    runner.close()
+    tokens = sum(r.tokens for r in reports)
+    pp = sum(r.pp_bytes for r in reports)
+    dp = sum(r.dp_bytes for r in reports)
+    return {
+        "eval_loss": evaluate_stages(runner.stages(0), eval_b),
+        "eval_loss_a": evaluate_stages(runner.stages(0), eval_a),
+        "pp_bytes_per_token": pp / tokens,
+        "anchor_pp_bytes_per_token": runner.anchor_bytes / tokens,
+        "dp_bytes_per_step": dp / len(reports),
+        "train_loss_last10": sum(losses[-10:]) / len(losses[-10:]),
+        "tokens": tokens,
+        "anchor_passes": runner.anchor.launched if runner.anchor else 0,
+        "anchor_seconds": runner.anchor_seconds,
+        "seconds": seconds,
+    }
+
+
+def run_quality(quick: bool, corpus_a: str | None, corpus_b: str | None, only: list[str] | None = None) -> dict:
+    setup = setup_for(quick)
+    data_a, src_a = (read_path(corpus_a), corpus_a) if corpus_a else default_corpus("a")
+    data_b, src_b = (read_path(corpus_b), corpus_b) if corpus_b else default_corpus("b")
+    stream_a, stream_b = TokenStream(data_a), TokenStream(data_b)
+    key = hashlib.sha256(json.dumps(asdict(setup), sort_keys=True).encode() + hashlib.sha256(data_a).digest()).hexdigest()[:16]
+    t0 = time.perf_counter()
+    base = pretrain(setup, stream_a, key)
+    pretrain_s = time.perf_counter() - t0
+    eval_b = stream_b.eval_batches(setup.micro_batch_size, setup.seq_len, setup.eval_batches)
+    eval_a = stream_a.eval_batches(setup.micro_batch_size, setup.seq_len, setup.eval_batches)
+    model = load_causal_lm(setup.model, seed=setup.seed)
+    model.load_state_dict(base)
+    from peer.model.stages import split_model
+
+    base_stages = split_model(model, setup.model.num_stages)
+    out = {
+        "setup": {**asdict(setup), "corpus_a": src_a, "corpus_b": src_b, "corpus_a_bytes": len(data_a), "corpus_b_bytes": len(data_b), "pretrain_seconds": pretrain_s, "eval": "dense forward of the trained stages on held-out windows", "threads": torch.get_num_threads()},
+        "pretrained": {"eval_loss": evaluate_stages(base_stages, eval_b), "eval_loss_a": evaluate_stages(base_stages, eval_a)},
+        "runs": {},
+    }
+    for name, cfg in rows(setup).items():
+        if only and name not in only:
+            continue
+        result = run_row(name, cfg, base, setup, stream_b, eval_b, eval_a)
+        out["runs"][name] = result
+        print(f"{name:>24}: eval_loss {result['eval_loss']:.4f}  eval_loss_a {result['eval_loss_a']:.4f}  pp B/token {result['pp_bytes_per_token']:.1f}  dp B/step {result['dp_bytes_per_step']:.0f}  {result['seconds']:.1f}s", flush=True)
+    dense = out["runs"].get("dense")
+    if dense:
+        out["vs_dense"] = {
+            name: {"eval_loss_ratio": r["eval_loss"] / dense["eval_loss"], "pp_bytes_reduction": dense["pp_bytes_per_token"] / r["pp_bytes_per_token"]}
+            for name, r in out["runs"].items()
+        }
+    return out

@@ -1,0 +1,6 @@
+"""Stage optimizer: anchor-prior spectral correction of masked gradients, clip, AdamW (DESIGN.md §4)."""
+
+from peer.optim.spectral import SpectralCorrection, paper_filter
+from peer.optim.stage_optimizer import StageOptimizer
+
+__all__ = ["SpectralCorrection", "StageOptimizer", "paper_filter"]

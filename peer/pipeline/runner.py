@@ -1,0 +1,418 @@
+"""Local pipeline runner: K stages x R replicas in one process, micro-batches flowing as wire messages.
+
+Each (stage, replica) is a `StageWorker` with its own module copy, optimizer and codec ends.
+Workers talk only through a `Transport` (serialized ActivationChunk / GradientChunk protos),
+so the bytes counted are the bytes a network would carry and the gRPC transport can replace the
+local one. There is no global barrier: each worker acts on what is in its inbox (backward
+first, then forward), and a stage group steps as soon as all of its replicas have the
+gradients of that step (the DP sync is the only point where replicas of one stage meet).
+
+Asynchrony is bounded: a worker runs the forward of step n only while n - version <=
+`max_staleness` (version = optimizer steps it has applied). A forward that runs ahead is taken
+on stashed weights (PipeDream-style weight stashing, so its backward is exact for the weights it
+saw); with `staleness_correction="lookahead"` those weights are extrapolated by the last update
+times the delay, so the stale gradient is taken near the point where it will be applied.
+With max_staleness = 0, masking off and one replica, a step equals a plain single-process step.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections import Counter, defaultdict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch.func import functional_call
+from transformers import PreTrainedModel
+
+from peer.anchor import AnchorPrior, AnchorReplica, AnchorScheduler
+from peer.codec.mask import MaskCodec
+from peer.codec.prior import TokenPrior
+from peer.config import TrainConfig
+from peer.dp import build_dp_sync
+from peer.errors import WireError
+from peer.model.stages import StageModule, lm_loss, split_model
+from peer.optim.stage_optimizer import StageOptimizer
+from peer.pipeline.transport import Address, LocalTransport, Transport
+from peer.wire import anchormesh_pb2 as pb
+from peer.wire.tensors import parse_message, proto_to_tensor, tensor_to_proto
+
+BatchFn = Callable[[int, int, int], torch.Tensor]  # (step, replica, micro_batch) -> windows [B, T+1]
+MAX_MESSAGE_BYTES = 256 * 2**20
+
+VALUE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}
+
+
+@dataclass
+class StepReport:
+    """What one optimizer step of the whole pipeline did (all stage groups applied `step`)."""
+
+    step: int
+    loss: float
+    tokens: int
+    pp_bytes: int  # fast-circuit bytes on all stage links during this step (both directions)
+    dp_bytes: int  # bytes one replica uploaded for DP sync, summed over stages
+    anchor_step: int | None  # weights' step of the newest anchor prior applied so far
+    seconds: float
+
+
+@dataclass
+class _InFlight:
+    step: int
+    x: torch.Tensor | None  # received input (leaf, requires grad) for stages > 0
+    out: torch.Tensor
+    stash: dict[str, torch.Tensor] | None  # weights the forward ran on, when it ran ahead
+    window: torch.Tensor
+
+
+@dataclass
+class StageWorker:
+    """One replica of one stage: module, optimizer, codec ends and in-flight micro-batches."""
+
+    stage: StageModule
+    replica: int
+    cfg: TrainConfig
+    codec: MaskCodec
+    transport: Transport
+    run_id: str
+    version: int = 0
+    inbox_fwd: deque = field(default_factory=deque)
+    inbox_bwd: deque = field(default_factory=deque)
+    inflight: dict[tuple[int, int], _InFlight] = field(default_factory=dict)
+    done: Counter = field(default_factory=Counter)
+    grad_buf: dict[int, dict[str, torch.Tensor]] = field(default_factory=lambda: defaultdict(dict))
+    losses: dict[int, list[float]] = field(default_factory=lambda: defaultdict(list))
+    next_mb: int = 0  # stage 0: next micro-batch to inject, counted over all steps
+    prior: TokenPrior | None = None
+    optimizer: StageOptimizer = field(init=False)
+    last_delta: dict[str, torch.Tensor] | None = None
+    forwards_ahead: int = 0  # forwards that ran on stashed weights (staleness > 0)
+
+    def __post_init__(self) -> None:
+        s = self.stage
+        self.optimizer = StageOptimizer(list(s.named_parameters()), s.decoder_matrices(), self.cfg.spectral, self.cfg.optim)
+        if s.index > 0 and self.cfg.mask.enabled and self.cfg.mask.fill == "token_prior":
+            self.prior = TokenPrior(s.vocab_size, s.hidden_size, self.cfg.mask.prior_momentum)
+
+    @property
+    def addr(self) -> Address:
+        return (self.stage.index, self.replica)
+
+    @property
+    def name(self) -> str:
+        return f"stage{self.stage.index}.r{self.replica}"
+
+    # -- messages ---------------------------------------------------------------------------
+    def _header(self, step: int, mb: int, boundary: int) -> pb.MicroBatchHeader:
+        return pb.MicroBatchHeader(run_id=self.run_id, micro_batch_id=mb, step=step, sender=self.name, boundary=boundary)
+
+    def drain(self) -> None:
+        for channel, inbox in (("forward", self.inbox_fwd), ("backward", self.inbox_bwd)):
+            while (data := self.transport.poll(self.addr, channel)) is not None:
+                cls = pb.ActivationChunk if channel == "forward" else pb.GradientChunk
+                msg = parse_message(cls, data, MAX_MESSAGE_BYTES)
+                if msg.header.run_id != self.run_id:
+                    raise WireError(f"{self.name}: message for run {msg.header.run_id!r}, expected {self.run_id!r}")
+                inbox.append(msg)
+
+    def _mb_key(self, step: int, mb_in_step: int) -> int:
+        return self.replica * self.cfg.pipeline.micro_batches + mb_in_step
+
+    # -- forward ----------------------------------------------------------------------------
+    def _weights_for(self, step: int) -> dict[str, torch.Tensor] | None:
+        """None: run on the live weights. Else stashed (optionally look-ahead) weights for a forward ahead of the optimizer."""
+        delay = step - self.version
+        if delay == 0:
+            return None
+        self.forwards_ahead += 1
+        stash = {}
+        for name, p in self.stage.named_parameters():
+            w = p.detach()
+            if self.cfg.pipeline.staleness_correction == "lookahead" and self.last_delta is not None:
+                w = w + delay * self.last_delta[name]
+            stash[name] = w.clone().requires_grad_(True)
+        return stash
+
+    def _run(self, x: torch.Tensor, stash: dict[str, torch.Tensor] | None) -> torch.Tensor:
+        if stash is None:
+            return self.stage(x)
+        return functional_call(self.stage, stash, (x,))
+
+    def can_forward(self, step: int) -> bool:
+        return step - self.version <= self.cfg.pipeline.max_staleness
+
+    def inject(self, window: torch.Tensor, step: int, j: int) -> None:
+        """Stage 0: start micro-batch j of `step` from token windows [B, T+1]."""
+        stash = self._weights_for(step)
+        out = self._run(window[:, :-1], stash)
+        mb = self._mb_key(step, j)
+        self.inflight[(step, mb)] = _InFlight(step, None, out, stash, window)
+        self._send_forward(out, window, step, mb)
+
+    def _send_forward(self, out: torch.Tensor, window: torch.Tensor, step: int, mb: int) -> None:
+        b = self.stage.index
+        msg = pb.ActivationChunk(
+            header=self._header(step, mb, b),
+            hidden=self.codec.encode(out.detach(), boundary=b, step=step, micro_batch=mb),
+            token_ids=tensor_to_proto(window.to(torch.int32)),
+        )
+        self.transport.send(self.addr, (b + 1, self.replica), "forward", msg.SerializeToString())
+
+    def forward_one(self) -> bool:
+        """Process the oldest activation whose step is within the staleness bound."""
+        if not self.inbox_fwd or not self.can_forward(self.inbox_fwd[0].header.step):
+            return False
+        msg = self.inbox_fwd.popleft()
+        step, mb, b = msg.header.step, msg.header.micro_batch_id, self.stage.index - 1
+        window = proto_to_tensor(msg.token_ids).to(torch.long)
+        ids = window[:, :-1]
+        shape = (*ids.shape, self.stage.hidden_size)
+        fill = self.prior.fill(ids) if self.prior is not None else None
+        x = self.codec.decode(msg.hidden, expect_shape=shape, fill=fill)
+        if self.prior is not None:
+            keep = self.codec.keep_mask(shape, boundary=b, step=step, micro_batch=mb)
+            self.prior.observe(ids, x, keep)
+        x.requires_grad_(True)
+        stash = self._weights_for(step)
+        out = self._run(x, stash)
+        if self.stage.is_last:
+            loss = lm_loss(out, window[:, 1:])
+            (loss / self.cfg.pipeline.micro_batches).backward()
+            self.losses[step].append(float(loss.detach()))
+            self._finish_backward(_InFlight(step, x, out, stash, window), mb)
+        else:
+            self.inflight[(step, mb)] = _InFlight(step, x, out, stash, window)
+            self._send_forward(out, window, step, mb)
+        return True
+
+    # -- backward ---------------------------------------------------------------------------
+    def backward_one(self) -> bool:
+        if not self.inbox_bwd:
+            return False
+        msg = self.inbox_bwd.popleft()
+        mb = msg.header.micro_batch_id
+        job = self.inflight.pop((msg.header.step, mb), None)
+        if job is None:
+            raise WireError(f"{self.name}: gradient for unknown micro-batch (step={msg.header.step}, micro_batch_id={mb})")
+        grad = self.codec.decode(msg.grad, expect_shape=tuple(job.out.shape))
+        job.out.backward(grad.to(job.out.dtype))
+        self._finish_backward(job, mb)
+        return True
+
+    def _finish_backward(self, job: _InFlight, mb: int) -> None:
+        if job.stash is not None:  # ran on stashed weights: its gradient belongs to step job.step
+            buf = self.grad_buf[job.step]
+            for name, w in job.stash.items():
+                if w.grad is not None:
+                    buf[name] = buf[name] + w.grad if name in buf else w.grad.clone()
+                    w.grad = None
+        if job.x is not None:
+            b = self.stage.index - 1
+            msg = pb.GradientChunk(
+                header=self._header(job.step, mb, b),
+                grad=self.codec.encode(job.x.grad, boundary=b, step=job.step, micro_batch=mb),
+            )
+            self.transport.send(self.addr, (b, self.replica), "backward", msg.SerializeToString())
+        self.done[job.step] += 1
+
+    # -- step -------------------------------------------------------------------------------
+    def ready(self, step: int) -> bool:
+        return self.version == step and self.done[step] == self.cfg.pipeline.micro_batches
+
+    def gradients(self) -> list[torch.Tensor]:
+        """This step's gradient of every parameter (live .grad plus stashed-weight gradients)."""
+        buf = self.grad_buf.pop(self.version, {})
+        out = []
+        for name, p in self.stage.named_parameters():
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            if name in buf:
+                g = g + buf[name]
+            p.grad = g
+            out.append(p.grad)
+        return out
+
+    def apply_step(self) -> None:
+        before = None
+        if self.cfg.pipeline.max_staleness > 0:
+            before = {n: p.detach().clone() for n, p in self.stage.named_parameters()}
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        if before is not None:
+            self.last_delta = {n: p.detach() - before[n] for n, p in self.stage.named_parameters()}
+        self.done.pop(self.version, None)
+        self.version += 1
+
+
+class LocalPipelineRunner:
+    """Trains K stages x R replicas of `model` in this process.
+
+    Args:
+        cfg: the run's config; cfg.model.num_stages stages, cfg.dp.replicas replicas per stage.
+        model: the full causal LM; it is split and copied, never modified.
+        batch_fn: (step, replica, micro_batch) -> token windows [B, T+1].
+        anchor_batch_fn: (anchor_step, micro_batch) -> token windows; defaults to batch_fn(step, 0, 10_000 + j).
+        transport: defaults to in-process queues.
+    """
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        model: PreTrainedModel,
+        batch_fn: BatchFn,
+        *,
+        anchor_batch_fn: Callable[[int, int], torch.Tensor] | None = None,
+        transport: Transport | None = None,
+        run_id: str = "local",
+    ) -> None:
+        self.cfg, self.batch_fn, self.run_id = cfg, batch_fn, run_id
+        self.transport = transport or LocalTransport()
+        self.codec = MaskCodec(cfg.mask)
+        base = split_model(model, cfg.model.num_stages)
+        for stage in base:
+            stage.train()
+        R, K = cfg.dp.replicas, cfg.model.num_stages
+        self.workers: list[list[StageWorker]] = [
+            [StageWorker(copy.deepcopy(base[s]) if r else base[s], r, cfg, self.codec, self.transport, run_id) for r in range(R)]
+            for s in range(K)
+        ]
+        self.dp = [build_dp_sync(cfg.dp, [p.shape for p in base[s].parameters()]) if R > 1 else None for s in range(K)]
+        for s, dp in enumerate(self.dp):
+            if dp is not None:
+                dp.init_params([list(w.stage.parameters()) for w in self.workers[s]])
+        self.dp_bytes = [0] * K
+        self.anchor: AnchorScheduler | None = None
+        self._pending_priors: list[list[AnchorPrior]] = [[] for _ in range(K)]
+        self.anchor_bytes = 0
+        self.anchor_seconds = 0.0
+        self.newest_anchor: int | None = None
+        if cfg.anchor.enabled:
+            replica = AnchorReplica(
+                stages=base,
+                codec=self.codec,
+                batch_fn=anchor_batch_fn or (lambda step, j: batch_fn(step, 0, 10_000 + j)),
+                micro_batches=cfg.anchor.micro_batches,
+                fill_fn=self._anchor_fill,
+                value_bytes=VALUE_BYTES[cfg.mask.values],
+            )
+            self.anchor = AnchorScheduler(cfg.anchor, replica)
+        self.step_count = 0
+
+    def _anchor_fill(self, stage_index: int, window: torch.Tensor) -> torch.Tensor | None:
+        prior = self.workers[stage_index][0].prior
+        return prior.fill(window[:, :-1]) if prior is not None else None
+
+    def stages(self, replica: int = 0) -> list[StageModule]:
+        return [row[replica].stage for row in self.workers]
+
+    def weights(self) -> list[dict[str, torch.Tensor]]:
+        return [{n: p.detach() for n, p in st.named_parameters()} for st in self.stages()]
+
+    # -- the event loop ---------------------------------------------------------------------
+    def _group_step(self, s: int) -> int:
+        """DP sync -> anchor refresh -> correction + AdamW for stage group s. Returns DP bytes."""
+        group = self.workers[s]
+        step = group[0].version
+        grads = [w.gradients() for w in group]
+        nbytes = self.dp[s].sync_grads(step, grads) if self.dp[s] else 0
+        for prior in self._pending_priors[s]:
+            masked = prior.masked[s] if prior.masked is not None else None
+            for w in group:
+                w.optimizer.observe_anchor(prior.step, prior.dense[s], masked)
+        self._pending_priors[s].clear()
+        for w in group:
+            w.apply_step()
+        if self.dp[s]:
+            with torch.no_grad():
+                nbytes += self.dp[s].sync_params(step, [list(w.stage.parameters()) for w in group])
+        return nbytes
+
+    def _tick(self, steps: int) -> bool:
+        """One pass over every worker; each does at most one unit of work. False if nothing moved."""
+        moved = False
+        K = len(self.workers)
+        for s in range(K):
+            group = self.workers[s]
+            if all(w.ready(w.version) for w in group) and group[0].version < steps:
+                self.dp_bytes[s] += self._group_step(s)
+                moved = True
+            M, S = self.cfg.pipeline.micro_batches, self.cfg.pipeline.max_staleness
+            for w in group:
+                w.drain()
+                if s == 0:  # keep the pipeline full: inject while the staleness bound allows
+                    step, j = divmod(w.next_mb, M)
+                    if step < steps and w.can_forward(step) and len(w.inflight) < M * (S + 1):
+                        w.inject(self.batch_fn(step, w.replica, j), step, j)
+                        w.next_mb += 1
+                        moved = True
+                        continue
+                if w.backward_one() or (s > 0 and w.forward_one()):
+                    moved = True
+        return moved
+
+    def run(self, steps: int | None = None, on_step: Callable[[StepReport], None] | None = None) -> list[StepReport]:
+        """Train until every stage group has applied `steps` steps in total (default cfg.steps)."""
+        steps = self.cfg.steps if steps is None else steps
+        reports: list[StepReport] = []
+        t0 = time.perf_counter()
+        last_bytes = self.transport.total_bytes()
+        last_dp = 0
+        tokens_per_step = self.cfg.dp.replicas * self.cfg.pipeline.micro_batches * self.cfg.pipeline.micro_batch_size * self.cfg.pipeline.seq_len
+        while self.step_count < steps:
+            if not self._tick(steps):
+                raise RuntimeError(f"pipeline stalled at step {self.step_count}: " + ", ".join(f"{w.name} v{w.version} done={dict(w.done)}" for row in self.workers for w in row))
+            self._collect_anchor()
+            done = min(w.version for row in self.workers for w in row)
+            while self.step_count < done:
+                step = self.step_count
+                last = self.workers[-1]
+                losses = [x for w in last for x in w.losses.pop(step, [])]
+                total = self.transport.total_bytes()
+                dp_total = sum(self.dp_bytes)
+                now = time.perf_counter()
+                report = StepReport(step, sum(losses) / len(losses), tokens_per_step, total - last_bytes, dp_total - last_dp, self.newest_anchor, now - t0)
+                last_bytes, last_dp, t0 = total, dp_total, now
+                self.step_count += 1
+                if self.anchor is not None:
+                    self.anchor.on_step(self.step_count, self.weights)
+                    self._collect_anchor()
+                reports.append(report)
+                if on_step:
+                    on_step(report)
+        return reports
+
+    def _collect_anchor(self) -> None:
+        if self.anchor is None:
+            return
+        for prior in self.anchor.poll():
+            self.anchor_bytes += prior.pp_bytes
+            self.anchor_seconds += prior.seconds
+            self.newest_anchor = prior.step if self.newest_anchor is None else max(self.newest_anchor, prior.step)
+            for pending in self._pending_priors:
+                pending.append(prior)
+
+    @torch.no_grad()
+    def evaluate(self, batches: list[torch.Tensor], replica: int = 0) -> float:
+        """Dense (unmasked) held-out loss of the stages of `replica`: what the exported model scores."""
+        return evaluate_stages(self.stages(replica), batches)
+
+    def close(self) -> None:
+        if self.anchor is not None:
+            self.anchor.close()
+
+
+@torch.no_grad()
+def evaluate_stages(stages: list[StageModule], batches: list[torch.Tensor]) -> float:
+    total, count = 0.0, 0
+    for stage in stages:
+        stage.eval()
+    for window in batches:
+        h = window[:, :-1]
+        for stage in stages:
+            h = stage(h)
+        total += float(lm_loss(h, window[:, 1:])) * window[:, 1:].numel()
+        count += window[:, 1:].numel()
+    for stage in stages:
+        stage.train()
+    return total / count

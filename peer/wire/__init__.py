@@ -1,0 +1,1 @@
+"""The wire contract: generated protobuf stubs (from proto/), tensor <-> TensorPayload with validation."""
