@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from peer.codec.fill import reconstruct
 from peer.codec.mask import MaskCodec
 from peer.config import AnchorConfig
 from peer.model.stages import StageModule, lm_loss
@@ -84,8 +85,8 @@ class AnchorReplica:
                     nbytes += 2 * h.numel() * self.value_bytes  # forward activation + backward gradient
                     if masked:
                         keep = self.codec.keep_mask(tuple(h.shape), boundary=b - 1, step=step, micro_batch=1_000_000 + j, device=h.device)
-                        fill = self.fill_fn(b, window)
-                        h = h * keep if fill is None else torch.where(keep, h, fill.to(h.dtype))
+                        mask = self.codec.cfg
+                        h = reconstruct(h, keep, mask.keep, mask.fill, self.fill_fn(b, window))
                 h = stage(h)
             loss = lm_loss(h, tgt) / self.micro_batches
             loss.backward()

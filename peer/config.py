@@ -50,7 +50,7 @@ class ModelConfig:
             raise ConfigError("model.hidden_size", self.hidden_size, f"must be divisible by num_heads={self.num_heads}")
 
 
-MASK_FILLS = ("zero", "token_prior")
+MASK_FILLS = ("zero", "token_prior", "rescale", "prior_rescale")
 VALUE_DTYPES = ("fp32", "fp16", "bf16", "int8")
 
 
@@ -61,12 +61,19 @@ class MaskConfig:
     Args:
         drop: P(drop) of each hidden-state element at a stage boundary; 0 sends everything
             (dense). The paper's settings are 0.90 ("M90") and 0.95 ("M95").
-        fill: what the receiver puts in dropped entries: "zero" (the paper: h * m, no rescaling)
-            or "token_prior" (a per-token running mean of the boundary activation that the
-            receiver learns from the values it does receive; costs no extra bytes).
+        fill: how the receiver rebuilds the hidden state (peer/codec/fill.py): "zero" (the
+            paper: h * m, no rescaling), "token_prior" (dropped entries take a per-token running
+            mean that the receiver learns from the values it receives; no extra bytes),
+            "rescale" (h * m / keep, unbiased) or "prior_rescale" (prior + m * (h - prior) / keep,
+            unbiased around the token prior).
         values: how kept values travel: fp32, fp16, bf16 or int8 (blockwise absmax).
         seed: run-wide seed of the mask PRF; both link ends derive the same mask from it.
         prior_momentum: EMA momentum of the token prior (fill="token_prior").
+        scheme: "mask" (the paper's element mask, above) or "lowrank" (send r coefficients per
+            token in a basis the sender learns and ships, around a per-token prior;
+            peer/codec/basis.py). Must not exceed the hidden size.
+        rank: r for scheme "lowrank".
+        basis_refresh: steps between (prior, basis) refreshes for scheme "lowrank".
     """
 
     drop: float = 0.0
@@ -74,8 +81,16 @@ class MaskConfig:
     values: str = "fp16"
     seed: int = 0
     prior_momentum: float = 0.99
+    scheme: str = "mask"
+    rank: int = 8
+    basis_refresh: int = 20
 
     def __post_init__(self) -> None:
+        _choice("mask.scheme", self.scheme, ("mask", "lowrank"))
+        if self.scheme == "lowrank" and self.drop:
+            raise ConfigError("mask.drop", self.drop, 'must be 0 with mask.scheme="lowrank" (coefficients are not masked)')
+        _positive("mask.rank", self.rank)
+        _positive("mask.basis_refresh", self.basis_refresh)
         if not (0.0 <= self.drop < 1.0):
             raise ConfigError("mask.drop", self.drop, "keep fraction 1-drop must be in (0, 1]: need 0 <= drop < 1")
         _choice("mask.fill", self.fill, MASK_FILLS)

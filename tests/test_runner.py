@@ -83,6 +83,8 @@ def _train(cfg: TrainConfig, steps: int) -> tuple[list[float], LocalPipelineRunn
     [
         ("masked", dict(mask=MaskConfig(drop=0.95))),
         ("masked_prior_int8", dict(mask=MaskConfig(drop=0.9, fill="token_prior", values="int8"))),
+        ("masked_prior_rescale", dict(mask=MaskConfig(drop=0.95, fill="prior_rescale"))),
+        ("lowrank_int8", dict(mask=MaskConfig(scheme="lowrank", rank=8, values="int8", basis_refresh=4))),
         ("anchor_paper", dict(mask=MaskConfig(drop=0.95), anchor=AnchorConfig(every=3), spectral=SpectralConfig(mode="paper"))),
         ("anchor_ef_thread", dict(mask=MaskConfig(drop=0.95), anchor=AnchorConfig(every=3, executor="thread"), spectral=SpectralConfig(mode="ef"))),
         ("stale_lookahead", dict(mask=MaskConfig(drop=0.9), pipeline=PipelineConfig(micro_batch_size=4, micro_batches=2, seq_len=32, max_staleness=2))),
@@ -113,7 +115,7 @@ def test_masked_link_carries_about_keep_times_the_dense_bytes() -> None:
     masked = _train(TrainConfig(model=MODEL, pipeline=PIPE, steps=2, mask=MaskConfig(drop=0.95)), 2)[1].transport.total_bytes()
     tokens = 2 * PIPE.micro_batches * PIPE.micro_batch_size * PIPE.seq_len
     hidden = 2 * 2 * tokens * MODEL.hidden_size  # fp16 values, forward + backward
-    ids = 4 * 2 * PIPE.micro_batches * PIPE.micro_batch_size * (PIPE.seq_len + 1)  # int32 token windows, forward only
+    ids = 1 * 2 * PIPE.micro_batches * PIPE.micro_batch_size * (PIPE.seq_len + 1)  # uint8 token windows (byte vocabulary), forward only
     assert hidden + ids <= dense < 1.05 * (hidden + ids)
     expected = 0.05 * hidden + ids
     assert 0.85 * expected < masked < 1.25 * expected, (masked, expected)

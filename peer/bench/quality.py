@@ -45,6 +45,7 @@ class QualitySetup:
     eval_batches: int
     drop: float = 0.95
     anchor_every: int = 20
+    lowrank_rank: int = 20
     seed: int = 0
 
 
@@ -62,7 +63,6 @@ def rows(setup: QualitySetup) -> dict[str, TrainConfig]:
     optim = OptimConfig(lr=setup.adapt_lr)
     anchor = AnchorConfig(every=setup.anchor_every, micro_batches=max(1, m // 2))
     mask = MaskConfig(drop=setup.drop)
-    prior = MaskConfig(drop=setup.drop, fill="token_prior")
     dp = DPConfig(replicas=2, scheme="diloco", inner_steps=10, outer_compression="int8")
 
     def cfg(**kw) -> TrainConfig:
@@ -70,15 +70,20 @@ def rows(setup: QualitySetup) -> dict[str, TrainConfig]:
         base.update(kw)
         return TrainConfig(**base)
 
+    lowrank = MaskConfig(scheme="lowrank", rank=setup.lowrank_rank, values="int8")
     return {
+        # the paper's method, as DESIGN.md §4 states it
         "dense": cfg(),
         "masked": cfg(mask=mask),
         "masked_anchor": cfg(mask=mask, anchor=anchor, spectral=SpectralConfig(mode="paper")),
         "masked_anchor_ef": cfg(mask=mask, anchor=anchor, spectral=SpectralConfig(mode="ef")),
-        "masked_prior": cfg(mask=prior),
-        "masked_prior_anchor_ef": cfg(mask=prior, anchor=anchor, spectral=SpectralConfig(mode="ef")),
+        # our variants: unbiased fill around a learned token prior; low-rank basis + token prior
+        "masked_prior_rescale": cfg(mask=replace(mask, fill="prior_rescale")),
+        "lowrank": cfg(mask=lowrank),
+        # data parallel, same token budget: 2 replicas x half the micro-batches
         "dense_dp": cfg(dp=DPConfig(replicas=2, scheme="dense"), pipeline=pipe_dp),
         "masked_anchor_dp": cfg(mask=mask, anchor=anchor, spectral=SpectralConfig(mode="paper"), dp=dp, pipeline=pipe_dp),
+        "lowrank_dp": cfg(mask=lowrank, dp=dp, pipeline=pipe_dp),
     }
 
 
@@ -167,7 +172,8 @@ def run_quality(quick: bool, corpus_a: str | None, corpus_b: str | None, only: l
     data_a, src_a = (read_path(corpus_a), corpus_a) if corpus_a else default_corpus("a")
     data_b, src_b = (read_path(corpus_b), corpus_b) if corpus_b else default_corpus("b")
     stream_a, stream_b = TokenStream(data_a), TokenStream(data_b)
-    key = hashlib.sha256(json.dumps(asdict(setup), sort_keys=True).encode() + hashlib.sha256(data_a).digest()).hexdigest()[:16]
+    pre = {k: v for k, v in asdict(setup).items() if k in ("model", "pretrain_steps", "micro_batch_size", "micro_batches", "seq_len", "pretrain_lr", "seed")}
+    key = hashlib.sha256(json.dumps(pre, sort_keys=True).encode() + hashlib.sha256(data_a).digest()).hexdigest()[:16]
     t0 = time.perf_counter()
     base = pretrain(setup, stream_a, key)
     pretrain_s = time.perf_counter() - t0

@@ -28,16 +28,18 @@ from torch.func import functional_call
 from transformers import PreTrainedModel
 
 from peer.anchor import AnchorPrior, AnchorReplica, AnchorScheduler
+from peer.codec.basis import BasisLearner, BasisState
+from peer.codec.fill import USES_PRIOR, reconstruct
 from peer.codec.mask import MaskCodec
 from peer.codec.prior import TokenPrior
-from peer.config import TrainConfig
+from peer.config import MaskConfig, TrainConfig
 from peer.dp import build_dp_sync
 from peer.errors import WireError
 from peer.model.stages import StageModule, lm_loss, split_model
 from peer.optim.stage_optimizer import StageOptimizer
 from peer.pipeline.transport import Address, LocalTransport, Transport
 from peer.wire import anchormesh_pb2 as pb
-from peer.wire.tensors import parse_message, proto_to_tensor, tensor_to_proto
+from peer.wire.tensors import parse_message, proto_to_tensor, tensor_to_proto, token_dtype
 
 BatchFn = Callable[[int, int, int], torch.Tensor]  # (step, replica, micro_batch) -> windows [B, T+1]
 MAX_MESSAGE_BYTES = 256 * 2**20
@@ -65,6 +67,7 @@ class _InFlight:
     out: torch.Tensor
     stash: dict[str, torch.Tensor] | None  # weights the forward ran on, when it ran ahead
     window: torch.Tensor
+    basis: BasisState | None = None  # low-rank codec: the (prior, basis) the output was encoded with
 
 
 @dataclass
@@ -89,12 +92,25 @@ class StageWorker:
     optimizer: StageOptimizer = field(init=False)
     last_delta: dict[str, torch.Tensor] | None = None
     forwards_ahead: int = 0  # forwards that ran on stashed weights (staleness > 0)
+    basis_out: BasisLearner | None = None  # low-rank codec, sending end
+    basis_in: dict[int, BasisState] = field(default_factory=dict)  # low-rank codec, receiving end
+    coef_codec: MaskCodec | None = None
 
     def __post_init__(self) -> None:
         s = self.stage
         self.optimizer = StageOptimizer(list(s.named_parameters()), s.decoder_matrices(), self.cfg.spectral, self.cfg.optim)
-        if s.index > 0 and self.cfg.mask.enabled and self.cfg.mask.fill == "token_prior":
+        if s.index > 0 and self.cfg.mask.enabled and self.cfg.mask.fill in USES_PRIOR:
             self.prior = TokenPrior(s.vocab_size, s.hidden_size, self.cfg.mask.prior_momentum)
+        m = self.cfg.mask
+        if m.scheme == "lowrank":
+            self.coef_codec = MaskCodec(MaskConfig(values=m.values, seed=m.seed))
+            if not s.is_last:
+                self.basis_out = BasisLearner(s.vocab_size, s.hidden_size, m.rank, m.basis_refresh)
+
+    @property
+    def link_codec(self) -> MaskCodec:
+        """What encodes tensors on this worker's links: coefficients (low-rank) or hidden states."""
+        return self.coef_codec or self.codec
 
     @property
     def addr(self) -> Address:
@@ -148,17 +164,26 @@ class StageWorker:
         stash = self._weights_for(step)
         out = self._run(window[:, :-1], stash)
         mb = self._mb_key(step, j)
-        self.inflight[(step, mb)] = _InFlight(step, None, out, stash, window)
-        self._send_forward(out, window, step, mb)
+        basis = self._send_forward(out, window, step, mb)
+        self.inflight[(step, mb)] = _InFlight(step, None, out, stash, window, basis)
 
-    def _send_forward(self, out: torch.Tensor, window: torch.Tensor, step: int, mb: int) -> None:
+    def _send_forward(self, out: torch.Tensor, window: torch.Tensor, step: int, mb: int) -> BasisState | None:
+        """Encode and send this stage's output; returns the low-rank basis used, if any."""
         b = self.stage.index
-        msg = pb.ActivationChunk(
-            header=self._header(step, mb, b),
-            hidden=self.codec.encode(out.detach(), boundary=b, step=step, micro_batch=mb),
-            token_ids=tensor_to_proto(window.to(torch.int32)),
-        )
+        msg = pb.ActivationChunk(header=self._header(step, mb, b), token_ids=tensor_to_proto(window.to(token_dtype(self.stage.vocab_size))))
+        h, state = out.detach(), None
+        if self.basis_out is not None:
+            ids = window[:, :-1]
+            self.basis_out.observe(h, ids)
+            if (new := self.basis_out.maybe_refresh(step)) is not None:
+                msg.basis_prior.CopyFrom(tensor_to_proto(new.prior.half()))
+                msg.basis.CopyFrom(tensor_to_proto(new.basis.half()))
+            state = self.basis_out.current
+            msg.basis_version = state.version
+            h = state.project(h, ids)
+        msg.hidden.CopyFrom(self.link_codec.encode(h, boundary=b, step=step, micro_batch=mb))
         self.transport.send(self.addr, (b + 1, self.replica), "forward", msg.SerializeToString())
+        return state
 
     def forward_one(self) -> bool:
         """Process the oldest activation whose step is within the staleness bound."""
@@ -169,23 +194,43 @@ class StageWorker:
         window = proto_to_tensor(msg.token_ids).to(torch.long)
         ids = window[:, :-1]
         shape = (*ids.shape, self.stage.hidden_size)
-        fill = self.prior.fill(ids) if self.prior is not None else None
-        x = self.codec.decode(msg.hidden, expect_shape=shape, fill=fill)
-        if self.prior is not None:
+        if self.coef_codec is not None:
+            x, h = self._lift(msg, ids, b, step, mb)
+        else:
+            x = self.codec.decode(msg.hidden, expect_shape=shape, boundary=b, step=step, micro_batch=mb)
+            x.requires_grad_(True)  # the leaf whose gradient goes back: kept entries only
+            h = x
+        if self.cfg.mask.enabled:
             keep = self.codec.keep_mask(shape, boundary=b, step=step, micro_batch=mb)
-            self.prior.observe(ids, x, keep)
-        x.requires_grad_(True)
+            prior = self.prior.fill(ids) if self.prior is not None else None
+            h = reconstruct(x, keep, self.cfg.mask.keep, self.cfg.mask.fill, prior)
+            if self.prior is not None:
+                self.prior.observe(ids, x.detach(), keep)
         stash = self._weights_for(step)
-        out = self._run(x, stash)
+        out = self._run(h, stash)
         if self.stage.is_last:
             loss = lm_loss(out, window[:, 1:])
             (loss / self.cfg.pipeline.micro_batches).backward()
             self.losses[step].append(float(loss.detach()))
             self._finish_backward(_InFlight(step, x, out, stash, window), mb)
         else:
-            self.inflight[(step, mb)] = _InFlight(step, x, out, stash, window)
-            self._send_forward(out, window, step, mb)
+            basis = self._send_forward(out, window, step, mb)
+            self.inflight[(step, mb)] = _InFlight(step, x, out, stash, window, basis)
         return True
+
+    def _lift(self, msg: pb.ActivationChunk, ids: torch.Tensor, b: int, step: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Low-rank codec, receiving end: (coefficient leaf, rebuilt hidden state)."""
+        v = msg.basis_version
+        if msg.HasField("basis"):
+            H, r = self.stage.hidden_size, self.cfg.mask.rank
+            prior = proto_to_tensor(msg.basis_prior, expect_shape=(self.stage.vocab_size, H)).float()
+            self.basis_in = {v: BasisState(v, prior, proto_to_tensor(msg.basis, expect_shape=(H, r)).float())}
+        state = self.basis_in.get(v)
+        if state is None:
+            raise WireError(f"{self.name}: basis_version={v} unknown (have {sorted(self.basis_in)})")
+        c = self.coef_codec.decode(msg.hidden, expect_shape=(*ids.shape, self.cfg.mask.rank), boundary=b, step=step, micro_batch=mb)
+        c.requires_grad_(True)
+        return c, state.lift(c, ids)
 
     # -- backward ---------------------------------------------------------------------------
     def backward_one(self) -> bool:
@@ -196,7 +241,11 @@ class StageWorker:
         job = self.inflight.pop((msg.header.step, mb), None)
         if job is None:
             raise WireError(f"{self.name}: gradient for unknown micro-batch (step={msg.header.step}, micro_batch_id={mb})")
-        grad = self.codec.decode(msg.grad, expect_shape=tuple(job.out.shape))
+        if job.basis is not None:  # dL/dh = dL/dc B^T
+            g = self.link_codec.decode(msg.grad, expect_shape=(*job.out.shape[:-1], job.basis.basis.shape[1]))
+            grad = g @ job.basis.basis.T
+        else:
+            grad = self.codec.decode(msg.grad, expect_shape=tuple(job.out.shape))
         job.out.backward(grad.to(job.out.dtype))
         self._finish_backward(job, mb)
         return True
@@ -212,7 +261,7 @@ class StageWorker:
             b = self.stage.index - 1
             msg = pb.GradientChunk(
                 header=self._header(job.step, mb, b),
-                grad=self.codec.encode(job.x.grad, boundary=b, step=job.step, micro_batch=mb),
+                grad=self.link_codec.encode(job.x.grad, boundary=b, step=job.step, micro_batch=mb),
             )
             self.transport.send(self.addr, (b, self.replica), "backward", msg.SerializeToString())
         self.done[job.step] += 1

@@ -16,6 +16,8 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     INT8: _ClassVar[DType]
     INT32: _ClassVar[DType]
     INT64: _ClassVar[DType]
+    UINT8: _ClassVar[DType]
+    INT16: _ClassVar[DType]
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 FLOAT16: DType
@@ -23,6 +25,8 @@ BFLOAT16: DType
 INT8: DType
 INT32: DType
 INT64: DType
+UINT8: DType
+INT16: DType
 
 class Compression(_message.Message):
     __slots__ = ("kind", "drop", "mask_seed", "boundary", "step", "micro_batch", "values", "block_size")
@@ -81,16 +85,22 @@ class MicroBatchHeader(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., micro_batch_id: _Optional[int] = ..., step: _Optional[int] = ..., sender: _Optional[str] = ..., signature: _Optional[bytes] = ..., boundary: _Optional[int] = ..., dense: _Optional[bool] = ...) -> None: ...
 
 class ActivationChunk(_message.Message):
-    __slots__ = ("header", "hidden", "token_ids", "labels")
+    __slots__ = ("header", "hidden", "token_ids", "labels", "basis_version", "basis_prior", "basis")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    BASIS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BASIS_PRIOR_FIELD_NUMBER: _ClassVar[int]
+    BASIS_FIELD_NUMBER: _ClassVar[int]
     header: MicroBatchHeader
     hidden: TensorPayload
     token_ids: TensorPayload
     labels: TensorPayload
-    def __init__(self, header: _Optional[_Union[MicroBatchHeader, _Mapping]] = ..., hidden: _Optional[_Union[TensorPayload, _Mapping]] = ..., token_ids: _Optional[_Union[TensorPayload, _Mapping]] = ..., labels: _Optional[_Union[TensorPayload, _Mapping]] = ...) -> None: ...
+    basis_version: int
+    basis_prior: TensorPayload
+    basis: TensorPayload
+    def __init__(self, header: _Optional[_Union[MicroBatchHeader, _Mapping]] = ..., hidden: _Optional[_Union[TensorPayload, _Mapping]] = ..., token_ids: _Optional[_Union[TensorPayload, _Mapping]] = ..., labels: _Optional[_Union[TensorPayload, _Mapping]] = ..., basis_version: _Optional[int] = ..., basis_prior: _Optional[_Union[TensorPayload, _Mapping]] = ..., basis: _Optional[_Union[TensorPayload, _Mapping]] = ...) -> None: ...
 
 class GradientChunk(_message.Message):
     __slots__ = ("header", "grad")

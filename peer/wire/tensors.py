@@ -30,12 +30,23 @@ TORCH_TO_WIRE: dict[torch.dtype, int] = {
     torch.int8: pb.INT8,
     torch.int32: pb.INT32,
     torch.int64: pb.INT64,
+    torch.uint8: pb.UINT8,
+    torch.int16: pb.INT16,
 }
 WIRE_TO_TORCH: dict[int, torch.dtype] = {v: k for k, v in TORCH_TO_WIRE.items()}
 
 _BIG_ENDIAN = sys.byteorder == "big"
 
 M = TypeVar("M", bound=_pb_message.Message)
+
+
+def token_dtype(vocab_size: int) -> torch.dtype:
+    """The narrowest wire dtype that holds token ids below `vocab_size` (ids cost bytes on every link)."""
+    if vocab_size <= 256:
+        return torch.uint8
+    if vocab_size <= 2**15:
+        return torch.int16
+    return torch.int32
 
 
 def dtype_name(wire_dtype: int) -> str:
