@@ -21,7 +21,9 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="train the tiny default model in local pipeline stages and show progress")
     demo.add_argument("--seconds", type=float, default=60.0, help="training time budget (default 60)")
     demo.add_argument("--stages", type=int, default=2)
-    demo.add_argument("--drop", type=float, default=0.95, help="P(drop) of activation entries on PP links")
+    demo.add_argument("--codec", choices=("lowrank", "mask"), default="lowrank", help="PP link codec (default lowrank)")
+    demo.add_argument("--drop", type=float, default=0.95, help="with --codec mask: P(drop) of activation entries")
+    demo.add_argument("--rank", type=int, default=20, help="with --codec lowrank: coefficients per token")
     demo.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
 
     bench = sub.add_parser("bench", help="benchmarks (JSON out)")
@@ -41,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.command == "demo":
             from peer.demo import run_demo
 
-            run_demo(seconds=args.seconds, stages=args.stages, drop=args.drop, threads=args.threads)
+            run_demo(seconds=args.seconds, stages=args.stages, codec=args.codec, drop=args.drop, rank=args.rank, threads=args.threads)
         elif args.command == "bench" and args.bench == "quality":
             from peer.bench.quality import run_quality
 

@@ -19,28 +19,35 @@ from peer.model.loading import load_causal_lm
 from peer.pipeline.runner import LocalPipelineRunner, evaluate_stages
 
 
-def demo_config(stages: int, drop: float) -> TrainConfig:
+def demo_config(stages: int, codec: str, drop: float, rank: int) -> TrainConfig:
+    """The demo's run: low-rank codec by default (the best measured), or the paper's element mask."""
+    mask = MaskConfig(scheme="lowrank", rank=rank, values="int8") if codec == "lowrank" else MaskConfig(drop=drop, fill="prior_rescale")
     return TrainConfig(
         model=ModelConfig(name="tiny-llama", num_stages=stages, hidden_size=128, num_layers=4, num_heads=4, max_seq_len=128),
-        mask=MaskConfig(drop=drop, fill="token_prior"),
-        anchor=AnchorConfig(every=20, micro_batches=1),
-        spectral=SpectralConfig(mode="ef"),
+        mask=mask,
+        anchor=AnchorConfig(every=20, micro_batches=1, executor="thread"),
+        spectral=SpectralConfig(mode="paper"),
         optim=OptimConfig(lr=2e-3),
         pipeline=PipelineConfig(micro_batch_size=8, micro_batches=2, seq_len=128, max_staleness=1),
         steps=10**9,
     )
 
 
-def run_demo(seconds: float = 60.0, stages: int = 2, drop: float = 0.95, threads: int = 0) -> dict:
+def codec_label(cfg: TrainConfig) -> str:
+    m = cfg.mask
+    return f"low-rank r={m.rank} {m.values}" if m.scheme == "lowrank" else f"mask drop={m.drop:.2f} fill={m.fill} {m.values}"
+
+
+def run_demo(seconds: float = 60.0, stages: int = 2, codec: str = "lowrank", drop: float = 0.95, rank: int = 20, threads: int = 0) -> dict:
     if threads:
         torch.set_num_threads(threads)
-    cfg = demo_config(stages, drop)
+    cfg = demo_config(stages, codec, drop, rank)
     data, source = default_corpus("b")
     stream = TokenStream(data)
     gen = torch.Generator().manual_seed(0)
     p = cfg.pipeline
     print(f"anchormesh demo: tiny-llama ({cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}) in {stages} pipeline stages, "
-          f"drop {drop:.2f} on PP links, anchor every {cfg.anchor.every} steps; corpus: {source.split(',')[0]}… ({len(data) / 1e6:.1f} MB)")
+          f"PP codec {codec_label(cfg)}, anchor every {cfg.anchor.every} steps; corpus: {source.split(',')[0]}… ({len(data) / 1e6:.1f} MB)")
     runner = LocalPipelineRunner(cfg, load_causal_lm(cfg.model), lambda step, r, j: stream.batch(p.micro_batch_size, p.seq_len, gen))
     eval_batches = stream.eval_batches(p.micro_batch_size, p.seq_len, 8)
     dense_bpt = 2 * 2 * cfg.model.hidden_size * (stages - 1)  # fp16 activations + gradients, every link
