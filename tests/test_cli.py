@@ -1,0 +1,43 @@
+"""The console entry point: the demo runs and summarises; bad flags exit 2 with the field named."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "peer.cli", *args], capture_output=True, text=True, timeout=timeout, env=ENV)
+
+
+@pytest.mark.parametrize("codec", ["lowrank", "mask"])
+def test_demo_trains_and_prints_a_summary(codec: str) -> None:
+    out = _cli("demo", "--seconds", "4", "--threads", "1", "--codec", codec)
+    assert out.returncode == 0, out.stderr[-2000:]
+    summary = [line for line in out.stdout.splitlines() if line.startswith("summary:")]
+    assert summary, out.stdout[-2000:]
+    assert "tok/s" in summary[0] and "B/token" in summary[0] and "held-out loss" in summary[0]
+
+
+@pytest.mark.parametrize(
+    "args,field",
+    [
+        (["demo", "--codec", "mask", "--drop", "1.5"], "mask.drop=1.5"),
+        (["demo", "--stages", "9"], "model.num_stages=9"),
+        (["demo", "--rank", "0"], "mask.rank=0"),
+    ],
+)
+def test_bad_values_exit_2_naming_the_field(args: list[str], field: str) -> None:
+    out = _cli(*args)
+    assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
+    assert field in out.stderr and "Traceback" not in out.stderr
+
+
+def test_unknown_flag_exits_2() -> None:
+    out = _cli("demo", "--no-such-flag")
+    assert out.returncode == 2 and "--no-such-flag" in out.stderr
