@@ -133,6 +133,39 @@ class StageWorker:
                     raise WireError(f"{self.name}: message for run {msg.header.run_id!r}, expected {self.run_id!r}")
                 inbox.append(msg)
 
+    def validate(self, channel: str, msg: pb.ActivationChunk | pb.GradientChunk) -> None:
+        """Vet an inbound message fully before it is queued (runs on the transport's threads).
+
+        Raises WireError / TensorError naming the field: wrong boundary, token ids out of range,
+        shapes or dtypes that do not fit this stage, NaN/Inf values. Decodes the tensors once
+        here and again when the worker uses them (a cost accepted for now).
+        """
+        s, b = self.stage, msg.header.boundary
+        if channel == "forward":
+            if b != s.index - 1:
+                raise WireError(f"header.boundary={b}: stage {s.index} receives activations on boundary {s.index - 1}")
+            window = proto_to_tensor(msg.token_ids)
+            if window.is_floating_point() or window.ndim != 2 or window.shape[1] < 2:
+                raise WireError(f"token_ids: expected integer [B, T+1], got {window.dtype} {tuple(window.shape)}")
+            ids = window[:, :-1].long()
+            if int(ids.min()) < 0 or int(window.max()) >= s.vocab_size:
+                raise WireError(f"token_ids: values must be in [0, {s.vocab_size})")
+            if self.coef_codec is not None:
+                self.coef_codec.decode(msg.hidden, expect_shape=(*ids.shape, self.cfg.mask.rank))
+                if msg.HasField("basis"):
+                    proto_to_tensor(msg.basis, expect_shape=(s.hidden_size, self.cfg.mask.rank))
+                    proto_to_tensor(msg.basis_prior, expect_shape=(s.vocab_size, s.hidden_size))
+            else:
+                self.codec.decode(msg.hidden, expect_shape=(*ids.shape, s.hidden_size))
+            return
+        if b != s.index:
+            raise WireError(f"header.boundary={b}: stage {s.index} receives gradients on boundary {s.index}")
+        job = self.inflight.get((msg.header.step, msg.header.micro_batch_id))
+        if job is None:
+            raise WireError(f"gradient for unknown micro-batch (step={msg.header.step}, micro_batch_id={msg.header.micro_batch_id})")
+        last = job.basis.basis.shape[1] if job.basis is not None else s.hidden_size
+        self.link_codec.decode(msg.grad, expect_shape=(*job.out.shape[:-1], last))
+
     def _mb_key(self, step: int, mb_in_step: int) -> int:
         return self.replica * self.cfg.pipeline.micro_batches + mb_in_step
 
@@ -327,6 +360,9 @@ class LocalPipelineRunner:
             for s in range(K)
         ]
         self.dp = [build_dp_sync(cfg.dp, [p.shape for p in base[s].parameters()]) if R > 1 else None for s in range(K)]
+        for row in self.workers:
+            for w in row:
+                self.transport.attach(w.addr, w.validate)
         for s, dp in enumerate(self.dp):
             if dp is not None:
                 dp.init_params([list(w.stage.parameters()) for w in self.workers[s]])
@@ -347,6 +383,7 @@ class LocalPipelineRunner:
             )
             self.anchor = AnchorScheduler(cfg.anchor, replica)
         self.step_count = 0
+        self.stall_timeout = 60.0  # seconds without any message before the run is declared stalled
 
     def _anchor_fill(self, stage_index: int, window: torch.Tensor) -> torch.Tensor | None:
         prior = self.workers[stage_index][0].prior
@@ -409,7 +446,7 @@ class LocalPipelineRunner:
         last_dp = 0
         tokens_per_step = self.cfg.dp.replicas * self.cfg.pipeline.micro_batches * self.cfg.pipeline.micro_batch_size * self.cfg.pipeline.seq_len
         while self.step_count < steps:
-            if not self._tick(steps):
+            if not self._tick(steps) and not self.transport.wait(timeout=self.stall_timeout):
                 raise RuntimeError(f"pipeline stalled at step {self.step_count}: " + ", ".join(f"{w.name} v{w.version} done={dict(w.done)}" for row in self.workers for w in row))
             self._collect_anchor()
             done = min(w.version for row in self.workers for w in row)
@@ -449,6 +486,7 @@ class LocalPipelineRunner:
     def close(self) -> None:
         if self.anchor is not None:
             self.anchor.close()
+        self.transport.close()
 
 
 @torch.no_grad()

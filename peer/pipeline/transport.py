@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import defaultdict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 Address = tuple[int, int]  # (stage, replica)
@@ -36,6 +37,17 @@ class Transport(ABC):
     @abstractmethod
     def poll(self, dst: Address, channel: str) -> bytes | None:
         """The next message for `dst` on `channel`, or None when there is none yet."""
+
+    def attach(self, addr: Address, validate: Callable[[str, object], None] | None = None) -> str:
+        """Make `addr` (a local worker) reachable; `validate(channel, msg)` vets its inbound messages."""
+        return "local"
+
+    def wait(self, timeout: float) -> bool:
+        """Block until a message may have arrived; False if none can arrive (nothing in flight)."""
+        return False
+
+    def close(self) -> None:
+        """Release servers, streams and threads."""
 
     def _count(self, src: Address, dst: Address, channel: str, data: bytes) -> None:
         stats = self.links[(src, dst, channel)]

@@ -119,3 +119,21 @@ class Ack(_message.Message):
     ok: bool
     error: str
     def __init__(self, micro_batch_id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+
+class PingRequest(_message.Message):
+    __slots__ = ("run_id", "sender")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    sender: str
+    def __init__(self, run_id: _Optional[str] = ..., sender: _Optional[str] = ...) -> None: ...
+
+class PingReply(_message.Message):
+    __slots__ = ("peer_id", "stage", "version")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    stage: int
+    version: int
+    def __init__(self, peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from peer.wire import anchormesh_pb2 as peer_dot_wire_dot_anchormesh__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -22,3 +23,173 @@ if _version_not_supported:
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
+
+
+class StageStub:
+    """Served by every stage worker. Each stream carries one direction of one link; a chunk that fails
+    validation (malformed bytes, oversized, wrong run id, shape, dtype, size, NaN/Inf) ends the
+    stream with INVALID_ARGUMENT naming what was wrong; the server keeps serving and nothing of the
+    rejected chunk reaches the model. The sender opens a new stream for what follows.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Forward = channel.stream_stream(
+                '/anchormesh.v1.Stage/Forward',
+                request_serializer=peer_dot_wire_dot_anchormesh__pb2.ActivationChunk.SerializeToString,
+                response_deserializer=peer_dot_wire_dot_anchormesh__pb2.Ack.FromString,
+                _registered_method=True)
+        self.Backward = channel.stream_stream(
+                '/anchormesh.v1.Stage/Backward',
+                request_serializer=peer_dot_wire_dot_anchormesh__pb2.GradientChunk.SerializeToString,
+                response_deserializer=peer_dot_wire_dot_anchormesh__pb2.Ack.FromString,
+                _registered_method=True)
+        self.Ping = channel.unary_unary(
+                '/anchormesh.v1.Stage/Ping',
+                request_serializer=peer_dot_wire_dot_anchormesh__pb2.PingRequest.SerializeToString,
+                response_deserializer=peer_dot_wire_dot_anchormesh__pb2.PingReply.FromString,
+                _registered_method=True)
+
+
+class StageServicer:
+    """Served by every stage worker. Each stream carries one direction of one link; a chunk that fails
+    validation (malformed bytes, oversized, wrong run id, shape, dtype, size, NaN/Inf) ends the
+    stream with INVALID_ARGUMENT naming what was wrong; the server keeps serving and nothing of the
+    rejected chunk reaches the model. The sender opens a new stream for what follows.
+    """
+
+    def Forward(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Backward(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Ping(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_StageServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Forward': grpc.stream_stream_rpc_method_handler(
+                    servicer.Forward,
+                    request_deserializer=peer_dot_wire_dot_anchormesh__pb2.ActivationChunk.FromString,
+                    response_serializer=peer_dot_wire_dot_anchormesh__pb2.Ack.SerializeToString,
+            ),
+            'Backward': grpc.stream_stream_rpc_method_handler(
+                    servicer.Backward,
+                    request_deserializer=peer_dot_wire_dot_anchormesh__pb2.GradientChunk.FromString,
+                    response_serializer=peer_dot_wire_dot_anchormesh__pb2.Ack.SerializeToString,
+            ),
+            'Ping': grpc.unary_unary_rpc_method_handler(
+                    servicer.Ping,
+                    request_deserializer=peer_dot_wire_dot_anchormesh__pb2.PingRequest.FromString,
+                    response_serializer=peer_dot_wire_dot_anchormesh__pb2.PingReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'anchormesh.v1.Stage', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('anchormesh.v1.Stage', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Stage:
+    """Served by every stage worker. Each stream carries one direction of one link; a chunk that fails
+    validation (malformed bytes, oversized, wrong run id, shape, dtype, size, NaN/Inf) ends the
+    stream with INVALID_ARGUMENT naming what was wrong; the server keeps serving and nothing of the
+    rejected chunk reaches the model. The sender opens a new stream for what follows.
+    """
+
+    @staticmethod
+    def Forward(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/anchormesh.v1.Stage/Forward',
+            peer_dot_wire_dot_anchormesh__pb2.ActivationChunk.SerializeToString,
+            peer_dot_wire_dot_anchormesh__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Backward(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/anchormesh.v1.Stage/Backward',
+            peer_dot_wire_dot_anchormesh__pb2.GradientChunk.SerializeToString,
+            peer_dot_wire_dot_anchormesh__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Ping(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/anchormesh.v1.Stage/Ping',
+            peer_dot_wire_dot_anchormesh__pb2.PingRequest.SerializeToString,
+            peer_dot_wire_dot_anchormesh__pb2.PingReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -1,0 +1,192 @@
+"""The `Transport` over gRPC: one `Stage` server per local worker, one client stream per link.
+
+Each worker address served here gets its own gRPC server (as each peer of the swarm will), and
+every (destination, channel) pair gets one long-lived client stream fed from a queue, so
+`send` never blocks on the receiver. Requests arrive as raw bytes: the server bounds their size,
+parses them itself and runs the owner's validator (run id, shapes, dtypes, finite values)
+before anything is queued for the worker. A chunk that fails ends its stream with
+INVALID_ARGUMENT naming the problem; the server keeps serving and the sender opens a new stream.
+Message sizes are set explicitly on both ends; flow control is gRPC's (HTTP/2 windows).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import defaultdict, deque
+from collections.abc import Callable, Iterator
+from concurrent import futures
+
+import grpc
+
+from peer.errors import AnchormeshError
+from peer.pipeline.transport import CHANNELS, Address, Transport
+from peer.wire import anchormesh_pb2 as pb
+from peer.wire.tensors import parse_message
+
+log = logging.getLogger(__name__)
+
+SERVICE = "anchormesh.v1.Stage"
+METHOD = {"forward": "Forward", "backward": "Backward"}
+MESSAGE = {"forward": pb.ActivationChunk, "backward": pb.GradientChunk}
+DEFAULT_MAX_MESSAGE_BYTES = 256 * 2**20
+
+# (channel, parsed message) -> None, or raises AnchormeshError naming the problem
+Validator = Callable[[str, object], None]
+# destination -> PingReply fields (peer_id, stage, version)
+PingInfo = Callable[[Address], pb.PingReply]
+
+
+class GrpcTransport(Transport):
+    """Carries the runner's messages over real gRPC streams (loopback or network).
+
+    Args:
+        run_id: messages and pings for another run are refused.
+        ping_info: answers Ping for a served address.
+        host: interface the servers bind to.
+        max_message_bytes: bound on one message, on both ends.
+    """
+
+    def __init__(
+        self,
+        run_id: str,
+        ping_info: PingInfo | None = None,
+        host: str = "127.0.0.1",
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        super().__init__()
+        self.run_id, self.host, self.max_bytes = run_id, host, max_message_bytes
+        self._validators: dict[Address, Validator] = {}
+        self.ping_info = ping_info or (lambda dst: pb.PingReply(peer_id=f"stage{dst[0]}.r{dst[1]}", stage=dst[0]))
+        self.endpoints: dict[Address, str] = {}
+        self._servers: list[grpc.Server] = []
+        self._inbox: dict[tuple[Address, str], deque[bytes]] = defaultdict(deque)
+        self._arrived = threading.Condition()
+        self._outgoing: dict[tuple[Address, str], queue.Queue] = {}
+        self._senders: list[threading.Thread] = []
+        self._channels: dict[str, grpc.Channel] = {}
+        self.rejected: list[str] = []  # why inbound chunks were refused (server side)
+        self.send_errors: list[str] = []  # why outbound streams ended with an error (client side)
+        self._closed = False
+
+    @property
+    def _options(self) -> list[tuple[str, int]]:
+        return [("grpc.max_send_message_length", self.max_bytes), ("grpc.max_receive_message_length", self.max_bytes)]
+
+    # -- server side ------------------------------------------------------------------------
+    def attach(self, addr: Address, validate: Validator | None = None, port: int = 0) -> str:
+        """Start a Stage server for the local worker at `addr`; `validate(channel, msg)` vets every
+        inbound message before it is queued. Returns the server's "host:port"."""
+        self._validators[addr] = validate or (lambda channel, msg: None)
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=self._options)
+        handlers = {
+            METHOD[ch]: grpc.stream_stream_rpc_method_handler(self._stream_handler(addr, ch), request_deserializer=None, response_serializer=pb.Ack.SerializeToString)
+            for ch in CHANNELS
+        }
+        handlers["Ping"] = grpc.unary_unary_rpc_method_handler(self._ping_handler(addr), request_deserializer=None, response_serializer=pb.PingReply.SerializeToString)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+        bound = server.add_insecure_port(f"{self.host}:{port}")
+        if bound == 0:
+            raise AnchormeshError(f"cannot bind a Stage server on {self.host}:{port}")
+        server.start()
+        self._servers.append(server)
+        self.endpoints[addr] = f"{self.host}:{bound}"
+        return self.endpoints[addr]
+
+    def _reject(self, context: grpc.ServicerContext, addr: Address, why: str) -> None:
+        self.rejected.append(why)
+        log.warning("stage server %s refused a chunk: %s", addr, why)
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+
+    def _stream_handler(self, addr: Address, channel: str):
+        cls = MESSAGE[channel]
+
+        def handle(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[pb.Ack]:
+            for data in requests:
+                try:
+                    msg = parse_message(cls, data, self.max_bytes)
+                    if msg.header.run_id != self.run_id:
+                        raise AnchormeshError(f"header.run_id={msg.header.run_id!r}: this server trains run {self.run_id!r}")
+                    self._validators[addr](channel, msg)
+                except AnchormeshError as exc:
+                    self._reject(context, addr, f"{cls.__name__}: {exc}")
+                    return
+                with self._arrived:
+                    self._inbox[(addr, channel)].append(data)
+                    self._arrived.notify_all()
+                yield pb.Ack(micro_batch_id=msg.header.micro_batch_id, ok=True)
+
+        return handle
+
+    def _ping_handler(self, addr: Address):
+        def handle(data: bytes, context: grpc.ServicerContext) -> pb.PingReply:
+            try:
+                req = parse_message(pb.PingRequest, data, 4096)
+            except AnchormeshError as exc:
+                self._reject(context, addr, f"PingRequest: {exc}")
+            if req.run_id != self.run_id:
+                self._reject(context, addr, f"PingRequest.run_id={req.run_id!r}: this server trains run {self.run_id!r}")
+            return self.ping_info(addr)
+
+        return handle
+
+    def poll(self, dst: Address, channel: str) -> bytes | None:
+        with self._arrived:
+            q = self._inbox.get((dst, channel))
+            return q.popleft() if q else None
+
+    def wait(self, timeout: float) -> bool:
+        """Block until some inbound message is queued (True) or `timeout` seconds pass (False)."""
+        with self._arrived:
+            return self._arrived.wait_for(lambda: any(self._inbox.values()), timeout=timeout)
+
+    # -- client side ------------------------------------------------------------------------
+    def channel(self, target: str) -> grpc.Channel:
+        if target not in self._channels:
+            self._channels[target] = grpc.insecure_channel(target, options=self._options)
+        return self._channels[target]
+
+    def send(self, src: Address, dst: Address, channel: str, data: bytes) -> None:
+        if channel not in CHANNELS:
+            raise ValueError(f"channel={channel!r}: must be one of {CHANNELS}")
+        if dst not in self.endpoints:
+            raise AnchormeshError(f"no endpoint known for stage {dst[0]} replica {dst[1]}")
+        self._count(src, dst, channel, data)
+        key = (dst, channel)
+        if key not in self._outgoing:
+            self._outgoing[key] = queue.Queue()
+            t = threading.Thread(target=self._sender, args=(dst, channel, self._outgoing[key]), name=f"send-{dst}-{channel}", daemon=True)
+            t.start()
+            self._senders.append(t)
+        self._outgoing[key].put(data)
+
+    def _sender(self, dst: Address, channel: str, out: queue.Queue) -> None:
+        """Feed one long-lived stream; reopen it after an error so later messages still go."""
+        call = self.channel(self.endpoints[dst]).stream_stream(f"/{SERVICE}/{METHOD[channel]}", request_serializer=None, response_deserializer=pb.Ack.FromString)
+
+        def requests() -> Iterator[bytes]:
+            while (item := out.get()) is not None:
+                yield item
+
+        while not self._closed:
+            try:
+                for _ack in call(requests()):
+                    pass
+                return  # the queue was closed
+            except grpc.RpcError as exc:
+                if self._closed:
+                    return
+                self.send_errors.append(f"{exc.code().name}: {exc.details()}")
+                log.warning("stream to %s (%s) ended: %s %s; reopening", dst, channel, exc.code().name, exc.details())
+
+    def close(self) -> None:
+        self._closed = True
+        for out in self._outgoing.values():
+            out.put(None)
+        for t in self._senders:
+            t.join(timeout=5)
+        for ch in self._channels.values():
+            ch.close()
+        for server in self._servers:
+            server.stop(grace=0.5).wait()
