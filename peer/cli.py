@@ -1,6 +1,5 @@
-"""`anchormesh` console entry point: sub-commands `demo` and `bench quality`.
+"""`anchormesh` console entry point: `bootstrap`, `peer`, `status`, `demo`, `bench quality`.
 
-The swarm sub-commands (`bootstrap`, `peer`, `status`) arrive with the networked swarm.
 Bad flags exit with code 2 and one line naming the flag.
 """
 
@@ -26,6 +25,28 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--rank", type=int, default=20, help="with --codec lowrank: coefficients per token")
     demo.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
 
+    boot = sub.add_parser("bootstrap", help="start a run: first DHT node, tracker and status service")
+    boot.add_argument("--config", help="run.toml (default: the tiny default run, 2 stages)")
+    boot.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1)")
+    boot.add_argument("--port", type=int, default=0, help="tracker gRPC port (0 = any free)")
+    boot.add_argument("--dht-port", type=int, default=0, help="DHT TCP port (0 = any free)")
+    boot.add_argument("--state-dir", type=Path, default=Path("runs/bootstrap"), help="where bootstrap.json goes")
+    boot.add_argument("--peer-timeout", type=float, default=10.0, help="seconds without heartbeat before a peer is dead")
+
+    peer = sub.add_parser("peer", help="join a run and serve a stage")
+    peer.add_argument("--initial-peers", nargs="*", default=[], help="DHT multiaddrs of the run (from bootstrap.json)")
+    peer.add_argument("--tracker", help="tracker host:port (default: found through the DHT)")
+    peer.add_argument("--host", default="127.0.0.1", help="address to serve the Stage service on")
+    peer.add_argument("--grpc-port", type=int, default=0, help="Stage service port (0 = any free)")
+    peer.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"))
+    peer.add_argument("--state-dir", type=Path, default=None, help="shard checkpoints (not used yet)")
+    peer.add_argument("--max-steps", type=int, default=None, help="leave after this many optimizer steps")
+
+    status = sub.add_parser("status", help="show a run's stages, peers, loss and throughput")
+    status.add_argument("--tracker", required=True, help="tracker host:port")
+    status.add_argument("--json", action="store_true", help="one JSON object (see README)")
+    status.add_argument("--watch", action="store_true", help="keep updating")
+
     bench = sub.add_parser("bench", help="benchmarks (JSON out)")
     bsub = bench.add_subparsers(dest="bench", required=True)
     q = bsub.add_parser("quality", help="eval loss of dense vs masked vs masked+anchor (+DP) adaptation")
@@ -44,6 +65,20 @@ def main(argv: list[str] | None = None) -> None:
             from peer.demo import run_demo
 
             run_demo(seconds=args.seconds, stages=args.stages, codec=args.codec, drop=args.drop, rank=args.rank, threads=args.threads)
+        elif args.command == "bootstrap":
+            from bootstrap.node import run_bootstrap
+            from peer.config import load_run_toml
+
+            config = load_run_toml(args.config) if args.config else None
+            run_bootstrap(config, args.host, args.port, args.dht_port, args.state_dir, args.peer_timeout)
+        elif args.command == "peer":
+            from peer.daemon import run_peer
+
+            run_peer(args.initial_peers, args.tracker, args.host, args.grpc_port, args.device, args.max_steps)
+        elif args.command == "status":
+            from peer.status import run_status
+
+            run_status(args.tracker, args.json, args.watch)
         elif args.command == "bench" and args.bench == "quality":
             from peer.bench.quality import run_quality
 

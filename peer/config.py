@@ -289,3 +289,43 @@ class TrainConfig:
             raise ConfigError("pipeline.seq_len", self.pipeline.seq_len, f"exceeds model.max_seq_len={self.model.max_seq_len}")
         if self.spectral.mode in ("ef", "paper_ef") and self.anchor.enabled and not self.anchor.with_masked:
             raise ConfigError("anchor.with_masked", False, f"spectral.mode={self.spectral.mode!r} needs the masked anchor gradient")
+
+
+def config_from_dict(data: dict) -> TrainConfig:
+    """A TrainConfig from nested plain data (run.toml, the tracker's JSON); unknown keys are errors."""
+    import dataclasses
+
+    sections = {f.name: f.default_factory for f in dataclasses.fields(TrainConfig) if f.default_factory is not dataclasses.MISSING}
+    kwargs: dict = {}
+    for key, value in data.items():
+        if key in sections:
+            if not isinstance(value, dict):
+                raise ConfigError(key, value, "must be a table of settings")
+            cls = type(sections[key]())
+            known = {f.name for f in dataclasses.fields(cls)}
+            for sub in value:
+                if sub not in known:
+                    raise ConfigError(f"{key}.{sub}", value[sub], f"unknown setting; known: {', '.join(sorted(known))}")
+            try:
+                kwargs[key] = cls(**value)
+            except TypeError as exc:
+                raise ConfigError(key, value, str(exc)) from None
+        elif key in ("steps", "seed"):
+            kwargs[key] = value
+        else:
+            raise ConfigError(key, value, f"unknown section; known: {', '.join(sorted([*sections, 'steps', 'seed']))}")
+    return TrainConfig(**kwargs)
+
+
+def load_run_toml(path: str) -> TrainConfig:
+    """Read a run.toml into a TrainConfig (errors name the field)."""
+    import tomllib
+
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError("--config", path, f"cannot read: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("--config", path, f"not valid TOML: {exc}") from None
+    return config_from_dict(data)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -69,6 +70,7 @@ class GrpcTransport(Transport):
         self.rejected: list[str] = []  # why inbound chunks were refused (server side)
         self.send_errors: list[str] = []  # why outbound streams ended with an error (client side)
         self._closed = False
+        self.bytes_in = 0  # accepted inbound bytes
 
     @property
     def _options(self) -> list[tuple[str, int]]:
@@ -113,6 +115,7 @@ class GrpcTransport(Transport):
                     self._reject(context, addr, f"{cls.__name__}: {exc}")
                     return
                 with self._arrived:
+                    self.bytes_in += len(data)
                     self._inbox[(addr, channel)].append(data)
                     self._arrived.notify_all()
                 yield pb.Ack(micro_batch_id=msg.header.micro_batch_id, ok=True)
@@ -162,23 +165,38 @@ class GrpcTransport(Transport):
         self._outgoing[key].put(data)
 
     def _sender(self, dst: Address, channel: str, out: queue.Queue) -> None:
-        """Feed one long-lived stream; reopen it after an error so later messages still go."""
+        """Feed one long-lived stream; after an error, back off and open a new one.
+
+        Each attempt's request generator ends when its call does, so no thread is left waiting
+        on the queue; messages taken by a failed attempt are lost (stage 0 retries micro-batches).
+        """
         call = self.channel(self.endpoints[dst]).stream_stream(f"/{SERVICE}/{METHOD[channel]}", request_serializer=None, response_deserializer=pb.Ack.FromString)
-
-        def requests() -> Iterator[bytes]:
-            while (item := out.get()) is not None:
-                yield item
-
+        delay = 0.1
         while not self._closed:
+            attempt_over = threading.Event()
+
+            def requests() -> Iterator[bytes]:
+                while not attempt_over.is_set():
+                    try:
+                        item = out.get(timeout=0.2)
+                    except queue.Empty:
+                        continue
+                    if item is None:
+                        return
+                    yield item
+
             try:
                 for _ack in call(requests()):
-                    pass
+                    delay = 0.1
                 return  # the queue was closed
             except grpc.RpcError as exc:
+                attempt_over.set()
                 if self._closed:
                     return
                 self.send_errors.append(f"{exc.code().name}: {exc.details()}")
-                log.warning("stream to %s (%s) ended: %s %s; reopening", dst, channel, exc.code().name, exc.details())
+                log.warning("stream to %s (%s) ended: %s %s; reopening in %.1fs", dst, channel, exc.code().name, exc.details(), delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
 
     def close(self) -> None:
         self._closed = True

@@ -68,6 +68,7 @@ class _InFlight:
     stash: dict[str, torch.Tensor] | None  # weights the forward ran on, when it ran ahead
     window: torch.Tensor
     basis: BasisState | None = None  # low-rank codec: the (prior, basis) the output was encoded with
+    sender: str = ""  # who sent the input (the gradient goes back there)
 
 
 @dataclass
@@ -94,7 +95,12 @@ class StageWorker:
     forwards_ahead: int = 0  # forwards that ran on stashed weights (staleness > 0)
     basis_out: BasisLearner | None = None  # low-rank codec, sending end
     basis_in: dict[int, BasisState] = field(default_factory=dict)  # low-rank codec, receiving end
+    basis_sent: dict = field(default_factory=dict)  # low-rank codec: destination -> version it holds
     coef_codec: MaskCodec | None = None
+    # swarm routing (None: the local layout, replica r of stage s talks to replica r of s +- 1)
+    peer_id: str | None = None
+    next_hop: Callable[[], Address] | None = None  # the next-stage peer for a new activation
+    resolve: Callable[[str], Address] | None = None  # sender name -> its address
 
     def __post_init__(self) -> None:
         s = self.stage
@@ -114,11 +120,11 @@ class StageWorker:
 
     @property
     def addr(self) -> Address:
-        return (self.stage.index, self.replica)
+        return self.peer_id or (self.stage.index, self.replica)
 
     @property
     def name(self) -> str:
-        return f"stage{self.stage.index}.r{self.replica}"
+        return self.peer_id or f"stage{self.stage.index}.r{self.replica}"
 
     # -- messages ---------------------------------------------------------------------------
     def _header(self, step: int, mb: int, boundary: int) -> pb.MicroBatchHeader:
@@ -204,18 +210,21 @@ class StageWorker:
         """Encode and send this stage's output; returns the low-rank basis used, if any."""
         b = self.stage.index
         msg = pb.ActivationChunk(header=self._header(step, mb, b), token_ids=tensor_to_proto(window.to(token_dtype(self.stage.vocab_size))))
+        dst = self.next_hop() if self.next_hop else (b + 1, self.replica)
         h, state = out.detach(), None
         if self.basis_out is not None:
             ids = window[:, :-1]
             self.basis_out.observe(h, ids)
-            if (new := self.basis_out.maybe_refresh(step)) is not None:
-                msg.basis_prior.CopyFrom(tensor_to_proto(new.prior.half()))
-                msg.basis.CopyFrom(tensor_to_proto(new.basis.half()))
+            self.basis_out.maybe_refresh(step)
             state = self.basis_out.current
+            if self.basis_sent.get(dst) != state.version:  # a receiver gets each version once
+                msg.basis_prior.CopyFrom(tensor_to_proto(state.prior.half()))
+                msg.basis.CopyFrom(tensor_to_proto(state.basis.half()))
+                self.basis_sent[dst] = state.version
             msg.basis_version = state.version
             h = state.project(h, ids)
         msg.hidden.CopyFrom(self.link_codec.encode(h, boundary=b, step=step, micro_batch=mb))
-        self.transport.send(self.addr, (b + 1, self.replica), "forward", msg.SerializeToString())
+        self.transport.send(self.addr, dst, "forward", msg.SerializeToString())
         return state
 
     def forward_one(self) -> bool:
@@ -245,10 +254,10 @@ class StageWorker:
             loss = lm_loss(out, window[:, 1:])
             (loss / self.cfg.pipeline.micro_batches).backward()
             self.losses[step].append(float(loss.detach()))
-            self._finish_backward(_InFlight(step, x, out, stash, window), mb)
+            self._finish_backward(_InFlight(step, x, out, stash, window, sender=msg.header.sender), mb)
         else:
             basis = self._send_forward(out, window, step, mb)
-            self.inflight[(step, mb)] = _InFlight(step, x, out, stash, window, basis)
+            self.inflight[(step, mb)] = _InFlight(step, x, out, stash, window, basis, msg.header.sender)
         return True
 
     def _lift(self, msg: pb.ActivationChunk, ids: torch.Tensor, b: int, step: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -296,7 +305,8 @@ class StageWorker:
                 header=self._header(job.step, mb, b),
                 grad=self.link_codec.encode(job.x.grad, boundary=b, step=job.step, micro_batch=mb),
             )
-            self.transport.send(self.addr, (b, self.replica), "backward", msg.SerializeToString())
+            dst = self.resolve(job.sender) if self.resolve else (b, self.replica)
+            self.transport.send(self.addr, dst, "backward", msg.SerializeToString())
         self.done[job.step] += 1
 
     # -- step -------------------------------------------------------------------------------

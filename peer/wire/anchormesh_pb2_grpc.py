@@ -193,3 +193,276 @@ class Stage:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class TrackerStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Join = channel.unary_unary(
+                '/anchormesh.v1.Tracker/Join',
+                request_serializer=peer_dot_wire_dot_anchormesh__pb2.JoinRequest.SerializeToString,
+                response_deserializer=peer_dot_wire_dot_anchormesh__pb2.Assignment.FromString,
+                _registered_method=True)
+        self.Heartbeat = channel.stream_stream(
+                '/anchormesh.v1.Tracker/Heartbeat',
+                request_serializer=peer_dot_wire_dot_anchormesh__pb2.PeerReport.SerializeToString,
+                response_deserializer=peer_dot_wire_dot_anchormesh__pb2.Directive.FromString,
+                _registered_method=True)
+        self.Leave = channel.unary_unary(
+                '/anchormesh.v1.Tracker/Leave',
+                request_serializer=peer_dot_wire_dot_anchormesh__pb2.LeaveRequest.SerializeToString,
+                response_deserializer=peer_dot_wire_dot_anchormesh__pb2.LeaveReply.FromString,
+                _registered_method=True)
+
+
+class TrackerServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Join(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Heartbeat(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Leave(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_TrackerServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Join': grpc.unary_unary_rpc_method_handler(
+                    servicer.Join,
+                    request_deserializer=peer_dot_wire_dot_anchormesh__pb2.JoinRequest.FromString,
+                    response_serializer=peer_dot_wire_dot_anchormesh__pb2.Assignment.SerializeToString,
+            ),
+            'Heartbeat': grpc.stream_stream_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=peer_dot_wire_dot_anchormesh__pb2.PeerReport.FromString,
+                    response_serializer=peer_dot_wire_dot_anchormesh__pb2.Directive.SerializeToString,
+            ),
+            'Leave': grpc.unary_unary_rpc_method_handler(
+                    servicer.Leave,
+                    request_deserializer=peer_dot_wire_dot_anchormesh__pb2.LeaveRequest.FromString,
+                    response_serializer=peer_dot_wire_dot_anchormesh__pb2.LeaveReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'anchormesh.v1.Tracker', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('anchormesh.v1.Tracker', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Tracker:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Join(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/anchormesh.v1.Tracker/Join',
+            peer_dot_wire_dot_anchormesh__pb2.JoinRequest.SerializeToString,
+            peer_dot_wire_dot_anchormesh__pb2.Assignment.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeat(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/anchormesh.v1.Tracker/Heartbeat',
+            peer_dot_wire_dot_anchormesh__pb2.PeerReport.SerializeToString,
+            peer_dot_wire_dot_anchormesh__pb2.Directive.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Leave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/anchormesh.v1.Tracker/Leave',
+            peer_dot_wire_dot_anchormesh__pb2.LeaveRequest.SerializeToString,
+            peer_dot_wire_dot_anchormesh__pb2.LeaveReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class StatusStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.GetStatus = channel.unary_unary(
+                '/anchormesh.v1.Status/GetStatus',
+                request_serializer=peer_dot_wire_dot_anchormesh__pb2.StatusRequest.SerializeToString,
+                response_deserializer=peer_dot_wire_dot_anchormesh__pb2.RunStatus.FromString,
+                _registered_method=True)
+        self.WatchStatus = channel.unary_stream(
+                '/anchormesh.v1.Status/WatchStatus',
+                request_serializer=peer_dot_wire_dot_anchormesh__pb2.StatusRequest.SerializeToString,
+                response_deserializer=peer_dot_wire_dot_anchormesh__pb2.RunStatus.FromString,
+                _registered_method=True)
+
+
+class StatusServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def GetStatus(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchStatus(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_StatusServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'GetStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStatus,
+                    request_deserializer=peer_dot_wire_dot_anchormesh__pb2.StatusRequest.FromString,
+                    response_serializer=peer_dot_wire_dot_anchormesh__pb2.RunStatus.SerializeToString,
+            ),
+            'WatchStatus': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchStatus,
+                    request_deserializer=peer_dot_wire_dot_anchormesh__pb2.StatusRequest.FromString,
+                    response_serializer=peer_dot_wire_dot_anchormesh__pb2.RunStatus.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'anchormesh.v1.Status', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('anchormesh.v1.Status', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Status:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def GetStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/anchormesh.v1.Status/GetStatus',
+            peer_dot_wire_dot_anchormesh__pb2.StatusRequest.SerializeToString,
+            peer_dot_wire_dot_anchormesh__pb2.RunStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/anchormesh.v1.Status/WatchStatus',
+            peer_dot_wire_dot_anchormesh__pb2.StatusRequest.SerializeToString,
+            peer_dot_wire_dot_anchormesh__pb2.RunStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

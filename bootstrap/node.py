@@ -1,0 +1,127 @@
+"""`anchormesh bootstrap`: the first hivemind DHT node plus the tracker and status gRPC services.
+
+It publishes the tracker's address in the DHT (key `anchormesh/tracker`), so a peer given only
+`--initial-peers` finds it, and writes `STATE_DIR/bootstrap.json` =
+`{"run_id", "dht_maddrs", "tracker"}` once it accepts peers (the same JSON goes to stdout).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+
+from bootstrap.tracker import JoinRefused, Tracker
+from peer.config import AnchorConfig, MaskConfig, ModelConfig, OptimConfig, PipelineConfig, TrainConfig
+from peer.wire import anchormesh_pb2 as pb
+from peer.wire import anchormesh_pb2_grpc as pbg
+
+log = logging.getLogger("anchormesh.bootstrap")
+DHT_TRACKER_KEY = "anchormesh/tracker"
+DHT_TTL_S = 60.0
+
+
+def default_run() -> TrainConfig:
+    """The tiny default run: 2 stages of the tiny model, low-rank PP codec."""
+    return TrainConfig(
+        model=ModelConfig(name="tiny-llama", num_stages=2, hidden_size=128, num_layers=4, num_heads=4, max_seq_len=128),
+        mask=MaskConfig(scheme="lowrank", rank=20, values="int8"),
+        anchor=AnchorConfig(every=0),
+        optim=OptimConfig(lr=2e-3),
+        pipeline=PipelineConfig(micro_batch_size=8, micro_batches=2, seq_len=128),
+        steps=10**9,
+    )
+
+
+class TrackerService(pbg.TrackerServicer):
+    def __init__(self, tracker: Tracker) -> None:
+        self.tracker = tracker
+
+    def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.Assignment:
+        try:
+            a = self.tracker.join(request)
+        except JoinRefused as exc:
+            log.warning("refused join of %r: %s", request.peer_id, exc)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        log.info("peer %s joined: stage %d, address %s", request.peer_id, a.stage, request.grpc_address)
+        return a
+
+    def Heartbeat(self, request_iterator: Iterator[pb.PeerReport], context: grpc.ServicerContext) -> Iterator[pb.Directive]:
+        for report in request_iterator:
+            try:
+                yield self.tracker.report(report)
+            except JoinRefused as exc:
+                context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+
+    def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
+        self.tracker.leave(request)
+        log.info("peer %s left: %s", request.peer_id, request.reason)
+        return pb.LeaveReply()
+
+
+class StatusService(pbg.StatusServicer):
+    def __init__(self, tracker: Tracker) -> None:
+        self.tracker = tracker
+
+    def GetStatus(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.RunStatus:
+        return self.tracker.status()
+
+    def WatchStatus(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> Iterator[pb.RunStatus]:
+        interval = min(max(request.interval_s or 1.0, 0.2), 60.0)
+        while context.is_active():
+            yield self.tracker.status()
+            time.sleep(interval)
+
+
+def serve_tracker(tracker: Tracker, host: str, port: int) -> tuple[grpc.Server, str]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=[("grpc.max_receive_message_length", 1 << 20)])
+    pbg.add_TrackerServicer_to_server(TrackerService(tracker), server)
+    pbg.add_StatusServicer_to_server(StatusService(tracker), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind the tracker on {host}:{port}")
+    server.start()
+    return server, f"{host}:{bound}"
+
+
+def run_bootstrap(config: TrainConfig | None, host: str, port: int, dht_port: int, state_dir: Path, peer_timeout_s: float = 10.0) -> None:
+    """Run until SIGTERM/SIGINT."""
+    import hivemind
+    from hivemind.utils import get_dht_time
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run_id = f"run-{uuid.uuid4().hex[:8]}"
+    tracker = Tracker(run_id, config or default_run(), peer_timeout_s=peer_timeout_s)
+    dht = hivemind.DHT(host_maddrs=[f"/ip4/{host}/tcp/{dht_port}"], start=True)
+    server, address = serve_tracker(tracker, host, port)
+    maddrs = [str(m) for m in dht.get_visible_maddrs()]
+    stop = threading.Event()
+
+    def publish() -> None:
+        while not stop.is_set():
+            dht.store(DHT_TRACKER_KEY, {"run_id": run_id, "tracker": address}, get_dht_time() + DHT_TTL_S)
+            stop.wait(DHT_TTL_S / 3)
+
+    threading.Thread(target=publish, name="dht-publish", daemon=True).start()
+    info = {"run_id": run_id, "dht_maddrs": maddrs, "tracker": address}
+    state_dir.mkdir(parents=True, exist_ok=True)
+    tmp = state_dir / "bootstrap.json.tmp"
+    tmp.write_text(json.dumps(info))
+    os.replace(tmp, state_dir / "bootstrap.json")
+    print(json.dumps(info), flush=True)
+    log.info("tracker for %s on %s; DHT %s", run_id, address, maddrs[0] if maddrs else "?")
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop.wait()
+    log.info("shutting down")
+    server.stop(grace=1).wait()
+    dht.shutdown()

@@ -1,0 +1,80 @@
+"""`anchormesh status --tracker H:P [--json] [--watch]`: one gRPC query (a stream with --watch)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import grpc
+
+from peer.wire import anchormesh_pb2 as pb
+from peer.wire import anchormesh_pb2_grpc as pbg
+
+
+def _num(x: float) -> float | None:
+    return None if math.isnan(x) else x
+
+
+def status_dict(s: pb.RunStatus) -> dict:
+    """The documented JSON schema (README, "Status JSON")."""
+    return {
+        "run_id": s.run_id,
+        "state": s.state,
+        "reason": s.reason,
+        "step": s.step,
+        "tokens": s.tokens,
+        "loss": _num(s.loss),
+        "tokens_per_s": s.tokens_per_s,
+        "pp_bytes_per_token": s.pp_bytes_per_token,
+        "pp_compression": s.pp_compression,
+        "uptime_s": s.uptime_s,
+        "stages": [{"index": st.index, "peers": st.peers, "tokens_per_s": st.tokens_per_s, "queue_depth": st.queue_depth} for st in s.stages],
+        "peers": [
+            {
+                "id": p.peer_id, "stage": p.stage, "state": p.state, "address": p.address, "last_seen_s": p.last_seen_s,
+                "tokens_per_s": p.tokens_per_s, "step": p.step, "loss": _num(p.loss), "bytes_in": p.bytes_in,
+                "bytes_out": p.bytes_out, "queue_depth": p.queue_depth, "reason": p.reason,
+            }
+            for p in s.peers
+        ],
+    }
+
+
+def render(s: pb.RunStatus) -> str:
+    """A plain-text table for people."""
+    loss = "—" if math.isnan(s.loss) else f"{s.loss:.3f}"
+    lines = [
+        f"run {s.run_id}  {s.state.upper()}{'  (' + s.reason + ')' if s.reason else ''}  up {s.uptime_s:.0f}s",
+        f"step {s.step}  tokens {s.tokens:,}  loss {loss}  {s.tokens_per_s:,.0f} tok/s  "
+        f"PP {s.pp_bytes_per_token:.1f} B/token ({s.pp_compression:.1f}x vs dense fp16)",
+        "",
+        f"{'stage':>5} {'peers':>5} {'tok/s':>9} {'queue':>5}",
+    ]
+    lines += [f"{st.index:>5} {st.peers:>5} {st.tokens_per_s:>9,.0f} {st.queue_depth:>5}" for st in s.stages]
+    lines += ["", f"{'peer':<14} {'stage':>5} {'state':<7} {'address':<21} {'seen':>6} {'step':>6} {'tok/s':>8} {'in MB':>7} {'out MB':>7}  note"]
+    for p in s.peers:
+        lines.append(
+            f"{p.peer_id:<14} {p.stage:>5} {p.state:<7} {p.address:<21} {p.last_seen_s:>5.1f}s {p.step:>6} {p.tokens_per_s:>8,.0f} "
+            f"{p.bytes_in / 1e6:>7.2f} {p.bytes_out / 1e6:>7.2f}  {p.reason}"
+        )
+    return "\n".join(lines)
+
+
+def run_status(tracker: str, as_json: bool, watch: bool, interval: float = 1.0) -> None:
+    with grpc.insecure_channel(tracker) as channel:
+        stub = pbg.StatusStub(channel)
+        try:
+            if not watch:
+                s = stub.GetStatus(pb.StatusRequest(), timeout=10)
+                print(json.dumps(status_dict(s)) if as_json else render(s))
+                return
+            for s in stub.WatchStatus(pb.StatusRequest(interval_s=interval)):
+                if as_json:
+                    print(json.dumps(status_dict(s)), flush=True)
+                else:
+                    sys.stdout.write("\x1b[2J\x1b[H" + render(s) + "\n")
+                    sys.stdout.flush()
+        except grpc.RpcError as exc:
+            print(f"anchormesh status: cannot reach the tracker at {tracker}: {exc.code().name} {exc.details()}", file=sys.stderr)
+            raise SystemExit(1) from None
