@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench-quality proto clean
+.PHONY: demo swarm test bench-quality proto clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(VENV)/bin/anchormesh demo
+
+swarm: $(STAMP)
+	$(VENV)/bin/anchormesh demo --swarm --seconds 60
 
 test: $(STAMP)
 	$(PY) -m pytest -q

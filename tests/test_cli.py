@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -41,3 +42,12 @@ def test_bad_values_exit_2_naming_the_field(args: list[str], field: str) -> None
 def test_unknown_flag_exits_2() -> None:
     out = _cli("demo", "--no-such-flag")
     assert out.returncode == 2 and "--no-such-flag" in out.stderr
+
+
+def test_swarm_demo_trains_and_stops_every_process() -> None:
+    out = _cli("demo", "--swarm", "--seconds", "20", timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = [x for x in out.stdout.splitlines() if x.startswith("summary:")][-1]
+    assert "every process stopped" in line and '"processes_left": []' in line
+    summary = json.loads(line[len("summary: ") : line.index("; every")])
+    assert summary["step"] > 0 and summary["loss"] is not None
