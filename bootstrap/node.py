@@ -83,7 +83,12 @@ class StatusService(pbg.StatusServicer):
 
 
 def serve_tracker(tracker: Tracker, host: str, port: int) -> tuple[grpc.Server, str]:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=[("grpc.max_receive_message_length", 1 << 20)])
+    # every peer holds a Heartbeat stream and every `status --watch` a WatchStatus stream: one thread each
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=256),
+        maximum_concurrent_rpcs=240,
+        options=[("grpc.max_receive_message_length", 1 << 20), ("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000)],
+    )
     pbg.add_TrackerServicer_to_server(TrackerService(tracker), server)
     pbg.add_StatusServicer_to_server(StatusService(tracker), server)
     bound = server.add_insecure_port(f"{host}:{port}")
@@ -100,10 +105,10 @@ def run_bootstrap(config: TrainConfig | None, host: str, port: int, dht_port: in
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run_id = f"run-{uuid.uuid4().hex[:8]}"
-    tracker = Tracker(run_id, config or default_run(), peer_timeout_s=peer_timeout_s)
     dht = hivemind.DHT(host_maddrs=[f"/ip4/{host}/tcp/{dht_port}"], start=True)
-    server, address = serve_tracker(tracker, host, port)
     maddrs = [str(m) for m in dht.get_visible_maddrs()]
+    tracker = Tracker(run_id, config or default_run(), peer_timeout_s=peer_timeout_s, dht_maddrs=maddrs)
+    server, address = serve_tracker(tracker, host, port)
     stop = threading.Event()
 
     def publish() -> None:

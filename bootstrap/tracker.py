@@ -41,6 +41,7 @@ class PeerRecord:
     queue_depth: int = 0
     tokens: int = 0
     reason: str = ""
+    dp_rounds: int = 0
 
 
 @dataclass
@@ -59,6 +60,7 @@ class Tracker:
     config: TrainConfig
     peer_timeout_s: float = 10.0
     heartbeat_interval_s: float = 1.0
+    dht_maddrs: list[str] = field(default_factory=list)
     clock: Callable[[], float] = time.monotonic
     peers: dict[str, PeerRecord] = field(default_factory=dict)
     started: float = field(default=0.0)
@@ -105,6 +107,7 @@ class Tracker:
             run_config_json=json.dumps(asdict(self.config)),
             heartbeat_interval_s=self.heartbeat_interval_s,
             start_step=start_step,
+            dht_maddrs=self.dht_maddrs,
         )
 
     def report(self, rep: pb.PeerReport) -> pb.Directive:
@@ -119,6 +122,7 @@ class Tracker:
             p.state = info.state if info.state in LIVE else p.state
             p.last_seen, p.tokens_per_s, p.step, p.loss = self.clock(), info.tokens_per_s, info.step, info.loss
             p.bytes_in, p.bytes_out, p.queue_depth, p.tokens, p.reason = info.bytes_in, info.bytes_out, info.queue_depth, rep.tokens, info.reason
+            p.dp_rounds = info.dp_rounds
             self._expire()
             neighbours = [self._info(q) for q in self.live() if abs(q.stage - p.stage) == 1]
         return pb.Directive(kind=pb.Directive.CONTINUE, neighbours=neighbours)
@@ -134,7 +138,7 @@ class Tracker:
         return pb.PeerInfo(
             peer_id=p.peer_id, stage=p.stage, address=p.address, state=p.state, last_seen_s=self.clock() - p.last_seen,
             tokens_per_s=p.tokens_per_s, bytes_in=p.bytes_in, bytes_out=p.bytes_out, step=p.step, loss=p.loss,
-            queue_depth=p.queue_depth, reason=p.reason,
+            queue_depth=p.queue_depth, reason=p.reason, dp_rounds=p.dp_rounds,
         )
 
     def status(self) -> pb.RunStatus:
@@ -148,7 +152,7 @@ class Tracker:
             first, last = self.live(0), self.live(K - 1)
             tokens = sum(p.tokens for p in self.peers.values() if p.stage == 0)
             losses = [p.loss for p in last if not math.isnan(p.loss)]
-            steps = [max((p.step for p in self.peers.values() if p.stage == s), default=0) for s in range(K)]
+            step = max((p.step for p in self.peers.values() if p.stage == 0), default=0)  # stage 0 counts the run's steps
             pp_bytes = sum(p.bytes_out for p in self.peers.values())
             missing = [s for s in range(K) if not self.live(s)]
             state, reason = "running", ""
@@ -158,7 +162,7 @@ class Tracker:
             dense = 2 * 2 * self.config.model.hidden_size * (K - 1)
             return pb.RunStatus(
                 run_id=self.run_id,
-                step=min(steps) if steps else 0,
+                step=step,
                 tokens=tokens,
                 loss=sum(losses) / len(losses) if losses else math.nan,
                 tokens_per_s=sum(p.tokens_per_s for p in first),
@@ -169,4 +173,5 @@ class Tracker:
                 reason=reason,
                 stages=stages,
                 peers=[self._info(p) for p in sorted(self.peers.values(), key=lambda p: (p.stage, p.peer_id))],
+                dht_maddrs=self.dht_maddrs,
             )

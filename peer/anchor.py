@@ -55,7 +55,8 @@ class AnchorReplica:
         batch_fn: (anchor_step, micro_batch) -> token windows [B, T+1]; deterministic.
         fill_fn: (boundary, token_ids) -> fill tensor or None, as the fast circuit's receiver
             would fill dropped entries.
-        value_bytes: bytes per value of a dense activation on the wire (for the byte count).
+        value_bytes: bytes per value of a dense activation on the wire (fp16: 2), for the byte count;
+            the masked twin pass is counted at the mask codec's bytes per element.
     """
 
     stages: list[StageModule]
@@ -82,7 +83,8 @@ class AnchorReplica:
             h = ids
             for b, stage in enumerate(self._copies):
                 if b > 0:
-                    nbytes += 2 * h.numel() * self.value_bytes  # forward activation + backward gradient
+                    per_value = self.codec.bytes_per_element() if masked else self.value_bytes
+                    nbytes += round(2 * h.numel() * per_value)  # forward activation + backward gradient
                     if masked:
                         keep = self.codec.keep_mask(tuple(h.shape), boundary=b - 1, step=step, micro_batch=1_000_000 + j, device=h.device)
                         mask = self.codec.cfg
@@ -100,7 +102,10 @@ class AnchorReplica:
         for s, state in zip(self._copies, snapshot):
             s.load_state_dict(state)
         dense, loss, tokens, nbytes = self._pass(step, masked=False)
-        masked = self._pass(step, masked=True)[0] if with_masked and self.codec.cfg.enabled else None
+        masked = None
+        if with_masked and self.codec.cfg.enabled:
+            masked, _, _, masked_bytes = self._pass(step, masked=True)
+            nbytes += masked_bytes
         return AnchorPrior(step, dense, masked, loss, tokens, nbytes, time.perf_counter() - t0)
 
 

@@ -24,7 +24,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--drop", type=float, default=0.95, help="with --codec mask: P(drop) of activation entries")
     demo.add_argument("--rank", type=int, default=20, help="with --codec lowrank: coefficients per token")
     demo.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
-    demo.add_argument("--swarm", action="store_true", help="a real local swarm instead: bootstrap + one peer per stage as processes")
+    demo.add_argument("--swarm", action="store_true", help="a real local swarm instead: bootstrap + peers as processes")
+    demo.add_argument("--peers", type=int, default=4, help="with --swarm: peers to start (default 4: 2 stages x 2)")
 
     boot = sub.add_parser("bootstrap", help="start a run: first DHT node, tracker and status service")
     boot.add_argument("--config", help="run.toml (default: the tiny default run, 2 stages)")
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
             if args.swarm:
                 from peer.swarm_demo import run_swarm_demo
 
-                run_swarm_demo(seconds=args.seconds)
+                run_swarm_demo(seconds=args.seconds, peers=args.peers)
                 return
             from peer.demo import run_demo
 

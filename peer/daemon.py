@@ -6,8 +6,9 @@ neighbours from the replies), and runs the stage: stage 0 feeds micro-batches fr
 the last stage computes the loss, every stage steps its own optimizer when a step's gradients
 are in. SIGTERM or SIGINT makes it leave cleanly.
 
-Not yet (see the swarm issue's note): several peers per stage (DP sync), anchor passes on idle
-peers, retry of in-flight micro-batches when a neighbour dies.
+Several peers may serve one stage: each steps on its own micro-batches (a step is any M of them)
+and the stage group averages parameters every `dp.inner_steps` steps in the background
+(peer/dp/group.py). Not yet: anchor passes on idle peers, state transfer to a joiner, auth.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from peer import __version__
 from peer.codec.mask import MaskCodec
 from peer.config import config_from_dict
 from peer.data import TokenStream, default_corpus
+from peer.errors import AnchormeshError
+from peer.dp.group import GroupAverager
 from peer.model.loading import load_causal_lm
 from peer.model.stages import split_model
 from peer.pipeline.grpc_transport import GrpcTransport
@@ -38,25 +41,37 @@ from peer.wire import anchormesh_pb2_grpc as pbg
 log = logging.getLogger("anchormesh.peer")
 
 
-def find_tracker(initial_peers: list[str], stop: threading.Event) -> str:
+def find_tracker(dht, stop: threading.Event) -> str:
     """The tracker address published in the DHT; retries with backoff and says so."""
-    import hivemind
-
     from bootstrap.node import DHT_TRACKER_KEY
 
-    dht = hivemind.DHT(initial_peers=initial_peers, client_mode=True, start=True)
-    try:
-        delay = 0.5
-        while not stop.is_set():
-            found = dht.get(DHT_TRACKER_KEY, latest=True)
-            if found is not None:
-                return found.value["tracker"]
-            log.info("no tracker in the DHT yet; retrying in %.1fs", delay)
+    delay = 0.5
+    while not stop.is_set():
+        found = dht.get(DHT_TRACKER_KEY, latest=True)
+        if found is not None:
+            return found.value["tracker"]
+        log.info("no tracker in the DHT yet; retrying in %.1fs", delay)
+        stop.wait(delay)
+        delay = min(delay * 2, 10.0)
+    raise SystemExit(1)
+
+
+def dht_maddrs_from_tracker(tracker: str, stop: threading.Event) -> list[str]:
+    """The run's DHT addresses from the tracker's status; retries with backoff and says so.
+
+    The channel is closed before returning: hivemind starts its DHT and averager by fork(), and
+    a fork while gRPC calls are running can deadlock, so the daemon forks only between calls.
+    """
+    delay = 0.5
+    while not stop.is_set():
+        try:
+            with grpc.insecure_channel(tracker) as channel:
+                return list(pbg.StatusStub(channel).GetStatus(pb.StatusRequest(), timeout=10).dht_maddrs)
+        except grpc.RpcError as exc:
+            log.warning("tracker %s unreachable (%s: %s); retrying in %.1fs", tracker, exc.code().name, exc.details(), delay)
             stop.wait(delay)
-            delay = min(delay * 2, 10.0)
-        raise SystemExit(1)
-    finally:
-        dht.shutdown()
+            delay = min(delay * 2, 30.0)
+    raise SystemExit(1)
 
 
 def join(stub: pbg.TrackerStub, req: pb.JoinRequest, stop: threading.Event) -> pb.Assignment:
@@ -78,7 +93,7 @@ def join(stub: pbg.TrackerStub, req: pb.JoinRequest, stop: threading.Event) -> p
 class PeerDaemon:
     """One peer: its stage worker, its gRPC server, its heartbeat and its main loop."""
 
-    def __init__(self, tracker: str, host: str = "127.0.0.1", grpc_port: int = 0, device: str = "cpu") -> None:
+    def __init__(self, tracker: str, host: str = "127.0.0.1", grpc_port: int = 0, device: str = "cpu", dht=None) -> None:
         if device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device={device!r}: must be auto, cpu or cuda")
         self.tracker, self.host = tracker, host
@@ -86,14 +101,17 @@ class PeerDaemon:
         self.stop = threading.Event()
         self.transport = GrpcTransport(run_id="")
         self.worker: StageWorker | None = None
-        self.address = self.transport.attach(self.peer_id, self._validate, port=grpc_port)
+        self.address = self.transport.attach(self.peer_id, self._validate, port=grpc_port, start=False)
         self.neighbours: dict[int, list[pb.PeerInfo]] = {}
-        self._rr = 0
+        self._route_gen = torch.Generator().manual_seed(uuid.uuid4().int & 0xFFFF)
+        self.dht = dht  # the run's DHT, started by the caller before any gRPC (see dht_maddrs_from_tracker)
+        self.averager: GroupAverager | None = None
         self.tokens = 0
         self.state, self.reason = "joining", ""
         self.loss = math.nan
         self._rate = (time.monotonic(), 0)
         self.tokens_per_s = 0.0
+        self.dropped = 0  # messages dropped after they failed in the stage loop
         self._sent_at: dict[tuple[int, int], float] = {}
 
     def _validate(self, channel: str, msg: object) -> None:
@@ -105,10 +123,12 @@ class PeerDaemon:
 
     # -- routing ----------------------------------------------------------------------------
     def _next_hop(self) -> str:
+        """A live next-stage peer, chosen with probability proportional to its measured throughput."""
         peers = self.neighbours.get(self.worker.stage.index + 1, [])
-        p = peers[self._rr % len(peers)]
-        self._rr += 1
-        return p.peer_id
+        if not peers:
+            raise AnchormeshError(f"no live peer of stage {self.worker.stage.index + 1} to send to")
+        weights = torch.tensor([max(p.tokens_per_s, 1000.0) for p in peers])
+        return peers[int(torch.multinomial(weights, 1, generator=self._route_gen))].peer_id
 
     def _resolve(self, sender: str) -> str:
         return sender
@@ -130,6 +150,7 @@ class PeerDaemon:
                 peer_id=self.peer_id, stage=w.stage.index, address=self.address, state=self.state, tokens_per_s=self.tokens_per_s,
                 bytes_in=self.transport.bytes_in, bytes_out=self.transport.total_bytes(), step=w.version, loss=self.loss,
                 queue_depth=len(w.inbox_fwd) + len(w.inbox_bwd), reason=self.reason,
+                dp_rounds=self.averager.rounds if self.averager else 0,
             ),
         )
 
@@ -169,31 +190,52 @@ class PeerDaemon:
             if key not in w.inflight:
                 del self._sent_at[key]
 
+    def _start_averaging(self, prefix: str, every: int) -> None:
+        """Join the stage group's averaging; without a DHT the peer trains alone."""
+        if self.dht is None:
+            log.warning("no DHT: this peer will not average with its stage group")
+            return
+        self.averager = GroupAverager(self.dht, list(self.worker.stage.parameters()), prefix, every=every)
+        log.info("stage-group averaging every %d steps (group key %s)", every, prefix)
+
     # -- main loop --------------------------------------------------------------------------
     def run(self, max_steps: int | None = None) -> None:
         signal.signal(signal.SIGTERM, lambda *_: self.stop.set())
         signal.signal(signal.SIGINT, lambda *_: self.stop.set())
-        channel = grpc.insecure_channel(self.tracker)
-        stub = pbg.TrackerStub(channel)
-        a = join(stub, pb.JoinRequest(peer_id=self.peer_id, grpc_address=self.address, code_version=__version__), self.stop)
+        with grpc.insecure_channel(self.tracker) as join_channel:
+            a = join(pbg.TrackerStub(join_channel), pb.JoinRequest(peer_id=self.peer_id, grpc_address=self.address, code_version=__version__), self.stop)
         cfg = config_from_dict(json.loads(a.run_config_json))
         self.transport.run_id = a.run_id
         log.info("%s joined %s: stage %d of %d (layers %d-%d), serving on %s", self.peer_id, a.run_id, a.stage, a.num_stages, a.layer_start, a.layer_end - 1, self.address)
         stage = split_model(load_causal_lm(cfg.model, seed=cfg.seed), cfg.model.num_stages)[a.stage]
         stage.train()
-        self.worker = StageWorker(stage, 0, cfg, MaskCodec(cfg.mask), self.transport, a.run_id, peer_id=self.peer_id, next_hop=self._next_hop, resolve=self._resolve)
+        replica = uuid.uuid4().int % (1 << 20)  # makes this peer's micro-batch ids (and masks) its own
+        self.worker = StageWorker(stage, replica, cfg, MaskCodec(cfg.mask), self.transport, a.run_id, peer_id=self.peer_id, next_hop=self._next_hop, resolve=self._resolve, local_steps=True)
         self.worker.version = a.start_step  # continue the run's step numbering (weights: fresh, no state transfer yet)
         self.worker.next_mb = a.start_step * cfg.pipeline.micro_batches
+        self._start_averaging(f"{a.run_id}_stage{a.stage}", cfg.dp.inner_steps)  # forks: before any gRPC runs
+        self.transport.start()
+        channel = grpc.insecure_channel(self.tracker)
+        stub = pbg.TrackerStub(channel)
         threading.Thread(target=self._heartbeat, args=(stub, a.heartbeat_interval_s), name="heartbeat", daemon=True).start()
         stream = None
         if stage.is_first:
             data, source = default_corpus("b")
-            stream, gen = TokenStream(data), torch.Generator().manual_seed(cfg.seed)
+            # each stage-0 peer draws its own batches (seeded by its id, so two peers never repeat each other)
+            stream, gen = TokenStream(data), torch.Generator().manual_seed(cfg.seed * 1_000_003 + int(self.peer_id[5:], 16))
             log.info("stage 0 reads %s", source.split(",")[0])
         p = cfg.pipeline
         try:
+            errors_seen = 0
             while not self.stop.is_set() and (max_steps is None or self.worker.version < max_steps):
-                self._tick(stream, gen if stream else None, p)
+                if len(self.transport.send_errors) != errors_seen:  # a lost message may have carried a basis
+                    errors_seen = len(self.transport.send_errors)
+                    self.worker.basis_sent.clear()
+                try:
+                    self._tick(stream, gen if stream else None, p)
+                except AnchormeshError as exc:  # one bad or late message never ends the peer
+                    self.dropped += 1
+                    log.warning("dropped a message: %s", exc)
         finally:
             self.state, self.reason = "left", "shutting down"
             try:
@@ -201,6 +243,10 @@ class PeerDaemon:
             except grpc.RpcError as exc:
                 log.warning("could not say goodbye to the tracker: %s", exc.details())
             self.stop.set()
+            if self.averager is not None:
+                self.averager.shutdown()
+            if self.dht is not None:
+                self.dht.shutdown()
             self.transport.close()
             channel.close()
             log.info("%s left after %d steps", self.peer_id, self.worker.version)
@@ -211,8 +257,11 @@ class PeerDaemon:
         if w.ready(w.version):
             w.gradients()
             w.apply_step()
+            if self.averager is not None:
+                self.averager.after_step(w.version)
             if w.stage.is_last:
-                losses = w.losses.pop(w.version - 1, [])
+                losses = [x for step_losses in w.losses.values() for x in step_losses]
+                w.losses.clear()
                 self.loss = sum(losses) / len(losses) if losses else self.loss
             self.tokens += p.micro_batches * p.micro_batch_size * p.seq_len
             now = time.monotonic()
@@ -222,11 +271,6 @@ class PeerDaemon:
             return
         if w.stage.is_first:
             self._retry_stale(w)
-        elif w.inbox_fwd and w.inbox_fwd[0].header.step > w.version and not w.inflight and not w.done[w.version]:
-            # nothing of our own step is under way and the pipeline is already further on
-            # (we joined late, or our predecessor on this stage left mid-run): catch up
-            log.info("catching up from step %d to the pipeline's step %d", w.version, w.inbox_fwd[0].header.step)
-            w.version = w.inbox_fwd[0].header.step
         moved = w.backward_one() or (not w.stage.is_first and w.forward_one())
         if w.stage.is_first and not moved:
             step, j = divmod(w.next_mb, p.micro_batches)
@@ -243,15 +287,21 @@ class PeerDaemon:
             self.transport.wait(0.05)
 
 
-RETRY_AFTER_S = 10.0
+RETRY_AFTER_S = 20.0  # a micro-batch without its gradient this long is sent again (a fixed bound for now)
 
 
 def run_peer(initial_peers: list[str], tracker: str | None, host: str, grpc_port: int, device: str, max_steps: int | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)  # many peers share few cores on one machine
+    if not initial_peers and tracker is None:
+        raise SystemExit("anchormesh peer: error: give --initial-peers or --tracker")
+    import hivemind
+
+    stop = threading.Event()
+    if not initial_peers:
+        initial_peers = dht_maddrs_from_tracker(tracker, stop)
+    dht = hivemind.DHT(initial_peers=initial_peers, host_maddrs=[f"/ip4/{host}/tcp/0"], start=True)  # before any gRPC
     if tracker is None:
-        if not initial_peers:
-            raise SystemExit("anchormesh peer: error: give --initial-peers or --tracker")
-        tracker = find_tracker(initial_peers, threading.Event())
+        tracker = find_tracker(dht, stop)
         log.info("found the tracker at %s through the DHT", tracker)
-    PeerDaemon(tracker, host, grpc_port, device).run(max_steps)
+    PeerDaemon(tracker, host, grpc_port, device, dht=dht).run(max_steps)

@@ -29,12 +29,13 @@ def status_dict(s: pb.RunStatus) -> dict:
         "pp_bytes_per_token": s.pp_bytes_per_token,
         "pp_compression": s.pp_compression,
         "uptime_s": s.uptime_s,
+        "dht_maddrs": list(s.dht_maddrs),
         "stages": [{"index": st.index, "peers": st.peers, "tokens_per_s": st.tokens_per_s, "queue_depth": st.queue_depth} for st in s.stages],
         "peers": [
             {
                 "id": p.peer_id, "stage": p.stage, "state": p.state, "address": p.address, "last_seen_s": p.last_seen_s,
                 "tokens_per_s": p.tokens_per_s, "step": p.step, "loss": _num(p.loss), "bytes_in": p.bytes_in,
-                "bytes_out": p.bytes_out, "queue_depth": p.queue_depth, "reason": p.reason,
+                "bytes_out": p.bytes_out, "queue_depth": p.queue_depth, "dp_rounds": p.dp_rounds, "reason": p.reason,
             }
             for p in s.peers
         ],
@@ -52,11 +53,11 @@ def render(s: pb.RunStatus) -> str:
         f"{'stage':>5} {'peers':>5} {'tok/s':>9} {'queue':>5}",
     ]
     lines += [f"{st.index:>5} {st.peers:>5} {st.tokens_per_s:>9,.0f} {st.queue_depth:>5}" for st in s.stages]
-    lines += ["", f"{'peer':<14} {'stage':>5} {'state':<7} {'address':<21} {'seen':>6} {'step':>6} {'tok/s':>8} {'in MB':>7} {'out MB':>7}  note"]
+    lines += ["", f"{'peer':<14} {'stage':>5} {'state':<7} {'address':<21} {'seen':>6} {'step':>6} {'tok/s':>8} {'in MB':>7} {'out MB':>7} {'dp':>4}  note"]
     for p in s.peers:
         lines.append(
             f"{p.peer_id:<14} {p.stage:>5} {p.state:<7} {p.address:<21} {p.last_seen_s:>5.1f}s {p.step:>6} {p.tokens_per_s:>8,.0f} "
-            f"{p.bytes_in / 1e6:>7.2f} {p.bytes_out / 1e6:>7.2f}  {p.reason}"
+            f"{p.bytes_in / 1e6:>7.2f} {p.bytes_out / 1e6:>7.2f} {p.dp_rounds:>4}  {p.reason}"
         )
     return "\n".join(lines)
 

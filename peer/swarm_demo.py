@@ -41,7 +41,7 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-def run_swarm_demo(seconds: float = 90.0, peers: int = 2) -> dict:
+def run_swarm_demo(seconds: float = 90.0, peers: int = 4) -> dict:
     work = Path(tempfile.mkdtemp(prefix="anchormesh-swarm-"))
     procs: list[subprocess.Popen] = []
     last: pb.RunStatus | None = None

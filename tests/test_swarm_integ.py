@@ -1,8 +1,9 @@
 """A real swarm on loopback: bootstrap + peers as separate processes, gRPC between them.
 
-Checks: peers find the tracker (through the DHT or given), the pipeline trains and the loss
-falls, status lists every peer with its address, a peer that exits is marked left and its stage
-pauses the run, and a newly joining peer takes the starving stage so the run resumes.
+Checks: peers find the tracker (through the DHT or given), 2 stages x 2 peers train, the loss
+falls and each stage group averages, status lists every peer with its address, peers that exit
+are marked left and their empty stage pauses the run, and a newly joining peer takes the
+starving stage so the run resumes (with fresh weights for now: no state transfer yet).
 """
 
 from __future__ import annotations
@@ -67,8 +68,8 @@ def swarm(tmp_path: Path):
     s.close()
 
 
-def test_two_stage_swarm_trains_reports_and_survives_a_peer_leaving(swarm: Swarm, tmp_path: Path) -> None:
-    swarm.start("bootstrap", "--state-dir", str(tmp_path / "boot"), "--peer-timeout", "6", log="bootstrap.log")
+def test_two_stages_of_two_peers_train_report_and_survive_a_stage_emptying(swarm: Swarm, tmp_path: Path) -> None:
+    swarm.start("bootstrap", "--state-dir", str(tmp_path / "boot"), "--peer-timeout", "8", log="bootstrap.log")
     info_path = tmp_path / "boot" / "bootstrap.json"
     deadline = time.monotonic() + 60
     while not info_path.exists():
@@ -78,34 +79,40 @@ def test_two_stage_swarm_trains_reports_and_survives_a_peer_leaving(swarm: Swarm
     assert set(info) == {"run_id", "dht_maddrs", "tracker"} and info["dht_maddrs"]
     tracker = info["tracker"]
 
-    first = swarm.start("peer", "--initial-peers", info["dht_maddrs"][0], log="peer1.log")  # finds the tracker via the DHT
-    swarm.start("peer", "--tracker", tracker, log="peer2.log")
+    # joins alternate stages: 0, 1, 0, 1 (the stage with the fewest live peers, lowest index first)
+    peers = []
+    for i in range(4):
+        how = ["--initial-peers", info["dht_maddrs"][0]] if i % 2 == 0 else ["--tracker", tracker]  # via the DHT, or named
+        peers.append(swarm.start("peer", *how, log=f"peer{i}.log"))
+        swarm.wait_for(tracker, lambda s, n=i + 1: len(s["peers"]) == n, timeout=60)
 
     early = swarm.wait_for(tracker, lambda s: s["step"] >= 3 and s["loss"] is not None)
-    late = swarm.wait_for(tracker, lambda s: s["step"] >= early["step"] + 40)
-    assert late["loss"] < early["loss"] - 0.5, (early["loss"], late["loss"])
-    assert late["state"] == "running" and [st["peers"] for st in late["stages"]] == [1, 1]
-    assert {p["stage"] for p in late["peers"]} == {0, 1}
+    # stage-group averaging is best effort (a round that finds no group in time is skipped), so
+    # on a loaded 2-core machine ask for one completed round in the swarm, not one per peer
+    late = swarm.wait_for(tracker, lambda s: s["step"] >= early["step"] + 30 and any(p["dp_rounds"] > 0 for p in s["peers"]), timeout=240)
+    # an untrained byte model scores ln(256) = 5.55; the status poll is too slow to see the first steps
+    assert late["loss"] < 0.75 * math.log(256), (early["loss"], late["loss"])
+    assert late["state"] == "running" and [st["peers"] for st in late["stages"]] == [2, 2]
     for p in late["peers"]:
         assert p["state"] == "active" and p["address"].startswith("127.0.0.1:") and p["last_seen_s"] < 5
-        assert p["tokens_per_s"] > 0 and p["bytes_out"] > 0
+        assert p["tokens_per_s"] > 0 and p["bytes_out"] > 0 and p["step"] > 0
     assert 0 < late["pp_bytes_per_token"] < 100, "the low-rank codec should send far fewer bytes than dense (512 B/token)"
 
-    # the peer that found the tracker through the DHT leaves: it is marked left, its stage starves
-    os.killpg(first.pid, signal.SIGTERM)
-    first.wait(timeout=30)
-    after = swarm.wait_for(tracker, lambda s: any(p["state"] == "left" for p in s["peers"]))
-    left = [p for p in after["peers"] if p["state"] == "left"]
-    assert len(left) == 1 and left[0]["reason"] == "SIGTERM"
-    first_id, starving = left[0]["id"], left[0]["stage"]
-    assert after["state"] == "paused" and str(starving) in after["reason"]
+    # both stage-1 peers leave: they are marked left, stage 1 starves and the run pauses
+    stage1 = {p["id"] for p in late["peers"] if p["stage"] == 1}
+    for proc in (peers[1], peers[3]):
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    after = swarm.wait_for(tracker, lambda s: all(p["state"] == "left" for p in s["peers"] if p["id"] in stage1))
+    assert all(p["reason"] == "SIGTERM" for p in after["peers"] if p["id"] in stage1)
+    assert after["state"] == "paused" and "stage 1" in after["reason"]
 
-    # a new peer gets the starving stage and the run goes on
-    swarm.start("peer", "--tracker", tracker, log="peer3.log")
-    resumed = swarm.wait_for(tracker, lambda s: s["state"] == "running" and s["step"] >= after["step"] + 10)
-    newcomer = [p for p in resumed["peers"] if p["state"] == "active" and p["id"] != first_id and p["stage"] == starving]
+    # a newcomer gets the starving stage and the run goes on
+    swarm.start("peer", "--tracker", tracker, log="peer4.log")
+    resumed = swarm.wait_for(tracker, lambda s: s["state"] == "running" and s["step"] >= after["step"] + 10, timeout=120)
+    newcomer = [p for p in resumed["peers"] if p["state"] == "active" and p["id"] not in stage1 and p["stage"] == 1]
     assert len(newcomer) == 1
-    assert not math.isnan(resumed["loss"])
+    assert resumed["loss"] is not None and not math.isnan(resumed["loss"])
 
 
 def test_status_of_an_unreachable_tracker_says_so() -> None:

@@ -87,4 +87,6 @@ class BasisLearner:
         # rounded to the wire's fp16 here, so sender and receiver compute with identical tensors
         self.current = BasisState(version, prior.half().float(), vh[: self.rank].T.contiguous().half().float())
         self._last_refresh_step = step
+        self.sums *= 0.5  # forget: the sender's weights move, so old outputs count less each refresh
+        self.counts *= 0.5
         return self.current

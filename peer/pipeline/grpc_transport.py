@@ -74,14 +74,21 @@ class GrpcTransport(Transport):
 
     @property
     def _options(self) -> list[tuple[str, int]]:
-        return [("grpc.max_send_message_length", self.max_bytes), ("grpc.max_receive_message_length", self.max_bytes)]
+        return [
+            ("grpc.max_send_message_length", self.max_bytes),
+            ("grpc.max_receive_message_length", self.max_bytes),
+            ("grpc.keepalive_time_ms", 20_000),  # notice a neighbour that vanished without a reset
+            ("grpc.keepalive_timeout_ms", 10_000),
+        ]
 
     # -- server side ------------------------------------------------------------------------
-    def attach(self, addr: Address, validate: Validator | None = None, port: int = 0) -> str:
+    def attach(self, addr: Address, validate: Validator | None = None, port: int = 0, start: bool = True) -> str:
         """Start a Stage server for the local worker at `addr`; `validate(channel, msg)` vets every
-        inbound message before it is queued. Returns the server's "host:port"."""
+        inbound message before it is queued. Returns the server's "host:port". With start=False
+        the port is bound but serving waits for `start()` (a process that still has to fork,
+        e.g. for hivemind, must not have gRPC calls running)."""
         self._validators[addr] = validate or (lambda channel, msg: None)
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=self._options)
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=self._options)
         handlers = {
             METHOD[ch]: grpc.stream_stream_rpc_method_handler(self._stream_handler(addr, ch), request_deserializer=None, response_serializer=pb.Ack.SerializeToString)
             for ch in CHANNELS
@@ -91,7 +98,8 @@ class GrpcTransport(Transport):
         bound = server.add_insecure_port(f"{self.host}:{port}")
         if bound == 0:
             raise AnchormeshError(f"cannot bind a Stage server on {self.host}:{port}")
-        server.start()
+        if start:
+            server.start()
         self._servers.append(server)
         self.endpoints[addr] = f"{self.host}:{bound}"
         return self.endpoints[addr]
@@ -133,6 +141,11 @@ class GrpcTransport(Transport):
             return self.ping_info(addr)
 
         return handle
+
+    def start(self) -> None:
+        """Start serving on every bound server (after attach(..., start=False))."""
+        for server in self._servers:
+            server.start()
 
     def poll(self, dst: Address, channel: str) -> bytes | None:
         with self._arrived:

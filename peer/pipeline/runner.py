@@ -44,7 +44,6 @@ from peer.wire.tensors import parse_message, proto_to_tensor, tensor_to_proto, t
 BatchFn = Callable[[int, int, int], torch.Tensor]  # (step, replica, micro_batch) -> windows [B, T+1]
 MAX_MESSAGE_BYTES = 256 * 2**20
 
-VALUE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}
 
 
 @dataclass
@@ -94,12 +93,18 @@ class StageWorker:
     last_delta: dict[str, torch.Tensor] | None = None
     forwards_ahead: int = 0  # forwards that ran on stashed weights (staleness > 0)
     basis_out: BasisLearner | None = None  # low-rank codec, sending end
-    basis_in: dict[int, BasisState] = field(default_factory=dict)  # low-rank codec, receiving end
+    basis_in: dict[str, BasisState] = field(default_factory=dict)  # low-rank codec, receiving end: per sender
     basis_sent: dict = field(default_factory=dict)  # low-rank codec: destination -> version it holds
+    _stash: tuple[int, dict[str, torch.Tensor]] | None = None
+    basis_announced: dict = field(default_factory=dict)  # low-rank codec: sender -> newest version it shipped us
+    _seen: dict = field(default_factory=dict)  # swarm: (sender, step, micro-batch) taken recently, oldest first
     coef_codec: MaskCodec | None = None
     # swarm routing (None: the local layout, replica r of stage s talks to replica r of s +- 1)
     peer_id: str | None = None
     next_hop: Callable[[], Address] | None = None  # the next-stage peer for a new activation
+    # swarm: a step is M micro-batches of any sender (local step count); middle stages run
+    # forwards on a stashed copy of the weights so a step may land between forward and backward
+    local_steps: bool = False
     resolve: Callable[[str], Address] | None = None  # sender name -> its address
 
     def __post_init__(self) -> None:
@@ -156,13 +161,17 @@ class StageWorker:
             ids = window[:, :-1].long()
             if int(ids.min()) < 0 or int(window.max()) >= s.vocab_size:
                 raise WireError(f"token_ids: values must be in [0, {s.vocab_size})")
+            key = dict(boundary=b, step=msg.header.step, micro_batch=msg.header.micro_batch_id)
             if self.coef_codec is not None:
-                self.coef_codec.decode(msg.hidden, expect_shape=(*ids.shape, self.cfg.mask.rank))
+                self.coef_codec.decode(msg.hidden, expect_shape=(*ids.shape, self.cfg.mask.rank), **key)
                 if msg.HasField("basis"):
                     proto_to_tensor(msg.basis, expect_shape=(s.hidden_size, self.cfg.mask.rank))
                     proto_to_tensor(msg.basis_prior, expect_shape=(s.vocab_size, s.hidden_size))
+                    self.basis_announced[msg.header.sender] = msg.basis_version
+                elif self.basis_announced.get(msg.header.sender) != msg.basis_version:
+                    raise WireError(f"basis_version={msg.basis_version}: this peer has no such basis from {msg.header.sender!r}; send it again")
             else:
-                self.codec.decode(msg.hidden, expect_shape=(*ids.shape, s.hidden_size))
+                self.codec.decode(msg.hidden, expect_shape=(*ids.shape, s.hidden_size), **key)
             return
         if b != s.index:
             raise WireError(f"header.boundary={b}: stage {s.index} receives gradients on boundary {s.index}")
@@ -170,7 +179,7 @@ class StageWorker:
         if job is None:
             raise WireError(f"gradient for unknown micro-batch (step={msg.header.step}, micro_batch_id={msg.header.micro_batch_id})")
         last = job.basis.basis.shape[1] if job.basis is not None else s.hidden_size
-        self.link_codec.decode(msg.grad, expect_shape=(*job.out.shape[:-1], last))
+        self.link_codec.decode(msg.grad, expect_shape=(*job.out.shape[:-1], last), boundary=b, step=msg.header.step, micro_batch=msg.header.micro_batch_id)
 
     def _mb_key(self, step: int, mb_in_step: int) -> int:
         return self.replica * self.cfg.pipeline.micro_batches + mb_in_step
@@ -178,6 +187,12 @@ class StageWorker:
     # -- forward ----------------------------------------------------------------------------
     def _weights_for(self, step: int) -> dict[str, torch.Tensor] | None:
         """None: run on the live weights. Else stashed (optionally look-ahead) weights for a forward ahead of the optimizer."""
+        if self.local_steps:
+            if self.stage.is_first or self.stage.is_last:
+                return None  # stage 0 keeps its own step order; the last stage's backward is immediate
+            if self._stash is None or self._stash[0] != self.version:
+                self._stash = (self.version, {n: p.detach().clone().requires_grad_(True) for n, p in self.stage.named_parameters()})
+            return self._stash[1]
         delay = step - self.version
         if delay == 0:
             return None
@@ -196,6 +211,8 @@ class StageWorker:
         return functional_call(self.stage, stash, (x,))
 
     def can_forward(self, step: int) -> bool:
+        if self.local_steps and not self.stage.is_first:
+            return True
         return step - self.version <= self.cfg.pipeline.max_staleness
 
     def inject(self, window: torch.Tensor, step: int, j: int) -> None:
@@ -233,6 +250,13 @@ class StageWorker:
             return False
         msg = self.inbox_fwd.popleft()
         step, mb, b = msg.header.step, msg.header.micro_batch_id, self.stage.index - 1
+        if self.local_steps:  # a sender's retry may duplicate a micro-batch we already took
+            key = (msg.header.sender, step, mb)
+            if key in self._seen:
+                return True
+            self._seen[key] = None
+            while len(self._seen) > 4096:
+                self._seen.pop(next(iter(self._seen)))
         window = proto_to_tensor(msg.token_ids).to(torch.long)
         ids = window[:, :-1]
         shape = (*ids.shape, self.stage.hidden_size)
@@ -262,14 +286,15 @@ class StageWorker:
 
     def _lift(self, msg: pb.ActivationChunk, ids: torch.Tensor, b: int, step: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Low-rank codec, receiving end: (coefficient leaf, rebuilt hidden state)."""
-        v = msg.basis_version
+        v, sender = msg.basis_version, msg.header.sender
         if msg.HasField("basis"):
             H, r = self.stage.hidden_size, self.cfg.mask.rank
             prior = proto_to_tensor(msg.basis_prior, expect_shape=(self.stage.vocab_size, H)).float()
-            self.basis_in = {v: BasisState(v, prior, proto_to_tensor(msg.basis, expect_shape=(H, r)).float())}
-        state = self.basis_in.get(v)
-        if state is None:
-            raise WireError(f"{self.name}: basis_version={v} unknown (have {sorted(self.basis_in)})")
+            self.basis_in[sender] = BasisState(v, prior, proto_to_tensor(msg.basis, expect_shape=(H, r)).float())
+        state = self.basis_in.get(sender)
+        if state is None or state.version != v:
+            have = state.version if state else None
+            raise WireError(f"{self.name}: basis_version={v} from {sender!r} unknown (have {have})")
         c = self.coef_codec.decode(msg.hidden, expect_shape=(*ids.shape, self.cfg.mask.rank), boundary=b, step=step, micro_batch=mb)
         c.requires_grad_(True)
         return c, state.lift(c, ids)
@@ -284,17 +309,17 @@ class StageWorker:
         if job is None:
             raise WireError(f"{self.name}: gradient for unknown micro-batch (step={msg.header.step}, micro_batch_id={mb})")
         if job.basis is not None:  # dL/dh = dL/dc B^T
-            g = self.link_codec.decode(msg.grad, expect_shape=(*job.out.shape[:-1], job.basis.basis.shape[1]))
+            g = self.link_codec.decode(msg.grad, expect_shape=(*job.out.shape[:-1], job.basis.basis.shape[1]), boundary=self.stage.index, step=job.step, micro_batch=mb)
             grad = g @ job.basis.basis.T
         else:
-            grad = self.codec.decode(msg.grad, expect_shape=tuple(job.out.shape))
+            grad = self.codec.decode(msg.grad, expect_shape=tuple(job.out.shape), boundary=self.stage.index, step=job.step, micro_batch=mb)
         job.out.backward(grad.to(job.out.dtype))
         self._finish_backward(job, mb)
         return True
 
     def _finish_backward(self, job: _InFlight, mb: int) -> None:
         if job.stash is not None:  # ran on stashed weights: its gradient belongs to step job.step
-            buf = self.grad_buf[job.step]
+            buf = self.grad_buf[-1 if self.local_steps else job.step]
             for name, w in job.stash.items():
                 if w.grad is not None:
                     buf[name] = buf[name] + w.grad if name in buf else w.grad.clone()
@@ -311,11 +336,13 @@ class StageWorker:
 
     # -- step -------------------------------------------------------------------------------
     def ready(self, step: int) -> bool:
+        if self.local_steps:
+            return sum(self.done.values()) >= self.cfg.pipeline.micro_batches
         return self.version == step and self.done[step] == self.cfg.pipeline.micro_batches
 
     def gradients(self) -> list[torch.Tensor]:
         """This step's gradient of every parameter (live .grad plus stashed-weight gradients)."""
-        buf = self.grad_buf.pop(self.version, {})
+        buf = self.grad_buf.pop(-1 if self.local_steps else self.version, {})
         out = []
         for name, p in self.stage.named_parameters():
             g = p.grad if p.grad is not None else torch.zeros_like(p)
@@ -333,7 +360,10 @@ class StageWorker:
         self.optimizer.zero_grad()
         if before is not None:
             self.last_delta = {n: p.detach() - before[n] for n, p in self.stage.named_parameters()}
-        self.done.pop(self.version, None)
+        if self.local_steps:
+            self.done.clear()
+        else:
+            self.done.pop(self.version, None)
         self.version += 1
 
 
@@ -389,9 +419,9 @@ class LocalPipelineRunner:
                 batch_fn=anchor_batch_fn or (lambda step, j: batch_fn(step, 0, 10_000 + j)),
                 micro_batches=cfg.anchor.micro_batches,
                 fill_fn=self._anchor_fill,
-                value_bytes=VALUE_BYTES[cfg.mask.values],
             )
             self.anchor = AnchorScheduler(cfg.anchor, replica)
+            self.anchor.on_step(0, self.weights)  # the snapshot the first pass (at step K) runs on
         self.step_count = 0
         self.stall_timeout = 60.0  # seconds without any message before the run is declared stalled
 
