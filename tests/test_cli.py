@@ -51,3 +51,20 @@ def test_swarm_demo_trains_and_stops_every_process() -> None:
     assert "every process stopped" in line and '"processes_left": []' in line
     summary = json.loads(line[len("summary: ") : line.index("; every")])
     assert summary["step"] > 0 and summary["loss"] is not None
+
+
+def test_bootstrap_with_a_bad_run_toml_exits_2_naming_the_field(tmp_path) -> None:
+    bad = tmp_path / "run.toml"
+    bad.write_text("[mask]\ndrop = 0.9\nkeep_ratio = 3\n")
+    out = _cli("bootstrap", "--config", str(bad), "--state-dir", str(tmp_path / "boot"))
+    assert out.returncode == 2 and "mask.keep_ratio=3: unknown setting" in out.stderr
+    assert not (tmp_path / "boot" / "bootstrap.json").exists()
+
+
+def test_run_toml_round_trips_into_the_config(tmp_path) -> None:
+    from peer.config import load_run_toml
+
+    path = tmp_path / "run.toml"
+    path.write_text('steps = 50\n[model]\nnum_stages = 3\n[mask]\nscheme = "lowrank"\nrank = 12\n[dp]\ninner_steps = 20\n')
+    cfg = load_run_toml(str(path))
+    assert (cfg.steps, cfg.model.num_stages, cfg.mask.scheme, cfg.mask.rank, cfg.dp.inner_steps) == (50, 3, "lowrank", 12, 20)
