@@ -40,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     peer.add_argument("--tracker", help="tracker host:port (default: found through the DHT)")
     peer.add_argument("--host", default="127.0.0.1", help="address to serve the Stage service on")
     peer.add_argument("--grpc-port", type=int, default=0, help="Stage service port (0 = any free)")
-    peer.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"))
+    peer.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"), help="accepted; the stage runs on the CPU for now (GPU placement is not built yet)")
     peer.add_argument("--state-dir", type=Path, default=None, help="shard checkpoints (not used yet)")
     peer.add_argument("--max-steps", type=int, default=None, help="leave after this many optimizer steps")
 

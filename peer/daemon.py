@@ -29,7 +29,7 @@ from peer import __version__
 from peer.codec.mask import MaskCodec
 from peer.config import config_from_dict
 from peer.data import TokenStream, default_corpus
-from peer.errors import AnchormeshError
+from peer.errors import AnchormeshError, WireError
 from peer.dp.group import GroupAverager
 from peer.model.loading import load_causal_lm
 from peer.model.stages import split_model
@@ -116,8 +116,6 @@ class PeerDaemon:
 
     def _validate(self, channel: str, msg: object) -> None:
         if self.worker is None:
-            from peer.errors import WireError
-
             raise WireError("this peer has no stage yet")
         self.worker.validate(channel, msg)
 
