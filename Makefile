@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo swarm test bench-quality proto clean
+.PHONY: demo demo-local test bench-quality proto clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,11 +15,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
+# a local swarm: bootstrap + 4 peers (2 stages x 2) as processes, status live, ~3 minutes
 demo: $(STAMP)
 	$(VENV)/bin/anchormesh demo
 
-swarm: $(STAMP)
-	$(VENV)/bin/anchormesh demo --swarm --seconds 60
+# the training core alone: all stages in one process (~1 minute)
+demo-local: $(STAMP)
+	$(VENV)/bin/anchormesh demo --local
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -21,7 +21,7 @@ from pathlib import Path
 import grpc
 
 from bootstrap.tracker import JoinRefused, Tracker
-from peer.config import AnchorConfig, MaskConfig, ModelConfig, OptimConfig, PipelineConfig, TrainConfig
+from peer.config import check_swarm, AnchorConfig, MaskConfig, ModelConfig, OptimConfig, PipelineConfig, TrainConfig
 from peer.wire import anchormesh_pb2 as pb
 from peer.wire import anchormesh_pb2_grpc as pbg
 
@@ -104,10 +104,12 @@ def run_bootstrap(config: TrainConfig | None, host: str, port: int, dht_port: in
     from hivemind.utils import get_dht_time
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = config or default_run()
+    check_swarm(config)  # before anything starts
     run_id = f"run-{uuid.uuid4().hex[:8]}"
     dht = hivemind.DHT(host_maddrs=[f"/ip4/{host}/tcp/{dht_port}"], start=True)
     maddrs = [str(m) for m in dht.get_visible_maddrs()]
-    tracker = Tracker(run_id, config or default_run(), peer_timeout_s=peer_timeout_s, dht_maddrs=maddrs)
+    tracker = Tracker(run_id, config, peer_timeout_s=peer_timeout_s, dht_maddrs=maddrs)
     server, address = serve_tracker(tracker, host, port)
     stop = threading.Event()
 

@@ -42,6 +42,10 @@ class PeerRecord:
     tokens: int = 0
     reason: str = ""
     dp_rounds: int = 0
+    anchor_id: int = 0
+    anchor_bytes_out: int = 0
+    capacity: float = 0.0  # tokens/s at its stage if it never waited; 0 = not measured yet
+    joined_at: float = 0.0
 
 
 @dataclass
@@ -53,13 +57,27 @@ class Tracker:
         config: the run's TrainConfig (sent to every joining peer as JSON).
         peer_timeout_s: a peer silent for this long is marked dead and leaves the roster's routing.
         heartbeat_interval_s: how often peers report.
+        move_cooldown_s: at most one peer is moved between stages per this many seconds.
         clock: time source (tests pass a fake).
+
+    Stage balance (SWARM/Petals-style): each peer reports its capacity, the tokens/s it could do
+    at its stage if it never waited. A peer's *speed* is that times its stage's layer count
+    (layer-tokens/s, comparable across stages); a stage's *score* is the sum of its live peers'
+    speeds over its layer count — the tokens/s the stage could sustain. Peers not measured yet
+    count as the median measured speed (1.0 when none is). A joiner takes the stage with the
+    lowest score. A stage with no live peer pulls one peer from the highest-scoring stage that
+    has at least two; so does a stage whose score a move would raise the run's bottleneck (the
+    lowest score) by more than half, when every peer involved is measured (capacity readings on
+    shared machines are noisy, and a move costs the peer a restart). A peer is moved only after
+    `move_cooldown_s` in its stage, at most one move per `move_cooldown_s`, and the moved peer is
+    given the stage it was moved for when it joins again.
     """
 
     run_id: str
     config: TrainConfig
     peer_timeout_s: float = 10.0
     heartbeat_interval_s: float = 1.0
+    move_cooldown_s: float = 20.0
     dht_maddrs: list[str] = field(default_factory=list)
     clock: Callable[[], float] = time.monotonic
     peers: dict[str, PeerRecord] = field(default_factory=dict)
@@ -69,6 +87,50 @@ class Tracker:
     def __post_init__(self) -> None:
         self.started = self.clock()
         self.ranges = layer_ranges(self.config.model.num_layers, self.config.model.num_stages)
+        self.layers = [max(end - start, 1) for start, end in self.ranges]
+        self.anchors_launched = 0
+        self._anchor_launched_at: dict[int, int] = {}  # anchor id -> run step when it was launched
+        self._next_anchor_at = self.config.anchor.every  # the first pass at step K, as in the local runner
+        self._next_move_at = self.started
+        self.moves = 0
+        self._reserved: dict[str, int] = {}  # peer id -> the stage it was moved to
+
+    # -- stage balance ----------------------------------------------------------------------
+    def _speeds(self) -> dict[str, float]:
+        """Layer-tokens/s of every live peer (unmeasured ones: the median measured speed)."""
+        live = self.live()
+        measured = sorted(p.capacity * self.layers[p.stage] for p in live if p.capacity > 0)
+        default = measured[len(measured) // 2] if measured else 1.0
+        return {p.peer_id: p.capacity * self.layers[p.stage] if p.capacity > 0 else default for p in live}
+
+    def scores(self, speeds: dict[str, float] | None = None) -> list[float]:
+        """Per stage: the tokens/s its live peers could sustain (see the class docstring)."""
+        speeds = self._speeds() if speeds is None else speeds
+        return [sum(speeds[p.peer_id] for p in self.live(s)) / self.layers[s] for s in range(self.config.model.num_stages)]
+
+    def _pick_stage(self) -> int:
+        scores = self.scores()
+        return min(range(len(scores)), key=lambda s: (scores[s], len(self.live(s)), s))
+
+    def _move_target(self, p: PeerRecord) -> int | None:
+        """The stage `p` should move to now, if any (call with the lock held)."""
+        now = self.clock()
+        if now < self._next_move_at or p.state not in ("active", "idle") or now - p.joined_at < self.move_cooldown_s:
+            return None
+        speeds = self._speeds()
+        scores = self.scores(speeds)
+        rich = max(range(len(scores)), key=lambda s: scores[s])
+        poor = min(range(len(scores)), key=lambda s: scores[s])
+        if p.stage != rich or poor == rich or len(self.live(rich)) < 2:
+            return None
+        v = speeds[p.peer_id]
+        after = list(scores)
+        after[rich] -= v / self.layers[rich]
+        after[poor] += v / self.layers[poor]
+        if self.live(poor):
+            if any(q.capacity <= 0 for q in self.live(poor) + self.live(rich)) or min(after) <= 1.5 * min(scores):
+                return None
+        return poor
 
     # -- membership -------------------------------------------------------------------------
     def _expire(self) -> None:
@@ -93,10 +155,11 @@ class Tracker:
             old = self.peers.get(req.peer_id)
             if old is not None and old.state in LIVE:
                 raise JoinRefused(f"peer_id={req.peer_id!r} is already in the run (state {old.state})")
-            counts = [len(self.live(s)) for s in range(self.config.model.num_stages)]
-            stage = counts.index(min(counts))
+            stage = self._reserved.pop(req.peer_id, None)
+            if stage is None:
+                stage = self._pick_stage()
             start_step = max((p.step for p in self.peers.values() if p.stage == stage), default=0)
-            self.peers[req.peer_id] = PeerRecord(req.peer_id, stage, req.grpc_address, last_seen=self.clock())
+            self.peers[req.peer_id] = PeerRecord(req.peer_id, stage, req.grpc_address, last_seen=self.clock(), joined_at=self.clock())
         start, end = self.ranges[stage]
         return pb.Assignment(
             run_id=self.run_id,
@@ -111,7 +174,8 @@ class Tracker:
         )
 
     def report(self, rep: pb.PeerReport) -> pb.Directive:
-        """Record a heartbeat; answer with the live neighbours of the peer's stage."""
+        """Record a heartbeat; answer with the live peers of the adjacent stages and of the peer's
+        own stage group, plus an anchor job (stage 0) or a move to a starving stage."""
         if rep.run_id != self.run_id:
             raise JoinRefused(f"run_id={rep.run_id!r}: this tracker serves run {self.run_id!r}")
         with self._lock:
@@ -122,10 +186,34 @@ class Tracker:
             p.state = info.state if info.state in LIVE else p.state
             p.last_seen, p.tokens_per_s, p.step, p.loss = self.clock(), info.tokens_per_s, info.step, info.loss
             p.bytes_in, p.bytes_out, p.queue_depth, p.tokens, p.reason = info.bytes_in, info.bytes_out, info.queue_depth, rep.tokens, info.reason
-            p.dp_rounds = info.dp_rounds
+            p.dp_rounds, p.anchor_id, p.anchor_bytes_out, p.capacity = info.dp_rounds, info.anchor_id, info.anchor_bytes_out, info.capacity_tokens_per_s
             self._expire()
-            neighbours = [self._info(q) for q in self.live() if abs(q.stage - p.stage) == 1]
-        return pb.Directive(kind=pb.Directive.CONTINUE, neighbours=neighbours)
+            target = self._move_target(p)
+            if target is not None:
+                self.moves += 1
+                self._next_move_at = self.clock() + self.move_cooldown_s
+                p.state, p.reason = "left", f"moved to stage {target}, which was starving"
+                self._reserved[p.peer_id] = target
+                return pb.Directive(kind=pb.Directive.MOVE, reason=f"stage {target} needs a peer more than stage {p.stage}")
+            neighbours = [self._info(q) for q in self.live() if abs(q.stage - p.stage) <= 1 and q.peer_id != p.peer_id]
+            directive = pb.Directive(kind=pb.Directive.CONTINUE, neighbours=neighbours)
+            self._maybe_anchor(p, directive)
+        return directive
+
+    def _maybe_anchor(self, p: PeerRecord, directive: pb.Directive) -> None:
+        """Every `anchor.every` run steps, the next stage-0 peer to report gets an anchor job."""
+        a = self.config.anchor
+        if not a.enabled or p.stage != 0 or p.state not in ("active", "idle"):
+            return
+        if self._run_step() < self._next_anchor_at or any(not self.live(s) for s in range(self.config.model.num_stages)):
+            return
+        self.anchors_launched += 1
+        self._anchor_launched_at[self.anchors_launched] = self._run_step()
+        self._next_anchor_at = self._run_step() + a.every
+        directive.anchor_id, directive.anchor_micro_batches = self.anchors_launched, a.micro_batches
+
+    def _run_step(self) -> int:
+        return max((q.step for q in self.peers.values() if q.stage == 0), default=0)  # stage 0 counts the run's steps
 
     def leave(self, req: pb.LeaveRequest) -> None:
         with self._lock:
@@ -138,7 +226,8 @@ class Tracker:
         return pb.PeerInfo(
             peer_id=p.peer_id, stage=p.stage, address=p.address, state=p.state, last_seen_s=self.clock() - p.last_seen,
             tokens_per_s=p.tokens_per_s, bytes_in=p.bytes_in, bytes_out=p.bytes_out, step=p.step, loss=p.loss,
-            queue_depth=p.queue_depth, reason=p.reason, dp_rounds=p.dp_rounds,
+            queue_depth=p.queue_depth, reason=p.reason, dp_rounds=p.dp_rounds, anchor_id=p.anchor_id,
+            anchor_bytes_out=p.anchor_bytes_out, capacity_tokens_per_s=p.capacity,
         )
 
     def status(self) -> pb.RunStatus:
@@ -146,14 +235,18 @@ class Tracker:
             self._expire()
             K = self.config.model.num_stages
             stages = []
+            scores = self.scores()
             for s in range(K):
                 live = self.live(s)
-                stages.append(pb.StageStatus(index=s, peers=len(live), tokens_per_s=sum(p.tokens_per_s for p in live), queue_depth=sum(p.queue_depth for p in live)))
+                stages.append(pb.StageStatus(index=s, peers=len(live), tokens_per_s=sum(p.tokens_per_s for p in live), queue_depth=sum(p.queue_depth for p in live), capacity_tokens_per_s=scores[s]))
             first, last = self.live(0), self.live(K - 1)
             tokens = sum(p.tokens for p in self.peers.values() if p.stage == 0)
             losses = [p.loss for p in last if not math.isnan(p.loss)]
-            step = max((p.step for p in self.peers.values() if p.stage == 0), default=0)  # stage 0 counts the run's steps
-            pp_bytes = sum(p.bytes_out for p in self.peers.values())
+            step = self._run_step()
+            anchor_bytes = sum(p.anchor_bytes_out for p in self.peers.values())
+            pp_bytes = sum(p.bytes_out for p in self.peers.values()) - anchor_bytes
+            newest = max((p.anchor_id for p in self.peers.values()), default=0)
+            anchor_step = self._anchor_launched_at.get(newest, -1)
             missing = [s for s in range(K) if not self.live(s)]
             state, reason = "running", ""
             if missing:
@@ -174,4 +267,9 @@ class Tracker:
                 stages=stages,
                 peers=[self._info(p) for p in sorted(self.peers.values(), key=lambda p: (p.stage, p.peer_id))],
                 dht_maddrs=self.dht_maddrs,
+                anchor_step=anchor_step,
+                anchor_age_steps=max(step - anchor_step, 0) if anchor_step >= 0 else -1,
+                anchors_launched=self.anchors_launched,
+                anchor_bytes_per_token=anchor_bytes / tokens if tokens else 0.0,
+                stage_moves=self.moves,
             )

@@ -17,15 +17,15 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="anchormesh", description="Peer-to-peer pipeline training over slow links.")
     sub = p.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="train the tiny default model in local pipeline stages and show progress")
-    demo.add_argument("--seconds", type=float, default=60.0, help="training time budget (default 60)")
-    demo.add_argument("--stages", type=int, default=2)
-    demo.add_argument("--codec", choices=("lowrank", "mask"), default="lowrank", help="PP link codec (default lowrank)")
-    demo.add_argument("--drop", type=float, default=0.95, help="with --codec mask: P(drop) of activation entries")
-    demo.add_argument("--rank", type=int, default=20, help="with --codec lowrank: coefficients per token")
-    demo.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
-    demo.add_argument("--swarm", action="store_true", help="a real local swarm instead: bootstrap + peers as processes")
-    demo.add_argument("--peers", type=int, default=4, help="with --swarm: peers to start (default 4: 2 stages x 2)")
+    demo = sub.add_parser("demo", help="a local swarm on this machine (bootstrap + peers as processes) training the tiny default run, status live")
+    demo.add_argument("--seconds", type=float, default=None, help="how long it trains (default 180; 60 with --local)")
+    demo.add_argument("--peers", type=int, default=4, help="peers to start (default 4: 2 stages x 2)")
+    demo.add_argument("--local", action="store_true", help="instead: the training core alone, all stages in this process")
+    demo.add_argument("--stages", type=int, default=2, help="with --local: pipeline stages")
+    demo.add_argument("--codec", choices=("lowrank", "mask"), default="lowrank", help="with --local: PP link codec (default lowrank)")
+    demo.add_argument("--drop", type=float, default=0.95, help="with --local --codec mask: P(drop) of activation entries")
+    demo.add_argument("--rank", type=int, default=20, help="with --local --codec lowrank: coefficients per token")
+    demo.add_argument("--threads", type=int, default=0, help="with --local: torch threads (0 = torch default)")
 
     boot = sub.add_parser("bootstrap", help="start a run: first DHT node, tracker and status service")
     boot.add_argument("--config", help="run.toml (default: the tiny default run, 2 stages)")
@@ -41,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     peer.add_argument("--host", default="127.0.0.1", help="address to serve the Stage service on")
     peer.add_argument("--grpc-port", type=int, default=0, help="Stage service port (0 = any free)")
     peer.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"), help="accepted; the stage runs on the CPU for now (GPU placement is not built yet)")
-    peer.add_argument("--state-dir", type=Path, default=None, help="shard checkpoints (not used yet)")
+    peer.add_argument("--state-dir", type=Path, default=None, help="where the peer keeps its files (the last stage writes metrics.jsonl: loss per step); shard checkpoints are not written yet")
     peer.add_argument("--max-steps", type=int, default=None, help="leave after this many optimizer steps")
 
     status = sub.add_parser("status", help="show a run's stages, peers, loss and throughput")
@@ -64,14 +64,16 @@ def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     try:
         if args.command == "demo":
-            if args.swarm:
+            if not args.local:
                 from peer.swarm_demo import run_swarm_demo
 
-                run_swarm_demo(seconds=args.seconds, peers=args.peers)
+                if args.peers < 1:
+                    raise ConfigError("--peers", args.peers, "must be >= 1")
+                run_swarm_demo(seconds=args.seconds or 180.0, peers=args.peers)
                 return
             from peer.demo import run_demo
 
-            run_demo(seconds=args.seconds, stages=args.stages, codec=args.codec, drop=args.drop, rank=args.rank, threads=args.threads)
+            run_demo(seconds=args.seconds or 60.0, stages=args.stages, codec=args.codec, drop=args.drop, rank=args.rank, threads=args.threads)
         elif args.command == "bootstrap":
             from bootstrap.node import run_bootstrap
             from peer.config import load_run_toml
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
         elif args.command == "peer":
             from peer.daemon import run_peer
 
-            run_peer(args.initial_peers, args.tracker, args.host, args.grpc_port, args.device, args.max_steps)
+            run_peer(args.initial_peers, args.tracker, args.host, args.grpc_port, args.device, args.max_steps, args.state_dir)
         elif args.command == "status":
             from peer.status import run_status
 

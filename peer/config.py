@@ -329,3 +329,14 @@ def load_run_toml(path: str) -> TrainConfig:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError("--config", path, f"not valid TOML: {exc}") from None
     return config_from_dict(data)
+
+
+def check_swarm(cfg: TrainConfig) -> None:
+    """What a networked swarm (bootstrap + peers) cannot run yet; raises ConfigError naming the field.
+
+    Why: the swarm's anchor circuit (peer/pipeline/swarm_anchor.py) computes the dense prior
+    only; the error-feedback modes also need the masked twin of the anchor batch, which only
+    the local runner computes so far.
+    """
+    if cfg.anchor.enabled and cfg.spectral.mode in ("ef", "paper_ef"):
+        raise ConfigError("spectral.mode", cfg.spectral.mode, "a swarm's anchor passes give dense priors only; use 'paper' or 'off' (the EF modes run in the local runner)")

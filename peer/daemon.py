@@ -8,7 +8,11 @@ are in. SIGTERM or SIGINT makes it leave cleanly.
 
 Several peers may serve one stage: each steps on its own micro-batches (a step is any M of them)
 and the stage group averages parameters every `dp.inner_steps` steps in the background
-(peer/dp/group.py). Not yet: anchor passes on idle peers, state transfer to a joiner, auth.
+(peer/dp/group.py). When its fast queues are empty a peer does anchor work (unmasked passes the
+tracker schedules; peer/pipeline/swarm_anchor.py), and the priors reach every optimizer of the
+stage group. A MOVE directive (a starving stage needs this peer) makes the daemon leave and
+start again in the same process (exec), keeping its peer id; the tracker then gives it the
+starving stage. Not yet: state transfer to a joiner, auth.
 """
 
 from __future__ import annotations
@@ -16,11 +20,16 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import signal
+import sys
 import threading
 import time
 import uuid
+import zlib
+from collections import deque
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import torch
@@ -35,10 +44,12 @@ from peer.model.loading import load_causal_lm
 from peer.model.stages import split_model
 from peer.pipeline.grpc_transport import GrpcTransport
 from peer.pipeline.runner import StageWorker
+from peer.pipeline.swarm_anchor import ANCHOR_CHANNELS, SwarmAnchor
 from peer.wire import anchormesh_pb2 as pb
 from peer.wire import anchormesh_pb2_grpc as pbg
 
 log = logging.getLogger("anchormesh.peer")
+PEER_ID_ENV = "ANCHORMESH_PEER_ID"  # set by a MOVE's exec so the peer keeps its id
 
 
 def find_tracker(dht, stop: threading.Event) -> str:
@@ -93,11 +104,11 @@ def join(stub: pbg.TrackerStub, req: pb.JoinRequest, stop: threading.Event) -> p
 class PeerDaemon:
     """One peer: its stage worker, its gRPC server, its heartbeat and its main loop."""
 
-    def __init__(self, tracker: str, host: str = "127.0.0.1", grpc_port: int = 0, device: str = "cpu", dht=None) -> None:
+    def __init__(self, tracker: str, host: str = "127.0.0.1", grpc_port: int = 0, device: str = "cpu", dht=None, state_dir: Path | None = None) -> None:
         if device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device={device!r}: must be auto, cpu or cuda")
-        self.tracker, self.host = tracker, host
-        self.peer_id = f"peer-{uuid.uuid4().hex[:8]}"
+        self.tracker, self.host, self.state_dir = tracker, host, state_dir
+        self.peer_id = os.environ.get(PEER_ID_ENV) or f"peer-{uuid.uuid4().hex[:8]}"  # kept across a MOVE's exec
         self.stop = threading.Event()
         self.transport = GrpcTransport(run_id="")
         self.worker: StageWorker | None = None
@@ -113,11 +124,20 @@ class PeerDaemon:
         self.tokens_per_s = 0.0
         self.dropped = 0  # messages dropped after they failed in the stage loop
         self._sent_at: dict[tuple[int, int], float] = {}
+        self.round_trips: deque[float] = deque(maxlen=64)  # stage 0: seconds from sending a micro-batch to its gradient
+        self.anchor: SwarmAnchor | None = None
+        self._anchor_jobs: deque[tuple[int, int]] = deque()  # (anchor id, micro-batches) from the tracker
+        self.move_reason = ""  # set when the tracker moves this peer to another stage
+        self._busy = 0.0  # seconds spent computing since the last rate update
+        self.capacity = 0.0
 
     def _validate(self, channel: str, msg: object) -> None:
-        if self.worker is None:
+        if self.worker is None or self.anchor is None:
             raise WireError("this peer has no stage yet")
-        self.worker.validate(channel, msg)
+        if channel in ANCHOR_CHANNELS:
+            self.anchor.validate(channel, msg)
+        else:
+            self.worker.validate(channel, msg)
 
     # -- routing ----------------------------------------------------------------------------
     def _next_hop(self) -> str:
@@ -138,6 +158,17 @@ class PeerDaemon:
             self.transport.endpoints[n.peer_id] = n.address
         self.neighbours = by_stage
 
+    def _siblings(self) -> list[str]:
+        """The other live peers of this peer's stage group."""
+        return [n.peer_id for n in self.neighbours.get(self.worker.stage.index, []) if n.peer_id != self.peer_id]
+
+    def retry_after_s(self) -> float:
+        """How long stage 0 waits for a micro-batch's gradient before sending it again: three
+        times the slowest recent round trip, within [5 s, 60 s] (20 s before any is measured)."""
+        if len(self.round_trips) < 4:
+            return 20.0
+        return min(max(3.0 * max(self.round_trips), 5.0), 60.0)
+
     # -- heartbeat --------------------------------------------------------------------------
     def _report(self) -> pb.PeerReport:
         w = self.worker
@@ -149,6 +180,9 @@ class PeerDaemon:
                 bytes_in=self.transport.bytes_in, bytes_out=self.transport.total_bytes(), step=w.version, loss=self.loss,
                 queue_depth=len(w.inbox_fwd) + len(w.inbox_bwd), reason=self.reason,
                 dp_rounds=self.averager.rounds if self.averager else 0,
+                anchor_id=self.anchor.newest_id if self.anchor else 0,
+                anchor_bytes_out=self.anchor.bytes_out if self.anchor else 0,
+                capacity_tokens_per_s=self.capacity,
             ),
         )
 
@@ -161,7 +195,14 @@ class PeerDaemon:
 
             try:
                 for directive in stub.Heartbeat(requests()):
+                    if directive.kind == pb.Directive.MOVE:
+                        log.info("the tracker moves this peer: %s", directive.reason)
+                        self.move_reason = directive.reason
+                        self.stop.set()
+                        return
                     self._apply_neighbours(directive)
+                    if directive.anchor_id:
+                        self._anchor_jobs.append((directive.anchor_id, directive.anchor_micro_batches))
                     if directive.kind == pb.Directive.STOP:
                         log.info("tracker says stop: %s", directive.reason)
                         self.stop.set()
@@ -172,12 +213,13 @@ class PeerDaemon:
                 self.stop.wait(interval)
 
     def _retry_stale(self, w: StageWorker) -> None:
-        """Stage 0: a micro-batch without its gradient for RETRY_AFTER_S is sent again (same window,
+        """Stage 0: a micro-batch without its gradient for `retry_after_s()` is sent again (same window,
         same id) to a live next-stage peer; its old forward is dropped. Covers a neighbour that died."""
         now = time.monotonic()
+        limit = self.retry_after_s()
         for key, job in list(w.inflight.items()):
             sent = self._sent_at.setdefault(key, now)
-            if now - sent > RETRY_AFTER_S and self.neighbours.get(1):
+            if now - sent > limit and self.neighbours.get(1):
                 step, mb = key
                 w.inflight.pop(key)
                 w.basis_sent.clear()  # the lost message may have carried the receiver's basis
@@ -186,7 +228,7 @@ class PeerDaemon:
                 self._sent_at[key] = now
         for key in list(self._sent_at):
             if key not in w.inflight:
-                del self._sent_at[key]
+                self.round_trips.append(now - self._sent_at.pop(key))
 
     def _start_averaging(self, prefix: str, every: int) -> None:
         """Join the stage group's averaging; without a DHT the peer trains alone."""
@@ -211,18 +253,22 @@ class PeerDaemon:
         self.worker = StageWorker(stage, replica, cfg, MaskCodec(cfg.mask), self.transport, a.run_id, peer_id=self.peer_id, next_hop=self._next_hop, resolve=self._resolve, local_steps=True)
         self.worker.version = a.start_step  # continue the run's step numbering (weights: fresh, no state transfer yet)
         self.worker.next_mb = a.start_step * cfg.pipeline.micro_batches
+        self.anchor = SwarmAnchor(self.worker, cfg.anchor.micro_batches, self._siblings)
         self._start_averaging(f"{a.run_id}_stage{a.stage}", cfg.dp.inner_steps)  # forks: before any gRPC runs
         self.transport.start()
         channel = grpc.insecure_channel(self.tracker)
         stub = pbg.TrackerStub(channel)
         threading.Thread(target=self._heartbeat, args=(stub, a.heartbeat_interval_s), name="heartbeat", daemon=True).start()
-        stream = None
+        stream = gen = None
         if stage.is_first:
             data, source = default_corpus("b")
             # each stage-0 peer draws its own batches (seeded by its id, so two peers never repeat each other)
-            stream, gen = TokenStream(data), torch.Generator().manual_seed(cfg.seed * 1_000_003 + int(self.peer_id[5:], 16))
+            stream, gen = TokenStream(data), torch.Generator().manual_seed(cfg.seed * 1_000_003 + zlib.crc32(self.peer_id.encode()))
             log.info("stage 0 reads %s", source.split(",")[0])
-        p = cfg.pipeline
+        metrics = None
+        if self.state_dir is not None and stage.is_last:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            metrics = open(self.state_dir / "metrics.jsonl", "a", buffering=1)
         try:
             errors_seen = 0
             while not self.stop.is_set() and (max_steps is None or self.worker.version < max_steps):
@@ -230,14 +276,16 @@ class PeerDaemon:
                     errors_seen = len(self.transport.send_errors)
                     self.worker.basis_sent.clear()
                 try:
-                    self._tick(stream, gen if stream else None, p)
+                    self._tick(stream, gen, cfg, metrics)
                 except AnchormeshError as exc:  # one bad or late message never ends the peer
                     self.dropped += 1
                     log.warning("dropped a message: %s", exc)
         finally:
-            self.state, self.reason = "left", "shutting down"
+            self.state = "left"
+            self.reason = f"moving: {self.move_reason}" if self.move_reason else "shutting down"
+            why = "SIGTERM" if self.stop.is_set() else "done"
             try:
-                stub.Leave(pb.LeaveRequest(run_id=a.run_id, peer_id=self.peer_id, reason="SIGTERM" if self.stop.is_set() else "done"), timeout=5)
+                stub.Leave(pb.LeaveRequest(run_id=a.run_id, peer_id=self.peer_id, reason=self.reason if self.move_reason else why), timeout=5)
             except grpc.RpcError as exc:
                 log.warning("could not say goodbye to the tracker: %s", exc.details())
             self.stop.set()
@@ -247,11 +295,17 @@ class PeerDaemon:
                 self.dht.shutdown()
             self.transport.close()
             channel.close()
+            if metrics is not None:
+                metrics.close()
             log.info("%s left after %d steps", self.peer_id, self.worker.version)
 
-    def _tick(self, stream: TokenStream | None, gen: torch.Generator | None, p) -> None:
-        w = self.worker
+    def _tick(self, stream: TokenStream | None, gen: torch.Generator | None, cfg, metrics) -> None:
+        """One unit of work: a step when its gradients are in, else fast work, else anchor work."""
+        w, p = self.worker, cfg.pipeline
+        t0 = time.perf_counter()
         w.drain()
+        self.anchor.drain()
+        self.anchor.apply_priors()
         if w.ready(w.version):
             w.gradients()
             w.apply_step()
@@ -261,14 +315,19 @@ class PeerDaemon:
                 losses = [x for step_losses in w.losses.values() for x in step_losses]
                 w.losses.clear()
                 self.loss = sum(losses) / len(losses) if losses else self.loss
+                if metrics is not None:
+                    metrics.write(json.dumps({"step": w.version, "loss": self.loss, "time": time.time()}) + "\n")
             self.tokens += p.micro_batches * p.micro_batch_size * p.seq_len
-            now = time.monotonic()
-            t0, n0 = self._rate
-            if now - t0 > 2.0:
-                self.tokens_per_s, self._rate = (self.tokens - n0) / (now - t0), (now, self.tokens)
+            self._busy += time.perf_counter() - t0
+            self._update_rate()
             return
         if w.stage.is_first:
             self._retry_stale(w)
+            while self._anchor_jobs:
+                anchor_id, n = self._anchor_jobs.popleft()
+                # the anchor batch comes from this peer's data, seeded by the job id (reproducible)
+                agen = torch.Generator().manual_seed(cfg.seed * 7_919 + anchor_id)
+                self.anchor.schedule(anchor_id, [stream.batch(p.micro_batch_size, p.seq_len, agen) for _ in range(n)])
         moved = w.backward_one() or (not w.stage.is_first and w.forward_one())
         if w.stage.is_first and not moved:
             step, j = divmod(w.next_mb, p.micro_batches)
@@ -281,14 +340,28 @@ class PeerDaemon:
                     self.state, self.reason, moved = "active", "", True
         elif moved:
             self.state, self.reason = "active", ""
-        if not moved:
+        if not moved:  # the fast queues are empty: anchor work
+            moved = self.anchor.tick(self._next_hop, self._resolve)
+        if moved:
+            self._busy += time.perf_counter() - t0
+        else:
             self.transport.wait(0.05)
+        self._update_rate()
+
+    def _update_rate(self) -> None:
+        """Every 2 s: tokens/s, and capacity = tokens/s over the fraction of time spent computing."""
+        now = time.monotonic()
+        t0, n0 = self._rate
+        if now - t0 > 2.0:
+            self.tokens_per_s = (self.tokens - n0) / (now - t0)
+            busy = self._busy / (now - t0)
+            if self.tokens_per_s > 0:  # smoothed: one window on a shared machine says little
+                now_capacity = self.tokens_per_s / max(busy, 0.05)
+                self.capacity = now_capacity if self.capacity == 0 else 0.7 * self.capacity + 0.3 * now_capacity
+            self._rate, self._busy = (now, self.tokens), 0.0
 
 
-RETRY_AFTER_S = 20.0  # a micro-batch without its gradient this long is sent again (a fixed bound for now)
-
-
-def run_peer(initial_peers: list[str], tracker: str | None, host: str, grpc_port: int, device: str, max_steps: int | None = None) -> None:
+def run_peer(initial_peers: list[str], tracker: str | None, host: str, grpc_port: int, device: str, max_steps: int | None = None, state_dir: Path | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)  # many peers share few cores on one machine
     if not initial_peers and tracker is None:
@@ -302,4 +375,13 @@ def run_peer(initial_peers: list[str], tracker: str | None, host: str, grpc_port
     if tracker is None:
         tracker = find_tracker(dht, stop)
         log.info("found the tracker at %s through the DHT", tracker)
-    PeerDaemon(tracker, host, grpc_port, device, dht=dht).run(max_steps)
+    daemon = PeerDaemon(tracker, host, grpc_port, device, dht=dht, state_dir=state_dir)
+    daemon.run(max_steps)
+    if daemon.move_reason:
+        # start again from a clean process (hivemind forks; a fork beside live gRPC threads can hang)
+        log.info("%s starts again to join the stage that needs it", daemon.peer_id)
+        os.environ[PEER_ID_ENV] = daemon.peer_id
+        args = [a for a in sys.argv[1:]]
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execv(sys.executable, [sys.executable, "-m", "peer.cli", *args])

@@ -30,12 +30,22 @@ def status_dict(s: pb.RunStatus) -> dict:
         "pp_compression": s.pp_compression,
         "uptime_s": s.uptime_s,
         "dht_maddrs": list(s.dht_maddrs),
-        "stages": [{"index": st.index, "peers": st.peers, "tokens_per_s": st.tokens_per_s, "queue_depth": st.queue_depth} for st in s.stages],
+        "anchor_step": s.anchor_step if s.anchor_step >= 0 else None,
+        "anchor_age_steps": s.anchor_age_steps if s.anchor_age_steps >= 0 else None,
+        "anchors_launched": s.anchors_launched,
+        "anchor_bytes_per_token": s.anchor_bytes_per_token,
+        "stage_moves": s.stage_moves,
+        "stages": [
+            {"index": st.index, "peers": st.peers, "tokens_per_s": st.tokens_per_s, "queue_depth": st.queue_depth, "capacity_tokens_per_s": st.capacity_tokens_per_s}
+            for st in s.stages
+        ],
         "peers": [
             {
                 "id": p.peer_id, "stage": p.stage, "state": p.state, "address": p.address, "last_seen_s": p.last_seen_s,
                 "tokens_per_s": p.tokens_per_s, "step": p.step, "loss": _num(p.loss), "bytes_in": p.bytes_in,
                 "bytes_out": p.bytes_out, "queue_depth": p.queue_depth, "dp_rounds": p.dp_rounds, "reason": p.reason,
+                "anchor_id": p.anchor_id or None, "anchor_bytes_out": p.anchor_bytes_out,
+                "capacity_tokens_per_s": p.capacity_tokens_per_s,
             }
             for p in s.peers
         ],
@@ -45,14 +55,21 @@ def status_dict(s: pb.RunStatus) -> dict:
 def render(s: pb.RunStatus) -> str:
     """A plain-text table for people."""
     loss = "—" if math.isnan(s.loss) else f"{s.loss:.3f}"
+    anchor = "off" if not s.anchors_launched else "none yet" if s.anchor_age_steps < 0 else f"{s.anchor_age_steps} steps old"
     lines = [
         f"run {s.run_id}  {s.state.upper()}{'  (' + s.reason + ')' if s.reason else ''}  up {s.uptime_s:.0f}s",
         f"step {s.step}  tokens {s.tokens:,}  loss {loss}  {s.tokens_per_s:,.0f} tok/s  "
         f"PP {s.pp_bytes_per_token:.1f} B/token ({s.pp_compression:.1f}x vs dense fp16)",
+        f"anchor: {anchor} ({s.anchors_launched} launched, {s.anchor_bytes_per_token:.1f} B/token)  stage moves: {s.stage_moves}",
         "",
-        f"{'stage':>5} {'peers':>5} {'tok/s':>9} {'queue':>5}",
+        f"{'stage':>5} {'peers':>5} {'tok/s':>9} {'could':>9} {'queue':>5}",
     ]
-    lines += [f"{st.index:>5} {st.peers:>5} {st.tokens_per_s:>9,.0f} {st.queue_depth:>5}" for st in s.stages]
+    bottleneck = min(range(len(s.stages)), key=lambda i: s.stages[i].capacity_tokens_per_s) if s.stages else -1
+    lines += [
+        f"{st.index:>5} {st.peers:>5} {st.tokens_per_s:>9,.0f} {st.capacity_tokens_per_s:>9,.0f} {st.queue_depth:>5}"
+        + ("  <- no peer" if not st.peers else "  <- bottleneck" if st.index == bottleneck and len(s.stages) > 1 else "")
+        for st in s.stages
+    ]
     lines += ["", f"{'peer':<14} {'stage':>5} {'state':<7} {'address':<21} {'seen':>6} {'step':>6} {'tok/s':>8} {'in MB':>7} {'out MB':>7} {'dp':>4}  note"]
     for p in s.peers:
         lines.append(

@@ -28,17 +28,23 @@ def _start(args: list[str], log: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "peer.cli", *args], stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
+def stop_processes(procs: list[subprocess.Popen], grace_s: float = 20.0) -> None:
+    """SIGTERM each process (it shuts down its own DHT/averager children), wait up to `grace_s`,
+    then SIGKILL each one's process group (its session: nothing else is in it), so nothing is left."""
     for p in procs:
         if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
-    deadline = time.monotonic() + 20
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
     for p in procs:
         try:
             p.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+            pass
+        try:
+            os.killpg(p.pid, signal.SIGKILL)  # the process if still there, and any child it left
+        except ProcessLookupError:
+            pass
+        p.wait()
 
 
 def run_swarm_demo(seconds: float = 90.0, peers: int = 4) -> dict:
@@ -69,7 +75,7 @@ def run_swarm_demo(seconds: float = 90.0, peers: int = 4) -> dict:
     except KeyboardInterrupt:
         print("\ninterrupted", flush=True)
     finally:
-        _stop(procs)
+        stop_processes(procs)
     left = [p.pid for p in procs if p.poll() is None]
     summary = {"run_id": last.run_id if last else None, "step": last.step if last else 0, "tokens": last.tokens if last else 0,
                "loss": last.loss if last else None, "pp_bytes_per_token": last.pp_bytes_per_token if last else 0.0, "processes_left": left}

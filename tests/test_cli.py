@@ -18,7 +18,7 @@ def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("codec", ["lowrank", "mask"])
 def test_demo_trains_and_prints_a_summary(codec: str) -> None:
-    out = _cli("demo", "--seconds", "4", "--threads", "1", "--codec", codec)
+    out = _cli("demo", "--local", "--seconds", "4", "--threads", "1", "--codec", codec)
     assert out.returncode == 0, out.stderr[-2000:]
     summary = [line for line in out.stdout.splitlines() if line.startswith("summary:")]
     assert summary, out.stdout[-2000:]
@@ -28,9 +28,9 @@ def test_demo_trains_and_prints_a_summary(codec: str) -> None:
 @pytest.mark.parametrize(
     "args,field",
     [
-        (["demo", "--codec", "mask", "--drop", "1.5"], "mask.drop=1.5"),
-        (["demo", "--stages", "9"], "model.num_stages=9"),
-        (["demo", "--rank", "0"], "mask.rank=0"),
+        (["demo", "--local", "--codec", "mask", "--drop", "1.5"], "mask.drop=1.5"),
+        (["demo", "--local", "--stages", "9"], "model.num_stages=9"),
+        (["demo", "--local", "--rank", "0"], "mask.rank=0"),
     ],
 )
 def test_bad_values_exit_2_naming_the_field(args: list[str], field: str) -> None:
@@ -45,7 +45,7 @@ def test_unknown_flag_exits_2() -> None:
 
 
 def test_swarm_demo_trains_and_stops_every_process() -> None:
-    out = _cli("demo", "--swarm", "--peers", "2", "--seconds", "30", timeout=180)
+    out = _cli("demo", "--peers", "2", "--seconds", "30", timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]
     line = [x for x in out.stdout.splitlines() if x.startswith("summary:")][-1]
     assert "every process stopped" in line and '"processes_left": []' in line
@@ -68,3 +68,11 @@ def test_run_toml_round_trips_into_the_config(tmp_path) -> None:
     path.write_text('steps = 50\n[model]\nnum_stages = 3\n[mask]\nscheme = "lowrank"\nrank = 12\n[dp]\ninner_steps = 20\n')
     cfg = load_run_toml(str(path))
     assert (cfg.steps, cfg.model.num_stages, cfg.mask.scheme, cfg.mask.rank, cfg.dp.inner_steps) == (50, 3, "lowrank", 12, 20)
+
+
+def test_bootstrap_refuses_a_config_the_swarm_cannot_run(tmp_path) -> None:
+    bad = tmp_path / "run.toml"
+    bad.write_text('[anchor]\nevery = 5\n[spectral]\nmode = "ef"\n')
+    out = _cli("bootstrap", "--config", str(bad), "--state-dir", str(tmp_path / "boot"))
+    assert out.returncode == 2 and "spectral.mode='ef'" in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "boot" / "bootstrap.json").exists()

@@ -82,6 +82,7 @@ def rows(setup: QualitySetup) -> dict[str, TrainConfig]:
         # our variants: unbiased fill around a learned token prior; low-rank basis + token prior
         "masked_prior_rescale": cfg(mask=replace(mask, fill="prior_rescale")),
         "lowrank": cfg(mask=lowrank),
+        "lowrank_anchor": cfg(mask=lowrank, anchor=anchor, spectral=SpectralConfig(mode="paper")),
         # data parallel, same token budget: 2 replicas x half the micro-batches
         "dense_dp": cfg(dp=DPConfig(replicas=2, scheme="dense"), pipeline=pipe_dp),
         "masked_anchor_dp": cfg(mask=mask, anchor=anchor, spectral=SpectralConfig(mode="paper"), dp=dp, pipeline=pipe_dp),

@@ -29,8 +29,8 @@ from peer.wire.tensors import parse_message
 log = logging.getLogger(__name__)
 
 SERVICE = "anchormesh.v1.Stage"
-METHOD = {"forward": "Forward", "backward": "Backward"}
-MESSAGE = {"forward": pb.ActivationChunk, "backward": pb.GradientChunk}
+METHOD = {"forward": "Forward", "backward": "Backward", "anchor_forward": "AnchorForward", "anchor_backward": "AnchorBackward", "prior": "Prior"}
+MESSAGE = {"forward": pb.ActivationChunk, "backward": pb.GradientChunk, "anchor_forward": pb.ActivationChunk, "anchor_backward": pb.GradientChunk, "prior": pb.AnchorPrior}
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 2**20
 
 # (channel, parsed message) -> None, or raises AnchormeshError naming the problem
@@ -183,9 +183,10 @@ class GrpcTransport(Transport):
         Each attempt's request generator ends when its call does, so no thread is left waiting
         on the queue; messages taken by a failed attempt are lost (stage 0 retries micro-batches).
         """
-        call = self.channel(self.endpoints[dst]).stream_stream(f"/{SERVICE}/{METHOD[channel]}", request_serializer=None, response_deserializer=pb.Ack.FromString)
         delay = 0.1
         while not self._closed:
+            # resolved on every attempt: a peer that restarted may serve on a new address
+            call = self.channel(self.endpoints[dst]).stream_stream(f"/{SERVICE}/{METHOD[channel]}", request_serializer=None, response_deserializer=pb.Ack.FromString)
             attempt_over = threading.Event()
 
             def requests() -> Iterator[bytes]:

@@ -1,7 +1,8 @@
 """How wire messages travel between stage workers.
 
 The runner only sees this interface: `send` bytes to a (stage, replica) address on a channel
-("forward" activations or "backward" gradients) and `poll` for the next message. The local
+("forward" activations or "backward" gradients; the swarm's anchor circuit adds
+"anchor_forward", "anchor_backward" and "prior") and `poll` for the next message. The local
 transport is a set of in-process queues; the gRPC transport of the swarm implements the same
 two calls over streams. Every message is the serialized proto (ActivationChunk /
 GradientChunk), so the bytes counted here are the bytes a network would carry.
@@ -15,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 Address = tuple[int, int]  # (stage, replica)
-CHANNELS = ("forward", "backward")
+CHANNELS = ("forward", "backward", "anchor_forward", "anchor_backward", "prior")
 
 
 @dataclass

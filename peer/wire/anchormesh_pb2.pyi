@@ -138,6 +138,26 @@ class PingReply(_message.Message):
     version: int
     def __init__(self, peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
+class NamedTensor(_message.Message):
+    __slots__ = ("name", "tensor")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    tensor: TensorPayload
+    def __init__(self, name: _Optional[str] = ..., tensor: _Optional[_Union[TensorPayload, _Mapping]] = ...) -> None: ...
+
+class AnchorPrior(_message.Message):
+    __slots__ = ("header", "stage", "grads", "loss")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    GRADS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    header: MicroBatchHeader
+    stage: int
+    grads: _containers.RepeatedCompositeFieldContainer[NamedTensor]
+    loss: float
+    def __init__(self, header: _Optional[_Union[MicroBatchHeader, _Mapping]] = ..., stage: _Optional[int] = ..., grads: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ..., loss: _Optional[float] = ...) -> None: ...
+
 class JoinRequest(_message.Message):
     __slots__ = ("run_id", "peer_id", "grpc_address", "code_version")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -173,7 +193,7 @@ class Assignment(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., run_config_json: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., start_step: _Optional[int] = ..., dht_maddrs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
-    __slots__ = ("peer_id", "stage", "address", "state", "last_seen_s", "tokens_per_s", "bytes_in", "bytes_out", "step", "loss", "queue_depth", "reason", "dp_rounds")
+    __slots__ = ("peer_id", "stage", "address", "state", "last_seen_s", "tokens_per_s", "bytes_in", "bytes_out", "step", "loss", "queue_depth", "reason", "dp_rounds", "anchor_id", "anchor_bytes_out", "capacity_tokens_per_s")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +207,9 @@ class PeerInfo(_message.Message):
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     DP_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    ANCHOR_ID_FIELD_NUMBER: _ClassVar[int]
+    ANCHOR_BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     stage: int
     address: str
@@ -200,7 +223,10 @@ class PeerInfo(_message.Message):
     queue_depth: int
     reason: str
     dp_rounds: int
-    def __init__(self, peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., last_seen_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., queue_depth: _Optional[int] = ..., reason: _Optional[str] = ..., dp_rounds: _Optional[int] = ...) -> None: ...
+    anchor_id: int
+    anchor_bytes_out: int
+    capacity_tokens_per_s: float
+    def __init__(self, peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., last_seen_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., queue_depth: _Optional[int] = ..., reason: _Optional[str] = ..., dp_rounds: _Optional[int] = ..., anchor_id: _Optional[int] = ..., anchor_bytes_out: _Optional[int] = ..., capacity_tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class PeerReport(_message.Message):
     __slots__ = ("run_id", "peer", "tokens")
@@ -213,20 +239,26 @@ class PeerReport(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., peer: _Optional[_Union[PeerInfo, _Mapping]] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class Directive(_message.Message):
-    __slots__ = ("kind", "reason", "neighbours")
+    __slots__ = ("kind", "reason", "neighbours", "anchor_id", "anchor_micro_batches")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         CONTINUE: _ClassVar[Directive.Kind]
         STOP: _ClassVar[Directive.Kind]
+        MOVE: _ClassVar[Directive.Kind]
     CONTINUE: Directive.Kind
     STOP: Directive.Kind
+    MOVE: Directive.Kind
     KIND_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     NEIGHBOURS_FIELD_NUMBER: _ClassVar[int]
+    ANCHOR_ID_FIELD_NUMBER: _ClassVar[int]
+    ANCHOR_MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
     kind: Directive.Kind
     reason: str
     neighbours: _containers.RepeatedCompositeFieldContainer[PeerInfo]
-    def __init__(self, kind: _Optional[_Union[Directive.Kind, str]] = ..., reason: _Optional[str] = ..., neighbours: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ...) -> None: ...
+    anchor_id: int
+    anchor_micro_batches: int
+    def __init__(self, kind: _Optional[_Union[Directive.Kind, str]] = ..., reason: _Optional[str] = ..., neighbours: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., anchor_id: _Optional[int] = ..., anchor_micro_batches: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("run_id", "peer_id", "reason")
@@ -249,19 +281,21 @@ class StatusRequest(_message.Message):
     def __init__(self, interval_s: _Optional[float] = ...) -> None: ...
 
 class StageStatus(_message.Message):
-    __slots__ = ("index", "peers", "tokens_per_s", "queue_depth")
+    __slots__ = ("index", "peers", "tokens_per_s", "queue_depth", "capacity_tokens_per_s")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     index: int
     peers: int
     tokens_per_s: float
     queue_depth: int
-    def __init__(self, index: _Optional[int] = ..., peers: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., queue_depth: _Optional[int] = ...) -> None: ...
+    capacity_tokens_per_s: float
+    def __init__(self, index: _Optional[int] = ..., peers: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., queue_depth: _Optional[int] = ..., capacity_tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("run_id", "step", "tokens", "loss", "tokens_per_s", "pp_bytes_per_token", "pp_compression", "uptime_s", "state", "reason", "stages", "peers", "dht_maddrs")
+    __slots__ = ("run_id", "step", "tokens", "loss", "tokens_per_s", "pp_bytes_per_token", "pp_compression", "uptime_s", "state", "reason", "stages", "peers", "dht_maddrs", "anchor_step", "anchor_age_steps", "anchors_launched", "anchor_bytes_per_token", "stage_moves")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -275,6 +309,11 @@ class RunStatus(_message.Message):
     STAGES_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
     DHT_MADDRS_FIELD_NUMBER: _ClassVar[int]
+    ANCHOR_STEP_FIELD_NUMBER: _ClassVar[int]
+    ANCHOR_AGE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    ANCHORS_LAUNCHED_FIELD_NUMBER: _ClassVar[int]
+    ANCHOR_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    STAGE_MOVES_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     tokens: int
@@ -288,4 +327,9 @@ class RunStatus(_message.Message):
     stages: _containers.RepeatedCompositeFieldContainer[StageStatus]
     peers: _containers.RepeatedCompositeFieldContainer[PeerInfo]
     dht_maddrs: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., tokens: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., pp_bytes_per_token: _Optional[float] = ..., pp_compression: _Optional[float] = ..., uptime_s: _Optional[float] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., dht_maddrs: _Optional[_Iterable[str]] = ...) -> None: ...
+    anchor_step: int
+    anchor_age_steps: int
+    anchors_launched: int
+    anchor_bytes_per_token: float
+    stage_moves: int
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., tokens: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., pp_bytes_per_token: _Optional[float] = ..., pp_compression: _Optional[float] = ..., uptime_s: _Optional[float] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., dht_maddrs: _Optional[_Iterable[str]] = ..., anchor_step: _Optional[int] = ..., anchor_age_steps: _Optional[int] = ..., anchors_launched: _Optional[int] = ..., anchor_bytes_per_token: _Optional[float] = ..., stage_moves: _Optional[int] = ...) -> None: ...

@@ -26,11 +26,7 @@ if _version_not_supported:
 
 
 class StageStub:
-    """Served by every stage worker. Each stream carries one direction of one link; a chunk that fails
-    validation (malformed bytes, oversized, wrong run id, shape, dtype, size, NaN/Inf) ends the
-    stream with INVALID_ARGUMENT naming what was wrong; the server keeps serving and nothing of the
-    rejected chunk reaches the model. The sender opens a new stream for what follows.
-    """
+    """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
         """Constructor.
@@ -48,6 +44,21 @@ class StageStub:
                 request_serializer=peer_dot_wire_dot_anchormesh__pb2.GradientChunk.SerializeToString,
                 response_deserializer=peer_dot_wire_dot_anchormesh__pb2.Ack.FromString,
                 _registered_method=True)
+        self.AnchorForward = channel.stream_stream(
+                '/anchormesh.v1.Stage/AnchorForward',
+                request_serializer=peer_dot_wire_dot_anchormesh__pb2.ActivationChunk.SerializeToString,
+                response_deserializer=peer_dot_wire_dot_anchormesh__pb2.Ack.FromString,
+                _registered_method=True)
+        self.AnchorBackward = channel.stream_stream(
+                '/anchormesh.v1.Stage/AnchorBackward',
+                request_serializer=peer_dot_wire_dot_anchormesh__pb2.GradientChunk.SerializeToString,
+                response_deserializer=peer_dot_wire_dot_anchormesh__pb2.Ack.FromString,
+                _registered_method=True)
+        self.Prior = channel.stream_stream(
+                '/anchormesh.v1.Stage/Prior',
+                request_serializer=peer_dot_wire_dot_anchormesh__pb2.AnchorPrior.SerializeToString,
+                response_deserializer=peer_dot_wire_dot_anchormesh__pb2.Ack.FromString,
+                _registered_method=True)
         self.Ping = channel.unary_unary(
                 '/anchormesh.v1.Stage/Ping',
                 request_serializer=peer_dot_wire_dot_anchormesh__pb2.PingRequest.SerializeToString,
@@ -56,11 +67,7 @@ class StageStub:
 
 
 class StageServicer:
-    """Served by every stage worker. Each stream carries one direction of one link; a chunk that fails
-    validation (malformed bytes, oversized, wrong run id, shape, dtype, size, NaN/Inf) ends the
-    stream with INVALID_ARGUMENT naming what was wrong; the server keeps serving and nothing of the
-    rejected chunk reaches the model. The sender opens a new stream for what follows.
-    """
+    """Missing associated documentation comment in .proto file."""
 
     def Forward(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
@@ -69,6 +76,26 @@ class StageServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Backward(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AnchorForward(self, request_iterator, context):
+        """the slow anchor circuit: the same messages with header.dense = true (unmasked), served only
+        when the fast queues are empty
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AnchorBackward(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Prior(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -93,6 +120,21 @@ def add_StageServicer_to_server(servicer, server):
                     request_deserializer=peer_dot_wire_dot_anchormesh__pb2.GradientChunk.FromString,
                     response_serializer=peer_dot_wire_dot_anchormesh__pb2.Ack.SerializeToString,
             ),
+            'AnchorForward': grpc.stream_stream_rpc_method_handler(
+                    servicer.AnchorForward,
+                    request_deserializer=peer_dot_wire_dot_anchormesh__pb2.ActivationChunk.FromString,
+                    response_serializer=peer_dot_wire_dot_anchormesh__pb2.Ack.SerializeToString,
+            ),
+            'AnchorBackward': grpc.stream_stream_rpc_method_handler(
+                    servicer.AnchorBackward,
+                    request_deserializer=peer_dot_wire_dot_anchormesh__pb2.GradientChunk.FromString,
+                    response_serializer=peer_dot_wire_dot_anchormesh__pb2.Ack.SerializeToString,
+            ),
+            'Prior': grpc.stream_stream_rpc_method_handler(
+                    servicer.Prior,
+                    request_deserializer=peer_dot_wire_dot_anchormesh__pb2.AnchorPrior.FromString,
+                    response_serializer=peer_dot_wire_dot_anchormesh__pb2.Ack.SerializeToString,
+            ),
             'Ping': grpc.unary_unary_rpc_method_handler(
                     servicer.Ping,
                     request_deserializer=peer_dot_wire_dot_anchormesh__pb2.PingRequest.FromString,
@@ -107,11 +149,7 @@ def add_StageServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Stage:
-    """Served by every stage worker. Each stream carries one direction of one link; a chunk that fails
-    validation (malformed bytes, oversized, wrong run id, shape, dtype, size, NaN/Inf) ends the
-    stream with INVALID_ARGUMENT naming what was wrong; the server keeps serving and nothing of the
-    rejected chunk reaches the model. The sender opens a new stream for what follows.
-    """
+    """Missing associated documentation comment in .proto file."""
 
     @staticmethod
     def Forward(request_iterator,
@@ -156,6 +194,87 @@ class Stage:
             target,
             '/anchormesh.v1.Stage/Backward',
             peer_dot_wire_dot_anchormesh__pb2.GradientChunk.SerializeToString,
+            peer_dot_wire_dot_anchormesh__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AnchorForward(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/anchormesh.v1.Stage/AnchorForward',
+            peer_dot_wire_dot_anchormesh__pb2.ActivationChunk.SerializeToString,
+            peer_dot_wire_dot_anchormesh__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AnchorBackward(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/anchormesh.v1.Stage/AnchorBackward',
+            peer_dot_wire_dot_anchormesh__pb2.GradientChunk.SerializeToString,
+            peer_dot_wire_dot_anchormesh__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prior(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/anchormesh.v1.Stage/Prior',
+            peer_dot_wire_dot_anchormesh__pb2.AnchorPrior.SerializeToString,
             peer_dot_wire_dot_anchormesh__pb2.Ack.FromString,
             options,
             channel_credentials,

@@ -1,0 +1,270 @@
+"""The slow anchor circuit in the swarm: unmasked passes on idle peers, priors to every stage group.
+
+The tracker hands anchor jobs to a stage-0 peer (`Directive.anchor_id`). When that peer's fast
+work is idle it injects the job's micro-batches *dense* (`header.dense`, fp16 hidden states, no
+mask, no basis) on the `AnchorForward` rpc. Every stage runs them on a snapshot of its weights
+taken at the job's first micro-batch (one set of weights for the whole pass, so a fast step in
+between changes nothing), sends the output to one next-stage peer (the same one for every
+micro-batch of a job, so each stage's sum lands on one peer) and the input gradient back on
+`AnchorBackward`. The stage peer that has finished all backward passes of a job holds that
+stage's dense gradient of the 2-D decoder matrices: it hands it to its own optimizer and sends it
+to the rest of its stage group on the `Prior` rpc, so every optimizer of the stage sees it.
+
+Nothing in the fast circuit waits: a peer does anchor work only when its fast queues are empty
+(`tick` is called only then), priors are folded in between steps, and a job that loses a peer
+midway is dropped after `timeout_s`. Only the dense prior is computed here; the spectral modes
+that need the masked twin of the anchor batch ("ef", "paper_ef") are refused by the tracker for
+swarm runs (peer/config.py: `check_swarm`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch.func import functional_call
+
+from peer.errors import WireError
+from peer.model.stages import lm_loss
+from peer.pipeline.runner import StageWorker
+from peer.pipeline.transport import Address
+from peer.wire import anchormesh_pb2 as pb
+from peer.wire.tensors import parse_message, proto_to_tensor, tensor_to_proto, token_dtype
+
+log = logging.getLogger(__name__)
+
+ANCHOR_CHANNELS = ("anchor_forward", "anchor_backward", "prior")
+MAX_MESSAGE_BYTES = 256 * 2**20
+
+
+@dataclass
+class _Pending:
+    """One anchor micro-batch this stage ran forward and still owes a backward for."""
+
+    x: torch.Tensor | None  # received hidden state (leaf), None at stage 0
+    out: torch.Tensor
+    sender: str
+
+
+@dataclass
+class _Job:
+    """One anchor pass as this stage sees it."""
+
+    anchor_id: int
+    weights_step: int
+    snapshot: dict[str, torch.Tensor]  # every parameter; the decoder matrices require grad
+    started: float
+    dst: Address | None = None  # next-stage peer for every micro-batch of this job
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    pending: dict[int, _Pending] = field(default_factory=dict)
+    done: int = 0
+    loss: float = math.nan
+
+
+class SwarmAnchor:
+    """Anchor work of one peer's stage.
+
+    Args:
+        worker: the peer's fast-circuit worker (its stage, optimizer, transport, run id, name).
+        micro_batches: micro-batches per anchor pass (the run's `anchor.micro_batches`).
+        siblings: the other live peers of this stage group (where a finished prior goes).
+        timeout_s: a job with no progress for this long is dropped (a peer on its path left).
+    """
+
+    def __init__(self, worker: StageWorker, micro_batches: int, siblings: Callable[[], list[Address]], timeout_s: float = 120.0) -> None:
+        self.w, self.micro_batches, self.siblings, self.timeout_s = worker, micro_batches, siblings, timeout_s
+        self.targets = worker.stage.decoder_matrices()
+        self.shapes = {n: tuple(p.shape) for n, p in worker.stage.named_parameters() if n in self.targets}
+        self.jobs: dict[int, _Job] = {}
+        self.todo: deque[tuple[int, int, torch.Tensor]] = deque()  # stage 0: (anchor_id, j, window)
+        self.inbox: dict[str, deque] = {ch: deque() for ch in ANCHOR_CHANNELS}
+        self.newest_id = 0  # newest anchor pass folded into the optimizer (the tracker numbers them in time order)
+        self.priors_applied = 0
+        self.micro_batches_done = 0
+        self.stale_dropped = 0
+
+    # -- bookkeeping --------------------------------------------------------------------------
+    @property
+    def bytes_out(self) -> int:
+        return sum(self.w.transport.total_bytes(ch) for ch in ANCHOR_CHANNELS)
+
+    @property
+    def busy(self) -> bool:
+        """Anchor work is waiting here (stage 0 uses it to know it may still inject)."""
+        return bool(self.todo or self.inbox["anchor_forward"] or self.inbox["anchor_backward"])
+
+    def schedule(self, anchor_id: int, windows: list[torch.Tensor]) -> None:
+        """Stage 0: queue anchor pass `anchor_id` over these token windows [B, T+1]."""
+        if anchor_id in self.jobs or any(a == anchor_id for a, _, _ in self.todo):
+            return
+        for j, window in enumerate(windows):
+            self.todo.append((anchor_id, j, window))
+
+    def validate(self, channel: str, msg: object) -> None:
+        """Vet an inbound anchor message before it is queued (transport threads)."""
+        s = self.w.stage
+        if channel == "anchor_forward":
+            if not msg.header.dense:
+                raise WireError("header.dense=false: anchor activations travel dense")
+            if msg.header.boundary != s.index - 1:
+                raise WireError(f"header.boundary={msg.header.boundary}: stage {s.index} receives activations on boundary {s.index - 1}")
+            if msg.header.micro_batch_id >= self.micro_batches:
+                raise WireError(f"micro_batch_id={msg.header.micro_batch_id}: an anchor pass has {self.micro_batches} micro-batches")
+            window = proto_to_tensor(msg.token_ids)
+            if window.is_floating_point() or window.ndim != 2 or window.shape[1] < 2:
+                raise WireError(f"token_ids: expected integer [B, T+1], got {window.dtype} {tuple(window.shape)}")
+            if int(window.min()) < 0 or int(window.max()) >= s.vocab_size:
+                raise WireError(f"token_ids: values must be in [0, {s.vocab_size})")
+            proto_to_tensor(msg.hidden, expect_shape=(window.shape[0], window.shape[1] - 1, s.hidden_size))
+        elif channel == "anchor_backward":
+            if msg.header.boundary != s.index:
+                raise WireError(f"header.boundary={msg.header.boundary}: stage {s.index} receives gradients on boundary {s.index}")
+            job = self.jobs.get(msg.header.step)
+            pending = job.pending.get(msg.header.micro_batch_id) if job else None
+            if pending is None:
+                raise WireError(f"anchor gradient for unknown micro-batch (anchor {msg.header.step}, micro_batch_id={msg.header.micro_batch_id})")
+            proto_to_tensor(msg.grad, expect_shape=tuple(pending.out.shape))
+        elif channel == "prior":
+            if msg.stage != s.index:
+                raise WireError(f"stage={msg.stage}: this peer serves stage {s.index}")
+            names = [g.name for g in msg.grads]
+            unknown = sorted(set(names) - self.targets)
+            if unknown or len(set(names)) != len(names) or not names:
+                raise WireError(f"grads: names must be distinct decoder matrices of stage {s.index}; got unknown {unknown[:3]} of {len(names)}")
+            for g in msg.grads:
+                proto_to_tensor(g.tensor, expect_shape=self.shapes[g.name])
+        else:
+            raise WireError(f"channel={channel!r} is not an anchor channel")
+
+    def drain(self) -> None:
+        for ch in ANCHOR_CHANNELS:
+            cls = pb.AnchorPrior if ch == "prior" else pb.ActivationChunk if ch == "anchor_forward" else pb.GradientChunk
+            while (data := self.w.transport.poll(self.w.addr, ch)) is not None:
+                self.inbox[ch].append(parse_message(cls, data, MAX_MESSAGE_BYTES))
+
+    # -- priors (between steps, cheap) --------------------------------------------------------
+    def apply_priors(self) -> None:
+        """Fold the priors that arrived from the stage group into this peer's optimizer."""
+        while self.inbox["prior"]:
+            msg = self.inbox["prior"].popleft()
+            grads = {g.name: proto_to_tensor(g.tensor, expect_shape=self.shapes[g.name]).float() for g in msg.grads}
+            self._fold(msg.header.micro_batch_id, grads, f"from {msg.header.sender}")
+
+    def _fold(self, anchor_id: int, grads: dict[str, torch.Tensor], origin: str) -> None:
+        """Hand a prior to the optimizer. Priors are ordered by anchor id, not by the step they ran
+        at: peers of one group count their own local steps, so their step numbers drift apart."""
+        if anchor_id <= self.newest_id:
+            self.stale_dropped += 1
+            log.info("anchor %d %s is not newer than the newest one folded in (%d): skipped", anchor_id, origin, self.newest_id)
+            return
+        # stamped with this peer's own step: monotonic here, and at most a few steps off the weights it ran on
+        self.w.optimizer.observe_anchor(max(self.w.version, self.w.optimizer.spectral.anchor_step or 0), grads, None)
+        self.newest_id = anchor_id
+        self.priors_applied += 1
+        log.info("anchor %d %s folded in at step %d (%d so far)", anchor_id, origin, self.w.version, self.priors_applied)
+
+    # -- work (only when the fast circuit is idle) --------------------------------------------
+    def tick(self, next_hop: Callable[[], Address], resolve: Callable[[str], Address]) -> bool:
+        """One unit of anchor work: a backward, else a forward, else (stage 0) an injection."""
+        self._expire()
+        if self.inbox["anchor_backward"]:
+            self._backward(self.inbox["anchor_backward"].popleft(), resolve)
+            return True
+        if self.inbox["anchor_forward"]:
+            self._forward(self.inbox["anchor_forward"].popleft(), next_hop, resolve)
+            return True
+        if self.todo:
+            anchor_id, j, window = self.todo.popleft()
+            job = self._job(anchor_id)
+            if job.dst is None:
+                job.dst = next_hop()
+            out = functional_call(self.w.stage, job.snapshot, (window[:, :-1],))
+            job.pending[j] = _Pending(None, out, "")
+            self._send_forward(job, j, out, window)
+            return True
+        return False
+
+    def _job(self, anchor_id: int) -> _Job:
+        job = self.jobs.get(anchor_id)
+        if job is None:
+            snapshot = {n: p.detach().clone().requires_grad_(n in self.targets) for n, p in self.w.stage.named_parameters()}
+            job = self.jobs[anchor_id] = _Job(anchor_id, self.w.version, snapshot, time.monotonic())
+        return job
+
+    def _send_forward(self, job: _Job, j: int, out: torch.Tensor, window: torch.Tensor) -> None:
+        b = self.w.stage.index
+        header = pb.MicroBatchHeader(run_id=self.w.run_id, micro_batch_id=j, step=job.anchor_id, sender=self.w.name, boundary=b, dense=True)
+        msg = pb.ActivationChunk(header=header, hidden=tensor_to_proto(out.detach().half()), token_ids=tensor_to_proto(window.to(token_dtype(self.w.stage.vocab_size))))
+        self.w.transport.send(self.w.addr, job.dst, "anchor_forward", msg.SerializeToString())
+
+    def _forward(self, msg: pb.ActivationChunk, next_hop: Callable[[], Address], resolve: Callable[[str], Address]) -> None:
+        job = self._job(msg.header.step)
+        j = msg.header.micro_batch_id
+        if j in job.pending:
+            return  # a duplicate
+        window = proto_to_tensor(msg.token_ids).long()
+        x = proto_to_tensor(msg.hidden).float().requires_grad_(True)
+        out = functional_call(self.w.stage, job.snapshot, (x,))
+        if not self.w.stage.is_last:
+            if job.dst is None:
+                job.dst = next_hop()
+            job.pending[j] = _Pending(x, out, msg.header.sender)
+            self._send_forward(job, j, out, window)
+            return
+        loss = lm_loss(out, window[:, 1:])
+        job.loss = (0.0 if math.isnan(job.loss) else job.loss) + float(loss.detach()) / self.micro_batches
+        self._backward_through(job, _Pending(x, loss / self.micro_batches, msg.header.sender), None, j, resolve)
+
+    def _backward(self, msg: pb.GradientChunk, resolve: Callable[[str], Address]) -> None:
+        job = self.jobs.get(msg.header.step)
+        pending = job.pending.pop(msg.header.micro_batch_id, None) if job else None
+        if pending is None:
+            raise WireError(f"anchor gradient for unknown micro-batch (anchor {msg.header.step}, micro_batch_id={msg.header.micro_batch_id})")
+        g = proto_to_tensor(msg.grad, expect_shape=tuple(pending.out.shape)).to(pending.out.dtype)
+        self._backward_through(job, pending, g, msg.header.micro_batch_id, resolve)
+
+    def _backward_through(self, job: _Job, p: _Pending, g: torch.Tensor | None, j: int, resolve: Callable[[str], Address]) -> None:
+        """Gradients of the decoder matrices (accumulated) and of the input (sent back)."""
+        names = sorted(self.targets)
+        inputs = [job.snapshot[n] for n in names] + ([p.x] if p.x is not None else [])
+        grads = torch.autograd.grad(p.out, inputs, grad_outputs=g, allow_unused=True)
+        for n, gr in zip(names, grads):
+            if gr is not None:
+                job.grads[n] = job.grads[n] + gr if n in job.grads else gr.detach().clone()
+        if p.x is not None:
+            b = self.w.stage.index - 1
+            header = pb.MicroBatchHeader(run_id=self.w.run_id, micro_batch_id=j, step=job.anchor_id, sender=self.w.name, boundary=b, dense=True)
+            back = pb.GradientChunk(header=header, grad=tensor_to_proto(grads[-1].detach().half()))
+            self.w.transport.send(self.w.addr, resolve(p.sender), "anchor_backward", back.SerializeToString())
+        job.done += 1
+        self.micro_batches_done += 1
+        if job.done == self.micro_batches:
+            self._finish(job)
+
+    def _finish(self, job: _Job) -> None:
+        del self.jobs[job.anchor_id]
+        if len(job.grads) != len(self.targets):
+            log.warning("anchor %d: gradients of %d of %d decoder matrices; skipped", job.anchor_id, len(job.grads), len(self.targets))
+            return
+        self._fold(job.anchor_id, job.grads, "(computed here)")
+        prior = pb.AnchorPrior(
+            header=pb.MicroBatchHeader(run_id=self.w.run_id, micro_batch_id=job.anchor_id, step=job.weights_step, sender=self.w.name, boundary=self.w.stage.index, dense=True),
+            stage=self.w.stage.index,
+            grads=[pb.NamedTensor(name=n, tensor=tensor_to_proto(g.to(torch.bfloat16))) for n, g in sorted(job.grads.items())],
+            loss=job.loss,
+        )
+        data = prior.SerializeToString()
+        for dst in self.siblings():
+            self.w.transport.send(self.w.addr, dst, "prior", data)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for anchor_id, job in list(self.jobs.items()):
+            if now - job.started > self.timeout_s:
+                del self.jobs[anchor_id]
+                log.warning("anchor %d: no progress for %.0fs (a peer on its path left?); dropped", anchor_id, now - job.started)
