@@ -67,10 +67,11 @@ class Tracker:
     count as the median measured speed (1.0 when none is). A joiner takes the stage with the
     lowest score. A stage with no live peer pulls one peer from the highest-scoring stage that
     has at least two; so does a stage whose score a move would raise the run's bottleneck (the
-    lowest score) by more than half, when every peer involved is measured (capacity readings on
-    shared machines are noisy, and a move costs the peer a restart). A peer is moved only after
-    `move_cooldown_s` in its stage, at most one move per `move_cooldown_s`, and the moved peer is
-    given the stage it was moved for when it joins again.
+    lowest score) by more than half, when every peer involved is measured and that has held for
+    `move_cooldown_s` (capacity readings on shared machines are noisy, and a move costs the peer
+    a restart). A peer is moved only after `move_cooldown_s` in its stage, at most one move per
+    `move_cooldown_s`; the moved peer is given the stage it was moved for when it joins again,
+    and until then it counts for that stage.
     """
 
     run_id: str
@@ -93,7 +94,8 @@ class Tracker:
         self._next_anchor_at = self.config.anchor.every  # the first pass at step K, as in the local runner
         self._next_move_at = self.started
         self.moves = 0
-        self._reserved: dict[str, int] = {}  # peer id -> the stage it was moved to
+        self._reserved: dict[str, tuple[int, float, float]] = {}  # peer id -> (stage it was moved to, its speed, when)
+        self._imbalanced_since: float | None = None  # when the capacity rule first asked for a move (reset when it stops)
 
     # -- stage balance ----------------------------------------------------------------------
     def _speeds(self) -> dict[str, float]:
@@ -106,7 +108,10 @@ class Tracker:
     def scores(self, speeds: dict[str, float] | None = None) -> list[float]:
         """Per stage: the tokens/s its live peers could sustain (see the class docstring)."""
         speeds = self._speeds() if speeds is None else speeds
-        return [sum(speeds[p.peer_id] for p in self.live(s)) / self.layers[s] for s in range(self.config.model.num_stages)]
+        pending = [0.0] * self.config.model.num_stages  # moved peers on their way to their new stage
+        for stage, speed, _ in self._reserved.values():
+            pending[stage] += speed
+        return [(sum(speeds[p.peer_id] for p in self.live(s)) + pending[s]) / self.layers[s] for s in range(self.config.model.num_stages)]
 
     def _pick_stage(self) -> int:
         scores = self.scores()
@@ -129,12 +134,21 @@ class Tracker:
         after[poor] += v / self.layers[poor]
         if self.live(poor):
             if any(q.capacity <= 0 for q in self.live(poor) + self.live(rich)) or min(after) <= 1.5 * min(scores):
+                self._imbalanced_since = None
                 return None
+            if self._imbalanced_since is None:
+                self._imbalanced_since = now
+            if now - self._imbalanced_since < self.move_cooldown_s:
+                return None  # not yet sustained
+        self._imbalanced_since = None
         return poor
 
     # -- membership -------------------------------------------------------------------------
     def _expire(self) -> None:
         now = self.clock()
+        for pid, (_, _, at) in list(self._reserved.items()):
+            if now - at > 3 * self.peer_timeout_s:  # the moved peer never came back
+                del self._reserved[pid]
         for p in self.peers.values():
             if p.state in LIVE and now - p.last_seen > self.peer_timeout_s:
                 p.state, p.reason = "dead", f"no heartbeat for {now - p.last_seen:.1f}s (timeout {self.peer_timeout_s:.0f}s)"
@@ -155,7 +169,7 @@ class Tracker:
             old = self.peers.get(req.peer_id)
             if old is not None and old.state in LIVE:
                 raise JoinRefused(f"peer_id={req.peer_id!r} is already in the run (state {old.state})")
-            stage = self._reserved.pop(req.peer_id, None)
+            stage, _, _ = self._reserved.pop(req.peer_id, (None, 0.0, 0.0))
             if stage is None:
                 stage = self._pick_stage()
             start_step = max((p.step for p in self.peers.values() if p.stage == stage), default=0)
@@ -192,8 +206,9 @@ class Tracker:
             if target is not None:
                 self.moves += 1
                 self._next_move_at = self.clock() + self.move_cooldown_s
+                speed = self._speeds()[p.peer_id]
                 p.state, p.reason = "left", f"moved to stage {target}, which was starving"
-                self._reserved[p.peer_id] = target
+                self._reserved[p.peer_id] = (target, speed, self.clock())
                 return pb.Directive(kind=pb.Directive.MOVE, reason=f"stage {target} needs a peer more than stage {p.stage}")
             neighbours = [self._info(q) for q in self.live() if abs(q.stage - p.stage) <= 1 and q.peer_id != p.peer_id]
             directive = pb.Directive(kind=pb.Directive.CONTINUE, neighbours=neighbours)

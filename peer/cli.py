@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -81,6 +82,11 @@ def main(argv: list[str] | None = None) -> None:
             config = load_run_toml(args.config) if args.config else None
             run_bootstrap(config, args.host, args.port, args.dht_port, args.state_dir, args.peer_timeout)
         elif args.command == "peer":
+            import faulthandler
+            import signal
+
+            print(f"anchormesh peer: starting (pid {os.getpid()}); SIGUSR1 dumps every thread's stack to stderr", file=sys.stderr, flush=True)
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
             from peer.daemon import run_peer
 
             run_peer(args.initial_peers, args.tracker, args.host, args.grpc_port, args.device, args.max_steps, args.state_dir)

@@ -12,7 +12,9 @@ and the stage group averages parameters every `dp.inner_steps` steps in the back
 tracker schedules; peer/pipeline/swarm_anchor.py), and the priors reach every optimizer of the
 stage group. A MOVE directive (a starving stage needs this peer) makes the daemon leave and
 start again in the same process (exec), keeping its peer id; the tracker then gives it the
-starving stage. Not yet: state transfer to a joiner, auth.
+starving stage. A peer that joins a trained run downloads its stage's state (parameters and
+AdamW moments) from the most-trained member of its group through hivemind. Not yet: auth,
+checkpoints on disk.
 """
 
 from __future__ import annotations
@@ -128,6 +130,7 @@ class PeerDaemon:
         self.anchor: SwarmAnchor | None = None
         self._anchor_jobs: deque[tuple[int, int]] = deque()  # (anchor id, micro-batches) from the tracker
         self.move_reason = ""  # set when the tracker moves this peer to another stage
+        self.terminated = False  # SIGTERM/SIGINT: leave for good, even when a move was asked
         self._busy = 0.0  # seconds spent computing since the last rate update
         self.capacity = 0.0
 
@@ -235,13 +238,66 @@ class PeerDaemon:
         if self.dht is None:
             log.warning("no DHT: this peer will not average with its stage group")
             return
-        self.averager = GroupAverager(self.dht, list(self.worker.stage.parameters()), prefix, every=every)
+        self.averager = GroupAverager(self.dht, list(self.worker.stage.parameters()), prefix, every=every, state_fn=self._stage_state)
         log.info("stage-group averaging every %d steps (group key %s)", every, prefix)
+
+    # -- state transfer ---------------------------------------------------------------------
+    def _stage_state(self) -> tuple[dict, list[torch.Tensor]]:
+        """What a joiner of this stage group downloads: parameters and AdamW moments, in
+        named_parameters order, plus the step counts (hivemind's thread calls it, under the lock)."""
+        w = self.worker
+        with self.averager.lock:
+            params = [p.detach().clone() for _, p in w.stage.named_parameters()]
+            opt = w.optimizer.opt
+            moments, adam_step = [], 0.0
+            for key in ("exp_avg", "exp_avg_sq"):
+                for _, p in w.stage.named_parameters():
+                    st = opt.state.get(p, {})
+                    moments.append(st[key].detach().clone() if key in st else torch.zeros_like(p))
+                    adam_step = max(adam_step, float(st.get("step", 0.0)))
+            return {"version": w.version, "adam_step": adam_step}, params + moments
+
+    def _load_group_state(self) -> None:
+        """A joiner takes the most-trained group member's state when there is one; a download that
+        does not fit this stage (count, shape, dtype, non-finite values) is ignored, not half-applied."""
+        got = self.averager.load_state(timeout=60.0) if self.averager is not None else None
+        if got is None:
+            log.info("no stage state to download (first peer of its group, or no donor answered): starting from the initial weights")
+            return
+        metadata, tensors = got
+        w = self.worker
+        named = list(w.stage.named_parameters())
+        n = len(named)
+        try:
+            if not isinstance(metadata, dict) or len(tensors) != 3 * n:
+                raise ValueError(f"{len(tensors)} tensors, expected {3 * n}")
+            for i, t in enumerate(tensors):
+                name, p = named[i % n]
+                if tuple(t.shape) != tuple(p.shape) or not t.is_floating_point() or not torch.isfinite(t).all():
+                    raise ValueError(f"tensor {i} ({name}): {t.dtype} {tuple(t.shape)} does not fit {tuple(p.shape)} or is not finite")
+            version, adam_step = int(metadata["version"]), float(metadata["adam_step"])
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("downloaded stage state ignored: %s", exc)
+            return
+        with torch.no_grad(), self.averager.lock:
+            for (name, p), t in zip(named, tensors[:n]):
+                p.copy_(t.to(p.dtype))
+            if adam_step > 0:
+                for (name, p), m, v in zip(named, tensors[n : 2 * n], tensors[2 * n :]):
+                    w.optimizer.opt.state[p] = {"step": torch.tensor(adam_step), "exp_avg": m.to(p.dtype).clone(), "exp_avg_sq": v.to(p.dtype).clone()}
+            w.version = max(w.version, version)
+            if w.stage.is_first:
+                w.next_mb = w.version * w.cfg.pipeline.micro_batches
+        log.info("took the stage state of a group member at step %d (AdamW step %d)", version, adam_step)
 
     # -- main loop --------------------------------------------------------------------------
     def run(self, max_steps: int | None = None) -> None:
-        signal.signal(signal.SIGTERM, lambda *_: self.stop.set())
-        signal.signal(signal.SIGINT, lambda *_: self.stop.set())
+        def terminate(*_) -> None:
+            self.terminated = True
+            self.stop.set()
+
+        signal.signal(signal.SIGTERM, terminate)
+        signal.signal(signal.SIGINT, terminate)
         with grpc.insecure_channel(self.tracker) as join_channel:
             a = join(pbg.TrackerStub(join_channel), pb.JoinRequest(peer_id=self.peer_id, grpc_address=self.address, code_version=__version__), self.stop)
         cfg = config_from_dict(json.loads(a.run_config_json))
@@ -251,10 +307,12 @@ class PeerDaemon:
         stage.train()
         replica = uuid.uuid4().int % (1 << 20)  # makes this peer's micro-batch ids (and masks) its own
         self.worker = StageWorker(stage, replica, cfg, MaskCodec(cfg.mask), self.transport, a.run_id, peer_id=self.peer_id, next_hop=self._next_hop, resolve=self._resolve, local_steps=True)
-        self.worker.version = a.start_step  # continue the run's step numbering (weights: fresh, no state transfer yet)
+        self.worker.version = a.start_step  # continue the run's step numbering (the group's state may raise it)
         self.worker.next_mb = a.start_step * cfg.pipeline.micro_batches
         self.anchor = SwarmAnchor(self.worker, cfg.anchor.micro_batches, self._siblings)
         self._start_averaging(f"{a.run_id}_stage{a.stage}", cfg.dp.inner_steps)  # forks: before any gRPC runs
+        if a.start_step > 0:  # the run has trained: take the group's state rather than the initial weights
+            self._load_group_state()
         self.transport.start()
         channel = grpc.insecure_channel(self.tracker)
         stub = pbg.TrackerStub(channel)
@@ -282,10 +340,11 @@ class PeerDaemon:
                     log.warning("dropped a message: %s", exc)
         finally:
             self.state = "left"
-            self.reason = f"moving: {self.move_reason}" if self.move_reason else "shutting down"
-            why = "SIGTERM" if self.stop.is_set() else "done"
+            moving = bool(self.move_reason) and not self.terminated
+            self.reason = f"moving: {self.move_reason}" if moving else "shutting down"
+            why = "SIGTERM" if self.terminated else "done"
             try:
-                stub.Leave(pb.LeaveRequest(run_id=a.run_id, peer_id=self.peer_id, reason=self.reason if self.move_reason else why), timeout=5)
+                stub.Leave(pb.LeaveRequest(run_id=a.run_id, peer_id=self.peer_id, reason=self.reason if moving else why), timeout=5)
             except grpc.RpcError as exc:
                 log.warning("could not say goodbye to the tracker: %s", exc.details())
             self.stop.set()
@@ -308,9 +367,14 @@ class PeerDaemon:
         self.anchor.apply_priors()
         if w.ready(w.version):
             w.gradients()
-            w.apply_step()
             if self.averager is not None:
+                with self.averager.lock:
+                    w.apply_step()
                 self.averager.after_step(w.version)
+                if w.version % max(cfg.dp.inner_steps, 1) == 0:
+                    self.averager.share_state(priority=w.version)
+            else:
+                w.apply_step()
             if w.stage.is_last:
                 losses = [x for step_losses in w.losses.values() for x in step_losses]
                 w.losses.clear()
@@ -370,14 +434,17 @@ def run_peer(initial_peers: list[str], tracker: str | None, host: str, grpc_port
 
     stop = threading.Event()
     if not initial_peers:
+        log.info("asking the tracker %s for the run's DHT addresses", tracker)
         initial_peers = dht_maddrs_from_tracker(tracker, stop)
+    log.info("starting a DHT node (initial peers: %s)", ", ".join(initial_peers))
     dht = hivemind.DHT(initial_peers=initial_peers, host_maddrs=[f"/ip4/{host}/tcp/0"], start=True)  # before any gRPC
+    log.info("DHT node up")
     if tracker is None:
         tracker = find_tracker(dht, stop)
         log.info("found the tracker at %s through the DHT", tracker)
     daemon = PeerDaemon(tracker, host, grpc_port, device, dht=dht, state_dir=state_dir)
     daemon.run(max_steps)
-    if daemon.move_reason:
+    if daemon.move_reason and not daemon.terminated:
         # start again from a clean process (hivemind forks; a fork beside live gRPC threads can hang)
         log.info("%s starts again to join the stage that needs it", daemon.peer_id)
         os.environ[PEER_ID_ENV] = daemon.peer_id

@@ -91,9 +91,14 @@ def test_a_move_needs_a_real_gain_and_waits_for_the_cooldown() -> None:
     beat(t, "c", capacity=500.0)
     assert beat(t, "b", capacity=450.0).kind == pb.Directive.CONTINUE
     assert beat(t, "a", capacity=500.0).kind == pb.Directive.CONTINUE
-    # stage 1 slows down to 100 tokens/s: moving a peer raises the bottleneck from 100 to 500
+    # stage 1 slows down to 100 tokens/s: moving a peer would raise the bottleneck from 100 to 500,
+    # and once that has held for the cooldown, the move comes
+    beat(t, "b", capacity=100.0)
+    assert beat(t, "a", capacity=500.0).kind == pb.Directive.CONTINUE
+    clock.t += 21.0
     beat(t, "b", capacity=100.0)
     assert beat(t, "a", capacity=500.0).kind == pb.Directive.MOVE
+    assert t.scores()[1] == pytest.approx(600.0)  # the moved peer counts for stage 1 until it is back
     assert join(t, "a").stage == 1
     beat(t, "a", capacity=500.0)
     beat(t, "b", capacity=100.0)

@@ -6,16 +6,42 @@ wire). The round runs in the background while the peer keeps training; when it f
 peer adds (group mean - what it offered) to its current weights, so the local steps taken
 meanwhile are kept (DiLoCo's outer step with lr 1, applied late). No peer waits for the slowest:
 a peer alone in its stage, or a round that finds no group in time, just trains on.
+
+The same averager hands a stage's state to a peer that joins the group late (hivemind's
+`load_state_from_peers`): each peer declares itself a donor with its step count as priority, so
+a joiner downloads from the most-trained member; a peer that has not trained yet declares nothing.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import torch
 
 log = logging.getLogger(__name__)
+
+
+StateFn = Callable[[], tuple[dict, list[torch.Tensor]]]  # -> (small metadata, tensors): what a joiner downloads
+
+
+def _averager_class():
+    from hivemind.averaging import DecentralizedAverager
+
+    class StageAverager(DecentralizedAverager):
+        """hivemind's averager whose shared state is the live stage state (not its averaging buffer)."""
+
+        def __init__(self, *args, state_fn: StateFn, **kwargs) -> None:
+            self._state_fn = state_fn
+            super().__init__(*args, **kwargs)
+
+        def get_current_state(self):  # runs in this (host) process, on hivemind's background thread
+            metadata, tensors = self._state_fn()
+            return metadata, tensors, None
+
+    return StageAverager
 
 
 class GroupAverager:
@@ -25,22 +51,42 @@ class GroupAverager:
         prefix: matchmaking key, e.g. "<run_id>_stage1" (no dots: hivemind forbids them); only peers with the same prefix meet.
         every: local steps between rounds (DiLoCo H).
         timeout: seconds a round may take, matchmaking included.
+        state_fn: the state a joiner downloads; default: the parameters alone. Called from
+            hivemind's thread: hold `lock` while changing what it reads.
     """
 
-    def __init__(self, dht, params: list[torch.nn.Parameter], prefix: str, every: int = 10, timeout: float = 30.0) -> None:
-        from hivemind.averaging import DecentralizedAverager
+    def __init__(self, dht, params: list[torch.nn.Parameter], prefix: str, every: int = 10, timeout: float = 30.0, state_fn: StateFn | None = None) -> None:
         from hivemind.compression import Float16Compression
 
         self.params, self.every, self.timeout = params, every, timeout
+        self.lock = threading.Lock()  # the owner holds it while stepping; state_fn reads under it
         self._offered: list[torch.Tensor] | None = None
         self._pending: Future | None = None
         self.rounds = 0
         self.failures = 0
         self.last_error = ""
-        self.averager = DecentralizedAverager(
+        self.averager = _averager_class()(
             [p.detach().clone() for p in params], dht, start=True, prefix=prefix, target_group_size=None, min_group_size=2,
             min_matchmaking_time=2.0, request_timeout=1.0, compression=Float16Compression(),
+            state_fn=state_fn or self._params_state, allow_state_sharing=False,  # nothing worth sharing before training
         )
+
+    def _params_state(self) -> tuple[dict, list[torch.Tensor]]:
+        with self.lock:
+            return {}, [p.detach().clone() for p in self.params]
+
+    def share_state(self, priority: float) -> None:
+        """Offer this peer's state to joiners; the highest priority (its step count) is asked first."""
+        self.averager.state_sharing_priority = float(priority)
+        self.averager.allow_state_sharing = True
+
+    def load_state(self, timeout: float = 60.0) -> tuple[dict, list[torch.Tensor]] | None:
+        """The state of the most-trained peer of the group, or None (nobody to ask, or it failed)."""
+        try:
+            return self.averager.load_state_from_peers(timeout=timeout)
+        except Exception as exc:  # a donor that vanished mid-download, a timeout
+            log.warning("could not download the stage state from the group: %s: %s", type(exc).__name__, exc)
+            return None
 
     def after_step(self, local_step: int) -> None:
         """Call after every optimizer step; never blocks."""
