@@ -45,6 +45,8 @@ class PeerRecord:
     anchor_id: int = 0
     anchor_bytes_out: int = 0
     capacity: float = 0.0  # tokens/s at its stage if it never waited; 0 = not measured yet
+    dp_bytes_out: int = 0
+    dp_dense_bytes: int = 0
     joined_at: float = 0.0
 
 
@@ -201,6 +203,7 @@ class Tracker:
             p.last_seen, p.tokens_per_s, p.step, p.loss = self.clock(), info.tokens_per_s, info.step, info.loss
             p.bytes_in, p.bytes_out, p.queue_depth, p.tokens, p.reason = info.bytes_in, info.bytes_out, info.queue_depth, rep.tokens, info.reason
             p.dp_rounds, p.anchor_id, p.anchor_bytes_out, p.capacity = info.dp_rounds, info.anchor_id, info.anchor_bytes_out, info.capacity_tokens_per_s
+            p.dp_bytes_out, p.dp_dense_bytes = info.dp_bytes_out, info.dp_dense_bytes
             self._expire()
             target = self._move_target(p)
             if target is not None:
@@ -242,7 +245,8 @@ class Tracker:
             peer_id=p.peer_id, stage=p.stage, address=p.address, state=p.state, last_seen_s=self.clock() - p.last_seen,
             tokens_per_s=p.tokens_per_s, bytes_in=p.bytes_in, bytes_out=p.bytes_out, step=p.step, loss=p.loss,
             queue_depth=p.queue_depth, reason=p.reason, dp_rounds=p.dp_rounds, anchor_id=p.anchor_id,
-            anchor_bytes_out=p.anchor_bytes_out, capacity_tokens_per_s=p.capacity,
+            anchor_bytes_out=p.anchor_bytes_out, capacity_tokens_per_s=p.capacity, dp_bytes_out=p.dp_bytes_out,
+            dp_dense_bytes=p.dp_dense_bytes,
         )
 
     def status(self) -> pb.RunStatus:
@@ -259,6 +263,7 @@ class Tracker:
             losses = [p.loss for p in last if not math.isnan(p.loss)]
             step = self._run_step()
             anchor_bytes = sum(p.anchor_bytes_out for p in self.peers.values())
+            dp_bytes = sum(p.dp_bytes_out for p in self.peers.values())
             pp_bytes = sum(p.bytes_out for p in self.peers.values()) - anchor_bytes
             newest = max((p.anchor_id for p in self.peers.values()), default=0)
             anchor_step = self._anchor_launched_at.get(newest, -1)
@@ -287,4 +292,6 @@ class Tracker:
                 anchors_launched=self.anchors_launched,
                 anchor_bytes_per_token=anchor_bytes / tokens if tokens else 0.0,
                 stage_moves=self.moves,
+                dp_bytes_per_token=dp_bytes / tokens if tokens else 0.0,
+                dp_compression=sum(p.dp_dense_bytes for p in self.peers.values()) / dp_bytes if dp_bytes else 0.0,
             )

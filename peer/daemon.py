@@ -144,11 +144,16 @@ class PeerDaemon:
 
     # -- routing ----------------------------------------------------------------------------
     def _next_hop(self) -> str:
-        """A live next-stage peer, chosen with probability proportional to its measured throughput."""
+        """A live next-stage peer, chosen with probability proportional to its measured capacity
+        (tokens/s it could do if never waiting). Not its throughput: a peer that gets little work
+        shows little throughput, and routing by it would starve that peer further. A peer not
+        measured yet counts as the median of the others."""
         peers = self.neighbours.get(self.worker.stage.index + 1, [])
         if not peers:
             raise AnchormeshError(f"no live peer of stage {self.worker.stage.index + 1} to send to")
-        weights = torch.tensor([max(p.tokens_per_s, 1000.0) for p in peers])
+        measured = sorted(p.capacity_tokens_per_s for p in peers if p.capacity_tokens_per_s > 0)
+        default = measured[len(measured) // 2] if measured else 1.0
+        weights = torch.tensor([p.capacity_tokens_per_s if p.capacity_tokens_per_s > 0 else default for p in peers])
         return peers[int(torch.multinomial(weights, 1, generator=self._route_gen))].peer_id
 
     def _resolve(self, sender: str) -> str:
@@ -186,6 +191,8 @@ class PeerDaemon:
                 anchor_id=self.anchor.newest_id if self.anchor else 0,
                 anchor_bytes_out=self.anchor.bytes_out if self.anchor else 0,
                 capacity_tokens_per_s=self.capacity,
+                dp_bytes_out=self.averager.bytes_out if self.averager else 0,
+                dp_dense_bytes=self.averager.dense_bytes if self.averager else 0,
             ),
         )
 

@@ -35,6 +35,8 @@ def status_dict(s: pb.RunStatus) -> dict:
         "anchors_launched": s.anchors_launched,
         "anchor_bytes_per_token": s.anchor_bytes_per_token,
         "stage_moves": s.stage_moves,
+        "dp_bytes_per_token": s.dp_bytes_per_token,
+        "dp_compression": s.dp_compression,
         "stages": [
             {"index": st.index, "peers": st.peers, "tokens_per_s": st.tokens_per_s, "queue_depth": st.queue_depth, "capacity_tokens_per_s": st.capacity_tokens_per_s}
             for st in s.stages
@@ -45,7 +47,7 @@ def status_dict(s: pb.RunStatus) -> dict:
                 "tokens_per_s": p.tokens_per_s, "step": p.step, "loss": _num(p.loss), "bytes_in": p.bytes_in,
                 "bytes_out": p.bytes_out, "queue_depth": p.queue_depth, "dp_rounds": p.dp_rounds, "reason": p.reason,
                 "anchor_id": p.anchor_id or None, "anchor_bytes_out": p.anchor_bytes_out,
-                "capacity_tokens_per_s": p.capacity_tokens_per_s,
+                "capacity_tokens_per_s": p.capacity_tokens_per_s, "dp_bytes_out": p.dp_bytes_out,
             }
             for p in s.peers
         ],
@@ -59,7 +61,8 @@ def render(s: pb.RunStatus) -> str:
     lines = [
         f"run {s.run_id}  {s.state.upper()}{'  (' + s.reason + ')' if s.reason else ''}  up {s.uptime_s:.0f}s",
         f"step {s.step}  tokens {s.tokens:,}  loss {loss}  {s.tokens_per_s:,.0f} tok/s  "
-        f"PP {s.pp_bytes_per_token:.1f} B/token ({s.pp_compression:.1f}x vs dense fp16)",
+        f"PP {s.pp_bytes_per_token:.1f} B/token ({s.pp_compression:.1f}x vs dense fp16)  "
+        f"DP {s.dp_bytes_per_token:.1f} B/token" + (f" ({s.dp_compression:.0f}x vs fp32 all-reduce every step)" if s.dp_compression else " (no round yet)"),
         f"anchor: {anchor} ({s.anchors_launched} launched, {s.anchor_bytes_per_token:.1f} B/token)  stage moves: {s.stage_moves}",
         "",
         f"{'stage':>5} {'peers':>5} {'tok/s':>9} {'could':>9} {'queue':>5}",

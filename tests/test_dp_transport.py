@@ -19,7 +19,7 @@ def test_grpc_and_hivemind_rounds_give_the_true_mean() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     base = random_base(12 * 16 + 16 + 48, seed=3)
-    out = run_benchmark({"tiny": (SHAPES, base)}, rounds=2, warmup=0, mm_times=(0.5,), keep_values=True)
+    out = run_benchmark({"tiny": (SHAPES, base)}, rounds=2, warmup=0, hivemind_cases=((0.5, None),), keep_values=True)
     json.dumps(out)  # JSON-ready
 
     assert out["benchmark"] == "dp_transport"
@@ -37,12 +37,18 @@ def test_grpc_and_hivemind_rounds_give_the_true_mean() -> None:
         assert r["bytes_per_round_per_peer"]["fp16_payload_computed"] == 2 * 256
         measured = r["bytes_per_round_per_peer"]["tcp_acked_measured"]
         assert measured is None or measured >= 2 * 256
-        assert r["max_abs_err_vs_true_mean"] < 1e-3
-        assert len(r["values"]) == 2
+        assert len(r["values"]) == 2 and len(r["max_abs_err_per_round"]) == 2
+        dev = max(float((torch.tensor(v) - mean).abs().max()) for v in r["values"])  # last round, both peers
+        assert dev == pytest.approx(r["max_abs_err_per_round"][-1], rel=1e-2, abs=1e-6)  # the bench reports what happened
+        if name == "hivemind" and r["inexact_rounds"]:
+            # hivemind can finish a round with a failed reducer's part left un-averaged and still
+            # report success; the bench must flag it (seen about once in 100 rounds under load)
+            assert r["max_abs_err_vs_true_mean"] > 1e-2 and r["errors"]
+            continue
+        assert r["inexact_rounds"] == 0 and r["max_abs_err_vs_true_mean"] < 1e-3, (name, r["errors"])
+        assert dev < 1e-3, name
         for values in r["values"]:
-            got = torch.tensor(values)
-            assert got.shape == mean.shape
-            assert torch.allclose(got, mean, atol=1e-3, rtol=0), (name, float((got - mean).abs().max()))
+            assert torch.allclose(torch.tensor(values), mean, atol=1e-3, rtol=0)
 
     hm = results["hivemind"]
     assert hm["min_matchmaking_time"] == 0.5 and hm["request_timeout"] < 0.5

@@ -140,6 +140,8 @@ def test_two_stages_of_two_peers_train_anchor_rebalance_and_survive_churn(swarm:
     assert all(st["tokens_per_s"] > 0 for st in late["stages"]) or late["tokens_per_s"] > 0
     assert late["anchors_launched"] >= 2 and late["anchor_age_steps"] is not None and late["anchor_bytes_per_token"] > 0
     assert 0 < late["pp_bytes_per_token"] < 100, "the low-rank codec should send far fewer bytes than dense (512 B/token)"
+    # a round of fp16 parameter averaging every dp.inner_steps steps vs an fp32 gradient all-reduce every step
+    assert late["dp_compression"] >= 2 and late["dp_bytes_per_token"] > 0
 
     # every peer of the stage with fewer peers leaves: it starves, and pulls a peer from the other stage
     by_stage = {st["index"]: st["peers"] for st in late["stages"]}
@@ -163,6 +165,8 @@ def test_two_stages_of_two_peers_train_anchor_rebalance_and_survive_churn(swarm:
     # a newcomer joins the run and works
     swarm.start("peer", "--tracker", tracker, log="peer4.log")
     swarm.wait_for(tracker, lambda s: sum(p["state"] == "active" for p in s["peers"]) == 3, timeout=120)
+    # ... starting from its stage group's state, not from the initial weights
+    assert "took the stage state of a group member" in (tmp_path / "peer4.log").read_text()
 
 
 def test_status_of_an_unreachable_tracker_says_so() -> None:

@@ -159,3 +159,15 @@ def test_swarm_refuses_spectral_modes_that_need_the_masked_twin() -> None:
     with pytest.raises(ConfigError, match="spectral.mode"):
         check_swarm(TrainConfig(anchor=AnchorConfig(every=5), spectral=SpectralConfig(mode="ef")))
     check_swarm(TrainConfig(anchor=AnchorConfig(every=5), spectral=SpectralConfig(mode="paper")))
+
+
+def test_status_reports_dp_bytes_and_compression() -> None:
+    t, _ = make()
+    join(t, "a")
+    join(t, "b")
+    for pid, sent, dense in (("a", 1000, 40_000), ("b", 1000, 20_000)):
+        p = t.peers[pid]
+        info = pb.PeerInfo(peer_id=pid, stage=p.stage, address=p.address, state="active", step=10, dp_bytes_out=sent, dp_dense_bytes=dense)
+        t.report(pb.PeerReport(run_id="run-x", peer=info, tokens=500 if pid == "a" else 0))
+    s = t.status()
+    assert s.dp_compression == pytest.approx(30.0) and s.dp_bytes_per_token == pytest.approx(2000 / 500)

@@ -7,14 +7,18 @@ averaging round of the parameters of one pipeline stage done two ways:
 
 * hivemind: DecentralizedAverager all-reduce configured as GroupAverager configures it
   (Float16Compression, min_group_size=2, target_group_size=None, request_timeout=1.0,
-  min_matchmaking_time=2.0, and also a shorter min_matchmaking_time to show what matchmaking
-  costs). Each peer is its own process with its own hivemind.DHT; the second DHT bootstraps
-  from the first's visible multiaddrs. Matchmaking and all-reduce time are split by polling the
-  round's StepControl stage (LOOKING_FOR_GROUP -> RUNNING_ALLREDUCE).
-* grpc: the least any gRPC all-reduce of 2 peers has to do. Each peer runs a server with a
-  generic raw-bytes handler; per round each peer sends its whole parameter vector as fp16 bytes
-  to the other in one unary call, waits for the other's bytes, and averages the two fp16 copies.
-  Timed: fp32->fp16 serialization, the exchange, deserialization and the mean.
+  min_matchmaking_time=2.0), then with a shorter min_matchmaking_time (0.5, request_timeout 0.4)
+  to show what matchmaking costs, and with target_group_size=2 (the group size known in advance,
+  so the leader may start the all-reduce as soon as the group is full). Each peer is its own
+  process with its own hivemind.DHT; the second DHT bootstraps from the first's visible
+  multiaddrs. Every case gets fresh peer processes and DHTs (a second averager on a DHT whose
+  first averager was shut down hung in hivemind 1.1.12 here). Matchmaking and all-reduce time
+  are split by polling the round's StepControl stage (LOOKING_FOR_GROUP -> RUNNING_ALLREDUCE).
+* grpc / grpc-stream: the least any gRPC all-reduce of 2 peers has to do. Each peer runs a
+  server with a generic raw-bytes handler; per round each peer sends its whole parameter vector
+  as fp16 bytes to the other (one unary call, or one client-streaming call of 1 MiB chunks),
+  waits for the other's bytes, and averages the two fp16 copies. Timed: flattening, fp32->fp16
+  serialization, the exchange, deserialization and the mean. No group protocol, no failures.
 
 Both rounds start together: the parent sends "round i" to both peer processes over their stdin
 and waits for both replies (the round's wall time is the slower peer's). Warm-up rounds are
@@ -23,7 +27,9 @@ sizes (2 bytes/float in both transports; for 2 peers hivemind sends half to redu
 averaged deltas back, the same 2*N bytes), and what the peer's processes' loopback TCP sockets
 acknowledged (`ss -tin` bytes_acked summed over the peer's process tree: payload plus protobuf,
 HTTP/2 or libp2p framing and encryption, and for hivemind the DHT traffic of matchmaking; no
-TCP/IP headers). Every round checks the result against the true fp32 mean of both peers' inputs.
+TCP/IP headers). Every round checks the result against the true fp32 mean of both peers' inputs
+and counts rounds reported done whose result is not that mean (hivemind keeps a peer's local
+values for parts whose reducer failed and still returns success, logging "received N% results").
 
 Run: `python -m peer.bench.dp_transport --json OUT [--rounds N]`. Every process the benchmark
 starts (peer processes, their hivemind DHT/averager children and p2pd daemons) is tracked by pid
@@ -54,12 +60,16 @@ import torch
 
 SERVICE = "anchormesh.bench.DPExchange"
 STREAM_CHUNK_BYTES = 1 << 20
-HIVEMIND_MM_TIMES = (2.0, 0.5)
+# (min_matchmaking_time, target_group_size): GroupAverager's settings, a shorter matchmaking, and
+# GroupAverager's settings with the group size known in advance (the leader may start once it is full)
+HIVEMIND_CASES: tuple[tuple[float, int | None], ...] = ((2.0, None), (0.5, None), (2.0, 2))
 GROUP_AVERAGER_REQUEST_TIMEOUT = 1.0
 STEP_TIMEOUT_S = 60.0  # a round's bound, as GroupAverager's `timeout` (hivemind applies it to matchmaking)
 HUNG_AFTER_S = 90.0  # the bench gives up on a round (and says so) after this
 NOISE_STD = 0.05  # peer i's vector = base + NOISE_STD * noise_i: peers differ like after a few local steps
 LARGE_FLOATS = 25_000_000
+# fp16 rounding leaves < 1e-3 here; a part left un-averaged is off by |a - b| / 2 ~ NOISE_STD
+INEXACT_ABOVE = 1e-2
 
 Shapes = list[tuple[int, ...]]
 
@@ -139,19 +149,27 @@ class _Reply:
 @dataclass
 class _Case:
     shapes: Shapes
-    base: torch.Tensor
-    mine: torch.Tensor
-    mean: torch.Tensor
+    mine: torch.Tensor  # this peer's flat input
+    mean: torch.Tensor  # the true fp32 mean of both peers' inputs
+    params: list[torch.Tensor]  # `mine` as the stage's tensors
 
 
 def _load_case(cmd: dict[str, Any], peer: int) -> _Case:
     base = torch.load(cmd["base_path"])
     shapes = [tuple(s) for s in cmd["shapes"]]
-    return _Case(shapes, base, peer_vector(base, peer), true_mean(base))
+    inputs = [peer_vector(base, i) for i in range(2)]
+    return _Case(shapes, inputs[peer], (inputs[0] + inputs[1]) / 2, split_flat(inputs[peer], shapes))
 
 
-def _max_err(result: torch.Tensor, case: _Case) -> float:
-    return float((result - case.mean).abs().max())
+def _max_err(result: torch.Tensor | list[torch.Tensor], case: _Case) -> float:
+    """Largest |result - true mean|; `result` flat or as the stage's tensors."""
+    if isinstance(result, torch.Tensor):
+        return float((result - case.mean).abs().max())
+    err, o = 0.0, 0
+    for t in result:
+        err = max(err, float((t.reshape(-1) - case.mean[o:o + t.numel()]).abs().max()))
+        o += t.numel()
+    return err
 
 
 def _values_out(result: torch.Tensor, cmd: dict[str, Any]) -> dict[str, Any]:
@@ -172,23 +190,25 @@ def _hivemind_peer(peer: int, initial_peers: list[str], reply: _Reply) -> None:
         for line in sys.stdin:
             cmd = json.loads(line)
             if cmd["cmd"] == "setup":
+                t_setup = time.perf_counter()
                 case = _load_case(cmd, peer)
                 averager = DecentralizedAverager(
-                    split_flat(case.mine, case.shapes), dht, start=True, prefix=cmd["prefix"], target_group_size=None, min_group_size=2,
+                    [p.clone() for p in case.params], dht, start=True, prefix=cmd["prefix"], target_group_size=cmd["target_group_size"], min_group_size=2,
                     min_matchmaking_time=cmd["min_matchmaking_time"], request_timeout=cmd["request_timeout"], compression=Float16Compression(),
                 )
-                reply.send({"ok": True})
+                reply.send({"ok": True, "setup_s": time.perf_counter() - t_setup})
             elif cmd["cmd"] == "round":
                 assert averager is not None and case is not None
                 with averager.get_tensors() as tensors:  # reset to this peer's inputs (not timed, as in GroupAverager)
-                    for t, v in zip(tensors, split_flat(case.mine, case.shapes)):
+                    for t, v in zip(tensors, case.params):
                         t.copy_(v)
                 t0 = time.perf_counter()
                 control = averager.step(wait=False, timeout=STEP_TIMEOUT_S)
                 t_running, retries, last, hung = None, 0, None, False
                 while not control.done():
                     if time.perf_counter() - t0 > HUNG_AFTER_S:  # hivemind bounds matchmaking, not the all-reduce
-                        hung = control.cancel() or True
+                        control.cancel()
+                        hung = True
                         break
                     stage = control.stage
                     if stage == AveragingStage.RUNNING_ALLREDUCE and last != stage:
@@ -204,9 +224,10 @@ def _hivemind_peer(peer: int, initial_peers: list[str], reply: _Reply) -> None:
                 except Exception as exc:  # hivemind reports a failed round as an exception
                     group, error = None, f"{type(exc).__name__}: {exc}"
                 with averager.get_tensors() as tensors:
-                    result = torch.cat([t.reshape(-1) for t in tensors]).clone()
+                    max_err = _max_err(list(tensors), case)
+                    values = _values_out(torch.cat([t.reshape(-1) for t in tensors]), cmd) if cmd.get("keep_values") else {}
                 out = {"ok": bool(group) and not error, "error": error, "wall_s": t1 - t0, "retries": retries,
-                       "group_size": len(group) if group else 0, "max_abs_err": _max_err(result, case), **_values_out(result, cmd)}
+                       "group_size": len(group) if group else 0, "max_abs_err": max_err, **values}
                 if t_running is not None:
                     out.update(matchmaking_s=t_running - t0, allreduce_s=t1 - t_running)
                 reply.send(out)
@@ -282,9 +303,8 @@ def _grpc_peer(peer: int, reply: _Reply) -> None:
             elif cmd["cmd"] == "round":
                 assert channel is not None and case is not None
                 rnd += 1
-                params = split_flat(case.mine, case.shapes)  # the stage's tensors, as the peer holds them
                 t0 = time.perf_counter()
-                mine16 = torch.cat([p.reshape(-1) for p in params]).half()
+                mine16 = torch.cat([p.reshape(-1) for p in case.params]).half()  # from the stage's tensors, as the peer holds them
                 meta = (("round", str(rnd)), ("floats", str(mine16.numel())))
                 error = ""
                 try:
@@ -424,15 +444,22 @@ class PeerProc:
             raise RuntimeError(f"peer process {self.proc.pid} exited (rc={self.proc.poll()}); log tail:\n{tail}")
         return json.loads(line)
 
-    def close(self) -> None:
-        """Ask it to quit, then end by pid whatever of its tree is still alive."""
+    def request_quit(self) -> None:
+        """Ask it to shut down its DHT/averager and exit (close() waits for it)."""
         if self.proc.poll() is None:
             self.track()
             try:
                 self.send({"cmd": "quit"})
-                self.proc.wait(timeout=20)
-            except (OSError, subprocess.TimeoutExpired):
+            except OSError:
                 pass
+
+    def close(self) -> None:
+        """Ask it to quit, then end by pid whatever of its tree is still alive."""
+        self.request_quit()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            pass
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -455,6 +482,13 @@ class PeerProc:
             if not alive:
                 break
         self.log.close()
+
+
+def _close_all(procs: list[PeerProc]) -> None:
+    for p in procs:  # all shut down at once, then each is waited for and its leftovers ended
+        p.request_quit()
+    for p in procs:
+        p.close()
 
 
 def _pair(a: PeerProc, b: PeerProc, cmd: dict[str, Any] | list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -499,26 +533,31 @@ class CaseResult:
     round_s: dict[str, float] | None
     bytes_per_round_per_peer: dict[str, Any]
     max_abs_err_vs_true_mean: float
+    inexact_rounds: int  # rounds the transport reported done whose result is not the mean (beyond fp16 rounding)
     min_matchmaking_time: float | None = None
     request_timeout: float | None = None
+    target_group_size: int | None = None
     matchmaking_s: dict[str, float] | None = None
     allreduce_s: dict[str, float] | None = None
     matchmaking_share_median: float | None = None
     retries: int = 0
     round_s_raw: list[float] = field(default_factory=list)
+    max_abs_err_per_round: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     values: list[list[float]] | None = None
 
 
 def _run_case(a: PeerProc, b: PeerProc, transport: str, size: SizeSpec, rounds: int, warmup: int, *, mm: float | None = None,
-              request_timeout: float | None = None, keep_values: bool = False, progress: Callable[[str], None] = lambda s: None) -> CaseResult:
+              request_timeout: float | None = None, target_group_size: int | None = None, keep_values: bool = False, progress: Callable[[str], None] = lambda s: None) -> CaseResult:
     tag = f"{transport}_{size.name}" + (f"_mm{str(mm).replace('.', 'p')}" if mm is not None else "")
+    tag += f"_target{target_group_size}" if target_group_size else ""
     setup = {"cmd": "setup", "shapes": size.shapes, "base_path": size.base_path, "prefix": f"bench_{tag}",
-             "min_matchmaking_time": mm, "request_timeout": request_timeout}
-    _pair(a, b, setup)
+             "min_matchmaking_time": mm, "request_timeout": request_timeout, "target_group_size": target_group_size}
+    sa, sb = _pair(a, b, setup)
+    progress(f"{tag}: set up in {max(sa.get('setup_s', 0), sb.get('setup_s', 0)):.1f}s")
     pids = a.track()
     b.track()
-    walls, mms, ars, shares, errs, max_err, retries, failed = [], [], [], [], [], 0.0, 0, 0
+    walls, mms, ars, shares, errs, round_errs, retries, failed = [], [], [], [], [], [], 0, 0
     values = None
     before = None
     for i in range(warmup + rounds):
@@ -527,6 +566,7 @@ def _run_case(a: PeerProc, b: PeerProc, transport: str, size: SizeSpec, rounds: 
         last = i == warmup + rounds - 1
         ra, rb = _pair(a, b, {"cmd": "round", "mode": transport, "keep_values": keep_values and last})
         if i < warmup:
+            progress(f"{tag}: warm-up round {max(ra['wall_s'], rb['wall_s']):.2f}s")
             continue
         ok = ra["ok"] and rb["ok"]
         if not ok:
@@ -535,7 +575,9 @@ def _run_case(a: PeerProc, b: PeerProc, transport: str, size: SizeSpec, rounds: 
             continue
         wall = max(ra["wall_s"], rb["wall_s"])
         walls.append(wall)
-        max_err = max(max_err, ra["max_abs_err"], rb["max_abs_err"])
+        round_errs.append(max(ra["max_abs_err"], rb["max_abs_err"]))
+        if round_errs[-1] > INEXACT_ABOVE:
+            errs.append(f"round {i - warmup}: reported done, but max |result - true mean| = {round_errs[-1]:.3g}")
         retries += ra.get("retries", 0) + rb.get("retries", 0)
         if "matchmaking_s" in ra and "matchmaking_s" in rb:
             mm_s = max(ra["matchmaking_s"], rb["matchmaking_s"])  # until both peers are in the all-reduce
@@ -551,16 +593,19 @@ def _run_case(a: PeerProc, b: PeerProc, transport: str, size: SizeSpec, rounds: 
     measured = _bytes_between(before, after)
     res = CaseResult(
         transport=transport, size=size.name, floats=size.floats, tensors=size.tensors, rounds=len(walls), failed_rounds=failed,
-        round_s=_summary(walls), max_abs_err_vs_true_mean=max_err, min_matchmaking_time=mm, request_timeout=request_timeout,
+        round_s=_summary(walls), max_abs_err_vs_true_mean=max(round_errs, default=0.0),
+        inexact_rounds=sum(e > INEXACT_ABOVE for e in round_errs),
+        min_matchmaking_time=mm, request_timeout=request_timeout, target_group_size=target_group_size,
         bytes_per_round_per_peer={
             "fp16_payload_computed": 2 * size.floats,
             "tcp_acked_measured": round(measured / rounds) if measured is not None and rounds else None,
         },
         matchmaking_s=_summary(mms), allreduce_s=_summary(ars),
         matchmaking_share_median=round(statistics.median(shares), 3) if shares else None,
-        retries=retries, round_s_raw=[round(w, 4) for w in walls], errors=errs[:5], values=values,
+        retries=retries, round_s_raw=[round(w, 4) for w in walls], max_abs_err_per_round=[float(f"{e:.3g}") for e in round_errs],
+        errors=errs[:5], values=values,
     )
-    progress(f"{tag}: median {res.round_s['median'] if res.round_s else None}s over {len(walls)} rounds, {failed} failed")
+    progress(f"{tag}: median {res.round_s['median'] if res.round_s else None}s over {len(walls)} rounds, {failed} failed, {res.inexact_rounds} inexact")
     return res
 
 
@@ -571,16 +616,19 @@ def _env() -> dict[str, str]:
     return env
 
 
-def run_benchmark(sizes: dict[str, tuple[Shapes, torch.Tensor]], *, rounds: int = 10, warmup: int = 2,
-                  mm_times: tuple[float, ...] = HIVEMIND_MM_TIMES, transports: tuple[str, ...] = ("grpc", "grpc-stream", "hivemind"),
+def run_benchmark(sizes: dict[str, tuple[Shapes, torch.Tensor]], *, rounds: int = 10, warmup: int = 1,
+                  hivemind_cases: tuple[tuple[float, int | None], ...] = HIVEMIND_CASES, transports: tuple[str, ...] = ("grpc", "grpc-stream", "hivemind"),
                   keep_values: bool = False, log_dir: Path | None = None, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-    """Measure every (transport, size[, min_matchmaking_time]) case between 2 peer processes.
+    """Measure every (transport, size) case, and for hivemind every (min_matchmaking_time,
+    target_group_size) of `hivemind_cases`, between 2 peer processes.
 
     `sizes`: name -> (tensor shapes, flat fp32 base values); peer i averages base + noise_i.
     Returns the JSON-ready result; with keep_values each case also holds both peers' final
     averaged vectors (for tests, at tiny sizes). Peer logs go to `log_dir` (default: a temporary
     directory removed at the end)."""
     env = _env()
+    start = time.perf_counter()
+    say = lambda msg: progress(f"[{time.perf_counter() - start:6.1f}s] {msg}")  # noqa: E731
     load = os.getloadavg()  # other work on the machine skews wall times: reported with the results
     results: list[CaseResult] = []
     with tempfile.TemporaryDirectory(prefix="dp-transport-") as tmp:
@@ -601,26 +649,30 @@ def run_benchmark(sizes: dict[str, tuple[Shapes, torch.Tensor]], *, rounds: int 
                 procs.append(b)
                 ra, rb = a.recv(), b.recv()
                 _pair(a, b, [{"cmd": "connect", "peer": rb["address"]}, {"cmd": "connect", "peer": ra["address"]}])
+                say("grpc peers up")
                 for s in specs:
                     for mode in [t for t in transports if t.startswith("grpc")]:
-                        results.append(_run_case(a, b, mode, s, rounds, warmup, keep_values=keep_values, progress=progress))
-                for p in (a, b):
-                    p.close()
+                        results.append(_run_case(a, b, mode, s, rounds, warmup, keep_values=keep_values, progress=say))
+                _close_all([a, b])
+                say("grpc peers closed")
             if "hivemind" in transports:
-                a = PeerProc({"transport": "hivemind", "peer": 0}, logs / "hivemind0.log", env)
-                procs.append(a)
-                ra = a.recv()
-                b = PeerProc({"transport": "hivemind", "peer": 1, "initial_peers": ra["maddrs"]}, logs / "hivemind1.log", env)
-                procs.append(b)
-                b.recv()
                 for s in specs:
-                    for mm in mm_times:
+                    for mm, target in hivemind_cases:  # fresh peers and DHTs per case, as a daemon runs one averager per DHT
+                        tag = f"{s.name}_mm{mm}_target{target}"
+                        a = PeerProc({"transport": "hivemind", "peer": 0}, logs / f"hivemind0_{tag}.log", env)
+                        procs.append(a)
+                        ra = a.recv()
+                        b = PeerProc({"transport": "hivemind", "peer": 1, "initial_peers": ra["maddrs"]}, logs / f"hivemind1_{tag}.log", env)
+                        procs.append(b)
+                        b.recv()
+                        say(f"hivemind peers up for {tag}")
                         rt = min(GROUP_AVERAGER_REQUEST_TIMEOUT, 0.8 * mm)  # hivemind wants request_timeout < min_matchmaking_time
-                        results.append(_run_case(a, b, "hivemind", s, rounds, warmup, mm=mm, request_timeout=rt,
-                                                 keep_values=keep_values, progress=progress))
+                        results.append(_run_case(a, b, "hivemind", s, rounds, warmup, mm=mm, request_timeout=rt, target_group_size=target,
+                                                 keep_values=keep_values, progress=say))
+                        _close_all([a, b])
+                        say("hivemind peers closed")
         finally:
-            for p in procs:
-                p.close()
+            _close_all(procs)
     import grpc
     import hivemind
 
@@ -633,7 +685,7 @@ def run_benchmark(sizes: dict[str, tuple[Shapes, torch.Tensor]], *, rounds: int 
             "sizes": {s.name: {"floats": s.floats, "tensors": s.tensors} for s in specs},
             "round_s": "wall time until both peers hold the mean (slower peer), warm-up rounds dropped",
             "transports": {
-                "hivemind": "DecentralizedAverager, Float16Compression, min_group_size=2, target_group_size=None; own DHT per peer",
+                "hivemind": "DecentralizedAverager, Float16Compression, min_group_size=2, target_group_size None (as GroupAverager) or 2; own DHT per peer, fresh per case",
                 "grpc": "one unary call per peer per round with the whole fp16 vector (generic handler, raw bytes); mean of both fp16 copies",
                 "grpc-stream": f"one client-streaming call per peer per round, {STREAM_CHUNK_BYTES} B fp16 chunks converted on the fly; mean of both fp16 copies",
             },
@@ -660,10 +712,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", type=Path, required=True, help="write the result here (also printed to stdout)")
     ap.add_argument("--rounds", type=int, default=10, help="measured rounds per case (after warm-up)")
     ap.add_argument("--log-dir", type=Path, help="keep the peer processes' logs here")
-    ap.add_argument("--warmup", type=int, default=2, help="warm-up rounds per case, not measured")
+    ap.add_argument("--warmup", type=int, default=1, help="warm-up rounds per case, not measured")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: run_benchmark ends its peer processes
     t0 = time.time()
     out = run_benchmark(default_sizes(), rounds=args.rounds, warmup=args.warmup, log_dir=args.log_dir, progress=lambda s: print(s, file=sys.stderr, flush=True))
     out["setup"]["benchmark_wall_s"] = round(time.time() - t0, 1)

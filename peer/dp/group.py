@@ -64,6 +64,11 @@ class GroupAverager:
         self._pending: Future | None = None
         self.rounds = 0
         self.failures = 0
+        self.numel = sum(p.numel() for p in params)
+        self.bytes_out = 0  # estimated from tensor sizes: hivemind exposes no byte counter
+        self.dense_bytes = 0  # a dense fp32 gradient all-reduce every step, over the same steps
+        self._last_round_step = 0
+        self._offered_at = 0
         self.last_error = ""
         self.averager = _averager_class()(
             [p.detach().clone() for p in params], dht, start=True, prefix=prefix, target_group_size=None, min_group_size=2,
@@ -94,6 +99,7 @@ class GroupAverager:
             self._finish()
         if self._pending is None and local_step % self.every == 0:
             self._offered = [p.detach().clone() for p in self.params]
+            self._offered_at = local_step
             with self.averager.get_tensors() as tensors:
                 for t, p in zip(tensors, self._offered):
                     t.copy_(p)
@@ -111,6 +117,13 @@ class GroupAverager:
         if not group:
             self.failures += 1
             return
+        # butterfly all-reduce in a group of n: each peer sends (n-1)/n of its tensors to scatter
+        # and its averaged 1/n part to the n-1 others: 2 (n-1)/n of the tensors, fp16 on the wire
+        n = len(group)
+        share = 2 * (n - 1) / n * self.numel
+        self.bytes_out += int(share * 2)
+        self.dense_bytes += int(share * 4 * max(self._offered_at - self._last_round_step, 1))
+        self._last_round_step = self._offered_at
         with torch.no_grad(), self.averager.get_tensors() as tensors:
             for p, offered, mean in zip(self.params, self._offered, tensors):
                 p.add_(mean.to(p.dtype) - offered)
