@@ -47,6 +47,8 @@ class PeerRecord:
     capacity: float = 0.0  # tokens/s at its stage if it never waited; 0 = not measured yet
     dp_bytes_out: int = 0
     dp_dense_bytes: int = 0
+    eval_id: int = 0
+    eval_loss: float = math.nan
     joined_at: float = 0.0
 
 
@@ -93,6 +95,9 @@ class Tracker:
         self.layers = [max(end - start, 1) for start, end in self.ranges]
         self.anchors_launched = 0
         self._anchor_launched_at: dict[int, int] = {}  # anchor id -> run step when it was launched
+        self.evals_launched = 0
+        self._eval_launched_at: dict[int, int] = {}
+        self._next_eval_at = self.config.pipeline.eval_every
         self._next_anchor_at = self.config.anchor.every  # the first pass at step K, as in the local runner
         self._next_move_at = self.started
         self.moves = 0
@@ -204,6 +209,7 @@ class Tracker:
             p.bytes_in, p.bytes_out, p.queue_depth, p.tokens, p.reason = info.bytes_in, info.bytes_out, info.queue_depth, rep.tokens, info.reason
             p.dp_rounds, p.anchor_id, p.anchor_bytes_out, p.capacity = info.dp_rounds, info.anchor_id, info.anchor_bytes_out, info.capacity_tokens_per_s
             p.dp_bytes_out, p.dp_dense_bytes = info.dp_bytes_out, info.dp_dense_bytes
+            p.eval_id, p.eval_loss = info.eval_id, info.eval_loss
             self._expire()
             target = self._move_target(p)
             if target is not None:
@@ -216,7 +222,20 @@ class Tracker:
             neighbours = [self._info(q) for q in self.live() if abs(q.stage - p.stage) <= 1 and q.peer_id != p.peer_id]
             directive = pb.Directive(kind=pb.Directive.CONTINUE, neighbours=neighbours)
             self._maybe_anchor(p, directive)
+            self._maybe_eval(p, directive)
         return directive
+
+    def _maybe_eval(self, p: PeerRecord, directive: pb.Directive) -> None:
+        """Every `pipeline.eval_every` run steps, the next stage-0 peer to report runs a held-out pass."""
+        every = self.config.pipeline.eval_every
+        if not every or p.stage != 0 or p.state not in ("active", "idle") or self._run_step() < self._next_eval_at:
+            return
+        if any(not self.live(s) for s in range(self.config.model.num_stages)):
+            return
+        self.evals_launched += 1
+        self._eval_launched_at[self.evals_launched] = self._run_step()
+        self._next_eval_at = self._run_step() + every
+        directive.eval_id = self.evals_launched
 
     def _maybe_anchor(self, p: PeerRecord, directive: pb.Directive) -> None:
         """Every `anchor.every` run steps, the next stage-0 peer to report gets an anchor job."""
@@ -246,7 +265,7 @@ class Tracker:
             tokens_per_s=p.tokens_per_s, bytes_in=p.bytes_in, bytes_out=p.bytes_out, step=p.step, loss=p.loss,
             queue_depth=p.queue_depth, reason=p.reason, dp_rounds=p.dp_rounds, anchor_id=p.anchor_id,
             anchor_bytes_out=p.anchor_bytes_out, capacity_tokens_per_s=p.capacity, dp_bytes_out=p.dp_bytes_out,
-            dp_dense_bytes=p.dp_dense_bytes,
+            dp_dense_bytes=p.dp_dense_bytes, eval_id=p.eval_id, eval_loss=p.eval_loss,
         )
 
     def status(self) -> pb.RunStatus:
@@ -264,6 +283,7 @@ class Tracker:
             step = self._run_step()
             anchor_bytes = sum(p.anchor_bytes_out for p in self.peers.values())
             dp_bytes = sum(p.dp_bytes_out for p in self.peers.values())
+            newest_eval = max((p for p in self.peers.values() if p.eval_id), key=lambda p: p.eval_id, default=None)
             pp_bytes = sum(p.bytes_out for p in self.peers.values()) - anchor_bytes
             newest = max((p.anchor_id for p in self.peers.values()), default=0)
             anchor_step = self._anchor_launched_at.get(newest, -1)
@@ -294,4 +314,6 @@ class Tracker:
                 stage_moves=self.moves,
                 dp_bytes_per_token=dp_bytes / tokens if tokens else 0.0,
                 dp_compression=sum(p.dp_dense_bytes for p in self.peers.values()) / dp_bytes if dp_bytes else 0.0,
+                eval_loss=newest_eval.eval_loss if newest_eval else math.nan,
+                eval_step=self._eval_launched_at.get(newest_eval.eval_id, -1) if newest_eval else -1,
             )

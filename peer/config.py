@@ -254,6 +254,9 @@ class PipelineConfig:
             (0 = every forward sees the newest weights, equal to synchronous training).
         staleness_correction: "none" or "lookahead" (forward on weights extrapolated by the
             last update times the delay, so stale gradients are taken near where they apply).
+        eval_every: swarm only: run steps between held-out evaluation passes (dense, forward
+            only, the same windows each time); 0 disables them.
+        eval_batches: micro-batches of held-out windows per evaluation pass.
     """
 
     micro_batch_size: int = 8
@@ -261,9 +264,12 @@ class PipelineConfig:
     seq_len: int = 128
     max_staleness: int = 0
     staleness_correction: str = "lookahead"
+    eval_every: int = 50
+    eval_batches: int = 4
 
     def __post_init__(self) -> None:
-        for name in ("micro_batch_size", "micro_batches", "seq_len"):
+        _positive("pipeline.eval_every", self.eval_every, allow_zero=True)
+        for name in ("micro_batch_size", "micro_batches", "seq_len", "eval_batches"):
             _positive(f"pipeline.{name}", getattr(self, name))
         _positive("pipeline.max_staleness", self.max_staleness, allow_zero=True)
         _choice("pipeline.staleness_correction", self.staleness_correction, ("none", "lookahead"))

@@ -129,6 +129,8 @@ class PeerDaemon:
         self.round_trips: deque[float] = deque(maxlen=64)  # stage 0: seconds from sending a micro-batch to its gradient
         self.anchor: SwarmAnchor | None = None
         self._anchor_jobs: deque[tuple[int, int]] = deque()  # (anchor id, micro-batches) from the tracker
+        self._eval_jobs: deque[int] = deque()  # evaluation pass ids from the tracker
+        self._eval_windows: list[torch.Tensor] | None = None  # stage 0: the held-out windows, the same every pass
         self.move_reason = ""  # set when the tracker moves this peer to another stage
         self.terminated = False  # SIGTERM/SIGINT: leave for good, even when a move was asked
         self._busy = 0.0  # seconds spent computing since the last rate update
@@ -193,6 +195,8 @@ class PeerDaemon:
                 capacity_tokens_per_s=self.capacity,
                 dp_bytes_out=self.averager.bytes_out if self.averager else 0,
                 dp_dense_bytes=self.averager.dense_bytes if self.averager else 0,
+                eval_id=self.anchor.eval_result[0] if self.anchor else 0,
+                eval_loss=self.anchor.eval_result[1] if self.anchor else math.nan,
             ),
         )
 
@@ -213,6 +217,8 @@ class PeerDaemon:
                     self._apply_neighbours(directive)
                     if directive.anchor_id:
                         self._anchor_jobs.append((directive.anchor_id, directive.anchor_micro_batches))
+                    if directive.eval_id:
+                        self._eval_jobs.append(directive.eval_id)
                     if directive.kind == pb.Directive.STOP:
                         log.info("tracker says stop: %s", directive.reason)
                         self.stop.set()
@@ -316,7 +322,7 @@ class PeerDaemon:
         self.worker = StageWorker(stage, replica, cfg, MaskCodec(cfg.mask), self.transport, a.run_id, peer_id=self.peer_id, next_hop=self._next_hop, resolve=self._resolve, local_steps=True)
         self.worker.version = a.start_step  # continue the run's step numbering (the group's state may raise it)
         self.worker.next_mb = a.start_step * cfg.pipeline.micro_batches
-        self.anchor = SwarmAnchor(self.worker, cfg.anchor.micro_batches, self._siblings)
+        self.anchor = SwarmAnchor(self.worker, cfg.anchor.micro_batches, self._siblings, eval_batches=cfg.pipeline.eval_batches)
         self._start_averaging(f"{a.run_id}_stage{a.stage}", cfg.dp.inner_steps)  # forks: before any gRPC runs
         if a.start_step > 0:  # the run has trained: take the group's state rather than the initial weights
             self._load_group_state()
@@ -399,6 +405,11 @@ class PeerDaemon:
                 # the anchor batch comes from this peer's data, seeded by the job id (reproducible)
                 agen = torch.Generator().manual_seed(cfg.seed * 7_919 + anchor_id)
                 self.anchor.schedule(anchor_id, [stream.batch(p.micro_batch_size, p.seq_len, agen) for _ in range(n)])
+            while self._eval_jobs:
+                if self._eval_windows is None:
+                    held = stream.eval_batches(p.micro_batch_size, p.seq_len, p.eval_batches)
+                    self._eval_windows = [held[i % len(held)] for i in range(p.eval_batches)]
+                self.anchor.schedule_eval(self._eval_jobs.popleft(), self._eval_windows)
         moved = w.backward_one() or (not w.stage.is_first and w.forward_one())
         if w.stage.is_first and not moved:
             step, j = divmod(w.next_mb, p.micro_batches)

@@ -25,6 +25,8 @@ def status_dict(s: pb.RunStatus) -> dict:
         "step": s.step,
         "tokens": s.tokens,
         "loss": _num(s.loss),
+        "eval_loss": _num(s.eval_loss),
+        "eval_step": s.eval_step if s.eval_step >= 0 else None,
         "tokens_per_s": s.tokens_per_s,
         "pp_bytes_per_token": s.pp_bytes_per_token,
         "pp_compression": s.pp_compression,
@@ -57,10 +59,11 @@ def status_dict(s: pb.RunStatus) -> dict:
 def render(s: pb.RunStatus) -> str:
     """A plain-text table for people."""
     loss = "—" if math.isnan(s.loss) else f"{s.loss:.3f}"
+    eval_loss = "—" if math.isnan(s.eval_loss) else f"{s.eval_loss:.3f} (at step {s.eval_step})"
     anchor = "off" if not s.anchors_launched else "none yet" if s.anchor_age_steps < 0 else f"{s.anchor_age_steps} steps old"
     lines = [
         f"run {s.run_id}  {s.state.upper()}{'  (' + s.reason + ')' if s.reason else ''}  up {s.uptime_s:.0f}s",
-        f"step {s.step}  tokens {s.tokens:,}  loss {loss}  {s.tokens_per_s:,.0f} tok/s  "
+        f"step {s.step}  tokens {s.tokens:,}  train loss {loss}  eval loss {eval_loss}  {s.tokens_per_s:,.0f} tok/s",
         f"PP {s.pp_bytes_per_token:.1f} B/token ({s.pp_compression:.1f}x vs dense fp16)  "
         f"DP {s.dp_bytes_per_token:.1f} B/token" + (f" ({s.dp_compression:.0f}x vs fp32 all-reduce every step)" if s.dp_compression else " (no round yet)"),
         f"anchor: {anchor} ({s.anchors_launched} launched, {s.anchor_bytes_per_token:.1f} B/token)  stage moves: {s.stage_moves}",

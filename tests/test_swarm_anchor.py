@@ -161,3 +161,20 @@ def test_bad_anchor_messages_are_refused_by_name() -> None:
     prior.grads.append(pb.NamedTensor(name=name, tensor=tensor_to_proto(torch.full(shape, float("inf")))))
     with pytest.raises(AnchormeshError, match="(?i)inf|finite"):
         a1.validate("prior", prior)
+
+
+def test_an_evaluation_pass_reports_the_dense_held_out_loss_and_changes_nothing() -> None:
+    model, transport, workers, anchors = build()
+    for a in anchors.values():
+        a.eval_batches = 2
+    before = {n: [p.detach().clone() for p in w.stage.parameters()] for n, w in workers.items()}
+    anchors["p0"].schedule_eval(3, windows())
+    run_until_quiet(workers, anchors)
+    with torch.no_grad():
+        ref = sum(float(lm_loss(model(input_ids=w[:, :-1]).logits, w[:, 1:])) for w in windows()) / M
+    eval_id, loss = anchors["p2"].eval_result
+    assert eval_id == 3 and abs(loss - ref) < 1e-2 * ref, (loss, ref)
+    assert anchors["p1"].eval_result[0] == 0  # only the last stage has a loss
+    for n, w in workers.items():
+        assert all(torch.equal(a, b) for a, b in zip(before[n], w.stage.parameters())), n
+        assert anchors[n].priors_applied == 0 and not w.optimizer.opt.state

@@ -93,6 +93,7 @@ lr = 2e-3
 micro_batch_size = 8
 micro_batches = 2
 seq_len = 128
+eval_every = 10
 """
 
 
@@ -138,6 +139,7 @@ def test_two_stages_of_two_peers_train_anchor_rebalance_and_survive_churn(swarm:
         assert p["state"] == "active" and p["address"].startswith("127.0.0.1:") and p["last_seen_s"] < 5
         assert p["bytes_out"] > 0 and p["step"] > 0  # (tokens/s is a 2 s window: a busy box may stall one peer that long)
     assert all(st["tokens_per_s"] > 0 for st in late["stages"]) or late["tokens_per_s"] > 0
+    assert late["eval_loss"] is not None and late["eval_loss"] < math.log(256) and late["eval_step"] >= 10
     assert late["anchors_launched"] >= 2 and late["anchor_age_steps"] is not None and late["anchor_bytes_per_token"] > 0
     assert 0 < late["pp_bytes_per_token"] < 100, "the low-rank codec should send far fewer bytes than dense (512 B/token)"
     # a round of fp16 parameter averaging every dp.inner_steps steps vs an fp32 gradient all-reduce every step

@@ -4,6 +4,7 @@ moves from a rich stage to a starving one, heartbeat expiry, anchor scheduling, 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -171,3 +172,18 @@ def test_status_reports_dp_bytes_and_compression() -> None:
         t.report(pb.PeerReport(run_id="run-x", peer=info, tokens=500 if pid == "a" else 0))
     s = t.status()
     assert s.dp_compression == pytest.approx(30.0) and s.dp_bytes_per_token == pytest.approx(2000 / 500)
+
+
+def test_evaluation_passes_go_to_stage_zero_every_eval_every_steps() -> None:
+    t, _ = make()
+    assert t.config.pipeline.eval_every == 50
+    join(t, "a")
+    join(t, "b")
+    assert beat(t, "a", step=49).eval_id == 0
+    assert beat(t, "a", step=50).eval_id == 1
+    assert beat(t, "a", step=51).eval_id == 0
+    assert math.isnan(t.status().eval_loss) and t.status().eval_step == -1
+    info = pb.PeerInfo(peer_id="b", stage=1, address=t.peers["b"].address, state="active", step=52, eval_id=1, eval_loss=2.5)
+    t.report(pb.PeerReport(run_id="run-x", peer=info, tokens=0))
+    s = t.status()
+    assert (s.eval_loss, s.eval_step) == (2.5, 50)

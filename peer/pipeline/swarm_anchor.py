@@ -10,6 +10,11 @@ micro-batch of a job, so each stage's sum lands on one peer) and the input gradi
 stage's dense gradient of the 2-D decoder matrices: it hands it to its own optimizer and sends it
 to the rest of its stage group on the `Prior` rpc, so every optimizer of the stage sees it.
 
+The same path carries held-out *evaluation* passes (`header.eval`): forward only, on the live
+weights under no_grad, all micro-batches of a pass through the same peers (as for anchors); the
+last stage averages the loss of the pass's micro-batches and reports it (`eval_result`). They give the run's eval loss without a
+separate service and without touching any weight or optimizer.
+
 Nothing in the fast circuit waits: a peer does anchor work only when its fast queues are empty
 (`tick` is called only then), priors are folded in between steps, and a job that loses a peer
 midway is dropped after `timeout_s`. Only the dense prior is computed here; the spectral modes
@@ -76,8 +81,13 @@ class SwarmAnchor:
         timeout_s: a job with no progress for this long is dropped (a peer on its path left).
     """
 
-    def __init__(self, worker: StageWorker, micro_batches: int, siblings: Callable[[], list[Address]], timeout_s: float = 120.0) -> None:
+    def __init__(self, worker: StageWorker, micro_batches: int, siblings: Callable[[], list[Address]], timeout_s: float = 120.0, eval_batches: int = 4) -> None:
         self.w, self.micro_batches, self.siblings, self.timeout_s = worker, micro_batches, siblings, timeout_s
+        self.eval_batches = eval_batches
+        self.eval_todo: deque[tuple[int, int, torch.Tensor]] = deque()  # stage 0: (eval id, j, window)
+        self._eval_sums: dict[int, tuple[float, int]] = {}  # last stage: eval id -> (loss sum, micro-batches)
+        self.eval_result: tuple[int, float] = (0, math.nan)  # last stage: (newest eval id finished, its loss)
+        self._eval_dst: dict[int, Address] = {}  # eval id -> next-stage peer for all its micro-batches
         self.targets = worker.stage.decoder_matrices()
         self.shapes = {n: tuple(p.shape) for n, p in worker.stage.named_parameters() if n in self.targets}
         self.jobs: dict[int, _Job] = {}
@@ -93,10 +103,10 @@ class SwarmAnchor:
     def bytes_out(self) -> int:
         return sum(self.w.transport.total_bytes(ch) for ch in ANCHOR_CHANNELS)
 
-    @property
-    def busy(self) -> bool:
-        """Anchor work is waiting here (stage 0 uses it to know it may still inject)."""
-        return bool(self.todo or self.inbox["anchor_forward"] or self.inbox["anchor_backward"])
+    def schedule_eval(self, eval_id: int, windows: list[torch.Tensor]) -> None:
+        """Stage 0: queue held-out evaluation pass `eval_id` over these windows [B, T+1]."""
+        for j, window in enumerate(windows[: self.eval_batches]):
+            self.eval_todo.append((eval_id, j, window))
 
     def schedule(self, anchor_id: int, windows: list[torch.Tensor]) -> None:
         """Stage 0: queue anchor pass `anchor_id` over these token windows [B, T+1]."""
@@ -113,8 +123,9 @@ class SwarmAnchor:
                 raise WireError("header.dense=false: anchor activations travel dense")
             if msg.header.boundary != s.index - 1:
                 raise WireError(f"header.boundary={msg.header.boundary}: stage {s.index} receives activations on boundary {s.index - 1}")
-            if msg.header.micro_batch_id >= self.micro_batches:
-                raise WireError(f"micro_batch_id={msg.header.micro_batch_id}: an anchor pass has {self.micro_batches} micro-batches")
+            limit, what = (self.eval_batches, "an evaluation") if msg.header.eval else (self.micro_batches, "an anchor")
+            if msg.header.micro_batch_id >= limit:
+                raise WireError(f"micro_batch_id={msg.header.micro_batch_id}: {what} pass has {limit} micro-batches")
             window = proto_to_tensor(msg.token_ids)
             if window.is_floating_point() or window.ndim != 2 or window.shape[1] < 2:
                 raise WireError(f"token_ids: expected integer [B, T+1], got {window.dtype} {tuple(window.shape)}")
@@ -176,7 +187,17 @@ class SwarmAnchor:
             self._backward(self.inbox["anchor_backward"].popleft(), resolve)
             return True
         if self.inbox["anchor_forward"]:
-            self._forward(self.inbox["anchor_forward"].popleft(), next_hop, resolve)
+            msg = self.inbox["anchor_forward"].popleft()
+            if msg.header.eval:
+                self._eval_forward(msg, next_hop)
+            else:
+                self._forward(msg, next_hop, resolve)
+            return True
+        if self.eval_todo:
+            eval_id, j, window = self.eval_todo.popleft()
+            with torch.no_grad():
+                out = self.w.stage(window[:, :-1])
+            self._send_eval(eval_id, j, out, window, self._eval_hop(eval_id, next_hop))
             return True
         if self.todo:
             anchor_id, j, window = self.todo.popleft()
@@ -188,6 +209,38 @@ class SwarmAnchor:
             self._send_forward(job, j, out, window)
             return True
         return False
+
+    def _eval_hop(self, eval_id: int, next_hop: Callable[[], Address]) -> Address:
+        if eval_id not in self._eval_dst:
+            self._eval_dst[eval_id] = next_hop()
+            for old in [k for k in self._eval_dst if k < eval_id - 4]:
+                del self._eval_dst[old]
+        return self._eval_dst[eval_id]
+
+    def _send_eval(self, eval_id: int, j: int, out: torch.Tensor, window: torch.Tensor, dst: Address) -> None:
+        header = pb.MicroBatchHeader(run_id=self.w.run_id, micro_batch_id=j, step=eval_id, sender=self.w.name, boundary=self.w.stage.index, dense=True, eval=True)
+        msg = pb.ActivationChunk(header=header, hidden=tensor_to_proto(out.half()), token_ids=tensor_to_proto(window.to(token_dtype(self.w.stage.vocab_size))))
+        self.w.transport.send(self.w.addr, dst, "anchor_forward", msg.SerializeToString())
+
+    def _eval_forward(self, msg: pb.ActivationChunk, next_hop: Callable[[], Address]) -> None:
+        """Forward only, live weights: the next stage, or (last stage) the loss of the pass."""
+        window = proto_to_tensor(msg.token_ids).long()
+        with torch.no_grad():
+            out = self.w.stage(proto_to_tensor(msg.hidden).float())
+            if not self.w.stage.is_last:
+                self._send_eval(msg.header.step, msg.header.micro_batch_id, out, window, self._eval_hop(msg.header.step, next_hop))
+                return
+            loss = float(lm_loss(out, window[:, 1:]))
+        eval_id = msg.header.step
+        total, n = self._eval_sums.get(eval_id, (0.0, 0))
+        self._eval_sums[eval_id] = (total + loss, n + 1)
+        if n + 1 == self.eval_batches:
+            del self._eval_sums[eval_id]
+            if eval_id > self.eval_result[0]:
+                self.eval_result = (eval_id, (total + loss) / (n + 1))
+                log.info("evaluation %d: held-out loss %.4f", eval_id, self.eval_result[1])
+        for stale in [k for k in self._eval_sums if k < eval_id - 4]:  # passes that lost a micro-batch
+            del self._eval_sums[stale]
 
     def _job(self, anchor_id: int) -> _Job:
         job = self.jobs.get(anchor_id)

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apeer/wire/anchormesh.proto\x12\ranchormesh.v1\"\xf2\x01\n\x0b\x43ompression\x12-\n\x04kind\x18\x01 \x01(\x0e\x32\x1f.anchormesh.v1.Compression.Kind\x12\x0c\n\x04\x64rop\x18\x02 \x01(\x02\x12\x11\n\tmask_seed\x18\x03 \x01(\x04\x12\x10\n\x08\x62oundary\x18\x04 \x01(\r\x12\x0c\n\x04step\x18\x05 \x01(\x04\x12\x13\n\x0bmicro_batch\x18\x06 \x01(\x04\x12$\n\x06values\x18\x07 \x01(\x0e\x32\x14.anchormesh.v1.DType\x12\x12\n\nblock_size\x18\x08 \x01(\r\"$\n\x04Kind\x12\x08\n\x04NONE\x10\x00\x12\x12\n\x0e\x42\x45RNOULLI_MASK\x10\x01\"\x85\x01\n\rTensorPayload\x12#\n\x05\x64type\x18\x01 \x01(\x0e\x32\x14.anchormesh.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12/\n\x0b\x63ompression\x18\x03 \x01(\x0b\x32\x1a.anchormesh.v1.Compression\x12\x0f\n\x07payload\x18\x04 \x01(\x0c\"\x8c\x01\n\x10MicroBatchHeader\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x16\n\x0emicro_batch_id\x18\x02 \x01(\x04\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x0e\n\x06sender\x18\x04 \x01(\t\x12\x11\n\tsignature\x18\x05 \x01(\x0c\x12\x10\n\x08\x62oundary\x18\x06 \x01(\r\x12\r\n\x05\x64\x65nse\x18\x07 \x01(\x08\"\xc6\x02\n\x0f\x41\x63tivationChunk\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1f.anchormesh.v1.MicroBatchHeader\x12,\n\x06hidden\x18\x02 \x01(\x0b\x32\x1c.anchormesh.v1.TensorPayload\x12/\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x1c.anchormesh.v1.TensorPayload\x12,\n\x06labels\x18\x04 \x01(\x0b\x32\x1c.anchormesh.v1.TensorPayload\x12\x15\n\rbasis_version\x18\x05 \x01(\x04\x12\x31\n\x0b\x62\x61sis_prior\x18\x06 \x01(\x0b\x32\x1c.anchormesh.v1.TensorPayload\x12+\n\x05\x62\x61sis\x18\x07 \x01(\x0b\x32\x1c.anchormesh.v1.TensorPayload\"l\n\rGradientChunk\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1f.anchormesh.v1.MicroBatchHeader\x12*\n\x04grad\x18\x02 \x01(\x0b\x32\x1c.anchormesh.v1.TensorPayload\"8\n\x03\x41\x63k\x12\x16\n\x0emicro_batch_id\x18\x01 \x01(\x04\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"-\n\x0bPingRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06sender\x18\x02 \x01(\t\"<\n\tPingReply\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x0f\n\x07version\x18\x03 \x01(\x04\"I\n\x0bNamedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12,\n\x06tensor\x18\x02 \x01(\x0b\x32\x1c.anchormesh.v1.TensorPayload\"\x86\x01\n\x0b\x41nchorPrior\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1f.anchormesh.v1.MicroBatchHeader\x12\r\n\x05stage\x18\x02 \x01(\r\x12)\n\x05grads\x18\x03 \x03(\x0b\x32\x1a.anchormesh.v1.NamedTensor\x12\x0c\n\x04loss\x18\x04 \x01(\x01\"Z\n\x0bJoinRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07peer_id\x18\x02 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x03 \x01(\t\x12\x14\n\x0c\x63ode_version\x18\x04 \x01(\t\"\xc6\x01\n\nAssignment\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x12\n\nnum_stages\x18\x03 \x01(\r\x12\x13\n\x0blayer_start\x18\x04 \x01(\r\x12\x11\n\tlayer_end\x18\x05 \x01(\r\x12\x17\n\x0frun_config_json\x18\x06 \x01(\t\x12\x1c\n\x14heartbeat_interval_s\x18\x07 \x01(\x01\x12\x12\n\nstart_step\x18\x08 \x01(\x04\x12\x12\n\ndht_maddrs\x18\t \x03(\t\"\xe8\x02\n\x08PeerInfo\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x13\n\x0blast_seen_s\x18\x05 \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x06 \x01(\x01\x12\x10\n\x08\x62ytes_in\x18\x07 \x01(\x04\x12\x11\n\tbytes_out\x18\x08 \x01(\x04\x12\x0c\n\x04step\x18\t \x01(\x04\x12\x0c\n\x04loss\x18\n \x01(\x01\x12\x13\n\x0bqueue_depth\x18\x0b \x01(\r\x12\x0e\n\x06reason\x18\x0c \x01(\t\x12\x11\n\tdp_rounds\x18\r \x01(\x04\x12\x11\n\tanchor_id\x18\x0e \x01(\x04\x12\x18\n\x10\x61nchor_bytes_out\x18\x0f \x01(\x04\x12\x1d\n\x15\x63\x61pacity_tokens_per_s\x18\x10 \x01(\x01\x12\x14\n\x0c\x64p_bytes_out\x18\x11 \x01(\x04\x12\x16\n\x0e\x64p_dense_bytes\x18\x12 \x01(\x04\"S\n\nPeerReport\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12%\n\x04peer\x18\x02 \x01(\x0b\x32\x17.anchormesh.v1.PeerInfo\x12\x0e\n\x06tokens\x18\x03 \x01(\x04\"\xd0\x01\n\tDirective\x12+\n\x04kind\x18\x01 \x01(\x0e\x32\x1d.anchormesh.v1.Directive.Kind\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12+\n\nneighbours\x18\x03 \x03(\x0b\x32\x17.anchormesh.v1.PeerInfo\x12\x11\n\tanchor_id\x18\x04 \x01(\x04\x12\x1c\n\x14\x61nchor_micro_batches\x18\x05 \x01(\r\"(\n\x04Kind\x12\x0c\n\x08\x43ONTINUE\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\x08\n\x04MOVE\x10\x02\"?\n\x0cLeaveRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07peer_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x0c\n\nLeaveReply\"#\n\rStatusRequest\x12\x12\n\ninterval_s\x18\x01 \x01(\x01\"u\n\x0bStageStatus\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05peers\x18\x02 \x01(\r\x12\x14\n\x0ctokens_per_s\x18\x03 \x01(\x01\x12\x13\n\x0bqueue_depth\x18\x04 \x01(\r\x12\x1d\n\x15\x63\x61pacity_tokens_per_s\x18\x05 \x01(\x01\"\xdc\x03\n\tRunStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0e\n\x06tokens\x18\x03 \x01(\x04\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x05 \x01(\x01\x12\x1a\n\x12pp_bytes_per_token\x18\x06 \x01(\x01\x12\x16\n\x0epp_compression\x18\x07 \x01(\x01\x12\x10\n\x08uptime_s\x18\x08 \x01(\x01\x12\r\n\x05state\x18\t \x01(\t\x12\x0e\n\x06reason\x18\n \x01(\t\x12*\n\x06stages\x18\x0b \x03(\x0b\x32\x1a.anchormesh.v1.StageStatus\x12&\n\x05peers\x18\x0c \x03(\x0b\x32\x17.anchormesh.v1.PeerInfo\x12\x12\n\ndht_maddrs\x18\r \x03(\t\x12\x13\n\x0b\x61nchor_step\x18\x0e \x01(\x03\x12\x18\n\x10\x61nchor_age_steps\x18\x0f \x01(\x03\x12\x18\n\x10\x61nchors_launched\x18\x10 \x01(\x04\x12\x1e\n\x16\x61nchor_bytes_per_token\x18\x11 \x01(\x01\x12\x13\n\x0bstage_moves\x18\x12 \x01(\x04\x12\x1a\n\x12\x64p_bytes_per_token\x18\x13 \x01(\x01\x12\x16\n\x0e\x64p_compression\x18\x14 \x01(\x01*|\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x12\x08\n\x04INT8\x10\x04\x12\t\n\x05INT32\x10\x05\x12\t\n\x05INT64\x10\x06\x12\t\n\x05UINT8\x10\x07\x12\t\n\x05INT16\x10\x08\x32\x98\x03\n\x05Stage\x12\x41\n\x07\x46orward\x12\x1e.anchormesh.v1.ActivationChunk\x1a\x12.anchormesh.v1.Ack(\x01\x30\x01\x12@\n\x08\x42\x61\x63kward\x12\x1c.anchormesh.v1.GradientChunk\x1a\x12.anchormesh.v1.Ack(\x01\x30\x01\x12G\n\rAnchorForward\x12\x1e.anchormesh.v1.ActivationChunk\x1a\x12.anchormesh.v1.Ack(\x01\x30\x01\x12\x46\n\x0e\x41nchorBackward\x12\x1c.anchormesh.v1.GradientChunk\x1a\x12.anchormesh.v1.Ack(\x01\x30\x01\x12;\n\x05Prior\x12\x1a.anchormesh.v1.AnchorPrior\x1a\x12.anchormesh.v1.Ack(\x01\x30\x01\x12<\n\x04Ping\x12\x1a.anchormesh.v1.PingRequest\x1a\x18.anchormesh.v1.PingReply2\xcf\x01\n\x07Tracker\x12=\n\x04Join\x12\x1a.anchormesh.v1.JoinRequest\x1a\x19.anchormesh.v1.Assignment\x12\x44\n\tHeartbeat\x12\x19.anchormesh.v1.PeerReport\x1a\x18.anchormesh.v1.Directive(\x01\x30\x01\x12?\n\x05Leave\x12\x1b.anchormesh.v1.LeaveRequest\x1a\x19.anchormesh.v1.LeaveReply2\x96\x01\n\x06Status\x12\x43\n\tGetStatus\x12\x1c.anchormesh.v1.StatusRequest\x1a\x18.anchormesh.v1.RunStatus\x12G\n\x0bWatchStatus\x12\x1c.anchormesh.v1.StatusRequest\x1a\x18.anchormesh.v1.RunStatus0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apeer/wire/anchormesh.proto\x12\ranchormesh.v1\"\xf2\x01\n\x0b\x43ompression\x12-\n\x04kind\x18\x01 \x01(\x0e\x32\x1f.anchormesh.v1.Compression.Kind\x12\x0c\n\x04\x64rop\x18\x02 \x01(\x02\x12\x11\n\tmask_seed\x18\x03 \x01(\x04\x12\x10\n\x08\x62oundary\x18\x04 \x01(\r\x12\x0c\n\x04step\x18\x05 \x01(\x04\x12\x13\n\x0bmicro_batch\x18\x06 \x01(\x04\x12$\n\x06values\x18\x07 \x01(\x0e\x32\x14.anchormesh.v1.DType\x12\x12\n\nblock_size\x18\x08 \x01(\r\"$\n\x04Kind\x12\x08\n\x04NONE\x10\x00\x12\x12\n\x0e\x42\x45RNOULLI_MASK\x10\x01\"\x85\x01\n\rTensorPayload\x12#\n\x05\x64type\x18\x01 \x01(\x0e\x32\x14.anchormesh.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12/\n\x0b\x63ompression\x18\x03 \x01(\x0b\x32\x1a.anchormesh.v1.Compression\x12\x0f\n\x07payload\x18\x04 \x01(\x0c\"\x9a\x01\n\x10MicroBatchHeader\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x16\n\x0emicro_batch_id\x18\x02 \x01(\x04\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x0e\n\x06sender\x18\x04 \x01(\t\x12\x11\n\tsignature\x18\x05 \x01(\x0c\x12\x10\n\x08\x62oundary\x18\x06 \x01(\r\x12\r\n\x05\x64\x65nse\x18\x07 \x01(\x08\x12\x0c\n\x04\x65val\x18\x08 \x01(\x08\"\xc6\x02\n\x0f\x41\x63tivationChunk\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1f.anchormesh.v1.MicroBatchHeader\x12,\n\x06hidden\x18\x02 \x01(\x0b\x32\x1c.anchormesh.v1.TensorPayload\x12/\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x1c.anchormesh.v1.TensorPayload\x12,\n\x06labels\x18\x04 \x01(\x0b\x32\x1c.anchormesh.v1.TensorPayload\x12\x15\n\rbasis_version\x18\x05 \x01(\x04\x12\x31\n\x0b\x62\x61sis_prior\x18\x06 \x01(\x0b\x32\x1c.anchormesh.v1.TensorPayload\x12+\n\x05\x62\x61sis\x18\x07 \x01(\x0b\x32\x1c.anchormesh.v1.TensorPayload\"l\n\rGradientChunk\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1f.anchormesh.v1.MicroBatchHeader\x12*\n\x04grad\x18\x02 \x01(\x0b\x32\x1c.anchormesh.v1.TensorPayload\"8\n\x03\x41\x63k\x12\x16\n\x0emicro_batch_id\x18\x01 \x01(\x04\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"-\n\x0bPingRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06sender\x18\x02 \x01(\t\"<\n\tPingReply\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x0f\n\x07version\x18\x03 \x01(\x04\"I\n\x0bNamedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12,\n\x06tensor\x18\x02 \x01(\x0b\x32\x1c.anchormesh.v1.TensorPayload\"\x86\x01\n\x0b\x41nchorPrior\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1f.anchormesh.v1.MicroBatchHeader\x12\r\n\x05stage\x18\x02 \x01(\r\x12)\n\x05grads\x18\x03 \x03(\x0b\x32\x1a.anchormesh.v1.NamedTensor\x12\x0c\n\x04loss\x18\x04 \x01(\x01\"Z\n\x0bJoinRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07peer_id\x18\x02 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x03 \x01(\t\x12\x14\n\x0c\x63ode_version\x18\x04 \x01(\t\"\xc6\x01\n\nAssignment\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x12\n\nnum_stages\x18\x03 \x01(\r\x12\x13\n\x0blayer_start\x18\x04 \x01(\r\x12\x11\n\tlayer_end\x18\x05 \x01(\r\x12\x17\n\x0frun_config_json\x18\x06 \x01(\t\x12\x1c\n\x14heartbeat_interval_s\x18\x07 \x01(\x01\x12\x12\n\nstart_step\x18\x08 \x01(\x04\x12\x12\n\ndht_maddrs\x18\t \x03(\t\"\x8c\x03\n\x08PeerInfo\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x13\n\x0blast_seen_s\x18\x05 \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x06 \x01(\x01\x12\x10\n\x08\x62ytes_in\x18\x07 \x01(\x04\x12\x11\n\tbytes_out\x18\x08 \x01(\x04\x12\x0c\n\x04step\x18\t \x01(\x04\x12\x0c\n\x04loss\x18\n \x01(\x01\x12\x13\n\x0bqueue_depth\x18\x0b \x01(\r\x12\x0e\n\x06reason\x18\x0c \x01(\t\x12\x11\n\tdp_rounds\x18\r \x01(\x04\x12\x11\n\tanchor_id\x18\x0e \x01(\x04\x12\x18\n\x10\x61nchor_bytes_out\x18\x0f \x01(\x04\x12\x1d\n\x15\x63\x61pacity_tokens_per_s\x18\x10 \x01(\x01\x12\x14\n\x0c\x64p_bytes_out\x18\x11 \x01(\x04\x12\x16\n\x0e\x64p_dense_bytes\x18\x12 \x01(\x04\x12\x0f\n\x07\x65val_id\x18\x13 \x01(\x04\x12\x11\n\teval_loss\x18\x14 \x01(\x01\"S\n\nPeerReport\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12%\n\x04peer\x18\x02 \x01(\x0b\x32\x17.anchormesh.v1.PeerInfo\x12\x0e\n\x06tokens\x18\x03 \x01(\x04\"\xe1\x01\n\tDirective\x12+\n\x04kind\x18\x01 \x01(\x0e\x32\x1d.anchormesh.v1.Directive.Kind\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12+\n\nneighbours\x18\x03 \x03(\x0b\x32\x17.anchormesh.v1.PeerInfo\x12\x11\n\tanchor_id\x18\x04 \x01(\x04\x12\x1c\n\x14\x61nchor_micro_batches\x18\x05 \x01(\r\x12\x0f\n\x07\x65val_id\x18\x06 \x01(\x04\"(\n\x04Kind\x12\x0c\n\x08\x43ONTINUE\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\x08\n\x04MOVE\x10\x02\"?\n\x0cLeaveRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07peer_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x0c\n\nLeaveReply\"#\n\rStatusRequest\x12\x12\n\ninterval_s\x18\x01 \x01(\x01\"u\n\x0bStageStatus\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05peers\x18\x02 \x01(\r\x12\x14\n\x0ctokens_per_s\x18\x03 \x01(\x01\x12\x13\n\x0bqueue_depth\x18\x04 \x01(\r\x12\x1d\n\x15\x63\x61pacity_tokens_per_s\x18\x05 \x01(\x01\"\x82\x04\n\tRunStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0e\n\x06tokens\x18\x03 \x01(\x04\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x05 \x01(\x01\x12\x1a\n\x12pp_bytes_per_token\x18\x06 \x01(\x01\x12\x16\n\x0epp_compression\x18\x07 \x01(\x01\x12\x10\n\x08uptime_s\x18\x08 \x01(\x01\x12\r\n\x05state\x18\t \x01(\t\x12\x0e\n\x06reason\x18\n \x01(\t\x12*\n\x06stages\x18\x0b \x03(\x0b\x32\x1a.anchormesh.v1.StageStatus\x12&\n\x05peers\x18\x0c \x03(\x0b\x32\x17.anchormesh.v1.PeerInfo\x12\x12\n\ndht_maddrs\x18\r \x03(\t\x12\x13\n\x0b\x61nchor_step\x18\x0e \x01(\x03\x12\x18\n\x10\x61nchor_age_steps\x18\x0f \x01(\x03\x12\x18\n\x10\x61nchors_launched\x18\x10 \x01(\x04\x12\x1e\n\x16\x61nchor_bytes_per_token\x18\x11 \x01(\x01\x12\x13\n\x0bstage_moves\x18\x12 \x01(\x04\x12\x1a\n\x12\x64p_bytes_per_token\x18\x13 \x01(\x01\x12\x16\n\x0e\x64p_compression\x18\x14 \x01(\x01\x12\x11\n\teval_loss\x18\x15 \x01(\x01\x12\x11\n\teval_step\x18\x16 \x01(\x03*|\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x12\x08\n\x04INT8\x10\x04\x12\t\n\x05INT32\x10\x05\x12\t\n\x05INT64\x10\x06\x12\t\n\x05UINT8\x10\x07\x12\t\n\x05INT16\x10\x08\x32\x98\x03\n\x05Stage\x12\x41\n\x07\x46orward\x12\x1e.anchormesh.v1.ActivationChunk\x1a\x12.anchormesh.v1.Ack(\x01\x30\x01\x12@\n\x08\x42\x61\x63kward\x12\x1c.anchormesh.v1.GradientChunk\x1a\x12.anchormesh.v1.Ack(\x01\x30\x01\x12G\n\rAnchorForward\x12\x1e.anchormesh.v1.ActivationChunk\x1a\x12.anchormesh.v1.Ack(\x01\x30\x01\x12\x46\n\x0e\x41nchorBackward\x12\x1c.anchormesh.v1.GradientChunk\x1a\x12.anchormesh.v1.Ack(\x01\x30\x01\x12;\n\x05Prior\x12\x1a.anchormesh.v1.AnchorPrior\x1a\x12.anchormesh.v1.Ack(\x01\x30\x01\x12<\n\x04Ping\x12\x1a.anchormesh.v1.PingRequest\x1a\x18.anchormesh.v1.PingReply2\xcf\x01\n\x07Tracker\x12=\n\x04Join\x12\x1a.anchormesh.v1.JoinRequest\x1a\x19.anchormesh.v1.Assignment\x12\x44\n\tHeartbeat\x12\x19.anchormesh.v1.PeerReport\x1a\x18.anchormesh.v1.Directive(\x01\x30\x01\x12?\n\x05Leave\x12\x1b.anchormesh.v1.LeaveRequest\x1a\x19.anchormesh.v1.LeaveReply2\x96\x01\n\x06Status\x12\x43\n\tGetStatus\x12\x1c.anchormesh.v1.StatusRequest\x1a\x18.anchormesh.v1.RunStatus\x12G\n\x0bWatchStatus\x12\x1c.anchormesh.v1.StatusRequest\x1a\x18.anchormesh.v1.RunStatus0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'peer.wire.anchormesh_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=3053
-  _globals['_DTYPE']._serialized_end=3177
+  _globals['_DTYPE']._serialized_start=3158
+  _globals['_DTYPE']._serialized_end=3282
   _globals['_COMPRESSION']._serialized_start=46
   _globals['_COMPRESSION']._serialized_end=288
   _globals['_COMPRESSION_KIND']._serialized_start=252
@@ -40,47 +40,47 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TENSORPAYLOAD']._serialized_start=291
   _globals['_TENSORPAYLOAD']._serialized_end=424
   _globals['_MICROBATCHHEADER']._serialized_start=427
-  _globals['_MICROBATCHHEADER']._serialized_end=567
-  _globals['_ACTIVATIONCHUNK']._serialized_start=570
-  _globals['_ACTIVATIONCHUNK']._serialized_end=896
-  _globals['_GRADIENTCHUNK']._serialized_start=898
-  _globals['_GRADIENTCHUNK']._serialized_end=1006
-  _globals['_ACK']._serialized_start=1008
-  _globals['_ACK']._serialized_end=1064
-  _globals['_PINGREQUEST']._serialized_start=1066
-  _globals['_PINGREQUEST']._serialized_end=1111
-  _globals['_PINGREPLY']._serialized_start=1113
-  _globals['_PINGREPLY']._serialized_end=1173
-  _globals['_NAMEDTENSOR']._serialized_start=1175
-  _globals['_NAMEDTENSOR']._serialized_end=1248
-  _globals['_ANCHORPRIOR']._serialized_start=1251
-  _globals['_ANCHORPRIOR']._serialized_end=1385
-  _globals['_JOINREQUEST']._serialized_start=1387
-  _globals['_JOINREQUEST']._serialized_end=1477
-  _globals['_ASSIGNMENT']._serialized_start=1480
-  _globals['_ASSIGNMENT']._serialized_end=1678
-  _globals['_PEERINFO']._serialized_start=1681
-  _globals['_PEERINFO']._serialized_end=2041
-  _globals['_PEERREPORT']._serialized_start=2043
-  _globals['_PEERREPORT']._serialized_end=2126
-  _globals['_DIRECTIVE']._serialized_start=2129
-  _globals['_DIRECTIVE']._serialized_end=2337
-  _globals['_DIRECTIVE_KIND']._serialized_start=2297
-  _globals['_DIRECTIVE_KIND']._serialized_end=2337
-  _globals['_LEAVEREQUEST']._serialized_start=2339
-  _globals['_LEAVEREQUEST']._serialized_end=2402
-  _globals['_LEAVEREPLY']._serialized_start=2404
-  _globals['_LEAVEREPLY']._serialized_end=2416
-  _globals['_STATUSREQUEST']._serialized_start=2418
-  _globals['_STATUSREQUEST']._serialized_end=2453
-  _globals['_STAGESTATUS']._serialized_start=2455
-  _globals['_STAGESTATUS']._serialized_end=2572
-  _globals['_RUNSTATUS']._serialized_start=2575
-  _globals['_RUNSTATUS']._serialized_end=3051
-  _globals['_STAGE']._serialized_start=3180
-  _globals['_STAGE']._serialized_end=3588
-  _globals['_TRACKER']._serialized_start=3591
-  _globals['_TRACKER']._serialized_end=3798
-  _globals['_STATUS']._serialized_start=3801
-  _globals['_STATUS']._serialized_end=3951
+  _globals['_MICROBATCHHEADER']._serialized_end=581
+  _globals['_ACTIVATIONCHUNK']._serialized_start=584
+  _globals['_ACTIVATIONCHUNK']._serialized_end=910
+  _globals['_GRADIENTCHUNK']._serialized_start=912
+  _globals['_GRADIENTCHUNK']._serialized_end=1020
+  _globals['_ACK']._serialized_start=1022
+  _globals['_ACK']._serialized_end=1078
+  _globals['_PINGREQUEST']._serialized_start=1080
+  _globals['_PINGREQUEST']._serialized_end=1125
+  _globals['_PINGREPLY']._serialized_start=1127
+  _globals['_PINGREPLY']._serialized_end=1187
+  _globals['_NAMEDTENSOR']._serialized_start=1189
+  _globals['_NAMEDTENSOR']._serialized_end=1262
+  _globals['_ANCHORPRIOR']._serialized_start=1265
+  _globals['_ANCHORPRIOR']._serialized_end=1399
+  _globals['_JOINREQUEST']._serialized_start=1401
+  _globals['_JOINREQUEST']._serialized_end=1491
+  _globals['_ASSIGNMENT']._serialized_start=1494
+  _globals['_ASSIGNMENT']._serialized_end=1692
+  _globals['_PEERINFO']._serialized_start=1695
+  _globals['_PEERINFO']._serialized_end=2091
+  _globals['_PEERREPORT']._serialized_start=2093
+  _globals['_PEERREPORT']._serialized_end=2176
+  _globals['_DIRECTIVE']._serialized_start=2179
+  _globals['_DIRECTIVE']._serialized_end=2404
+  _globals['_DIRECTIVE_KIND']._serialized_start=2364
+  _globals['_DIRECTIVE_KIND']._serialized_end=2404
+  _globals['_LEAVEREQUEST']._serialized_start=2406
+  _globals['_LEAVEREQUEST']._serialized_end=2469
+  _globals['_LEAVEREPLY']._serialized_start=2471
+  _globals['_LEAVEREPLY']._serialized_end=2483
+  _globals['_STATUSREQUEST']._serialized_start=2485
+  _globals['_STATUSREQUEST']._serialized_end=2520
+  _globals['_STAGESTATUS']._serialized_start=2522
+  _globals['_STAGESTATUS']._serialized_end=2639
+  _globals['_RUNSTATUS']._serialized_start=2642
+  _globals['_RUNSTATUS']._serialized_end=3156
+  _globals['_STAGE']._serialized_start=3285
+  _globals['_STAGE']._serialized_end=3693
+  _globals['_TRACKER']._serialized_start=3696
+  _globals['_TRACKER']._serialized_end=3903
+  _globals['_STATUS']._serialized_start=3906
+  _globals['_STATUS']._serialized_end=4056
 # @@protoc_insertion_point(module_scope)

@@ -67,7 +67,7 @@ class TensorPayload(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., compression: _Optional[_Union[Compression, _Mapping]] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class MicroBatchHeader(_message.Message):
-    __slots__ = ("run_id", "micro_batch_id", "step", "sender", "signature", "boundary", "dense")
+    __slots__ = ("run_id", "micro_batch_id", "step", "sender", "signature", "boundary", "dense", "eval")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class MicroBatchHeader(_message.Message):
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     BOUNDARY_FIELD_NUMBER: _ClassVar[int]
     DENSE_FIELD_NUMBER: _ClassVar[int]
+    EVAL_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     micro_batch_id: int
     step: int
@@ -82,7 +83,8 @@ class MicroBatchHeader(_message.Message):
     signature: bytes
     boundary: int
     dense: bool
-    def __init__(self, run_id: _Optional[str] = ..., micro_batch_id: _Optional[int] = ..., step: _Optional[int] = ..., sender: _Optional[str] = ..., signature: _Optional[bytes] = ..., boundary: _Optional[int] = ..., dense: _Optional[bool] = ...) -> None: ...
+    eval: bool
+    def __init__(self, run_id: _Optional[str] = ..., micro_batch_id: _Optional[int] = ..., step: _Optional[int] = ..., sender: _Optional[str] = ..., signature: _Optional[bytes] = ..., boundary: _Optional[int] = ..., dense: _Optional[bool] = ..., eval: _Optional[bool] = ...) -> None: ...
 
 class ActivationChunk(_message.Message):
     __slots__ = ("header", "hidden", "token_ids", "labels", "basis_version", "basis_prior", "basis")
@@ -193,7 +195,7 @@ class Assignment(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., run_config_json: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., start_step: _Optional[int] = ..., dht_maddrs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
-    __slots__ = ("peer_id", "stage", "address", "state", "last_seen_s", "tokens_per_s", "bytes_in", "bytes_out", "step", "loss", "queue_depth", "reason", "dp_rounds", "anchor_id", "anchor_bytes_out", "capacity_tokens_per_s", "dp_bytes_out", "dp_dense_bytes")
+    __slots__ = ("peer_id", "stage", "address", "state", "last_seen_s", "tokens_per_s", "bytes_in", "bytes_out", "step", "loss", "queue_depth", "reason", "dp_rounds", "anchor_id", "anchor_bytes_out", "capacity_tokens_per_s", "dp_bytes_out", "dp_dense_bytes", "eval_id", "eval_loss")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +214,8 @@ class PeerInfo(_message.Message):
     CAPACITY_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     DP_BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
     DP_DENSE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EVAL_ID_FIELD_NUMBER: _ClassVar[int]
+    EVAL_LOSS_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     stage: int
     address: str
@@ -230,7 +234,9 @@ class PeerInfo(_message.Message):
     capacity_tokens_per_s: float
     dp_bytes_out: int
     dp_dense_bytes: int
-    def __init__(self, peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., last_seen_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., queue_depth: _Optional[int] = ..., reason: _Optional[str] = ..., dp_rounds: _Optional[int] = ..., anchor_id: _Optional[int] = ..., anchor_bytes_out: _Optional[int] = ..., capacity_tokens_per_s: _Optional[float] = ..., dp_bytes_out: _Optional[int] = ..., dp_dense_bytes: _Optional[int] = ...) -> None: ...
+    eval_id: int
+    eval_loss: float
+    def __init__(self, peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., last_seen_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., queue_depth: _Optional[int] = ..., reason: _Optional[str] = ..., dp_rounds: _Optional[int] = ..., anchor_id: _Optional[int] = ..., anchor_bytes_out: _Optional[int] = ..., capacity_tokens_per_s: _Optional[float] = ..., dp_bytes_out: _Optional[int] = ..., dp_dense_bytes: _Optional[int] = ..., eval_id: _Optional[int] = ..., eval_loss: _Optional[float] = ...) -> None: ...
 
 class PeerReport(_message.Message):
     __slots__ = ("run_id", "peer", "tokens")
@@ -243,7 +249,7 @@ class PeerReport(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., peer: _Optional[_Union[PeerInfo, _Mapping]] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class Directive(_message.Message):
-    __slots__ = ("kind", "reason", "neighbours", "anchor_id", "anchor_micro_batches")
+    __slots__ = ("kind", "reason", "neighbours", "anchor_id", "anchor_micro_batches", "eval_id")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         CONTINUE: _ClassVar[Directive.Kind]
@@ -257,12 +263,14 @@ class Directive(_message.Message):
     NEIGHBOURS_FIELD_NUMBER: _ClassVar[int]
     ANCHOR_ID_FIELD_NUMBER: _ClassVar[int]
     ANCHOR_MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    EVAL_ID_FIELD_NUMBER: _ClassVar[int]
     kind: Directive.Kind
     reason: str
     neighbours: _containers.RepeatedCompositeFieldContainer[PeerInfo]
     anchor_id: int
     anchor_micro_batches: int
-    def __init__(self, kind: _Optional[_Union[Directive.Kind, str]] = ..., reason: _Optional[str] = ..., neighbours: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., anchor_id: _Optional[int] = ..., anchor_micro_batches: _Optional[int] = ...) -> None: ...
+    eval_id: int
+    def __init__(self, kind: _Optional[_Union[Directive.Kind, str]] = ..., reason: _Optional[str] = ..., neighbours: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., anchor_id: _Optional[int] = ..., anchor_micro_batches: _Optional[int] = ..., eval_id: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("run_id", "peer_id", "reason")
@@ -299,7 +307,7 @@ class StageStatus(_message.Message):
     def __init__(self, index: _Optional[int] = ..., peers: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., queue_depth: _Optional[int] = ..., capacity_tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("run_id", "step", "tokens", "loss", "tokens_per_s", "pp_bytes_per_token", "pp_compression", "uptime_s", "state", "reason", "stages", "peers", "dht_maddrs", "anchor_step", "anchor_age_steps", "anchors_launched", "anchor_bytes_per_token", "stage_moves", "dp_bytes_per_token", "dp_compression")
+    __slots__ = ("run_id", "step", "tokens", "loss", "tokens_per_s", "pp_bytes_per_token", "pp_compression", "uptime_s", "state", "reason", "stages", "peers", "dht_maddrs", "anchor_step", "anchor_age_steps", "anchors_launched", "anchor_bytes_per_token", "stage_moves", "dp_bytes_per_token", "dp_compression", "eval_loss", "eval_step")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -320,6 +328,8 @@ class RunStatus(_message.Message):
     STAGE_MOVES_FIELD_NUMBER: _ClassVar[int]
     DP_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DP_COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    EVAL_LOSS_FIELD_NUMBER: _ClassVar[int]
+    EVAL_STEP_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     tokens: int
@@ -340,4 +350,6 @@ class RunStatus(_message.Message):
     stage_moves: int
     dp_bytes_per_token: float
     dp_compression: float
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., tokens: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., pp_bytes_per_token: _Optional[float] = ..., pp_compression: _Optional[float] = ..., uptime_s: _Optional[float] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., dht_maddrs: _Optional[_Iterable[str]] = ..., anchor_step: _Optional[int] = ..., anchor_age_steps: _Optional[int] = ..., anchors_launched: _Optional[int] = ..., anchor_bytes_per_token: _Optional[float] = ..., stage_moves: _Optional[int] = ..., dp_bytes_per_token: _Optional[float] = ..., dp_compression: _Optional[float] = ...) -> None: ...
+    eval_loss: float
+    eval_step: int
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., tokens: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., pp_bytes_per_token: _Optional[float] = ..., pp_compression: _Optional[float] = ..., uptime_s: _Optional[float] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., dht_maddrs: _Optional[_Iterable[str]] = ..., anchor_step: _Optional[int] = ..., anchor_age_steps: _Optional[int] = ..., anchors_launched: _Optional[int] = ..., anchor_bytes_per_token: _Optional[float] = ..., stage_moves: _Optional[int] = ..., dp_bytes_per_token: _Optional[float] = ..., dp_compression: _Optional[float] = ..., eval_loss: _Optional[float] = ..., eval_step: _Optional[int] = ...) -> None: ...
