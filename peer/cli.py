@@ -41,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     peer.add_argument("--tracker", help="tracker host:port (default: found through the DHT)")
     peer.add_argument("--host", default="127.0.0.1", help="address to serve the Stage service on")
     peer.add_argument("--grpc-port", type=int, default=0, help="Stage service port (0 = any free)")
-    peer.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"), help="accepted; the stage runs on the CPU for now (GPU placement is not built yet)")
+    peer.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"), help="where the stage runs: cpu, or auto (the CPU for now); cuda is refused until GPU placement is built")
     peer.add_argument("--state-dir", type=Path, default=None, help="where the peer keeps its files (the last stage writes metrics.jsonl: loss per step); shard checkpoints are not written yet")
     peer.add_argument("--max-steps", type=int, default=None, help="leave after this many optimizer steps")
 
@@ -88,6 +88,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"anchormesh peer: starting (pid {os.getpid()}); SIGUSR1 dumps every thread's stack to stderr", file=sys.stderr, flush=True)
             faulthandler.register(signal.SIGUSR1, all_threads=True)
             from peer.daemon import run_peer
+
+            if args.device == "cuda":
+                raise ConfigError("--device", "cuda", "GPU placement is not built yet; use cpu or auto (auto runs on the CPU)")
 
             run_peer(args.initial_peers, args.tracker, args.host, args.grpc_port, args.device, args.max_steps, args.state_dir)
         elif args.command == "status":

@@ -76,3 +76,8 @@ def test_bootstrap_refuses_a_config_the_swarm_cannot_run(tmp_path) -> None:
     out = _cli("bootstrap", "--config", str(bad), "--state-dir", str(tmp_path / "boot"))
     assert out.returncode == 2 and "spectral.mode='ef'" in out.stderr and "Traceback" not in out.stderr
     assert not (tmp_path / "boot" / "bootstrap.json").exists()
+
+
+def test_peer_device_cuda_is_refused_plainly_until_gpu_placement_exists() -> None:
+    out = _cli("peer", "--tracker", "127.0.0.1:9", "--device", "cuda")
+    assert out.returncode == 2 and "--device='cuda'" in out.stderr and "not built yet" in out.stderr
