@@ -125,28 +125,43 @@ class Tracker:
         return min(range(len(scores)), key=lambda s: (scores[s], len(self.live(s)), s))
 
     def _move_target(self, p: PeerRecord) -> int | None:
-        """The stage `p` should move to now, if any (call with the lock held)."""
+        """The stage `p` should move to now, if any (call with the lock held).
+
+        One decision for the whole run, not one per reporting peer: the donor stage is the
+        highest-scoring stage with at least two live peers, the peer to move is the one of it
+        whose move raises the bottleneck most, and only that peer is told when it reports."""
         now = self.clock()
-        if now < self._next_move_at or p.state not in ("active", "idle") or now - p.joined_at < self.move_cooldown_s:
+        if now < self._next_move_at:
             return None
         speeds = self._speeds()
         scores = self.scores(speeds)
-        rich = max(range(len(scores)), key=lambda s: scores[s])
-        poor = min(range(len(scores)), key=lambda s: scores[s])
-        if p.stage != rich or poor == rich or len(self.live(rich)) < 2:
+        donors = [s for s in range(len(scores)) if len(self.live(s)) >= 2]
+        if not donors:
+            self._imbalanced_since = None
             return None
-        v = speeds[p.peer_id]
-        after = list(scores)
-        after[rich] -= v / self.layers[rich]
-        after[poor] += v / self.layers[poor]
+        rich = max(donors, key=lambda s: scores[s])
+        poor = min(range(len(scores)), key=lambda s: scores[s])
+        movable = [q for q in self.live(rich) if q.state in ("active", "idle") and now - q.joined_at >= self.move_cooldown_s]
+        if poor == rich or not movable:
+            return None
+
+        def after(q: PeerRecord) -> float:
+            a = list(scores)
+            a[rich] -= speeds[q.peer_id] / self.layers[rich]
+            a[poor] += speeds[q.peer_id] / self.layers[poor]
+            return min(a)
+
+        best = max(movable, key=lambda q: (after(q), q.peer_id))
         if self.live(poor):
-            if any(q.capacity <= 0 for q in self.live(poor) + self.live(rich)) or min(after) <= 1.5 * min(scores):
+            if any(q.capacity <= 0 for q in self.live(poor) + self.live(rich)) or after(best) <= 1.5 * min(scores):
                 self._imbalanced_since = None
                 return None
             if self._imbalanced_since is None:
                 self._imbalanced_since = now
             if now - self._imbalanced_since < self.move_cooldown_s:
                 return None  # not yet sustained
+        if p.peer_id != best.peer_id:
+            return None  # the decision stands; `best` is told when it reports
         self._imbalanced_since = None
         return poor
 
@@ -176,6 +191,10 @@ class Tracker:
             old = self.peers.get(req.peer_id)
             if old is not None and old.state in LIVE:
                 raise JoinRefused(f"peer_id={req.peer_id!r} is already in the run (state {old.state})")
+            if old is not None:  # a peer joining again (after a move or a restart): keep its past in the roster
+                n = sum(1 for k in self.peers if k.startswith(req.peer_id + "~"))
+                old.peer_id = f"{req.peer_id}~{n + 1}"
+                self.peers[old.peer_id] = old
             stage, _, _ = self._reserved.pop(req.peer_id, (None, 0.0, 0.0))
             if stage is None:
                 stage = self._pick_stage()
@@ -219,7 +238,8 @@ class Tracker:
                 p.state, p.reason = "left", f"moved to stage {target}, which was starving"
                 self._reserved[p.peer_id] = (target, speed, self.clock())
                 return pb.Directive(kind=pb.Directive.MOVE, reason=f"stage {target} needs a peer more than stage {p.stage}")
-            neighbours = [self._info(q) for q in self.live() if abs(q.stage - p.stage) <= 1 and q.peer_id != p.peer_id]
+            # a joining peer may not serve yet (it may still be downloading its stage's state)
+            neighbours = [self._info(q) for q in self.live() if abs(q.stage - p.stage) <= 1 and q.peer_id != p.peer_id and q.state != "joining"]
             directive = pb.Directive(kind=pb.Directive.CONTINUE, neighbours=neighbours)
             self._maybe_anchor(p, directive)
             self._maybe_eval(p, directive)

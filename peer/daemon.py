@@ -225,6 +225,11 @@ class PeerDaemon:
             except grpc.RpcError as exc:
                 if self.stop.is_set():
                     return
+                if exc.code() == grpc.StatusCode.NOT_FOUND:  # the tracker dropped us (declared dead): join again
+                    log.warning("the tracker no longer lists this peer (%s); joining again", exc.details())
+                    self.move_reason = f"the tracker dropped this peer: {exc.details()}"
+                    self.stop.set()
+                    return
                 log.warning("heartbeat stream ended (%s: %s); reconnecting in %.0fs", exc.code().name, exc.details(), interval)
                 self.stop.wait(interval)
 
@@ -324,12 +329,16 @@ class PeerDaemon:
         self.worker.next_mb = a.start_step * cfg.pipeline.micro_batches
         self.anchor = SwarmAnchor(self.worker, cfg.anchor.micro_batches, self._siblings, eval_batches=cfg.pipeline.eval_batches)
         self._start_averaging(f"{a.run_id}_stage{a.stage}", cfg.dp.inner_steps)  # forks: before any gRPC runs
-        if a.start_step > 0:  # the run has trained: take the group's state rather than the initial weights
-            self._load_group_state()
-        self.transport.start()
         channel = grpc.insecure_channel(self.tracker)
         stub = pbg.TrackerStub(channel)
+        # heartbeats start now, so a slow state download does not get this peer declared dead;
+        # while it reports "joining" nobody routes to it
         threading.Thread(target=self._heartbeat, args=(stub, a.heartbeat_interval_s), name="heartbeat", daemon=True).start()
+        if a.start_step > 0:  # the run has trained: take the group's state rather than the initial weights
+            self.reason = "downloading its stage's state from the group"
+            self._load_group_state()
+        self.transport.start()
+        self.state, self.reason = "idle", "serving; waiting for work"
         stream = gen = None
         if stage.is_first:
             data, source = default_corpus("b")
@@ -381,9 +390,9 @@ class PeerDaemon:
         if w.ready(w.version):
             w.gradients()
             if self.averager is not None:
-                with self.averager.lock:
+                with self.averager.lock:  # a joiner downloading our state sees whole steps and whole averaging results
                     w.apply_step()
-                self.averager.after_step(w.version)
+                    self.averager.after_step(w.version)
                 if w.version % max(cfg.dp.inner_steps, 1) == 0:
                     self.averager.share_state(priority=w.version)
             else:
@@ -422,11 +431,11 @@ class PeerDaemon:
                     self.state, self.reason, moved = "active", "", True
         elif moved:
             self.state, self.reason = "active", ""
-        if not moved:  # the fast queues are empty: anchor work
-            moved = self.anchor.tick(self._next_hop, self._resolve)
-        if moved:
+        if moved:  # capacity counts fast-circuit work only
             self._busy += time.perf_counter() - t0
-        else:
+        else:  # the fast queues are empty: anchor work
+            moved = self.anchor.tick(self._next_hop, self._resolve)
+        if not moved:
             self.transport.wait(0.05)
         self._update_rate()
 

@@ -45,7 +45,7 @@ def test_unknown_flag_exits_2() -> None:
 
 
 def test_swarm_demo_trains_and_stops_every_process() -> None:
-    out = _cli("demo", "--peers", "2", "--seconds", "30", timeout=180)
+    out = _cli("demo", "--peers", "2", "--seconds", "45", timeout=240)
     assert out.returncode == 0, out.stderr[-2000:]
     line = [x for x in out.stdout.splitlines() if x.startswith("summary:")][-1]
     assert "every process stopped" in line and '"processes_left": []' in line

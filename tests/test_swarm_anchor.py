@@ -68,7 +68,28 @@ def test_priors_equal_the_dense_gradient_and_reach_the_stage_group() -> None:
         w.version = 4  # the weights' step the priors are stamped with
     anchors["p0"].schedule(1, windows())
     run_until_quiet(workers, anchors)
+    check_priors(model, workers, anchors)
+    # anchor passes never touch weights
+    for n, w in workers.items():
+        assert all(torch.equal(a, b) for a, b in zip(before[n], w.stage.parameters())), n
+    assert anchors["p1"].bytes_out > 0 and transport.total_bytes("prior") > 0
 
+
+def test_a_duplicated_anchor_micro_batch_counts_once() -> None:
+    model, transport, workers, anchors = build()
+    anchors["p0"].schedule(1, windows())
+    hops = lambda n: {"p0": "p1", "p1": "p2"}.get(n)  # noqa: E731
+    anchors["p0"].tick(lambda: "p1", lambda s: s)  # micro-batch 0 leaves stage 0
+    anchors["p1"].drain()
+    anchors["p1"].tick(lambda: hops("p1"), lambda s: s)  # ... and stage 1
+    q = transport._queues[("p2", "anchor_forward")]
+    q.append(q[0])  # the last stage receives it twice (a sender's retry)
+    run_until_quiet(workers, anchors)
+    check_priors(model, workers, anchors)
+
+
+def check_priors(model, workers, anchors) -> None:
+    """Each stage's folded prior equals the whole model's dense gradient on the anchor batch."""
     # reference: the whole model, dense, mean loss over the anchor micro-batches
     model.zero_grad()
     for win in windows():
@@ -79,7 +100,7 @@ def test_priors_equal_the_dense_gradient_and_reach_the_stage_group() -> None:
         assert a.priors_applied == 1 and a.newest_id == 1, n
         assert not a.jobs, f"{n} kept a finished job"
         spectral = workers[n].optimizer.spectral
-        assert spectral._anchor_step == 4 and spectral.active
+        assert spectral._anchor_step == workers[n].version and spectral.active
     # each stage's EMA holds (1 - beta) * its prior; compare with the reference gradient
     beta = CFG.spectral.beta
     for n in ("p0", "p1", "p2"):
@@ -98,10 +119,6 @@ def test_priors_equal_the_dense_gradient_and_reach_the_stage_group() -> None:
     for name, m in workers["p1"].optimizer.spectral._M.items():
         other = workers["p1b"].optimizer.spectral._M[name]
         assert (other - m).norm() / m.norm() < 1e-2
-    # anchor passes never touch weights
-    for n, w in workers.items():
-        assert all(torch.equal(a, b) for a, b in zip(before[n], w.stage.parameters())), n
-    assert anchors["p1"].bytes_out > 0 and transport.total_bytes("prior") > 0
 
 
 def test_an_older_anchor_from_a_sibling_is_skipped() -> None:
@@ -147,9 +164,21 @@ def test_bad_anchor_messages_are_refused_by_name() -> None:
     bad.hidden.CopyFrom(tensor_to_proto(torch.full((2, 8, 32), float("nan")).half()))
     with pytest.raises(AnchormeshError, match="(?i)nan|finite"):
         a1.validate("anchor_forward", bad)
-    with pytest.raises(WireError, match="unknown micro-batch"):
-        a1.validate("anchor_backward", pb.GradientChunk(header=pb.MicroBatchHeader(run_id="run", step=1, boundary=1), grad=tensor_to_proto(torch.zeros(2, 8, 32))))
-    prior = pb.AnchorPrior(header=pb.MicroBatchHeader(run_id="run", step=1), stage=2)
+    bad.CopyFrom(good)
+    bad.token_ids.CopyFrom(tensor_to_proto(torch.zeros(2, 4000, dtype=torch.uint8)))
+    with pytest.raises(WireError, match="token_ids: expected integer \\[2, 9\\]"):
+        a1.validate("anchor_forward", bad)
+    # a gradient for a pass that is gone is not refused on the wire (that would end the sender's
+    # stream); the loop drops it with a message
+    late = pb.GradientChunk(header=pb.MicroBatchHeader(run_id="run", step=1, boundary=1), grad=tensor_to_proto(torch.zeros(2, 8, 32)))
+    a1.validate("anchor_backward", late)
+    a1.inbox["anchor_backward"].append(late)
+    with pytest.raises(WireError, match="its pass is gone"):
+        a1.tick(lambda: "p2", lambda s: s)
+    prior = pb.AnchorPrior(header=pb.MicroBatchHeader(run_id="run", step=1, sender="p9"), stage=1)
+    with pytest.raises(WireError, match="not a live peer of this stage group"):
+        a1.validate("prior", prior)
+    prior = pb.AnchorPrior(header=pb.MicroBatchHeader(run_id="run", step=1, sender="p1b"), stage=2)
     with pytest.raises(WireError, match="stage=2"):
         a1.validate("prior", prior)
     prior.stage = 1
@@ -178,3 +207,16 @@ def test_an_evaluation_pass_reports_the_dense_held_out_loss_and_changes_nothing(
     for n, w in workers.items():
         assert all(torch.equal(a, b) for a, b in zip(before[n], w.stage.parameters())), n
         assert anchors[n].priors_applied == 0 and not w.optimizer.opt.state
+
+
+def test_at_most_max_jobs_passes_are_held_and_old_ones_are_refused() -> None:
+    from peer.pipeline.swarm_anchor import MAX_JOBS
+
+    _, _, workers, anchors = build()
+    a = anchors["p1"]
+    for anchor_id in range(1, MAX_JOBS + 3):
+        assert a._job(anchor_id) is not None
+    assert sorted(a.jobs) == list(range(3, MAX_JOBS + 3))  # the oldest were dropped
+    assert a._job(1) is None  # older than every held pass
+    a.newest_id = 10
+    assert a._job(9) is None  # already superseded by a folded prior

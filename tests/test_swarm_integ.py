@@ -4,8 +4,9 @@ Checks: peers find the tracker (through the DHT or given), a joiner takes the st
 serves, 2 stages x 2 peers train, the loss falls, a stage group averages, anchor priors reach
 every peer's optimizer, status lists every peer with its address; when every peer of one stage
 exits they are marked left, the starving stage pulls a peer from the other one (it restarts in
-its process and keeps its id) and the run goes on (fresh weights for the moved peer: no state
-transfer yet); a newcomer then joins and works.
+its process and keeps its id) and the run goes on (the moved peer finds no donor in the emptied
+stage and starts from the initial weights); a newcomer then joins, downloads its stage group's
+state and works.
 """
 
 from __future__ import annotations
@@ -142,8 +143,7 @@ def test_two_stages_of_two_peers_train_anchor_rebalance_and_survive_churn(swarm:
     assert late["eval_loss"] is not None and late["eval_loss"] < math.log(256) and late["eval_step"] >= 10
     assert late["anchors_launched"] >= 2 and late["anchor_age_steps"] is not None and late["anchor_bytes_per_token"] > 0
     assert 0 < late["pp_bytes_per_token"] < 100, "the low-rank codec should send far fewer bytes than dense (512 B/token)"
-    # a round of fp16 parameter averaging every dp.inner_steps steps vs an fp32 gradient all-reduce every step
-    assert late["dp_compression"] >= 2 and late["dp_bytes_per_token"] > 0
+    assert late["dp_bytes_per_token"] > 0  # (its ratio is a formula of the config; the tracker's unit test checks the sums)
 
     # every peer of the stage with fewer peers leaves: it starves, and pulls a peer from the other stage
     by_stage = {st["index"]: st["peers"] for st in late["stages"]}

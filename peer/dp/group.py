@@ -67,7 +67,7 @@ class GroupAverager:
         self.numel = sum(p.numel() for p in params)
         self.bytes_out = 0  # estimated from tensor sizes: hivemind exposes no byte counter
         self.dense_bytes = 0  # a dense fp32 gradient all-reduce every step, over the same steps
-        self._last_round_step = 0
+        self._last_round_step: int | None = None  # set at the first step this averager sees (a joiner starts late)
         self._offered_at = 0
         self.last_error = ""
         self.averager = _averager_class()(
@@ -95,6 +95,8 @@ class GroupAverager:
 
     def after_step(self, local_step: int) -> None:
         """Call after every optimizer step; never blocks."""
+        if self._last_round_step is None:
+            self._last_round_step = local_step - 1
         if self._pending is not None and self._pending.done():
             self._finish()
         if self._pending is None and local_step % self.every == 0:

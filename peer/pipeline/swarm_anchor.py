@@ -16,8 +16,10 @@ last stage averages the loss of the pass's micro-batches and reports it (`eval_r
 separate service and without touching any weight or optimizer.
 
 Nothing in the fast circuit waits: a peer does anchor work only when its fast queues are empty
-(`tick` is called only then), priors are folded in between steps, and a job that loses a peer
-midway is dropped after `timeout_s`. Only the dense prior is computed here; the spectral modes
+(`tick` is called only then), priors are folded in between steps, and a job with no progress
+for `timeout_s` (a peer on its path left) is dropped. At most `MAX_JOBS` passes are held at once
+(each holds a copy of the stage's weights); a message for a pass that is gone is dropped in the
+loop, not refused on the wire (a refusal would end the sender's stream and lose what it held). Only the dense prior is computed here; the spectral modes
 that need the masked twin of the anchor batch ("ef", "paper_ef") are refused by the tracker for
 swarm runs (peer/config.py: `check_swarm`).
 """
@@ -45,6 +47,7 @@ log = logging.getLogger(__name__)
 
 ANCHOR_CHANNELS = ("anchor_forward", "anchor_backward", "prior")
 MAX_MESSAGE_BYTES = 256 * 2**20
+MAX_JOBS = 4  # anchor passes held at once by one stage
 
 
 @dataclass
@@ -63,8 +66,9 @@ class _Job:
     anchor_id: int
     weights_step: int
     snapshot: dict[str, torch.Tensor]  # every parameter; the decoder matrices require grad
-    started: float
+    touched: float  # last progress (monotonic seconds)
     dst: Address | None = None  # next-stage peer for every micro-batch of this job
+    seen: set[int] = field(default_factory=set)  # micro-batches taken (a duplicate counts once)
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
     pending: dict[int, _Pending] = field(default_factory=dict)
     done: int = 0
@@ -126,23 +130,27 @@ class SwarmAnchor:
             limit, what = (self.eval_batches, "an evaluation") if msg.header.eval else (self.micro_batches, "an anchor")
             if msg.header.micro_batch_id >= limit:
                 raise WireError(f"micro_batch_id={msg.header.micro_batch_id}: {what} pass has {limit} micro-batches")
+            p = self.w.cfg.pipeline
             window = proto_to_tensor(msg.token_ids)
-            if window.is_floating_point() or window.ndim != 2 or window.shape[1] < 2:
-                raise WireError(f"token_ids: expected integer [B, T+1], got {window.dtype} {tuple(window.shape)}")
+            if window.is_floating_point() or tuple(window.shape) != (p.micro_batch_size, p.seq_len + 1):
+                raise WireError(f"token_ids: expected integer [{p.micro_batch_size}, {p.seq_len + 1}] (the run's micro-batch), got {window.dtype} {tuple(window.shape)}")
             if int(window.min()) < 0 or int(window.max()) >= s.vocab_size:
                 raise WireError(f"token_ids: values must be in [0, {s.vocab_size})")
-            proto_to_tensor(msg.hidden, expect_shape=(window.shape[0], window.shape[1] - 1, s.hidden_size))
+            proto_to_tensor(msg.hidden, expect_shape=(p.micro_batch_size, p.seq_len, s.hidden_size))
         elif channel == "anchor_backward":
             if msg.header.boundary != s.index:
                 raise WireError(f"header.boundary={msg.header.boundary}: stage {s.index} receives gradients on boundary {s.index}")
             job = self.jobs.get(msg.header.step)
             pending = job.pending.get(msg.header.micro_batch_id) if job else None
-            if pending is None:
-                raise WireError(f"anchor gradient for unknown micro-batch (anchor {msg.header.step}, micro_batch_id={msg.header.micro_batch_id})")
+            if pending is None:  # a pass that expired here: dropped in the loop, not refused (see the module doc)
+                proto_to_tensor(msg.grad)
+                return
             proto_to_tensor(msg.grad, expect_shape=tuple(pending.out.shape))
         elif channel == "prior":
             if msg.stage != s.index:
                 raise WireError(f"stage={msg.stage}: this peer serves stage {s.index}")
+            if msg.header.sender not in self.siblings():
+                raise WireError(f"header.sender={msg.header.sender!r} is not a live peer of this stage group")
             names = [g.name for g in msg.grads]
             unknown = sorted(set(names) - self.targets)
             if unknown or len(set(names)) != len(names) or not names:
@@ -166,18 +174,19 @@ class SwarmAnchor:
             grads = {g.name: proto_to_tensor(g.tensor, expect_shape=self.shapes[g.name]).float() for g in msg.grads}
             self._fold(msg.header.micro_batch_id, grads, f"from {msg.header.sender}")
 
-    def _fold(self, anchor_id: int, grads: dict[str, torch.Tensor], origin: str) -> None:
+    def _fold(self, anchor_id: int, grads: dict[str, torch.Tensor], origin: str) -> bool:
         """Hand a prior to the optimizer. Priors are ordered by anchor id, not by the step they ran
         at: peers of one group count their own local steps, so their step numbers drift apart."""
         if anchor_id <= self.newest_id:
             self.stale_dropped += 1
             log.info("anchor %d %s is not newer than the newest one folded in (%d): skipped", anchor_id, origin, self.newest_id)
-            return
+            return False
         # stamped with this peer's own step: monotonic here, and at most a few steps off the weights it ran on
         self.w.optimizer.observe_anchor(max(self.w.version, self.w.optimizer.spectral.anchor_step or 0), grads, None)
         self.newest_id = anchor_id
         self.priors_applied += 1
         log.info("anchor %d %s folded in at step %d (%d so far)", anchor_id, origin, self.w.version, self.priors_applied)
+        return True
 
     # -- work (only when the fast circuit is idle) --------------------------------------------
     def tick(self, next_hop: Callable[[], Address], resolve: Callable[[str], Address]) -> bool:
@@ -202,6 +211,8 @@ class SwarmAnchor:
         if self.todo:
             anchor_id, j, window = self.todo.popleft()
             job = self._job(anchor_id)
+            if job is None:
+                return True
             if job.dst is None:
                 job.dst = next_hop()
             out = functional_call(self.w.stage, job.snapshot, (window[:, :-1],))
@@ -242,11 +253,22 @@ class SwarmAnchor:
         for stale in [k for k in self._eval_sums if k < eval_id - 4]:  # passes that lost a micro-batch
             del self._eval_sums[stale]
 
-    def _job(self, anchor_id: int) -> _Job:
+    def _job(self, anchor_id: int) -> _Job | None:
+        """The pass `anchor_id` at this stage (created at its first micro-batch); None for a pass
+        already folded in, or when MAX_JOBS newer passes are held."""
         job = self.jobs.get(anchor_id)
         if job is None:
+            if anchor_id <= self.newest_id:
+                return None
+            if len(self.jobs) >= MAX_JOBS:
+                oldest = min(self.jobs)
+                if anchor_id < oldest:
+                    return None
+                del self.jobs[oldest]
+                log.warning("anchor %d: dropped, %d newer passes are held", oldest, MAX_JOBS)
             snapshot = {n: p.detach().clone().requires_grad_(n in self.targets) for n, p in self.w.stage.named_parameters()}
             job = self.jobs[anchor_id] = _Job(anchor_id, self.w.version, snapshot, time.monotonic())
+        job.touched = time.monotonic()
         return job
 
     def _send_forward(self, job: _Job, j: int, out: torch.Tensor, window: torch.Tensor) -> None:
@@ -258,8 +280,9 @@ class SwarmAnchor:
     def _forward(self, msg: pb.ActivationChunk, next_hop: Callable[[], Address], resolve: Callable[[str], Address]) -> None:
         job = self._job(msg.header.step)
         j = msg.header.micro_batch_id
-        if j in job.pending:
-            return  # a duplicate
+        if job is None or j in job.seen:
+            return  # a pass that is gone, or a duplicate
+        job.seen.add(j)
         window = proto_to_tensor(msg.token_ids).long()
         x = proto_to_tensor(msg.hidden).float().requires_grad_(True)
         out = functional_call(self.w.stage, job.snapshot, (x,))
@@ -277,7 +300,8 @@ class SwarmAnchor:
         job = self.jobs.get(msg.header.step)
         pending = job.pending.pop(msg.header.micro_batch_id, None) if job else None
         if pending is None:
-            raise WireError(f"anchor gradient for unknown micro-batch (anchor {msg.header.step}, micro_batch_id={msg.header.micro_batch_id})")
+            raise WireError(f"anchor gradient for unknown micro-batch (anchor {msg.header.step}, micro_batch_id={msg.header.micro_batch_id}): its pass is gone")
+        job.touched = time.monotonic()
         g = proto_to_tensor(msg.grad, expect_shape=tuple(pending.out.shape)).to(pending.out.dtype)
         self._backward_through(job, pending, g, msg.header.micro_batch_id, resolve)
 
@@ -304,7 +328,8 @@ class SwarmAnchor:
         if len(job.grads) != len(self.targets):
             log.warning("anchor %d: gradients of %d of %d decoder matrices; skipped", job.anchor_id, len(job.grads), len(self.targets))
             return
-        self._fold(job.anchor_id, job.grads, "(computed here)")
+        if not self._fold(job.anchor_id, job.grads, "(computed here)"):
+            return
         prior = pb.AnchorPrior(
             header=pb.MicroBatchHeader(run_id=self.w.run_id, micro_batch_id=job.anchor_id, step=job.weights_step, sender=self.w.name, boundary=self.w.stage.index, dense=True),
             stage=self.w.stage.index,
@@ -318,6 +343,7 @@ class SwarmAnchor:
     def _expire(self) -> None:
         now = time.monotonic()
         for anchor_id, job in list(self.jobs.items()):
-            if now - job.started > self.timeout_s:
+            if now - job.touched > self.timeout_s:
                 del self.jobs[anchor_id]
-                log.warning("anchor %d: no progress for %.0fs (a peer on its path left?); dropped", anchor_id, now - job.started)
+                self.todo = deque(t for t in self.todo if t[0] != anchor_id)
+                log.warning("anchor %d: no progress for %.0fs (a peer on its path left?); dropped", anchor_id, now - job.touched)
