@@ -98,6 +98,9 @@ class StageWorker:
     _stash: tuple[int, dict[str, torch.Tensor]] | None = None
     basis_announced: dict = field(default_factory=dict)  # low-rank codec: sender -> newest version it shipped us
     _seen: dict = field(default_factory=dict)  # swarm: (sender, step, micro-batch) taken recently, oldest first
+    # swarm: the newest gradient messages sent back, by the same key, so a sender's retry gets its
+    # gradient again (its retry window is a few steps of micro-batches; 64 covers it)
+    _grad_cache: dict = field(default_factory=dict)
     coef_codec: MaskCodec | None = None
     # swarm routing (None: the local layout, replica r of stage s talks to replica r of s +- 1)
     peer_id: str | None = None
@@ -253,6 +256,11 @@ class StageWorker:
         if self.local_steps:  # a sender's retry may duplicate a micro-batch we already took
             key = (msg.header.sender, step, mb)
             if key in self._seen:
+                # a retry: the sender lost our gradient (or gave up waiting); send it again rather
+                # than computing the micro-batch twice. Still in flight here: it will come.
+                sent = self._grad_cache.get(key)
+                if sent is not None:
+                    self.transport.send(self.addr, sent[0], "backward", sent[1])
                 return True
             self._seen[key] = None
             while len(self._seen) > 4096:
@@ -331,7 +339,12 @@ class StageWorker:
                 grad=self.link_codec.encode(job.x.grad, boundary=b, step=job.step, micro_batch=mb),
             )
             dst = self.resolve(job.sender) if self.resolve else (b, self.replica)
-            self.transport.send(self.addr, dst, "backward", msg.SerializeToString())
+            data = msg.SerializeToString()
+            self.transport.send(self.addr, dst, "backward", data)
+            if self.local_steps:
+                self._grad_cache[(job.sender, job.step, mb)] = (dst, data)
+                while len(self._grad_cache) > 64:
+                    self._grad_cache.pop(next(iter(self._grad_cache)))
         self.done[job.step] += 1
 
     # -- step -------------------------------------------------------------------------------
