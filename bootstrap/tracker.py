@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from peer import __version__
+from peer.capacity import fill_unmeasured
 from peer.config import TrainConfig
 from peer.errors import AnchormeshError
 from peer.model.stages import layer_ranges
@@ -50,6 +51,30 @@ class PeerRecord:
     eval_id: int = 0
     eval_loss: float = math.nan
     joined_at: float = 0.0
+
+
+@dataclass
+class Cadence:
+    """Jobs the tracker hands to stage 0 every `every` run steps (anchor or evaluation passes).
+
+    Ids count from 1 in launch order; `launched_at` maps an id to the run step it was launched at."""
+
+    every: int
+    next_at: int = 0
+    launched: int = 0
+    launched_at: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.next_at = self.every  # the first at step `every`, as in the local runner
+
+    def due(self, run_step: int) -> int:
+        """A new job id when one is due at `run_step` (and record it), else 0."""
+        if not self.every or run_step < self.next_at:
+            return 0
+        self.launched += 1
+        self.launched_at[self.launched] = run_step
+        self.next_at = run_step + self.every
+        return self.launched
 
 
 @dataclass
@@ -93,12 +118,8 @@ class Tracker:
         self.started = self.clock()
         self.ranges = layer_ranges(self.config.model.num_layers, self.config.model.num_stages)
         self.layers = [max(end - start, 1) for start, end in self.ranges]
-        self.anchors_launched = 0
-        self._anchor_launched_at: dict[int, int] = {}  # anchor id -> run step when it was launched
-        self.evals_launched = 0
-        self._eval_launched_at: dict[int, int] = {}
-        self._next_eval_at = self.config.pipeline.eval_every
-        self._next_anchor_at = self.config.anchor.every  # the first pass at step K, as in the local runner
+        self.anchors = Cadence(self.config.anchor.every)
+        self.evals = Cadence(self.config.pipeline.eval_every)
         self._next_move_at = self.started
         self.moves = 0
         self._reserved: dict[str, tuple[int, float, float]] = {}  # peer id -> (stage it was moved to, its speed, when)
@@ -108,9 +129,7 @@ class Tracker:
     def _speeds(self) -> dict[str, float]:
         """Layer-tokens/s of every live peer (unmeasured ones: the median measured speed)."""
         live = self.live()
-        measured = sorted(p.capacity * self.layers[p.stage] for p in live if p.capacity > 0)
-        default = measured[len(measured) // 2] if measured else 1.0
-        return {p.peer_id: p.capacity * self.layers[p.stage] if p.capacity > 0 else default for p in live}
+        return dict(zip((p.peer_id for p in live), fill_unmeasured([p.capacity * self.layers[p.stage] for p in live])))
 
     def scores(self, speeds: dict[str, float] | None = None) -> list[float]:
         """Per stage: the tokens/s its live peers could sustain (see the class docstring)."""
@@ -124,8 +143,8 @@ class Tracker:
         scores = self.scores()
         return min(range(len(scores)), key=lambda s: (scores[s], len(self.live(s)), s))
 
-    def _move_target(self, p: PeerRecord) -> int | None:
-        """The stage `p` should move to now, if any (call with the lock held).
+    def _move_target(self, p: PeerRecord) -> tuple[int, float] | None:
+        """The stage `p` should move to now and p's speed, if any (call with the lock held).
 
         One decision for the whole run, not one per reporting peer: the donor stage is the
         highest-scoring stage with at least two live peers, the peer to move is the one of it
@@ -163,7 +182,7 @@ class Tracker:
         if p.peer_id != best.peer_id:
             return None  # the decision stands; `best` is told when it reports
         self._imbalanced_since = None
-        return poor
+        return poor, speeds[p.peer_id]
 
     # -- membership -------------------------------------------------------------------------
     def _expire(self) -> None:
@@ -230,44 +249,24 @@ class Tracker:
             p.dp_bytes_out, p.dp_dense_bytes = info.dp_bytes_out, info.dp_dense_bytes
             p.eval_id, p.eval_loss = info.eval_id, info.eval_loss
             self._expire()
-            target = self._move_target(p)
-            if target is not None:
+            move = self._move_target(p)
+            if move is not None:
+                target, speed = move
                 self.moves += 1
                 self._next_move_at = self.clock() + self.move_cooldown_s
-                speed = self._speeds()[p.peer_id]
                 p.state, p.reason = "left", f"moved to stage {target}, which was starving"
                 self._reserved[p.peer_id] = (target, speed, self.clock())
                 return pb.Directive(kind=pb.Directive.MOVE, reason=f"stage {target} needs a peer more than stage {p.stage}")
             # a joining peer may not serve yet (it may still be downloading its stage's state)
             neighbours = [self._info(q) for q in self.live() if abs(q.stage - p.stage) <= 1 and q.peer_id != p.peer_id and q.state != "joining"]
             directive = pb.Directive(kind=pb.Directive.CONTINUE, neighbours=neighbours)
-            self._maybe_anchor(p, directive)
-            self._maybe_eval(p, directive)
+            # anchor and evaluation passes: to the next stage-0 peer to report once due, while every stage is served
+            if p.stage == 0 and p.state in ("active", "idle") and all(self.live(s) for s in range(self.config.model.num_stages)):
+                step = self._run_step()
+                directive.anchor_id, directive.eval_id = self.anchors.due(step), self.evals.due(step)
+                if directive.anchor_id:
+                    directive.anchor_micro_batches = self.config.anchor.micro_batches
         return directive
-
-    def _maybe_eval(self, p: PeerRecord, directive: pb.Directive) -> None:
-        """Every `pipeline.eval_every` run steps, the next stage-0 peer to report runs a held-out pass."""
-        every = self.config.pipeline.eval_every
-        if not every or p.stage != 0 or p.state not in ("active", "idle") or self._run_step() < self._next_eval_at:
-            return
-        if any(not self.live(s) for s in range(self.config.model.num_stages)):
-            return
-        self.evals_launched += 1
-        self._eval_launched_at[self.evals_launched] = self._run_step()
-        self._next_eval_at = self._run_step() + every
-        directive.eval_id = self.evals_launched
-
-    def _maybe_anchor(self, p: PeerRecord, directive: pb.Directive) -> None:
-        """Every `anchor.every` run steps, the next stage-0 peer to report gets an anchor job."""
-        a = self.config.anchor
-        if not a.enabled or p.stage != 0 or p.state not in ("active", "idle"):
-            return
-        if self._run_step() < self._next_anchor_at or any(not self.live(s) for s in range(self.config.model.num_stages)):
-            return
-        self.anchors_launched += 1
-        self._anchor_launched_at[self.anchors_launched] = self._run_step()
-        self._next_anchor_at = self._run_step() + a.every
-        directive.anchor_id, directive.anchor_micro_batches = self.anchors_launched, a.micro_batches
 
     def _run_step(self) -> int:
         return max((q.step for q in self.peers.values() if q.stage == 0), default=0)  # stage 0 counts the run's steps
@@ -306,7 +305,7 @@ class Tracker:
             newest_eval = max((p for p in self.peers.values() if p.eval_id), key=lambda p: p.eval_id, default=None)
             pp_bytes = sum(p.bytes_out for p in self.peers.values()) - anchor_bytes
             newest = max((p.anchor_id for p in self.peers.values()), default=0)
-            anchor_step = self._anchor_launched_at.get(newest, -1)
+            anchor_step = self.anchors.launched_at.get(newest, -1)
             missing = [s for s in range(K) if not self.live(s)]
             state, reason = "running", ""
             if missing:
@@ -329,11 +328,11 @@ class Tracker:
                 dht_maddrs=self.dht_maddrs,
                 anchor_step=anchor_step,
                 anchor_age_steps=max(step - anchor_step, 0) if anchor_step >= 0 else -1,
-                anchors_launched=self.anchors_launched,
+                anchors_launched=self.anchors.launched,
                 anchor_bytes_per_token=anchor_bytes / tokens if tokens else 0.0,
                 stage_moves=self.moves,
                 dp_bytes_per_token=dp_bytes / tokens if tokens else 0.0,
                 dp_compression=sum(p.dp_dense_bytes for p in self.peers.values()) / dp_bytes if dp_bytes else 0.0,
                 eval_loss=newest_eval.eval_loss if newest_eval else math.nan,
-                eval_step=self._eval_launched_at.get(newest_eval.eval_id, -1) if newest_eval else -1,
+                eval_step=self.evals.launched_at.get(newest_eval.eval_id, -1) if newest_eval else -1,
             )

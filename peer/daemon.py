@@ -37,6 +37,7 @@ import grpc
 import torch
 
 from peer import __version__
+from peer.capacity import fill_unmeasured
 from peer.codec.mask import MaskCodec
 from peer.config import config_from_dict
 from peer.data import TokenStream, default_corpus
@@ -153,9 +154,7 @@ class PeerDaemon:
         peers = self.neighbours.get(self.worker.stage.index + 1, [])
         if not peers:
             raise AnchormeshError(f"no live peer of stage {self.worker.stage.index + 1} to send to")
-        measured = sorted(p.capacity_tokens_per_s for p in peers if p.capacity_tokens_per_s > 0)
-        default = measured[len(measured) // 2] if measured else 1.0
-        weights = torch.tensor([p.capacity_tokens_per_s if p.capacity_tokens_per_s > 0 else default for p in peers])
+        weights = torch.tensor(fill_unmeasured([p.capacity_tokens_per_s for p in peers]))
         return peers[int(torch.multinomial(weights, 1, generator=self._route_gen))].peer_id
 
     def _resolve(self, sender: str) -> str:
@@ -475,7 +474,6 @@ def run_peer(initial_peers: list[str], tracker: str | None, host: str, grpc_port
         # start again from a clean process (hivemind forks; a fork beside live gRPC threads can hang)
         log.info("%s starts again to join the stage that needs it", daemon.peer_id)
         os.environ[PEER_ID_ENV] = daemon.peer_id
-        args = [a for a in sys.argv[1:]]
         sys.stdout.flush()
         sys.stderr.flush()
-        os.execv(sys.executable, [sys.executable, "-m", "peer.cli", *args])
+        os.execv(sys.executable, [sys.executable, "-m", "peer.cli", *sys.argv[1:]])

@@ -23,9 +23,23 @@ from peer.wire import anchormesh_pb2 as pb
 from peer.wire import anchormesh_pb2_grpc as pbg
 
 
-def _start(args: list[str], log: Path) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "peer.cli", *args], stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+def start_process(args: list[str], log: Path, **env: str) -> subprocess.Popen:
+    """`anchormesh ARGS` as its own process (own session, so its children can be killed with it),
+    one torch thread, output to `log`; `env` adds environment variables."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env}
+    return subprocess.Popen([sys.executable, "-m", "peer.cli", *args], stdout=open(log, "w"), stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+
+
+def wait_for_bootstrap(state_dir: Path, proc: subprocess.Popen, log: Path, timeout_s: float = 60.0) -> dict:
+    """The bootstrap's `bootstrap.json` once it is written; RuntimeError (with its log) if the
+    process dies or `timeout_s` passes first."""
+    path = state_dir / "bootstrap.json"
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"bootstrap did not start; its log ({log}):\n{log.read_text()[-3000:]}")
+        time.sleep(0.2)
+    return json.loads(path.read_text())
 
 
 def stop_processes(procs: list[subprocess.Popen], grace_s: float = 20.0) -> None:
@@ -52,17 +66,11 @@ def run_swarm_demo(seconds: float = 90.0, peers: int = 4) -> dict:
     procs: list[subprocess.Popen] = []
     last: pb.RunStatus | None = None
     try:
-        procs.append(_start(["bootstrap", "--state-dir", str(work)], work / "bootstrap.log"))
-        info_path = work / "bootstrap.json"
-        deadline = time.monotonic() + 60
-        while not info_path.exists():
-            if procs[0].poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"bootstrap did not start; see {work / 'bootstrap.log'}")
-            time.sleep(0.2)
-        info = json.loads(info_path.read_text())
+        procs.append(start_process(["bootstrap", "--state-dir", str(work)], work / "bootstrap.log"))
+        info = wait_for_bootstrap(work, procs[0], work / "bootstrap.log")
         print(f"bootstrap up: run {info['run_id']}, tracker {info['tracker']}; starting {peers} peers (logs in {work})", flush=True)
         for i in range(peers):
-            procs.append(_start(["peer", "--initial-peers", info["dht_maddrs"][0]], work / f"peer{i}.log"))
+            procs.append(start_process(["peer", "--initial-peers", info["dht_maddrs"][0]], work / f"peer{i}.log"))
         t0 = time.monotonic()
         with grpc.insecure_channel(info["tracker"]) as channel:
             stub = pbg.StatusStub(channel)

@@ -5,9 +5,7 @@ does on the same batches — the per-step loss curves agree to float tolerance."
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import time
 import zlib
 from pathlib import Path
@@ -18,7 +16,7 @@ from peer.config import load_run_toml
 from peer.data import TokenStream, default_corpus
 from peer.model.loading import load_causal_lm
 from peer.pipeline.runner import LocalPipelineRunner
-from peer.swarm_demo import stop_processes
+from peer.swarm_demo import start_process, stop_processes, wait_for_bootstrap
 
 STEPS = 12
 RUN_TOML = """
@@ -47,21 +45,16 @@ STAGE0_ID = "peer-equiv000"
 
 def swarm_losses(tmp: Path) -> list[float]:
     (tmp / "run.toml").write_text(RUN_TOML)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     procs: list[subprocess.Popen] = []
 
-    def start(*args: str, log: str, **extra: str) -> subprocess.Popen:
-        p = subprocess.Popen([sys.executable, "-m", "peer.cli", *args], stdout=open(tmp / log, "w"), stderr=subprocess.STDOUT, env={**env, **extra}, start_new_session=True)
-        procs.append(p)
-        return p
+    def start(*args: str, log: str, **env: str) -> subprocess.Popen:
+        procs.append(start_process(list(args), tmp / log, **env))
+        return procs[-1]
 
     try:
-        start("bootstrap", "--config", str(tmp / "run.toml"), "--state-dir", str(tmp / "boot"), log="boot.log")
+        boot = start("bootstrap", "--config", str(tmp / "run.toml"), "--state-dir", str(tmp / "boot"), log="boot.log")
+        tracker = wait_for_bootstrap(tmp / "boot", boot, tmp / "boot.log", timeout_s=90)["tracker"]
         deadline = time.monotonic() + 90
-        while not (tmp / "boot" / "bootstrap.json").exists():
-            assert time.monotonic() < deadline and procs[0].poll() is None, (tmp / "boot.log").read_text()
-            time.sleep(0.2)
-        tracker = json.loads((tmp / "boot" / "bootstrap.json").read_text())["tracker"]
         # the first peer to join gets stage 0; its id fixes its data order (see below)
         p0 = start("peer", "--tracker", tracker, "--max-steps", str(STEPS), log="p0.log", ANCHORMESH_PEER_ID=STAGE0_ID)
         while "joined" not in (tmp / "p0.log").read_text():

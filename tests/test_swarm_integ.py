@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from peer.swarm_demo import stop_processes
+from peer.swarm_demo import start_process, stop_processes, wait_for_bootstrap
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
@@ -34,8 +34,7 @@ class Swarm:
         self.tmp, self.procs = tmp, []
 
     def start(self, *args: str, log: str) -> subprocess.Popen:
-        out = open(self.tmp / log, "w")
-        proc = subprocess.Popen([sys.executable, "-m", "peer.cli", *args], stdout=out, stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
+        proc = start_process(list(args), self.tmp / log)
         self.procs.append(proc)
         return proc
 
@@ -100,13 +99,8 @@ eval_every = 10
 
 def test_two_stages_of_two_peers_train_anchor_rebalance_and_survive_churn(swarm: Swarm, tmp_path: Path) -> None:
     (tmp_path / "run.toml").write_text(RUN_TOML)
-    swarm.start("bootstrap", "--config", str(tmp_path / "run.toml"), "--state-dir", str(tmp_path / "boot"), "--peer-timeout", "8", log="bootstrap.log")
-    info_path = tmp_path / "boot" / "bootstrap.json"
-    deadline = time.monotonic() + 60
-    while not info_path.exists():
-        assert time.monotonic() < deadline, (tmp_path / "bootstrap.log").read_text()
-        time.sleep(0.2)
-    info = json.loads(info_path.read_text())
+    boot = swarm.start("bootstrap", "--config", str(tmp_path / "run.toml"), "--state-dir", str(tmp_path / "boot"), "--peer-timeout", "8", log="bootstrap.log")
+    info = wait_for_bootstrap(tmp_path / "boot", boot, tmp_path / "bootstrap.log")
     assert set(info) == {"run_id", "dht_maddrs", "tracker"} and info["dht_maddrs"]
     tracker = info["tracker"]
 

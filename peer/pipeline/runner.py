@@ -46,6 +46,18 @@ MAX_MESSAGE_BYTES = 256 * 2**20
 
 
 
+def check_token_window(payload: pb.TensorPayload, vocab_size: int, shape: tuple[int, int] | None = None) -> torch.Tensor:
+    """An inbound token window [B, T+1] (inputs and targets), vetted: integer, 2-D with T >= 1,
+    of `shape` when given, every id in [0, vocab_size). Raises WireError naming the problem."""
+    window = proto_to_tensor(payload)
+    want = f"[{shape[0]}, {shape[1]}] (the run's micro-batch)" if shape else "[B, T+1]"
+    if window.is_floating_point() or window.ndim != 2 or window.shape[1] < 2 or (shape and tuple(window.shape) != shape):
+        raise WireError(f"token_ids: expected integer {want}, got {window.dtype} {tuple(window.shape)}")
+    if int(window.min()) < 0 or int(window.max()) >= vocab_size:
+        raise WireError(f"token_ids: values must be in [0, {vocab_size})")
+    return window
+
+
 @dataclass
 class StepReport:
     """What one optimizer step of the whole pipeline did (all stage groups applied `step`)."""
@@ -158,12 +170,7 @@ class StageWorker:
         if channel == "forward":
             if b != s.index - 1:
                 raise WireError(f"header.boundary={b}: stage {s.index} receives activations on boundary {s.index - 1}")
-            window = proto_to_tensor(msg.token_ids)
-            if window.is_floating_point() or window.ndim != 2 or window.shape[1] < 2:
-                raise WireError(f"token_ids: expected integer [B, T+1], got {window.dtype} {tuple(window.shape)}")
-            ids = window[:, :-1].long()
-            if int(ids.min()) < 0 or int(window.max()) >= s.vocab_size:
-                raise WireError(f"token_ids: values must be in [0, {s.vocab_size})")
+            ids = check_token_window(msg.token_ids, s.vocab_size)[:, :-1].long()
             key = dict(boundary=b, step=msg.header.step, micro_batch=msg.header.micro_batch_id)
             if self.coef_codec is not None:
                 self.coef_codec.decode(msg.hidden, expect_shape=(*ids.shape, self.cfg.mask.rank), **key)

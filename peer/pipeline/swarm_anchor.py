@@ -12,15 +12,15 @@ to the rest of its stage group on the `Prior` rpc, so every optimizer of the sta
 
 The same path carries held-out *evaluation* passes (`header.eval`): forward only, on the live
 weights under no_grad, all micro-batches of a pass through the same peers (as for anchors); the
-last stage averages the loss of the pass's micro-batches and reports it (`eval_result`). They give the run's eval loss without a
-separate service and without touching any weight or optimizer.
+last stage averages the loss of the pass's micro-batches and reports it (`eval_result`). They
+give the run's eval loss without a separate service and without touching any weight or optimizer.
 
 Nothing in the fast circuit waits: a peer does anchor work only when its fast queues are empty
 (`tick` is called only then), priors are folded in between steps, and a job with no progress
 for `timeout_s` (a peer on its path left) is dropped. At most `MAX_JOBS` passes are held at once
 (each holds a copy of the stage's weights); a message for a pass that is gone is dropped in the
-loop, not refused on the wire (a refusal would end the sender's stream and lose what it held). Only the dense prior is computed here; the spectral modes
-that need the masked twin of the anchor batch ("ef", "paper_ef") are refused by the tracker for
+loop, not refused on the wire (a refusal would end the sender's stream and lose what it held).
+Only the dense prior is computed here; the spectral modes that need the masked twin of the anchor batch ("ef", "paper_ef") are refused by the tracker for
 swarm runs (peer/config.py: `check_swarm`).
 """
 
@@ -38,7 +38,7 @@ from torch.func import functional_call
 
 from peer.errors import WireError
 from peer.model.stages import lm_loss
-from peer.pipeline.runner import StageWorker
+from peer.pipeline.runner import MAX_MESSAGE_BYTES, StageWorker, check_token_window
 from peer.pipeline.transport import Address
 from peer.wire import anchormesh_pb2 as pb
 from peer.wire.tensors import parse_message, proto_to_tensor, tensor_to_proto, token_dtype
@@ -46,7 +46,6 @@ from peer.wire.tensors import parse_message, proto_to_tensor, tensor_to_proto, t
 log = logging.getLogger(__name__)
 
 ANCHOR_CHANNELS = ("anchor_forward", "anchor_backward", "prior")
-MAX_MESSAGE_BYTES = 256 * 2**20
 MAX_JOBS = 4  # anchor passes held at once by one stage
 
 
@@ -99,7 +98,6 @@ class SwarmAnchor:
         self.inbox: dict[str, deque] = {ch: deque() for ch in ANCHOR_CHANNELS}
         self.newest_id = 0  # newest anchor pass folded into the optimizer (the tracker numbers them in time order)
         self.priors_applied = 0
-        self.micro_batches_done = 0
         self.stale_dropped = 0
 
     # -- bookkeeping --------------------------------------------------------------------------
@@ -131,11 +129,7 @@ class SwarmAnchor:
             if msg.header.micro_batch_id >= limit:
                 raise WireError(f"micro_batch_id={msg.header.micro_batch_id}: {what} pass has {limit} micro-batches")
             p = self.w.cfg.pipeline
-            window = proto_to_tensor(msg.token_ids)
-            if window.is_floating_point() or tuple(window.shape) != (p.micro_batch_size, p.seq_len + 1):
-                raise WireError(f"token_ids: expected integer [{p.micro_batch_size}, {p.seq_len + 1}] (the run's micro-batch), got {window.dtype} {tuple(window.shape)}")
-            if int(window.min()) < 0 or int(window.max()) >= s.vocab_size:
-                raise WireError(f"token_ids: values must be in [0, {s.vocab_size})")
+            check_token_window(msg.token_ids, s.vocab_size, (p.micro_batch_size, p.seq_len + 1))
             proto_to_tensor(msg.hidden, expect_shape=(p.micro_batch_size, p.seq_len, s.hidden_size))
         elif channel == "anchor_backward":
             if msg.header.boundary != s.index:
@@ -206,7 +200,7 @@ class SwarmAnchor:
             eval_id, j, window = self.eval_todo.popleft()
             with torch.no_grad():
                 out = self.w.stage(window[:, :-1])
-            self._send_eval(eval_id, j, out, window, self._eval_hop(eval_id, next_hop))
+            self._send(eval_id, j, out, window, self._eval_hop(eval_id, next_hop), evaluation=True)
             return True
         if self.todo:
             anchor_id, j, window = self.todo.popleft()
@@ -217,7 +211,7 @@ class SwarmAnchor:
                 job.dst = next_hop()
             out = functional_call(self.w.stage, job.snapshot, (window[:, :-1],))
             job.pending[j] = _Pending(None, out, "")
-            self._send_forward(job, j, out, window)
+            self._send(job.anchor_id, j, out, window, job.dst)
             return True
         return False
 
@@ -228,9 +222,10 @@ class SwarmAnchor:
                 del self._eval_dst[old]
         return self._eval_dst[eval_id]
 
-    def _send_eval(self, eval_id: int, j: int, out: torch.Tensor, window: torch.Tensor, dst: Address) -> None:
-        header = pb.MicroBatchHeader(run_id=self.w.run_id, micro_batch_id=j, step=eval_id, sender=self.w.name, boundary=self.w.stage.index, dense=True, eval=True)
-        msg = pb.ActivationChunk(header=header, hidden=tensor_to_proto(out.half()), token_ids=tensor_to_proto(window.to(token_dtype(self.w.stage.vocab_size))))
+    def _send(self, pass_id: int, j: int, out: torch.Tensor, window: torch.Tensor, dst: Address, evaluation: bool = False) -> None:
+        """Micro-batch j of anchor or evaluation pass `pass_id`, dense fp16, to the next stage."""
+        header = pb.MicroBatchHeader(run_id=self.w.run_id, micro_batch_id=j, step=pass_id, sender=self.w.name, boundary=self.w.stage.index, dense=True, eval=evaluation)
+        msg = pb.ActivationChunk(header=header, hidden=tensor_to_proto(out.detach().half()), token_ids=tensor_to_proto(window.to(token_dtype(self.w.stage.vocab_size))))
         self.w.transport.send(self.w.addr, dst, "anchor_forward", msg.SerializeToString())
 
     def _eval_forward(self, msg: pb.ActivationChunk, next_hop: Callable[[], Address]) -> None:
@@ -239,7 +234,7 @@ class SwarmAnchor:
         with torch.no_grad():
             out = self.w.stage(proto_to_tensor(msg.hidden).float())
             if not self.w.stage.is_last:
-                self._send_eval(msg.header.step, msg.header.micro_batch_id, out, window, self._eval_hop(msg.header.step, next_hop))
+                self._send(msg.header.step, msg.header.micro_batch_id, out, window, self._eval_hop(msg.header.step, next_hop), evaluation=True)
                 return
             loss = float(lm_loss(out, window[:, 1:]))
         eval_id = msg.header.step
@@ -271,12 +266,6 @@ class SwarmAnchor:
         job.touched = time.monotonic()
         return job
 
-    def _send_forward(self, job: _Job, j: int, out: torch.Tensor, window: torch.Tensor) -> None:
-        b = self.w.stage.index
-        header = pb.MicroBatchHeader(run_id=self.w.run_id, micro_batch_id=j, step=job.anchor_id, sender=self.w.name, boundary=b, dense=True)
-        msg = pb.ActivationChunk(header=header, hidden=tensor_to_proto(out.detach().half()), token_ids=tensor_to_proto(window.to(token_dtype(self.w.stage.vocab_size))))
-        self.w.transport.send(self.w.addr, job.dst, "anchor_forward", msg.SerializeToString())
-
     def _forward(self, msg: pb.ActivationChunk, next_hop: Callable[[], Address], resolve: Callable[[str], Address]) -> None:
         job = self._job(msg.header.step)
         j = msg.header.micro_batch_id
@@ -290,7 +279,7 @@ class SwarmAnchor:
             if job.dst is None:
                 job.dst = next_hop()
             job.pending[j] = _Pending(x, out, msg.header.sender)
-            self._send_forward(job, j, out, window)
+            self._send(job.anchor_id, j, out, window, job.dst)
             return
         loss = lm_loss(out, window[:, 1:])
         job.loss = (0.0 if math.isnan(job.loss) else job.loss) + float(loss.detach()) / self.micro_batches
@@ -319,7 +308,6 @@ class SwarmAnchor:
             back = pb.GradientChunk(header=header, grad=tensor_to_proto(grads[-1].detach().half()))
             self.w.transport.send(self.w.addr, resolve(p.sender), "anchor_backward", back.SerializeToString())
         job.done += 1
-        self.micro_batches_done += 1
         if job.done == self.micro_batches:
             self._finish(job)
 

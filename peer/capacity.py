@@ -1,0 +1,15 @@
+"""Capacity readings: tokens/s a peer could do if it never waited (tokens/s over busy fraction).
+
+The tracker balances stages with them and stage 0 routes by them. A peer not measured yet (0)
+counts as the median of the measured ones, 1.0 when none is: a newcomer is neither favoured nor
+starved before its first reading.
+"""
+
+from __future__ import annotations
+
+
+def fill_unmeasured(values: list[float]) -> list[float]:
+    """`values` with every reading <= 0 replaced by the median of the positive ones (1.0 if none)."""
+    measured = sorted(v for v in values if v > 0)
+    default = measured[len(measured) // 2] if measured else 1.0
+    return [v if v > 0 else default for v in values]
