@@ -98,7 +98,7 @@ def serve_tracker(tracker: Tracker, host: str, port: int) -> tuple[grpc.Server, 
     return server, f"{host}:{bound}"
 
 
-def run_bootstrap(config: TrainConfig | None, host: str, port: int, dht_port: int, state_dir: Path, peer_timeout_s: float = 10.0) -> None:
+def run_bootstrap(config: TrainConfig | None, host: str, port: int, dht_port: int, state_dir: Path, peer_timeout_s: float = 10.0, metrics_port: int | None = None) -> None:
     """Run until SIGTERM/SIGINT."""
     import hivemind
     from hivemind.utils import get_dht_time
@@ -111,6 +111,13 @@ def run_bootstrap(config: TrainConfig | None, host: str, port: int, dht_port: in
     maddrs = [str(m) for m in dht.get_visible_maddrs()]
     tracker = Tracker(run_id, config, peer_timeout_s=peer_timeout_s, dht_maddrs=maddrs)
     server, address = serve_tracker(tracker, host, port)
+    metrics = None
+    if metrics_port is not None:
+        from peer.metrics import serve_metrics
+        from peer.status import status_dict
+
+        metrics = serve_metrics(metrics_port, lambda: status_dict(tracker.status()), host=host)
+        log.info("Prometheus metrics on http://%s:%d/metrics", host, metrics.server_address[1])
     stop = threading.Event()
 
     def publish() -> None:
@@ -131,4 +138,7 @@ def run_bootstrap(config: TrainConfig | None, host: str, port: int, dht_port: in
     stop.wait()
     log.info("shutting down")
     server.stop(grace=1).wait()
+    if metrics is not None:
+        metrics.shutdown()
+        metrics.server_close()
     dht.shutdown()

@@ -1,4 +1,4 @@
-"""`anchormesh` console entry point: `bootstrap`, `peer`, `status`, `demo`, `bench quality`.
+"""`anchormesh` console entry point: `bootstrap`, `peer`, `status`, `health`, `demo`, `bench quality`.
 
 Bad flags exit with code 2 and one line naming the flag.
 """
@@ -35,11 +35,13 @@ def _parser() -> argparse.ArgumentParser:
     boot.add_argument("--dht-port", type=int, default=0, help="DHT TCP port (0 = any free)")
     boot.add_argument("--state-dir", type=Path, default=Path("runs/bootstrap"), help="where bootstrap.json goes")
     boot.add_argument("--peer-timeout", type=float, default=10.0, help="seconds without heartbeat before a peer is dead")
+    boot.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics at http://HOST:PORT/metrics (0 = any free port; default: off)")
 
     peer = sub.add_parser("peer", help="join a run and serve a stage")
     peer.add_argument("--initial-peers", nargs="*", default=[], help="DHT multiaddrs of the run (from bootstrap.json)")
     peer.add_argument("--tracker", help="tracker host:port (default: found through the DHT)")
-    peer.add_argument("--host", default="127.0.0.1", help="address to serve the Stage service on")
+    peer.add_argument("--host", default="127.0.0.1", help="address the Stage service and the DHT node bind to (0.0.0.0: all interfaces; then give --announce-host)")
+    peer.add_argument("--announce-host", default=None, help="address other peers dial to reach this one (default: --host); your public or LAN address behind 0.0.0.0 or a port forward")
     peer.add_argument("--grpc-port", type=int, default=0, help="Stage service port (0 = any free)")
     peer.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"), help="where the stage runs: cpu, or auto (the CPU for now); cuda is refused until GPU placement is built")
     peer.add_argument("--state-dir", type=Path, default=None, help="where the peer keeps its files (the last stage writes metrics.jsonl: loss per step); shard checkpoints are not written yet")
@@ -49,6 +51,11 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--tracker", required=True, help="tracker host:port")
     status.add_argument("--json", action="store_true", help="one JSON object (see README)")
     status.add_argument("--watch", action="store_true", help="keep updating")
+
+    health = sub.add_parser("health", help="one gRPC call: does a peer's Stage service (Ping) or a tracker (--tracker: GetStatus) answer? exit 0 or 1 (container health checks)")
+    health.add_argument("--address", required=True, help="host:port of the peer's Stage service, or of the tracker with --tracker")
+    health.add_argument("--tracker", action="store_true", help="check a tracker's Status service instead of a peer's Stage service")
+    health.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer (default 5)")
 
     bench = sub.add_parser("bench", help="benchmarks (JSON out)")
     bsub = bench.add_subparsers(dest="bench", required=True)
@@ -80,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
             from peer.config import load_run_toml
 
             config = load_run_toml(args.config) if args.config else None
-            run_bootstrap(config, args.host, args.port, args.dht_port, args.state_dir, args.peer_timeout)
+            run_bootstrap(config, args.host, args.port, args.dht_port, args.state_dir, args.peer_timeout, metrics_port=args.metrics_port)
         elif args.command == "peer":
             import faulthandler
             import signal
@@ -92,11 +99,19 @@ def main(argv: list[str] | None = None) -> None:
             if args.device == "cuda":
                 raise ConfigError("--device", "cuda", "GPU placement is not built yet; use cpu or auto (auto runs on the CPU)")
 
-            run_peer(args.initial_peers, args.tracker, args.host, args.grpc_port, args.device, args.max_steps, args.state_dir)
+            if args.host in ("0.0.0.0", "::") and not args.announce_host:
+                raise ConfigError("--announce-host", None, f"required with --host {args.host}: other peers cannot dial {args.host}")
+            run_peer(args.initial_peers, args.tracker, args.host, args.grpc_port, args.device, args.max_steps, args.state_dir, args.announce_host)
         elif args.command == "status":
             from peer.status import run_status
 
             run_status(args.tracker, args.json, args.watch)
+        elif args.command == "health":
+            from peer.health import run_health
+
+            if not args.timeout > 0:
+                raise ConfigError("--timeout", args.timeout, "must be > 0")
+            raise SystemExit(run_health(args.address, args.tracker, args.timeout))
         elif args.command == "bench" and args.bench == "quality":
             from peer.bench.quality import run_quality
 

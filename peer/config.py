@@ -127,6 +127,10 @@ class DPConfig:
         fragments: Streaming DiLoCo fragments; fragment f syncs after steps where (step+1) % H == f*H//fragments.
         outer_lr, outer_momentum: DiLoCo outer Nesterov SGD.
         outer_compression: how DiLoCo deltas travel: none (fp32), powersgd, int8.
+
+    In a networked swarm the stage group always averages parameters DiLoCo-style in the
+    background (peer/dp/group.py): every `inner_steps` steps, `outer_compression` "none" (fp32
+    parameters) or "int8" (8-bit deltas); `scheme` and the outer optimizer are local-runner only.
     """
 
     replicas: int = 1
@@ -344,5 +348,7 @@ def check_swarm(cfg: TrainConfig) -> None:
     only; the error-feedback modes also need the masked twin of the anchor batch, which only
     the local runner computes so far.
     """
+    if cfg.dp.outer_compression == "powersgd":
+        raise ConfigError("dp.outer_compression", "powersgd", "a swarm's stage groups average through hivemind with 'none' (fp32) or 'int8'; PowerSGD runs in the local runner")
     if cfg.anchor.enabled and cfg.spectral.mode in ("ef", "paper_ef"):
         raise ConfigError("spectral.mode", cfg.spectral.mode, "a swarm's anchor passes give dense priors only; use 'paper' or 'off' (the EF modes run in the local runner)")

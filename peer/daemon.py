@@ -107,15 +107,17 @@ def join(stub: pbg.TrackerStub, req: pb.JoinRequest, stop: threading.Event) -> p
 class PeerDaemon:
     """One peer: its stage worker, its gRPC server, its heartbeat and its main loop."""
 
-    def __init__(self, tracker: str, host: str = "127.0.0.1", grpc_port: int = 0, device: str = "cpu", dht=None, state_dir: Path | None = None) -> None:
+    def __init__(self, tracker: str, host: str = "127.0.0.1", grpc_port: int = 0, device: str = "cpu", dht=None, state_dir: Path | None = None, announce_host: str | None = None) -> None:
         if device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device={device!r}: must be auto, cpu or cuda")
         self.tracker, self.host, self.state_dir = tracker, host, state_dir
         self.peer_id = os.environ.get(PEER_ID_ENV) or f"peer-{uuid.uuid4().hex[:8]}"  # kept across a MOVE's exec
         self.stop = threading.Event()
-        self.transport = GrpcTransport(run_id="")
+        self.transport = GrpcTransport(run_id="", host=host)
         self.worker: StageWorker | None = None
-        self.address = self.transport.attach(self.peer_id, self._validate, port=grpc_port, start=False)
+        bound = self.transport.attach(self.peer_id, self._validate, port=grpc_port, start=False)
+        # what other peers dial: the bound address, or the announced one (needed behind 0.0.0.0 or NAT)
+        self.address = f"{announce_host}:{bound.rsplit(':', 1)[1]}" if announce_host else bound
         self.neighbours: dict[int, list[pb.PeerInfo]] = {}
         self._route_gen = torch.Generator().manual_seed(uuid.uuid4().int & 0xFFFF)
         self.dht = dht  # the run's DHT, started by the caller before any gRPC (see dht_maddrs_from_tracker)
@@ -250,13 +252,13 @@ class PeerDaemon:
             if key not in w.inflight:
                 self.round_trips.append(now - self._sent_at.pop(key))
 
-    def _start_averaging(self, prefix: str, every: int) -> None:
+    def _start_averaging(self, prefix: str, every: int, compression: str) -> None:
         """Join the stage group's averaging; without a DHT the peer trains alone."""
         if self.dht is None:
             log.warning("no DHT: this peer will not average with its stage group")
             return
-        self.averager = GroupAverager(self.dht, list(self.worker.stage.parameters()), prefix, every=every, state_fn=self._stage_state)
-        log.info("stage-group averaging every %d steps (group key %s)", every, prefix)
+        self.averager = GroupAverager(self.dht, list(self.worker.stage.parameters()), prefix, every=every, state_fn=self._stage_state, compression=compression)
+        log.info("stage-group averaging every %d steps, %s on the wire (group key %s)", every, compression, prefix)
 
     # -- state transfer ---------------------------------------------------------------------
     def _stage_state(self) -> tuple[dict, list[torch.Tensor]]:
@@ -302,6 +304,7 @@ class PeerDaemon:
             if adam_step > 0:
                 for (name, p), m, v in zip(named, tensors[n : 2 * n], tensors[2 * n :]):
                     w.optimizer.opt.state[p] = {"step": torch.tensor(adam_step), "exp_avg": m.to(p.dtype).clone(), "exp_avg_sq": v.to(p.dtype).clone()}
+            self.averager.rebase()
             w.version = max(w.version, version)
             if w.stage.is_first:
                 w.next_mb = w.version * w.cfg.pipeline.micro_batches
@@ -327,7 +330,7 @@ class PeerDaemon:
         self.worker.version = a.start_step  # continue the run's step numbering (the group's state may raise it)
         self.worker.next_mb = a.start_step * cfg.pipeline.micro_batches
         self.anchor = SwarmAnchor(self.worker, cfg.anchor.micro_batches, self._siblings, eval_batches=cfg.pipeline.eval_batches)
-        self._start_averaging(f"{a.run_id}_stage{a.stage}", cfg.dp.inner_steps)  # forks: before any gRPC runs
+        self._start_averaging(f"{a.run_id}_stage{a.stage}", cfg.dp.inner_steps, cfg.dp.outer_compression)  # forks: before any gRPC runs
         channel = grpc.insecure_channel(self.tracker)
         stub = pbg.TrackerStub(channel)
         # heartbeats start now, so a slow state download does not get this peer declared dead;
@@ -451,7 +454,7 @@ class PeerDaemon:
             self._rate, self._busy = (now, self.tokens), 0.0
 
 
-def run_peer(initial_peers: list[str], tracker: str | None, host: str, grpc_port: int, device: str, max_steps: int | None = None, state_dir: Path | None = None) -> None:
+def run_peer(initial_peers: list[str], tracker: str | None, host: str, grpc_port: int, device: str, max_steps: int | None = None, state_dir: Path | None = None, announce_host: str | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)  # many peers share few cores on one machine
     if not initial_peers and tracker is None:
@@ -468,7 +471,7 @@ def run_peer(initial_peers: list[str], tracker: str | None, host: str, grpc_port
     if tracker is None:
         tracker = find_tracker(dht, stop)
         log.info("found the tracker at %s through the DHT", tracker)
-    daemon = PeerDaemon(tracker, host, grpc_port, device, dht=dht, state_dir=state_dir)
+    daemon = PeerDaemon(tracker, host, grpc_port, device, dht=dht, state_dir=state_dir, announce_host=announce_host)
     daemon.run(max_steps)
     if daemon.move_reason and not daemon.terminated:
         # start again from a clean process (hivemind forks; a fork beside live gRPC threads can hang)

@@ -1,4 +1,6 @@
-"""`anchormesh status --tracker H:P [--json] [--watch]`: one gRPC query (a stream with --watch)."""
+"""`anchormesh status --tracker H:P [--json] [--watch]`: one gRPC query (a stream with --watch).
+
+`--watch` on a terminal draws the rich dashboard of `peer/dashboard.py`; piped, it prints plain text."""
 
 from __future__ import annotations
 
@@ -93,7 +95,12 @@ def run_status(tracker: str, as_json: bool, watch: bool, interval: float = 1.0) 
                 s = stub.GetStatus(pb.StatusRequest(), timeout=10)
                 print(json.dumps(status_dict(s)) if as_json else render(s))
                 return
-            for s in stub.WatchStatus(pb.StatusRequest(interval_s=interval)):
+            if not as_json and sys.stdout.isatty():  # a person at a terminal: the live dashboard
+                from peer.dashboard import watch as live_dashboard
+
+                live_dashboard(status_dict(s) for s in stub.WatchStatus(pb.StatusRequest(interval_s=interval)))
+                return
+            for s in stub.WatchStatus(pb.StatusRequest(interval_s=interval)):  # a pipe: plain text, or one JSON a line
                 if as_json:
                     print(json.dumps(status_dict(s)), flush=True)
                 else:

@@ -1,11 +1,16 @@
 """Parameter averaging inside one stage group over the network (hivemind averaging).
 
 Every `every` local steps a peer offers its stage parameters to hivemind's
-DecentralizedAverager (matchmaking over the run's DHT, keyed by run and stage; fp16 on the
-wire). The round runs in the background while the peer keeps training; when it finishes, the
-peer adds (group mean - what it offered) to its current weights, so the local steps taken
-meanwhile are kept (DiLoCo's outer step with lr 1, applied late). No peer waits for the slowest:
-a peer alone in its stage, or a round that finds no group in time, just trains on.
+DecentralizedAverager (matchmaking over the run's DHT, keyed by run and stage). The round runs
+in the background while the peer keeps training; when it finishes, the peer adds (group mean -
+what it offered) to its current weights, so the local steps taken meanwhile are kept (DiLoCo's
+outer step with lr 1, applied late). No peer waits for the slowest: a peer alone in its stage,
+or a round that finds no group in time, just trains on.
+
+On the wire (`compression`): "none" averages the fp32 parameters themselves (the uncompressed
+baseline); "int8" averages the *change since the last group mean* (the DiLoCo outer delta),
+8-bit with hivemind's uniform quantizer. Why deltas: a few steps of change are small and
+centred, so 8 bits lose little, while 8-bit parameters would lose most of their mantissa.
 
 The same averager hands a stage's state to a peer that joins the group late (hivemind's
 `load_state_from_peers`): each peer declares itself a donor with its step count as priority, so
@@ -24,7 +29,65 @@ import torch
 log = logging.getLogger(__name__)
 
 
+# bytes per averaged element on the wire (hivemind's 8-bit quantizer adds a 1 KiB codebook per part)
+WIRE_BYTES = {"none": 4, "int8": 1}
+
 StateFn = Callable[[], tuple[dict, list[torch.Tensor]]]  # -> (small metadata, tensors): what a joiner downloads
+
+
+def _fix_hivemind_8bit() -> None:
+    """hivemind 1.1's 8-bit `extract` does `int(np.frombuffer(..., count=1))`, which numpy >= 2.4
+    refuses (an array of one element is not a scalar): every 8-bit part then fails to decode and
+    the averager silently keeps its own values. Replace it with the same code reading the count
+    as element 0, only where the round trip is broken; the averager process forks after this."""
+    import numpy as np
+    from hivemind.compression import CompressionInfo, Uniform8BitQuantization
+    from hivemind.compression.quantization import Quantization
+
+    probe = torch.linspace(-1, 1, 64)
+    q = Uniform8BitQuantization()
+    try:
+        q.extract(q.compress(probe, CompressionInfo.from_tensor(probe)))
+        return
+    except TypeError:
+        pass
+
+    def extract(self, serialized_tensor):
+        codebook_size = int(np.frombuffer(serialized_tensor.buffer, count=1, dtype=np.int64)[0])
+        codebook = np.frombuffer(serialized_tensor.buffer, offset=8, count=codebook_size, dtype=self.codebook_dtype)
+        quantized = np.frombuffer(serialized_tensor.buffer, offset=8 + codebook.nbytes, dtype=self.indices_dtype)
+        quantized = torch.as_tensor(quantized, dtype=torch.int64).reshape(tuple(serialized_tensor.size))
+        codebook = torch.as_tensor(codebook).to(dtype=getattr(torch, serialized_tensor.dtype))
+        return codebook[quantized].requires_grad_(serialized_tensor.requires_grad)
+
+    Quantization.extract = extract
+
+
+def _absmax_8bit():
+    """hivemind's uniform 8-bit quantizer with the range set by the largest |value| instead of
+    +-3 standard deviations. Why: its clipping moves every tail entry of a delta to the edge bin
+    (a biased error of several sigma for exactly the coordinates that moved most); by absmax the
+    error is at most one bin, max|x| / 127. Only the sender's rule changes: the message stays
+    UNIFORM_8BIT (codebook + indices), so hivemind's receiver decodes it unchanged. It is also
+    registered as hivemind's UNIFORM_8BIT serializer, because a reducer sends the averaged part
+    back with the registered serializer of the type it received, not with ours."""
+    import numpy as np
+    from hivemind.compression import Uniform8BitQuantization, serialization
+    from hivemind.compression.quantization import average_buckets
+
+    _fix_hivemind_8bit()
+
+    class AbsmaxUniform8Bit(Uniform8BitQuantization):
+        def quantize(self, tensor: torch.Tensor, allow_inplace: bool = False):
+            x = tensor.detach().float()
+            scale = x.abs().max().clamp_min(1e-30) / 127
+            quantized = (torch.round(x / scale) + 128).clamp_(0, 255).to(torch.uint8)
+            lookup = average_buckets(x, quantized, self.n_bins)
+            return quantized.numpy(), np.asarray(lookup, dtype=self.codebook_dtype)
+
+    quantizer = AbsmaxUniform8Bit()
+    serialization._BASE_COMPRESSION_TYPES["UNIFORM_8BIT"] = quantizer  # before the averager process forks
+    return quantizer
 
 
 def _averager_class():
@@ -53,10 +116,15 @@ class GroupAverager:
         timeout: seconds a round may take, matchmaking included.
         state_fn: the state a joiner downloads; default: the parameters alone. Called from
             hivemind's thread: hold `lock` while changing what it reads.
+        compression: "none" (fp32 parameters) or "int8" (8-bit deltas from the last group mean).
     """
 
-    def __init__(self, dht, params: list[torch.nn.Parameter], prefix: str, every: int = 10, timeout: float = 30.0, state_fn: StateFn | None = None) -> None:
-        from hivemind.compression import Float16Compression
+    def __init__(self, dht, params: list[torch.nn.Parameter], prefix: str, every: int = 10, timeout: float = 30.0, state_fn: StateFn | None = None, compression: str = "int8") -> None:
+        from hivemind.compression import NoCompression
+
+        if compression not in WIRE_BYTES:
+            raise ValueError(f"compression must be one of {', '.join(WIRE_BYTES)}, not {compression!r}")
+        self.compression = compression
 
         self.params, self.every, self.timeout = params, every, timeout
         self.lock = threading.Lock()  # the owner holds it while stepping; state_fn reads under it
@@ -70,9 +138,10 @@ class GroupAverager:
         self._last_round_step: int | None = None  # set at the first step this averager sees (a joiner starts late)
         self._offered_at = 0
         self.last_error = ""
+        self._base = [p.detach().clone() for p in params]  # the last group mean ("int8" sends the change from it)
         self.averager = _averager_class()(
             [p.detach().clone() for p in params], dht, start=True, prefix=prefix, target_group_size=None, min_group_size=2,
-            min_matchmaking_time=2.0, request_timeout=1.0, compression=Float16Compression(),
+            min_matchmaking_time=2.0, request_timeout=1.0, compression=_absmax_8bit() if compression == "int8" else NoCompression(),
             state_fn=state_fn or self._params_state, allow_state_sharing=False,  # nothing worth sharing before training
         )
 
@@ -102,9 +171,9 @@ class GroupAverager:
         if self._pending is None and local_step % self.every == 0:
             self._offered = [p.detach().clone() for p in self.params]
             self._offered_at = local_step
-            with self.averager.get_tensors() as tensors:
-                for t, p in zip(tensors, self._offered):
-                    t.copy_(p)
+            with torch.no_grad(), self.averager.get_tensors() as tensors:
+                for t, p, base in zip(tensors, self._offered, self._base):
+                    t.copy_(p - base if self.compression == "int8" else p)
             self._pending = self.averager.step(wait=False, timeout=self.timeout)
 
     def _finish(self) -> None:
@@ -120,16 +189,24 @@ class GroupAverager:
             self.failures += 1
             return
         # butterfly all-reduce in a group of n: each peer sends (n-1)/n of its tensors to scatter
-        # and its averaged 1/n part to the n-1 others: 2 (n-1)/n of the tensors, fp16 on the wire
+        # and its averaged 1/n part to the n-1 others: 2 (n-1)/n of the tensors
         n = len(group)
         share = 2 * (n - 1) / n * self.numel
-        self.bytes_out += int(share * 2)
+        self.bytes_out += int(share * WIRE_BYTES[self.compression])
         self.dense_bytes += int(share * 4 * max(self._offered_at - self._last_round_step, 1))
         self._last_round_step = self._offered_at
         with torch.no_grad(), self.averager.get_tensors() as tensors:
-            for p, offered, mean in zip(self.params, self._offered, tensors):
+            for p, offered, mean, base in zip(self.params, self._offered, tensors, self._base):
+                if self.compression == "int8":  # the group's mean parameters: the old mean plus the mean change
+                    base.add_(mean.to(base.dtype))
+                    mean = base
                 p.add_(mean.to(p.dtype) - offered)
         self.rounds += 1
+
+    def rebase(self) -> None:
+        """After the parameters were replaced wholesale (a downloaded state): they are the new
+        group mean, so the next delta counts from them. Call under `lock`."""
+        self._base = [p.detach().clone() for p in self.params]
 
     def shutdown(self) -> None:
         self.averager.shutdown()

@@ -1,0 +1,66 @@
+# syntax=docker/dockerfile:1
+# anchormesh peer: the daemon a volunteer runs (joins a run, serves one pipeline stage).
+#
+# Build from the repository root (the context must hold pyproject.toml, peer/ and bootstrap/):
+#   CUDA base (default):  docker build -f docker/peer.Dockerfile -t anchormesh-peer .
+#   CPU fallback:         docker build -f docker/peer.Dockerfile -t anchormesh-peer:cpu \
+#                           --build-arg BASE=python:3.12-slim \
+#                           --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cpu .
+# The CUDA image gets torch from the default index (a CUDA build). GPU placement is not built
+# yet (`--device cuda` is refused), so today the stage trains on the CPU in either image.
+# peer.Dockerfile.dockerignore (beside this file) keeps .venv, runs and caches out of the context.
+
+ARG BASE=nvidia/cuda:12.4.1-runtime-ubuntu22.04
+FROM ${BASE}
+
+# torch is installed first and pinned: 2.13.0 is the build the test suite runs with.
+# TORCH_INDEX empty = the default index; the CPU build sets it to PyTorch's CPU wheel index.
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX=
+
+ENV DEBIAN_FRONTEND=noninteractive \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+# Python 3.11+ in a venv: python:3.x images have one; Ubuntu 22.04 (the CUDA image) ships 3.10
+# and no Python at all in the runtime image, so 3.11 comes from Ubuntu's own packages.
+RUN set -eux; \
+    if command -v python3 >/dev/null && python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then \
+        PY=python3; \
+    else \
+        apt-get update; \
+        apt-get install -y --no-install-recommends python3.11 python3.11-venv ca-certificates; \
+        rm -rf /var/lib/apt/lists/*; \
+        PY=python3.11; \
+    fi; \
+    "$PY" -m venv /opt/anchormesh
+ENV PATH=/opt/anchormesh/bin:$PATH
+
+RUN pip install ${TORCH_INDEX:+--index-url "$TORCH_INDEX"} "torch==${TORCH_VERSION}"
+
+COPY pyproject.toml README.md /src/
+COPY peer /src/peer
+COPY bootstrap /src/bootstrap
+RUN pip install /src && rm -rf /src
+
+# non-root; /state is created here so a fresh named volume inherits its owner
+RUN groupadd --gid 10001 anchormesh \
+    && useradd --uid 10001 --gid 10001 --create-home --home-dir /home/anchormesh --shell /usr/sbin/nologin anchormesh \
+    && mkdir -p /state && chown anchormesh:anchormesh /state
+USER 10001:10001
+WORKDIR /home/anchormesh
+VOLUME /state
+
+# 7100: the Stage gRPC service (--grpc-port). The peer's DHT node listens on a random port:
+# `anchormesh peer` has no flag to fix it yet, so there is no DHT port to expose.
+EXPOSE 7100
+
+# a peer serves only after it has joined, built its stage and downloaded its group's state
+HEALTHCHECK --interval=30s --timeout=10s --start-period=180s --retries=3 \
+    CMD ["anchormesh", "health", "--address", "127.0.0.1:7100"]
+
+ENTRYPOINT ["anchormesh"]
+# `docker run IMAGE peer ...` replaces this whole list: repeat --host/--grpc-port/--state-dir
+# and add --tracker and/or --initial-peers (without either the peer exits and says so).
+CMD ["peer", "--host", "0.0.0.0", "--grpc-port", "7100", "--state-dir", "/state"]

@@ -1,0 +1,51 @@
+"""`anchormesh health`: one gRPC call that says whether a peer's Stage service or a tracker answers.
+
+Written for container health checks (docker/): it imports no torch (a check every 30 s must be
+cheap), prints one line and exits 0 (answers) or 1 (does not, with the address and gRPC status).
+
+A peer's `Ping` refuses a request whose run id is not the one it trains, and a health check does
+not know the run. That refusal (INVALID_ARGUMENT naming the server's run) comes from a live
+server that has joined a run and serves, so it counts as an answer; any other error does not.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import grpc
+
+from peer.wire import anchormesh_pb2 as pb
+from peer.wire import anchormesh_pb2_grpc as pbg
+
+# what GrpcTransport's Ping handler says when the run id differs (peer/pipeline/grpc_transport.py)
+RUN_REFUSAL = "this server trains run"
+
+
+def _one_line(text: str | None) -> str:
+    return " ".join((text or "").split())
+
+
+def check(address: str, tracker: bool = False, timeout_s: float = 5.0) -> tuple[bool, str]:
+    """(answers?, the line to print) for the Stage service at `address`, or its Status service with
+    `tracker`. Never raises for a gRPC failure: a health check reports, it does not crash."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            if tracker:
+                s = pbg.StatusStub(channel).GetStatus(pb.StatusRequest(), timeout=timeout_s)
+                live = sum(p.state not in ("dead", "left") for p in s.peers)
+                return True, f"ok tracker {address}: run {s.run_id}, {s.state or 'state unknown'}, step {s.step}, {live} live peers"
+            r = pbg.StageStub(channel).Ping(pb.PingRequest(sender="anchormesh-health"), timeout=timeout_s)
+            return True, f"ok stage server {address}: peer {r.peer_id}, stage {r.stage}, step {r.version}"
+        except grpc.RpcError as exc:
+            code, details = exc.code(), _one_line(exc.details())
+            if not tracker and code == grpc.StatusCode.INVALID_ARGUMENT and RUN_REFUSAL in details:
+                return True, f"ok stage server {address}: serving ({details[details.index(RUN_REFUSAL):]})"
+            what = "tracker" if tracker else "stage server"
+            return False, f"anchormesh health: {what} {address}: {code.name if code else 'UNKNOWN'}: {details}"
+
+
+def run_health(address: str, tracker: bool = False, timeout_s: float = 5.0) -> int:
+    """Print the check's line (stdout when it answers, stderr when not); return the exit code."""
+    ok, line = check(address, tracker, timeout_s)
+    print(line, file=sys.stdout if ok else sys.stderr, flush=True)
+    return 0 if ok else 1

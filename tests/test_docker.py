@@ -1,0 +1,277 @@
+"""docker/ without a Docker engine: every command the images and the compose file run is parsed by
+the real CLI parser (a renamed or missing flag fails here), the images run as a non-root user,
+ports and tracker addresses agree, and `anchormesh health` is run for real against live servers."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tomllib
+from argparse import Namespace
+from contextlib import redirect_stderr
+from io import StringIO
+from pathlib import Path
+
+import pytest
+import yaml
+
+from peer.cli import _parser
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKER = ROOT / "docker"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+# -- helpers --------------------------------------------------------------------------------------
+def parse_cli(argv: list[str], where: str) -> Namespace:
+    """The real `anchormesh` parser on `argv`; a flag it does not know fails the test, naming `where`."""
+    err = StringIO()
+    try:
+        with redirect_stderr(err):
+            return _parser().parse_args(argv)
+    except SystemExit:
+        pytest.fail(f"{where}: `anchormesh {' '.join(argv)}` is refused by peer.cli: {err.getvalue().strip()}")
+
+
+def dockerfile(name: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, rest) pairs of docker/NAME, continuation lines joined, comments dropped."""
+    out: list[tuple[str, str]] = []
+    pending = ""
+    for raw in (DOCKER / name).read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        instruction, _, rest = (pending + line).partition(" ")
+        out.append((instruction.upper(), rest.strip()))
+        pending = ""
+    assert not pending, f"{name}: a continuation line runs off the end"
+    return out
+
+
+def one(instructions: list[tuple[str, str]], key: str) -> str:
+    """The last KEY instruction (Docker uses the last ENTRYPOINT / CMD / HEALTHCHECK / USER)."""
+    found = [rest for k, rest in instructions if k == key]
+    assert found, f"no {key}"
+    return found[-1]
+
+
+def exec_form(text: str) -> list[str]:
+    """An exec-form (JSON array) argument list; shell form would hide the args from this test."""
+    value = json.loads(text)
+    assert isinstance(value, list) and all(isinstance(x, str) for x in value), text
+    return value
+
+
+def port_of(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
+
+
+def compose() -> dict:
+    return yaml.safe_load((DOCKER / "compose.yaml").read_text())
+
+
+def peers(spec: dict) -> dict[str, dict]:
+    return {name: svc for name, svc in spec["services"].items() if svc["command"][0] == "peer"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def health(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "peer.cli", "health", *args], capture_output=True, text=True, timeout=60, env=ENV)
+
+
+# -- the Dockerfiles ------------------------------------------------------------------------------
+IMAGES = {
+    # name: (CMD subcommand, the flag holding its main port, ports it must EXPOSE, health extra flags)
+    "peer.Dockerfile": ("peer", "grpc_port", ["grpc_port"], []),
+    "bootstrap.Dockerfile": ("bootstrap", "port", ["port", "dht_port"], ["--tracker"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(IMAGES))
+def test_dockerfile_cmd_and_healthcheck_parse_with_the_real_cli(name: str) -> None:
+    sub, port_flag, exposed_flags, health_extra = IMAGES[name]
+    d = dockerfile(name)
+    assert exec_form(one(d, "ENTRYPOINT")) == ["anchormesh"]
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["anchormesh"] == "peer.cli:main"  # the ENTRYPOINT is the console script
+
+    cmd = parse_cli(exec_form(one(d, "CMD")), f"{name} CMD")
+    assert cmd.command == sub
+    assert cmd.host == "0.0.0.0" and str(cmd.state_dir) == "/state"
+
+    hc_text = one(d, "HEALTHCHECK")
+    assert " CMD [" in hc_text, "HEALTHCHECK must use the exec form"
+    hc_argv = exec_form(hc_text.split(" CMD ", 1)[1])
+    assert hc_argv[0] == "anchormesh"
+    hc = parse_cli(hc_argv[1:], f"{name} HEALTHCHECK")
+    assert hc.command == "health" and hc.tracker == ("--tracker" in health_extra)
+    assert hc.address == f"127.0.0.1:{getattr(cmd, port_flag)}", "the health check must call the port the CMD serves on"
+
+    exposed = {int(p.split("/")[0]) for k, rest in d if k == "EXPOSE" for p in rest.split()}
+    assert {getattr(cmd, f) for f in exposed_flags} <= exposed
+
+
+@pytest.mark.parametrize("name", sorted(IMAGES))
+def test_images_run_as_a_non_root_user_with_state_on_a_volume(name: str) -> None:
+    d = dockerfile(name)
+    user = one(d, "USER").split(":")[0]
+    assert user not in ("root", "0"), user
+    assert any(k == "RUN" and "useradd --uid 10001" in rest for k, rest in d)
+    assert user in ("10001", "anchormesh")
+    # USER comes after every install step, so nothing at run time runs as root
+    last_user = max(i for i, (k, _) in enumerate(d) if k == "USER")
+    assert all(k != "RUN" for k, _ in d[last_user:])
+    assert one(d, "WORKDIR") == "/home/anchormesh"
+    assert one(d, "VOLUME") in ("/state", '["/state"]')
+    assert any(k == "RUN" and "chown anchormesh:anchormesh /state" in rest for k, rest in d)
+
+
+def test_bases_cuda_for_the_peer_cpu_for_the_bootstrap_both_switchable() -> None:
+    peer, boot = dockerfile("peer.Dockerfile"), dockerfile("bootstrap.Dockerfile")
+    assert ("ARG", "BASE=nvidia/cuda:12.4.1-runtime-ubuntu22.04") in peer
+    assert ("ARG", "BASE=python:3.12-slim") in boot
+    for d in (peer, boot):
+        assert ("FROM", "${BASE}") in d
+        torch = [rest for k, rest in d if k == "RUN" and "torch==" in rest]
+        assert torch and "--index-url" in torch[0]  # TORCH_INDEX selects the CPU wheels
+    assert ("ARG", "TORCH_INDEX=https://download.pytorch.org/whl/cpu") in boot
+    assert ("ARG", "TORCH_INDEX=") in peer  # CUDA image: torch from the default index
+
+
+@pytest.mark.parametrize("name", sorted(IMAGES))
+def test_the_build_context_ignore_file_keeps_what_the_copies_need(name: str) -> None:
+    kept = {line[1:].rstrip("/") for line in (DOCKER / f"{name}.dockerignore").read_text().splitlines() if line.startswith("!")}
+    for k, rest in dockerfile(name):
+        if k == "COPY":
+            for src in rest.split()[:-1]:
+                assert src in kept and (ROOT / src).exists(), src
+
+
+def test_a_renamed_flag_fails_the_parse() -> None:
+    """The check above is not vacuous: a flag the CLI does not have fails."""
+    with pytest.raises(pytest.fail.Exception, match="--grpc-prot"):
+        parse_cli(["peer", "--grpc-prot", "7100"], "example")
+
+
+# -- compose.yaml ---------------------------------------------------------------------------------
+def test_compose_commands_and_healthchecks_parse_with_the_real_cli() -> None:
+    spec = compose()
+    for name, svc in spec["services"].items():
+        args = parse_cli(svc["command"], f"compose {name}.command")
+        test = svc["healthcheck"]["test"]
+        assert test[0] == "CMD" and test[1] == "anchormesh", test
+        hc = parse_cli(test[2:], f"compose {name}.healthcheck")
+        assert hc.command == "health"
+        if args.command == "bootstrap":
+            assert hc.tracker and port_of(hc.address) == args.port
+        else:
+            assert not hc.tracker and port_of(hc.address) == args.grpc_port
+
+
+def test_compose_is_a_bootstrap_and_three_peers_from_the_two_dockerfiles() -> None:
+    spec = compose()
+    boots = [n for n, s in spec["services"].items() if s["command"][0] == "bootstrap"]
+    assert boots == ["bootstrap"] and len(peers(spec)) == 3
+    assert spec["services"]["bootstrap"]["build"]["dockerfile"] == "docker/bootstrap.Dockerfile"
+    for name, svc in peers(spec).items():
+        build = svc["build"]
+        assert build["dockerfile"] == "docker/peer.Dockerfile" and (DOCKER / build["context"] / build["dockerfile"]).is_file()
+        assert build["args"]["BASE"] == "python:3.12-slim"  # the CPU build
+        assert build["args"]["TORCH_INDEX"] == "https://download.pytorch.org/whl/cpu"
+
+
+def test_compose_ports_match_the_bootstrap_flags() -> None:
+    boot = compose()["services"]["bootstrap"]
+    args = parse_cli(boot["command"], "compose bootstrap.command")
+    assert args.host == "0.0.0.0"  # published ports reach it
+    container_ports = {int(p.split(":")[-1]) for p in boot["ports"]}
+    assert container_ports == {args.port, args.dht_port}
+    assert any(v.endswith(":/state") for v in boot["volumes"]) and str(args.state_dir) == "/state"
+
+
+def test_every_peer_names_the_bootstrap_tracker_and_serves_on_its_own_port() -> None:
+    spec = compose()
+    boot = parse_cli(spec["services"]["bootstrap"]["command"], "compose bootstrap.command")
+    grpc_ports = []
+    for name, svc in peers(spec).items():
+        args = parse_cli(svc["command"], f"compose {name}.command")
+        assert args.tracker, f"{name}: no --tracker"
+        host, port = args.tracker.rsplit(":", 1)
+        assert int(port) == boot.port, f"{name}: --tracker {args.tracker} is not the bootstrap's --port {boot.port}"
+        # the bootstrap service by name, or its loopback when the peer lives in its network namespace
+        assert host == "bootstrap" or (host == "127.0.0.1" and svc.get("network_mode") == "service:bootstrap"), (name, args.tracker)
+        assert svc["depends_on"]["bootstrap"]["condition"] == "service_healthy"
+        grpc_ports.append(args.grpc_port)
+        assert any(v.endswith(":/state") for v in svc["volumes"]) and str(args.state_dir) == "/state"
+    shared = [s.get("network_mode") == "service:bootstrap" for s in peers(spec).values()]
+    if any(shared):  # one namespace: the peers' Stage ports must not collide with each other or the bootstrap
+        assert len(set(grpc_ports)) == len(grpc_ports) and not {boot.port, boot.dht_port} & set(grpc_ports)
+    volumes = [v.split(":")[0] for s in spec["services"].values() for v in s["volumes"]]
+    assert len(set(volumes)) == len(volumes) and set(volumes) <= set(spec["volumes"])
+
+
+# -- `anchormesh health`, for real ----------------------------------------------------------------
+@pytest.fixture
+def tracker_address():
+    from bootstrap.node import default_run, serve_tracker
+    from bootstrap.tracker import Tracker
+
+    server, address = serve_tracker(Tracker("run-health", default_run()), "127.0.0.1", 0)
+    yield address
+    server.stop(grace=0).wait()
+
+
+def test_health_of_a_live_tracker_exits_0(tracker_address: str) -> None:
+    out = health("--address", tracker_address, "--tracker")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"ok tracker {tracker_address}: run run-health") and out.stdout.count("\n") == 1
+
+
+def test_health_of_a_closed_port_exits_1_with_one_line_naming_address_and_status() -> None:
+    address = f"127.0.0.1:{free_port()}"
+    for extra in (["--tracker"], []):
+        out = health("--address", address, "--timeout", "3", *extra)
+        assert out.returncode == 1 and out.stdout == ""
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and address in lines[0] and "UNAVAILABLE" in lines[0], out.stderr
+
+
+def test_a_tracker_is_not_a_stage_server(tracker_address: str) -> None:
+    out = health("--address", tracker_address)
+    assert out.returncode == 1 and "UNIMPLEMENTED" in out.stderr and tracker_address in out.stderr
+
+
+def test_health_pings_a_stage_server() -> None:
+    from peer.pipeline.grpc_transport import GrpcTransport
+
+    # a peer that has joined run-a refuses the health check's empty run id: a live answer all the same
+    joined = GrpcTransport("run-a")
+    # a server whose run id is still empty (as a daemon's before it joins) answers Ping in full
+    blank = GrpcTransport("")
+    try:
+        a, b = joined.attach((0, 0)), blank.attach((1, 0))
+        out = health("--address", a)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == f"ok stage server {a}: serving (this server trains run 'run-a')"
+        out = health("--address", b)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == f"ok stage server {b}: peer stage1.r0, stage 1, step 0"
+    finally:
+        joined.close()
+        blank.close()
+
+
+def test_health_timeout_must_be_positive() -> None:
+    out = health("--address", "127.0.0.1:1", "--timeout", "0")
+    assert out.returncode == 2 and "--timeout=0.0: must be > 0" in out.stderr

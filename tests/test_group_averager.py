@@ -1,0 +1,54 @@
+"""The stage group's background averaging (peer/dp/group.py) over a real hivemind DHT: after a
+round both peers hold the mean of what they offered, for fp32 parameters and for 8-bit deltas,
+and the local steps taken while the round ran are kept."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from peer.dp.group import GroupAverager
+
+
+@pytest.mark.parametrize("compression,tol", [("none", 1e-6), ("int8", 2e-3)])
+def test_round_leaves_both_peers_at_the_mean(compression: str, tol: float) -> None:
+    import hivemind
+
+    dht_a = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    dht_b = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[str(m) for m in dht_a.get_visible_maddrs()])
+    try:
+        torch.manual_seed(0)
+        init = [torch.randn(300, 200), torch.randn(50)]  # both peers start from the same weights (same seed)
+        pa = [torch.nn.Parameter(t.clone()) for t in init]
+        pb = [torch.nn.Parameter(t.clone()) for t in init]
+        a = GroupAverager(dht_a, pa, f"test_{compression}", every=1, timeout=30.0, compression=compression)
+        b = GroupAverager(dht_b, pb, f"test_{compression}", every=1, timeout=30.0, compression=compression)
+        with torch.no_grad():  # different local training: small, different changes
+            for p in pa:
+                p.add_(0.01 * torch.randn_like(p))
+            for p in pb:
+                p.add_(0.01 * torch.randn_like(p))
+        want = [(x.detach() + y.detach()) / 2 for x, y in zip(pa, pb)]
+        a.after_step(1)
+        b.after_step(1)
+        deadline = time.monotonic() + 60
+        while not (a._pending.done() and b._pending.done()):
+            assert time.monotonic() < deadline, "no averaging round within 60 s"
+            time.sleep(0.1)
+        with torch.no_grad():  # a local step taken while the round ran must survive it
+            pa[1].add_(1.0)
+        a._finish()
+        b._finish()
+        assert a.rounds == b.rounds == 1, (a.last_error, b.last_error)
+        for x, y, m in zip(pa, pb, want):
+            assert torch.allclose(y.detach(), m, atol=tol), (y.detach() - m).abs().max()
+        assert torch.allclose(pa[0].detach(), want[0], atol=tol), (pa[0].detach() - want[0]).abs().max()
+        assert torch.allclose(pa[1].detach(), want[1] + 1.0, atol=tol)
+        assert a.bytes_out == int(2 * (2 - 1) / 2 * (300 * 200 + 50) * (1 if compression == "int8" else 4))
+        a.shutdown()
+        b.shutdown()
+    finally:
+        dht_b.shutdown()
+        dht_a.shutdown()
