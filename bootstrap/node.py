@@ -7,10 +7,12 @@ It publishes the tracker's address in the DHT (key `anchormesh/tracker`), so a p
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -67,6 +69,9 @@ class TrackerService(pbg.TrackerServicer):
         log.info("peer %s left: %s", request.peer_id, request.reason)
         return pb.LeaveReply()
 
+    def GetConfig(self, request: pb.ConfigRequest, context: grpc.ServicerContext) -> pb.RunConfig:
+        return self.tracker.run_config()
+
 
 class StatusService(pbg.StatusServicer):
     def __init__(self, tracker: Tracker) -> None:
@@ -98,8 +103,26 @@ def serve_tracker(tracker: Tracker, host: str, port: int) -> tuple[grpc.Server, 
     return server, f"{host}:{bound}"
 
 
-def run_bootstrap(config: TrainConfig | None, host: str, port: int, dht_port: int, state_dir: Path, peer_timeout_s: float = 10.0, metrics_port: int | None = None) -> None:
-    """Run until SIGTERM/SIGINT."""
+def announce_maddr(announce_host: str, port: int) -> str:
+    """The multiaddr other nodes dial for `announce_host`: /ip4 or /ip6 for an address, /dns4 for a
+    name (a compose service name, a domain; libp2p resolves it when dialing)."""
+    try:
+        ip = ipaddress.ip_address(announce_host)
+    except ValueError:
+        return f"/dns4/{announce_host}/tcp/{port}"
+    return f"/ip{ip.version}/{announce_host}/tcp/{port}"
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def run_bootstrap(config: TrainConfig | None, host: str, port: int, dht_port: int, state_dir: Path, peer_timeout_s: float = 10.0, metrics_port: int | None = None, announce_host: str | None = None) -> None:
+    """Run until SIGTERM/SIGINT. With `announce_host`, the published tracker address and the DHT's
+    multiaddrs name that host instead of the bound one (needed behind 0.0.0.0: peers elsewhere
+    cannot dial 0.0.0.0, and hivemind would list the container's own addresses)."""
     import hivemind
     from hivemind.utils import get_dht_time
 
@@ -107,10 +130,16 @@ def run_bootstrap(config: TrainConfig | None, host: str, port: int, dht_port: in
     config = config or default_run()
     check_swarm(config)  # before anything starts
     run_id = f"run-{uuid.uuid4().hex[:8]}"
-    dht = hivemind.DHT(host_maddrs=[f"/ip4/{host}/tcp/{dht_port}"], start=True)
+    announce = None
+    if announce_host:
+        dht_port = dht_port or _free_port(host)  # hivemind needs the announced port up front
+        announce = [announce_maddr(announce_host, dht_port)]
+    dht = hivemind.DHT(host_maddrs=[f"/ip4/{host}/tcp/{dht_port}"], announce_maddrs=announce, start=True)
     maddrs = [str(m) for m in dht.get_visible_maddrs()]
     tracker = Tracker(run_id, config, peer_timeout_s=peer_timeout_s, dht_maddrs=maddrs)
     server, address = serve_tracker(tracker, host, port)
+    if announce_host:
+        address = f"{announce_host}:{address.rsplit(':', 1)[1]}"
     metrics = None
     if metrics_port is not None:
         from peer.metrics import serve_metrics

@@ -27,6 +27,9 @@ class JoinRefused(AnchormeshError):
     """A peer may not join (wrong run, wrong code version, duplicate id); the message says why."""
 
 
+MAX_MADDRS_PER_PEER = 4  # a peer's DHT addresses kept for its stage mates (bounded: the peer declares them)
+
+
 @dataclass
 class PeerRecord:
     peer_id: str
@@ -45,6 +48,7 @@ class PeerRecord:
     dp_rounds: int = 0
     anchor_id: int = 0
     anchor_bytes_out: int = 0
+    dht_maddrs: tuple[str, ...] = ()
     capacity: float = 0.0  # tokens/s at its stage if it never waited; 0 = not measured yet
     dp_bytes_out: int = 0
     dp_dense_bytes: int = 0
@@ -218,7 +222,8 @@ class Tracker:
             if stage is None:
                 stage = self._pick_stage()
             start_step = max((p.step for p in self.peers.values() if p.stage == stage), default=0)
-            self.peers[req.peer_id] = PeerRecord(req.peer_id, stage, req.grpc_address, last_seen=self.clock(), joined_at=self.clock())
+            mates = [m for q in self.live(stage) for m in q.dht_maddrs[:MAX_MADDRS_PER_PEER]]
+            self.peers[req.peer_id] = PeerRecord(req.peer_id, stage, req.grpc_address, last_seen=self.clock(), joined_at=self.clock(), dht_maddrs=tuple(req.dht_maddrs[:MAX_MADDRS_PER_PEER]))
         start, end = self.ranges[stage]
         return pb.Assignment(
             run_id=self.run_id,
@@ -230,7 +235,12 @@ class Tracker:
             heartbeat_interval_s=self.heartbeat_interval_s,
             start_step=start_step,
             dht_maddrs=self.dht_maddrs,
+            group_dht_maddrs=mates,
         )
+
+    def run_config(self) -> pb.RunConfig:
+        """The run's config for an observer that does not join (anchormesh export)."""
+        return pb.RunConfig(run_id=self.run_id, run_config_json=json.dumps(asdict(self.config)), code_version=__version__)
 
     def report(self, rep: pb.PeerReport) -> pb.Directive:
         """Record a heartbeat; answer with the live peers of the adjacent stages and of the peer's

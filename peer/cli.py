@@ -31,6 +31,7 @@ def _parser() -> argparse.ArgumentParser:
     boot = sub.add_parser("bootstrap", help="start a run: first DHT node, tracker and status service")
     boot.add_argument("--config", help="run.toml (default: the tiny default run, 2 stages)")
     boot.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1)")
+    boot.add_argument("--announce-host", default=None, help="address peers dial to reach the bootstrap (default: --host); replaces the host in the published tracker address and the DHT's multiaddrs (a name becomes /dns4/NAME)")
     boot.add_argument("--port", type=int, default=0, help="tracker gRPC port (0 = any free)")
     boot.add_argument("--dht-port", type=int, default=0, help="DHT TCP port (0 = any free)")
     boot.add_argument("--state-dir", type=Path, default=Path("runs/bootstrap"), help="where bootstrap.json goes")
@@ -57,6 +58,11 @@ def _parser() -> argparse.ArgumentParser:
     health.add_argument("--tracker", action="store_true", help="check a tracker's Status service instead of a peer's Stage service")
     health.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer (default 5)")
 
+    export = sub.add_parser("export", help="the live swarm's newest weights as a Hugging Face model folder (AutoModelForCausalLM.from_pretrained loads it)")
+    export.add_argument("--tracker", required=True, help="tracker host:port")
+    export.add_argument("--out", required=True, type=Path, help="folder to write config.json, model.safetensors and the tokenizer into")
+    export.add_argument("--timeout", type=float, default=300.0, help="seconds one stage's download may take (default 300)")
+
     bench = sub.add_parser("bench", help="benchmarks (JSON out)")
     bsub = bench.add_subparsers(dest="bench", required=True)
     q = bsub.add_parser("quality", help="eval loss of dense vs masked vs masked+anchor (+DP) adaptation")
@@ -65,6 +71,13 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--corpus-b", help="domain corpus (file or folder of text); default: found on this machine")
     q.add_argument("--rows", help="comma-separated subset of rows to run")
     q.add_argument("--json", required=True, type=Path, help="write the result here")
+    t = bsub.add_parser("throughput", help="tokens/s of dense vs masked vs masked+DP vs compute-bound on shaped links (network namespaces; root)")
+    t.add_argument("--quick", action="store_true", help="short runs that end within 8 minutes on 2 CPU cores")
+    t.add_argument("--bandwidth-mbit", type=float, default=None, help="link speed of every host (default: the GPU-equivalent of 200 Mbit/s, see README)")
+    t.add_argument("--stages", type=int, default=2, help="pipeline stages (default 2)")
+    t.add_argument("--replicas", type=int, default=2, help="peers per stage (default 2)")
+    t.add_argument("--modes", help="comma-separated subset of compute_bound,dense,masked,masked_dp")
+    t.add_argument("--json", required=True, type=Path, help="write the result here")
     return p
 
 
@@ -87,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
             from peer.config import load_run_toml
 
             config = load_run_toml(args.config) if args.config else None
-            run_bootstrap(config, args.host, args.port, args.dht_port, args.state_dir, args.peer_timeout, metrics_port=args.metrics_port)
+            run_bootstrap(config, args.host, args.port, args.dht_port, args.state_dir, args.peer_timeout, metrics_port=args.metrics_port, announce_host=args.announce_host)
         elif args.command == "peer":
             import faulthandler
             import signal
@@ -102,6 +115,12 @@ def main(argv: list[str] | None = None) -> None:
             if args.host in ("0.0.0.0", "::") and not args.announce_host:
                 raise ConfigError("--announce-host", None, f"required with --host {args.host}: other peers cannot dial {args.host}")
             run_peer(args.initial_peers, args.tracker, args.host, args.grpc_port, args.device, args.max_steps, args.state_dir, args.announce_host)
+        elif args.command == "export":
+            from peer.export import run_export
+
+            if not args.timeout > 0:
+                raise ConfigError("--timeout", args.timeout, "must be > 0")
+            raise SystemExit(run_export(args.tracker, args.out, args.timeout))
         elif args.command == "status":
             from peer.status import run_status
 
@@ -119,6 +138,12 @@ def main(argv: list[str] | None = None) -> None:
             result = run_quality(args.quick, args.corpus_a, args.corpus_b, only)
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(result, indent=2))
+            print(f"wrote {args.json}")
+        elif args.command == "bench" and args.bench == "throughput":
+            from peer.bench.throughput import main_json
+
+            modes = [m.strip() for m in args.modes.split(",")] if args.modes else None
+            main_json(args.json, quick=args.quick, bandwidth_mbit=args.bandwidth_mbit, stages=args.stages, replicas=args.replicas, modes=modes)
             print(f"wrote {args.json}")
     except ConfigError as exc:
         print(f"anchormesh: error: {exc}", file=sys.stderr)

@@ -42,7 +42,7 @@ from peer.codec.mask import MaskCodec
 from peer.config import config_from_dict
 from peer.data import TokenStream, default_corpus
 from peer.errors import AnchormeshError, WireError
-from peer.dp.group import GroupAverager
+from peer.dp.group import GroupAverager, connect_peers
 from peer.model.loading import load_causal_lm
 from peer.model.stages import split_model
 from peer.pipeline.grpc_transport import GrpcTransport
@@ -113,7 +113,8 @@ class PeerDaemon:
         self.tracker, self.host, self.state_dir = tracker, host, state_dir
         self.peer_id = os.environ.get(PEER_ID_ENV) or f"peer-{uuid.uuid4().hex[:8]}"  # kept across a MOVE's exec
         self.stop = threading.Event()
-        self.transport = GrpcTransport(run_id="", host=host)
+        self._weights_lock = threading.Lock()  # the step's lock when there is no averager (see _step_lock)
+        self.transport = GrpcTransport(run_id="", host=host, ping_info=self._ping_info, shard_source=self._shard)
         self.worker: StageWorker | None = None
         bound = self.transport.attach(self.peer_id, self._validate, port=grpc_port, start=False)
         # what other peers dial: the bound address, or the announced one (needed behind 0.0.0.0 or NAT)
@@ -138,6 +139,27 @@ class PeerDaemon:
         self.terminated = False  # SIGTERM/SIGINT: leave for good, even when a move was asked
         self._busy = 0.0  # seconds spent computing since the last rate update
         self.capacity = 0.0
+
+    def _step_lock(self) -> threading.Lock:
+        """The lock every change of the stage's weights holds: the averager's (its download and
+        averaging threads use it too) or, without one, the daemon's own."""
+        return self.averager.lock if self.averager is not None else self._weights_lock
+
+    def _ping_info(self, addr: object) -> pb.PingReply:
+        """Ping's answer: who this peer is, which stage it serves, its step and state."""
+        w = self.worker
+        return pb.PingReply(peer_id=self.peer_id, stage=w.stage.index if w else 0, version=w.version if w else 0, state=self.state, run_id=self.transport.run_id)
+
+    def _shard(self, addr: object, req: pb.ShardRequest) -> Iterator[pb.ShardChunk]:
+        """GetShard: the stage's weights, copied between steps (under the step's lock), sent in chunks."""
+        from peer.shard import shard_chunks, snapshot
+
+        w = self.worker
+        if w is None or self.state == "joining":
+            raise AnchormeshError(f"peer {self.peer_id} serves no stage yet")
+        with self._step_lock():
+            tensors, step = snapshot(w.stage), w.version
+        return shard_chunks(tensors, run_id=self.transport.run_id, peer_id=self.peer_id, stage=w.stage.index, num_stages=w.stage.num_stages, step=step)
 
     def _validate(self, channel: str, msg: object) -> None:
         if self.worker is None or self.anchor is None:
@@ -319,7 +341,8 @@ class PeerDaemon:
         signal.signal(signal.SIGTERM, terminate)
         signal.signal(signal.SIGINT, terminate)
         with grpc.insecure_channel(self.tracker) as join_channel:
-            a = join(pbg.TrackerStub(join_channel), pb.JoinRequest(peer_id=self.peer_id, grpc_address=self.address, code_version=__version__), self.stop)
+            own_maddrs = [str(m) for m in self.dht.get_visible_maddrs()] if self.dht is not None else []
+            a = join(pbg.TrackerStub(join_channel), pb.JoinRequest(peer_id=self.peer_id, grpc_address=self.address, code_version=__version__, dht_maddrs=own_maddrs), self.stop)
         cfg = config_from_dict(json.loads(a.run_config_json))
         self.transport.run_id = a.run_id
         log.info("%s joined %s: stage %d of %d (layers %d-%d), serving on %s", self.peer_id, a.run_id, a.stage, a.num_stages, a.layer_start, a.layer_end - 1, self.address)
@@ -330,6 +353,8 @@ class PeerDaemon:
         self.worker.version = a.start_step  # continue the run's step numbering (the group's state may raise it)
         self.worker.next_mb = a.start_step * cfg.pipeline.micro_batches
         self.anchor = SwarmAnchor(self.worker, cfg.anchor.micro_batches, self._siblings, eval_batches=cfg.pipeline.eval_batches)
+        if self.dht is not None and a.group_dht_maddrs:
+            log.info("dialled %d of %d stage mates' DHT nodes", connect_peers(self.dht, list(a.group_dht_maddrs)), len(a.group_dht_maddrs))
         self._start_averaging(f"{a.run_id}_stage{a.stage}", cfg.dp.inner_steps, cfg.dp.outer_compression)  # forks: before any gRPC runs
         channel = grpc.insecure_channel(self.tracker)
         stub = pbg.TrackerStub(channel)
@@ -398,7 +423,8 @@ class PeerDaemon:
                 if w.version % max(cfg.dp.inner_steps, 1) == 0:
                     self.averager.share_state(priority=w.version)
             else:
-                w.apply_step()
+                with self._weights_lock:
+                    w.apply_step()
             if w.stage.is_last:
                 losses = [x for step_losses in w.losses.values() for x in step_losses]
                 w.losses.clear()

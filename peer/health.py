@@ -3,9 +3,10 @@
 Written for container health checks (docker/): it imports no torch (a check every 30 s must be
 cheap), prints one line and exits 0 (answers) or 1 (does not, with the address and gRPC status).
 
-A peer's `Ping` refuses a request whose run id is not the one it trains, and a health check does
-not know the run. That refusal (INVALID_ARGUMENT naming the server's run) comes from a live
-server that has joined a run and serves, so it counts as an answer; any other error does not.
+A health check does not know the run, so it pings with an empty run id, which a peer answers as a
+liveness probe (peer id, stage, step, state). Peers of older versions refused it instead
+(INVALID_ARGUMENT naming the server's run); that refusal also comes from a live server that has
+joined a run, so it still counts as an answer; any other error does not.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import grpc
 from peer.wire import anchormesh_pb2 as pb
 from peer.wire import anchormesh_pb2_grpc as pbg
 
-# what GrpcTransport's Ping handler says when the run id differs (peer/pipeline/grpc_transport.py)
+# what GrpcTransport's Ping handler says when the run id differs (peer/pipeline/grpc_transport.py);
+# older peers said it to an empty run id too
 RUN_REFUSAL = "this server trains run"
 
 
@@ -35,7 +37,8 @@ def check(address: str, tracker: bool = False, timeout_s: float = 5.0) -> tuple[
                 live = sum(p.state not in ("dead", "left") for p in s.peers)
                 return True, f"ok tracker {address}: run {s.run_id}, {s.state or 'state unknown'}, step {s.step}, {live} live peers"
             r = pbg.StageStub(channel).Ping(pb.PingRequest(sender="anchormesh-health"), timeout=timeout_s)
-            return True, f"ok stage server {address}: peer {r.peer_id}, stage {r.stage}, step {r.version}"
+            state = f", {r.state}" if r.state else ""
+            return True, f"ok stage server {address}: peer {r.peer_id}, stage {r.stage}, step {r.version}{state}"
         except grpc.RpcError as exc:
             code, details = exc.code(), _one_line(exc.details())
             if not tracker and code == grpc.StatusCode.INVALID_ARGUMENT and RUN_REFUSAL in details:

@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import tomllib
 from argparse import Namespace
 from contextlib import redirect_stderr
@@ -195,6 +196,8 @@ def test_compose_ports_match_the_bootstrap_flags() -> None:
     boot = compose()["services"]["bootstrap"]
     args = parse_cli(boot["command"], "compose bootstrap.command")
     assert args.host == "0.0.0.0"  # published ports reach it
+    # peers dial the tracker address and DHT multiaddrs it publishes: its service name, not 0.0.0.0
+    assert args.announce_host == "bootstrap" and args.dht_port
     container_ports = {int(p.split(":")[-1]) for p in boot["ports"]}
     assert container_ports == {args.port, args.dht_port}
     assert any(v.endswith(":/state") for v in boot["volumes"]) and str(args.state_dir) == "/state"
@@ -209,16 +212,50 @@ def test_every_peer_names_the_bootstrap_tracker_and_serves_on_its_own_port() -> 
         assert args.tracker, f"{name}: no --tracker"
         host, port = args.tracker.rsplit(":", 1)
         assert int(port) == boot.port, f"{name}: --tracker {args.tracker} is not the bootstrap's --port {boot.port}"
-        # the bootstrap service by name, or its loopback when the peer lives in its network namespace
-        assert host == "bootstrap" or (host == "127.0.0.1" and svc.get("network_mode") == "service:bootstrap"), (name, args.tracker)
+        # each peer has its own network stack: it reaches the bootstrap by its service name, binds all
+        # interfaces and tells the tracker its own service name, which is what other peers dial
+        assert host == "bootstrap", (name, args.tracker)
+        assert "network_mode" not in svc, f"{name}: shares another container's network namespace"
+        assert args.host == "0.0.0.0" and args.announce_host == name, (name, args.host, args.announce_host)
         assert svc["depends_on"]["bootstrap"]["condition"] == "service_healthy"
         grpc_ports.append(args.grpc_port)
         assert any(v.endswith(":/state") for v in svc["volumes"]) and str(args.state_dir) == "/state"
-    shared = [s.get("network_mode") == "service:bootstrap" for s in peers(spec).values()]
-    if any(shared):  # one namespace: the peers' Stage ports must not collide with each other or the bootstrap
-        assert len(set(grpc_ports)) == len(grpc_ports) and not {boot.port, boot.dht_port} & set(grpc_ports)
+    peer_image = parse_cli(exec_form(one(dockerfile("peer.Dockerfile"), "CMD")), "peer.Dockerfile CMD")
+    assert set(grpc_ports) == {peer_image.grpc_port}, "the port the peer image EXPOSEs and health-checks"
     volumes = [v.split(":")[0] for s in spec["services"].values() for v in s["volumes"]]
     assert len(set(volumes)) == len(volumes) and set(volumes) <= set(spec["volumes"])
+
+
+def test_announce_maddr_is_an_address_or_a_dns_name() -> None:
+    from bootstrap.node import announce_maddr
+
+    assert announce_maddr("bootstrap", 7001) == "/dns4/bootstrap/tcp/7001"
+    assert announce_maddr("10.1.2.3", 7001) == "/ip4/10.1.2.3/tcp/7001"
+    assert announce_maddr("::1", 7001) == "/ip6/::1/tcp/7001"
+
+
+def test_a_bootstrap_announcing_a_name_is_joined_through_that_name(tmp_path: Path) -> None:
+    """What the compose file relies on, on loopback: `--announce-host NAME` puts NAME in the tracker
+    address and the DHT multiaddrs (/dns4/NAME), and a peer given only that tracker address starts
+    its DHT node from them (libp2p resolves the name) and joins."""
+    from peer.swarm_demo import start_process, stop_processes, wait_for_bootstrap
+
+    procs = []
+    try:
+        procs.append(start_process(["bootstrap", "--host", "127.0.0.1", "--announce-host", "localhost", "--state-dir", str(tmp_path / "boot")], tmp_path / "boot.log"))
+        info = wait_for_bootstrap(tmp_path / "boot", procs[0], tmp_path / "boot.log", timeout_s=60)
+        assert info["tracker"].startswith("localhost:"), info
+        assert info["dht_maddrs"] and all(m.startswith("/dns4/localhost/tcp/") for m in info["dht_maddrs"]), info
+        log = tmp_path / "peer.log"
+        procs.append(start_process(["peer", "--tracker", info["tracker"], "--host", "127.0.0.1", "--announce-host", "localhost"], log))
+        deadline = time.monotonic() + 90
+        while " joined " not in log.read_text():
+            assert time.monotonic() < deadline and procs[1].poll() is None, log.read_text()[-3000:]
+            time.sleep(0.3)
+        text = log.read_text()
+        assert "/dns4/localhost/tcp/" in text and "DHT node up" in text and "serving on localhost:" in text
+    finally:
+        stop_processes(procs, grace_s=10)
 
 
 # -- `anchormesh health`, for real ----------------------------------------------------------------
@@ -255,21 +292,29 @@ def test_a_tracker_is_not_a_stage_server(tracker_address: str) -> None:
 def test_health_pings_a_stage_server() -> None:
     from peer.pipeline.grpc_transport import GrpcTransport
 
-    # a peer that has joined run-a refuses the health check's empty run id: a live answer all the same
+    # the health check's empty run id is a liveness probe: a peer that has joined run-a answers it in
+    # full, as does a server whose run id is still empty (as a daemon's before it joins)
     joined = GrpcTransport("run-a")
-    # a server whose run id is still empty (as a daemon's before it joins) answers Ping in full
     blank = GrpcTransport("")
+    # a peer of an older version refused an empty run id: a live answer all the same
+    old = GrpcTransport("run-a")
+    old._ping_handler = lambda addr: lambda data, context: old._reject(context, addr, "PingRequest.run_id='': this server trains run 'run-a'")
     try:
-        a, b = joined.attach((0, 0)), blank.attach((1, 0))
+        a, b, c = joined.attach((0, 0)), blank.attach((1, 0)), old.attach((0, 1))
         out = health("--address", a)
         assert out.returncode == 0, out.stderr
-        assert out.stdout.strip() == f"ok stage server {a}: serving (this server trains run 'run-a')"
+        assert out.stdout.strip() == f"ok stage server {a}: peer stage0.r0, stage 0, step 0"
         out = health("--address", b)
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip() == f"ok stage server {b}: peer stage1.r0, stage 1, step 0"
+        out = health("--address", c)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == f"ok stage server {c}: serving (this server trains run 'run-a')"
+        assert joined.rejected == [] and blank.rejected == []
     finally:
         joined.close()
         blank.close()
+        old.close()
 
 
 def test_health_timeout_must_be_positive() -> None:

@@ -107,6 +107,34 @@ def _averager_class():
     return StageAverager
 
 
+async def _dial(maddrs: list[str], _dht, node) -> int:
+    """Runs inside the DHT's process (module level: hivemind pickles it there)."""
+    from hivemind.p2p import PeerID
+    from hivemind.utils.multiaddr import Multiaddr
+
+    ok = 0
+    for m in maddrs:
+        try:
+            addr, _, peer = m.rpartition("/p2p/")
+            await node.p2p._client.connect(PeerID.from_base58(peer), [Multiaddr(addr)])  # hivemind has no public dial
+            ok += 1
+        except Exception as exc:  # a mate that left meanwhile, a malformed address
+            log.info("could not dial stage mate %s: %s: %s", m, type(exc).__name__, exc)
+    return ok
+
+
+def connect_peers(dht, maddrs: list[str], timeout: float = 10.0) -> int:
+    """Dial each of `maddrs` (".../p2p/<peer id>") from this DHT node's libp2p daemon; returns how
+    many answered. Why: averaging finds its group through DHT lookups, and libp2p's DHT does not
+    hand out private or unroutable addresses (LANs, 198.18/15 test beds), so stage mates that
+    never dialled each other cannot meet; once connected, each knows the other's address."""
+    from functools import partial
+
+    if not maddrs:
+        return 0
+    return dht.run_coroutine(partial(_dial, list(maddrs)), return_future=True).result(timeout=timeout * len(maddrs))
+
+
 class GroupAverager:
     """Args:
         dht: a running hivemind DHT of the run.

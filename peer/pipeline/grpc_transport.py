@@ -35,8 +35,18 @@ DEFAULT_MAX_MESSAGE_BYTES = 256 * 2**20
 
 # (channel, parsed message) -> None, or raises AnchormeshError naming the problem
 Validator = Callable[[str, object], None]
-# destination -> PingReply fields (peer_id, stage, version)
+# destination -> PingReply fields (peer_id, stage, version, state)
 PingInfo = Callable[[Address], pb.PingReply]
+# (destination, ShardRequest) -> the stage's weights as ShardChunks (raises AnchormeshError when it has none)
+ShardSource = Callable[[Address, pb.ShardRequest], Iterator[pb.ShardChunk]]
+
+
+def default_ping_info(dst: Address) -> pb.PingReply:
+    """A local worker (stage, replica) names itself "stage<k>.r<replica>"; any other address
+    (a swarm peer's id) is its own name."""
+    if isinstance(dst, tuple):
+        return pb.PingReply(peer_id=f"stage{dst[0]}.r{dst[1]}", stage=dst[0])
+    return pb.PingReply(peer_id=str(dst))
 
 
 class GrpcTransport(Transport):
@@ -45,6 +55,7 @@ class GrpcTransport(Transport):
     Args:
         run_id: messages and pings for another run are refused.
         ping_info: answers Ping for a served address.
+        shard_source: answers GetShard (the stage's weights); without one GetShard is UNIMPLEMENTED.
         host: interface the servers bind to.
         max_message_bytes: bound on one message, on both ends.
     """
@@ -55,11 +66,13 @@ class GrpcTransport(Transport):
         ping_info: PingInfo | None = None,
         host: str = "127.0.0.1",
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        shard_source: ShardSource | None = None,
     ) -> None:
         super().__init__()
         self.run_id, self.host, self.max_bytes = run_id, host, max_message_bytes
         self._validators: dict[Address, Validator] = {}
-        self.ping_info = ping_info or (lambda dst: pb.PingReply(peer_id=f"stage{dst[0]}.r{dst[1]}", stage=dst[0]))
+        self.ping_info = ping_info or default_ping_info
+        self.shard_source = shard_source
         self.endpoints: dict[Address, str] = {}
         self._servers: list[grpc.Server] = []
         self._inbox: dict[tuple[Address, str], deque[bytes]] = defaultdict(deque)
@@ -94,6 +107,7 @@ class GrpcTransport(Transport):
             for ch in CHANNELS
         }
         handlers["Ping"] = grpc.unary_unary_rpc_method_handler(self._ping_handler(addr), request_deserializer=None, response_serializer=pb.PingReply.SerializeToString)
+        handlers["GetShard"] = grpc.unary_stream_rpc_method_handler(self._shard_handler(addr), request_deserializer=None, response_serializer=pb.ShardChunk.SerializeToString)
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
         bound = server.add_insecure_port(f"{self.host}:{port}")
         if bound == 0:
@@ -136,9 +150,32 @@ class GrpcTransport(Transport):
                 req = parse_message(pb.PingRequest, data, 4096)
             except AnchormeshError as exc:
                 self._reject(context, addr, f"PingRequest: {exc}")
-            if req.run_id != self.run_id:
+            # an empty run id is a liveness probe (a health check does not know the run): answered, not refused
+            if req.run_id and req.run_id != self.run_id:
                 self._reject(context, addr, f"PingRequest.run_id={req.run_id!r}: this server trains run {self.run_id!r}")
-            return self.ping_info(addr)
+            reply = self.ping_info(addr)
+            if not reply.run_id:
+                reply.run_id = self.run_id
+            return reply
+
+        return handle
+
+    def _shard_handler(self, addr: Address):
+        def handle(data: bytes, context: grpc.ServicerContext) -> Iterator[pb.ShardChunk]:
+            try:
+                req = parse_message(pb.ShardRequest, data, 4096)
+            except AnchormeshError as exc:
+                self._reject(context, addr, f"ShardRequest: {exc}")
+            if req.run_id and req.run_id != self.run_id:
+                self._reject(context, addr, f"ShardRequest.run_id={req.run_id!r}: this server trains run {self.run_id!r}")
+            if self.shard_source is None:
+                context.abort(grpc.StatusCode.UNIMPLEMENTED, "this server does not hand out its weights")
+            try:
+                chunks = self.shard_source(addr, req)
+            except AnchormeshError as exc:  # e.g. no stage yet: not the caller's fault
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            log.info("stage server %s: sending its weights to %s", addr, req.sender or "an unnamed caller")
+            yield from chunks
 
         return handle
 

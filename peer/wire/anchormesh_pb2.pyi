@@ -131,14 +131,18 @@ class PingRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., sender: _Optional[str] = ...) -> None: ...
 
 class PingReply(_message.Message):
-    __slots__ = ("peer_id", "stage", "version")
+    __slots__ = ("peer_id", "stage", "version", "state", "run_id")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     stage: int
     version: int
-    def __init__(self, peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+    state: str
+    run_id: str
+    def __init__(self, peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., version: _Optional[int] = ..., state: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class NamedTensor(_message.Message):
     __slots__ = ("name", "tensor")
@@ -160,20 +164,52 @@ class AnchorPrior(_message.Message):
     loss: float
     def __init__(self, header: _Optional[_Union[MicroBatchHeader, _Mapping]] = ..., stage: _Optional[int] = ..., grads: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ..., loss: _Optional[float] = ...) -> None: ...
 
+class ShardRequest(_message.Message):
+    __slots__ = ("run_id", "sender")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    sender: str
+    def __init__(self, run_id: _Optional[str] = ..., sender: _Optional[str] = ...) -> None: ...
+
+class ShardChunk(_message.Message):
+    __slots__ = ("run_id", "peer_id", "stage", "num_stages", "step", "total_bytes", "offset", "data", "names")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    peer_id: str
+    stage: int
+    num_stages: int
+    step: int
+    total_bytes: int
+    offset: int
+    data: bytes
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, run_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., step: _Optional[int] = ..., total_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., names: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class JoinRequest(_message.Message):
-    __slots__ = ("run_id", "peer_id", "grpc_address", "code_version")
+    __slots__ = ("run_id", "peer_id", "grpc_address", "code_version", "dht_maddrs")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CODE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DHT_MADDRS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     peer_id: str
     grpc_address: str
     code_version: str
-    def __init__(self, run_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., code_version: _Optional[str] = ...) -> None: ...
+    dht_maddrs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, run_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., code_version: _Optional[str] = ..., dht_maddrs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("run_id", "stage", "num_stages", "layer_start", "layer_end", "run_config_json", "heartbeat_interval_s", "start_step", "dht_maddrs")
+    __slots__ = ("run_id", "stage", "num_stages", "layer_start", "layer_end", "run_config_json", "heartbeat_interval_s", "start_step", "dht_maddrs", "group_dht_maddrs")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
@@ -183,6 +219,7 @@ class Assignment(_message.Message):
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     START_STEP_FIELD_NUMBER: _ClassVar[int]
     DHT_MADDRS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_DHT_MADDRS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     stage: int
     num_stages: int
@@ -192,7 +229,8 @@ class Assignment(_message.Message):
     heartbeat_interval_s: float
     start_step: int
     dht_maddrs: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., run_config_json: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., start_step: _Optional[int] = ..., dht_maddrs: _Optional[_Iterable[str]] = ...) -> None: ...
+    group_dht_maddrs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., run_config_json: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., start_step: _Optional[int] = ..., dht_maddrs: _Optional[_Iterable[str]] = ..., group_dht_maddrs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
     __slots__ = ("peer_id", "stage", "address", "state", "last_seen_s", "tokens_per_s", "bytes_in", "bytes_out", "step", "loss", "queue_depth", "reason", "dp_rounds", "anchor_id", "anchor_bytes_out", "capacity_tokens_per_s", "dp_bytes_out", "dp_dense_bytes", "eval_id", "eval_loss")
@@ -285,6 +323,20 @@ class LeaveRequest(_message.Message):
 class LeaveReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class ConfigRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RunConfig(_message.Message):
+    __slots__ = ("run_id", "run_config_json", "code_version")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    RUN_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    CODE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    run_config_json: str
+    code_version: str
+    def __init__(self, run_id: _Optional[str] = ..., run_config_json: _Optional[str] = ..., code_version: _Optional[str] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ("interval_s",)

@@ -64,6 +64,11 @@ class StageStub:
                 request_serializer=peer_dot_wire_dot_anchormesh__pb2.PingRequest.SerializeToString,
                 response_deserializer=peer_dot_wire_dot_anchormesh__pb2.PingReply.FromString,
                 _registered_method=True)
+        self.GetShard = channel.unary_stream(
+                '/anchormesh.v1.Stage/GetShard',
+                request_serializer=peer_dot_wire_dot_anchormesh__pb2.ShardRequest.SerializeToString,
+                response_deserializer=peer_dot_wire_dot_anchormesh__pb2.ShardChunk.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -107,6 +112,13 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetShard(self, request, context):
+        """the stage's current weights (anchormesh export): one consistent snapshot, taken between steps
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -139,6 +151,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.Ping,
                     request_deserializer=peer_dot_wire_dot_anchormesh__pb2.PingRequest.FromString,
                     response_serializer=peer_dot_wire_dot_anchormesh__pb2.PingReply.SerializeToString,
+            ),
+            'GetShard': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetShard,
+                    request_deserializer=peer_dot_wire_dot_anchormesh__pb2.ShardRequest.FromString,
+                    response_serializer=peer_dot_wire_dot_anchormesh__pb2.ShardChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -313,6 +330,33 @@ class Stage:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def GetShard(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/anchormesh.v1.Stage/GetShard',
+            peer_dot_wire_dot_anchormesh__pb2.ShardRequest.SerializeToString,
+            peer_dot_wire_dot_anchormesh__pb2.ShardChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class TrackerStub:
     """Missing associated documentation comment in .proto file."""
@@ -327,6 +371,11 @@ class TrackerStub:
                 '/anchormesh.v1.Tracker/Join',
                 request_serializer=peer_dot_wire_dot_anchormesh__pb2.JoinRequest.SerializeToString,
                 response_deserializer=peer_dot_wire_dot_anchormesh__pb2.Assignment.FromString,
+                _registered_method=True)
+        self.GetConfig = channel.unary_unary(
+                '/anchormesh.v1.Tracker/GetConfig',
+                request_serializer=peer_dot_wire_dot_anchormesh__pb2.ConfigRequest.SerializeToString,
+                response_deserializer=peer_dot_wire_dot_anchormesh__pb2.RunConfig.FromString,
                 _registered_method=True)
         self.Heartbeat = channel.stream_stream(
                 '/anchormesh.v1.Tracker/Heartbeat',
@@ -344,6 +393,12 @@ class TrackerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Join(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetConfig(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -368,6 +423,11 @@ def add_TrackerServicer_to_server(servicer, server):
                     servicer.Join,
                     request_deserializer=peer_dot_wire_dot_anchormesh__pb2.JoinRequest.FromString,
                     response_serializer=peer_dot_wire_dot_anchormesh__pb2.Assignment.SerializeToString,
+            ),
+            'GetConfig': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetConfig,
+                    request_deserializer=peer_dot_wire_dot_anchormesh__pb2.ConfigRequest.FromString,
+                    response_serializer=peer_dot_wire_dot_anchormesh__pb2.RunConfig.SerializeToString,
             ),
             'Heartbeat': grpc.stream_stream_rpc_method_handler(
                     servicer.Heartbeat,
@@ -407,6 +467,33 @@ class Tracker:
             '/anchormesh.v1.Tracker/Join',
             peer_dot_wire_dot_anchormesh__pb2.JoinRequest.SerializeToString,
             peer_dot_wire_dot_anchormesh__pb2.Assignment.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetConfig(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/anchormesh.v1.Tracker/GetConfig',
+            peer_dot_wire_dot_anchormesh__pb2.ConfigRequest.SerializeToString,
+            peer_dot_wire_dot_anchormesh__pb2.RunConfig.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,225 @@
+"""`anchormesh bench throughput`: tokens/s of one swarm on shaped links, four ways, side by side.
+
+Modes (the same tiny model, stages x replicas, batches and seed; only the wire differs):
+  dense          no PP compression (fp16 activations and gradients), DP = fp32 parameter
+                 averaging as often as the averager manages (every step at most)
+  masked         PP compressed (the run's codec: rank-r coefficients, int8), DP as dense
+  masked_dp      PP compressed, DP = 8-bit deltas every `dp_every` steps
+  compute_bound  masked_dp on unshaped links: what the same swarm does when the link is free
+
+Each mode starts a fresh NetBed (bootstrap on host 0, one peer per further host, every link
+shaped with tbf at the same rate), waits for `warmup` run steps, then measures until run step
+`steps`: tokens/s from the tracker's token count and clock, and bytes/token from the kernel's
+interface counters of all hosts (what really crossed the links: PP, DP, DHT, heartbeats,
+headers) and from the app's own counters. Eval loss is the tracker's held-out evaluation
+launched at step `steps`: every mode has then trained on the same number of tokens.
+
+GPU-equivalent bandwidth (`--bandwidth-mbit` not given): a tiny model on a CPU computes far
+slower than a 1B model on a GPU, so 200 Mbit/s here would make every mode compute-bound. The
+bench first runs compute_bound, then sets the bandwidth so that one dense micro-batch's link
+time over its compute time equals that of the GPU scenario (`GpuScenario`) at its link speed:
+
+  rho        = (2 * hidden_gpu * 8 / link_bps) * stage_tokens_per_s_gpu   (link time / compute time)
+  bandwidth  = 2 * hidden_cpu * 8 * (compute_bound tokens/s / replicas) / rho
+
+with stage_tokens_per_s_gpu = peak FLOP/s * MFU / (FLOPs per token / stages).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from peer.bench.bedswarm import BedSwarm, write_toml
+from peer.bench.netbed import NetBed, available
+from peer.errors import ConfigError
+
+MODES = ("compute_bound", "dense", "masked", "masked_dp")
+TINY_HIDDEN = 128
+
+
+@dataclass(frozen=True)
+class GpuScenario:
+    """The GPU world the CPU test bed stands in for (figures from public spec sheets)."""
+
+    gpu: str = "RTX 4090"
+    peak_tflops: float = 165.2  # dense bf16 tensor throughput, fp32 accumulate (spec sheet)
+    mfu: float = 0.40  # a typical achieved fraction for a 1B model's training step
+    model: str = "Llama-3.2-1B"
+    hidden: int = 2048
+    layers: int = 16
+    params: float = 1.236e9  # embeddings tied: the head's matmul still costs its FLOPs
+    seq_len: int = 2048
+    link_mbit: float = 200.0
+
+    def flops_per_token(self) -> float:
+        """Forward + backward: 6 FLOPs per parameter, plus attention scores 12 * L * h * seq."""
+        return 6 * self.params + 12 * self.layers * self.hidden * self.seq_len
+
+    def stage_tokens_per_s(self, stages: int) -> float:
+        return self.peak_tflops * 1e12 * self.mfu / (self.flops_per_token() / stages)
+
+    def rho(self, stages: int) -> float:
+        """Dense activation link time over compute time, per token and stage (bf16 activations)."""
+        link_s = 2 * self.hidden * 8 / (self.link_mbit * 1e6)
+        return link_s * self.stage_tokens_per_s(stages)
+
+
+def equivalent_mbit(scenario: GpuScenario, stages: int, replicas: int, compute_bound_tokens_per_s: float) -> float:
+    """The bandwidth at which the CPU swarm's dense link/compute ratio equals the scenario's."""
+    per_peer = compute_bound_tokens_per_s / replicas
+    return 2 * TINY_HIDDEN * 8 * per_peer / scenario.rho(stages) / 1e6
+
+
+def mode_config(mode: str, stages: int, steps: int, dp_every: int, seed: int = 0) -> dict:
+    """run.toml content of one mode."""
+    if mode not in MODES:
+        raise ConfigError("mode", mode, f"must be one of {', '.join(MODES)}")
+    compressed_pp = {"scheme": "lowrank", "rank": 20, "values": "int8"}
+    dense_pp = {"scheme": "mask", "drop": 0.0, "values": "fp16"}
+    dense_dp = {"inner_steps": 1, "outer_compression": "none"}
+    compressed_dp = {"inner_steps": dp_every, "outer_compression": "int8"}
+    mask, dp = {
+        "dense": (dense_pp, dense_dp),
+        "masked": (compressed_pp, dense_dp),
+        "masked_dp": (compressed_pp, compressed_dp),
+        "compute_bound": (compressed_pp, compressed_dp),
+    }[mode]
+    return {
+        "steps": 10**9,
+        "seed": seed,
+        "model": {"name": "tiny-llama", "num_stages": stages, "hidden_size": TINY_HIDDEN, "num_layers": 2 * stages, "num_heads": 4, "max_seq_len": 128},
+        "mask": mask,
+        "dp": dp,
+        "anchor": {"every": 0},
+        "optim": {"lr": 2e-3},
+        "pipeline": {"micro_batch_size": 8, "micro_batches": 2, "seq_len": 128, "eval_every": steps, "eval_batches": 8},
+    }
+
+
+def _live(s: dict) -> int:
+    return sum(p["state"] in ("active", "idle") for p in s["peers"])
+
+
+def measure_mode(mode: str, rate_mbit: float | None, stages: int, replicas: int, warmup: int, steps: int, dp_every: int, workdir: Path, subnet: int, timeout_s: float) -> dict:
+    """Run one mode in a fresh bed and measure it (see the module docstring)."""
+    cfg_path = workdir / f"{mode}.toml"
+    write_toml(mode_config(mode, stages, steps, dp_every), cfg_path)
+    n = stages * replicas
+    print(f"[{mode}] {n} peers + bootstrap, links {'unshaped' if rate_mbit is None else f'{rate_mbit:.2f} Mbit/s'}; warm-up to step {warmup}, measure to step {steps}", flush=True)
+    t_start = time.monotonic()
+    with NetBed([rate_mbit] * (1 + n), subnet=subnet) as bed:
+        swarm = BedSwarm(bed, cfg_path, workdir / mode)
+        s0 = swarm.wait_status(lambda s: s["step"] >= warmup and _live(s) == n, timeout_s, f"{n} live peers and step {warmup}")
+        c0 = bed.counters()
+        last_print = time.monotonic()
+
+        def progress(s: dict) -> bool:
+            nonlocal last_print
+            if time.monotonic() - last_print > 15:
+                last_print = time.monotonic()
+                done = s["step"] - s0["step"]
+                rate = done / max(s["uptime_s"] - s0["uptime_s"], 1e-9)
+                eta = (steps - s["step"]) / rate if rate > 0 else math.inf
+                print(f"[{mode}] step {s['step']}/{steps}  {s['tokens_per_s']:,.0f} tok/s  ETA {eta:.0f}s", flush=True)
+            return s["step"] >= steps
+
+        s1 = swarm.wait_status(progress, timeout_s, f"step {steps}")
+        c1 = bed.counters()
+        s2 = swarm.wait_status(lambda s: (s["eval_step"] or -1) >= steps and s["eval_loss"] is not None, timeout_s, f"the evaluation launched at step {steps}")
+    tokens = s1["tokens"] - s0["tokens"]
+    seconds = s1["uptime_s"] - s0["uptime_s"]
+    wire = sum(c1[i][0] - c0[i][0] for i in c1)
+    result = {
+        "tokens_per_s": tokens / seconds,
+        "wire_bytes_per_token": wire / tokens,
+        "eval_loss": s2["eval_loss"],
+        "eval_step": s2["eval_step"],
+        "rate_mbit": rate_mbit,
+        "tokens_measured": tokens,
+        "seconds_measured": seconds,
+        "app_bytes_per_token": {"pp": s1["pp_bytes_per_token"], "dp": s1["dp_bytes_per_token"], "anchor": s1["anchor_bytes_per_token"]},
+        "pp_compression": s1["pp_compression"],
+        "train_loss": s1["loss"],
+        "wall_s": time.monotonic() - t_start,
+    }
+    print(f"[{mode}] {result['tokens_per_s']:,.0f} tok/s, {result['wire_bytes_per_token']:.0f} wire B/token, eval loss {result['eval_loss']:.4f} at step {result['eval_step']} ({result['wall_s']:.0f}s)", flush=True)
+    return result
+
+
+def run_throughput(quick: bool, bandwidth_mbit: float | None, stages: int, replicas: int, modes: list[str] | None = None, workdir: Path | None = None) -> dict:
+    """All modes, compute_bound first (it sets the GPU-equivalent bandwidth); returns the JSON."""
+    why = available()
+    if why:
+        raise ConfigError("bench throughput", "network namespaces", why)
+    if stages < 2:
+        raise ConfigError("--stages", stages, "must be >= 2 (a pipeline needs a link)")
+    if replicas < 1:
+        raise ConfigError("--replicas", replicas, "must be >= 1")
+    if bandwidth_mbit is not None and bandwidth_mbit <= 0:
+        raise ConfigError("--bandwidth-mbit", bandwidth_mbit, "must be > 0")
+    modes = modes or list(MODES)
+    for m in modes:
+        if m not in MODES:
+            raise ConfigError("--modes", m, f"unknown; known: {', '.join(MODES)}")
+    warmup, steps, dp_every = (6, 30, 5) if quick else (10, 100, 10)
+    timeout_s = 300.0 if quick else 1800.0
+    workdir = workdir or Path(tempfile.mkdtemp(prefix="anchormesh-throughput-"))
+    scenario = GpuScenario()
+    out: dict = {"modes": {}, "setup": {}}
+    rate = bandwidth_mbit
+    if "compute_bound" in modes or rate is None:
+        out["modes"]["compute_bound"] = measure_mode("compute_bound", None, stages, replicas, warmup, steps, dp_every, workdir, 10, timeout_s)
+    if rate is None:
+        rate = equivalent_mbit(scenario, stages, replicas, out["modes"]["compute_bound"]["tokens_per_s"])
+        print(f"GPU-equivalent bandwidth: {rate:.2f} Mbit/s stands for {scenario.link_mbit:.0f} Mbit/s ({scenario.model} on an {scenario.gpu})", flush=True)
+    for i, mode in enumerate(m for m in modes if m != "compute_bound"):
+        out["modes"][mode] = measure_mode(mode, rate, stages, replicas, warmup, steps, dp_every, workdir, 11 + i, timeout_s)
+    if "compute_bound" not in modes:
+        out["modes"].pop("compute_bound", None)
+    m = out["modes"]
+
+    def ratio(a: str, b: str) -> float | None:
+        return m[a]["tokens_per_s"] / m[b]["tokens_per_s"] if a in m and b in m else None
+
+    out["ratios"] = {
+        "masked_vs_dense": ratio("masked", "dense"),
+        "masked_dp_vs_dense": ratio("masked_dp", "dense"),
+        "masked_dp_vs_compute_bound": ratio("masked_dp", "compute_bound"),
+        "eval_loss_vs_dense": {k: v["eval_loss"] / m["dense"]["eval_loss"] - 1 for k, v in m.items()} if "dense" in m else None,
+    }
+    out["setup"] = {
+        "quick": quick,
+        "stages": stages,
+        "replicas": replicas,
+        "hosts": 1 + stages * replicas,
+        "bandwidth_mbit": rate,
+        "bandwidth_given": bandwidth_mbit is not None,
+        "warmup_steps": warmup,
+        "steps": steps,
+        "tokens_per_step_per_replica": 2 * 8 * 128,
+        "dp_every": dp_every,
+        "model": {"name": "tiny-llama", "hidden": TINY_HIDDEN, "layers": 2 * stages},
+        "scaling_rule": (
+            "bandwidth = 2*hidden_cpu*8 * (compute_bound tokens/s / replicas) / rho, "
+            "rho = (2*hidden_gpu*8 / link_bps) * gpu_stage_tokens_per_s, "
+            "gpu_stage_tokens_per_s = peak_flops * mfu / (flops_per_token / stages): the dense "
+            "link-time / compute-time ratio per token and stage equals the GPU scenario's"
+        ),
+        "gpu_scenario": {**asdict(scenario), "flops_per_token": scenario.flops_per_token(), "stage_tokens_per_s": scenario.stage_tokens_per_s(stages), "rho": scenario.rho(stages)},
+        "shaping": "tc tbf on every host's eth0 (upload) and its bridge port (download), burst 32 KiB; no added latency (netem unavailable)",
+        "wire_bytes": "sum of all hosts' eth0 tx byte counters (ip -s link) over the measured window / tokens in it",
+        "workdir": str(workdir),
+    }
+    return out
+
+
+def main_json(path: Path, **kwargs) -> dict:
+    result = run_throughput(**kwargs)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+    return result

@@ -1,0 +1,222 @@
+"""`anchormesh export`: the live swarm's newest weights as a standard Hugging Face model folder.
+
+It asks the tracker for the run's config (`Tracker.GetConfig`) and its live peers
+(`Status.GetStatus`), downloads each stage's weights from the stage's most-trained live peer
+(`Stage.GetShard`; the next one if that fails), checks that every stage is there and that every
+tensor has the name and shape the run's model expects, merges them under the full model's names
+and writes them with the model's own `save_pretrained` (config.json, model.safetensors,
+generation_config.json), plus the byte tokenizer the swarm's data uses (peer/data.py feeds bytes
+to every model) and `anchormesh_export.json` (which peer and step each stage came from).
+
+Stages step on their own, so the stages of one export may be a step or two apart (at most the
+run's staleness bound): the same weights the pipeline computes with at that moment.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import torch
+
+from peer import __version__
+from peer.config import TrainConfig, config_from_dict
+from peer.errors import AnchormeshError
+from peer.shard import Shard, ShardError, read_shard
+from peer.wire import anchormesh_pb2 as pb
+from peer.wire import anchormesh_pb2_grpc as pbg
+
+log = logging.getLogger("anchormesh.export")
+SERVING = ("active", "idle")  # a joining peer may still hold its initial weights
+MAX_SHARD_MESSAGE = 8 << 20
+
+
+class ExportError(AnchormeshError):
+    """Why the export cannot be made; one line, the CLI exits 1 with it."""
+
+
+@dataclass
+class ExportResult:
+    out: Path
+    run_id: str
+    config: TrainConfig
+    shards: list[Shard] = field(default_factory=list)  # one per stage, in stage order
+
+
+def _one_line(text: str | None) -> str:
+    return " ".join((text or "").split())
+
+
+def ask_tracker(tracker: str, timeout_s: float = 10.0) -> tuple[pb.RunConfig, pb.RunStatus]:
+    """The run's config and status; ExportError when the tracker does not answer."""
+    with grpc.insecure_channel(tracker) as channel:
+        try:
+            run = pbg.TrackerStub(channel).GetConfig(pb.ConfigRequest(), timeout=timeout_s)
+            status = pbg.StatusStub(channel).GetStatus(pb.StatusRequest(), timeout=timeout_s)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                raise ExportError(f"tracker {tracker} does not serve GetConfig (an older anchormesh?)") from None
+            raise ExportError(f"tracker {tracker} unreachable ({exc.code().name}: {_one_line(exc.details())})") from None
+    return run, status
+
+
+def candidates(status: pb.RunStatus, num_stages: int) -> list[list[pb.PeerInfo]]:
+    """Per stage, its serving peers, most-trained first; ExportError naming every stage without one."""
+    by_stage: list[list[pb.PeerInfo]] = [[] for _ in range(num_stages)]
+    for p in status.peers:
+        if p.state in SERVING and p.stage < num_stages:
+            by_stage[p.stage].append(p)
+    missing = [s for s in range(num_stages) if not by_stage[s]]
+    if missing:
+        which = f"stage {missing[0]} has" if len(missing) == 1 else f"stages {', '.join(map(str, missing))} have"
+        raise ExportError(f"{which} no live peer (run {status.run_id} is {status.state or 'unknown'}): nothing to export from")
+    return [sorted(peers, key=lambda p: (-p.step, p.peer_id)) for peers in by_stage]
+
+
+def download(peer: pb.PeerInfo, run_id: str, timeout_s: float, progress: bool = True) -> Shard:
+    """One peer's stage weights over GetShard, with a byte progress bar."""
+    from tqdm import tqdm
+
+    options = [("grpc.max_receive_message_length", MAX_SHARD_MESSAGE)]
+    with grpc.insecure_channel(peer.address, options=options) as channel:
+        call = channel.unary_stream("/anchormesh.v1.Stage/GetShard", request_serializer=pb.ShardRequest.SerializeToString, response_deserializer=pb.ShardChunk.FromString)
+        bar = tqdm(desc=f"stage {peer.stage} <- {peer.peer_id}", unit="B", unit_scale=True, unit_divisor=1024, disable=None if progress else True, leave=False, file=sys.stderr)
+        try:
+            def advance(n: int, total: int) -> None:
+                bar.total = total
+                bar.update(n)
+
+            return read_shard(call(pb.ShardRequest(run_id=run_id, sender="anchormesh-export"), timeout=timeout_s), advance)
+        finally:
+            bar.close()
+
+
+def hf_config(cfg: TrainConfig):
+    """The run's model config as Hugging Face sees it. Untied embedding and head: every stage owns
+    its own copy of the modules (peer/model/stages.py), so a tied pair is two trained tensors."""
+    from transformers import AutoConfig
+
+    from peer.model.loading import TINY_PREFIX, tiny_config
+
+    if cfg.model.name.startswith(TINY_PREFIX):
+        config = tiny_config(cfg.model.name[len(TINY_PREFIX):], cfg.model)
+        # the byte vocabulary has no special tokens: Llama's default bos/eos ids (1, 2) would be bytes
+        config.bos_token_id = config.eos_token_id = config.pad_token_id = None
+    else:
+        config = AutoConfig.from_pretrained(cfg.model.name)
+    config.tie_word_embeddings = False
+    return config
+
+
+def expected_shapes(config, num_stages: int) -> list[dict[str, tuple[int, ...]]]:
+    """Per stage: full-model parameter name -> shape, from the model cut as the peers cut it
+    (built on the meta device: names and shapes only, no memory)."""
+    from transformers import AutoModelForCausalLM
+
+    from peer.model.stages import split_model
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    return [{stage.hf_names[n]: tuple(p.shape) for n, p in stage.named_parameters()} for stage in split_model(model, num_stages)]
+
+
+def check_fits(shard: Shard, stage: int, num_stages: int, run_id: str, want: dict[str, tuple[int, ...]]) -> None:
+    """ShardError unless `shard` is stage `stage` of this run with exactly the expected tensors."""
+    if shard.run_id != run_id:
+        raise ShardError(f"it is of run {shard.run_id!r}, not {run_id!r}")
+    if (shard.stage, shard.num_stages) != (stage, num_stages):
+        raise ShardError(f"it is stage {shard.stage} of {shard.num_stages}, not stage {stage} of {num_stages} (the peer moved?)")
+    missing, extra = sorted(set(want) - set(shard.tensors)), sorted(set(shard.tensors) - set(want))
+    if missing or extra:
+        raise ShardError(f"tensors missing: {', '.join(missing[:3]) or 'none'}; unexpected: {', '.join(extra[:3]) or 'none'}")
+    for name, t in shard.tensors.items():
+        if tuple(t.shape) != want[name] or not t.is_floating_point():
+            raise ShardError(f"{name} is {t.dtype} {list(t.shape)}, the model needs a float {list(want[name])}")
+        if not torch.isfinite(t).all():
+            raise ShardError(f"{name} holds NaN or Inf")
+
+
+def gather(tracker: str, timeout_s: float = 300.0, progress: bool = True) -> tuple[TrainConfig, str, list[Shard]]:
+    """The run's config, run id and one checked shard per stage, each from its most-trained live peer."""
+    run, status = ask_tracker(tracker)
+    if run.code_version != __version__:
+        log.warning("the tracker runs anchormesh %s, this is %s: the model may not be cut the same way", run.code_version, __version__)
+    cfg = config_from_dict(json.loads(run.run_config_json))
+    K = cfg.model.num_stages
+    peers = candidates(status, K)
+    want = expected_shapes(hf_config(cfg), K)
+    shards: list[Shard] = []
+    for s in range(K):
+        reasons = []
+        for peer in peers[s]:
+            t0 = time.monotonic()
+            try:
+                shard = download(peer, run.run_id, timeout_s, progress)
+                check_fits(shard, s, K, run.run_id, want[s])
+            except grpc.RpcError as exc:
+                reasons.append(f"peer {peer.peer_id} at {peer.address}: {exc.code().name}: {_one_line(exc.details())}")
+            except ShardError as exc:
+                reasons.append(f"the shard of peer {peer.peer_id} does not fit the run's model: {exc}")
+            else:
+                size = sum(t.numel() * t.element_size() for t in shard.tensors.values())
+                log.info("stage %d: %d tensors (%.1f MB) from %s at step %d in %.1fs", s, len(shard.tensors), size / 1e6, peer.peer_id, shard.step, time.monotonic() - t0)
+                shards.append(shard)
+                break
+            log.warning("stage %d: %s", s, reasons[-1])
+        else:
+            raise ExportError(f"stage {s}: " + "; ".join(reasons))
+    steps = [sh.step for sh in shards]
+    if max(steps) - min(steps) > cfg.pipeline.max_staleness + 1:
+        log.warning("the stages are at steps %s: further apart than the run's staleness bound", steps)
+    return cfg, run.run_id, shards
+
+
+def write_model(cfg: TrainConfig, shards: list[Shard], out: Path) -> None:
+    """Merge the shards into the full model and write it (plus tokenizer and provenance) to `out`."""
+    from transformers import AutoModelForCausalLM
+
+    from peer.model.tokenizer import hf_byte_tokenizer
+
+    merged = {name: t for shard in shards for name, t in shard.tensors.items()}
+    model = AutoModelForCausalLM.from_config(hf_config(cfg), dtype=torch.float32, attn_implementation="sdpa")
+    params = dict(model.named_parameters())
+    if set(params) != set(merged):  # expected_shapes cut this same config: only a bug gets here
+        raise ExportError(f"the merged shards do not name the model's parameters: missing {sorted(set(params) - set(merged))[:3]}, extra {sorted(set(merged) - set(params))[:3]}")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(merged[name])
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    hf_byte_tokenizer(cfg.model.max_seq_len).save_pretrained(out)
+    (out / "anchormesh_export.json").write_text(json.dumps({
+        "run_id": shards[0].run_id,
+        "time": time.time(),
+        "code_version": __version__,
+        "stages": [{"stage": sh.stage, "peer_id": sh.peer_id, "step": sh.step} for sh in shards],
+        "tokenizer": "bytes: token id = byte value (peer/model/tokenizer.py), no special tokens",
+    }, indent=2) + "\n")
+
+
+def export(tracker: str, out: Path, timeout_s: float = 300.0, progress: bool = True) -> ExportResult:
+    """Gather the newest shards from the swarm behind `tracker` and write a Hugging Face folder."""
+    cfg, run_id, shards = gather(tracker, timeout_s, progress)
+    write_model(cfg, shards, out)
+    log.info("wrote %s: run %s, stages at steps %s", out, run_id, [sh.step for sh in shards])
+    return ExportResult(out, run_id, cfg, shards)
+
+
+def run_export(tracker: str, out: Path, timeout_s: float = 300.0) -> int:
+    """The CLI: export, or one error line and exit code 1."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        export(tracker, out, timeout_s)
+    except ExportError as exc:
+        print(f"anchormesh export: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    print(f"exported to {out} (load it with transformers.AutoModelForCausalLM.from_pretrained)", flush=True)
+    return 0
