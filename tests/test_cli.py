@@ -81,3 +81,14 @@ def test_bootstrap_refuses_a_config_the_swarm_cannot_run(tmp_path) -> None:
 def test_peer_device_cuda_is_refused_plainly_until_gpu_placement_exists() -> None:
     out = _cli("peer", "--tracker", "127.0.0.1:9", "--device", "cuda")
     assert out.returncode == 2 and "--device='cuda'" in out.stderr and "not built yet" in out.stderr
+
+
+@pytest.mark.parametrize("flags,field", [(["--stages", "1"], "--stages"), (["--replicas", "0"], "--replicas"), (["--bandwidth-mbit", "-3"], "--bandwidth-mbit"), (["--modes", "fast"], "--modes")])
+def test_bench_throughput_bad_flags_exit_2(flags: list[str], field: str, tmp_path, capsys) -> None:
+    from peer.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "throughput", "--json", str(tmp_path / "out.json"), *flags])
+    assert exc.value.code == 2
+    assert field in capsys.readouterr().err
+    assert not (tmp_path / "out.json").exists()

@@ -21,9 +21,13 @@ CFG = TrainConfig(model=ModelConfig(name="tiny-llama", num_stages=2, hidden_size
 class FakeAverager:
     def __init__(self, state) -> None:
         self.lock, self.state = threading.Lock(), state
+        self.rebased = 0
 
     def load_state(self, timeout: float):
         return self.state
+
+    def rebase(self) -> None:  # the downloaded weights become the base of the next DP delta
+        self.rebased += 1
 
 
 def donor_state(stage) -> tuple[dict, list[torch.Tensor]]:
@@ -48,6 +52,7 @@ def test_a_fitting_state_is_applied_whole(daemon: PeerDaemon) -> None:
     named = list(daemon.worker.stage.named_parameters())
     assert all(torch.equal(p, t) for (_, p), t in zip(named, tensors))
     assert daemon.worker.version == 42
+    assert daemon.averager.rebased == 1
     st = daemon.worker.optimizer.opt.state[named[0][1]]
     assert float(st["step"]) == 40.0 and torch.all(st["exp_avg"] == 0.5) and torch.all(st["exp_avg_sq"] == 0.25)
     # the state this peer offers in turn is what it now holds

@@ -153,9 +153,6 @@ def measure_mode(mode: str, rate_mbit: float | None, stages: int, replicas: int,
 
 def run_throughput(quick: bool, bandwidth_mbit: float | None, stages: int, replicas: int, modes: list[str] | None = None, workdir: Path | None = None) -> dict:
     """All modes, compute_bound first (it sets the GPU-equivalent bandwidth); returns the JSON."""
-    why = available()
-    if why:
-        raise ConfigError("bench throughput", "network namespaces", why)
     if stages < 2:
         raise ConfigError("--stages", stages, "must be >= 2 (a pipeline needs a link)")
     if replicas < 1:
@@ -166,6 +163,9 @@ def run_throughput(quick: bool, bandwidth_mbit: float | None, stages: int, repli
     for m in modes:
         if m not in MODES:
             raise ConfigError("--modes", m, f"unknown; known: {', '.join(MODES)}")
+    why = available()
+    if why:
+        raise ConfigError("bench throughput", "network namespaces", why)
     warmup, steps, dp_every = (6, 30, 5) if quick else (10, 100, 10)
     timeout_s = 300.0 if quick else 1800.0
     workdir = workdir or Path(tempfile.mkdtemp(prefix="anchormesh-throughput-"))
