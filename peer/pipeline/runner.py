@@ -347,11 +347,13 @@ class StageWorker:
             )
             dst = self.resolve(job.sender) if self.resolve else (b, self.replica)
             data = msg.SerializeToString()
-            self.transport.send(self.addr, dst, "backward", data)
-            if self.local_steps:
+            if self.local_steps:  # cached before sending: a send that fails (sender not known yet) is redone on its retry
                 self._grad_cache[(job.sender, job.step, mb)] = (dst, data)
                 while len(self._grad_cache) > 64:
                     self._grad_cache.pop(next(iter(self._grad_cache)))
+            self.done[job.step] += 1
+            self.transport.send(self.addr, dst, "backward", data)
+            return
         self.done[job.step] += 1
 
     # -- step -------------------------------------------------------------------------------
