@@ -144,15 +144,20 @@ class GrpcTransport(Transport):
 
         return handle
 
+    def _small_request(self, cls, data: bytes, context: grpc.ServicerContext, addr: Address):
+        """Parse a small request (Ping, GetShard) and check its run id, or abort the call. An
+        empty run id is allowed: a health check or an export does not know the run."""
+        try:
+            req = parse_message(cls, data, 4096)
+        except AnchormeshError as exc:
+            self._reject(context, addr, f"{cls.__name__}: {exc}")
+        if req.run_id and req.run_id != self.run_id:
+            self._reject(context, addr, f"{cls.__name__}.run_id={req.run_id!r}: this server trains run {self.run_id!r}")
+        return req
+
     def _ping_handler(self, addr: Address):
         def handle(data: bytes, context: grpc.ServicerContext) -> pb.PingReply:
-            try:
-                req = parse_message(pb.PingRequest, data, 4096)
-            except AnchormeshError as exc:
-                self._reject(context, addr, f"PingRequest: {exc}")
-            # an empty run id is a liveness probe (a health check does not know the run): answered, not refused
-            if req.run_id and req.run_id != self.run_id:
-                self._reject(context, addr, f"PingRequest.run_id={req.run_id!r}: this server trains run {self.run_id!r}")
+            req = self._small_request(pb.PingRequest, data, context, addr)
             reply = self.ping_info(addr)
             if not reply.run_id:
                 reply.run_id = self.run_id
@@ -162,12 +167,7 @@ class GrpcTransport(Transport):
 
     def _shard_handler(self, addr: Address):
         def handle(data: bytes, context: grpc.ServicerContext) -> Iterator[pb.ShardChunk]:
-            try:
-                req = parse_message(pb.ShardRequest, data, 4096)
-            except AnchormeshError as exc:
-                self._reject(context, addr, f"ShardRequest: {exc}")
-            if req.run_id and req.run_id != self.run_id:
-                self._reject(context, addr, f"ShardRequest.run_id={req.run_id!r}: this server trains run {self.run_id!r}")
+            req = self._small_request(pb.ShardRequest, data, context, addr)
             if self.shard_source is None:
                 context.abort(grpc.StatusCode.UNIMPLEMENTED, "this server does not hand out its weights")
             try:
