@@ -24,6 +24,8 @@ import grpc
 
 from bootstrap.tracker import JoinRefused, Tracker
 from peer.config import check_swarm, AnchorConfig, DPConfig, MaskConfig, ModelConfig, OptimConfig, PipelineConfig, TrainConfig
+from peer.model.loading import resolve_dims
+from peer.model.stages import layer_ranges
 from peer.wire import anchormesh_pb2 as pb
 from peer.wire import anchormesh_pb2_grpc as pbg
 
@@ -132,6 +134,8 @@ def run_bootstrap(config: TrainConfig | None, host: str, port: int, dht_port: in
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = config or default_run()
     check_swarm(config)  # before anything starts
+    config.model = resolve_dims(config.model)
+    layer_ranges(config.model.num_layers, config.model.num_stages)  # a bad stage count fails here, not after the DHT is up
     run_id = f"run-{uuid.uuid4().hex[:8]}"
     announce = None
     if announce_host:

@@ -259,6 +259,8 @@ class Tracker:
             p.dp_bytes_out, p.dp_dense_bytes = info.dp_bytes_out, info.dp_dense_bytes
             p.eval_id, p.eval_loss = info.eval_id, info.eval_loss
             self._expire()
+            if self._budget_spent():
+                return pb.Directive(kind=pb.Directive.STOP, reason=f"the run's token budget of {self.config.token_budget} tokens is spent")
             move = self._move_target(p)
             if move is not None:
                 target, speed = move
@@ -277,6 +279,12 @@ class Tracker:
                 if directive.anchor_id:
                     directive.anchor_micro_batches = self.config.anchor.micro_batches
         return directive
+
+    def _tokens(self) -> int:
+        return sum(p.tokens for p in self.peers.values() if p.stage == 0)  # stage 0 feeds every token once
+
+    def _budget_spent(self) -> bool:
+        return 0 < self.config.token_budget <= self._tokens()
 
     def _run_step(self) -> int:
         return max((q.step for q in self.peers.values() if q.stage == 0), default=0)  # stage 0 counts the run's steps
@@ -307,7 +315,7 @@ class Tracker:
                 live = self.live(s)
                 stages.append(pb.StageStatus(index=s, peers=len(live), tokens_per_s=sum(p.tokens_per_s for p in live), queue_depth=sum(p.queue_depth for p in live), capacity_tokens_per_s=scores[s]))
             first, last = self.live(0), self.live(K - 1)
-            tokens = sum(p.tokens for p in self.peers.values() if p.stage == 0)
+            tokens = self._tokens()
             losses = [p.loss for p in last if not math.isnan(p.loss)]
             step = self._run_step()
             anchor_bytes = sum(p.anchor_bytes_out for p in self.peers.values())
@@ -318,7 +326,9 @@ class Tracker:
             anchor_step = self.anchors.launched_at.get(newest, -1)
             missing = [s for s in range(K) if not self.live(s)]
             state, reason = "running", ""
-            if missing:
+            if self._budget_spent():
+                state, reason = "done", f"token budget of {self.config.token_budget} tokens spent"
+            elif missing:
                 state, reason = "paused", "no live peer for stage " + ", ".join(map(str, missing))
             pp_bpt = pp_bytes / tokens if tokens else 0.0
             dense = 2 * 2 * self.config.model.hidden_size * (K - 1)

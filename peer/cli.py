@@ -45,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     peer.add_argument("--announce-host", default=None, help="address other peers dial to reach this one (default: --host); your public or LAN address behind 0.0.0.0 or a port forward")
     peer.add_argument("--grpc-port", type=int, default=0, help="Stage service port (0 = any free)")
     peer.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"), help="where the stage runs: cpu, or auto (the CPU for now); cuda is refused until GPU placement is built")
-    peer.add_argument("--state-dir", type=Path, default=None, help="where the peer keeps its files (the last stage writes metrics.jsonl: loss per step); shard checkpoints are not written yet")
+    peer.add_argument("--state-dir", type=Path, default=None, help="where the peer keeps its files: shard checkpoints (checkpoints/RUN/stageK/, every checkpoint.every steps and when it leaves; resumed from on restart) and, on the last stage, metrics.jsonl (loss per step)")
     peer.add_argument("--max-steps", type=int, default=None, help="leave after this many optimizer steps")
 
     status = sub.add_parser("status", help="show a run's stages, peers, loss and throughput")

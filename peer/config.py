@@ -279,9 +279,80 @@ class PipelineConfig:
         _choice("pipeline.staleness_correction", self.staleness_correction, ("none", "lookahead"))
 
 
+DATA_TOKENIZERS = ("bytes", "model")
+
+
+@dataclass
+class DataConfig:
+    """What stage-0 peers train on. Each stage-0 peer reads the data itself (nothing is shipped
+    through the tracker), so `path` must exist on every machine that may serve stage 0.
+
+    Args:
+        path: a local text file or a folder of text files; "" (with no `dataset`) = the built-in
+            corpus (Python's standard library sources, or a generated stand-in).
+        dataset: a Hugging Face dataset id, streamed with the `datasets` library (which stage-0
+            peers must have installed); exclusive with `path`.
+        dataset_config: the dataset's config name, if it has several.
+        split: the dataset split to stream.
+        text_field: the column holding the text.
+        tokenizer: "bytes" (token id = byte value, no download; what the tiny models use) or
+            "model" (the model's own tokenizer, `AutoTokenizer.from_pretrained(model.name)`).
+        heldout: the fraction at the end of the data kept out of training for evaluation passes.
+        max_bytes: bytes of text each stage-0 peer reads (streamed datasets stop there).
+    """
+
+    path: str = ""
+    dataset: str = ""
+    dataset_config: str = ""
+    split: str = "train"
+    text_field: str = "text"
+    tokenizer: str = "bytes"
+    heldout: float = 0.1
+    max_bytes: int = 2_000_000
+
+    def __post_init__(self) -> None:
+        if self.path and self.dataset:
+            raise ConfigError("data.dataset", self.dataset, f"give data.path or data.dataset, not both (data.path={self.path!r})")
+        _choice("data.tokenizer", self.tokenizer, DATA_TOKENIZERS)
+        if not (0.0 < self.heldout < 0.5):
+            raise ConfigError("data.heldout", self.heldout, "must be in (0, 0.5)")
+        if self.max_bytes < 10_000:
+            raise ConfigError("data.max_bytes", self.max_bytes, "must be >= 10000")
+        if not self.split:
+            raise ConfigError("data.split", self.split, "must not be empty")
+        if not self.text_field:
+            raise ConfigError("data.text_field", self.text_field, "must not be empty")
+
+
+@dataclass
+class CheckpointConfig:
+    """Shard checkpoints that peers with `--state-dir` write (peer/checkpoint.py).
+
+    Args:
+        every: run steps between checkpoints of a peer's stage (weights, AdamW moments, step);
+            0 = only the final one when the run ends or the peer leaves.
+        keep: how many of the newest checkpoints each stage keeps on each peer.
+    """
+
+    every: int = 100
+    keep: int = 2
+
+    def __post_init__(self) -> None:
+        _positive("checkpoint.every", self.every, allow_zero=True)
+        _positive("checkpoint.keep", self.keep)
+
+
 @dataclass
 class TrainConfig:
-    """Everything one training run needs; each part goes to the component that owns it."""
+    """Everything one training run needs; each part goes to the component that owns it.
+
+    Args:
+        steps: optimizer steps of a local run (runner, benchmarks); a swarm runs until stopped
+            or until `token_budget`.
+        seed: seeds the model's initial weights, the masks and the data order.
+        token_budget: swarm only: the tracker ends the run once stage 0 has fed this many tokens
+            (status "done"; peers write a final checkpoint and leave); 0 = until stopped.
+    """
 
     model: ModelConfig = field(default_factory=ModelConfig)
     mask: MaskConfig = field(default_factory=MaskConfig)
@@ -290,15 +361,39 @@ class TrainConfig:
     spectral: SpectralConfig = field(default_factory=SpectralConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     steps: int = 100
     seed: int = 0
+    token_budget: int = 0
 
     def __post_init__(self) -> None:
         _positive("steps", self.steps)
+        _positive("token_budget", self.token_budget, allow_zero=True)
         if self.pipeline.seq_len > self.model.max_seq_len:
             raise ConfigError("pipeline.seq_len", self.pipeline.seq_len, f"exceeds model.max_seq_len={self.model.max_seq_len}")
         if self.spectral.mode in ("ef", "paper_ef") and self.anchor.enabled and not self.anchor.with_masked:
             raise ConfigError("anchor.with_masked", False, f"spectral.mode={self.spectral.mode!r} needs the masked anchor gradient")
+
+
+SCALARS = ("steps", "seed", "token_budget")  # top-level keys of a run.toml that are not sections
+
+
+def _check_type(name: str, value: object, default: object) -> None:
+    """A setting must have its default's type (an int is fine where a float is expected), so a
+    typo like `lr = "3e-4"` names the field instead of failing somewhere inside a component."""
+    if isinstance(default, bool):
+        ok, want = isinstance(value, bool), "true or false"
+    elif isinstance(default, int):
+        ok, want = isinstance(value, int) and not isinstance(value, bool), "an integer"
+    elif isinstance(default, float):
+        ok, want = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+    elif isinstance(default, str):
+        ok, want = isinstance(value, str), "a string"
+    else:
+        return
+    if not ok:
+        raise ConfigError(name, value, f"must be {want}")
 
 
 def config_from_dict(data: dict) -> TrainConfig:
@@ -312,18 +407,21 @@ def config_from_dict(data: dict) -> TrainConfig:
             if not isinstance(value, dict):
                 raise ConfigError(key, value, "must be a table of settings")
             cls = type(sections[key]())
-            known = {f.name for f in dataclasses.fields(cls)}
+            known = {f.name: f.default for f in dataclasses.fields(cls)}
             for sub in value:
                 if sub not in known:
                     raise ConfigError(f"{key}.{sub}", value[sub], f"unknown setting; known: {', '.join(sorted(known))}")
+                _check_type(f"{key}.{sub}", value[sub], known[sub])
             try:
                 kwargs[key] = cls(**value)
             except TypeError as exc:
                 raise ConfigError(key, value, str(exc)) from None
-        elif key in ("steps", "seed"):
+        elif key in SCALARS:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(key, value, "must be an integer")
             kwargs[key] = value
         else:
-            raise ConfigError(key, value, f"unknown section; known: {', '.join(sorted([*sections, 'steps', 'seed']))}")
+            raise ConfigError(key, value, f"unknown section; known: {', '.join(sorted([*sections, *SCALARS]))}")
     return TrainConfig(**kwargs)
 
 

@@ -38,10 +38,11 @@ import torch
 
 from peer import __version__
 from peer.capacity import fill_unmeasured
+from peer.checkpoint import ShardCheckpoints
 from peer.codec.mask import MaskCodec
 from peer.config import config_from_dict
-from peer.data import TokenStream, default_corpus
-from peer.errors import AnchormeshError, WireError
+from peer.data import TokenStream, load_training_data
+from peer.errors import AnchormeshError, ConfigError, WireError
 from peer.dp.group import GroupAverager, connect_peers
 from peer.model.loading import load_causal_lm
 from peer.model.stages import split_model
@@ -139,6 +140,11 @@ class PeerDaemon:
         self.terminated = False  # SIGTERM/SIGINT: leave for good, even when a move was asked
         self._busy = 0.0  # seconds spent computing since the last rate update
         self.capacity = 0.0
+        self.checkpoints: ShardCheckpoints | None = None  # with --state-dir, once the stage is known
+        self._checkpointed = 0  # the step of the newest checkpoint written
+        self.steps_done = 0  # optimizer steps this peer has taken itself
+        self.state_step = -1  # the step of the stage state taken from a checkpoint or the group; -1 = initial weights
+        self._checkpoint_thread: threading.Thread | None = None
 
     def _step_lock(self) -> threading.Lock:
         """The lock every change of the stage's weights holds: the averager's (its download and
@@ -284,10 +290,10 @@ class PeerDaemon:
 
     # -- state transfer ---------------------------------------------------------------------
     def _stage_state(self) -> tuple[dict, list[torch.Tensor]]:
-        """What a joiner of this stage group downloads: parameters and AdamW moments, in
-        named_parameters order, plus the step counts (hivemind's thread calls it, under the lock)."""
+        """What a joiner of this stage group downloads and what a checkpoint holds: parameters and
+        AdamW moments, in named_parameters order, plus the step counts (taken under the step's lock)."""
         w = self.worker
-        with self.averager.lock:
+        with self._step_lock():
             params = [p.detach().clone() for _, p in w.stage.named_parameters()]
             opt = w.optimizer.opt
             moments, adam_step = [], 0.0
@@ -299,13 +305,18 @@ class PeerDaemon:
             return {"version": w.version, "adam_step": adam_step}, params + moments
 
     def _load_group_state(self) -> None:
-        """A joiner takes the most-trained group member's state when there is one; a download that
-        does not fit this stage (count, shape, dtype, non-finite values) is ignored, not half-applied."""
+        """A joiner takes the most-trained group member's state when there is one and it is newer
+        than what this peer holds (a checkpoint may be)."""
         got = self.averager.load_state(timeout=60.0) if self.averager is not None else None
         if got is None:
-            log.info("no stage state to download (first peer of its group, or no donor answered): starting from the initial weights")
+            log.info("no stage state to download (first peer of its group, or no donor answered): keeping %s", "the initial weights" if self.worker.version == 0 else f"step {self.worker.version}")
             return
-        metadata, tensors = got
+        self._apply_state(*got, source="a group member")
+
+    def _apply_state(self, metadata: object, tensors: list, source: str) -> bool:
+        """Put a stage state (from the group or a checkpoint) into the stage, whole or not at all:
+        one that does not fit (count, shape, dtype, non-finite values) or is not newer than the
+        step this peer holds is ignored. Returns whether it was applied."""
         w = self.worker
         named = list(w.stage.named_parameters())
         n = len(named)
@@ -314,23 +325,73 @@ class PeerDaemon:
                 raise ValueError(f"{len(tensors)} tensors, expected {3 * n}")
             for i, t in enumerate(tensors):
                 name, p = named[i % n]
-                if tuple(t.shape) != tuple(p.shape) or not t.is_floating_point() or not torch.isfinite(t).all():
-                    raise ValueError(f"tensor {i} ({name}): {t.dtype} {tuple(t.shape)} does not fit {tuple(p.shape)} or is not finite")
+                if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(p.shape) or not t.is_floating_point() or not torch.isfinite(t).all():
+                    raise ValueError(f"tensor {i} ({name}): {getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))} does not fit {tuple(p.shape)} or is not finite")
             version, adam_step = int(metadata["version"]), float(metadata["adam_step"])
         except (ValueError, KeyError, TypeError) as exc:
-            log.warning("downloaded stage state ignored: %s", exc)
-            return
-        with torch.no_grad(), self.averager.lock:
+            log.warning("stage state from %s ignored: %s", source, exc)
+            return False
+        if version <= self.state_step:
+            log.info("stage state from %s (step %d) is not newer than the state this peer holds (step %d): kept its own", source, version, self.state_step)
+            return False
+        with torch.no_grad(), self._step_lock():
             for (name, p), t in zip(named, tensors[:n]):
                 p.copy_(t.to(p.dtype))
             if adam_step > 0:
                 for (name, p), m, v in zip(named, tensors[n : 2 * n], tensors[2 * n :]):
                     w.optimizer.opt.state[p] = {"step": torch.tensor(adam_step), "exp_avg": m.to(p.dtype).clone(), "exp_avg_sq": v.to(p.dtype).clone()}
-            self.averager.rebase()
+            if self.averager is not None:
+                self.averager.rebase()
             w.version = max(w.version, version)
+            self.state_step = version
             if w.stage.is_first:
                 w.next_mb = w.version * w.cfg.pipeline.micro_batches
-        log.info("took the stage state of a group member at step %d (AdamW step %d)", version, adam_step)
+        log.info("took the stage state of %s at step %d (AdamW step %d)", source, version, adam_step)
+        return True
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def _resume_from_checkpoint(self) -> None:
+        """A restarted peer takes its newest valid checkpoint of this stage (checked like a download)."""
+        if self.checkpoints is None:
+            return
+        got = self.checkpoints.newest()
+        if got is None:
+            return
+        meta, names, tensors = got
+        expected = [name for name, _ in self.worker.stage.named_parameters()]
+        if names != expected * 3:
+            log.warning("checkpoint in %s ignored: its tensors are not this stage's parameters", self.checkpoints.dir)
+            return
+        self._apply_state(meta, tensors, source=f"checkpoint {self.checkpoints.dir}")
+
+    def _checkpoint(self, wait: bool = False) -> None:
+        """Write a checkpoint of the state as it is now; the copy is taken between steps, the
+        write runs in a background thread so the fast circuit never waits on the disk. A
+        checkpoint still being written makes a new one wait (`wait`, at exit) or be skipped."""
+        if self.checkpoints is None or self.worker is None or self.worker.version == self._checkpointed:
+            return
+        if self.steps_done == 0 and self.state_step < 0:  # initial weights: nothing worth keeping
+            return
+        busy = self._checkpoint_thread is not None and self._checkpoint_thread.is_alive()
+        if busy and not wait:
+            log.warning("checkpoint at step %d skipped: the previous one is still being written", self.worker.version)
+            return
+        if busy:
+            self._checkpoint_thread.join()
+        meta, tensors = self._stage_state()
+        names = [name for name, _ in self.worker.stage.named_parameters()] * 3
+        self._checkpointed = int(meta["version"])
+
+        def write() -> None:
+            try:
+                self.checkpoints.save(meta, names, tensors)
+            except OSError as exc:
+                log.error("checkpoint at step %d failed: %s", meta["version"], exc)
+
+        self._checkpoint_thread = threading.Thread(target=write, name="checkpoint", daemon=True)
+        self._checkpoint_thread.start()
+        if wait:
+            self._checkpoint_thread.join()
 
     # -- main loop --------------------------------------------------------------------------
     def run(self, max_steps: int | None = None) -> None:
@@ -346,7 +407,10 @@ class PeerDaemon:
         cfg = config_from_dict(json.loads(a.run_config_json))
         self.transport.run_id = a.run_id
         log.info("%s joined %s: stage %d of %d (layers %d-%d), serving on %s", self.peer_id, a.run_id, a.stage, a.num_stages, a.layer_start, a.layer_end - 1, self.address)
-        stage = split_model(load_causal_lm(cfg.model, seed=cfg.seed), cfg.model.num_stages)[a.stage]
+        model = load_causal_lm(cfg.model, seed=cfg.seed)
+        vocab_size = model.config.vocab_size
+        stage = split_model(model, cfg.model.num_stages)[a.stage]
+        del model
         stage.train()
         replica = uuid.uuid4().int % (1 << 20)  # makes this peer's micro-batch ids (and masks) its own
         self.worker = StageWorker(stage, replica, cfg, MaskCodec(cfg.mask), self.transport, a.run_id, peer_id=self.peer_id, next_hop=self._next_hop, resolve=self._resolve, local_steps=True)
@@ -361,17 +425,29 @@ class PeerDaemon:
         # heartbeats start now, so a slow state download does not get this peer declared dead;
         # while it reports "joining" nobody routes to it
         threading.Thread(target=self._heartbeat, args=(stub, a.heartbeat_interval_s), name="heartbeat", daemon=True).start()
-        if a.start_step > 0:  # the run has trained: take the group's state rather than the initial weights
+        if self.state_dir is not None:
+            self.checkpoints = ShardCheckpoints(self.state_dir, a.run_id, a.stage, keep=cfg.checkpoint.keep)
+            self.reason = "checking its checkpoints"
+            self._resume_from_checkpoint()
+        if a.start_step > max(self.state_step, 0):  # the run has trained past what this peer holds: ask the group
             self.reason = "downloading its stage's state from the group"
             self._load_group_state()
-        self.transport.start()
-        self.state, self.reason = "idle", "serving; waiting for work"
         stream = gen = None
         if stage.is_first:
-            data, source = default_corpus("b")
+            self.reason = "reading the run's data"
+            try:
+                stream, source = load_training_data(cfg, vocab_size)
+            except ConfigError as exc:  # this machine cannot serve stage 0 with the run's data: say so and leave
+                log.error("cannot read the run's data: %s", exc)
+                self.stop.set()
+                self._leave(stub, a.run_id, f"cannot read the run's data: {exc}")
+                self._shutdown(channel)
+                raise SystemExit(2) from None
             # each stage-0 peer draws its own batches (seeded by its id, so two peers never repeat each other)
-            stream, gen = TokenStream(data), torch.Generator().manual_seed(cfg.seed * 1_000_003 + zlib.crc32(self.peer_id.encode()))
-            log.info("stage 0 reads %s", source.split(",")[0])
+            gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + zlib.crc32(self.peer_id.encode()))
+            log.info("stage 0 reads %s (%d training tokens, %s tokenizer)", source.split(",")[0], len(stream.train), cfg.data.tokenizer)
+        self.transport.start()
+        self.state, self.reason = "idle", "serving; waiting for work"
         metrics = None
         if self.state_dir is not None and stage.is_last:
             self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -392,20 +468,27 @@ class PeerDaemon:
             moving = bool(self.move_reason) and not self.terminated
             self.reason = f"moving: {self.move_reason}" if moving else "shutting down"
             why = "SIGTERM" if self.terminated else "done"
-            try:
-                stub.Leave(pb.LeaveRequest(run_id=a.run_id, peer_id=self.peer_id, reason=self.reason if moving else why), timeout=5)
-            except grpc.RpcError as exc:
-                log.warning("could not say goodbye to the tracker: %s", exc.details())
             self.stop.set()
-            if self.averager is not None:
-                self.averager.shutdown()
-            if self.dht is not None:
-                self.dht.shutdown()
-            self.transport.close()
-            channel.close()
+            self._checkpoint(wait=True)  # before saying goodbye: a peer told to stop may be killed soon after
+            self._leave(stub, a.run_id, self.reason if moving else why)
+            self._shutdown(channel)
             if metrics is not None:
                 metrics.close()
             log.info("%s left after %d steps", self.peer_id, self.worker.version)
+
+    def _shutdown(self, channel: grpc.Channel) -> None:
+        if self.averager is not None:
+            self.averager.shutdown()
+        if self.dht is not None:
+            self.dht.shutdown()
+        self.transport.close()
+        channel.close()
+
+    def _leave(self, stub: pbg.TrackerStub, run_id: str, reason: str) -> None:
+        try:
+            stub.Leave(pb.LeaveRequest(run_id=run_id, peer_id=self.peer_id, reason=reason), timeout=5)
+        except grpc.RpcError as exc:
+            log.warning("could not say goodbye to the tracker: %s", exc.details())
 
     def _tick(self, stream: TokenStream | None, gen: torch.Generator | None, cfg, metrics) -> None:
         """One unit of work: a step when its gradients are in, else fast work, else anchor work."""
@@ -425,6 +508,9 @@ class PeerDaemon:
             else:
                 with self._weights_lock:
                     w.apply_step()
+            self.steps_done += 1
+            if cfg.checkpoint.every and w.version % cfg.checkpoint.every == 0:
+                self._checkpoint()
             if w.stage.is_last:
                 losses = [x for step_losses in w.losses.values() for x in step_losses]
                 w.losses.clear()

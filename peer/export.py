@@ -27,6 +27,7 @@ import torch
 from peer import __version__
 from peer.config import TrainConfig, config_from_dict
 from peer.errors import AnchormeshError
+from peer.progress import byte_bar
 from peer.shard import Shard, ShardError, read_shard
 from peer.wire import anchormesh_pb2 as pb
 from peer.wire import anchormesh_pb2_grpc as pbg
@@ -80,12 +81,10 @@ def candidates(status: pb.RunStatus, num_stages: int) -> list[list[pb.PeerInfo]]
 
 def download(peer: pb.PeerInfo, run_id: str, timeout_s: float, progress: bool = True) -> Shard:
     """One peer's stage weights over GetShard, with a byte progress bar."""
-    from tqdm import tqdm
-
     options = [("grpc.max_receive_message_length", MAX_SHARD_MESSAGE)]
     with grpc.insecure_channel(peer.address, options=options) as channel:
         call = channel.unary_stream("/anchormesh.v1.Stage/GetShard", request_serializer=pb.ShardRequest.SerializeToString, response_deserializer=pb.ShardChunk.FromString)
-        bar = tqdm(desc=f"stage {peer.stage} <- {peer.peer_id}", unit="B", unit_scale=True, unit_divisor=1024, disable=None if progress else True, leave=False, file=sys.stderr)
+        bar = byte_bar(f"stage {peer.stage} <- {peer.peer_id}", show=None if progress else False)
         try:
             def advance(n: int, total: int) -> None:
                 bar.total = total

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import time
+
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
@@ -11,6 +15,7 @@ from peer.model.tokenizer import VOCAB_SIZE
 
 SUPPORTED_FAMILIES = ("llama", "qwen2", "mistral", "gpt2")
 TINY_PREFIX = "tiny-"
+log = logging.getLogger(__name__)
 
 
 def tiny_config(family: str, cfg: ModelConfig):
@@ -70,14 +75,33 @@ def load_causal_lm(cfg: ModelConfig, *, seed: int = 0, dtype: torch.dtype = torc
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
         return model.eval()
-    try:
-        config = AutoConfig.from_pretrained(cfg.name)
-    except (OSError, ValueError) as exc:
-        raise ConfigError("model.name", cfg.name, f"cannot load a model config from it ({exc})") from exc
-    if config.model_type not in SUPPORTED_FAMILIES:
-        raise ConfigError("model.name", cfg.name, f"model_type {config.model_type!r} is not supported; supported: {', '.join(SUPPORTED_FAMILIES)}")
+    _pretrained_config(cfg.name)
+    log.info("loading %s (a hub id is downloaded on first use, with a progress bar per file)", cfg.name)
+    t0 = time.monotonic()
     model = AutoModelForCausalLM.from_pretrained(cfg.name, dtype=dtype, attn_implementation="sdpa")
+    n = sum(p.numel() for p in model.parameters())
+    log.info("loaded %s: %.1fM parameters in %.1fs", cfg.name, n / 1e6, time.monotonic() - t0)
     return model.eval()
+
+
+def _pretrained_config(name: str):
+    try:
+        config = AutoConfig.from_pretrained(name)
+    except (OSError, ValueError) as exc:
+        raise ConfigError("model.name", name, f"cannot load a model config from it ({exc})") from exc
+    if config.model_type not in SUPPORTED_FAMILIES:
+        raise ConfigError("model.name", name, f"model_type {config.model_type!r} is not supported; supported: {', '.join(SUPPORTED_FAMILIES)}")
+    return config
+
+
+def resolve_dims(cfg: ModelConfig) -> ModelConfig:
+    """The config with a hub or local model's real layer count, hidden size and heads (only its
+    config.json is read). Why: the tracker plans stages from `num_layers` and reports compression
+    from `hidden_size`; for a pretrained model those come from the model, not from the run.toml."""
+    if cfg.name.startswith(TINY_PREFIX):
+        return cfg
+    config = _pretrained_config(cfg.name)
+    return dataclasses.replace(cfg, num_layers=config.num_hidden_layers, hidden_size=config.hidden_size, num_heads=config.num_attention_heads)
 
 
 def family_of(model: PreTrainedModel) -> str:

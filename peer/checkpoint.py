@@ -1,0 +1,156 @@
+"""Shard checkpoints on a peer's disk: atomic, checksummed, newest-valid-wins.
+
+A peer with `--state-dir DIR` keeps its stage's state (parameters, AdamW moments, step) in
+`DIR/checkpoints/<run_id>/stage<k>/step<NNNNNNNN>.pt`, each with a manifest beside it
+(`.json`: sha256, size, step). Why two files: the manifest is written last, so a checkpoint
+counts only once its data is whole on disk; a kill mid-write leaves a temp file or a data file
+without a manifest, both ignored. Both are written to a temp name, fsynced and renamed. On
+restart the newest checkpoint whose checksum matches is used; a corrupt one is skipped with a
+message and the next older one tried.
+
+The tensors are the same list the stage group hands a joiner (`PeerDaemon._stage_state`), so
+one validation path (`PeerDaemon._apply_state`) checks both before they touch the model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import re
+import time
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+from tqdm import tqdm
+
+from peer.progress import byte_bar
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+_NAME = re.compile(r"^step(\d{8,})\.json$")
+_CHUNK = 1 << 20
+
+
+class _HashingWriter(io.RawIOBase):
+    """A write-only file that hashes and counts what passes through (and moves a progress bar)."""
+
+    def __init__(self, f: BinaryIO, bar: tqdm) -> None:
+        self.f, self.bar, self.sha, self.size = f, bar, hashlib.sha256(), 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:  # type: ignore[override]
+        n = self.f.write(b)
+        self.sha.update(memoryview(b)[:n])
+        self.size += n
+        self.bar.update(n)
+        return n
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class ShardCheckpoints:
+    """The checkpoints of one stage of one run on this peer's disk."""
+
+    def __init__(self, state_dir: Path, run_id: str, stage: int, keep: int = 2) -> None:
+        if keep < 1:
+            raise ValueError(f"keep={keep}: must be >= 1")
+        self.dir = Path(state_dir) / "checkpoints" / run_id / f"stage{stage}"
+        self.run_id, self.stage, self.keep = run_id, stage, keep
+
+    def steps(self) -> list[int]:
+        """Steps that have a manifest, newest first (not yet checked)."""
+        if not self.dir.is_dir():
+            return []
+        found = (_NAME.match(p.name) for p in self.dir.iterdir())
+        return sorted((int(m.group(1)) for m in found if m), reverse=True)
+
+    def _paths(self, step: int) -> tuple[Path, Path]:
+        return self.dir / f"step{step:08d}.pt", self.dir / f"step{step:08d}.json"
+
+    def save(self, metadata: dict, names: list[str], tensors: list[torch.Tensor]) -> Path:
+        """Write one checkpoint (atomically), then drop all but the newest `keep`."""
+        step = int(metadata["version"])
+        self.dir.mkdir(parents=True, exist_ok=True)
+        data, manifest = self._paths(step)
+        t0 = time.monotonic()
+        payload = {"format": FORMAT, "run_id": self.run_id, "stage": self.stage, "metadata": metadata, "names": names, "tensors": tensors}
+        total = sum(t.numel() * t.element_size() for t in tensors)
+        writer: _HashingWriter | None = None
+
+        def write(f: BinaryIO) -> None:
+            nonlocal writer
+            with byte_bar(f"checkpoint step {step}", total) as bar:
+                writer = _HashingWriter(f, bar)
+                torch.save(payload, writer)
+
+        _write_atomic(data, write)
+        assert writer is not None
+        info = {"format": FORMAT, "file": data.name, "sha256": writer.sha.hexdigest(), "bytes": writer.size, "step": step, "run_id": self.run_id, "stage": self.stage, "written_at": time.time()}
+        _write_atomic(manifest, lambda f: f.write(json.dumps(info).encode()))
+        _fsync_dir(self.dir)
+        dt = time.monotonic() - t0
+        log.info("checkpoint of stage %d at step %d: %.1f MB in %.1fs (%.1f MB/s) -> %s", self.stage, step, writer.size / 1e6, dt, writer.size / 1e6 / max(dt, 1e-6), data)
+        for old in self.steps()[self.keep :]:
+            for p in self._paths(old):
+                p.unlink(missing_ok=True)
+        return data
+
+    def load(self, step: int) -> tuple[dict, list[str], list[torch.Tensor]]:
+        """One checkpoint, after its checksum and header are checked; raises ValueError naming what is wrong."""
+        data, manifest = self._paths(step)
+        try:
+            info = json.loads(manifest.read_text())
+            want, size = str(info["sha256"]), int(info["bytes"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{manifest}: unreadable manifest ({exc})") from None
+        sha = hashlib.sha256()
+        try:
+            with open(data, "rb") as f, byte_bar(f"checking checkpoint step {step}", size) as bar:
+                while chunk := f.read(_CHUNK):
+                    sha.update(chunk)
+                    bar.update(len(chunk))
+        except OSError as exc:
+            raise ValueError(f"{data}: cannot read ({exc.strerror})") from None
+        if sha.hexdigest() != want:
+            raise ValueError(f"{data}: checksum mismatch (the file is damaged or was changed)")
+        try:
+            payload = torch.load(data, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as exc:  # a file that hashes right but does not unpickle: written by something else
+            raise ValueError(f"{data}: cannot load ({type(exc).__name__}: {exc})") from None
+        if not isinstance(payload, dict) or payload.get("format") != FORMAT or payload.get("run_id") != self.run_id or payload.get("stage") != self.stage:
+            raise ValueError(f"{data}: not a format-{FORMAT} checkpoint of stage {self.stage} of run {self.run_id}")
+        meta, names, tensors = payload.get("metadata"), payload.get("names"), payload.get("tensors")
+        if not isinstance(meta, dict) or not isinstance(names, list) or not isinstance(tensors, list) or not all(isinstance(t, torch.Tensor) for t in tensors):
+            raise ValueError(f"{data}: malformed checkpoint contents")
+        return meta, names, tensors
+
+    def newest(self) -> tuple[dict, list[str], list[torch.Tensor]] | None:
+        """The newest checkpoint that checks out; damaged ones are skipped with a warning."""
+        for step in self.steps():
+            try:
+                return self.load(step)
+            except ValueError as exc:
+                log.warning("skipping checkpoint step %d: %s", step, exc)
+        return None

@@ -1,0 +1,149 @@
+"""One run.toml for a run: the `[data]`, `[checkpoint]` and `token_budget` settings, the example
+configs for real models, reading a run's data (local path, a `datasets` dataset, the model's own
+tokenizer), a pretrained model's real dimensions, and the tracker ending a run at its budget."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bootstrap.tracker import Tracker
+from peer import __version__
+from peer.config import ConfigError, DataConfig, ModelConfig, TrainConfig, check_swarm, config_from_dict, load_run_toml
+from peer.data import load_training_data
+from peer.model.loading import load_causal_lm, resolve_dims
+from peer.model.tokenizer import hf_byte_tokenizer
+from peer.wire import anchormesh_pb2 as pb
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog, said peer {i % 7}.\n" for i in range(600))
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.toml")), ids=lambda p: p.name)
+def test_the_example_configs_are_valid_swarm_runs(path: Path) -> None:
+    cfg = load_run_toml(str(path))
+    check_swarm(cfg)
+    assert not cfg.model.name.startswith("tiny-") and cfg.data.tokenizer == "model" and cfg.token_budget > 0 and cfg.checkpoint.every > 0
+
+
+def test_there_are_examples_for_both_uses() -> None:
+    names = {p.name for p in (ROOT / "examples").glob("*.toml")}
+    assert {"qwen2.5-0.5b-domain.toml", "llama-3.2-1b-cpt.toml"} <= names
+
+
+@pytest.mark.parametrize(
+    ("data", "field"),
+    [
+        ({"optim": {"lr": "3e-4"}}, "optim.lr"),
+        ({"mask": {"rank": 2.5}}, "mask.rank"),
+        ({"anchor": {"with_masked": 1}}, "anchor.with_masked"),
+        ({"data": {"path": "a", "dataset": "b"}}, "data.dataset"),
+        ({"data": {"tokenizer": "bpe"}}, "data.tokenizer"),
+        ({"data": {"heldout": 0.0}}, "data.heldout"),
+        ({"data": {"max_bytes": 10}}, "data.max_bytes"),
+        ({"data": {"split": ""}}, "data.split"),
+        ({"data": {"colour": "red"}}, "data.colour"),
+        ({"checkpoint": {"every": -1}}, "checkpoint.every"),
+        ({"checkpoint": {"keep": 0}}, "checkpoint.keep"),
+        ({"token_budget": -5}, "token_budget"),
+        ({"token_budget": "1e9"}, "token_budget"),
+        ({"steps": True}, "steps"),
+    ],
+)
+def test_a_bad_setting_names_its_field(data: dict, field: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(data)
+    assert str(info.value).startswith(f"{field}=")
+
+
+def test_the_bootstrap_refuses_a_bad_data_section_with_exit_2(tmp_path: Path) -> None:
+    (tmp_path / "run.toml").write_text('[data]\npath = "x"\ndataset = "y"\n')
+    out = subprocess.run([sys.executable, "-m", "peer.cli", "bootstrap", "--config", str(tmp_path / "run.toml"), "--state-dir", str(tmp_path / "b")], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "data.dataset='y'" in out.stderr and not (tmp_path / "b").exists()
+
+
+def test_the_new_sections_round_trip_through_the_trackers_json() -> None:
+    cfg = config_from_dict({"data": {"path": "/d", "tokenizer": "model", "heldout": 0.05}, "checkpoint": {"every": 7, "keep": 3}, "token_budget": 12345})
+    assert config_from_dict(json.loads(json.dumps(__import__("dataclasses").asdict(cfg)))) == cfg
+
+
+# -- reading a run's data ---------------------------------------------------------------------------
+SMALL = TrainConfig(model=ModelConfig(name="tiny-llama", hidden_size=32, num_layers=2, num_heads=2, max_seq_len=128))
+
+
+def with_data(**kw) -> TrainConfig:
+    return TrainConfig(model=SMALL.model, data=DataConfig(**kw))
+
+
+def test_a_local_folder_is_read_as_bytes(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text(TEXT)
+    (tmp_path / "b.md").write_text(TEXT.upper())
+    stream, source = load_training_data(with_data(path=str(tmp_path), heldout=0.2), vocab_size=256)
+    data = (TEXT + "\n" + TEXT.upper()).encode()
+    assert source == str(tmp_path)
+    assert torch.equal(torch.cat([stream.train, stream.heldout]), torch.tensor(list(data)))
+    assert len(stream.heldout) == len(data) - int(len(data) * 0.8)
+
+
+def test_a_missing_path_names_data_path(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^data\.path=.*no such file"):
+        load_training_data(with_data(path=str(tmp_path / "nope")), vocab_size=256)
+
+
+def test_a_dataset_is_streamed_through_the_datasets_library(tmp_path: Path) -> None:
+    pytest.importorskip("datasets")
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    rows = [{"text": f"record {i}: " + TEXT[:200], "id": i} for i in range(200)]
+    (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    stream, source = load_training_data(with_data(dataset=str(folder), max_bytes=20_000), vocab_size=256)
+    got = bytes(torch.cat([stream.train, stream.heldout]).to(torch.uint8).tolist())
+    assert source == f"dataset:{folder}" and len(got) == 20_000
+    assert got.startswith(b"record 0: line 0") and b"\nrecord 1: " in got
+    with pytest.raises(ConfigError, match=r"^data\.text_field='body'.*columns: id, text"):
+        load_training_data(with_data(dataset=str(folder), text_field="body"), vocab_size=256)
+
+
+def tiny_model_folder(tmp_path: Path, layers: int = 3) -> Path:
+    """A local pretrained-model folder (weights, config, the byte tokenizer), like an export."""
+    folder = tmp_path / "model"
+    model = load_causal_lm(ModelConfig(name="tiny-llama", hidden_size=32, num_layers=layers, num_heads=2, max_seq_len=128))
+    model.save_pretrained(folder)
+    hf_byte_tokenizer(64).save_pretrained(folder)
+    return folder
+
+
+def test_the_models_own_tokenizer_and_real_dimensions(tmp_path: Path) -> None:
+    folder = tiny_model_folder(tmp_path)
+    (tmp_path / "t.txt").write_text(TEXT)
+    cfg = TrainConfig(model=ModelConfig(name=str(folder), max_seq_len=128), data=DataConfig(path=str(tmp_path / "t.txt"), tokenizer="model"))
+    stream, _ = load_training_data(cfg, vocab_size=256)
+    assert torch.equal(torch.cat([stream.train, stream.heldout]), torch.tensor(list(TEXT.encode())))  # this tokenizer is bytes
+    dims = resolve_dims(cfg.model)
+    assert (dims.num_layers, dims.hidden_size, dims.num_heads) == (3, 32, 2)
+    with pytest.raises(ConfigError, match=r"^data\.tokenizer='model'.*outside the model's vocabulary of 100"):
+        load_training_data(cfg, vocab_size=100)
+
+
+# -- the token budget ---------------------------------------------------------------------------------
+def test_the_tracker_ends_the_run_at_its_token_budget() -> None:
+    t = Tracker("run-x", TrainConfig(model=ModelConfig(num_stages=2, num_layers=4), token_budget=1000))
+    for pid in ("a", "b"):
+        t.join(pb.JoinRequest(peer_id=pid, grpc_address=f"h:{len(t.peers)}", code_version=__version__))
+
+    def beat(pid: str, tokens: int) -> pb.Directive:
+        p = t.peers[pid]
+        return t.report(pb.PeerReport(run_id="run-x", tokens=tokens, peer=pb.PeerInfo(peer_id=pid, stage=p.stage, address=p.address, state="active")))
+
+    assert beat("a", 900).kind == pb.Directive.CONTINUE and t.status().state == "running"
+    assert beat("b", 5000).kind == pb.Directive.CONTINUE  # stage 1 counts no tokens of its own
+    stop = beat("a", 1000)
+    assert stop.kind == pb.Directive.STOP and "token budget of 1000" in stop.reason
+    assert beat("b", 5000).kind == pb.Directive.STOP
+    s = t.status()
+    assert s.state == "done" and "1000" in s.reason and s.tokens == 1000
