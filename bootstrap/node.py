@@ -7,12 +7,10 @@ It publishes the tracker's address in the DHT (key `anchormesh/tracker`), so a p
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import logging
 import os
 import signal
-import socket
 import threading
 import time
 import uuid
@@ -23,6 +21,7 @@ from pathlib import Path
 import grpc
 
 from bootstrap.tracker import JoinRefused, Tracker
+from peer.address import announce_maddr, free_port
 from peer.config import check_swarm, AnchorConfig, DPConfig, MaskConfig, ModelConfig, OptimConfig, PipelineConfig, TrainConfig
 from peer.model.loading import resolve_dims
 from peer.model.stages import layer_ranges
@@ -108,22 +107,6 @@ def serve_tracker(tracker: Tracker, host: str, port: int) -> tuple[grpc.Server, 
     return server, f"{host}:{bound}"
 
 
-def announce_maddr(announce_host: str, port: int) -> str:
-    """The multiaddr other nodes dial for `announce_host`: /ip4 or /ip6 for an address, /dns4 for a
-    name (a compose service name, a domain; libp2p resolves it when dialing)."""
-    try:
-        ip = ipaddress.ip_address(announce_host)
-    except ValueError:
-        return f"/dns4/{announce_host}/tcp/{port}"
-    return f"/ip{ip.version}/{announce_host}/tcp/{port}"
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def run_bootstrap(config: TrainConfig | None, host: str, port: int, dht_port: int, state_dir: Path, peer_timeout_s: float = 10.0, metrics_port: int | None = None, announce_host: str | None = None) -> None:
     """Run until SIGTERM/SIGINT. With `announce_host`, the published tracker address and the DHT's
     multiaddrs name that host instead of the bound one (needed behind 0.0.0.0: peers elsewhere
@@ -139,7 +122,7 @@ def run_bootstrap(config: TrainConfig | None, host: str, port: int, dht_port: in
     run_id = f"run-{uuid.uuid4().hex[:8]}"
     announce = None
     if announce_host:
-        dht_port = dht_port or _free_port(host)  # hivemind needs the announced port up front
+        dht_port = dht_port or free_port(host)  # hivemind needs the announced port up front
         announce = [announce_maddr(announce_host, dht_port)]
     dht = hivemind.DHT(host_maddrs=[f"/ip4/{host}/tcp/{dht_port}"], announce_maddrs=announce, start=True)
     maddrs = [str(m) for m in dht.get_visible_maddrs()]

@@ -52,15 +52,16 @@ USER 10001:10001
 WORKDIR /home/anchormesh
 VOLUME /state
 
-# 7100: the Stage gRPC service (--grpc-port). The peer's DHT node listens on a random port:
-# `anchormesh peer` has no flag to fix it yet, so there is no DHT port to expose.
-EXPOSE 7100
+# 7100: the Stage gRPC service (--grpc-port); 7101: the peer's DHT node (--dht-port).
+EXPOSE 7100 7101
 
 # a peer serves only after it has joined, built its stage and downloaded its group's state
 HEALTHCHECK --interval=30s --timeout=10s --start-period=180s --retries=3 \
     CMD ["anchormesh", "health", "--address", "127.0.0.1:7100"]
 
 ENTRYPOINT ["anchormesh"]
-# `docker run IMAGE peer ...` replaces this whole list: repeat --host/--grpc-port/--state-dir
-# and add --tracker and/or --initial-peers (without either the peer exits and says so).
-CMD ["peer", "--host", "0.0.0.0", "--grpc-port", "7100", "--state-dir", "/state"]
+# The default joins the run named by the environment: -e ANCHORMESH_TRACKER=HOST:7000 (or
+# -e ANCHORMESH_INITIAL_PEERS="/ip4/..."), announcing the local address that routes to the tracker
+# (`auto`: right with --network host or on a LAN). Behind NAT or a port forward, give the whole
+# command instead (`docker run IMAGE peer ... --announce-host PUBLIC_IP`): arguments replace this list.
+CMD ["peer", "--host", "0.0.0.0", "--announce-host", "auto", "--grpc-port", "7100", "--dht-port", "7101", "--state-dir", "/state"]

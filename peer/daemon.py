@@ -37,6 +37,7 @@ import grpc
 import torch
 
 from peer import __version__
+from peer.address import announce_maddr, free_port
 from peer.capacity import fill_unmeasured
 from peer.checkpoint import ShardCheckpoints
 from peer.codec.mask import MaskCodec
@@ -566,7 +567,7 @@ class PeerDaemon:
             self._rate, self._busy = (now, self.tokens), 0.0
 
 
-def run_peer(initial_peers: list[str], tracker: str | None, host: str, grpc_port: int, device: str, max_steps: int | None = None, state_dir: Path | None = None, announce_host: str | None = None) -> None:
+def run_peer(initial_peers: list[str], tracker: str | None, host: str, grpc_port: int, device: str, max_steps: int | None = None, state_dir: Path | None = None, announce_host: str | None = None, dht_port: int = 0) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)  # many peers share few cores on one machine
     if not initial_peers and tracker is None:
@@ -578,7 +579,11 @@ def run_peer(initial_peers: list[str], tracker: str | None, host: str, grpc_port
         log.info("asking the tracker %s for the run's DHT addresses", tracker)
         initial_peers = dht_maddrs_from_tracker(tracker, stop)
     log.info("starting a DHT node (initial peers: %s)", ", ".join(initial_peers))
-    dht = hivemind.DHT(initial_peers=initial_peers, host_maddrs=[f"/ip4/{host}/tcp/0"], start=True)  # before any gRPC
+    announce = None
+    if announce_host:  # others dial this node at the announced host (hivemind needs the port up front)
+        dht_port = dht_port or free_port(host)
+        announce = [announce_maddr(announce_host, dht_port)]
+    dht = hivemind.DHT(initial_peers=initial_peers, host_maddrs=[f"/ip4/{host}/tcp/{dht_port}"], announce_maddrs=announce, start=True)  # before any gRPC
     log.info("DHT node up")
     if tracker is None:
         tracker = find_tracker(dht, stop)

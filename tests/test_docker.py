@@ -227,7 +227,7 @@ def test_every_peer_names_the_bootstrap_tracker_and_serves_on_its_own_port() -> 
 
 
 def test_announce_maddr_is_an_address_or_a_dns_name() -> None:
-    from bootstrap.node import announce_maddr
+    from peer.address import announce_maddr
 
     assert announce_maddr("bootstrap", 7001) == "/dns4/bootstrap/tcp/7001"
     assert announce_maddr("10.1.2.3", 7001) == "/ip4/10.1.2.3/tcp/7001"
