@@ -23,6 +23,7 @@ import grpc
 from bootstrap.tracker import JoinRefused, Tracker
 from peer.address import announce_maddr, free_port
 from peer.config import check_swarm, AnchorConfig, DPConfig, MaskConfig, ModelConfig, OptimConfig, PipelineConfig, TrainConfig
+from peer.logs import setup_logging
 from peer.model.loading import resolve_dims
 from peer.model.stages import layer_ranges
 from peer.wire import anchormesh_pb2 as pb
@@ -114,7 +115,7 @@ def run_bootstrap(config: TrainConfig | None, host: str, port: int, dht_port: in
     import hivemind
     from hivemind.utils import get_dht_time
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
     config = config or default_run()
     check_swarm(config)  # before anything starts
     config.model = resolve_dims(config.model)

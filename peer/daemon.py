@@ -45,6 +45,7 @@ from peer.config import config_from_dict
 from peer.data import TokenStream, load_training_data
 from peer.errors import AnchormeshError, ConfigError, WireError
 from peer.dp.group import GroupAverager, connect_peers
+from peer.logs import setup_logging
 from peer.model.loading import load_causal_lm
 from peer.model.stages import split_model
 from peer.pipeline.grpc_transport import GrpcTransport
@@ -308,6 +309,8 @@ class PeerDaemon:
     def _load_group_state(self) -> None:
         """A joiner takes the most-trained group member's state when there is one and it is newer
         than what this peer holds (a checkpoint may be)."""
+        if self.averager is not None:
+            log.info("waiting up to 60s for a stage-group member to send its state (the run is at step %d)", self.worker.version)
         got = self.averager.load_state(timeout=60.0) if self.averager is not None else None
         if got is None:
             log.info("no stage state to download (first peer of its group, or no donor answered): keeping %s", "the initial weights" if self.worker.version == 0 else f"step {self.worker.version}")
@@ -568,7 +571,7 @@ class PeerDaemon:
 
 
 def run_peer(initial_peers: list[str], tracker: str | None, host: str, grpc_port: int, device: str, max_steps: int | None = None, state_dir: Path | None = None, announce_host: str | None = None, dht_port: int = 0) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
     torch.set_num_threads(1)  # many peers share few cores on one machine
     if not initial_peers and tracker is None:
         raise SystemExit("anchormesh peer: error: give --initial-peers or --tracker")

@@ -27,6 +27,7 @@ import torch
 from peer import __version__
 from peer.config import TrainConfig, config_from_dict
 from peer.errors import AnchormeshError
+from peer.logs import setup_logging
 from peer.progress import byte_bar
 from peer.shard import Shard, ShardError, read_shard
 from peer.wire import anchormesh_pb2 as pb
@@ -211,7 +212,7 @@ def export(tracker: str, out: Path, timeout_s: float = 300.0, progress: bool = T
 
 def run_export(tracker: str, out: Path, timeout_s: float = 300.0) -> int:
     """The CLI: export, or one error line and exit code 1."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
     try:
         export(tracker, out, timeout_s)
     except ExportError as exc:

@@ -55,3 +55,20 @@ def test_the_environment_gives_the_peer_flags_defaults(monkeypatch: pytest.Monke
     assert (args.tracker, args.initial_peers, args.announce_host) == ("boot:7000", ["/ip4/1.2.3.4/tcp/1/p2p/A", "/ip4/1.2.3.4/tcp/2/p2p/B"], "5.6.7.8")
     args = _parser().parse_args(["peer", "--tracker", "other:1"])  # a flag wins over the environment
     assert args.tracker == "other:1"
+
+
+def test_json_logs_are_one_object_per_line_and_a_bad_format_exits_2(tmp_path) -> None:
+    import json
+
+    out = cli("bootstrap", "--config", str(tmp_path / "missing.toml"), ANCHORMESH_LOG_FORMAT="yaml")
+    assert out.returncode == 2  # the config is read first: it names --config
+    (tmp_path / "run.toml").write_text("steps = 5\n")
+    out = cli("bootstrap", "--config", str(tmp_path / "run.toml"), "--state-dir", str(tmp_path / "b"), ANCHORMESH_LOG_FORMAT="yaml")
+    assert out.returncode == 2 and "anchormesh: error: ANCHORMESH_LOG_FORMAT='yaml': must be text or json" in out.stderr
+    import logging
+
+    from peer.logs import JsonFormatter
+
+    rec = logging.LogRecord("anchormesh.peer", logging.WARNING, __file__, 1, "no gradient for %s", ("mb 3",), None)
+    line = json.loads(JsonFormatter().format(rec))
+    assert line["level"] == "WARNING" and line["logger"] == "anchormesh.peer" and line["message"] == "no gradient for mb 3" and line["time"].endswith("Z")
