@@ -46,6 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     peer.add_argument("--announce-host", default=env("ANCHORMESH_ANNOUNCE_HOST") or None, help="address other peers dial to reach this one (default: $ANCHORMESH_ANNOUNCE_HOST, else --host); your public or LAN address behind 0.0.0.0 or a port forward; 'auto' = the local address that routes to the tracker (right on a LAN or with docker --network host, not behind NAT)")
     peer.add_argument("--grpc-port", type=int, default=0, help="Stage service port (0 = any free)")
     peer.add_argument("--dht-port", type=int, default=0, help="the peer's DHT node port (0 = any free; fix it to forward or publish it)")
+    peer.add_argument("--metrics-port", type=int, default=None, help="serve this peer's Prometheus metrics at http://HOST:PORT/metrics (0 = any free port; default: off)")
     peer.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"), help="where the stage runs: cpu, or auto (the CPU for now); cuda is refused until GPU placement is built")
     peer.add_argument("--state-dir", type=Path, default=None, help="where the peer keeps its files: shard checkpoints (checkpoints/RUN/stageK/, every checkpoint.every steps and when it leaves; resumed from on restart) and, on the last stage, metrics.jsonl (loss per step)")
     peer.add_argument("--max-steps", type=int, default=None, help="leave after this many optimizer steps")
@@ -117,8 +118,8 @@ def main(argv: list[str] | None = None) -> None:
 
             if args.host in ("0.0.0.0", "::") and not args.announce_host:
                 raise ConfigError("--announce-host", None, f"required with --host {args.host}: other peers cannot dial {args.host}")
-            for flag in ("grpc_port", "dht_port"):
-                if not 0 <= getattr(args, flag) <= 65535:
+            for flag in ("grpc_port", "dht_port", "metrics_port"):
+                if getattr(args, flag) is not None and not 0 <= getattr(args, flag) <= 65535:
                     raise ConfigError(f"--{flag.replace('_', '-')}", getattr(args, flag), "must be a port number in [0, 65535]")
             announce = args.announce_host
             if announce == AUTO:
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
                 except ValueError as exc:
                     raise ConfigError("--announce-host", AUTO, str(exc)) from None
                 print(f"anchormesh peer: --announce-host auto: {announce}", file=sys.stderr, flush=True)
-            run_peer(args.initial_peers, args.tracker, args.host, args.grpc_port, args.device, args.max_steps, args.state_dir, announce, dht_port=args.dht_port)
+            run_peer(args.initial_peers, args.tracker, args.host, args.grpc_port, args.device, args.max_steps, args.state_dir, announce, dht_port=args.dht_port, metrics_port=args.metrics_port)
         elif args.command == "export":
             from peer.export import run_export
 

@@ -210,6 +210,18 @@ class PeerDaemon:
             return 20.0
         return min(max(3.0 * max(self.round_trips), 5.0), 60.0)
 
+    def metrics(self) -> dict:
+        """This peer's figures for its Prometheus endpoint (`--metrics-port`)."""
+        w, t = self.worker, self.transport
+        return {
+            "id": self.peer_id, "stage": w.stage.index if w else "", "state": self.state, "step": w.version if w else 0,
+            "tokens": self.tokens, "tokens_per_s": self.tokens_per_s, "capacity_tokens_per_s": self.capacity,
+            "loss": self.loss if w is not None and w.stage.is_last else None,
+            "queue_depth": len(w.inbox_fwd) + len(w.inbox_bwd) if w else 0, "bytes_in": t.bytes_in, "bytes_out": t.total_bytes(),
+            "dp_rounds": self.averager.rounds if self.averager else 0, "dropped": self.dropped,
+            "checkpoint_step": self._checkpointed if self.checkpoints is not None and self._checkpointed else None,
+        }
+
     # -- heartbeat --------------------------------------------------------------------------
     def _report(self) -> pb.PeerReport:
         w = self.worker
@@ -570,7 +582,7 @@ class PeerDaemon:
             self._rate, self._busy = (now, self.tokens), 0.0
 
 
-def run_peer(initial_peers: list[str], tracker: str | None, host: str, grpc_port: int, device: str, max_steps: int | None = None, state_dir: Path | None = None, announce_host: str | None = None, dht_port: int = 0) -> None:
+def run_peer(initial_peers: list[str], tracker: str | None, host: str, grpc_port: int, device: str, max_steps: int | None = None, state_dir: Path | None = None, announce_host: str | None = None, dht_port: int = 0, metrics_port: int | None = None) -> None:
     setup_logging()
     torch.set_num_threads(1)  # many peers share few cores on one machine
     if not initial_peers and tracker is None:
@@ -592,6 +604,11 @@ def run_peer(initial_peers: list[str], tracker: str | None, host: str, grpc_port
         tracker = find_tracker(dht, stop)
         log.info("found the tracker at %s through the DHT", tracker)
     daemon = PeerDaemon(tracker, host, grpc_port, device, dht=dht, state_dir=state_dir, announce_host=announce_host)
+    if metrics_port is not None:
+        from peer.metrics import peer_exposition, serve_metrics
+
+        server = serve_metrics(metrics_port, daemon.metrics, host=host, render=peer_exposition)
+        log.info("Prometheus metrics on http://%s:%d/metrics", host, server.server_address[1])
     daemon.run(max_steps)
     if daemon.move_reason and not daemon.terminated:
         # start again from a clean process (hivemind forks; a fork beside live gRPC threads can hang)

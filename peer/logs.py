@@ -18,6 +18,8 @@ from peer.errors import ConfigError
 FORMAT_ENV, LEVEL_ENV = "ANCHORMESH_LOG_FORMAT", "ANCHORMESH_LOG_LEVEL"
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+# by number: hivemind renames WARNING to "WARN" process-wide (logging.addLevelName)
+_NAMES = {logging.DEBUG: "DEBUG", logging.INFO: "INFO", logging.WARNING: "WARNING", logging.ERROR: "ERROR", logging.CRITICAL: "CRITICAL"}
 
 
 class JsonFormatter(logging.Formatter):
@@ -26,7 +28,7 @@ class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         out = {
             "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
-            "level": record.levelname,
+            "level": _NAMES.get(record.levelno, record.levelname),
             "logger": record.name,
             "message": record.getMessage(),
         }

@@ -78,14 +78,41 @@ def exposition(status: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def _handler(collect: Callable[[], dict]) -> type[BaseHTTPRequestHandler]:
+# (name, type, help, key) of one peer's own figures (PeerDaemon.metrics)
+PEER_METRICS: tuple[tuple[str, str, str, str], ...] = (
+    ("anchormesh_peer_step", "gauge", "Optimizer steps this peer's stage has reached.", "step"),
+    ("anchormesh_peer_tokens_total", "counter", "Tokens this peer has stepped on since it started.", "tokens"),
+    ("anchormesh_peer_tokens_per_second", "gauge", "This peer's tokens/s over the last ~2 s.", "tokens_per_s"),
+    ("anchormesh_peer_capacity_tokens_per_second", "gauge", "Tokens/s this peer could do if it never waited.", "capacity_tokens_per_s"),
+    ("anchormesh_peer_loss", "gauge", "Newest training loss (last stage only).", "loss"),
+    ("anchormesh_peer_queue_depth", "gauge", "Messages waiting in this peer's fast-circuit inboxes.", "queue_depth"),
+    ("anchormesh_peer_bytes_in_total", "counter", "Bytes this peer received on its Stage service.", "bytes_in"),
+    ("anchormesh_peer_bytes_out_total", "counter", "Bytes this peer sent to other peers.", "bytes_out"),
+    ("anchormesh_peer_dp_rounds_total", "counter", "Stage-group averaging rounds this peer took part in.", "dp_rounds"),
+    ("anchormesh_peer_dropped_messages_total", "counter", "Messages dropped after they failed in the stage loop.", "dropped"),
+    ("anchormesh_peer_checkpoint_step", "gauge", "Step of the newest shard checkpoint this peer wrote.", "checkpoint_step"),
+)
+
+
+def peer_exposition(figures: dict) -> str:
+    """One peer's figures as Prometheus text, labelled with its id and stage, plus
+    `anchormesh_peer_state{state=...} 1` for its current state."""
+    labels = {"peer": figures.get("id", ""), "stage": figures.get("stage", "")}
+    out: list[str] = []
+    for name, kind, help_text, key in PEER_METRICS:
+        out += _family(name, kind, help_text, [(labels, figures.get(key))])
+    out += _family("anchormesh_peer_state", "gauge", "1 for the state the peer is in (joining, active, idle, left).", [({**labels, "state": figures.get("state", "")}, 1)])
+    return "\n".join(out) + "\n"
+
+
+def _handler(collect: Callable[[], dict], render: Callable[[dict], str]) -> type[BaseHTTPRequestHandler]:
     class MetricsHandler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
             if self.path.split("?", 1)[0] != "/metrics":
                 self._send(404, "text/plain; charset=utf-8", "not found: the metrics are at /metrics\n")
                 return
             try:
-                body = exposition(collect())
+                body = render(collect())
             except Exception as exc:  # a failed scrape shows as down in Prometheus; the server lives on
                 log.warning("metrics: collect failed: %s", exc)
                 self._send(503, "text/plain; charset=utf-8", f"collect failed: {exc}\n")
@@ -106,10 +133,11 @@ def _handler(collect: Callable[[], dict]) -> type[BaseHTTPRequestHandler]:
     return MetricsHandler
 
 
-def serve_metrics(port: int, collect: Callable[[], dict], host: str = "127.0.0.1") -> ThreadingHTTPServer:
+def serve_metrics(port: int, collect: Callable[[], dict], host: str = "127.0.0.1", render: Callable[[dict], str] = exposition) -> ThreadingHTTPServer:
     """Serve GET /metrics on host:port (0 = any free port; see `server.server_address`) from a
-    daemon thread. Stop it with `server.shutdown(); server.server_close()`."""
-    server = ThreadingHTTPServer((host, port), _handler(collect))
+    daemon thread: `render(collect())` per scrape (the run's status by default, or a peer's
+    figures with `peer_exposition`). Stop it with `server.shutdown(); server.server_close()`."""
+    server = ThreadingHTTPServer((host, port), _handler(collect, render))
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     return server
