@@ -23,6 +23,7 @@ import grpc
 from bootstrap.tracker import JoinRefused, Tracker
 from peer.address import announce_maddr, free_port
 from peer.config import check_swarm, AnchorConfig, DPConfig, MaskConfig, ModelConfig, OptimConfig, PipelineConfig, TrainConfig
+from peer.errors import ConfigError
 from peer.logs import setup_logging
 from peer.model.loading import resolve_dims
 from peer.model.stages import layer_ranges
@@ -97,13 +98,16 @@ def serve_tracker(tracker: Tracker, host: str, port: int) -> tuple[grpc.Server, 
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=256),
         maximum_concurrent_rpcs=240,
-        options=[("grpc.max_receive_message_length", 1 << 20), ("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000)],
+        options=[("grpc.max_receive_message_length", 1 << 20), ("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000), ("grpc.so_reuseport", 0)],  # a second tracker on the port fails instead of sharing it
     )
     pbg.add_TrackerServicer_to_server(TrackerService(tracker), server)
     pbg.add_StatusServicer_to_server(StatusService(tracker), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # grpc raises on a taken port (older versions returned 0)
+        bound = 0
     if bound == 0:
-        raise OSError(f"cannot bind the tracker on {host}:{port}")
+        raise ConfigError("--port", port, f"cannot bind the tracker on {host}:{port}: the port is taken or the address is not local")
     server.start()
     return server, f"{host}:{bound}"
 

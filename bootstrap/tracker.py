@@ -202,7 +202,7 @@ class Tracker:
         return [p for p in self.peers.values() if p.state in LIVE and (stage is None or p.stage == stage)]
 
     def join(self, req: pb.JoinRequest) -> pb.Assignment:
-        """Admit a peer and give it the stage with the fewest live peers (lowest index on ties)."""
+        """Admit a peer and give it the stage it was reserved (a move) or the lowest-scoring one (`_pick_stage`)."""
         if req.run_id and req.run_id != self.run_id:
             raise JoinRefused(f"run_id={req.run_id!r}: this tracker serves run {self.run_id!r}")
         if req.code_version != __version__:

@@ -30,13 +30,15 @@ RUN set -eux; \
     fi; \
     "$PY" -m venv /opt/anchormesh
 ENV PATH=/opt/anchormesh/bin:$PATH
+# model downloads land in the volume, so a new container does not fetch them again
+ENV HF_HOME=/state/hf
 
 RUN pip install ${TORCH_INDEX:+--index-url "$TORCH_INDEX"} "torch==${TORCH_VERSION}"
 
 COPY pyproject.toml README.md /src/
 COPY peer /src/peer
 COPY bootstrap /src/bootstrap
-RUN pip install /src && rm -rf /src
+RUN pip install "/src[data]" && rm -rf /src
 
 # non-root; /state (bootstrap.json) is created here so a fresh named volume inherits its owner
 RUN groupadd --gid 10001 anchormesh \

@@ -49,7 +49,8 @@ def _parser() -> argparse.ArgumentParser:
     peer.add_argument("--metrics-port", type=int, default=None, help="serve this peer's Prometheus metrics at http://HOST:PORT/metrics (0 = any free port; default: off)")
     peer.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"), help="where the stage runs: cpu, or auto (the CPU for now); cuda is refused until GPU placement is built")
     peer.add_argument("--state-dir", type=Path, default=None, help="where the peer keeps its files: shard checkpoints (checkpoints/RUN/stageK/, every checkpoint.every steps and when it leaves; resumed from on restart) and, on the last stage, metrics.jsonl (loss per step)")
-    peer.add_argument("--max-steps", type=int, default=None, help="leave after this many optimizer steps")
+    peer.add_argument("--max-steps", type=int, default=None, help="leave once the stage reaches this run step (the run's numbering, not steps since this peer started)")
+    peer.add_argument("--threads", type=int, default=int(env("ANCHORMESH_THREADS", "1") or 1), help="torch CPU threads for this peer (default: $ANCHORMESH_THREADS, else 1, so many peers can share one machine; a dedicated CPU peer wants its core count)")
 
     status = sub.add_parser("status", help="show a run's stages, peers, loss and throughput")
     status.add_argument("--tracker", required=True, help="tracker host:port")
@@ -118,6 +119,8 @@ def main(argv: list[str] | None = None) -> None:
 
             if args.host in ("0.0.0.0", "::") and not args.announce_host:
                 raise ConfigError("--announce-host", None, f"required with --host {args.host}: other peers cannot dial {args.host}")
+            if args.threads < 1:
+                raise ConfigError("--threads", args.threads, "must be >= 1")
             for flag in ("grpc_port", "dht_port", "metrics_port"):
                 if getattr(args, flag) is not None and not 0 <= getattr(args, flag) <= 65535:
                     raise ConfigError(f"--{flag.replace('_', '-')}", getattr(args, flag), "must be a port number in [0, 65535]")
@@ -130,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
                 except ValueError as exc:
                     raise ConfigError("--announce-host", AUTO, str(exc)) from None
                 print(f"anchormesh peer: --announce-host auto: {announce}", file=sys.stderr, flush=True)
-            run_peer(args.initial_peers, args.tracker, args.host, args.grpc_port, args.device, args.max_steps, args.state_dir, announce, dht_port=args.dht_port, metrics_port=args.metrics_port)
+            run_peer(args.initial_peers, args.tracker, args.host, args.grpc_port, args.device, args.max_steps, args.state_dir, announce, dht_port=args.dht_port, metrics_port=args.metrics_port, threads=args.threads)
         elif args.command == "export":
             from peer.export import run_export
 

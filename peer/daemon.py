@@ -119,7 +119,10 @@ class PeerDaemon:
         self._weights_lock = threading.Lock()  # the step's lock when there is no averager (see _step_lock)
         self.transport = GrpcTransport(run_id="", host=host, ping_info=self._ping_info, shard_source=self._shard)
         self.worker: StageWorker | None = None
-        bound = self.transport.attach(self.peer_id, self._validate, port=grpc_port, start=False)
+        try:
+            bound = self.transport.attach(self.peer_id, self._validate, port=grpc_port, start=False)
+        except AnchormeshError as exc:
+            raise ConfigError("--grpc-port", grpc_port, str(exc)) from None
         # what other peers dial: the bound address, or the announced one (needed behind 0.0.0.0 or NAT)
         self.address = f"{announce_host}:{bound.rsplit(':', 1)[1]}" if announce_host else bound
         self.neighbours: dict[int, list[pb.PeerInfo]] = {}
@@ -582,9 +585,9 @@ class PeerDaemon:
             self._rate, self._busy = (now, self.tokens), 0.0
 
 
-def run_peer(initial_peers: list[str], tracker: str | None, host: str, grpc_port: int, device: str, max_steps: int | None = None, state_dir: Path | None = None, announce_host: str | None = None, dht_port: int = 0, metrics_port: int | None = None) -> None:
+def run_peer(initial_peers: list[str], tracker: str | None, host: str, grpc_port: int, device: str, max_steps: int | None = None, state_dir: Path | None = None, announce_host: str | None = None, dht_port: int = 0, metrics_port: int | None = None, threads: int = 1) -> None:
     setup_logging()
-    torch.set_num_threads(1)  # many peers share few cores on one machine
+    torch.set_num_threads(threads)  # 1 by default: many peers share few cores on one machine
     if not initial_peers and tracker is None:
         raise SystemExit("anchormesh peer: error: give --initial-peers or --tracker")
     import hivemind

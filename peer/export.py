@@ -5,8 +5,9 @@ It asks the tracker for the run's config (`Tracker.GetConfig`) and its live peer
 (`Stage.GetShard`; the next one if that fails), checks that every stage is there and that every
 tensor has the name and shape the run's model expects, merges them under the full model's names
 and writes them with the model's own `save_pretrained` (config.json, model.safetensors,
-generation_config.json), plus the byte tokenizer the swarm's data uses (peer/data.py feeds bytes
-to every model) and `anchormesh_export.json` (which peer and step each stage came from).
+generation_config.json), plus the tokenizer the run trained with (`data.tokenizer`: the byte
+tokenizer, or the model's own) and `anchormesh_export.json` (which peer and step each stage came
+from).
 
 Stages step on their own, so the stages of one export may be a step or two apart (at most the
 run's staleness bound): the same weights the pipeline computes with at that moment.
@@ -192,13 +193,23 @@ def write_model(cfg: TrainConfig, shards: list[Shard], out: Path) -> None:
             p.copy_(merged[name])
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
-    hf_byte_tokenizer(cfg.model.max_seq_len).save_pretrained(out)
+    if cfg.data.tokenizer == "model":
+        from transformers import AutoTokenizer
+
+        try:
+            AutoTokenizer.from_pretrained(cfg.model.name).save_pretrained(out)
+        except (OSError, ValueError) as exc:
+            raise ExportError(f"cannot load the tokenizer of {cfg.model.name} to export with the model: {exc}") from None
+        tokenizer_note = f"the model's own: {cfg.model.name}"
+    else:
+        hf_byte_tokenizer(cfg.model.max_seq_len).save_pretrained(out)
+        tokenizer_note = "bytes: token id = byte value (peer/model/tokenizer.py), no special tokens"
     (out / "anchormesh_export.json").write_text(json.dumps({
         "run_id": shards[0].run_id,
         "time": time.time(),
         "code_version": __version__,
         "stages": [{"stage": sh.stage, "peer_id": sh.peer_id, "step": sh.step} for sh in shards],
-        "tokenizer": "bytes: token id = byte value (peer/model/tokenizer.py), no special tokens",
+        "tokenizer": tokenizer_note,
     }, indent=2) + "\n")
 
 

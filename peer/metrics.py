@@ -20,7 +20,7 @@ LIVE_STATES = ("joining", "active", "idle")  # as bootstrap/tracker.py
 
 # (name, type, help, status key) of the run-wide figures
 RUN_METRICS: tuple[tuple[str, str, str, str], ...] = (
-    ("anchormesh_step", "gauge", "Run step (optimizer steps of the slowest stage).", "step"),
+    ("anchormesh_step", "gauge", "Run step: the highest step any stage-0 peer has reported.", "step"),
     ("anchormesh_tokens_total", "counter", "Tokens stage 0 has sent into the pipeline since the run started.", "tokens"),
     ("anchormesh_loss", "gauge", "Newest training loss (under the PP codec).", "loss"),
     ("anchormesh_eval_loss", "gauge", "Held-out loss of the newest evaluation pass.", "eval_loss"),

@@ -1,4 +1,4 @@
-"""`anchormesh demo --swarm`: a real local swarm — bootstrap plus peers as separate processes.
+"""`anchormesh demo`: a real local swarm — bootstrap plus peers as separate processes.
 
 Starts `anchormesh bootstrap` and one `anchormesh peer` per stage on loopback, shows the
 tracker's status table live, and after `seconds` (or Ctrl-C) stops every process it started —

@@ -72,3 +72,22 @@ def test_json_logs_are_one_object_per_line_and_a_bad_format_exits_2(tmp_path) ->
     rec = logging.LogRecord("anchormesh.peer", logging.WARNING, __file__, 1, "no gradient for %s", ("mb 3",), None)
     line = json.loads(JsonFormatter().format(rec))
     assert line["level"] == "WARNING" and line["logger"] == "anchormesh.peer" and line["message"] == "no gradient for mb 3" and line["time"].endswith("Z")
+
+
+def test_a_taken_port_is_refused_not_shared() -> None:
+    """gRPC binds with SO_REUSEPORT by default on Linux: a second tracker or peer on a taken port
+    would start and split the connections with the first. Both refuse instead, naming the flag."""
+    from bootstrap.tracker import Tracker
+    from bootstrap.node import serve_tracker
+    from peer.config import ConfigError, TrainConfig
+    from peer.daemon import PeerDaemon
+
+    first, address = serve_tracker(Tracker("run-x", TrainConfig()), "127.0.0.1", 0)
+    port = int(address.rsplit(":", 1)[1])
+    try:
+        with pytest.raises(ConfigError, match=r"^--port=\d+: cannot bind the tracker .* taken"):
+            serve_tracker(Tracker("run-y", TrainConfig()), "127.0.0.1", port)
+        with pytest.raises(ConfigError, match=r"^--grpc-port=\d+: cannot bind a Stage server .* taken"):
+            PeerDaemon("127.0.0.1:9", grpc_port=port)
+    finally:
+        first.stop(0)

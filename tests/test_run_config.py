@@ -147,3 +147,24 @@ def test_the_tracker_ends_the_run_at_its_token_budget() -> None:
     assert beat("b", 5000).kind == pb.Directive.STOP
     s = t.status()
     assert s.state == "done" and "1000" in s.reason and s.tokens == 1000
+
+
+def test_export_writes_the_tokenizer_the_run_trained_with(tmp_path: Path) -> None:
+    """`data.tokenizer = "model"`: the export carries the model's own tokenizer, not the byte one."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from peer.export import write_model
+    from peer.model.stages import split_model
+    from peer.shard import Shard, snapshot
+
+    folder = tiny_model_folder(tmp_path)
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.add_special_tokens({"pad_token": "<pad>"})  # so "its own" differs from a fresh byte tokenizer
+    tok.save_pretrained(folder)
+    cfg = TrainConfig(model=ModelConfig(name=str(folder), num_stages=2, max_seq_len=128), data=DataConfig(tokenizer="model"))
+    stages = split_model(load_causal_lm(cfg.model), 2)
+    shards = [Shard("run-x", f"p{i}", i, 2, 3, snapshot(s)) for i, s in enumerate(stages)]
+    write_model(cfg, shards, tmp_path / "out")
+    out = AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert isinstance(out, PreTrainedTokenizerFast) and out.pad_token == "<pad>"
+    assert json.loads((tmp_path / "out" / "anchormesh_export.json").read_text())["tokenizer"] == f"the model's own: {folder}"

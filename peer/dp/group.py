@@ -35,6 +35,16 @@ WIRE_BYTES = {"none": 4, "int8": 1}
 StateFn = Callable[[], tuple[dict, list[torch.Tensor]]]  # -> (small metadata, tensors): what a joiner downloads
 
 
+def round_bytes(numel: int, group_size: int, compression: str) -> int:
+    """Bytes one peer uploads (and downloads) in one averaging round of `numel` elements.
+
+    Butterfly all-reduce in a group of n: each peer sends (n-1)/n of its tensors to scatter and
+    its averaged 1/n part to the n-1 others: 2 (n-1)/n of the tensors. One formula for the
+    averager's counter and for `anchormesh bench project`."""
+    n = group_size
+    return int(2 * (n - 1) / n * numel * WIRE_BYTES[compression])
+
+
 def _fix_hivemind_8bit() -> None:
     """hivemind 1.1's 8-bit `extract` does `int(np.frombuffer(..., count=1))`, which numpy >= 2.4
     refuses (an array of one element is not a scalar): every 8-bit part then fails to decode and
@@ -216,12 +226,9 @@ class GroupAverager:
         if not group:
             self.failures += 1
             return
-        # butterfly all-reduce in a group of n: each peer sends (n-1)/n of its tensors to scatter
-        # and its averaged 1/n part to the n-1 others: 2 (n-1)/n of the tensors
         n = len(group)
-        share = 2 * (n - 1) / n * self.numel
-        self.bytes_out += int(share * WIRE_BYTES[self.compression])
-        self.dense_bytes += int(share * 4 * max(self._offered_at - self._last_round_step, 1))
+        self.bytes_out += round_bytes(self.numel, n, self.compression)
+        self.dense_bytes += round_bytes(self.numel, n, "none") * max(self._offered_at - self._last_round_step, 1)
         self._last_round_step = self._offered_at
         with torch.no_grad(), self.averager.get_tensors() as tensors:
             for p, offered, mean, base in zip(self.params, self._offered, tensors, self._base):

@@ -101,7 +101,8 @@ class GrpcTransport(Transport):
         the port is bound but serving waits for `start()` (a process that still has to fork,
         e.g. for hivemind, must not have gRPC calls running)."""
         self._validators[addr] = validate or (lambda channel, msg: None)
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=self._options)
+        # no SO_REUSEPORT: a second process on a taken port must fail, not split the traffic
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=[*self._options, ("grpc.so_reuseport", 0)])
         handlers = {
             METHOD[ch]: grpc.stream_stream_rpc_method_handler(self._stream_handler(addr, ch), request_deserializer=None, response_serializer=pb.Ack.SerializeToString)
             for ch in CHANNELS
@@ -109,9 +110,12 @@ class GrpcTransport(Transport):
         handlers["Ping"] = grpc.unary_unary_rpc_method_handler(self._ping_handler(addr), request_deserializer=None, response_serializer=pb.PingReply.SerializeToString)
         handlers["GetShard"] = grpc.unary_stream_rpc_method_handler(self._shard_handler(addr), request_deserializer=None, response_serializer=pb.ShardChunk.SerializeToString)
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
-        bound = server.add_insecure_port(f"{self.host}:{port}")
+        try:
+            bound = server.add_insecure_port(f"{self.host}:{port}")
+        except RuntimeError:  # grpc raises on a taken port (older versions returned 0)
+            bound = 0
         if bound == 0:
-            raise AnchormeshError(f"cannot bind a Stage server on {self.host}:{port}")
+            raise AnchormeshError(f"cannot bind a Stage server on {self.host}:{port}: the port is taken or the address is not local")
         if start:
             server.start()
         self._servers.append(server)
