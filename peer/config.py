@@ -74,6 +74,8 @@ class MaskConfig:
             peer/codec/basis.py). Must not exceed the hidden size.
         rank: r for scheme "lowrank".
         basis_refresh: steps between (prior, basis) refreshes for scheme "lowrank".
+        prior_rows: scheme "lowrank": most rows of the token prior that travel per refresh; a
+            larger vocabulary sends its most frequent tokens' rows and one shared row.
     """
 
     drop: float = 0.0
@@ -84,9 +86,12 @@ class MaskConfig:
     scheme: str = "mask"
     rank: int = 8
     basis_refresh: int = 20
+    prior_rows: int = 8192
 
     def __post_init__(self) -> None:
         _choice("mask.scheme", self.scheme, ("mask", "lowrank"))
+        if self.prior_rows < 2:
+            raise ConfigError("mask.prior_rows", self.prior_rows, "must be >= 2 (token rows plus the shared row)")
         if self.scheme == "lowrank" and self.drop:
             raise ConfigError("mask.drop", self.drop, 'must be 0 with mask.scheme="lowrank" (coefficients are not masked)')
         _positive("mask.rank", self.rank)

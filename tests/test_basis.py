@@ -73,3 +73,33 @@ def test_rank_out_of_range_is_refused() -> None:
     with pytest.raises(ConfigError, match="mask.rank=40"):
         BasisLearner(16, 32, rank=40)
     assert isinstance(BasisState(1, torch.zeros(2, 2), torch.zeros(2, 1)).version, int)
+
+
+def test_a_large_vocabulary_sends_only_its_frequent_rows() -> None:
+    """Zipf-like token frequencies over 2,000 ids, at most 65 prior rows: the 64 most frequent
+    tokens get their own row (ids sent along), the rest share the mean row; positions of frequent
+    tokens rebuild as well as with the full table, and the shipped prior is 65 x H, not 2000 x H."""
+    g = torch.Generator().manual_seed(1)
+    vocab, hidden, rank = 2000, 32, 3
+    table = torch.randn(vocab, hidden, generator=g)
+    sub, _ = torch.linalg.qr(torch.randn(hidden, rank, generator=g))
+    weights = 1.0 / torch.arange(1, vocab + 1, dtype=torch.float32) ** 1.3
+    ids = torch.multinomial(weights, 20_000, replacement=True, generator=g)[None]
+    h = table[ids] + torch.randn(1, ids.shape[1], rank, generator=g) @ sub.T
+    full, top = BasisLearner(vocab, hidden, rank), BasisLearner(vocab, hidden, rank, max_rows=65, buffer_tokens=20_000)
+    full.max_rows = vocab
+    for learner in (full, top):
+        learner.observe(h, ids)
+        learner.maybe_refresh(0)
+    s_full, s_top = full.current, top.current
+    assert s_full.row_ids is None and s_full.prior.shape == (vocab, hidden)
+    assert s_top.prior.shape == (65, hidden) and s_top.row_ids.shape == (64,) and s_top.row_ids.dtype == torch.int32
+    counts = torch.bincount(ids[0], minlength=vocab)
+    assert set(s_top.row_ids.tolist()) == set(counts.topk(64).indices.tolist())
+    frequent = torch.isin(ids, s_top.row_ids.long())
+    assert frequent.float().mean() > 0.7  # heavy tail: 64 of 2000 ids cover most positions
+    err = lambda s: ((s.lift(s.project(h, ids), ids) - h).norm(dim=-1) / h.norm(dim=-1))  # noqa: E731
+    assert err(s_top)[frequent].mean() < 2 * err(s_full)[frequent].mean() + 0.02
+    # the receiver rebuilds the same state from what travels (prior rows, ids, basis)
+    twin = BasisState(s_top.version, s_top.prior.half().float(), s_top.basis.half().float(), s_top.row_ids.clone(), vocab)
+    assert torch.equal(twin.lift(s_top.project(h, ids), ids), s_top.lift(s_top.project(h, ids), ids))

@@ -27,7 +27,11 @@ def _runner(mask: MaskConfig, transport=None) -> LocalPipelineRunner:
     return LocalPipelineRunner(cfg, load_causal_lm(MODEL, seed=0), windows, transport=transport, run_id="run-a")
 
 
-@pytest.mark.parametrize("mask", [MaskConfig(drop=0.9), MaskConfig(scheme="lowrank", rank=4, values="int8", basis_refresh=2)], ids=["mask", "lowrank"])
+@pytest.mark.parametrize(
+    "mask",
+    [MaskConfig(drop=0.9), MaskConfig(scheme="lowrank", rank=4, values="int8", basis_refresh=2), MaskConfig(scheme="lowrank", rank=4, basis_refresh=2, prior_rows=16)],
+    ids=["mask", "lowrank", "lowrank_top_rows"],
+)
 def test_grpc_transport_gives_the_same_training_as_in_process(mask: MaskConfig) -> None:
     local = _runner(mask)
     remote = _runner(mask, GrpcTransport("run-a"))
@@ -118,3 +122,34 @@ def test_bad_chunks_get_invalid_argument_and_touch_nothing(served) -> None:
     assert all(torch.equal(before[k], after[k]) for k in before)
     reports = runner.run(1)  # and the pipeline still trains
     assert torch.isfinite(torch.tensor(reports[0].loss))
+
+
+@pytest.mark.parametrize(
+    ("ids", "rows", "match"),
+    [
+        (torch.tensor([3, 300], dtype=torch.int32), 3, r"basis_prior_ids: .*token ids in \[0, 256\)"),
+        (torch.tensor([3, -1], dtype=torch.int32), 3, r"basis_prior_ids: .*token ids in \[0, 256\)"),
+        (torch.tensor([3, 4], dtype=torch.int64), 3, r"dtype"),
+        (torch.tensor([3, 4], dtype=torch.int32), 2, r"shape"),  # 2 ids need 3 prior rows
+    ],
+)
+def test_a_bad_partial_prior_is_refused_before_it_is_queued(ids: torch.Tensor, rows: int, match: str) -> None:
+    from peer.errors import AnchormeshError
+
+    runner = _runner(MaskConfig(scheme="lowrank", rank=4, prior_rows=16))
+    try:
+        worker = runner.workers[1][0]
+        msg = pb.ActivationChunk(
+            header=pb.MicroBatchHeader(run_id="run-a", micro_batch_id=7, step=0, sender="test", boundary=0),
+            hidden=worker.coef_codec.encode(torch.randn(PIPE.micro_batch_size, PIPE.seq_len, 4), boundary=0, step=0, micro_batch=7),
+            token_ids=tensor_to_proto(windows(0, 0, 0).to(torch.uint8)),
+            basis_version=1,
+            basis_prior=tensor_to_proto(torch.zeros(rows, MODEL.hidden_size, dtype=torch.float16)),
+            basis=tensor_to_proto(torch.zeros(MODEL.hidden_size, 4, dtype=torch.float16)),
+            basis_prior_ids=tensor_to_proto(ids),
+        )
+        with pytest.raises(AnchormeshError, match=match):
+            worker.validate("forward", msg)
+        assert "test" not in worker.basis_announced
+    finally:
+        runner.close()

@@ -13,8 +13,12 @@ applies dL/dh = (dL/dc) B^T: exactly the gradient of the map both ends computed.
 
 Both ends must hold the same (P, B): the sender refreshes them from its own dense outputs every
 `refresh` steps and ships them in the next ActivationChunk (`basis_version` says which pair a
-message was encoded with; the bytes count towards the link). With a byte vocabulary P is tiny;
-for large vocabularies it should become low-rank as well (not done yet).
+message was encoded with; the bytes count towards the link). With a byte vocabulary P is tiny
+and travels whole. A real vocabulary (Qwen2.5: 151,936 tokens) would make P hundreds of MB, so
+only the `max_rows - 1` most frequent tokens of the sender's recent data get their own row, sent
+with their ids; every other token shares one last row, the mean output. Why that suffices: token
+frequencies are heavy-tailed, so a few thousand rows cover nearly every position, and a rare
+token's residual is simply larger (the basis and the coefficients carry it).
 """
 
 from __future__ import annotations
@@ -28,19 +32,33 @@ from peer.errors import ConfigError
 
 @dataclass
 class BasisState:
-    """What both ends hold for one version: prior P [V, H] and orthonormal basis B [H, r]."""
+    """What both ends hold for one version: prior P and orthonormal basis B [H, r].
+
+    P is [V, H] (one row per token) when `row_ids` is None, else [len(row_ids) + 1, H]: row i
+    belongs to token row_ids[i], and the last row to every other token."""
 
     version: int
     prior: torch.Tensor
     basis: torch.Tensor
+    row_ids: torch.Tensor | None = None
+    vocab_size: int = 0
+
+    def __post_init__(self) -> None:
+        self._row_of: torch.Tensor | None = None
+        if self.row_ids is not None:
+            self._row_of = torch.full((self.vocab_size,), len(self.row_ids), dtype=torch.long)
+            self._row_of[self.row_ids.long()] = torch.arange(len(self.row_ids))
+
+    def prior_of(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.prior[ids if self._row_of is None else self._row_of[ids]]
 
     def project(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Coefficients [B, T, r] of h [B, T, H] (sender side)."""
-        return (h - self.prior[ids]) @ self.basis
+        return (h - self.prior_of(ids)) @ self.basis
 
     def lift(self, c: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """h~ [B, T, H] from coefficients (receiver side); autograd flows to c."""
-        return self.prior[ids] + c @ self.basis.T
+        return self.prior_of(ids) + c @ self.basis.T
 
 
 class BasisLearner:
@@ -51,12 +69,14 @@ class BasisLearner:
         rank: r, coefficients per token on the wire.
         refresh: steps between new versions (the first one comes from the first micro-batch).
         buffer_tokens: how many recent residual rows the SVD sees.
+        max_rows: most rows of P that travel (mask.prior_rows); a larger vocabulary sends the
+            most frequent tokens' rows plus one shared row.
     """
 
-    def __init__(self, vocab_size: int, hidden_size: int, rank: int, refresh: int = 20, buffer_tokens: int = 4096) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int, refresh: int = 20, buffer_tokens: int = 4096, max_rows: int = 8192) -> None:
         if not (1 <= rank <= hidden_size):
             raise ConfigError("mask.rank", rank, f"must be in [1, hidden_size={hidden_size}]")
-        self.rank, self.refresh, self.buffer_tokens = rank, refresh, buffer_tokens
+        self.rank, self.refresh, self.buffer_tokens, self.max_rows = rank, refresh, buffer_tokens, max_rows
         self.sums = torch.zeros(vocab_size, hidden_size)
         self.counts = torch.zeros(vocab_size)
         self.rows: list[torch.Tensor] = []
@@ -78,14 +98,27 @@ class BasisLearner:
             return None
         data = torch.cat(self.rows)
         h, t = data[:, :-1], data[:, -1].long()
-        prior = self.sums / self.counts.clamp(min=1)[:, None]
-        unseen = self.counts == 0
-        prior[unseen] = h.mean(0)
-        resid = h - prior[t]
-        _, _, vh = torch.linalg.svd(resid, full_matrices=False)
         version = 1 if self.current is None else self.current.version + 1
+        vocab = len(self.counts)
+        if vocab <= self.max_rows:  # the whole table
+            prior = self.sums / self.counts.clamp(min=1)[:, None]
+            prior[self.counts == 0] = h.mean(0)
+            row_ids = None
+        else:  # the most frequent tokens' rows (by id order), then one shared row
+            seen = int((self.counts > 0).sum())
+            row_ids = self.counts.topk(min(self.max_rows - 1, seen)).indices.sort().values
+            prior = torch.cat([self.sums[row_ids] / self.counts[row_ids, None], h.mean(0, keepdim=True)])
+            row_ids = row_ids.to(torch.int32)
         # rounded to the wire's fp16 here, so sender and receiver compute with identical tensors
-        self.current = BasisState(version, prior.half().float(), vh[: self.rank].T.contiguous().half().float())
+        prior = prior.half().float()
+        draft = BasisState(version, prior, torch.zeros(h.shape[1], 0), row_ids, vocab)
+        resid = h - draft.prior_of(t)
+        if row_ids is not None:  # fit the basis to context, not to rare tokens' offsets from the shared row
+            own = torch.isin(t, row_ids.long())
+            if int(own.sum()) >= 4 * self.rank:
+                resid = resid[own]
+        _, _, vh = torch.linalg.svd(resid, full_matrices=False)
+        self.current = BasisState(version, prior, vh[: self.rank].T.contiguous().half().float(), row_ids, vocab)
         self._last_refresh_step = step
         self.sums *= 0.5  # forget: the sender's weights move, so old outputs count less each refresh
         self.counts *= 0.5

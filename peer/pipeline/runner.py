@@ -131,7 +131,7 @@ class StageWorker:
         if m.scheme == "lowrank":
             self.coef_codec = MaskCodec(MaskConfig(values=m.values, seed=m.seed))
             if not s.is_last:
-                self.basis_out = BasisLearner(s.vocab_size, s.hidden_size, m.rank, m.basis_refresh)
+                self.basis_out = BasisLearner(s.vocab_size, s.hidden_size, m.rank, m.basis_refresh, max_rows=m.prior_rows)
 
     @property
     def link_codec(self) -> MaskCodec:
@@ -175,8 +175,7 @@ class StageWorker:
             if self.coef_codec is not None:
                 self.coef_codec.decode(msg.hidden, expect_shape=(*ids.shape, self.cfg.mask.rank), **key)
                 if msg.HasField("basis"):
-                    proto_to_tensor(msg.basis, expect_shape=(s.hidden_size, self.cfg.mask.rank))
-                    proto_to_tensor(msg.basis_prior, expect_shape=(s.vocab_size, s.hidden_size))
+                    self._decode_basis(msg)
                     self.basis_announced[msg.header.sender] = msg.basis_version
                 elif self.basis_announced.get(msg.header.sender) != msg.basis_version:
                     raise WireError(f"basis_version={msg.basis_version}: this peer has no such basis from {msg.header.sender!r}; send it again")
@@ -247,6 +246,8 @@ class StageWorker:
             if self.basis_sent.get(dst) != state.version:  # a receiver gets each version once
                 msg.basis_prior.CopyFrom(tensor_to_proto(state.prior.half()))
                 msg.basis.CopyFrom(tensor_to_proto(state.basis.half()))
+                if state.row_ids is not None:
+                    msg.basis_prior_ids.CopyFrom(tensor_to_proto(state.row_ids))
                 self.basis_sent[dst] = state.version
             msg.basis_version = state.version
             h = state.project(h, ids)
@@ -299,13 +300,24 @@ class StageWorker:
             self.inflight[(step, mb)] = _InFlight(step, x, out, stash, window, basis, msg.header.sender)
         return True
 
+    def _decode_basis(self, msg: pb.ActivationChunk) -> BasisState:
+        """The (prior, basis) pair a message carries, checked against this stage's sizes: the prior
+        is [V, H], or [R, H] with R-1 distinct-enough token ids in range (`basis_prior_ids`)."""
+        H, r, V = self.stage.hidden_size, self.cfg.mask.rank, self.stage.vocab_size
+        row_ids = None
+        if msg.HasField("basis_prior_ids"):
+            row_ids = proto_to_tensor(msg.basis_prior_ids, expect_dtype=torch.int32)
+            if row_ids.dim() != 1 or not 0 < len(row_ids) < V or int(row_ids.min()) < 0 or int(row_ids.max()) >= V:
+                raise WireError(f"basis_prior_ids: must be 1-D with 1..{V - 1} token ids in [0, {V}); got shape {tuple(row_ids.shape)}")
+        rows = V if row_ids is None else len(row_ids) + 1
+        prior = proto_to_tensor(msg.basis_prior, expect_shape=(rows, H)).float()
+        return BasisState(msg.basis_version, prior, proto_to_tensor(msg.basis, expect_shape=(H, r)).float(), row_ids, V)
+
     def _lift(self, msg: pb.ActivationChunk, ids: torch.Tensor, b: int, step: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Low-rank codec, receiving end: (coefficient leaf, rebuilt hidden state)."""
         v, sender = msg.basis_version, msg.header.sender
         if msg.HasField("basis"):
-            H, r = self.stage.hidden_size, self.cfg.mask.rank
-            prior = proto_to_tensor(msg.basis_prior, expect_shape=(self.stage.vocab_size, H)).float()
-            self.basis_in[sender] = BasisState(v, prior, proto_to_tensor(msg.basis, expect_shape=(H, r)).float())
+            self.basis_in[sender] = self._decode_basis(msg)
         state = self.basis_in.get(sender)
         if state is None or state.version != v:
             have = state.version if state else None

@@ -87,7 +87,7 @@ class MicroBatchHeader(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., micro_batch_id: _Optional[int] = ..., step: _Optional[int] = ..., sender: _Optional[str] = ..., signature: _Optional[bytes] = ..., boundary: _Optional[int] = ..., dense: _Optional[bool] = ..., eval: _Optional[bool] = ...) -> None: ...
 
 class ActivationChunk(_message.Message):
-    __slots__ = ("header", "hidden", "token_ids", "labels", "basis_version", "basis_prior", "basis")
+    __slots__ = ("header", "hidden", "token_ids", "labels", "basis_version", "basis_prior", "basis", "basis_prior_ids")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,7 @@ class ActivationChunk(_message.Message):
     BASIS_VERSION_FIELD_NUMBER: _ClassVar[int]
     BASIS_PRIOR_FIELD_NUMBER: _ClassVar[int]
     BASIS_FIELD_NUMBER: _ClassVar[int]
+    BASIS_PRIOR_IDS_FIELD_NUMBER: _ClassVar[int]
     header: MicroBatchHeader
     hidden: TensorPayload
     token_ids: TensorPayload
@@ -102,7 +103,8 @@ class ActivationChunk(_message.Message):
     basis_version: int
     basis_prior: TensorPayload
     basis: TensorPayload
-    def __init__(self, header: _Optional[_Union[MicroBatchHeader, _Mapping]] = ..., hidden: _Optional[_Union[TensorPayload, _Mapping]] = ..., token_ids: _Optional[_Union[TensorPayload, _Mapping]] = ..., labels: _Optional[_Union[TensorPayload, _Mapping]] = ..., basis_version: _Optional[int] = ..., basis_prior: _Optional[_Union[TensorPayload, _Mapping]] = ..., basis: _Optional[_Union[TensorPayload, _Mapping]] = ...) -> None: ...
+    basis_prior_ids: TensorPayload
+    def __init__(self, header: _Optional[_Union[MicroBatchHeader, _Mapping]] = ..., hidden: _Optional[_Union[TensorPayload, _Mapping]] = ..., token_ids: _Optional[_Union[TensorPayload, _Mapping]] = ..., labels: _Optional[_Union[TensorPayload, _Mapping]] = ..., basis_version: _Optional[int] = ..., basis_prior: _Optional[_Union[TensorPayload, _Mapping]] = ..., basis: _Optional[_Union[TensorPayload, _Mapping]] = ..., basis_prior_ids: _Optional[_Union[TensorPayload, _Mapping]] = ...) -> None: ...
 
 class GradientChunk(_message.Message):
     __slots__ = ("header", "grad")
