@@ -21,6 +21,7 @@ import logging
 import os
 import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
@@ -70,14 +71,40 @@ def _write_atomic(path: Path, write) -> None:
     os.replace(tmp, path)
 
 
-class ShardCheckpoints:
-    """The checkpoints of one stage of one run on this peer's disk."""
+@dataclass
+class Checkpoint:
+    """One checked checkpoint: the stage state as `PeerDaemon._stage_state` gives it (parameters,
+    then AdamW exp_avg, then exp_avg_sq, all in `names` order) and the parameters' full-model names."""
 
-    def __init__(self, state_dir: Path, run_id: str, stage: int, keep: int = 2) -> None:
+    path: Path
+    metadata: dict
+    names: list[str]
+    tensors: list[torch.Tensor]
+    hf_names: list[str] | None
+
+    @property
+    def step(self) -> int:
+        return int(self.metadata["version"])
+
+
+def run_dirs(root: Path) -> dict[str, Path]:
+    """run id -> its folder, under a peer's state dir (or its `checkpoints/` folder)."""
+    base = root / "checkpoints" if (root / "checkpoints").is_dir() else root
+    return {d.name: d for d in sorted(base.iterdir()) if d.is_dir() and any(d.glob("stage*"))} if base.is_dir() else {}
+
+
+class ShardCheckpoints:
+    """The checkpoints of one stage of one run on this peer's disk.
+
+    `run_info` (the run's config and code version), when given, is written once beside the stage
+    folders as `run.json`: with it the checkpoints alone make a model (`anchormesh export
+    --checkpoints`), even after the run and its tracker are gone."""
+
+    def __init__(self, state_dir: Path, run_id: str, stage: int, keep: int = 2, run_info: dict | None = None) -> None:
         if keep < 1:
             raise ValueError(f"keep={keep}: must be >= 1")
         self.dir = Path(state_dir) / "checkpoints" / run_id / f"stage{stage}"
-        self.run_id, self.stage, self.keep = run_id, stage, keep
+        self.run_id, self.stage, self.keep, self.run_info = run_id, stage, keep, run_info
 
     def steps(self) -> list[int]:
         """Steps that have a manifest, newest first (not yet checked)."""
@@ -89,13 +116,16 @@ class ShardCheckpoints:
     def _paths(self, step: int) -> tuple[Path, Path]:
         return self.dir / f"step{step:08d}.pt", self.dir / f"step{step:08d}.json"
 
-    def save(self, metadata: dict, names: list[str], tensors: list[torch.Tensor]) -> Path:
+    def save(self, metadata: dict, names: list[str], tensors: list[torch.Tensor], hf_names: list[str] | None = None) -> Path:
         """Write one checkpoint (atomically), then drop all but the newest `keep`."""
         step = int(metadata["version"])
         self.dir.mkdir(parents=True, exist_ok=True)
+        info_path = self.dir.parent / "run.json"
+        if self.run_info is not None and not info_path.exists():
+            _write_atomic(info_path, lambda f: f.write(json.dumps(self.run_info, indent=2).encode()))
         data, manifest = self._paths(step)
         t0 = time.monotonic()
-        payload = {"format": FORMAT, "run_id": self.run_id, "stage": self.stage, "metadata": metadata, "names": names, "tensors": tensors}
+        payload = {"format": FORMAT, "run_id": self.run_id, "stage": self.stage, "metadata": metadata, "names": names, "tensors": tensors, "hf_names": hf_names}
         total = sum(t.numel() * t.element_size() for t in tensors)
         writer: _HashingWriter | None = None
 
@@ -117,7 +147,7 @@ class ShardCheckpoints:
                 p.unlink(missing_ok=True)
         return data
 
-    def load(self, step: int) -> tuple[dict, list[str], list[torch.Tensor]]:
+    def load(self, step: int) -> Checkpoint:
         """One checkpoint, after its checksum and header are checked; raises ValueError naming what is wrong."""
         data, manifest = self._paths(step)
         try:
@@ -141,12 +171,18 @@ class ShardCheckpoints:
             raise ValueError(f"{data}: cannot load ({type(exc).__name__}: {exc})") from None
         if not isinstance(payload, dict) or payload.get("format") != FORMAT or payload.get("run_id") != self.run_id or payload.get("stage") != self.stage:
             raise ValueError(f"{data}: not a format-{FORMAT} checkpoint of stage {self.stage} of run {self.run_id}")
-        meta, names, tensors = payload.get("metadata"), payload.get("names"), payload.get("tensors")
+        meta, names, tensors, hf_names = payload.get("metadata"), payload.get("names"), payload.get("tensors"), payload.get("hf_names")
         if not isinstance(meta, dict) or not isinstance(names, list) or not isinstance(tensors, list) or not all(isinstance(t, torch.Tensor) for t in tensors):
             raise ValueError(f"{data}: malformed checkpoint contents")
-        return meta, names, tensors
+        if hf_names is not None and (not isinstance(hf_names, list) or not all(isinstance(n, str) for n in hf_names)):
+            raise ValueError(f"{data}: malformed checkpoint contents (hf_names)")
+        try:
+            int(meta["version"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{data}: malformed checkpoint metadata") from None
+        return Checkpoint(data, meta, names, tensors, hf_names)
 
-    def newest(self) -> tuple[dict, list[str], list[torch.Tensor]] | None:
+    def newest(self) -> Checkpoint | None:
         """The newest checkpoint that checks out; damaged ones are skipped with a warning."""
         for step in self.steps():
             try:

@@ -62,8 +62,11 @@ def _parser() -> argparse.ArgumentParser:
     health.add_argument("--tracker", action="store_true", help="check a tracker's Status service instead of a peer's Stage service")
     health.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer (default 5)")
 
-    export = sub.add_parser("export", help="the live swarm's newest weights as a Hugging Face model folder (AutoModelForCausalLM.from_pretrained loads it)")
-    export.add_argument("--tracker", required=True, help="tracker host:port")
+    export = sub.add_parser("export", help="a run's newest weights (the live swarm, or peers' checkpoints) as a Hugging Face model folder (AutoModelForCausalLM.from_pretrained loads it)")
+    source = export.add_mutually_exclusive_group(required=True)
+    source.add_argument("--tracker", help="tracker host:port: export the live swarm's newest weights")
+    source.add_argument("--checkpoints", nargs="+", type=Path, metavar="DIR", help="export from shard checkpoints instead: peers' --state-dir folders (copied from the volunteers), newest valid checkpoint per stage; works after the run has ended")
+    export.add_argument("--run", default=None, help="with --checkpoints: the run id, when the folders hold checkpoints of several runs")
     export.add_argument("--out", required=True, type=Path, help="folder to write config.json, model.safetensors and the tokenizer into")
     export.add_argument("--timeout", type=float, default=300.0, help="seconds one stage's download may take (default 300)")
 
@@ -139,7 +142,9 @@ def main(argv: list[str] | None = None) -> None:
 
             if not args.timeout > 0:
                 raise ConfigError("--timeout", args.timeout, "must be > 0")
-            raise SystemExit(run_export(args.tracker, args.out, args.timeout))
+            if args.run and not args.checkpoints:
+                raise ConfigError("--run", args.run, "only goes with --checkpoints")
+            raise SystemExit(run_export(args.tracker, args.out, args.timeout, checkpoints=args.checkpoints, run_id=args.run))
         elif args.command == "status":
             from peer.status import run_status
 

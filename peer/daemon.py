@@ -376,12 +376,11 @@ class PeerDaemon:
         got = self.checkpoints.newest()
         if got is None:
             return
-        meta, names, tensors = got
         expected = [name for name, _ in self.worker.stage.named_parameters()]
-        if names != expected * 3:
+        if got.names != expected * 3:
             log.warning("checkpoint in %s ignored: its tensors are not this stage's parameters", self.checkpoints.dir)
             return
-        self._apply_state(meta, tensors, source=f"checkpoint {self.checkpoints.dir}")
+        self._apply_state(got.metadata, got.tensors, source=f"checkpoint {self.checkpoints.dir}")
 
     def _checkpoint(self, wait: bool = False) -> None:
         """Write a checkpoint of the state as it is now; the copy is taken between steps, the
@@ -398,12 +397,14 @@ class PeerDaemon:
         if busy:
             self._checkpoint_thread.join()
         meta, tensors = self._stage_state()
-        names = [name for name, _ in self.worker.stage.named_parameters()] * 3
+        stage = self.worker.stage
+        names = [name for name, _ in stage.named_parameters()] * 3
+        hf_names = [stage.hf_names[name] for name, _ in stage.named_parameters()]
         self._checkpointed = int(meta["version"])
 
         def write() -> None:
             try:
-                self.checkpoints.save(meta, names, tensors)
+                self.checkpoints.save(meta, names, tensors, hf_names)
             except OSError as exc:
                 log.error("checkpoint at step %d failed: %s", meta["version"], exc)
 
@@ -445,7 +446,8 @@ class PeerDaemon:
         # while it reports "joining" nobody routes to it
         threading.Thread(target=self._heartbeat, args=(stub, a.heartbeat_interval_s), name="heartbeat", daemon=True).start()
         if self.state_dir is not None:
-            self.checkpoints = ShardCheckpoints(self.state_dir, a.run_id, a.stage, keep=cfg.checkpoint.keep)
+            run_info = {"run_id": a.run_id, "code_version": __version__, "config": json.loads(a.run_config_json)}
+            self.checkpoints = ShardCheckpoints(self.state_dir, a.run_id, a.stage, keep=cfg.checkpoint.keep, run_info=run_info)
             self.reason = "checking its checkpoints"
             self._resume_from_checkpoint()
         if a.start_step > max(self.state_step, 0):  # the run has trained past what this peer holds: ask the group

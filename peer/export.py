@@ -221,11 +221,78 @@ def export(tracker: str, out: Path, timeout_s: float = 300.0, progress: bool = T
     return ExportResult(out, run_id, cfg, shards)
 
 
-def run_export(tracker: str, out: Path, timeout_s: float = 300.0) -> int:
-    """The CLI: export, or one error line and exit code 1."""
+def gather_checkpoints(dirs: list[Path], run_id: str | None = None) -> tuple[TrainConfig, str, list[Shard]]:
+    """The run's config and, per stage, the newest checkpoint that checks out across `dirs`
+    (peers' state dirs, or their `checkpoints/` folders). Why: once a run ends (its token budget
+    spent) the peers leave, and their checkpoints are where the trained weights are."""
+    from peer.checkpoint import ShardCheckpoints, run_dirs
+
+    runs: dict[str, list[Path]] = {}
+    for d in dirs:
+        if not d.is_dir():
+            raise ExportError(f"{d}: no such folder")
+        for rid, folder in run_dirs(d).items():
+            runs.setdefault(rid, []).append(folder)
+    if not runs:
+        raise ExportError(f"no checkpoints under {', '.join(map(str, dirs))} (a peer writes them to --state-dir/checkpoints/RUN/stageK/)")
+    if run_id is None:
+        if len(runs) > 1:
+            raise ExportError(f"checkpoints of several runs ({', '.join(sorted(runs))}): choose one with --run")
+        run_id = next(iter(runs))
+    elif run_id not in runs:
+        raise ExportError(f"no checkpoints of run {run_id!r}; found: {', '.join(sorted(runs))}")
+    info = next((f / "run.json" for f in runs[run_id] if (f / "run.json").is_file()), None)
+    if info is None:
+        raise ExportError(f"run {run_id}: no run.json beside its checkpoints, so its config is unknown")
+    try:
+        record = json.loads(info.read_text())
+        cfg = config_from_dict(record["config"])
+    except (ValueError, KeyError, TypeError, AnchormeshError) as exc:
+        raise ExportError(f"{info}: not a readable run record ({exc})") from None
+    if record.get("code_version") != __version__:
+        log.warning("the checkpoints were written by anchormesh %s, this is %s: the model may not be cut the same way", record.get("code_version"), __version__)
+    K = cfg.model.num_stages
+    want = expected_shapes(hf_config(cfg), K)
+    shards: list[Shard] = []
+    for s in range(K):
+        found = [(step, ck) for f in runs[run_id] for ck in [ShardCheckpoints(f.parent.parent, run_id, s)] for step in ck.steps()]
+        reasons = []
+        for step, ck in sorted(found, key=lambda x: -x[0]):
+            try:
+                got = ck.load(step)
+                n = len(got.tensors) // 3
+                if got.hf_names is None or len(got.hf_names) != n:
+                    raise ShardError("it has no full-model parameter names (written by an older anchormesh)")
+                shard = Shard(run_id, str(got.path), s, K, got.step, dict(zip(got.hf_names, got.tensors[:n])))
+                check_fits(shard, s, K, run_id, want[s])
+            except (ValueError, ShardError) as exc:
+                reasons.append(f"{ck.dir} step {step}: {exc}")
+                log.warning("stage %d: skipping %s", s, reasons[-1])
+                continue
+            log.info("stage %d: step %d from %s", s, shard.step, got.path)
+            shards.append(shard)
+            break
+        else:
+            raise ExportError(f"stage {s}: no checkpoint that fits" + (": " + "; ".join(reasons) if reasons else f" (none under {', '.join(str(f) for f in runs[run_id])})"))
+    return cfg, run_id, shards
+
+
+def export_checkpoints(dirs: list[Path], out: Path, run_id: str | None = None) -> ExportResult:
+    """Write a Hugging Face folder from peers' shard checkpoints (no swarm needed)."""
+    cfg, run_id, shards = gather_checkpoints(dirs, run_id)
+    write_model(cfg, shards, out)
+    log.info("wrote %s: run %s, stages at steps %s", out, run_id, [sh.step for sh in shards])
+    return ExportResult(out, run_id, cfg, shards)
+
+
+def run_export(tracker: str | None, out: Path, timeout_s: float = 300.0, checkpoints: list[Path] | None = None, run_id: str | None = None) -> int:
+    """The CLI: export from the live swarm (`tracker`) or from checkpoints, or one error line and exit code 1."""
     setup_logging()
     try:
-        export(tracker, out, timeout_s)
+        if checkpoints:
+            export_checkpoints(checkpoints, out, run_id)
+        else:
+            export(tracker, out, timeout_s)
     except ExportError as exc:
         print(f"anchormesh export: error: {exc}", file=sys.stderr, flush=True)
         return 1

@@ -36,8 +36,9 @@ def test_a_checkpoint_round_trips_and_only_the_newest_are_kept(tmp_path: Path) -
         ck.save(*state(step, fill=step))
     assert ck.steps() == [15, 10]
     assert sorted(p.name for p in ck.dir.iterdir()) == ["step00000010.json", "step00000010.pt", "step00000015.json", "step00000015.pt"]
-    meta, names, tensors = ck.newest()
-    assert meta == {"version": 15, "adam_step": 15.0} and names == ["a", "b"]
+    got = ck.newest()
+    meta, names, tensors = got.metadata, got.names, got.tensors
+    assert meta == {"version": 15, "adam_step": 15.0} and names == ["a", "b"] and got.step == 15
     assert all(torch.equal(a, b) for a, b in zip(tensors, state(15, fill=15)[2]))
 
 
@@ -63,7 +64,8 @@ def test_a_damaged_checkpoint_is_skipped_for_the_older_one(tmp_path: Path, damag
         newest.write_bytes(src.read_bytes())
         manifest.write_bytes(src.with_suffix(".json").read_bytes())
     with caplog.at_level(logging.WARNING, logger="peer.checkpoint"):
-        meta, _, tensors = ck.newest()
+        got = ck.newest()
+    meta, tensors = got.metadata, got.tensors
     assert meta["version"] == 5 and torch.equal(tensors[0], torch.full((3, 4), 5.0))
     if damage != "no-manifest":
         assert "skipping checkpoint step 10" in caplog.text

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from peer.checkpoint import ShardCheckpoints
 from peer.swarm_demo import start_process, stop_processes, wait_for_bootstrap
@@ -96,8 +97,24 @@ def test_a_killed_peer_resumes_from_its_checkpoint_and_the_run_ends_at_its_budge
         left = {p["id"]: p for p in s["peers"] if p["state"] == "left"}
         assert len(left) == 2 and all(p["reason"] == "done" for p in left.values()), left
         # both stages wrote a final checkpoint at the step they ended on
+        newest = {}
         for peer_dir, stage in (("p0", 0), ("p1", 1)):
             ck = ShardCheckpoints(tmp_path / peer_dir, run_id, stage)
-            assert len(ck.steps()) == 2 and ck.newest()[0]["version"] >= BUDGET_STEPS - 2
+            assert len(ck.steps()) == 2 and ck.newest().step >= BUDGET_STEPS - 2
+            newest[stage] = ck.newest()
+        # the run is over and its peers gone: its checkpoints still make a model
+        out = subprocess.run([sys.executable, "-m", "peer.cli", "export", "--checkpoints", str(tmp_path / "p0"), str(tmp_path / "p1"), "--out", str(tmp_path / "model")], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-3000:]
+        from transformers import AutoModelForCausalLM
+
+        params = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "model").named_parameters())
+        for ck in newest.values():
+            n = len(ck.tensors) // 3
+            assert all(torch.equal(params[name], t) for name, t in zip(ck.hf_names, ck.tensors[:n]))
+        assert sum(len(ck.hf_names) for ck in newest.values()) == len(params)
+        record = json.loads((tmp_path / "model" / "anchormesh_export.json").read_text())
+        assert [st["step"] for st in record["stages"]] == [newest[0].step, newest[1].step]
+        out = subprocess.run([sys.executable, "-m", "peer.cli", "export", "--checkpoints", str(tmp_path / "p0"), "--out", str(tmp_path / "m2")], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 1 and "anchormesh export: error: stage 1: no checkpoint that fits" in out.stderr
     finally:
         stop_processes(procs, grace_s=10)
