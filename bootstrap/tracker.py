@@ -116,6 +116,7 @@ class Tracker:
     clock: Callable[[], float] = time.monotonic
     peers: dict[str, PeerRecord] = field(default_factory=dict)
     started: float = field(default=0.0)
+    expire_after: float = 0.0  # clock time before which no peer is declared dead (set after a restart)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
@@ -194,6 +195,8 @@ class Tracker:
         for pid, (_, _, at) in list(self._reserved.items()):
             if now - at > 3 * self.peer_timeout_s:  # the moved peer never came back
                 del self._reserved[pid]
+        if now < self.expire_after:  # just restored: peers are still reconnecting
+            return
         for p in self.peers.values():
             if p.state in LIVE and now - p.last_seen > self.peer_timeout_s:
                 p.state, p.reason = "dead", f"no heartbeat for {now - p.last_seen:.1f}s (timeout {self.peer_timeout_s:.0f}s)"

@@ -34,7 +34,8 @@ def _parser() -> argparse.ArgumentParser:
     boot.add_argument("--announce-host", default=None, help="address peers dial to reach the bootstrap (default: --host); replaces the host in the published tracker address and the DHT's multiaddrs (a name becomes /dns4/NAME)")
     boot.add_argument("--port", type=int, default=0, help="tracker gRPC port (0 = any free)")
     boot.add_argument("--dht-port", type=int, default=0, help="DHT TCP port (0 = any free)")
-    boot.add_argument("--state-dir", type=Path, default=Path("runs/bootstrap"), help="where bootstrap.json goes")
+    boot.add_argument("--state-dir", type=Path, default=Path("runs/bootstrap"), help="where bootstrap.json, the run state (tracker.json) and the DHT identity go; a bootstrap started again on it resumes that run")
+    boot.add_argument("--new-run", action="store_true", help="start a new run even if --state-dir holds one (its tracker.json is replaced)")
     boot.add_argument("--peer-timeout", type=float, default=10.0, help="seconds without heartbeat before a peer is dead")
     boot.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics at http://HOST:PORT/metrics (0 = any free port; default: off)")
 
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
             from peer.config import load_run_toml
 
             config = load_run_toml(args.config) if args.config else None
-            run_bootstrap(config, args.host, args.port, args.dht_port, args.state_dir, args.peer_timeout, metrics_port=args.metrics_port, announce_host=args.announce_host)
+            run_bootstrap(config, args.host, args.port, args.dht_port, args.state_dir, args.peer_timeout, metrics_port=args.metrics_port, announce_host=args.announce_host, new_run=args.new_run)
         elif args.command == "peer":
             import faulthandler
             import signal

@@ -58,6 +58,11 @@ log = logging.getLogger("anchormesh.peer")
 PEER_ID_ENV = "ANCHORMESH_PEER_ID"  # set by a MOVE's exec so the peer keeps its id
 
 
+# gRPC backs off reconnecting to an address that refused it, up to 120 s by default; a tracker
+# that restarts must hear the heartbeats within its reconnect grace (bootstrap/persist.py)
+TRACKER_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 500), ("grpc.min_reconnect_backoff_ms", 500), ("grpc.max_reconnect_backoff_ms", 4000)]
+
+
 def find_tracker(dht, stop: threading.Event) -> str:
     """The tracker address published in the DHT; retries with backoff and says so."""
     from bootstrap.node import DHT_TRACKER_KEY
@@ -440,7 +445,7 @@ class PeerDaemon:
         if self.dht is not None and a.group_dht_maddrs:
             log.info("dialled %d of %d stage mates' DHT nodes", connect_peers(self.dht, list(a.group_dht_maddrs)), len(a.group_dht_maddrs))
         self._start_averaging(f"{a.run_id}_stage{a.stage}", cfg.dp.inner_steps, cfg.dp.outer_compression)  # forks: before any gRPC runs
-        channel = grpc.insecure_channel(self.tracker)
+        channel = grpc.insecure_channel(self.tracker, options=TRACKER_CHANNEL_OPTIONS)
         stub = pbg.TrackerStub(channel)
         # heartbeats start now, so a slow state download does not get this peer declared dead;
         # while it reports "joining" nobody routes to it

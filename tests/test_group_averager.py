@@ -52,3 +52,37 @@ def test_round_leaves_both_peers_at_the_mean(compression: str, tol: float) -> No
     finally:
         dht_b.shutdown()
         dht_a.shutdown()
+
+
+def test_an_averaging_process_that_does_not_start_is_killed_and_forked_again(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """hivemind waits forever for a forked averaging process that got stuck before it was ready
+    (seen now and then in peers whose gRPC threads were live at the fork). The first start here
+    is made to time out: it is killed, a second process starts and the averager works."""
+    import hivemind
+    from hivemind.averaging import DecentralizedAverager
+
+    from peer.dp import group
+
+    real = DecentralizedAverager.run_in_background
+    started: list[DecentralizedAverager] = []
+
+    def first_one_hangs(self, await_ready: bool = True, timeout: float | None = None) -> None:
+        started.append(self)
+        if len(started) == 1:
+            self.start()  # a real child, as in the hang; then the wait gives up
+            raise TimeoutError
+        real(self, await_ready=await_ready, timeout=timeout)
+
+    monkeypatch.setattr(DecentralizedAverager, "run_in_background", first_one_hangs)
+    monkeypatch.setattr(group, "START_TIMEOUT_S", 1.0)
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        avg = group.GroupAverager(dht, [torch.nn.Parameter(torch.zeros(4))], "test_restart", every=1)
+        assert len(started) == 2 and avg.averager is started[1]
+        started[0].join(5)
+        assert not started[0].is_alive()  # the stuck child is gone
+        assert avg.averager.is_alive() and avg.load_state(timeout=2.0) is None  # the new one answers
+        assert "did not start within 1s (try 1 of 3)" in caplog.text
+        avg.shutdown()
+    finally:
+        dht.shutdown()

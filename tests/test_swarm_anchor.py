@@ -130,7 +130,7 @@ def test_an_older_anchor_from_a_sibling_is_skipped() -> None:
     a = anchors["p1b"]
     assert a.newest_id == 2
     old = pb.AnchorPrior(header=pb.MicroBatchHeader(run_id="run", step=30, micro_batch_id=1, sender="p1"), stage=1,
-                         grads=[pb.NamedTensor(name=n, tensor=tensor_to_proto(torch.zeros(s))) for n, s in a.shapes.items()])
+                         grads=[pb.NamedTensor(name=n, tensor=tensor_to_proto(torch.zeros(s, dtype=torch.bfloat16))) for n, s in a.shapes.items()])
     a.validate("prior", old)
     a.inbox["prior"].append(old)
     a.apply_priors()
@@ -170,7 +170,7 @@ def test_bad_anchor_messages_are_refused_by_name() -> None:
         a1.validate("anchor_forward", bad)
     # a gradient for a pass that is gone is not refused on the wire (that would end the sender's
     # stream); the loop drops it with a message
-    late = pb.GradientChunk(header=pb.MicroBatchHeader(run_id="run", step=1, boundary=1), grad=tensor_to_proto(torch.zeros(2, 8, 32)))
+    late = pb.GradientChunk(header=pb.MicroBatchHeader(run_id="run", step=1, boundary=1), grad=tensor_to_proto(torch.zeros(2, 8, 32).half()))
     a1.validate("anchor_backward", late)
     a1.inbox["anchor_backward"].append(late)
     with pytest.raises(WireError, match="its pass is gone"):
@@ -187,7 +187,7 @@ def test_bad_anchor_messages_are_refused_by_name() -> None:
         a1.validate("prior", prior)
     name, shape = next(iter(a1.shapes.items()))
     del prior.grads[:]
-    prior.grads.append(pb.NamedTensor(name=name, tensor=tensor_to_proto(torch.full(shape, float("inf")))))
+    prior.grads.append(pb.NamedTensor(name=name, tensor=tensor_to_proto(torch.full(shape, float("inf"), dtype=torch.bfloat16))))
     with pytest.raises(AnchormeshError, match="(?i)inf|finite"):
         a1.validate("prior", prior)
 

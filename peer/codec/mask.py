@@ -220,6 +220,7 @@ class MaskCodec:
         msg: pb.TensorPayload,
         *,
         expect_shape: tuple[int, ...] | None = None,
+        expect_dtype: torch.dtype | None = None,
         fill: torch.Tensor | None = None,
         dtype: torch.dtype = torch.float32,
         boundary: int | None = None,
@@ -233,8 +234,8 @@ class MaskCodec:
         optional `boundary`/`step`/`micro_batch` are checked against the message's key (pass the
         header's values). The result is a CPU tensor of `dtype`.
 
-        Raises WireError naming the field for: unknown kind, non-float logical dtype, bad or
-        unexpected shape, drop or seed other than this codec's, unsupported value encoding, bad
+        Raises WireError naming the field for: unknown kind, non-float (or, with `expect_dtype`,
+        other) logical dtype, bad or unexpected shape, drop or seed other than this codec's, unsupported value encoding, bad
         int8 block size, payload length other than the kept count's, NaN/Inf (or bad int8)
         values, or a key other than the expected one.
         """
@@ -247,7 +248,7 @@ class MaskCodec:
             raise WireError(f"TensorPayload.dtype={dtype_name(msg.dtype)}: a masked tensor must be FLOAT32, FLOAT16 or BFLOAT16")
         logical = torch_dtype(msg.dtype)
         shape = check_shape(msg.shape, max_numel=self.max_numel)
-        check_expected(shape, logical, expect_shape=expect_shape, expect_dtype=None)
+        check_expected(shape, logical, expect_shape=expect_shape, expect_dtype=expect_dtype)
         if fill is not None and tuple(fill.shape) != shape:
             raise TensorError(f"MaskCodec.decode: fill.shape={list(fill.shape)}: expected {list(shape)}")
         numel = math.prod(shape)

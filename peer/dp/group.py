@@ -26,12 +26,15 @@ from concurrent.futures import Future
 
 import torch
 
+from peer.errors import AnchormeshError
+
 log = logging.getLogger(__name__)
 
 
 # bytes per averaged element on the wire (hivemind's 8-bit quantizer adds a 1 KiB codebook per part)
 WIRE_BYTES = {"none": 4, "int8": 1}
 
+START_TIMEOUT_S, START_TRIES = 30.0, 3  # the averaging process normally starts in 1-3 s
 StateFn = Callable[[], tuple[dict, list[torch.Tensor]]]  # -> (small metadata, tensors): what a joiner downloads
 
 
@@ -177,11 +180,24 @@ class GroupAverager:
         self._offered_at = 0
         self.last_error = ""
         self._base = [p.detach().clone() for p in params]  # the last group mean ("int8" sends the change from it)
-        self.averager = _averager_class()(
-            [p.detach().clone() for p in params], dht, start=True, prefix=prefix, target_group_size=None, min_group_size=2,
-            min_matchmaking_time=2.0, request_timeout=1.0, compression=_absmax_8bit() if compression == "int8" else NoCompression(),
-            state_fn=state_fn or self._params_state, allow_state_sharing=False,  # nothing worth sharing before training
-        )
+        for attempt in range(1, START_TRIES + 1):
+            self.averager = _averager_class()(
+                [p.detach().clone() for p in params], dht, start=False, prefix=prefix, target_group_size=None, min_group_size=2,
+                min_matchmaking_time=2.0, request_timeout=1.0, compression=_absmax_8bit() if compression == "int8" else NoCompression(),
+                state_fn=state_fn or self._params_state, allow_state_sharing=False,  # nothing worth sharing before training
+            )
+            try:
+                # hivemind forks its averaging process; a fork beside live threads (gRPC's, the DHT
+                # client's) now and then leaves the child stuck before it is ready, and hivemind
+                # would wait for it forever: wait a bounded time, then kill it and fork again
+                self.averager.run_in_background(await_ready=True, timeout=START_TIMEOUT_S)
+                break
+            except TimeoutError:
+                log.warning("the stage-group averaging process did not start within %.0fs (try %d of %d); starting it again", START_TIMEOUT_S, attempt, START_TRIES)
+                self.averager.kill()
+                self.averager.join(5)
+        else:
+            raise AnchormeshError(f"the stage-group averaging process did not start in {START_TRIES} tries of {START_TIMEOUT_S:.0f}s")
 
     def _params_state(self) -> tuple[dict, list[torch.Tensor]]:
         with self.lock:

@@ -134,6 +134,11 @@ class StageWorker:
                 self.basis_out = BasisLearner(s.vocab_size, s.hidden_size, m.rank, m.basis_refresh, max_rows=m.prior_rows)
 
     @property
+    def compute_dtype(self) -> torch.dtype:
+        """The stage's dtype: what every link tensor must declare (its logical dtype)."""
+        return next(self.stage.parameters()).dtype
+
+    @property
     def link_codec(self) -> MaskCodec:
         """What encodes tensors on this worker's links: coefficients (low-rank) or hidden states."""
         return self.coef_codec or self.codec
@@ -173,14 +178,14 @@ class StageWorker:
             ids = check_token_window(msg.token_ids, s.vocab_size)[:, :-1].long()
             key = dict(boundary=b, step=msg.header.step, micro_batch=msg.header.micro_batch_id)
             if self.coef_codec is not None:
-                self.coef_codec.decode(msg.hidden, expect_shape=(*ids.shape, self.cfg.mask.rank), **key)
+                self.coef_codec.decode(msg.hidden, expect_shape=(*ids.shape, self.cfg.mask.rank), expect_dtype=self.compute_dtype, **key)
                 if msg.HasField("basis"):
                     self._decode_basis(msg)
                     self.basis_announced[msg.header.sender] = msg.basis_version
                 elif self.basis_announced.get(msg.header.sender) != msg.basis_version:
                     raise WireError(f"basis_version={msg.basis_version}: this peer has no such basis from {msg.header.sender!r}; send it again")
             else:
-                self.codec.decode(msg.hidden, expect_shape=(*ids.shape, s.hidden_size), **key)
+                self.codec.decode(msg.hidden, expect_shape=(*ids.shape, s.hidden_size), expect_dtype=self.compute_dtype, **key)
             return
         if b != s.index:
             raise WireError(f"header.boundary={b}: stage {s.index} receives gradients on boundary {s.index}")
@@ -188,7 +193,7 @@ class StageWorker:
         if job is None:
             raise WireError(f"gradient for unknown micro-batch (step={msg.header.step}, micro_batch_id={msg.header.micro_batch_id})")
         last = job.basis.basis.shape[1] if job.basis is not None else s.hidden_size
-        self.link_codec.decode(msg.grad, expect_shape=(*job.out.shape[:-1], last), boundary=b, step=msg.header.step, micro_batch=msg.header.micro_batch_id)
+        self.link_codec.decode(msg.grad, expect_shape=(*job.out.shape[:-1], last), expect_dtype=self.compute_dtype, boundary=b, step=msg.header.step, micro_batch=msg.header.micro_batch_id)
 
     def _mb_key(self, step: int, mb_in_step: int) -> int:
         return self.replica * self.cfg.pipeline.micro_batches + mb_in_step
@@ -310,8 +315,9 @@ class StageWorker:
             if row_ids.dim() != 1 or not 0 < len(row_ids) < V or int(row_ids.min()) < 0 or int(row_ids.max()) >= V:
                 raise WireError(f"basis_prior_ids: must be 1-D with 1..{V - 1} token ids in [0, {V}); got shape {tuple(row_ids.shape)}")
         rows = V if row_ids is None else len(row_ids) + 1
-        prior = proto_to_tensor(msg.basis_prior, expect_shape=(rows, H)).float()
-        return BasisState(msg.basis_version, prior, proto_to_tensor(msg.basis, expect_shape=(H, r)).float(), row_ids, V)
+        prior = proto_to_tensor(msg.basis_prior, expect_shape=(rows, H), expect_dtype=torch.float16).float()
+        basis = proto_to_tensor(msg.basis, expect_shape=(H, r), expect_dtype=torch.float16).float()
+        return BasisState(msg.basis_version, prior, basis, row_ids, V)
 
     def _lift(self, msg: pb.ActivationChunk, ids: torch.Tensor, b: int, step: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Low-rank codec, receiving end: (coefficient leaf, rebuilt hidden state)."""

@@ -130,16 +130,16 @@ class SwarmAnchor:
                 raise WireError(f"micro_batch_id={msg.header.micro_batch_id}: {what} pass has {limit} micro-batches")
             p = self.w.cfg.pipeline
             check_token_window(msg.token_ids, s.vocab_size, (p.micro_batch_size, p.seq_len + 1))
-            proto_to_tensor(msg.hidden, expect_shape=(p.micro_batch_size, p.seq_len, s.hidden_size))
+            proto_to_tensor(msg.hidden, expect_shape=(p.micro_batch_size, p.seq_len, s.hidden_size), expect_dtype=torch.float16)
         elif channel == "anchor_backward":
             if msg.header.boundary != s.index:
                 raise WireError(f"header.boundary={msg.header.boundary}: stage {s.index} receives gradients on boundary {s.index}")
             job = self.jobs.get(msg.header.step)
             pending = job.pending.get(msg.header.micro_batch_id) if job else None
             if pending is None:  # a pass that expired here: dropped in the loop, not refused (see the module doc)
-                proto_to_tensor(msg.grad)
+                proto_to_tensor(msg.grad, expect_dtype=torch.float16)
                 return
-            proto_to_tensor(msg.grad, expect_shape=tuple(pending.out.shape))
+            proto_to_tensor(msg.grad, expect_shape=tuple(pending.out.shape), expect_dtype=torch.float16)
         elif channel == "prior":
             if msg.stage != s.index:
                 raise WireError(f"stage={msg.stage}: this peer serves stage {s.index}")
@@ -150,7 +150,7 @@ class SwarmAnchor:
             if unknown or len(set(names)) != len(names) or not names:
                 raise WireError(f"grads: names must be distinct decoder matrices of stage {s.index}; got unknown {unknown[:3]} of {len(names)}")
             for g in msg.grads:
-                proto_to_tensor(g.tensor, expect_shape=self.shapes[g.name])
+                proto_to_tensor(g.tensor, expect_shape=self.shapes[g.name], expect_dtype=torch.bfloat16)
         else:
             raise WireError(f"channel={channel!r} is not an anchor channel")
 

@@ -1,0 +1,116 @@
+"""The tracker's run state on disk, so a killed bootstrap comes back to the same run.
+
+`STATE_DIR/tracker.json` holds the run id, its config, the roster (every peer record, with its
+step and token counts), the anchor and evaluation cadences, the stage-move count, the run's
+uptime and the ports it served on. The bootstrap rewrites it every `SAVE_EVERY_S` and when it
+stops (temp file, fsync, rename: a kill mid-write leaves the previous copy). On restart the
+tracker is rebuilt from it: the run keeps its id and step numbering, and each peer that was live
+gets a fresh heartbeat deadline, so peers whose heartbeat streams reconnect carry on as if
+nothing happened, and those that are gone expire as usual.
+
+Times are stored as ages (seconds before the save) because the tracker's clock is monotonic,
+which means nothing in another process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from dataclasses import asdict, fields
+from pathlib import Path
+
+from bootstrap.tracker import LIVE, PeerRecord, Tracker
+from peer import __version__
+from peer.config import config_from_dict
+from peer.errors import ConfigError
+
+log = logging.getLogger("anchormesh.bootstrap")
+FORMAT = 1
+FILE = "tracker.json"
+SAVE_EVERY_S = 2.0
+# after a restart no peer is declared dead for this long: a peer's gRPC channel may be in its
+# reconnect backoff (peers cap it at TRACKER_MAX_BACKOFF_MS, peer/daemon.py)
+RECONNECT_GRACE_S = 15.0
+
+
+def snapshot(tracker: Tracker, ports: dict[str, int]) -> dict:
+    """What `restore` needs, taken under the tracker's lock (a consistent roster)."""
+    with tracker._lock:
+        now = tracker.clock()
+        peers = []
+        for p in tracker.peers.values():
+            rec = asdict(p)
+            rec["last_seen_age_s"], rec["joined_age_s"] = now - rec.pop("last_seen"), now - rec.pop("joined_at")
+            rec["dht_maddrs"] = list(p.dht_maddrs)
+            peers.append(rec)
+        return {
+            "format": FORMAT,
+            "code_version": __version__,
+            "run_id": tracker.run_id,
+            "config": asdict(tracker.config),
+            "uptime_s": now - tracker.started,
+            "moves": tracker.moves,
+            "anchors": {"next_at": tracker.anchors.next_at, "launched": tracker.anchors.launched, "launched_at": tracker.anchors.launched_at},
+            "evals": {"next_at": tracker.evals.next_at, "launched": tracker.evals.launched, "launched_at": tracker.evals.launched_at},
+            "ports": ports,
+            "peers": peers,
+        }
+
+
+def save(state_dir: Path, data: dict) -> None:
+    """Atomic write of `tracker.json` (temp file, fsync, rename)."""
+    path = state_dir / FILE
+    tmp = state_dir / f".{FILE}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load(state_dir: Path) -> dict | None:
+    """The saved state, or None when there is none; ConfigError naming the file when it is unreadable."""
+    path = state_dir / FILE
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        if data.get("format") != FORMAT or not isinstance(data.get("run_id"), str) or not isinstance(data.get("peers"), list):
+            raise ValueError(f"not a format-{FORMAT} tracker state")
+    except (OSError, ValueError) as exc:
+        raise ConfigError("--state-dir", str(state_dir), f"{FILE} is unreadable ({exc}); move it away, or pass --new-run to start a new run there") from None
+    return data
+
+
+def restore(data: dict, **tracker_kwargs) -> Tracker:
+    """A Tracker that continues the saved run. Live peers get a fresh heartbeat deadline (they
+    reconnect within a heartbeat or two); dead and departed ones stay in the roster as they were."""
+    try:
+        config = config_from_dict(data["config"])
+    except ConfigError as exc:
+        raise ConfigError("--state-dir", FILE, f"its run config no longer loads ({exc}); pass --new-run to start a new run") from None
+    tracker = Tracker(data["run_id"], config, **tracker_kwargs)
+    now = tracker.clock()
+    tracker.started = now - float(data.get("uptime_s", 0.0))
+    tracker.moves = int(data.get("moves", 0))
+    for name in ("anchors", "evals"):
+        cad, saved = getattr(tracker, name), data.get(name) or {}
+        cad.next_at, cad.launched = int(saved.get("next_at", cad.next_at)), int(saved.get("launched", 0))
+        cad.launched_at = {int(k): int(v) for k, v in (saved.get("launched_at") or {}).items()}
+    known = {f.name for f in fields(PeerRecord)}
+    for rec in data["peers"]:
+        rec = dict(rec)
+        last_seen_age, joined_age = float(rec.pop("last_seen_age_s", 0.0)), float(rec.pop("joined_age_s", 0.0))
+        p = PeerRecord(**{k: v for k, v in rec.items() if k in known})
+        p.dht_maddrs = tuple(p.dht_maddrs)
+        p.loss = math.nan if p.loss is None else p.loss
+        p.eval_loss = math.nan if p.eval_loss is None else p.eval_loss
+        p.joined_at = now - joined_age
+        p.last_seen = now if p.state in LIVE else now - last_seen_age
+        tracker.peers[p.peer_id] = p
+    tracker.expire_after = now + RECONNECT_GRACE_S
+    live = sum(1 for p in tracker.peers.values() if p.state in LIVE)
+    log.info("resumed run %s at step %d: %d peers in the roster, %d were live (they have %.0fs to reconnect)", tracker.run_id, tracker._run_step(), len(tracker.peers), live, RECONNECT_GRACE_S + tracker.peer_timeout_s)
+    return tracker
