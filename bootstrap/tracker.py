@@ -46,6 +46,7 @@ class PeerRecord:
     tokens: int = 0
     reason: str = ""
     dp_rounds: int = 0
+    dp_rejected: int = 0
     anchor_id: int = 0
     anchor_bytes_out: int = 0
     dht_maddrs: tuple[str, ...] = ()
@@ -259,7 +260,7 @@ class Tracker:
             p.last_seen, p.tokens_per_s, p.step, p.loss = self.clock(), info.tokens_per_s, info.step, info.loss
             p.bytes_in, p.bytes_out, p.queue_depth, p.tokens, p.reason = info.bytes_in, info.bytes_out, info.queue_depth, rep.tokens, info.reason
             p.dp_rounds, p.anchor_id, p.anchor_bytes_out, p.capacity = info.dp_rounds, info.anchor_id, info.anchor_bytes_out, info.capacity_tokens_per_s
-            p.dp_bytes_out, p.dp_dense_bytes = info.dp_bytes_out, info.dp_dense_bytes
+            p.dp_bytes_out, p.dp_dense_bytes, p.dp_rejected = info.dp_bytes_out, info.dp_dense_bytes, info.dp_rejected
             p.eval_id, p.eval_loss = info.eval_id, info.eval_loss
             self._expire()
             if self._budget_spent():
@@ -305,7 +306,7 @@ class Tracker:
             tokens_per_s=p.tokens_per_s, bytes_in=p.bytes_in, bytes_out=p.bytes_out, step=p.step, loss=p.loss,
             queue_depth=p.queue_depth, reason=p.reason, dp_rounds=p.dp_rounds, anchor_id=p.anchor_id,
             anchor_bytes_out=p.anchor_bytes_out, capacity_tokens_per_s=p.capacity, dp_bytes_out=p.dp_bytes_out,
-            dp_dense_bytes=p.dp_dense_bytes, eval_id=p.eval_id, eval_loss=p.eval_loss,
+            dp_dense_bytes=p.dp_dense_bytes, eval_id=p.eval_id, eval_loss=p.eval_loss, dp_rejected=p.dp_rejected,
         )
 
     def status(self) -> pb.RunStatus:

@@ -226,7 +226,7 @@ class PeerDaemon:
             "tokens": self.tokens, "tokens_per_s": self.tokens_per_s, "capacity_tokens_per_s": self.capacity,
             "loss": self.loss if w is not None and w.stage.is_last else None,
             "queue_depth": len(w.inbox_fwd) + len(w.inbox_bwd) if w else 0, "bytes_in": t.bytes_in, "bytes_out": t.total_bytes(),
-            "dp_rounds": self.averager.rounds if self.averager else 0, "dropped": self.dropped,
+            "dp_rounds": self.averager.rounds if self.averager else 0, "dp_rejected": self.averager.rejected if self.averager else 0, "dropped": self.dropped,
             "checkpoint_step": self._checkpointed if self.checkpoints is not None and self._checkpointed else None,
         }
 
@@ -246,6 +246,7 @@ class PeerDaemon:
                 capacity_tokens_per_s=self.capacity,
                 dp_bytes_out=self.averager.bytes_out if self.averager else 0,
                 dp_dense_bytes=self.averager.dense_bytes if self.averager else 0,
+                dp_rejected=self.averager.rejected if self.averager else 0,
                 eval_id=self.anchor.eval_result[0] if self.anchor else 0,
                 eval_loss=self.anchor.eval_result[1] if self.anchor else math.nan,
             ),

@@ -31,6 +31,7 @@ STATE_STYLE = {"active": "green", "idle": "cyan", "joining": "yellow", "dead": "
 BOTTLENECK_RATIO = 0.5
 ANCHOR_CADENCES_LATE = 3
 ANCHOR_FALLBACK_STEPS = 200
+DEAD_PEER_SHOWN_S = 600.0  # a dead peer is a problem for 10 minutes after its last heartbeat
 SILENT_PEER_S = 5.0
 NO_LOSS_AFTER_STEPS = 20
 STALL_AFTER_UPTIME_S = 60.0
@@ -166,10 +167,12 @@ def _dead_peers(s: dict) -> list[str]:
     """Peers the tracker declared dead (no heartbeat within its timeout), with its reason.
 
     `left` (SIGTERM, done, moved to another stage) and `joining` are a peer's normal life and are
-    only shown in the peer table; `dead` means a peer vanished and its micro-batches were lost."""
+    only shown in the peer table; `dead` means a peer vanished and its micro-batches were lost.
+    After `DEAD_PEER_SHOWN_S` it stays in the table only: the tracker keeps every record, and a
+    death an hour ago is history, not a problem to act on."""
     return [
         f"{p['id']} (stage {p['stage']}) is dead: {p.get('reason') or 'no reason given'}"
-        for p in s.get("peers", []) if p.get("state") == "dead"
+        for p in s.get("peers", []) if p.get("state") == "dead" and (p.get("last_seen_s") or 0) <= DEAD_PEER_SHOWN_S
     ]
 
 
@@ -179,6 +182,16 @@ def _silent_peers(s: dict) -> list[str]:
     return [
         f"{p['id']} (stage {p['stage']}) not seen for {p['last_seen_s']:.0f}s: hung or unreachable?"
         for p in s.get("peers", []) if p.get("state") in LIVE_STATES and (p.get("last_seen_s") or 0) > SILENT_PEER_S
+    ]
+
+
+def _rejected_rounds(s: dict) -> list[str]:
+    """A peer refused stage-group averaging results (NaN, or a correction far outside its own
+    drift: peer/dp/group.py). Any refusal is shown: honest groups do not produce one, so it
+    means a broken or hostile member in that stage group."""
+    return [
+        f"{p['id']} (stage {p['stage']}) refused {p['dp_rejected']} averaging result(s) of its stage group: a member sends NaN or outsized updates"
+        for p in s.get("peers", []) if (p.get("dp_rejected") or 0) > 0 and p.get("state") in LIVE_STATES
     ]
 
 
@@ -215,7 +228,7 @@ def _stalled(s: dict) -> list[str]:
 
 
 RULES: tuple[Callable[[dict], list[str]], ...] = (
-    _stages_without_peer, _bottleneck_stages, _stale_anchor, _dead_peers, _silent_peers, _bad_loss, _stalled,
+    _stages_without_peer, _bottleneck_stages, _stale_anchor, _dead_peers, _silent_peers, _rejected_rounds, _bad_loss, _stalled,
 )
 
 

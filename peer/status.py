@@ -52,6 +52,7 @@ def status_dict(s: pb.RunStatus) -> dict:
                 "bytes_out": p.bytes_out, "queue_depth": p.queue_depth, "dp_rounds": p.dp_rounds, "reason": p.reason,
                 "anchor_id": p.anchor_id or None, "anchor_bytes_out": p.anchor_bytes_out,
                 "capacity_tokens_per_s": p.capacity_tokens_per_s, "dp_bytes_out": p.dp_bytes_out,
+                "dp_rejected": p.dp_rejected,
             }
             for p in s.peers
         ],

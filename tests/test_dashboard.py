@@ -259,3 +259,26 @@ def test_status_watch_in_a_pipe_prints_plain_text(monkeypatch: pytest.MonkeyPatc
     out = _run_status_with(monkeypatch, tty=False)
     assert "run run-fake  RUNNING" in out and "<- no peer" in out
     assert "anchormesh run" not in out and "╭" not in out
+
+
+def test_refused_averaging_results_and_a_finished_run() -> None:
+    s = _healthy()
+    live = next(p for p in s["peers"] if p["state"] in ("active", "idle"))
+    live["dp_rejected"] = 2
+    assert problems(s) == [f"{live['id']} (stage {live['stage']}) refused 2 averaging result(s) of its stage group: a member sends NaN or outsized updates"]
+    s = _healthy()  # a run whose budget is spent: its peers left, and that is no problem
+    s["state"], s["reason"] = "done", "token budget of 1000 tokens spent"
+    for st in s["stages"]:
+        st.update(peers=0, tokens_per_s=0.0)
+    for p in s["peers"]:
+        p["state"], p["reason"] = "left", "done"
+    assert problems(s) == [] and "DONE" in _text(s)
+
+
+def test_a_long_dead_peer_is_history_not_a_problem() -> None:
+    s = _healthy()
+    p = next(p for p in s["peers"] if p["state"] in ("active", "idle"))
+    p["state"], p["reason"], p["last_seen_s"] = "dead", "no heartbeat for 10.1s (timeout 10s)", 30.0
+    assert problems(s) == [f"{p['id']} (stage {p['stage']}) is dead: no heartbeat for 10.1s (timeout 10s)"]
+    p["last_seen_s"] = 3600.0
+    assert problems(s) == [] and p["id"] in _text(s)  # still in the peer table

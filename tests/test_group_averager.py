@@ -86,3 +86,42 @@ def test_an_averaging_process_that_does_not_start_is_killed_and_forked_again(mon
         avg.shutdown()
     finally:
         dht.shutdown()
+
+
+@pytest.mark.parametrize("poison", ["nan", "scaled"])
+def test_an_implausible_group_mean_is_refused_and_the_weights_stay(poison: str) -> None:
+    """Peer b offers NaN or 100x-scaled parameters: the mean a receives is NaN or far outside a's
+    own drift since the last mean, so a keeps its weights and counts the refusal."""
+    import hivemind
+
+    dht_a = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    dht_b = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[str(m) for m in dht_a.get_visible_maddrs()])
+    try:
+        torch.manual_seed(0)
+        init = [torch.randn(100, 50), torch.randn(20)]
+        pa = [torch.nn.Parameter(t.clone()) for t in init]
+        pb = [torch.nn.Parameter(t.clone()) for t in init]
+        a = GroupAverager(dht_a, pa, f"poison_{poison}", every=1, timeout=30.0, compression="none")
+        b = GroupAverager(dht_b, pb, f"poison_{poison}", every=1, timeout=30.0, compression="none")
+        with torch.no_grad():
+            for p in pa:
+                p.add_(0.01 * torch.randn_like(p))  # honest local training
+            for p in pb:
+                p.copy_(torch.full_like(p, float("nan")) if poison == "nan" else 100.0 * p)
+        before = [p.detach().clone() for p in pa]
+        a.after_step(1)
+        b.after_step(1)
+        deadline = time.monotonic() + 60
+        while not (a._pending.done() and b._pending.done()):
+            assert time.monotonic() < deadline, "no averaging round within 60 s"
+            time.sleep(0.1)
+        a._finish()
+        assert a.rejected == 1 and a.rounds == 0, (a.last_error, a.last_rejection)
+        assert ("NaN" in a.last_rejection) if poison == "nan" else ("more than 4.0x" in a.last_rejection)
+        assert all(torch.equal(x.detach(), y) for x, y in zip(pa, before))  # untouched
+        assert all(torch.equal(base, t) for base, t in zip(a._base, init))  # the next delta still counts from the last good mean
+        a.shutdown()
+        b.shutdown()
+    finally:
+        dht_b.shutdown()
+        dht_a.shutdown()

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 # bytes per averaged element on the wire (hivemind's 8-bit quantizer adds a 1 KiB codebook per part)
 WIRE_BYTES = {"none": 4, "int8": 1}
 
+MAX_CORRECTION = 4.0  # see GroupAverager._implausible
 START_TIMEOUT_S, START_TRIES = 30.0, 3  # the averaging process normally starts in 1-3 s
 StateFn = Callable[[], tuple[dict, list[torch.Tensor]]]  # -> (small metadata, tensors): what a joiner downloads
 
@@ -179,6 +180,8 @@ class GroupAverager:
         self._last_round_step: int | None = None  # set at the first step this averager sees (a joiner starts late)
         self._offered_at = 0
         self.last_error = ""
+        self.rejected = 0  # rounds whose result failed the plausibility rule (see _implausible)
+        self.last_rejection = ""
         self._base = [p.detach().clone() for p in params]  # the last group mean ("int8" sends the change from it)
         for attempt in range(1, START_TRIES + 1):
             self.averager = _averager_class()(
@@ -247,12 +250,36 @@ class GroupAverager:
         self.dense_bytes += round_bytes(self.numel, n, "none") * max(self._offered_at - self._last_round_step, 1)
         self._last_round_step = self._offered_at
         with torch.no_grad(), self.averager.get_tensors() as tensors:
-            for p, offered, mean, base in zip(self.params, self._offered, tensors, self._base):
-                if self.compression == "int8":  # the group's mean parameters: the old mean plus the mean change
-                    base.add_(mean.to(base.dtype))
-                    mean = base
+            means = [(base + m.to(base.dtype)) if self.compression == "int8" else m.to(base.dtype).clone() for m, base in zip(tensors, self._base)]
+        why = self._implausible(means)
+        if why:  # keep the local weights and the old base: as if the round had not happened
+            self.rejected += 1
+            self.last_rejection = why
+            log.warning("stage-group averaging result rejected (%d so far): %s", self.rejected, why)
+            return
+        with torch.no_grad():
+            for p, offered, mean, base in zip(self.params, self._offered, means, self._base):
                 p.add_(mean.to(p.dtype) - offered)
+                base.copy_(mean)
         self.rounds += 1
+
+    def _implausible(self, means: list[torch.Tensor]) -> str:
+        """Why the group's mean cannot be right, or "". The rule: every value finite, and the
+        correction it asks for (mean - what this peer offered) at most `MAX_CORRECTION` times this
+        peer's own drift since the last mean (plus a small floor). Why: honest replicas start a
+        round from the same mean and drift by similar amounts in `every` local steps, so the
+        mean of n of them lies within about that drift; a NaN or scaled contribution (a broken or
+        hostile peer) lands far outside it. The whole round is dropped because hivemind's
+        all-reduce hands back only the mean: the sender of a bad part cannot be told apart here."""
+        if not all(torch.isfinite(m).all() for m in means):
+            return "the group mean holds NaN or Inf"
+        correction = torch.sqrt(sum(((m - o) ** 2).sum() for m, o in zip(means, self._offered)))
+        drift = torch.sqrt(sum(((o - b) ** 2).sum() for o, b in zip(self._offered, self._base)))
+        scale = torch.sqrt(sum((b**2).sum() for b in self._base))
+        limit = MAX_CORRECTION * drift + 1e-3 * scale
+        if correction > limit:
+            return f"it would move the weights by {float(correction):.3g}, more than {MAX_CORRECTION}x this peer's own drift since the last mean ({float(drift):.3g}) plus 0.1% of their norm"
+        return ""
 
     def rebase(self) -> None:
         """After the parameters were replaced wholesale (a downloaded state): they are the new
