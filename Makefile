@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo demo-local test bench-quality proto clean
+.PHONY: demo demo-local test bench-quality bench-plot proto clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,12 @@ test: $(STAMP)
 
 bench-quality: $(STAMP)
 	$(VENV)/bin/anchormesh bench quality --quick --json bench-quality.json
+
+# projected tokens/s against bandwidth (Llama-3.2-1B on an RTX 4090) with a measured quick run
+# overlaid: docs/throughput.png (~30 s; matplotlib comes with the dev extra). The overlay was made
+# (as root) by: anchormesh bench throughput --quick --json docs/throughput-measured-quick.json
+bench-plot: $(STAMP)
+	$(VENV)/bin/anchormesh bench plot --json docs/throughput-measured-quick.json --out docs/throughput.png
 
 proto: $(STAMP)
 	$(PY) -m peer.wire.gen

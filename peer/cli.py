@@ -1,4 +1,4 @@
-"""`anchormesh` console entry point: `bootstrap`, `peer`, `status`, `health`, `demo`, `bench quality`.
+"""`anchormesh` console entry point: `bootstrap`, `peer`, `status`, `health`, `demo`, `export`, `bench quality|throughput|project|plot`.
 
 Bad flags exit with code 2 and one line naming the flag.
 """
@@ -86,6 +86,21 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--replicas", type=int, default=2, help="peers per stage (default 2)")
     t.add_argument("--modes", help="comma-separated subset of compute_bound,dense,masked,masked_dp")
     t.add_argument("--json", required=True, type=Path, help="write the result here")
+    pr = bsub.add_parser("project", help="predicted tokens/s of the throughput bench's four modes for a model on a device at a link speed (see peer/bench/project.py)")
+    pr.add_argument("--model", default="tiny-llama", help="run.toml path, local model folder, or tiny-llama / llama-3.2-1b / llama-3.2-3b / qwen2.5-0.5b / qwen2.5-1.5b (default tiny-llama)")
+    pr.add_argument("--gpu", required=True, help="rtx4090, a100, h100 (published bf16 FLOP/s x --mfu), or cpu (measured on this machine)")
+    pr.add_argument("--bandwidth-mbit", type=float, required=True, help="every host's link speed, each way")
+    pr.add_argument("--stages", type=int, default=2, help="pipeline stages (default 2)")
+    pr.add_argument("--replicas", type=int, default=2, help="peers per stage (default 2)")
+    pr.add_argument("--mfu", type=float, default=None, help="fraction of the GPU's peak reached (default 0.40)")
+    pr.add_argument("--dp-every", type=int, default=10, help="steps between DP rounds of masked_dp and compute_bound (default 10, the full bench's)")
+    pr.add_argument("--shared-cores", type=int, default=None, help="all peers share this many cores (the namespace test bed); default: each peer its own device")
+    pr.add_argument("--json", type=Path, default=None, help="write the result here (default: print it)")
+    pl = bsub.add_parser("plot", help="tokens/s against bandwidth (25-1000 Mbit/s) of the four modes, projected, with measured points (PNG; needs the [bench] extra)")
+    pl.add_argument("--json", type=Path, default=None, help="a `bench throughput` result to overlay (scaled by its GPU-equivalent rule)")
+    pl.add_argument("--out", type=Path, required=True, help="PNG to write")
+    pl.add_argument("--model", default="llama-3.2-1b", help="as for `bench project` (default llama-3.2-1b)")
+    pl.add_argument("--gpu", default="rtx4090", help="as for `bench project` (default rtx4090)")
     return p
 
 
@@ -170,6 +185,18 @@ def main(argv: list[str] | None = None) -> None:
             modes = [m.strip() for m in args.modes.split(",")] if args.modes else None
             main_json(args.json, quick=args.quick, bandwidth_mbit=args.bandwidth_mbit, stages=args.stages, replicas=args.replicas, modes=modes)
             print(f"wrote {args.json}")
+        elif args.command == "bench" and args.bench == "project":
+            from peer.bench.project import main_json as project_json
+
+            project_json(args.json, model=args.model, device=args.gpu, bandwidth_mbit=args.bandwidth_mbit, stages=args.stages, replicas=args.replicas,
+                         mfu=args.mfu, dp_every=args.dp_every, shared_cores=args.shared_cores)
+            if args.json is not None:
+                print(f"wrote {args.json}")
+        elif args.command == "bench" and args.bench == "plot":
+            from peer.bench.plot import plot
+
+            plot(args.out, measured=args.json, model=args.model, gpu=args.gpu)
+            print(f"wrote {args.out}")
     except ConfigError as exc:
         print(f"anchormesh: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -70,6 +70,8 @@ class NetBed:
         burst_kb: tbf bucket; small enough that the rate holds over a micro-batch.
     """
 
+    latency_ms = 50  # tbf's queue bound: a full queue drains in this long at the rate
+
     def __init__(self, rates_mbit: list[float | None], subnet: int = 0, burst_kb: int = 32) -> None:
         global _instances
         _instances += 1
@@ -159,8 +161,8 @@ class NetBed:
         for ns, dev in ((h.ns, "eth0"), (self.hub, h.port)):
             subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"], capture_output=True)
             if rate_mbit is not None:
-                # latency bounds the queue: a full queue at the rate drains in 50 ms
-                self._ns(ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate_mbit}mbit", "burst", f"{self.burst_kb}kb", "latency", "50ms")
+                # latency bounds the queue: a full queue at the rate drains in latency_ms
+                self._ns(ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate_mbit}mbit", "burst", f"{self.burst_kb}kb", "latency", f"{self.latency_ms}ms")
 
     def counters(self) -> dict[int, tuple[int, int]]:
         """Per host: (bytes sent, bytes received) on its eth0 since the bed came up."""
