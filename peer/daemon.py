@@ -529,7 +529,7 @@ class PeerDaemon:
             if self.averager is not None:
                 with self.averager.lock:  # a joiner downloading our state sees whole steps and whole averaging results
                     w.apply_step()
-                    self.averager.after_step(w.version)
+                    self.averager.after_step(w.version, alone=not self._siblings())
                 if w.version % max(cfg.dp.inner_steps, 1) == 0:
                     self.averager.share_state(priority=w.version)
             else:

@@ -125,3 +125,18 @@ def test_an_implausible_group_mean_is_refused_and_the_weights_stay(poison: str) 
     finally:
         dht_b.shutdown()
         dht_a.shutdown()
+
+
+def test_a_peer_alone_in_its_stage_offers_no_round() -> None:
+    import hivemind
+
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        avg = GroupAverager(dht, [torch.nn.Parameter(torch.zeros(4))], "test_alone", every=1)
+        avg.after_step(1, alone=True)
+        assert avg._pending is None  # no matchmaking for a group that cannot form
+        avg.after_step(2, alone=False)
+        assert avg._pending is not None
+        avg.shutdown()
+    finally:
+        dht.shutdown()
