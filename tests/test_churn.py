@@ -11,49 +11,27 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-import pytest
 
 from peer.swarm_demo import start_process, stop_processes, wait_for_bootstrap
+from swarmkit import logs, status_json, tiny_run_toml
 
-RUN_TOML = """
-[model]
-name = "tiny-llama"
-num_stages = 2
-hidden_size = 32
-num_layers = 2
-num_heads = 2
-max_seq_len = 32
-[mask]
-scheme = "lowrank"
-rank = 8
+RUN_TOML = tiny_run_toml(extra="""
 [dp]
 inner_steps = 5
 outer_compression = "none"
 [optim]
 lr = 3e-3
-[pipeline]
-micro_batch_size = 4
-micro_batches = 2
-seq_len = 32
-eval_every = 0
 [checkpoint]
 every = 5
 keep = 2
-"""
+""")
 CHAOS_S, KILL_EVERY_S = 100.0, 12.0
-
-
-def status(tracker: str) -> dict | None:
-    out = subprocess.run([sys.executable, "-m", "peer.cli", "status", "--tracker", tracker, "--json"], capture_output=True, text=True, timeout=30, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return json.loads(out.stdout) if out.returncode == 0 else None
 
 
 def test_random_kills_and_restarts_lose_nothing(tmp_path: Path) -> None:
@@ -61,7 +39,6 @@ def test_random_kills_and_restarts_lose_nothing(tmp_path: Path) -> None:
     (tmp_path / "run.toml").write_text(RUN_TOML)
     procs: dict[str, subprocess.Popen] = {}
     everything: list[subprocess.Popen] = []
-    logs = lambda: "\n".join(f"--- {f.name}\n{f.read_text()[-2000:]}" for f in sorted(tmp_path.glob("*.log")))  # noqa: E731
 
     def start_peer(name: str) -> None:
         n = sum(1 for f in tmp_path.glob(f"{name}*.log"))
@@ -76,10 +53,10 @@ def test_random_kills_and_restarts_lose_nothing(tmp_path: Path) -> None:
             start_peer(name)
         deadline = time.monotonic() + 180
         while True:
-            s = status(tracker)
+            s = status_json(tracker)
             if s and s["step"] >= 10 and sorted(p["stage"] for p in s["peers"] if p["state"] == "active") == [0, 0, 1, 1]:
                 break
-            assert time.monotonic() < deadline, f"the swarm did not start: {json.dumps(s)[:800]}\n{logs()}"
+            assert time.monotonic() < deadline, f"the swarm did not start: {json.dumps(s)[:800]}\n{logs(tmp_path)}"
             time.sleep(1)
         start_step = s["step"]
         steps, kills, next_kill, down = [s["step"]], 0, time.monotonic() + KILL_EVERY_S, {}
@@ -95,7 +72,7 @@ def test_random_kills_and_restarts_lose_nothing(tmp_path: Path) -> None:
                 if now >= back_at:
                     start_peer(name)
                     del down[name]
-            s = status(tracker)
+            s = status_json(tracker)
             if s is not None:
                 assert s["step"] >= steps[-1], f"the run's step went back: {steps[-1]} -> {s['step']}"
                 steps.append(s["step"])
@@ -108,11 +85,11 @@ def test_random_kills_and_restarts_lose_nothing(tmp_path: Path) -> None:
         # the step the chaos started at (a restarted peer continued the numbering)
         deadline, chaos_end_step = time.monotonic() + 150, steps[-1]
         while True:
-            s = status(tracker)
+            s = status_json(tracker)
             live = [p for p in (s or {}).get("peers", []) if p["state"] == "active"]
             if s and s["state"] == "running" and {p["stage"] for p in live} == {0, 1} and s["step"] >= chaos_end_step + 10 and all(p["step"] > start_step for p in live):
                 break
-            assert time.monotonic() < deadline, f"no recovery after the chaos: {json.dumps(s)[:1500]}\n{logs()}"
+            assert time.monotonic() < deadline, f"no recovery after the chaos: {json.dumps(s)[:1500]}\n{logs(tmp_path)}"
             time.sleep(1)
         assert kills >= 7
         resumed = sum(f.read_text().count("took the stage state of checkpoint") for f in tmp_path.glob("p*.log"))

@@ -5,61 +5,26 @@ the run at its token budget: status "done", every peer writes a final checkpoint
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import pytest
 import torch
 
 from peer.checkpoint import ShardCheckpoints
 from peer.swarm_demo import start_process, stop_processes, wait_for_bootstrap
+from swarmkit import TOKENS_PER_STEP, status_json, tiny_run_toml, wait_for_status
 
-TOKENS_PER_STEP = 2 * 4 * 32  # micro_batches * micro_batch_size * seq_len
 BUDGET_STEPS = 60
-RUN_TOML = f"""
-token_budget = {BUDGET_STEPS * TOKENS_PER_STEP}
-[model]
-name = "tiny-llama"
-num_stages = 2
-hidden_size = 32
-num_layers = 2
-num_heads = 2
-max_seq_len = 32
-[mask]
-scheme = "lowrank"
-rank = 8
+RUN_TOML = tiny_run_toml(top=f"token_budget = {BUDGET_STEPS * TOKENS_PER_STEP}\n", extra="""
 [optim]
 lr = 3e-3
-[pipeline]
-micro_batch_size = 4
-micro_batches = 2
-seq_len = 32
-eval_every = 0
 [checkpoint]
 every = 4
 keep = 2
-"""
-
-
-def status(tracker: str) -> dict:
-    out = subprocess.run([sys.executable, "-m", "peer.cli", "status", "--tracker", tracker, "--json"], capture_output=True, text=True, timeout=30, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
-
-
-def wait_for(tracker: str, what, tmp: Path, timeout: float = 120.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        s = status(tracker)
-        if what(s):
-            return s
-        time.sleep(0.5)
-    logs = "\n".join(f"--- {f.name}\n{f.read_text()[-2500:]}" for f in sorted(tmp.glob("*.log")))
-    pytest.fail(f"timed out; last status {json.dumps(s)[:1500]}\n{logs}")
+""")
 
 
 def test_a_killed_peer_resumes_from_its_checkpoint_and_the_run_ends_at_its_budget(tmp_path: Path) -> None:
@@ -70,9 +35,9 @@ def test_a_killed_peer_resumes_from_its_checkpoint_and_the_run_ends_at_its_budge
         boot = wait_for_bootstrap(tmp_path / "boot", procs[0], tmp_path / "boot.log")
         tracker, run_id = boot["tracker"], boot["run_id"]
         procs.append(start_process(["peer", "--tracker", tracker, "--state-dir", str(tmp_path / "p0")], tmp_path / "p0.log"))
-        wait_for(tracker, lambda s: any(p["state"] in ("active", "idle") for p in s["peers"]), tmp_path)
+        wait_for_status(tracker, lambda s: any(p["state"] in ("active", "idle") for p in s["peers"]), tmp_path)
         procs.append(start_process(["peer", "--tracker", tracker, "--state-dir", str(tmp_path / "p1")], tmp_path / "p1.log"))
-        s = wait_for(tracker, lambda s: sorted(p["stage"] for p in s["peers"] if p["state"] in ("active", "idle")) == [0, 1], tmp_path)
+        s = wait_for_status(tracker, lambda s: sorted(p["stage"] for p in s["peers"] if p["state"] in ("active", "idle")) == [0, 1], tmp_path)
         stage1 = ShardCheckpoints(tmp_path / "p1", run_id, 1)
         deadline = time.monotonic() + 120
         while not stage1.steps() or stage1.steps()[0] < 8:  # two checkpoints of stage 1 on disk
@@ -82,9 +47,9 @@ def test_a_killed_peer_resumes_from_its_checkpoint_and_the_run_ends_at_its_budge
         procs[2].wait(10)
         killed_at = stage1.steps()[0]
         assert killed_at < BUDGET_STEPS
-        wait_for(tracker, lambda s: s["state"] == "paused", tmp_path)  # stage 1 has no live peer
+        wait_for_status(tracker, lambda s: s["state"] == "paused", tmp_path)  # stage 1 has no live peer
         procs.append(start_process(["peer", "--tracker", tracker, "--state-dir", str(tmp_path / "p1")], tmp_path / "p1b.log"))
-        s = wait_for(tracker, lambda s: s["state"] == "done", tmp_path, timeout=180)
+        s = wait_for_status(tracker, lambda s: s["state"] == "done", tmp_path, timeout=180)
         assert "token budget" in s["reason"] and s["tokens"] >= BUDGET_STEPS * TOKENS_PER_STEP
         for p in procs[1:]:
             if p is not procs[2]:
@@ -93,7 +58,7 @@ def test_a_killed_peer_resumes_from_its_checkpoint_and_the_run_ends_at_its_budge
         assert f"took the stage state of checkpoint {stage1.dir} at step" in restarted, restarted[-3000:]
         resumed = int(restarted.split(f"took the stage state of checkpoint {stage1.dir} at step ")[1].split()[0])
         assert resumed >= 8 and resumed <= killed_at + 4  # its newest whole checkpoint (one may have landed while it died)
-        s = status(tracker)
+        s = status_json(tracker)
         left = {p["id"]: p for p in s["peers"] if p["state"] == "left"}
         assert len(left) == 2 and all(p["reason"] == "done" for p in left.values()), left
         # both stages wrote a final checkpoint at the step they ended on

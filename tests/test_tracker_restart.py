@@ -22,6 +22,7 @@ from peer import __version__
 from peer.config import AnchorConfig, ConfigError, ModelConfig, TrainConfig
 from peer.swarm_demo import start_process, stop_processes, wait_for_bootstrap
 from peer.wire import anchormesh_pb2 as pb
+from swarmkit import status_json, tiny_run_toml, wait_for_status
 
 
 class Clock:
@@ -81,43 +82,7 @@ def test_another_config_on_a_run_state_dir_exits_2_until_new_run(tmp_path: Path)
     assert out.returncode == 2 and "holds run run-x with another config; pass --new-run" in out.stderr, out.stderr
 
 
-RUN_TOML = """
-[model]
-name = "tiny-llama"
-num_stages = 2
-hidden_size = 32
-num_layers = 2
-num_heads = 2
-max_seq_len = 32
-[mask]
-scheme = "lowrank"
-rank = 8
-[pipeline]
-micro_batch_size = 4
-micro_batches = 2
-seq_len = 32
-eval_every = 0
-"""
-
-
-def status(tracker: str) -> dict | None:
-    out = subprocess.run([sys.executable, "-m", "peer.cli", "status", "--tracker", tracker, "--json"], capture_output=True, text=True, timeout=30, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return json.loads(out.stdout) if out.returncode == 0 else None
-
-
-def wait_for(tracker: str, what, tmp: Path, procs: list[subprocess.Popen], timeout: float = 120.0) -> dict:
-    deadline, s = time.monotonic() + timeout, None
-    while time.monotonic() < deadline:
-        s = status(tracker)
-        if s is not None and what(s):
-            return s
-        time.sleep(0.5)
-    for p in procs:  # each peer dumps its threads' stacks into its log (faulthandler on SIGUSR1)
-        if p.poll() is None and p.args[3] == "peer":
-            p.send_signal(signal.SIGUSR1)
-    time.sleep(2)
-    logs = "\n".join(f"--- {f.name}\n{f.read_text()[-6000:]}" for f in sorted(tmp.glob("*.log")))
-    pytest.fail(f"timed out; last status {json.dumps(s)[:1500]}\n{logs}")
+RUN_TOML = tiny_run_toml()
 
 
 def test_a_killed_bootstrap_resumes_its_run_and_the_peers_carry_on(tmp_path: Path) -> None:
@@ -130,16 +95,16 @@ def test_a_killed_bootstrap_resumes_its_run_and_the_peers_carry_on(tmp_path: Pat
         tracker = info["tracker"]
         for i in range(2):
             procs.append(start_process(["peer", "--tracker", tracker], tmp_path / f"p{i}.log"))
-        before = wait_for(tracker, lambda s: s["step"] >= 6 and sorted(p["state"] for p in s["peers"]) == ["active", "active"], tmp_path, procs)
+        before = wait_for_status(tracker, lambda s: s["step"] >= 6 and sorted(p["state"] for p in s["peers"]) == ["active", "active"], tmp_path, procs)
         time.sleep(persist.SAVE_EVERY_S + 0.5)  # at least one save after that status
         os.killpg(procs[0].pid, signal.SIGKILL)  # the bootstrap and its DHT daemon, no goodbye
         procs[0].wait(10)
-        assert status(tracker) is None
+        assert status_json(tracker) is None
         time.sleep(3)  # the peers' heartbeats fail meanwhile
         procs.append(start_process(boot_args, tmp_path / "boot2.log"))
         again = wait_for_bootstrap(tmp_path / "boot", procs[-1], tmp_path / "boot2.log")
         assert again == info  # same run id, tracker address and DHT multiaddr (persistent identity)
-        after = wait_for(tracker, lambda s: s["step"] >= before["step"] + 5, tmp_path, procs)
+        after = wait_for_status(tracker, lambda s: s["step"] >= before["step"] + 5, tmp_path, procs)
         assert after["run_id"] == before["run_id"] and after["tokens"] > before["tokens"] and after["state"] == "running"
         assert {p["id"] for p in after["peers"]} == {p["id"] for p in before["peers"]}  # nobody joined again
         assert all(p["state"] == "active" for p in after["peers"])

@@ -161,7 +161,7 @@ class GrpcTransport(Transport):
 
     def _ping_handler(self, addr: Address):
         def handle(data: bytes, context: grpc.ServicerContext) -> pb.PingReply:
-            req = self._small_request(pb.PingRequest, data, context, addr)
+            self._small_request(pb.PingRequest, data, context, addr)
             reply = self.ping_info(addr)
             if not reply.run_id:
                 reply.run_id = self.run_id
