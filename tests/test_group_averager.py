@@ -12,6 +12,16 @@ import torch
 from peer.dp.group import GroupAverager
 
 
+def start_round(a: GroupAverager, b: GroupAverager) -> None:
+    """Both peers offer a round after step 1; returns once both rounds have ended."""
+    a.after_step(1)
+    b.after_step(1)
+    deadline = time.monotonic() + 60
+    while not (a._pending.done() and b._pending.done()):
+        assert time.monotonic() < deadline, "no averaging round within 60 s"
+        time.sleep(0.1)
+
+
 @pytest.mark.parametrize("compression,tol", [("none", 1e-6), ("int8", 2e-3)])
 def test_round_leaves_both_peers_at_the_mean(compression: str, tol: float) -> None:
     import hivemind
@@ -31,12 +41,7 @@ def test_round_leaves_both_peers_at_the_mean(compression: str, tol: float) -> No
             for p in pb:
                 p.add_(0.01 * torch.randn_like(p))
         want = [(x.detach() + y.detach()) / 2 for x, y in zip(pa, pb)]
-        a.after_step(1)
-        b.after_step(1)
-        deadline = time.monotonic() + 60
-        while not (a._pending.done() and b._pending.done()):
-            assert time.monotonic() < deadline, "no averaging round within 60 s"
-            time.sleep(0.1)
+        start_round(a, b)
         with torch.no_grad():  # a local step taken while the round ran must survive it
             pa[1].add_(1.0)
         a._finish()
@@ -109,12 +114,7 @@ def test_an_implausible_group_mean_is_refused_and_the_weights_stay(poison: str) 
             for p in pb:
                 p.copy_(torch.full_like(p, float("nan")) if poison == "nan" else 100.0 * p)
         before = [p.detach().clone() for p in pa]
-        a.after_step(1)
-        b.after_step(1)
-        deadline = time.monotonic() + 60
-        while not (a._pending.done() and b._pending.done()):
-            assert time.monotonic() < deadline, "no averaging round within 60 s"
-            time.sleep(0.1)
+        start_round(a, b)
         a._finish()
         assert a.rejected == 1 and a.rounds == 0, (a.last_error, a.last_rejection)
         assert ("NaN" in a.last_rejection) if poison == "nan" else ("more than 4.0x" in a.last_rejection)
