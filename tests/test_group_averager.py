@@ -140,3 +140,20 @@ def test_a_peer_alone_in_its_stage_offers_no_round() -> None:
         avg.shutdown()
     finally:
         dht.shutdown()
+
+
+def test_a_round_pending_far_past_its_timeout_is_cancelled_and_the_next_offered() -> None:
+    import hivemind
+    from concurrent.futures import Future
+
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        avg = GroupAverager(dht, [torch.nn.Parameter(torch.zeros(4))], "test_stuck", every=1, timeout=5.0)
+        stuck = Future()  # never resolves, like the hivemind round seen pending for minutes
+        avg._pending, avg._offered_wall = stuck, time.monotonic() - 100.0
+        avg.after_step(1)
+        assert stuck.cancelled() and avg.failures == 1 and "cancelled" in avg.last_error
+        assert avg._pending is not None and avg._pending is not stuck  # a new round was offered
+        avg.shutdown()
+    finally:
+        dht.shutdown()

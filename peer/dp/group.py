@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 WIRE_BYTES = {"none": 4, "int8": 1}
 
 MAX_CORRECTION = 4.0  # see GroupAverager._implausible
+STUCK_ROUND_FACTOR = 3.0  # a round pending this many times its timeout is cancelled
 START_TIMEOUT_S, START_TRIES = 30.0, 3  # the averaging process normally starts in 1-3 s
 StateFn = Callable[[], tuple[dict, list[torch.Tensor]]]  # -> (small metadata, tensors): what a joiner downloads
 
@@ -179,6 +181,7 @@ class GroupAverager:
         self.dense_bytes = 0  # a dense fp32 gradient all-reduce every step, over the same steps
         self._last_round_step: int | None = None  # set at the first step this averager sees (a joiner starts late)
         self._offered_at = 0
+        self._offered_wall = 0.0  # when the pending round was offered (monotonic)
         self.last_error = ""
         self.rejected = 0  # rounds whose result failed the plausibility rule (see _implausible)
         self.last_rejection = ""
@@ -227,9 +230,18 @@ class GroupAverager:
             self._last_round_step = local_step - 1
         if self._pending is not None and self._pending.done():
             self._finish()
+        elif self._pending is not None and time.monotonic() - self._offered_wall > STUCK_ROUND_FACTOR * self.timeout:
+            # hivemind's step timeout bounds finding a group only, not the all-reduce after it: a
+            # round was seen pending for minutes (the demo's stage 0), and none was offered after it
+            self._pending.cancel()
+            self._pending = None
+            self.failures += 1
+            self.last_error = f"round pending for over {STUCK_ROUND_FACTOR * self.timeout:.0f}s: cancelled"
+            log.warning("stage-group averaging: %s", self.last_error)
         if self._pending is None and local_step % self.every == 0 and not alone:
             self._offered = [p.detach().clone() for p in self.params]
             self._offered_at = local_step
+            self._offered_wall = time.monotonic()
             with torch.no_grad(), self.averager.get_tensors() as tensors:
                 for t, p, base in zip(tensors, self._offered, self._base):
                     t.copy_(p - base if self.compression == "int8" else p)
