@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import threading
 import time
@@ -24,6 +23,7 @@ import grpc
 from bootstrap import persist
 from bootstrap.tracker import JoinRefused, Tracker
 from peer.address import announce_maddr, free_port
+from peer.atomic import write_atomic
 from peer.config import config_from_dict, check_swarm, AnchorConfig, DPConfig, MaskConfig, ModelConfig, OptimConfig, PipelineConfig, TrainConfig
 from peer.errors import AnchormeshError, ConfigError
 from peer.logs import setup_logging
@@ -217,9 +217,7 @@ def run_bootstrap(config: TrainConfig | None, host: str, port: int, dht_port: in
     persist.save(state_dir, persist.snapshot(tracker, ports))
     threading.Thread(target=keep_state, name="tracker-state", daemon=True).start()
     info = {"run_id": run_id, "dht_maddrs": maddrs, "tracker": address}
-    tmp = state_dir / "bootstrap.json.tmp"
-    tmp.write_text(json.dumps(info))
-    os.replace(tmp, state_dir / "bootstrap.json")
+    write_atomic(state_dir / "bootstrap.json", json.dumps(info).encode())
     print(json.dumps(info), flush=True)
     log.info("tracker for %s on %s; DHT %s", run_id, address, maddrs[0] if maddrs else "?")
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import json
 import logging
-import math
-import os
 from dataclasses import asdict, fields
 from pathlib import Path
 
 from bootstrap.tracker import LIVE, PeerRecord, Tracker
 from peer import __version__
+from peer.atomic import write_atomic
 from peer.config import config_from_dict
 from peer.errors import ConfigError
 
@@ -61,13 +60,7 @@ def snapshot(tracker: Tracker, ports: dict[str, int]) -> dict:
 
 def save(state_dir: Path, data: dict) -> None:
     """Atomic write of `tracker.json` (temp file, fsync, rename)."""
-    path = state_dir / FILE
-    tmp = state_dir / f".{FILE}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(state_dir / FILE, json.dumps(data).encode())
 
 
 def load(state_dir: Path) -> dict | None:
@@ -105,8 +98,6 @@ def restore(data: dict, **tracker_kwargs) -> Tracker:
         last_seen_age, joined_age = float(rec.pop("last_seen_age_s", 0.0)), float(rec.pop("joined_age_s", 0.0))
         p = PeerRecord(**{k: v for k, v in rec.items() if k in known})
         p.dht_maddrs = tuple(p.dht_maddrs)
-        p.loss = math.nan if p.loss is None else p.loss
-        p.eval_loss = math.nan if p.eval_loss is None else p.eval_loss
         p.joined_at = now - joined_age
         p.last_seen = now if p.state in LIVE else now - last_seen_age
         tracker.peers[p.peer_id] = p

@@ -18,7 +18,6 @@ import hashlib
 import io
 import json
 import logging
-import os
 import re
 import time
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from typing import BinaryIO
 import torch
 from tqdm import tqdm
 
+from peer.atomic import fsync_dir, write_atomic
 from peer.progress import byte_bar
 
 log = logging.getLogger(__name__)
@@ -52,23 +52,6 @@ class _HashingWriter(io.RawIOBase):
         self.size += n
         self.bar.update(n)
         return n
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 @dataclass
@@ -122,7 +105,7 @@ class ShardCheckpoints:
         self.dir.mkdir(parents=True, exist_ok=True)
         info_path = self.dir.parent / "run.json"
         if self.run_info is not None and not info_path.exists():
-            _write_atomic(info_path, lambda f: f.write(json.dumps(self.run_info, indent=2).encode()))
+            write_atomic(info_path, json.dumps(self.run_info, indent=2).encode())
         data, manifest = self._paths(step)
         t0 = time.monotonic()
         payload = {"format": FORMAT, "run_id": self.run_id, "stage": self.stage, "metadata": metadata, "names": names, "tensors": tensors, "hf_names": hf_names}
@@ -135,11 +118,11 @@ class ShardCheckpoints:
                 writer = _HashingWriter(f, bar)
                 torch.save(payload, writer)
 
-        _write_atomic(data, write)
+        write_atomic(data, write)
         assert writer is not None
         info = {"format": FORMAT, "file": data.name, "sha256": writer.sha.hexdigest(), "bytes": writer.size, "step": step, "run_id": self.run_id, "stage": self.stage, "written_at": time.time()}
-        _write_atomic(manifest, lambda f: f.write(json.dumps(info).encode()))
-        _fsync_dir(self.dir)
+        write_atomic(manifest, json.dumps(info).encode())
+        fsync_dir(self.dir)
         dt = time.monotonic() - t0
         log.info("checkpoint of stage %d at step %d: %.1f MB in %.1fs (%.1f MB/s) -> %s", self.stage, step, writer.size / 1e6, dt, writer.size / 1e6 / max(dt, 1e-6), data)
         for old in self.steps()[self.keep :]:
