@@ -2,7 +2,12 @@
 
 It publishes the tracker's address in the DHT (key `anchormesh/tracker`), so a peer given only
 `--initial-peers` finds it, and writes `STATE_DIR/bootstrap.json` =
-`{"run_id", "dht_maddrs", "tracker"}` once it accepts peers (the same JSON goes to stdout).
+`{"run_id", "dht_maddrs", "tracker", "token", "operator"[, "tls_ca"]}` (mode 0600: it holds the
+run's secrets) once it accepts peers; stdout gets the same without the secrets.
+
+Every call is checked by a `Gate` (peer/auth.py): Join takes the run token, Heartbeat and Leave a
+member certificate (issued at Join), Ban the operator key, Status nothing unless
+`security.private_status`.
 """
 
 from __future__ import annotations
@@ -20,8 +25,10 @@ from pathlib import Path
 
 import grpc
 
-from bootstrap import persist
-from bootstrap.tracker import JoinRefused, Tracker
+from bootstrap import keys, persist
+from bootstrap.tracker import Banned, JoinRefused, Tracker
+from peer import auth
+from peer.identity import Identity, certificate_bytes
 from peer.address import announce_maddr, free_port
 from peer.atomic import write_atomic
 from peer.config import config_from_dict, check_swarm, AnchorConfig, DPConfig, MaskConfig, ModelConfig, OptimConfig, PipelineConfig, TrainConfig
@@ -53,27 +60,74 @@ def default_run() -> TrainConfig:
     )
 
 
+def tracker_policy(config: TrainConfig) -> dict[str, frozenset[str]]:
+    """Which credentials each tracker method takes (peer/auth.py)."""
+    watch = frozenset({auth.TOKEN, auth.MEMBER, auth.OPERATOR}) if config.security.private_status else frozenset({auth.OPEN})
+    return {
+        "/anchormesh.v1.Tracker/Join": frozenset({auth.TOKEN, auth.MEMBER}),
+        "/anchormesh.v1.Tracker/GetConfig": frozenset({auth.TOKEN, auth.MEMBER, auth.OPERATOR}),
+        "/anchormesh.v1.Tracker/Heartbeat": frozenset({auth.MEMBER}),
+        "/anchormesh.v1.Tracker/Leave": frozenset({auth.MEMBER}),
+        "/anchormesh.v1.Tracker/Ban": frozenset({auth.OPERATOR}),
+        "/anchormesh.v1.Status/GetStatus": watch,
+        "/anchormesh.v1.Status/WatchStatus": watch,
+    }
+
+
+def _same_peer(context: grpc.ServicerContext, peer_id: str) -> None:
+    """A member may speak only for itself: the request's peer id must be the certified caller's."""
+    caller, _ = auth.caller(context)
+    if peer_id != caller:
+        context.abort(grpc.StatusCode.PERMISSION_DENIED, f"peer_id={peer_id!r}: the caller is {caller!r}; a peer speaks only for itself")
+
+
 class TrackerService(pbg.TrackerServicer):
-    def __init__(self, tracker: Tracker) -> None:
-        self.tracker = tracker
+    def __init__(self, tracker: Tracker, identity: Identity | None = None, ca=None) -> None:
+        self.tracker, self.identity, self.ca = tracker, identity, ca
 
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.Assignment:
+        _, key = auth.caller(context)
+        if self.identity is not None:
+            _same_peer(context, request.peer_id)
+            if not key:
+                context.abort(grpc.StatusCode.UNAUTHENTICATED, f"Join needs the peer's identity key ({auth.H_KEY})")
         try:
-            a = self.tracker.join(request)
+            a = self.tracker.join(request, key)
+        except Banned as exc:
+            log.warning("refused join of %r: %s", request.peer_id, exc)
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         except JoinRefused as exc:
             log.warning("refused join of %r: %s", request.peer_id, exc)
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        if self.identity is not None:
+            a.certificate = self.identity.sign(certificate_bytes(a.run_id, request.peer_id, key))
+            a.tracker_key = self.identity.public
+        if self.ca is not None:
+            if not request.tls_public_key:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this run uses TLS (security.tls): the peer must send its tls_public_key; start it with --tls-ca")
+            try:
+                a.tls_certificate = self.ca.issue(request.peer_id, request.tls_public_key)
+            except ConfigError as exc:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        sec = self.tracker.config.security
+        a.calls_per_s, a.messages_per_s = sec.calls_per_s, sec.messages_per_s
         log.info("peer %s joined: stage %d, address %s", request.peer_id, a.stage, request.grpc_address)
         return a
 
     def Heartbeat(self, request_iterator: Iterator[pb.PeerReport], context: grpc.ServicerContext) -> Iterator[pb.Directive]:
         for report in request_iterator:
+            if self.identity is not None:
+                _same_peer(context, report.peer.peer_id)
             try:
                 yield self.tracker.report(report)
+            except Banned as exc:  # banned while its stream was open
+                context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
             except JoinRefused as exc:
                 context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
+        if self.identity is not None:
+            _same_peer(context, request.peer_id)
         self.tracker.leave(request)
         log.info("peer %s left: %s", request.peer_id, request.reason)
         return pb.LeaveReply()
@@ -81,18 +135,32 @@ class TrackerService(pbg.TrackerServicer):
     def GetConfig(self, request: pb.ConfigRequest, context: grpc.ServicerContext) -> pb.RunConfig:
         return self.tracker.run_config()
 
+    def Ban(self, request: pb.BanRequest, context: grpc.ServicerContext) -> pb.BanReply:
+        try:
+            banned = self.tracker.ban(request.peer_id, request.reason, request.unban)
+        except JoinRefused as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        log.warning("operator %s %s (%s); banned now: %s", "readmitted" if request.unban else "banned", request.peer_id, request.reason or "no reason given", "; ".join(banned) or "none")
+        return pb.BanReply(banned=banned)
+
 
 class StatusService(pbg.StatusServicer):
-    def __init__(self, tracker: Tracker) -> None:
-        self.tracker = tracker
+    def __init__(self, tracker: Tracker, gate: auth.Gate | None = None) -> None:
+        self.tracker, self.gate = tracker, gate
+
+    def _status(self) -> pb.RunStatus:
+        st = self.tracker.status()
+        if self.gate is not None:
+            st.refused_calls = sum(self.gate.refused.values())
+        return st
 
     def GetStatus(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.RunStatus:
-        return self.tracker.status()
+        return self._status()
 
     def WatchStatus(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> Iterator[pb.RunStatus]:
         interval = min(max(request.interval_s or 1.0, 0.2), 60.0)
         while context.is_active():
-            yield self.tracker.status()
+            yield self._status()
             time.sleep(interval)
 
 
@@ -112,9 +180,9 @@ def _unary(cls, method, reply_cls) -> grpc.RpcMethodHandler:
     return grpc.unary_unary_rpc_method_handler(lambda data, ctx: method(_parse(cls, data, ctx), ctx), request_deserializer=None, response_serializer=reply_cls.SerializeToString)
 
 
-def _handlers(tracker: Tracker) -> tuple[grpc.GenericRpcHandler, ...]:
+def _handlers(tracker: Tracker, identity: Identity | None = None, gate: auth.Gate | None = None, ca=None) -> tuple[grpc.GenericRpcHandler, ...]:
     """The Tracker and Status services on raw bytes (see `_parse`)."""
-    t, st = TrackerService(tracker), StatusService(tracker)
+    t, st = TrackerService(tracker, identity, ca), StatusService(tracker, gate)
 
     def heartbeat(requests: Iterator[bytes], ctx: grpc.ServicerContext) -> Iterator[pb.Directive]:
         return t.Heartbeat((_parse(pb.PeerReport, data, ctx) for data in requests), ctx)
@@ -127,6 +195,7 @@ def _handlers(tracker: Tracker) -> tuple[grpc.GenericRpcHandler, ...]:
             "Join": _unary(pb.JoinRequest, t.Join, pb.Assignment),
             "GetConfig": _unary(pb.ConfigRequest, t.GetConfig, pb.RunConfig),
             "Leave": _unary(pb.LeaveRequest, t.Leave, pb.LeaveReply),
+            "Ban": _unary(pb.BanRequest, t.Ban, pb.BanReply),
             "Heartbeat": grpc.stream_stream_rpc_method_handler(heartbeat, request_deserializer=None, response_serializer=pb.Directive.SerializeToString),
         }),
         grpc.method_handlers_generic_handler("anchormesh.v1.Status", {
@@ -136,16 +205,30 @@ def _handlers(tracker: Tracker) -> tuple[grpc.GenericRpcHandler, ...]:
     )
 
 
-def serve_tracker(tracker: Tracker, host: str, port: int) -> tuple[grpc.Server, str]:
+def tracker_gate(tracker: Tracker, secrets: keys.RunSecrets) -> auth.Gate:
+    """The tracker's gate; it shares the tracker's ban list (a ban takes effect on the next call)."""
+    sec = tracker.config.security
+    return auth.Gate(tracker_policy(tracker.config), token=secrets.token, operator=secrets.operator, tracker_key=secrets.tracker.public, run_id=tracker.run_id, calls_per_s=sec.calls_per_s, banned=tracker.banned)
+
+
+def serve_tracker(tracker: Tracker, host: str, port: int, secrets: keys.RunSecrets | None = None, ca=None) -> tuple[grpc.Server, str]:
+    """The Tracker and Status services; with `secrets` every call goes through a Gate (tests may
+    leave it out to drive the services bare). With `ca` (peer/tls.RunCA) it serves TLS and
+    certifies joining peers' TLS keys."""
+    gate = tracker_gate(tracker, secrets) if secrets is not None else None
     # every peer holds a Heartbeat stream and every `status --watch` a WatchStatus stream: one thread each
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=256),
         maximum_concurrent_rpcs=240,
+        interceptors=[gate] if gate is not None else None,
         options=[("grpc.max_receive_message_length", 1 << 20), ("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000), ("grpc.so_reuseport", 0)],  # a second tracker on the port fails instead of sharing it
     )
-    server.add_generic_rpc_handlers(_handlers(tracker))
+    server.add_generic_rpc_handlers(_handlers(tracker, secrets.tracker if secrets else None, gate, ca))
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        if ca is not None:
+            bound = server.add_secure_port(f"{host}:{port}", grpc.ssl_server_credentials([ca.server_pair("tracker")]))
+        else:
+            bound = server.add_insecure_port(f"{host}:{port}")
     except RuntimeError:  # grpc raises on a taken port (older versions returned 0)
         bound = 0
     if bound == 0:
@@ -154,10 +237,11 @@ def serve_tracker(tracker: Tracker, host: str, port: int) -> tuple[grpc.Server, 
     return server, f"{host}:{bound}"
 
 
-def run_bootstrap(config: TrainConfig | None, host: str, port: int, dht_port: int, state_dir: Path, peer_timeout_s: float = 10.0, metrics_port: int | None = None, announce_host: str | None = None, new_run: bool = False) -> None:
+def run_bootstrap(config: TrainConfig | None, host: str, port: int, dht_port: int, state_dir: Path, peer_timeout_s: float = 10.0, metrics_port: int | None = None, announce_host: str | None = None, new_run: bool = False, token: str | None = None) -> None:
     """Run until SIGTERM/SIGINT. With `announce_host`, the published tracker address and the DHT's
     multiaddrs name that host instead of the bound one (needed behind 0.0.0.0: peers elsewhere
-    cannot dial 0.0.0.0, and hivemind would list the container's own addresses)."""
+    cannot dial 0.0.0.0, and hivemind would list the container's own addresses). `token` sets
+    the run token (default: the stored one, or a new random one)."""
     import hivemind
     from hivemind.utils import get_dht_time
 
@@ -174,6 +258,14 @@ def run_bootstrap(config: TrainConfig | None, host: str, port: int, dht_port: in
     config.model = resolve_dims(config.model)
     layer_ranges(config.model.num_layers, config.model.num_stages)  # a bad stage count fails here, not after the DHT is up
     state_dir.mkdir(parents=True, exist_ok=True)
+    if saved is None:
+        keys.forget(state_dir)  # a new run: the old run's certificates must not admit anyone
+    secrets = keys.load_or_create(state_dir, token)
+    ca = None
+    if config.security.tls:
+        from peer.tls import RunCA
+
+        ca = RunCA.load_or_create(state_dir)
     announce = None
     if announce_host or saved is not None:
         dht_port = dht_port or free_port(host)  # hivemind needs the announced port up front; a run keeps its port
@@ -187,7 +279,7 @@ def run_bootstrap(config: TrainConfig | None, host: str, port: int, dht_port: in
     else:
         tracker = Tracker(f"run-{uuid.uuid4().hex[:8]}", config, peer_timeout_s=peer_timeout_s, dht_maddrs=maddrs)
     run_id = tracker.run_id
-    server, address = serve_tracker(tracker, host, port)
+    server, address = serve_tracker(tracker, host, port, secrets, ca)
     ports = {"tracker": int(address.rsplit(":", 1)[1]), "dht": int(maddrs[0].split("/tcp/")[1].split("/")[0]) if maddrs else dht_port}
     if announce_host:
         address = f"{announce_host}:{address.rsplit(':', 1)[1]}"
@@ -217,9 +309,11 @@ def run_bootstrap(config: TrainConfig | None, host: str, port: int, dht_port: in
     persist.save(state_dir, persist.snapshot(tracker, ports))
     threading.Thread(target=keep_state, name="tracker-state", daemon=True).start()
     info = {"run_id": run_id, "dht_maddrs": maddrs, "tracker": address}
-    write_atomic(state_dir / "bootstrap.json", json.dumps(info).encode())
-    print(json.dumps(info), flush=True)
-    log.info("tracker for %s on %s; DHT %s", run_id, address, maddrs[0] if maddrs else "?")
+    if ca is not None:
+        info["tls_ca"] = ca.pem.decode()
+    write_atomic(state_dir / "bootstrap.json", json.dumps({**info, "token": secrets.token, "operator": secrets.operator}).encode(), mode=0o600)
+    print(json.dumps({k: v for k, v in info.items() if k != "tls_ca"}), flush=True)  # no secrets on stdout: logs get shared
+    log.info("tracker for %s on %s%s; DHT %s; the run token is in %s", run_id, address, " (TLS)" if ca else "", maddrs[0] if maddrs else "?", state_dir / "bootstrap.json")
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     stop.wait()

@@ -55,6 +55,7 @@ def snapshot(tracker: Tracker, ports: dict[str, int]) -> dict:
             "evals": {"next_at": tracker.evals.next_at, "launched": tracker.evals.launched, "launched_at": tracker.evals.launched_at},
             "ports": ports,
             "peers": peers,
+            "banned": dict(tracker.banned),
         }
 
 
@@ -88,6 +89,7 @@ def restore(data: dict, **tracker_kwargs) -> Tracker:
     now = tracker.clock()
     tracker.started = now - float(data.get("uptime_s", 0.0))
     tracker.moves = int(data.get("moves", 0))
+    tracker.banned.update({str(k): str(v) for k, v in (data.get("banned") or {}).items()})
     for name in ("anchors", "evals"):
         cad, saved = getattr(tracker, name), data.get(name) or {}
         cad.next_at, cad.launched = int(saved.get("next_at", cad.next_at)), int(saved.get("launched", 0))

@@ -17,6 +17,7 @@ from peer import __version__
 from peer.capacity import fill_unmeasured
 from peer.config import TrainConfig
 from peer.errors import AnchormeshError
+from peer.identity import fingerprint
 from peer.model.stages import layer_ranges
 from peer.wire import anchormesh_pb2 as pb
 
@@ -27,7 +28,12 @@ class JoinRefused(AnchormeshError):
     """A peer may not join (wrong run, wrong code version, duplicate id); the message says why."""
 
 
+class Banned(AnchormeshError):
+    """The peer's key is banned from the run (the operator's `anchormesh ban`)."""
+
+
 MAX_MADDRS_PER_PEER = 4  # a peer's DHT addresses kept for its stage mates (bounded: the peer declares them)
+MAX_SUSPECTS = 4  # averaging suspects kept per peer report
 
 
 @dataclass
@@ -56,6 +62,9 @@ class PeerRecord:
     eval_id: int = 0
     eval_loss: float = math.nan
     joined_at: float = 0.0
+    key: str = ""  # its identity key (hex); bans name the key's fingerprint
+    refused_calls: int = 0
+    dp_suspects: tuple[str, ...] = ()  # "HIVEMIND_PEER_ID: why" of members its refused averaging rounds named
 
 
 @dataclass
@@ -118,6 +127,7 @@ class Tracker:
     peers: dict[str, PeerRecord] = field(default_factory=dict)
     started: float = field(default=0.0)
     expire_after: float = 0.0  # clock time before which no peer is declared dead (set after a restart)
+    banned: dict[str, str] = field(default_factory=dict)  # key fingerprint -> why (the gate refuses their calls too)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
@@ -205,19 +215,25 @@ class Tracker:
     def live(self, stage: int | None = None) -> list[PeerRecord]:
         return [p for p in self.peers.values() if p.state in LIVE and (stage is None or p.stage == stage)]
 
-    def join(self, req: pb.JoinRequest) -> pb.Assignment:
-        """Admit a peer and give it the stage it was reserved (a move) or the lowest-scoring one (`_pick_stage`)."""
+    def join(self, req: pb.JoinRequest, key: bytes = b"") -> pb.Assignment:
+        """Admit a peer (identity key `key`) and give it the stage it was reserved (a move) or
+        the lowest-scoring one (`_pick_stage`)."""
         if req.run_id and req.run_id != self.run_id:
             raise JoinRefused(f"run_id={req.run_id!r}: this tracker serves run {self.run_id!r}")
         if req.code_version != __version__:
             raise JoinRefused(f"code_version={req.code_version!r}: the run needs anchormesh {__version__}")
         if not req.peer_id or not req.grpc_address:
             raise JoinRefused("peer_id and grpc_address are required")
+        if key and fingerprint(key) in self.banned:
+            raise Banned(f"peer {req.peer_id} is banned from this run: {self.banned[fingerprint(key)]}")
         with self._lock:
             self._expire()
             old = self.peers.get(req.peer_id)
-            if old is not None and old.state in LIVE:
+            restarted = old is not None and old.state in LIVE and bool(key) and old.key == key.hex()
+            if old is not None and old.state in LIVE and not restarted:
                 raise JoinRefused(f"peer_id={req.peer_id!r} is already in the run (state {old.state})")
+            if restarted:  # the same key joins again before its old record expired: it was restarted
+                old.state, old.reason = "left", "restarted (joined again with the same key)"
             if old is not None:  # a peer joining again (after a move or a restart): keep its past in the roster
                 n = sum(1 for k in self.peers if k.startswith(req.peer_id + "~"))
                 old.peer_id = f"{req.peer_id}~{n + 1}"
@@ -227,7 +243,7 @@ class Tracker:
                 stage = self._pick_stage()
             start_step = max((p.step for p in self.peers.values() if p.stage == stage), default=0)
             mates = [m for q in self.live(stage) for m in q.dht_maddrs[:MAX_MADDRS_PER_PEER]]
-            self.peers[req.peer_id] = PeerRecord(req.peer_id, stage, req.grpc_address, last_seen=self.clock(), joined_at=self.clock(), dht_maddrs=tuple(req.dht_maddrs[:MAX_MADDRS_PER_PEER]))
+            self.peers[req.peer_id] = PeerRecord(req.peer_id, stage, req.grpc_address, last_seen=self.clock(), joined_at=self.clock(), dht_maddrs=tuple(req.dht_maddrs[:MAX_MADDRS_PER_PEER]), key=key.hex())
         start, end = self.ranges[stage]
         return pb.Assignment(
             run_id=self.run_id,
@@ -253,6 +269,8 @@ class Tracker:
             raise JoinRefused(f"run_id={rep.run_id!r}: this tracker serves run {self.run_id!r}")
         with self._lock:
             p = self.peers.get(rep.peer.peer_id)
+            if p is not None and p.state == "banned":
+                raise Banned(f"peer {p.peer_id} is banned from this run: {p.reason}")
             if p is None or p.state in ("dead", "left"):
                 raise JoinRefused(f"peer_id={rep.peer.peer_id!r} is not in the roster: join first")
             info = rep.peer
@@ -261,7 +279,8 @@ class Tracker:
             p.bytes_in, p.bytes_out, p.queue_depth, p.tokens, p.reason = info.bytes_in, info.bytes_out, info.queue_depth, rep.tokens, info.reason
             p.dp_rounds, p.anchor_id, p.anchor_bytes_out, p.capacity = info.dp_rounds, info.anchor_id, info.anchor_bytes_out, info.capacity_tokens_per_s
             p.dp_bytes_out, p.dp_dense_bytes, p.dp_rejected = info.dp_bytes_out, info.dp_dense_bytes, info.dp_rejected
-            p.eval_id, p.eval_loss = info.eval_id, info.eval_loss
+            p.eval_id, p.eval_loss, p.refused_calls = info.eval_id, info.eval_loss, info.refused_calls
+            p.dp_suspects = tuple(x[:300] for x in info.dp_suspects[:MAX_SUSPECTS])
             self._expire()
             if self._budget_spent():
                 return pb.Directive(kind=pb.Directive.STOP, reason=f"the run's token budget of {self.config.token_budget} tokens is spent")
@@ -275,7 +294,7 @@ class Tracker:
                 return pb.Directive(kind=pb.Directive.MOVE, reason=f"stage {target} needs a peer more than stage {p.stage}")
             # a joining peer may not serve yet (it may still be downloading its stage's state)
             neighbours = [self._info(q) for q in self.live() if abs(q.stage - p.stage) <= 1 and q.peer_id != p.peer_id and q.state != "joining"]
-            directive = pb.Directive(kind=pb.Directive.CONTINUE, neighbours=neighbours)
+            directive = pb.Directive(kind=pb.Directive.CONTINUE, neighbours=neighbours, banned=sorted(self.banned))
             # anchor and evaluation passes: to the next stage-0 peer to report once due, while every stage is served
             if p.stage == 0 and p.state in ("active", "idle") and all(self.live(s) for s in range(self.config.model.num_stages)):
                 step = self._run_step()
@@ -299,14 +318,63 @@ class Tracker:
             if p is not None:
                 p.state, p.reason = "left", req.reason or "left"
 
+    def ban(self, who: str, reason: str, unban: bool = False) -> list[str]:
+        """Ban (or readmit) the key of peer `who` (a peer id, or a key fingerprint): its calls are
+        refused from now on, it leaves the roster's routing, and every peer hears of it in its
+        next heartbeat reply. Returns "fingerprint (peer id): reason" for every banned key."""
+        with self._lock:
+            records = [p for p in self.peers.values() if p.peer_id == who or (p.key and fingerprint(bytes.fromhex(p.key)) == who)]
+            fps = {fingerprint(bytes.fromhex(p.key)) for p in records if p.key}
+            if not fps and len(who) == 16 and all(c in "0123456789abcdef" for c in who):
+                fps = {who}  # a key that never joined (or left the roster)
+            if not fps:
+                raise JoinRefused(f"no peer or key fingerprint {who!r} in this run (see `anchormesh status`)")
+            for fp in fps:
+                if unban:
+                    self.banned.pop(fp, None)
+                else:
+                    self.banned[fp] = reason or "banned by the operator"
+            for p in records:
+                if unban and p.state == "banned":
+                    p.state, p.reason = "left", "unbanned; may join again"
+                elif not unban:
+                    p.state, p.reason = "banned", reason or "banned by the operator"
+            return self._ban_list()
+
+    def _ban_list(self) -> list[str]:
+        names = {fingerprint(bytes.fromhex(p.key)): p.peer_id for p in self.peers.values() if p.key}
+        return [f"{fp} ({names.get(fp, 'unknown peer')}): {why}" for fp, why in sorted(self.banned.items())]
+
+    def _suspects(self) -> tuple[dict[str, list[str]], dict[str, int]]:
+        """Per peer: the members its refused averaging rounds named, as run peer ids (the reports
+        name hivemind peer ids, which the tracker knows from each peer's DHT multiaddrs); and
+        per peer: how many live peers name it."""
+        by_dht = {m.rsplit("/p2p/", 1)[1]: p.peer_id for p in self.peers.values() for m in p.dht_maddrs if "/p2p/" in m}
+        named: dict[str, list[str]] = {}
+        flagged: dict[str, int] = {}
+        for p in self.peers.values():
+            out, seen = [], set()
+            for s in p.dp_suspects:
+                hid, _, why = s.partition(": ")
+                who = by_dht.get(hid, f"unknown DHT peer {hid[:16]}")
+                out.append(f"{who}: {why}")
+                if p.state in LIVE and who not in seen:
+                    seen.add(who)
+                    flagged[who] = flagged.get(who, 0) + 1
+            named[p.peer_id] = out
+        return named, flagged
+
     # -- status -----------------------------------------------------------------------------
-    def _info(self, p: PeerRecord) -> pb.PeerInfo:
+    def _info(self, p: PeerRecord, suspects: tuple[dict[str, list[str]], dict[str, int]] = ({}, {})) -> pb.PeerInfo:
+        named, flagged = suspects
         return pb.PeerInfo(
             peer_id=p.peer_id, stage=p.stage, address=p.address, state=p.state, last_seen_s=self.clock() - p.last_seen,
             tokens_per_s=p.tokens_per_s, bytes_in=p.bytes_in, bytes_out=p.bytes_out, step=p.step, loss=p.loss,
             queue_depth=p.queue_depth, reason=p.reason, dp_rounds=p.dp_rounds, anchor_id=p.anchor_id,
             anchor_bytes_out=p.anchor_bytes_out, capacity_tokens_per_s=p.capacity, dp_bytes_out=p.dp_bytes_out,
             dp_dense_bytes=p.dp_dense_bytes, eval_id=p.eval_id, eval_loss=p.eval_loss, dp_rejected=p.dp_rejected,
+            refused_calls=p.refused_calls, key_fingerprint=fingerprint(bytes.fromhex(p.key)) if p.key else "",
+            dp_suspects=named.get(p.peer_id, []), dp_flagged=flagged.get(p.peer_id, 0),
         )
 
     def status(self) -> pb.RunStatus:
@@ -329,6 +397,7 @@ class Tracker:
             newest = max((p.anchor_id for p in self.peers.values()), default=0)
             anchor_step = self.anchors.launched_at.get(newest, -1)
             missing = [s for s in range(K) if not self.live(s)]
+            suspects = self._suspects()
             state, reason = "running", ""
             if self._budget_spent():
                 state, reason = "done", f"token budget of {self.config.token_budget} tokens spent"
@@ -348,7 +417,7 @@ class Tracker:
                 state=state,
                 reason=reason,
                 stages=stages,
-                peers=[self._info(p) for p in sorted(self.peers.values(), key=lambda p: (p.stage, p.peer_id))],
+                peers=[self._info(p, suspects) for p in sorted(self.peers.values(), key=lambda p: (p.stage, p.peer_id))],
                 dht_maddrs=self.dht_maddrs,
                 anchor_step=anchor_step,
                 anchor_age_steps=max(step - anchor_step, 0) if anchor_step >= 0 else -1,
@@ -359,4 +428,5 @@ class Tracker:
                 dp_compression=sum(p.dp_dense_bytes for p in self.peers.values()) / dp_bytes if dp_bytes else 0.0,
                 eval_loss=newest_eval.eval_loss if newest_eval else math.nan,
                 eval_step=self.evals.launched_at.get(newest_eval.eval_id, -1) if newest_eval else -1,
+                banned=len(self.banned),
             )

@@ -12,17 +12,20 @@ from pathlib import Path
 from typing import BinaryIO
 
 
-def write_atomic(path: Path, content: bytes | Callable[[BinaryIO], object]) -> None:
+def write_atomic(path: Path, content: bytes | Callable[[BinaryIO], object], mode: int = 0o644) -> None:
     """Write `content` (bytes, or a function writing to the open file) to a temp name beside
-    `path`, fsync it, and rename it over `path`."""
+    `path`, fsync it, and rename it over `path`. `mode` applies from the file's creation on
+    (0o600 for secrets: never readable by others, not even for a moment)."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
+    tmp.unlink(missing_ok=True)  # a leftover of a kill may carry another mode
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "wb") as f:
         if callable(content):
             content(f)
         else:
             f.write(content)
         f.flush()
         os.fsync(f.fileno())
+    os.chmod(tmp, mode)  # os.open's mode is masked by the umask
     os.replace(tmp, path)
 
 

@@ -38,6 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     boot.add_argument("--new-run", action="store_true", help="start a new run even if --state-dir holds one (its tracker.json is replaced)")
     boot.add_argument("--peer-timeout", type=float, default=10.0, help="seconds without heartbeat before a peer is dead")
     boot.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics at http://HOST:PORT/metrics (0 = any free port; default: off)")
+    boot.add_argument("--token", default=os.environ.get("ANCHORMESH_TOKEN") or None, help="set the run token (or @FILE; at least 16 characters; default: $ANCHORMESH_TOKEN, else the one in --state-dir, else a new random one); a new one replaces the old for new joiners")
 
     peer = sub.add_parser("peer", help="join a run and serve a stage")
     env = os.environ.get
@@ -52,16 +53,27 @@ def _parser() -> argparse.ArgumentParser:
     peer.add_argument("--state-dir", type=Path, default=None, help="where the peer keeps its files: shard checkpoints (checkpoints/RUN/stageK/, every checkpoint.every steps and when it leaves; resumed from on restart) and, on the last stage, metrics.jsonl (loss per step)")
     peer.add_argument("--max-steps", type=int, default=None, help="leave once the stage reaches this run step (the run's numbering, not steps since this peer started)")
     peer.add_argument("--threads", type=int, default=int(env("ANCHORMESH_THREADS", "1") or 1), help="torch CPU threads for this peer (default: $ANCHORMESH_THREADS, else 1, so many peers can share one machine; a dedicated CPU peer wants its core count)")
+    peer.add_argument("--token", default=env("ANCHORMESH_TOKEN") or None, help="the run token (the \"token\" in the bootstrap's bootstrap.json), or @FILE to read it from a bootstrap.json or a file holding it; default: $ANCHORMESH_TOKEN")
+    peer.add_argument("--tls-ca", default=env("ANCHORMESH_TLS_CA") or None, help="the run's CA certificate when it uses TLS (security.tls): a PEM file, or the bootstrap.json (its \"tls_ca\"); default: $ANCHORMESH_TLS_CA")
 
     status = sub.add_parser("status", help="show a run's stages, peers, loss and throughput")
     status.add_argument("--tracker", required=True, help="tracker host:port")
     status.add_argument("--json", action="store_true", help="one JSON object (see README)")
     status.add_argument("--watch", action="store_true", help="keep updating")
+    status.add_argument("--token", default=env("ANCHORMESH_TOKEN") or None, help="the run token, or @FILE: needed only when the run's config sets security.private_status; default: $ANCHORMESH_TOKEN")
+    status.add_argument("--tls-ca", default=env("ANCHORMESH_TLS_CA") or None, help="the run's CA certificate when it uses TLS (PEM file or bootstrap.json); default: $ANCHORMESH_TLS_CA")
+
+    ban = sub.add_parser("ban", help="operator: ban a peer's key from the run (its calls are refused everywhere), or readmit it with --unban")
+    ban.add_argument("peer", help="peer id (as in the status) or key fingerprint")
+    ban.add_argument("--bootstrap", type=Path, default=Path("runs/bootstrap/bootstrap.json"), help="the bootstrap's bootstrap.json: the tracker's address and the operator key (default runs/bootstrap/bootstrap.json)")
+    ban.add_argument("--reason", default="", help="why (shown in the status and the peer's log)")
+    ban.add_argument("--unban", action="store_true", help="readmit the key instead")
 
     health = sub.add_parser("health", help="one gRPC call: does a peer's Stage service (Ping) or a tracker (--tracker: GetStatus) answer? exit 0 or 1 (container health checks)")
     health.add_argument("--address", required=True, help="host:port of the peer's Stage service, or of the tracker with --tracker")
     health.add_argument("--tracker", action="store_true", help="check a tracker's Status service instead of a peer's Stage service")
     health.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer (default 5)")
+    health.add_argument("--tls-ca", default=os.environ.get("ANCHORMESH_TLS_CA") or None, help="the run's CA certificate when it uses TLS (PEM file or bootstrap.json); default: $ANCHORMESH_TLS_CA")
 
     export = sub.add_parser("export", help="a run's newest weights (the live swarm, or peers' checkpoints) as a Hugging Face model folder (AutoModelForCausalLM.from_pretrained loads it)")
     source = export.add_mutually_exclusive_group(required=True)
@@ -70,6 +82,8 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--run", default=None, help="with --checkpoints: the run id, when the folders hold checkpoints of several runs")
     export.add_argument("--out", required=True, type=Path, help="folder to write config.json, model.safetensors and the tokenizer into")
     export.add_argument("--timeout", type=float, default=300.0, help="seconds one stage's download may take (default 300)")
+    export.add_argument("--token", default=os.environ.get("ANCHORMESH_TOKEN") or None, help="with --tracker: the run token, or @FILE (a bootstrap.json); default: $ANCHORMESH_TOKEN")
+    export.add_argument("--tls-ca", default=os.environ.get("ANCHORMESH_TLS_CA") or None, help="with --tracker, when the run uses TLS: its CA certificate (PEM file or bootstrap.json); default: $ANCHORMESH_TLS_CA")
 
     bench = sub.add_parser("bench", help="benchmarks (JSON out)")
     bsub = bench.add_subparsers(dest="bench", required=True)
@@ -105,6 +119,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from peer.auth import read_token
+    from peer.tls import read_ca
+
     args = _parser().parse_args(argv)
     try:
         if args.command == "demo":
@@ -123,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
             from peer.config import load_run_toml
 
             config = load_run_toml(args.config) if args.config else None
-            run_bootstrap(config, args.host, args.port, args.dht_port, args.state_dir, args.peer_timeout, metrics_port=args.metrics_port, announce_host=args.announce_host, new_run=args.new_run)
+            run_bootstrap(config, args.host, args.port, args.dht_port, args.state_dir, args.peer_timeout, metrics_port=args.metrics_port, announce_host=args.announce_host, new_run=args.new_run, token=read_token(args.token))
         elif args.command == "peer":
             import faulthandler
             import signal
@@ -152,7 +169,8 @@ def main(argv: list[str] | None = None) -> None:
                 except ValueError as exc:
                     raise ConfigError("--announce-host", AUTO, str(exc)) from None
                 print(f"anchormesh peer: --announce-host auto: {announce}", file=sys.stderr, flush=True)
-            run_peer(args.initial_peers, args.tracker, args.host, args.grpc_port, args.device, args.max_steps, args.state_dir, announce, dht_port=args.dht_port, metrics_port=args.metrics_port, threads=args.threads)
+            run_peer(args.initial_peers, args.tracker, args.host, args.grpc_port, args.device, args.max_steps, args.state_dir, announce, dht_port=args.dht_port, metrics_port=args.metrics_port, threads=args.threads,
+                     token=read_token(args.token), tls_ca=read_ca(args.tls_ca))
         elif args.command == "export":
             from peer.export import run_export
 
@@ -160,17 +178,21 @@ def main(argv: list[str] | None = None) -> None:
                 raise ConfigError("--timeout", args.timeout, "must be > 0")
             if args.run and not args.checkpoints:
                 raise ConfigError("--run", args.run, "only goes with --checkpoints")
-            raise SystemExit(run_export(args.tracker, args.out, args.timeout, checkpoints=args.checkpoints, run_id=args.run))
+            raise SystemExit(run_export(args.tracker, args.out, args.timeout, checkpoints=args.checkpoints, run_id=args.run, token=read_token(args.token), tls_ca=read_ca(args.tls_ca)))
         elif args.command == "status":
             from peer.status import run_status
 
-            run_status(args.tracker, args.json, args.watch)
+            run_status(args.tracker, args.json, args.watch, token=read_token(args.token), tls_ca=read_ca(args.tls_ca))
+        elif args.command == "ban":
+            from peer.ban import run_ban
+
+            raise SystemExit(run_ban(args.bootstrap, args.peer, args.reason, args.unban))
         elif args.command == "health":
             from peer.health import run_health
 
             if not args.timeout > 0:
                 raise ConfigError("--timeout", args.timeout, "must be > 0")
-            raise SystemExit(run_health(args.address, args.tracker, args.timeout))
+            raise SystemExit(run_health(args.address, args.tracker, args.timeout, read_ca(args.tls_ca)))
         elif args.command == "bench" and args.bench == "quality":
             from peer.bench.quality import run_quality
 

@@ -348,6 +348,30 @@ class CheckpointConfig:
 
 
 @dataclass
+class SecurityConfig:
+    """Who may call what (peer/auth.py); joining always needs the run token.
+
+    Args:
+        private_status: the Status service (the dashboard) wants the run token too; by default
+            anyone who can reach the tracker may watch the run.
+        tls: gRPC over TLS: the bootstrap makes a run CA, certifies itself and every peer that
+            joins; peers need the CA (`--tls-ca`, the bootstrap.json's "tls_ca").
+        calls_per_s: new gRPC calls per second one caller may open (bursts of 10 s worth).
+        messages_per_s: stream messages per second one peer may send to a stage server (bursts of
+            10 s worth); a normal peer sends a few per micro-batch.
+    """
+
+    private_status: bool = False
+    tls: bool = False
+    calls_per_s: float = 20.0
+    messages_per_s: float = 200.0
+
+    def __post_init__(self) -> None:
+        _positive("security.calls_per_s", self.calls_per_s)
+        _positive("security.messages_per_s", self.messages_per_s)
+
+
+@dataclass
 class TrainConfig:
     """Everything one training run needs; each part goes to the component that owns it.
 
@@ -368,6 +392,7 @@ class TrainConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
     steps: int = 100
     seed: int = 0
     token_budget: int = 0

@@ -13,8 +13,12 @@ tracker schedules; peer/pipeline/swarm_anchor.py), and the priors reach every op
 stage group. A MOVE directive (a starving stage needs this peer) makes the daemon leave and
 start again in the same process (exec), keeping its peer id; the tracker then gives it the
 starving stage. A peer that joins a trained run downloads its stage's state (parameters and
-AdamW moments) from the most-trained member of its group through hivemind. Not yet: auth,
-checkpoints on disk.
+AdamW moments) from the most-trained member of its group through hivemind.
+
+Every gRPC call it makes carries its credentials and every call it serves is checked
+(peer/auth.py): it joins with the run token and its identity key (peer/identity.py), and from
+then on presents the certificate the tracker gave it; its gate learns the banned keys from the
+heartbeat replies.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from peer import __version__
+from peer import __version__, auth
 from peer.address import announce_maddr, free_port
 from peer.capacity import fill_unmeasured
 from peer.checkpoint import ShardCheckpoints
@@ -44,11 +48,12 @@ from peer.codec.mask import MaskCodec
 from peer.config import config_from_dict
 from peer.data import TokenStream, load_training_data
 from peer.errors import AnchormeshError, ConfigError, WireError
+from peer.identity import IDENTITY_ENV, Identity
 from peer.dp.group import GroupAverager, connect_peers
 from peer.logs import setup_logging
 from peer.model.loading import load_causal_lm
 from peer.model.stages import split_model
-from peer.pipeline.grpc_transport import GrpcTransport
+from peer.pipeline.grpc_transport import STAGE_POLICY, GrpcTransport
 from peer.pipeline.runner import StageWorker
 from peer.pipeline.swarm_anchor import ANCHOR_CHANNELS, SwarmAnchor
 from peer.wire import anchormesh_pb2 as pb
@@ -78,7 +83,11 @@ def find_tracker(dht, stop: threading.Event) -> str:
     raise SystemExit(1)
 
 
-def dht_maddrs_from_tracker(tracker: str, stop: threading.Event) -> list[str]:
+# the tracker refused this peer's credentials: retrying cannot help, the operator must act
+REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+
+
+def dht_maddrs_from_tracker(tracker: str, stop: threading.Event, creds: auth.Credentials | None = None, tls_ca: bytes | None = None) -> list[str]:
     """The run's DHT addresses from the tracker's status; retries with backoff and says so.
 
     The channel is closed before returning: hivemind starts its DHT and averager by fork(), and
@@ -87,9 +96,12 @@ def dht_maddrs_from_tracker(tracker: str, stop: threading.Event) -> list[str]:
     delay = 0.5
     while not stop.is_set():
         try:
-            with grpc.insecure_channel(tracker) as channel:
+            with auth.open_channel(tracker, creds, tls_ca=tls_ca) as channel:
                 return list(pbg.StatusStub(channel).GetStatus(pb.StatusRequest(), timeout=10).dht_maddrs)
         except grpc.RpcError as exc:
+            if exc.code() in REFUSALS:
+                log.error("the tracker refused this peer: %s %s", exc.code().name, exc.details())
+                raise SystemExit(2) from None
             log.warning("tracker %s unreachable (%s: %s); retrying in %.1fs", tracker, exc.code().name, exc.details(), delay)
             stop.wait(delay)
             delay = min(delay * 2, 30.0)
@@ -103,8 +115,8 @@ def join(stub: pbg.TrackerStub, req: pb.JoinRequest, stop: threading.Event) -> p
         try:
             return stub.Join(req, timeout=10)
         except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                log.error("the tracker refused this peer: %s", exc.details())
+            if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, *REFUSALS):
+                log.error("the tracker refused this peer: %s %s", exc.code().name, exc.details())
                 raise SystemExit(2) from None
             log.warning("tracker unreachable (%s: %s); retrying in %.1fs", exc.code().name, exc.details(), delay)
             stop.wait(delay)
@@ -115,14 +127,24 @@ def join(stub: pbg.TrackerStub, req: pb.JoinRequest, stop: threading.Event) -> p
 class PeerDaemon:
     """One peer: its stage worker, its gRPC server, its heartbeat and its main loop."""
 
-    def __init__(self, tracker: str, host: str = "127.0.0.1", grpc_port: int = 0, device: str = "cpu", dht=None, state_dir: Path | None = None, announce_host: str | None = None) -> None:
+    def __init__(self, tracker: str, host: str = "127.0.0.1", grpc_port: int = 0, device: str = "cpu", dht=None, state_dir: Path | None = None, announce_host: str | None = None, token: str | None = None, tls_ca: bytes | None = None) -> None:
         if device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device={device!r}: must be auto, cpu or cuda")
         self.tracker, self.host, self.state_dir = tracker, host, state_dir
-        self.peer_id = os.environ.get(PEER_ID_ENV) or f"peer-{uuid.uuid4().hex[:8]}"  # kept across a MOVE's exec
+        self.identity = Identity.for_peer(state_dir)
+        self.peer_id = os.environ.get(PEER_ID_ENV) or self.identity.peer_id  # kept across a MOVE's exec
+        self.identity.peer_id = self.peer_id  # the id its calls and its certificate name
+        self.creds = auth.Credentials(token=token, identity=self.identity)
+        self.gate = auth.Gate(STAGE_POLICY, token=token)
+        self.tls_ca, self.tls_server = tls_ca, None
+        if tls_ca is not None:
+            from peer.tls import PeerServerTLS
+
+            self.tls_server = PeerServerTLS()
+        self.refused = ""  # why the tracker refused this peer (banned, bad credentials): it does not join again
         self.stop = threading.Event()
         self._weights_lock = threading.Lock()  # the step's lock when there is no averager (see _step_lock)
-        self.transport = GrpcTransport(run_id="", host=host, ping_info=self._ping_info, shard_source=self._shard)
+        self.transport = GrpcTransport(run_id="", host=host, ping_info=self._ping_info, shard_source=self._shard, gate=self.gate, creds=self.creds, tls_server=self.tls_server, tls_ca=tls_ca)
         self.worker: StageWorker | None = None
         try:
             bound = self.transport.attach(self.peer_id, self._validate, port=grpc_port, start=False)
@@ -249,6 +271,9 @@ class PeerDaemon:
                 dp_rejected=self.averager.rejected if self.averager else 0,
                 eval_id=self.anchor.eval_result[0] if self.anchor else 0,
                 eval_loss=self.anchor.eval_result[1] if self.anchor else math.nan,
+                refused_calls=sum(self.gate.refused.values()),
+                dp_suspects=list(self.averager.suspects) if self.averager else [],
+                key_fingerprint=self.identity.fingerprint,
             ),
         )
 
@@ -267,6 +292,11 @@ class PeerDaemon:
                         self.stop.set()
                         return
                     self._apply_neighbours(directive)
+                    if set(directive.banned) != set(self.gate.banned):  # in place: the gate reads it on every call
+                        for fp in set(self.gate.banned) - set(directive.banned):
+                            del self.gate.banned[fp]
+                        self.gate.banned.update({fp: "banned by the run's operator" for fp in directive.banned})
+                        log.warning("banned keys in this run: %s", ", ".join(directive.banned) or "none")
                     if directive.anchor_id:
                         self._anchor_jobs.append((directive.anchor_id, directive.anchor_micro_batches))
                     if directive.eval_id:
@@ -276,6 +306,11 @@ class PeerDaemon:
                         self.stop.set()
             except grpc.RpcError as exc:
                 if self.stop.is_set():
+                    return
+                if exc.code() in REFUSALS:  # banned, or its credentials no longer pass: leave for good
+                    log.error("the tracker refused this peer: %s %s", exc.code().name, exc.details())
+                    self.refused = exc.details() or exc.code().name
+                    self.stop.set()
                     return
                 if exc.code() == grpc.StatusCode.NOT_FOUND:  # the tracker dropped us (declared dead): join again
                     log.warning("the tracker no longer lists this peer (%s); joining again", exc.details())
@@ -308,7 +343,7 @@ class PeerDaemon:
         if self.dht is None:
             log.warning("no DHT: this peer will not average with its stage group")
             return
-        self.averager = GroupAverager(self.dht, list(self.worker.stage.parameters()), prefix, every=every, state_fn=self._stage_state, compression=compression)
+        self.averager = GroupAverager(self.dht, list(self.worker.stage.parameters()), prefix, every=every, state_fn=self._stage_state, compression=compression, peer_id=self.peer_id)
         log.info("stage-group averaging every %d steps, %s on the wire (group key %s)", every, compression, prefix)
 
     # -- state transfer ---------------------------------------------------------------------
@@ -427,11 +462,24 @@ class PeerDaemon:
 
         signal.signal(signal.SIGTERM, terminate)
         signal.signal(signal.SIGINT, terminate)
-        with grpc.insecure_channel(self.tracker) as join_channel:
+        with auth.open_channel(self.tracker, self.creds, tls_ca=self.tls_ca) as join_channel:
             own_maddrs = [str(m) for m in self.dht.get_visible_maddrs()] if self.dht is not None else []
-            a = join(pbg.TrackerStub(join_channel), pb.JoinRequest(peer_id=self.peer_id, grpc_address=self.address, code_version=__version__, dht_maddrs=own_maddrs), self.stop)
+            req = pb.JoinRequest(peer_id=self.peer_id, grpc_address=self.address, code_version=__version__, dht_maddrs=own_maddrs)
+            if self.tls_server is not None:
+                from peer.tls import public_der
+
+                req.tls_public_key = public_der(self.tls_server.key)
+            a = join(pbg.TrackerStub(join_channel), req, self.stop)
         cfg = config_from_dict(json.loads(a.run_config_json))
         self.transport.run_id = a.run_id
+        # from now on: calls carry the certificate; the gate checks others' with the tracker's key
+        self.creds.certificate = a.certificate
+        self.gate.configure(a.run_id, a.tracker_key, self.creds.token, a.calls_per_s or None)
+        self.transport.messages = auth.RateLimit(a.messages_per_s or self.transport.messages.rate)
+        if self.tls_server is not None:
+            if not a.tls_certificate:
+                raise ConfigError("--tls-ca", "given", "the tracker issued no TLS certificate: this run does not use TLS (security.tls); drop --tls-ca")
+            self.tls_server.install(a.tls_certificate)
         log.info("%s joined %s: stage %d of %d (layers %d-%d), serving on %s", self.peer_id, a.run_id, a.stage, a.num_stages, a.layer_start, a.layer_end - 1, self.address)
         model = load_causal_lm(cfg.model, seed=cfg.seed)
         vocab_size = model.config.vocab_size
@@ -446,7 +494,7 @@ class PeerDaemon:
         if self.dht is not None and a.group_dht_maddrs:
             log.info("dialled %d of %d stage mates' DHT nodes", connect_peers(self.dht, list(a.group_dht_maddrs)), len(a.group_dht_maddrs))
         self._start_averaging(f"{a.run_id}_stage{a.stage}", cfg.dp.inner_steps, cfg.dp.outer_compression)  # forks: before any gRPC runs
-        channel = grpc.insecure_channel(self.tracker, options=TRACKER_CHANNEL_OPTIONS)
+        channel = auth.open_channel(self.tracker, self.creds, TRACKER_CHANNEL_OPTIONS, self.tls_ca)
         stub = pbg.TrackerStub(channel)
         # heartbeats start now, so a slow state download does not get this peer declared dead;
         # while it reports "joining" nobody routes to it
@@ -494,7 +542,7 @@ class PeerDaemon:
             self.state = "left"
             moving = bool(self.move_reason) and not self.terminated
             self.reason = f"moving: {self.move_reason}" if moving else "shutting down"
-            why = "SIGTERM" if self.terminated else "done"
+            why = "SIGTERM" if self.terminated else f"refused: {self.refused}" if self.refused else "done"
             self.stop.set()
             self._checkpoint(wait=True)  # before saying goodbye: a peer told to stop may be killed soon after
             self._leave(stub, a.run_id, self.reason if moving else why)
@@ -593,17 +641,19 @@ class PeerDaemon:
             self._rate, self._busy = (now, self.tokens), 0.0
 
 
-def run_peer(initial_peers: list[str], tracker: str | None, host: str, grpc_port: int, device: str, max_steps: int | None = None, state_dir: Path | None = None, announce_host: str | None = None, dht_port: int = 0, metrics_port: int | None = None, threads: int = 1) -> None:
+def run_peer(initial_peers: list[str], tracker: str | None, host: str, grpc_port: int, device: str, max_steps: int | None = None, state_dir: Path | None = None, announce_host: str | None = None, dht_port: int = 0, metrics_port: int | None = None, threads: int = 1, token: str | None = None, tls_ca: bytes | None = None) -> None:
     setup_logging()
     torch.set_num_threads(threads)  # 1 by default: many peers share few cores on one machine
     if not initial_peers and tracker is None:
         raise SystemExit("anchormesh peer: error: give --initial-peers or --tracker")
+    if not token:
+        raise ConfigError("--token", None, f"a peer joins with the run's token: {auth.NO_TOKEN_HINT}")
     import hivemind
 
     stop = threading.Event()
     if not initial_peers:
         log.info("asking the tracker %s for the run's DHT addresses", tracker)
-        initial_peers = dht_maddrs_from_tracker(tracker, stop)
+        initial_peers = dht_maddrs_from_tracker(tracker, stop, auth.Credentials(token=token), tls_ca)
     log.info("starting a DHT node (initial peers: %s)", ", ".join(initial_peers))
     announce = None
     if announce_host:  # others dial this node at the announced host (hivemind needs the port up front)
@@ -614,17 +664,21 @@ def run_peer(initial_peers: list[str], tracker: str | None, host: str, grpc_port
     if tracker is None:
         tracker = find_tracker(dht, stop)
         log.info("found the tracker at %s through the DHT", tracker)
-    daemon = PeerDaemon(tracker, host, grpc_port, device, dht=dht, state_dir=state_dir, announce_host=announce_host)
+    daemon = PeerDaemon(tracker, host, grpc_port, device, dht=dht, state_dir=state_dir, announce_host=announce_host, token=token, tls_ca=tls_ca)
     if metrics_port is not None:
         from peer.metrics import peer_exposition, serve_metrics
 
         server = serve_metrics(metrics_port, daemon.metrics, host=host, render=peer_exposition)
         log.info("Prometheus metrics on http://%s:%d/metrics", host, server.server_address[1])
     daemon.run(max_steps)
+    if daemon.refused:
+        raise SystemExit(2)
     if daemon.move_reason and not daemon.terminated:
         # start again from a clean process (hivemind forks; a fork beside live gRPC threads can hang)
         log.info("%s starts again to join the stage that needs it", daemon.peer_id)
         os.environ[PEER_ID_ENV] = daemon.peer_id
+        if state_dir is None:  # the same identity after the exec (with a state dir it is on disk)
+            os.environ[IDENTITY_ENV] = daemon.identity.private_bytes().hex()
         sys.stdout.flush()
         sys.stderr.flush()
         os.execv(sys.executable, [sys.executable, "-m", "peer.cli", *sys.argv[1:]])

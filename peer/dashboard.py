@@ -195,6 +195,30 @@ def _rejected_rounds(s: dict) -> list[str]:
     ]
 
 
+def _named_by_group(s: dict) -> list[str]:
+    """A peer its stage mates name as the sender of a NaN, outsized or sign-flipped averaging
+    contribution (peer/dp/group.py's claims). Shown with what they say, so the operator can
+    judge and ban it (`anchormesh ban`); nothing bans automatically, since a hostile member
+    could name an honest one."""
+    out = []
+    for p in s.get("peers", []):
+        if (p.get("dp_flagged") or 0) > 0 and p.get("state") in LIVE_STATES:
+            said = next((x.split(": ", 1)[1] for q in s.get("peers", []) for x in q.get("dp_suspects") or [] if x.startswith(p["id"] + ": ")), "")
+            out.append(f"{p['id']} (stage {p['stage']}) is named by {p['dp_flagged']} stage mate(s) as the sender of a bad averaging update: {said}")
+    return out
+
+
+def _refused_calls(s: dict) -> list[str]:
+    """Calls refused for bad credentials, bans or rate (peer/auth.py), at the tracker and each
+    live peer: honest members never trip the gate, so any refusal means a misconfigured
+    volunteer (wrong token, clock far off) or someone probing the run; their logs say which."""
+    out = [f"the tracker refused {s['refused_calls']} call(s): wrong tokens, banned keys or too many calls (see its log)"] if s.get("refused_calls") else []
+    return out + [
+        f"{p['id']} (stage {p['stage']}) refused {p['refused_calls']} call(s) to its Stage service (see its log)"
+        for p in s.get("peers", []) if (p.get("refused_calls") or 0) > 0 and p.get("state") in LIVE_STATES
+    ]
+
+
 def _bad_loss(s: dict) -> list[str]:
     """The training loss is NaN/inf, or none was reported after 20 run steps.
 
@@ -228,7 +252,7 @@ def _stalled(s: dict) -> list[str]:
 
 
 RULES: tuple[Callable[[dict], list[str]], ...] = (
-    _stages_without_peer, _bottleneck_stages, _stale_anchor, _dead_peers, _silent_peers, _rejected_rounds, _bad_loss, _stalled,
+    _stages_without_peer, _bottleneck_stages, _stale_anchor, _dead_peers, _silent_peers, _rejected_rounds, _named_by_group, _refused_calls, _bad_loss, _stalled,
 )
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from peer import __version__
+from peer import __version__, auth
 from peer.config import TrainConfig, config_from_dict
 from peer.errors import AnchormeshError
 from peer.logs import setup_logging
@@ -55,15 +55,17 @@ def _one_line(text: str | None) -> str:
     return " ".join((text or "").split())
 
 
-def ask_tracker(tracker: str, timeout_s: float = 10.0) -> tuple[pb.RunConfig, pb.RunStatus]:
-    """The run's config and status; ExportError when the tracker does not answer."""
-    with grpc.insecure_channel(tracker) as channel:
+def ask_tracker(tracker: str, timeout_s: float = 10.0, creds: auth.Credentials | None = None, tls_ca: bytes | None = None) -> tuple[pb.RunConfig, pb.RunStatus]:
+    """The run's config and status; ExportError when the tracker does not answer or refuses."""
+    with auth.open_channel(tracker, creds, tls_ca=tls_ca) as channel:
         try:
             run = pbg.TrackerStub(channel).GetConfig(pb.ConfigRequest(), timeout=timeout_s)
             status = pbg.StatusStub(channel).GetStatus(pb.StatusRequest(), timeout=timeout_s)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                 raise ExportError(f"tracker {tracker} does not serve GetConfig (an older anchormesh?)") from None
+            if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                raise ExportError(f"tracker {tracker} refused: {exc.code().name}: {_one_line(exc.details())}") from None
             raise ExportError(f"tracker {tracker} unreachable ({exc.code().name}: {_one_line(exc.details())})") from None
     return run, status
 
@@ -81,10 +83,10 @@ def candidates(status: pb.RunStatus, num_stages: int) -> list[list[pb.PeerInfo]]
     return [sorted(peers, key=lambda p: (-p.step, p.peer_id)) for peers in by_stage]
 
 
-def download(peer: pb.PeerInfo, run_id: str, timeout_s: float, progress: bool = True) -> Shard:
+def download(peer: pb.PeerInfo, run_id: str, timeout_s: float, progress: bool = True, creds: auth.Credentials | None = None, tls_ca: bytes | None = None) -> Shard:
     """One peer's stage weights over GetShard, with a byte progress bar."""
     options = [("grpc.max_receive_message_length", MAX_SHARD_MESSAGE)]
-    with grpc.insecure_channel(peer.address, options=options) as channel:
+    with auth.open_channel(peer.address, creds, options, tls_ca) as channel:
         call = channel.unary_stream("/anchormesh.v1.Stage/GetShard", request_serializer=pb.ShardRequest.SerializeToString, response_deserializer=pb.ShardChunk.FromString)
         bar = byte_bar(f"stage {peer.stage} <- {peer.peer_id}", show=None if progress else False)
         try:
@@ -142,9 +144,13 @@ def check_fits(shard: Shard, stage: int, num_stages: int, run_id: str, want: dic
             raise ShardError(f"{name} holds NaN or Inf")
 
 
-def gather(tracker: str, timeout_s: float = 300.0, progress: bool = True) -> tuple[TrainConfig, str, list[Shard]]:
-    """The run's config, run id and one checked shard per stage, each from its most-trained live peer."""
-    run, status = ask_tracker(tracker)
+def gather(tracker: str, timeout_s: float = 300.0, progress: bool = True, token: str | None = None, tls_ca: bytes | None = None) -> tuple[TrainConfig, str, list[Shard]]:
+    """The run's config, run id and one checked shard per stage, each from its most-trained live
+    peer; `token` is the run token (the tracker and the peers hand weights only to its holders)."""
+    if not token:
+        raise ExportError(f"exporting a live run needs its token: {auth.NO_TOKEN_HINT}")
+    creds = auth.Credentials(token=token)
+    run, status = ask_tracker(tracker, creds=creds, tls_ca=tls_ca)
     if run.code_version != __version__:
         log.warning("the tracker runs anchormesh %s, this is %s: the model may not be cut the same way", run.code_version, __version__)
     cfg = config_from_dict(json.loads(run.run_config_json))
@@ -157,7 +163,7 @@ def gather(tracker: str, timeout_s: float = 300.0, progress: bool = True) -> tup
         for peer in peers[s]:
             t0 = time.monotonic()
             try:
-                shard = download(peer, run.run_id, timeout_s, progress)
+                shard = download(peer, run.run_id, timeout_s, progress, creds, tls_ca)
                 check_fits(shard, s, K, run.run_id, want[s])
             except grpc.RpcError as exc:
                 reasons.append(f"peer {peer.peer_id} at {peer.address}: {exc.code().name}: {_one_line(exc.details())}")
@@ -213,9 +219,9 @@ def write_model(cfg: TrainConfig, shards: list[Shard], out: Path) -> None:
     }, indent=2) + "\n")
 
 
-def export(tracker: str, out: Path, timeout_s: float = 300.0, progress: bool = True) -> ExportResult:
+def export(tracker: str, out: Path, timeout_s: float = 300.0, progress: bool = True, token: str | None = None, tls_ca: bytes | None = None) -> ExportResult:
     """Gather the newest shards from the swarm behind `tracker` and write a Hugging Face folder."""
-    cfg, run_id, shards = gather(tracker, timeout_s, progress)
+    cfg, run_id, shards = gather(tracker, timeout_s, progress, token, tls_ca)
     write_model(cfg, shards, out)
     log.info("wrote %s: run %s, stages at steps %s", out, run_id, [sh.step for sh in shards])
     return ExportResult(out, run_id, cfg, shards)
@@ -285,14 +291,14 @@ def export_checkpoints(dirs: list[Path], out: Path, run_id: str | None = None) -
     return ExportResult(out, run_id, cfg, shards)
 
 
-def run_export(tracker: str | None, out: Path, timeout_s: float = 300.0, checkpoints: list[Path] | None = None, run_id: str | None = None) -> int:
+def run_export(tracker: str | None, out: Path, timeout_s: float = 300.0, checkpoints: list[Path] | None = None, run_id: str | None = None, token: str | None = None, tls_ca: bytes | None = None) -> int:
     """The CLI: export from the live swarm (`tracker`) or from checkpoints, or one error line and exit code 1."""
     setup_logging()
     try:
         if checkpoints:
             export_checkpoints(checkpoints, out, run_id)
         else:
-            export(tracker, out, timeout_s)
+            export(tracker, out, timeout_s, token=token, tls_ca=tls_ca)
     except ExportError as exc:
         print(f"anchormesh export: error: {exc}", file=sys.stderr, flush=True)
         return 1

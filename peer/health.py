@@ -27,10 +27,12 @@ def _one_line(text: str | None) -> str:
     return " ".join((text or "").split())
 
 
-def check(address: str, tracker: bool = False, timeout_s: float = 5.0) -> tuple[bool, str]:
+def check(address: str, tracker: bool = False, timeout_s: float = 5.0, tls_ca: bytes | None = None) -> tuple[bool, str]:
     """(answers?, the line to print) for the Stage service at `address`, or its Status service with
     `tracker`. Never raises for a gRPC failure: a health check reports, it does not crash."""
-    with grpc.insecure_channel(address) as channel:
+    from peer.auth import open_channel
+
+    with open_channel(address, None, tls_ca=tls_ca) as channel:
         try:
             if tracker:
                 s = pbg.StatusStub(channel).GetStatus(pb.StatusRequest(), timeout=timeout_s)
@@ -43,12 +45,14 @@ def check(address: str, tracker: bool = False, timeout_s: float = 5.0) -> tuple[
             code, details = exc.code(), _one_line(exc.details())
             if not tracker and code == grpc.StatusCode.INVALID_ARGUMENT and RUN_REFUSAL in details:
                 return True, f"ok stage server {address}: serving ({details[details.index(RUN_REFUSAL):]})"
+            if tracker and code == grpc.StatusCode.UNAUTHENTICATED:  # security.private_status: it answers, to members only
+                return True, f"ok tracker {address}: serving (its status needs the run token)"
             what = "tracker" if tracker else "stage server"
             return False, f"anchormesh health: {what} {address}: {code.name if code else 'UNKNOWN'}: {details}"
 
 
-def run_health(address: str, tracker: bool = False, timeout_s: float = 5.0) -> int:
+def run_health(address: str, tracker: bool = False, timeout_s: float = 5.0, tls_ca: bytes | None = None) -> int:
     """Print the check's line (stdout when it answers, stderr when not); return the exit code."""
-    ok, line = check(address, tracker, timeout_s)
+    ok, line = check(address, tracker, timeout_s, tls_ca)
     print(line, file=sys.stdout if ok else sys.stderr, flush=True)
     return 0 if ok else 1

@@ -41,6 +41,8 @@ def status_dict(s: pb.RunStatus) -> dict:
         "stage_moves": s.stage_moves,
         "dp_bytes_per_token": s.dp_bytes_per_token,
         "dp_compression": s.dp_compression,
+        "refused_calls": s.refused_calls,
+        "banned": s.banned,
         "stages": [
             {"index": st.index, "peers": st.peers, "tokens_per_s": st.tokens_per_s, "queue_depth": st.queue_depth, "capacity_tokens_per_s": st.capacity_tokens_per_s}
             for st in s.stages
@@ -52,7 +54,8 @@ def status_dict(s: pb.RunStatus) -> dict:
                 "bytes_out": p.bytes_out, "queue_depth": p.queue_depth, "dp_rounds": p.dp_rounds, "reason": p.reason,
                 "anchor_id": p.anchor_id or None, "anchor_bytes_out": p.anchor_bytes_out,
                 "capacity_tokens_per_s": p.capacity_tokens_per_s, "dp_bytes_out": p.dp_bytes_out,
-                "dp_rejected": p.dp_rejected,
+                "dp_rejected": p.dp_rejected, "refused_calls": p.refused_calls, "key": p.key_fingerprint or None,
+                "dp_suspects": list(p.dp_suspects), "dp_flagged": p.dp_flagged,
             }
             for p in s.peers
         ],
@@ -69,7 +72,8 @@ def render(s: pb.RunStatus) -> str:
         f"step {s.step}  tokens {s.tokens:,}  train loss {loss}  eval loss {eval_loss}  {s.tokens_per_s:,.0f} tok/s",
         f"PP {s.pp_bytes_per_token:.1f} B/token ({s.pp_compression:.1f}x vs dense fp16)  "
         f"DP {s.dp_bytes_per_token:.1f} B/token" + (f" ({s.dp_compression:.0f}x vs fp32 all-reduce every step)" if s.dp_compression else " (no round yet)"),
-        f"anchor: {anchor} ({s.anchors_launched} launched, {s.anchor_bytes_per_token:.1f} B/token)  stage moves: {s.stage_moves}",
+        f"anchor: {anchor} ({s.anchors_launched} launched, {s.anchor_bytes_per_token:.1f} B/token)  stage moves: {s.stage_moves}"
+        + (f"  refused calls: {s.refused_calls}" if s.refused_calls else "") + (f"  banned keys: {s.banned}" if s.banned else ""),
         "",
         f"{'stage':>5} {'peers':>5} {'tok/s':>9} {'could':>9} {'queue':>5}",
     ]
@@ -88,8 +92,10 @@ def render(s: pb.RunStatus) -> str:
     return "\n".join(lines)
 
 
-def run_status(tracker: str, as_json: bool, watch: bool, interval: float = 1.0) -> None:
-    with grpc.insecure_channel(tracker) as channel:
+def run_status(tracker: str, as_json: bool, watch: bool, interval: float = 1.0, token: str | None = None, tls_ca: bytes | None = None) -> None:
+    from peer.auth import Credentials, open_channel
+
+    with open_channel(tracker, Credentials(token=token) if token else None, tls_ca=tls_ca) as channel:
         stub = pbg.StatusStub(channel)
         try:
             if not watch:

@@ -43,9 +43,9 @@ def tiny_run_toml(extra: str = "", top: str = "") -> str:
     return top + TINY_RUN + extra
 
 
-def status_json(tracker: str) -> dict | None:
-    """`anchormesh status --json`, or None while the tracker does not answer."""
-    out = subprocess.run([sys.executable, "-m", "peer.cli", "status", "--tracker", tracker, "--json"], capture_output=True, text=True, timeout=30, env={**os.environ, "OMP_NUM_THREADS": "1"})
+def status_json(tracker: str, *extra: str) -> dict | None:
+    """`anchormesh status --json [EXTRA...]`, or None while the tracker does not answer."""
+    out = subprocess.run([sys.executable, "-m", "peer.cli", "status", "--tracker", tracker, "--json", *extra], capture_output=True, text=True, timeout=30, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return json.loads(out.stdout) if out.returncode == 0 else None
 
 
@@ -53,12 +53,12 @@ def logs(tmp: Path, tail: int = 4000) -> str:
     return "\n".join(f"--- {f.name}\n{f.read_text()[-tail:]}" for f in sorted(tmp.glob("*.log")))
 
 
-def wait_for_status(tracker: str, what: Callable[[dict], bool], tmp: Path, procs: Iterable[subprocess.Popen] = (), timeout: float = 120.0) -> dict:
-    """The first status for which `what` holds; on timeout the test fails with the last status,
-    after each live peer process dumped its stacks into its log."""
+def wait_for_status(tracker: str, what: Callable[[dict], bool], tmp: Path, procs: Iterable[subprocess.Popen] = (), timeout: float = 120.0, extra: tuple[str, ...] = ()) -> dict:
+    """The first status for which `what` holds (`extra`: more `status` flags); on timeout the test
+    fails with the last status, after each live peer process dumped its stacks into its log."""
     deadline, s = time.monotonic() + timeout, None
     while time.monotonic() < deadline:
-        s = status_json(tracker)
+        s = status_json(tracker, *extra)
         if s is not None and what(s):
             return s
         time.sleep(0.5)
@@ -67,3 +67,18 @@ def wait_for_status(tracker: str, what: Callable[[dict], bool], tmp: Path, procs
             p.send_signal(signal.SIGUSR1)
     time.sleep(2)
     pytest.fail(f"timed out; last status {json.dumps(s)[:1500]}\n{logs(tmp)}")
+
+
+def admit(daemon, run_id: str, caller_id: str = "caller", rate: float = 1e6):
+    """An in-process PeerDaemon set up as if its tracker had admitted it to `run_id` (no rate
+    limits unless `rate`), and the credentials of another member named `caller_id`."""
+    from peer import auth
+    from peer.identity import Identity, certificate_bytes
+
+    tracker = Identity.generate()
+    daemon.gate.configure(run_id, tracker.public, "test-run-token-0123456789", rate)
+    daemon.transport.messages = auth.RateLimit(rate)
+    daemon.creds.certificate = tracker.sign(certificate_bytes(run_id, daemon.peer_id, daemon.identity.public))
+    other = Identity.generate()
+    other.peer_id = caller_id
+    return auth.Credentials(identity=other, certificate=tracker.sign(certificate_bytes(run_id, caller_id, other.public)))

@@ -42,7 +42,7 @@ def test_random_kills_and_restarts_lose_nothing(tmp_path: Path) -> None:
 
     def start_peer(name: str) -> None:
         n = sum(1 for f in tmp_path.glob(f"{name}*.log"))
-        procs[name] = start_process(["peer", "--tracker", tracker, "--state-dir", str(tmp_path / name)], tmp_path / f"{name}.{n}.log")
+        procs[name] = start_process(["peer", "--tracker", tracker, "--token", f"@{tmp_path}/boot/bootstrap.json", "--state-dir", str(tmp_path / name)], tmp_path / f"{name}.{n}.log")
         everything.append(procs[name])
 
     try:

@@ -242,7 +242,7 @@ def _run_status_with(monkeypatch: pytest.MonkeyPatch, tty: bool) -> str:
 
     out = Out()
     monkeypatch.setenv("COLUMNS", "120")  # rich's width for a terminal it cannot measure
-    monkeypatch.setattr(status_mod.grpc, "insecure_channel", lambda target: _FakeChannel())
+    monkeypatch.setattr(status_mod.grpc, "insecure_channel", lambda target, options=None: _FakeChannel())
     monkeypatch.setattr(status_mod.pbg, "StatusStub", FakeStub)
     monkeypatch.setattr("sys.stdout", out)
     status_mod.run_status("127.0.0.1:1", as_json=False, watch=True)
@@ -282,3 +282,24 @@ def test_a_long_dead_peer_is_history_not_a_problem() -> None:
     assert problems(s) == [f"{p['id']} (stage {p['stage']}) is dead: no heartbeat for 10.1s (timeout 10s)"]
     p["last_seen_s"] = 3600.0
     assert problems(s) == [] and p["id"] in _text(s)  # still in the peer table
+
+
+def test_refused_calls_are_a_problem_to_look_at() -> None:
+    s = _healthy()
+    assert problems(s) == []
+    s["refused_calls"] = 3
+    live = next(p for p in s["peers"] if p["state"] in ("active", "idle"))
+    live["refused_calls"] = 1
+    assert problems(s) == [
+        "the tracker refused 3 call(s): wrong tokens, banned keys or too many calls (see its log)",
+        f"{live['id']} (stage {live['stage']}) refused 1 call(s) to its Stage service (see its log)",
+    ]
+
+
+def test_a_peer_its_stage_mates_name_is_shown_with_what_they_say() -> None:
+    s = _healthy()
+    live = [p for p in s["peers"] if p["state"] in ("active", "idle")]
+    bad, accuser = live[0], live[1]
+    bad["dp_flagged"] = 1
+    accuser["dp_suspects"] = [f"{bad['id']}: its update is 99.0x the others' (limit 4x)"]
+    assert problems(s) == [f"{bad['id']} (stage {bad['stage']}) is named by 1 stage mate(s) as the sender of a bad averaging update: its update is 99.0x the others' (limit 4x)"]

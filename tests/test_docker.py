@@ -247,7 +247,7 @@ def test_a_bootstrap_announcing_a_name_is_joined_through_that_name(tmp_path: Pat
         assert info["tracker"].startswith("localhost:"), info
         assert info["dht_maddrs"] and all(m.startswith("/dns4/localhost/tcp/") for m in info["dht_maddrs"]), info
         log = tmp_path / "peer.log"
-        procs.append(start_process(["peer", "--tracker", info["tracker"], "--host", "127.0.0.1", "--announce-host", "localhost"], log))
+        procs.append(start_process(["peer", "--tracker", info["tracker"], "--token", info["token"], "--host", "127.0.0.1", "--announce-host", "localhost"], log))
         deadline = time.monotonic() + 90
         while " joined " not in log.read_text():
             assert time.monotonic() < deadline and procs[1].poll() is None, log.read_text()[-3000:]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -20,8 +21,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from peer import auth
 from peer.codec.mask import MaskCodec
-from peer.config import MaskConfig, ModelConfig, PipelineConfig, TrainConfig
+from peer.config import MaskConfig, ModelConfig, PipelineConfig, SecurityConfig, TrainConfig
 from peer.daemon import PeerDaemon
 from peer.model.loading import load_causal_lm
 from peer.model.stages import split_model
@@ -30,6 +32,7 @@ from peer.pipeline.runner import StageWorker
 from peer.pipeline.swarm_anchor import SwarmAnchor
 from peer.wire import anchormesh_pb2 as pb
 from peer.wire.tensors import tensor_to_proto
+from swarmkit import admit
 
 RUN = "run-fuzz"
 CFG = TrainConfig(
@@ -40,7 +43,8 @@ CFG = TrainConfig(
 B, T, H, R, V = CFG.pipeline.micro_batch_size, CFG.pipeline.seq_len, CFG.model.hidden_size, CFG.mask.rank, 256
 FUZZ = settings(deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, database=None)
 CRASH = (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
-REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
+# PERMISSION_DENIED: a message whose header.sender is not the authenticated caller
+REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.PERMISSION_DENIED)
 SENT = {"n": 0}
 
 
@@ -67,7 +71,7 @@ def peer():
     d.worker.optimizer.opt.step()
     d.transport.run_id, d.state = RUN, "active"
     d.transport.start()
-    channel = grpc.insecure_channel(d.address)
+    channel = auth.open_channel(d.address, admit(d, RUN, caller_id="fuzzer"))  # an admitted member sends the junk
     before = state_digest(d)
     yield d, channel
     try:
@@ -179,7 +183,7 @@ def test_gradients_for_nothing_in_flight_are_refused(peer, data) -> None:
     _, channel = peer
     grad = torch.tensor(data.draw(st.lists(st.floats(allow_nan=True, allow_infinity=True, width=16), min_size=1, max_size=64)), dtype=torch.float16)
     msg = pb.GradientChunk(
-        header=pb.MicroBatchHeader(run_id=data.draw(st.sampled_from([RUN, "", "x"])), micro_batch_id=data.draw(st.integers(0, 1 << 63)), step=data.draw(st.integers(0, 1 << 63)), boundary=data.draw(st.integers(0, 3)), sender=data.draw(st.text(max_size=10))),
+        header=pb.MicroBatchHeader(run_id=data.draw(st.sampled_from([RUN, "", "x"])), micro_batch_id=data.draw(st.integers(0, 1 << 63)), step=data.draw(st.integers(0, 1 << 63)), boundary=data.draw(st.integers(0, 3)), sender=data.draw(st.sampled_from(["fuzzer", "other"]) | st.text(max_size=10))),
         grad=tensor_to_proto(grad),
     )
     assert send_stream(channel, "Backward", msg.SerializeToString()) in REFUSED
@@ -217,7 +221,7 @@ def test_defective_anchor_gradients_and_priors_are_refused(peer, data) -> None:
         damage_tensor(grad.grad, data.draw(st.sampled_from(["dtype", "short", "long", "nan", "huge", "negative"])), data.draw)
         assert send_stream(channel, "AnchorBackward", grad.SerializeToString()) in REFUSED
     else:  # this peer has no stage mates: no sender is a live member of its group
-        prior = pb.AnchorPrior(header=pb.MicroBatchHeader(run_id=RUN, sender=data.draw(st.text(max_size=12)), micro_batch_id=1), stage=data.draw(st.integers(0, 5)), loss=data.draw(st.floats()))
+        prior = pb.AnchorPrior(header=pb.MicroBatchHeader(run_id=RUN, sender=data.draw(st.sampled_from(["fuzzer", "other"]) | st.text(max_size=12)), micro_batch_id=1), stage=data.draw(st.integers(0, 5)), loss=data.draw(st.floats()))
         for name in data.draw(st.lists(st.text(max_size=30), max_size=4)):
             prior.grads.add(name=name, tensor=tensor_to_proto(torch.randn(2, 2)))
         assert send_stream(channel, "Prior", prior.SerializeToString()) in REFUSED
@@ -252,13 +256,19 @@ def test_ping_and_get_shard_answer_or_refuse(peer, run_id: str, raw: bytes, use_
 
 # -- the tracker --------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def tracker():
+def tracker(tmp_path_factory: pytest.TempPathFactory):
+    from bootstrap import keys
     from bootstrap.node import serve_tracker
     from bootstrap.tracker import Tracker
+    from peer.identity import Identity, certificate_bytes
 
-    t = Tracker(RUN, CFG)
-    server, address = serve_tracker(t, "127.0.0.1", 0)
-    channel = grpc.insecure_channel(address)
+    t = Tracker(RUN, replace(CFG, security=SecurityConfig(calls_per_s=1e6)))
+    secrets = keys.load_or_create(tmp_path_factory.mktemp("boot"))
+    server, address = serve_tracker(t, "127.0.0.1", 0, secrets)
+    me = Identity.generate()
+    me.peer_id = "fuzzer"  # a member with the token: the junk passes the gate and reaches the handlers
+    cert = secrets.tracker.sign(certificate_bytes(RUN, "fuzzer", me.public))
+    channel = auth.open_channel(address, auth.Credentials(token=secrets.token, identity=me, certificate=cert))
     yield t, channel
     status = channel.unary_unary("/anchormesh.v1.Status/GetStatus", request_serializer=pb.StatusRequest.SerializeToString, response_deserializer=pb.RunStatus.FromString)
     assert status(pb.StatusRequest(), timeout=5).run_id == RUN  # still serving
@@ -299,7 +309,7 @@ def reports(draw) -> pb.PeerReport:
     return pb.PeerReport(
         run_id=draw(st.sampled_from([RUN, "", "other"])),
         tokens=draw(st.integers(0, (1 << 64) - 1)),
-        peer=pb.PeerInfo(peer_id=draw(st.text(max_size=20)), stage=draw(st.integers(0, 1 << 31)), state=draw(st.sampled_from(["active", "idle", "dead", "left", "joining", "", "bogus"])),
+        peer=pb.PeerInfo(peer_id=draw(st.just("fuzzer") | st.text(max_size=20)), stage=draw(st.integers(0, 1 << 31)), state=draw(st.sampled_from(["active", "idle", "dead", "left", "joining", "", "bogus"])),
                          tokens_per_s=draw(st.floats()), loss=draw(st.floats()), step=draw(st.integers(0, (1 << 64) - 1)), capacity_tokens_per_s=draw(st.floats()), eval_loss=draw(st.floats())),
     )
 
@@ -312,12 +322,12 @@ def test_tracker_methods_refuse_or_answer_but_never_crash(tracker, data) -> None
     if data.draw(st.booleans()):
         raw = data.draw(st.binary(max_size=512))
     elif method.endswith("Join"):
-        raw = pb.JoinRequest(run_id=data.draw(st.sampled_from([RUN, "", "x"])), peer_id=data.draw(st.text(max_size=50)), grpc_address=data.draw(st.text(max_size=50)),
+        raw = pb.JoinRequest(run_id=data.draw(st.sampled_from([RUN, "", "x"])), peer_id=data.draw(st.just("fuzzer") | st.text(max_size=50)), grpc_address=data.draw(st.text(max_size=50)),
                              code_version=data.draw(st.sampled_from(["", "0.0.0", __import__("peer").__version__])), dht_maddrs=data.draw(st.lists(st.text(max_size=200), max_size=50))).SerializeToString()
     elif method.endswith("Heartbeat"):
         raw = reports(data.draw).SerializeToString()
     elif method.endswith("Leave"):
-        raw = pb.LeaveRequest(run_id=data.draw(st.sampled_from([RUN, "x"])), peer_id=data.draw(st.text(max_size=20)), reason=data.draw(st.text(max_size=100))).SerializeToString()
+        raw = pb.LeaveRequest(run_id=data.draw(st.sampled_from([RUN, "x"])), peer_id=data.draw(st.just("fuzzer") | st.text(max_size=20)), reason=data.draw(st.text(max_size=100))).SerializeToString()
     else:
         raw = b""
     code = call_tracker(channel, method, raw)

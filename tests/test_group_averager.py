@@ -117,9 +117,60 @@ def test_an_implausible_group_mean_is_refused_and_the_weights_stay(poison: str) 
         start_round(a, b)
         a._finish()
         assert a.rejected == 1 and a.rounds == 0, (a.last_error, a.last_rejection)
-        assert ("NaN" in a.last_rejection) if poison == "nan" else ("more than 4.0x" in a.last_rejection)
+        assert ("sent NaN or Inf" in a.last_rejection) if poison == "nan" else ("x the others' (limit 4x)" in a.last_rejection)
+        assert list(a.suspects) and all(s.startswith(f"{b.averager.peer_id}: ") for s in a.suspects)  # b is named
         assert all(torch.equal(x.detach(), y) for x, y in zip(pa, before))  # untouched
         assert all(torch.equal(base, t) for base, t in zip(a._base, init))  # the next delta still counts from the last good mean
+        a.shutdown()
+        b.shutdown()
+    finally:
+        dht_b.shutdown()
+        dht_a.shutdown()
+
+
+@pytest.mark.parametrize("attack", ["flipped", "lying"])
+def test_a_sign_flipped_update_is_refused_and_its_sender_named(attack: str) -> None:
+    """Both peers train the same way (their updates share a direction, as on one distribution).
+    `flipped`: b sends the mirror image of its update, of normal size, and says so in its claim:
+    a refuses the round and names b. `lying`: b claims its honest values but sends flipped
+    ones: the mean does not match the claims, a refuses the round and cannot name anyone."""
+    import hivemind
+
+    dht_a = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    dht_b = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[str(m) for m in dht_a.get_visible_maddrs()])
+    try:
+        torch.manual_seed(0)
+        init = [torch.randn(100, 50), torch.randn(20)]
+        pa = [torch.nn.Parameter(t.clone()) for t in init]
+        pb = [torch.nn.Parameter(t.clone()) for t in init]
+        a = GroupAverager(dht_a, pa, f"flip_{attack}", every=1, timeout=30.0, compression="int8", peer_id="peer-a")
+        b = GroupAverager(dht_b, pb, f"flip_{attack}", every=1, timeout=30.0, compression="int8", peer_id="peer-b")
+        common = [0.01 * torch.randn_like(t) for t in init]
+        with torch.no_grad():
+            for p, c in zip(pa, common):
+                p.add_(c + 0.005 * torch.randn_like(p))
+            for p, c, t in zip(pb, common, init):
+                update = c + 0.005 * torch.randn_like(p)
+                p.copy_(t - update if attack == "flipped" else t + update)
+        before = [p.detach().clone() for p in pa]
+        a.after_step(1)
+        b.after_step(1)
+        if attack == "lying":  # after its claim, before the all-reduce (matchmaking takes >= 2 s)
+            with torch.no_grad(), b.averager.get_tensors() as tensors:
+                for t in tensors:
+                    t.mul_(-1)
+        deadline = time.monotonic() + 60
+        while not (a._pending.done() and b._pending.done()):
+            assert time.monotonic() < deadline, "no averaging round within 60 s"
+            time.sleep(0.1)
+        a._finish()
+        assert a.rejected == 1 and a.rounds == 0, (a.last_error, a.last_rejection)
+        if attack == "flipped":
+            assert "points against the rest of the group" in a.last_rejection
+            assert [s.split(":")[0] for s in a.suspects] == [str(b.averager.peer_id)]
+        else:
+            assert "a member sent other values than it claimed" in a.last_rejection and not a.suspects
+        assert all(torch.equal(x.detach(), y) for x, y in zip(pa, before))
         a.shutdown()
         b.shutdown()
     finally:

@@ -10,6 +10,7 @@ import grpc
 import pytest
 import torch
 
+from peer import auth
 from peer.config import ModelConfig
 from peer.daemon import PeerDaemon
 from peer.model.loading import load_causal_lm
@@ -17,6 +18,7 @@ from peer.model.stages import split_model
 from peer.pipeline.grpc_transport import SERVICE, GrpcTransport
 from peer.shard import ShardError, read_shard, shard_chunks, snapshot
 from peer.wire import anchormesh_pb2 as pb
+from swarmkit import admit
 
 MODEL = ModelConfig(name="tiny-llama", num_stages=2, hidden_size=32, num_layers=2, num_heads=2, max_seq_len=32)
 
@@ -27,8 +29,8 @@ def ping(target: str, run_id: str) -> pb.PingReply:
         return call(pb.PingRequest(run_id=run_id, sender="test"), timeout=5)
 
 
-def get_shard(target: str, run_id: str = "") -> list[pb.ShardChunk]:
-    with grpc.insecure_channel(target) as ch:
+def get_shard(target: str, run_id: str = "", creds: auth.Credentials | None = None) -> list[pb.ShardChunk]:
+    with auth.open_channel(target, creds) as ch:
         call = ch.unary_stream(f"/{SERVICE}/GetShard", request_serializer=pb.ShardRequest.SerializeToString, response_deserializer=pb.ShardChunk.FromString)
         return list(call(pb.ShardRequest(run_id=run_id, sender="test"), timeout=10))
 
@@ -37,6 +39,7 @@ def get_shard(target: str, run_id: str = "") -> list[pb.ShardChunk]:
 def daemon():
     d = PeerDaemon("127.0.0.1:1")  # no tracker call happens before run()
     d.transport.run_id = "run-a"
+    d.member = admit(d, "run-a")
     d.transport.start()
     yield d
     d.transport.close()
@@ -71,20 +74,23 @@ def test_an_empty_run_id_is_a_liveness_probe_not_a_refusal(caplog: pytest.LogCap
 
 def test_get_shard_sends_the_stage_weights_under_full_model_names(daemon: PeerDaemon) -> None:
     target = daemon.transport.endpoints[daemon.peer_id]
-    with pytest.raises(grpc.RpcError) as exc:  # before it serves a stage
+    with pytest.raises(grpc.RpcError) as exc:  # without credentials: nobody reads a run's weights
         get_shard(target)
+    assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED and "--token" in exc.value.details()
+    with pytest.raises(grpc.RpcError) as exc:  # before it serves a stage
+        get_shard(target, creds=daemon.member)
     assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     stage = split_model(load_causal_lm(MODEL, seed=0), 2)[1]
     daemon.worker = SimpleNamespace(stage=stage, version=5)
     daemon.state = "active"
-    chunks = get_shard(target, "run-a")
+    chunks = get_shard(target, "run-a", auth.Credentials(token="test-run-token-0123456789"))  # export holds the token only
     shard = read_shard(chunks)
     assert (shard.run_id, shard.peer_id, shard.stage, shard.num_stages, shard.step) == ("run-a", daemon.peer_id, 1, 2, 5)
     want = {stage.hf_names[n]: p for n, p in stage.named_parameters()}
     assert set(shard.tensors) == set(want) and "lm_head.weight" in want and "model.layers.1.mlp.up_proj.weight" in want
     assert all(torch.equal(shard.tensors[k], want[k]) for k in want)
     with pytest.raises(grpc.RpcError) as exc:
-        get_shard(target, "run-b")
+        get_shard(target, "run-b", daemon.member)
     assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 

@@ -34,9 +34,9 @@ def test_a_killed_peer_resumes_from_its_checkpoint_and_the_run_ends_at_its_budge
         procs.append(start_process(["bootstrap", "--config", str(tmp_path / "run.toml"), "--state-dir", str(tmp_path / "boot"), "--peer-timeout", "3"], tmp_path / "boot.log"))
         boot = wait_for_bootstrap(tmp_path / "boot", procs[0], tmp_path / "boot.log")
         tracker, run_id = boot["tracker"], boot["run_id"]
-        procs.append(start_process(["peer", "--tracker", tracker, "--state-dir", str(tmp_path / "p0")], tmp_path / "p0.log"))
+        procs.append(start_process(["peer", "--tracker", tracker, "--token", f"@{tmp_path}/boot/bootstrap.json", "--state-dir", str(tmp_path / "p0")], tmp_path / "p0.log"))
         wait_for_status(tracker, lambda s: any(p["state"] in ("active", "idle") for p in s["peers"]), tmp_path)
-        procs.append(start_process(["peer", "--tracker", tracker, "--state-dir", str(tmp_path / "p1")], tmp_path / "p1.log"))
+        procs.append(start_process(["peer", "--tracker", tracker, "--token", f"@{tmp_path}/boot/bootstrap.json", "--state-dir", str(tmp_path / "p1")], tmp_path / "p1.log"))
         s = wait_for_status(tracker, lambda s: sorted(p["stage"] for p in s["peers"] if p["state"] in ("active", "idle")) == [0, 1], tmp_path)
         stage1 = ShardCheckpoints(tmp_path / "p1", run_id, 1)
         deadline = time.monotonic() + 120
@@ -48,7 +48,7 @@ def test_a_killed_peer_resumes_from_its_checkpoint_and_the_run_ends_at_its_budge
         killed_at = stage1.steps()[0]
         assert killed_at < BUDGET_STEPS
         wait_for_status(tracker, lambda s: s["state"] == "paused", tmp_path)  # stage 1 has no live peer
-        procs.append(start_process(["peer", "--tracker", tracker, "--state-dir", str(tmp_path / "p1")], tmp_path / "p1b.log"))
+        procs.append(start_process(["peer", "--tracker", tracker, "--token", f"@{tmp_path}/boot/bootstrap.json", "--state-dir", str(tmp_path / "p1")], tmp_path / "p1b.log"))
         s = wait_for_status(tracker, lambda s: s["state"] == "done", tmp_path, timeout=180)
         assert "token budget" in s["reason"] and s["tokens"] >= BUDGET_STEPS * TOKENS_PER_STEP
         for p in procs[1:]:

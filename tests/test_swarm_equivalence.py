@@ -56,12 +56,12 @@ def swarm_losses(tmp: Path) -> list[float]:
         tracker = wait_for_bootstrap(tmp / "boot", boot, tmp / "boot.log", timeout_s=90)["tracker"]
         deadline = time.monotonic() + 90
         # the first peer to join gets stage 0; its id fixes its data order (see below)
-        p0 = start("peer", "--tracker", tracker, "--max-steps", str(STEPS), log="p0.log", ANCHORMESH_PEER_ID=STAGE0_ID)
+        p0 = start("peer", "--tracker", tracker, "--token", f"@{tmp}/boot/bootstrap.json", "--max-steps", str(STEPS), log="p0.log", ANCHORMESH_PEER_ID=STAGE0_ID)
         while "joined" not in (tmp / "p0.log").read_text():
             assert time.monotonic() < deadline and p0.poll() is None, (tmp / "p0.log").read_text()
             time.sleep(0.2)
         # stage 1 has no step limit: it must stay to answer stage 0's retries until stage 0 is done
-        start("peer", "--tracker", tracker, "--state-dir", str(tmp / "p1"), log="p1.log")
+        start("peer", "--tracker", tracker, "--token", f"@{tmp}/boot/bootstrap.json", "--state-dir", str(tmp / "p1"), log="p1.log")
         p0.wait(timeout=240)
         assert "stage 0" in (tmp / "p0.log").read_text() and "stage 1" in (tmp / "p1.log").read_text()
         metrics = tmp / "p1" / "metrics.jsonl"

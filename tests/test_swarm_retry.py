@@ -1,12 +1,16 @@
 """Swarm mode (local steps): a sender's retry of a micro-batch the receiver already took is not
-computed twice, and the receiver sends the gradient again (the first one may have been lost)."""
+computed twice, and the receiver sends the gradient again (the first one may have been lost);
+the sender applies the micro-batch's gradient once, however many copies come back, so no
+optimizer step takes it twice."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from peer.codec.mask import MaskCodec
 from peer.config import ModelConfig, PipelineConfig, TrainConfig
+from peer.errors import WireError
 from peer.model.loading import load_causal_lm
 from peer.model.stages import split_model
 from peer.pipeline.runner import StageWorker
@@ -32,3 +36,14 @@ def test_a_retried_micro_batch_gets_its_gradient_again_and_counts_once() -> None
     assert b.forward_one()
     again = t.poll("a", "backward")
     assert again == first and sum(b.done.values()) == 1 and len(b.losses[0]) == 1
+
+    # both copies of the gradient reach stage 0: the first is applied, the second refused
+    t.send("b", "a", "backward", first)
+    t.send("b", "a", "backward", again)
+    a.drain()
+    assert a.backward_one() and sum(a.done.values()) == 1
+    grads = [p.grad.clone() for p in a.stage.parameters() if p.grad is not None]
+    with pytest.raises(WireError, match="gradient for unknown micro-batch"):
+        a.backward_one()
+    assert sum(a.done.values()) == 1 and not a.ready(0)  # one of M=2 micro-batches: no step yet
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, [p for p in a.stage.parameters() if p.grad is not None]))

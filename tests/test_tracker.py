@@ -49,6 +49,13 @@ def test_join_checks_run_version_and_duplicates() -> None:
     assert config_from_dict(json.loads(a.run_config_json)) == t.config
     with pytest.raises(JoinRefused, match="already in the run"):
         join(t, "a")
+    # with identity keys: another key may not take a live id; the same key is the same peer, restarted
+    k1, k2 = bytes(range(32)), bytes(range(1, 33))
+    t.join(pb.JoinRequest(peer_id="k", grpc_address="h:2", code_version=__version__), k1)
+    with pytest.raises(JoinRefused, match="already in the run"):
+        t.join(pb.JoinRequest(peer_id="k", grpc_address="h:3", code_version=__version__), k2)
+    t.join(pb.JoinRequest(peer_id="k", grpc_address="h:4", code_version=__version__), k1)
+    assert t.peers["k"].address == "h:4" and t.peers["k~1"].state == "left" and "restarted" in t.peers["k~1"].reason
 
 
 def test_joiners_fill_stages_then_go_where_capacity_is_lowest() -> None:
@@ -226,3 +233,16 @@ def test_evaluation_passes_go_to_stage_zero_every_eval_every_steps() -> None:
     t.report(pb.PeerReport(run_id="run-x", peer=info, tokens=0))
     s = t.status()
     assert (s.eval_loss, s.eval_step) == (2.5, 50)
+
+
+def test_averaging_suspects_are_named_by_run_peer_id_and_counted() -> None:
+    t, _ = make()
+    for pid, hid in (("a", "12D3KooWA"), ("b", "12D3KooWB")):
+        t.join(pb.JoinRequest(peer_id=pid, grpc_address="h:1", code_version=__version__, dht_maddrs=[f"/ip4/127.0.0.1/tcp/1/p2p/{hid}"]))
+    t.peers["b"].stage = 0  # one stage group
+    info = pb.PeerInfo(peer_id="a", stage=0, state="active", dp_suspects=["12D3KooWB: its update points against the rest of the group (cosine -0.93)", "12D3KooWZ: sent NaN or Inf"])
+    t.report(pb.PeerReport(run_id="run-x", peer=info))
+    beat(t, "b")
+    peers = {p.peer_id: p for p in t.status().peers}
+    assert list(peers["a"].dp_suspects) == ["b: its update points against the rest of the group (cosine -0.93)", "unknown DHT peer 12D3KooWZ: sent NaN or Inf"]
+    assert (peers["b"].dp_flagged, peers["a"].dp_flagged) == (1, 0)

@@ -94,7 +94,7 @@ def test_a_killed_bootstrap_resumes_its_run_and_the_peers_carry_on(tmp_path: Pat
         info = wait_for_bootstrap(tmp_path / "boot", procs[0], tmp_path / "boot.log")
         tracker = info["tracker"]
         for i in range(2):
-            procs.append(start_process(["peer", "--tracker", tracker], tmp_path / f"p{i}.log"))
+            procs.append(start_process(["peer", "--tracker", tracker, "--token", f"@{tmp_path}/boot/bootstrap.json"], tmp_path / f"p{i}.log"))
         before = wait_for_status(tracker, lambda s: s["step"] >= 6 and sorted(p["state"] for p in s["peers"]) == ["active", "active"], tmp_path, procs)
         time.sleep(persist.SAVE_EVERY_S + 0.5)  # at least one save after that status
         os.killpg(procs[0].pid, signal.SIGKILL)  # the bootstrap and its DHT daemon, no goodbye

@@ -12,6 +12,12 @@ baseline); "int8" averages the *change since the last group mean* (the DiLoCo ou
 8-bit with hivemind's uniform quantizer. Why deltas: a few steps of change are small and
 centred, so 8 bits lose little, while 8-bit parameters would lose most of their mantissa.
 
+Each round also carries every member's *claim*: its id and the values it sends at a fixed sample
+of coordinates (hivemind's all-gather rides along with matchmaking). Claims let a peer check
+the mean it gets back (it must equal the mean of the claims at those coordinates) and name a
+member whose update is NaN, far larger than the group's, or points against the rest of the
+group (a sign flip); see `GroupAverager._attribute`.
+
 The same averager hands a stage's state to a peer that joins the group late (hivemind's
 `load_state_from_peers`): each peer declares itself a donor with its step count as priority, so
 a joiner downloads from the most-trained member; a peer that has not trained yet declares nothing.
@@ -22,6 +28,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import zlib
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -36,6 +44,12 @@ log = logging.getLogger(__name__)
 WIRE_BYTES = {"none": 4, "int8": 1}
 
 MAX_CORRECTION = 4.0  # see GroupAverager._implausible
+# coordinates of each member's claim: 4 KiB of fp32. It must stay small: hivemind hands the step
+# to its averaging process over a non-blocking pipe, and a 16 KiB claim broke that pipe (the
+# process died, and step() waited forever); 8 KiB still passed
+SAMPLE = 1024
+FLIP_COSINE = -0.5  # an update whose cosine with the rest of the group's mean update is below this points against it
+CLAIM_TOLERANCE = 0.1  # |mean - mean of claims| may be this fraction of the largest claimed update (8-bit quantization: ~2%)
 STUCK_ROUND_FACTOR = 3.0  # a round pending this many times its timeout is cancelled
 START_TIMEOUT_S, START_TRIES = 30.0, 3  # the averaging process normally starts in 1-3 s
 StateFn = Callable[[], tuple[dict, list[torch.Tensor]]]  # -> (small metadata, tensors): what a joiner downloads
@@ -49,6 +63,22 @@ def round_bytes(numel: int, group_size: int, compression: str) -> int:
     averager's counter and for `anchormesh bench project`."""
     n = group_size
     return int(2 * (n - 1) / n * numel * WIRE_BYTES[compression])
+
+
+def sample_index(sizes: list[int], key: str, n: int = SAMPLE) -> list[torch.Tensor]:
+    """Per tensor, the flat indices of a sample of n coordinates of all of them together, the same
+    for every member of a group (seeded by `key`)."""
+    total = sum(sizes)
+    flat = torch.randperm(total, generator=torch.Generator().manual_seed(zlib.crc32(key.encode())))[:n].sort().values
+    out, start = [], 0
+    for size in sizes:
+        out.append(flat[(flat >= start) & (flat < start + size)] - start)
+        start += size
+    return out
+
+
+def take(tensors: list[torch.Tensor], index: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1)[i].float() for t, i in zip(tensors, index)])
 
 
 def _fix_hivemind_8bit() -> None:
@@ -163,7 +193,7 @@ class GroupAverager:
         compression: "none" (fp32 parameters) or "int8" (8-bit deltas from the last group mean).
     """
 
-    def __init__(self, dht, params: list[torch.nn.Parameter], prefix: str, every: int = 10, timeout: float = 30.0, state_fn: StateFn | None = None, compression: str = "int8") -> None:
+    def __init__(self, dht, params: list[torch.nn.Parameter], prefix: str, every: int = 10, timeout: float = 30.0, state_fn: StateFn | None = None, compression: str = "int8", peer_id: str = "") -> None:
         from hivemind.compression import NoCompression
 
         if compression not in WIRE_BYTES:
@@ -185,6 +215,10 @@ class GroupAverager:
         self.last_error = ""
         self.rejected = 0  # rounds whose result failed the plausibility rule (see _implausible)
         self.last_rejection = ""
+        self.peer_id = peer_id  # the run's id of this peer, carried in its claims (for logs)
+        self.suspects: deque[str] = deque(maxlen=4)  # "HIVEMIND_PEER_ID: why" of members named by refused rounds, newest last
+        self._index = sample_index([p.numel() for p in params], prefix)
+        self._claim: torch.Tensor | None = None
         self._base = [p.detach().clone() for p in params]  # the last group mean ("int8" sends the change from it)
         for attempt in range(1, START_TRIES + 1):
             self.averager = _averager_class()(
@@ -245,7 +279,9 @@ class GroupAverager:
             with torch.no_grad(), self.averager.get_tensors() as tensors:
                 for t, p, base in zip(tensors, self._offered, self._base):
                     t.copy_(p - base if self.compression == "int8" else p)
-            self._pending = self.averager.step(wait=False, timeout=self.timeout)
+                self._claim = take(tensors, self._index)
+            claim = {"peer": self.peer_id, "sample": self._claim.numpy().tobytes()}
+            self._pending = self.averager.step(gather=claim, wait=False, timeout=self.timeout)
 
     def _finish(self) -> None:
         pending, self._pending = self._pending, None
@@ -265,10 +301,13 @@ class GroupAverager:
         self._last_round_step = self._offered_at
         with torch.no_grad(), self.averager.get_tensors() as tensors:
             means = [(base + m.to(base.dtype)) if self.compression == "int8" else m.to(base.dtype).clone() for m, base in zip(tensors, self._base)]
-        why = self._implausible(means)
+            result = take(tensors, self._index)
+        why, named = self._attribute(group, result)
+        why = why or self._implausible(means)
         if why:  # keep the local weights and the old base: as if the round had not happened
             self.rejected += 1
             self.last_rejection = why
+            self.suspects.extend(named)
             log.warning("stage-group averaging result rejected (%d so far): %s", self.rejected, why)
             return
         with torch.no_grad():
@@ -276,6 +315,58 @@ class GroupAverager:
                 p.add_(mean.to(p.dtype) - offered)
                 base.copy_(mean)
         self.rounds += 1
+
+    def _attribute(self, group: dict, result: torch.Tensor) -> tuple[str, list[str]]:
+        """Check the round against the members' claims; (why it is refused or "", the members
+        named as "peer: why").
+
+        Rules, at the sampled coordinates: (1) the mean must equal the mean of the claims, within
+        `CLAIM_TOLERANCE` of the largest claimed update: otherwise some member sent other values
+        than it declared, and nobody can be named. (2) a claimed update holding NaN/Inf, (3) one
+        larger than `MAX_CORRECTION` times the median update of the others, or (4) one whose
+        cosine with the others' mean update is below `FLIP_COSINE` names that member. Why these:
+        honest replicas start from the same mean and train on the same distribution for the same
+        number of steps, so their updates have similar sizes and point the same way; scaled,
+        NaN and sign-flipped updates do not. A member never names itself."""
+        claims: dict[str, torch.Tensor] = {}
+        me = str(self.averager.peer_id)
+        for hid, c in group.items():
+            # members are named by their hivemind peer id (libp2p authenticates it), not by the id
+            # they claim: the tracker maps it to the run's peer id (bootstrap/tracker.py)
+            name = str(hid)
+            raw = c.get("sample") if isinstance(c, dict) else None
+            if not isinstance(raw, bytes) or len(raw) != 4 * result.numel():
+                return f"member {name} sent no valid claim", [f"{name}: no valid claim of what it sent"]
+            claims[name] = torch.frombuffer(bytearray(raw), dtype=torch.float32)
+        base = take(self._base, self._index)
+        updates = {k: (v if self.compression == "int8" else v - base) for k, v in claims.items()}
+        floor = 1e-5 * float(base.norm()) + 1e-12
+        for name, u in updates.items():
+            if not torch.isfinite(u).all() and name != me:
+                return f"member {name} sent NaN or Inf", [f"{name}: sent NaN or Inf"]
+        if not all(torch.isfinite(u).all() for u in updates.values()):
+            return "a member sent NaN or Inf", []
+        claimed_mean = torch.stack(list(claims.values())).mean(0)
+        off = float((result - claimed_mean).norm())
+        biggest = max(float(u.norm()) for u in updates.values())
+        if off > CLAIM_TOLERANCE * biggest + floor:
+            return f"the mean is {off:.3g} away from the mean of what the members declared (largest update {biggest:.3g}): a member sent other values than it claimed", []
+        named = []
+        for name, u in updates.items():
+            if name == me or len(updates) < 2:
+                continue
+            others = [v for k, v in updates.items() if k != name]
+            ref = float(torch.stack([v.norm() for v in others]).median())
+            if float(u.norm()) > MAX_CORRECTION * ref + floor:
+                named.append(f"{name}: its update is {float(u.norm()) / max(ref, 1e-30):.1f}x the others' (limit {MAX_CORRECTION:g}x)")
+                continue
+            rest = torch.stack(others).mean(0)
+            cos = float(u @ rest / (u.norm() * rest.norm() + 1e-30))
+            if cos < FLIP_COSINE:
+                named.append(f"{name}: its update points against the rest of the group (cosine {cos:.2f})")
+        if named:
+            return "; ".join(named), named
+        return "", []
 
     def _implausible(self, means: list[torch.Tensor]) -> str:
         """Why the group's mean cannot be right, or "". The rule: every value finite, and the

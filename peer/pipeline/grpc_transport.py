@@ -7,6 +7,11 @@ parses them itself and runs the owner's validator (run id, shapes, dtypes, finit
 before anything is queued for the worker. A chunk that fails ends its stream with
 INVALID_ARGUMENT naming the problem; the server keeps serving and the sender opens a new stream.
 Message sizes are set explicitly on both ends; flow control is gRPC's (HTTP/2 windows).
+
+In a swarm (`gate` and `creds` given) every call is authenticated (peer/auth.py): the gate checks
+the caller's certificate before a handler runs, a message's header.sender must be the caller,
+and each sender's messages are rate-limited. A local run's transport (one process, loopback)
+has neither.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from concurrent import futures
 
 import grpc
 
+from peer import auth
 from peer.errors import AnchormeshError
 from peer.pipeline.transport import CHANNELS, Address, Transport
 from peer.wire import anchormesh_pb2 as pb
@@ -32,6 +38,10 @@ SERVICE = "anchormesh.v1.Stage"
 METHOD = {"forward": "Forward", "backward": "Backward", "anchor_forward": "AnchorForward", "anchor_backward": "AnchorBackward", "prior": "Prior"}
 MESSAGE = {"forward": pb.ActivationChunk, "backward": pb.GradientChunk, "anchor_forward": pb.ActivationChunk, "anchor_backward": pb.GradientChunk, "prior": pb.AnchorPrior}
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 2**20
+# which credentials a swarm peer's Stage methods take (peer/auth.py); the fast and anchor circuits
+# (unlisted) take members only. Ping stays open (container health checks); GetShard also takes the
+# run token (anchormesh export on the operator's machine is not a member).
+STAGE_POLICY = {f"/{SERVICE}/Ping": frozenset({auth.OPEN}), f"/{SERVICE}/GetShard": frozenset({auth.TOKEN, auth.MEMBER, auth.OPERATOR})}
 
 # (channel, parsed message) -> None, or raises AnchormeshError naming the problem
 Validator = Callable[[str, object], None]
@@ -67,9 +77,16 @@ class GrpcTransport(Transport):
         host: str = "127.0.0.1",
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         shard_source: ShardSource | None = None,
+        gate: auth.Gate | None = None,
+        creds: auth.Credentials | None = None,
+        tls_server=None,
+        tls_ca: bytes | None = None,
+        messages_per_s: float = 200.0,
     ) -> None:
         super().__init__()
         self.run_id, self.host, self.max_bytes = run_id, host, max_message_bytes
+        self.gate, self.creds, self.tls_server, self.tls_ca = gate, creds, tls_server, tls_ca
+        self.messages = auth.RateLimit(messages_per_s)
         self._validators: dict[Address, Validator] = {}
         self.ping_info = ping_info or default_ping_info
         self.shard_source = shard_source
@@ -102,7 +119,7 @@ class GrpcTransport(Transport):
         e.g. for hivemind, must not have gRPC calls running)."""
         self._validators[addr] = validate or (lambda channel, msg: None)
         # no SO_REUSEPORT: a second process on a taken port must fail, not split the traffic
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=[*self._options, ("grpc.so_reuseport", 0)])
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), interceptors=[self.gate] if self.gate else None, options=[*self._options, ("grpc.so_reuseport", 0)])
         handlers = {
             METHOD[ch]: grpc.stream_stream_rpc_method_handler(self._stream_handler(addr, ch), request_deserializer=None, response_serializer=pb.Ack.SerializeToString)
             for ch in CHANNELS
@@ -111,7 +128,10 @@ class GrpcTransport(Transport):
         handlers["GetShard"] = grpc.unary_stream_rpc_method_handler(self._shard_handler(addr), request_deserializer=None, response_serializer=pb.ShardChunk.SerializeToString)
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
         try:
-            bound = server.add_insecure_port(f"{self.host}:{port}")
+            if self.tls_server is not None:
+                bound = server.add_secure_port(f"{self.host}:{port}", self.tls_server.credentials)
+            else:
+                bound = server.add_insecure_port(f"{self.host}:{port}")
         except RuntimeError:  # grpc raises on a taken port (older versions returned 0)
             bound = 0
         if bound == 0:
@@ -131,11 +151,21 @@ class GrpcTransport(Transport):
         cls = MESSAGE[channel]
 
         def handle(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[pb.Ack]:
+            caller = auth.caller(context)[0] if self.gate is not None else None
             for data in requests:
+                if caller is not None and not self.messages.take(caller):
+                    self.gate.refused["RESOURCE_EXHAUSTED"] += 1
+                    log.warning("stage server %s: %s sends over %g messages/s; stream ended", addr, caller, self.messages.rate)
+                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{caller} sends more than {self.messages.rate:g} messages/s (security.messages_per_s); slow down")
                 try:
                     msg = parse_message(cls, data, self.max_bytes)
                     if msg.header.run_id != self.run_id:
                         raise AnchormeshError(f"header.run_id={msg.header.run_id!r}: this server trains run {self.run_id!r}")
+                    if caller is not None and msg.header.sender != caller:
+                        self.gate.refused["PERMISSION_DENIED"] += 1
+                        self.rejected.append(f"sender {msg.header.sender!r} is not the caller {caller!r}")
+                        log.warning("stage server %s: %s sent a message signed as %r; stream ended", addr, caller, msg.header.sender)
+                        context.abort(grpc.StatusCode.PERMISSION_DENIED, f"header.sender={msg.header.sender!r}: the caller is {caller!r}; a peer sends only as itself")
                     self._validators[addr](channel, msg)
                 except AnchormeshError as exc:
                     self._reject(context, addr, f"{cls.__name__}: {exc}")
@@ -201,7 +231,7 @@ class GrpcTransport(Transport):
     # -- client side ------------------------------------------------------------------------
     def channel(self, target: str) -> grpc.Channel:
         if target not in self._channels:
-            self._channels[target] = grpc.insecure_channel(target, options=self._options)
+            self._channels[target] = auth.open_channel(target, self.creds, self._options, self.tls_ca)
         return self._channels[target]
 
     def send(self, src: Address, dst: Address, channel: str, data: bytes) -> None:

@@ -197,21 +197,23 @@ class ShardChunk(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., step: _Optional[int] = ..., total_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("run_id", "peer_id", "grpc_address", "code_version", "dht_maddrs")
+    __slots__ = ("run_id", "peer_id", "grpc_address", "code_version", "dht_maddrs", "tls_public_key")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CODE_VERSION_FIELD_NUMBER: _ClassVar[int]
     DHT_MADDRS_FIELD_NUMBER: _ClassVar[int]
+    TLS_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     peer_id: str
     grpc_address: str
     code_version: str
     dht_maddrs: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, run_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., code_version: _Optional[str] = ..., dht_maddrs: _Optional[_Iterable[str]] = ...) -> None: ...
+    tls_public_key: bytes
+    def __init__(self, run_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., code_version: _Optional[str] = ..., dht_maddrs: _Optional[_Iterable[str]] = ..., tls_public_key: _Optional[bytes] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("run_id", "stage", "num_stages", "layer_start", "layer_end", "run_config_json", "heartbeat_interval_s", "start_step", "dht_maddrs", "group_dht_maddrs")
+    __slots__ = ("run_id", "stage", "num_stages", "layer_start", "layer_end", "run_config_json", "heartbeat_interval_s", "start_step", "dht_maddrs", "group_dht_maddrs", "certificate", "tracker_key", "calls_per_s", "messages_per_s", "tls_certificate")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
@@ -222,6 +224,11 @@ class Assignment(_message.Message):
     START_STEP_FIELD_NUMBER: _ClassVar[int]
     DHT_MADDRS_FIELD_NUMBER: _ClassVar[int]
     GROUP_DHT_MADDRS_FIELD_NUMBER: _ClassVar[int]
+    CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
+    TRACKER_KEY_FIELD_NUMBER: _ClassVar[int]
+    CALLS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    TLS_CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     stage: int
     num_stages: int
@@ -232,10 +239,15 @@ class Assignment(_message.Message):
     start_step: int
     dht_maddrs: _containers.RepeatedScalarFieldContainer[str]
     group_dht_maddrs: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., run_config_json: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., start_step: _Optional[int] = ..., dht_maddrs: _Optional[_Iterable[str]] = ..., group_dht_maddrs: _Optional[_Iterable[str]] = ...) -> None: ...
+    certificate: bytes
+    tracker_key: bytes
+    calls_per_s: float
+    messages_per_s: float
+    tls_certificate: bytes
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., run_config_json: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., start_step: _Optional[int] = ..., dht_maddrs: _Optional[_Iterable[str]] = ..., group_dht_maddrs: _Optional[_Iterable[str]] = ..., certificate: _Optional[bytes] = ..., tracker_key: _Optional[bytes] = ..., calls_per_s: _Optional[float] = ..., messages_per_s: _Optional[float] = ..., tls_certificate: _Optional[bytes] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
-    __slots__ = ("peer_id", "stage", "address", "state", "last_seen_s", "tokens_per_s", "bytes_in", "bytes_out", "step", "loss", "queue_depth", "reason", "dp_rounds", "anchor_id", "anchor_bytes_out", "capacity_tokens_per_s", "dp_bytes_out", "dp_dense_bytes", "eval_id", "eval_loss", "dp_rejected")
+    __slots__ = ("peer_id", "stage", "address", "state", "last_seen_s", "tokens_per_s", "bytes_in", "bytes_out", "step", "loss", "queue_depth", "reason", "dp_rounds", "anchor_id", "anchor_bytes_out", "capacity_tokens_per_s", "dp_bytes_out", "dp_dense_bytes", "eval_id", "eval_loss", "dp_rejected", "refused_calls", "key_fingerprint", "dp_suspects", "dp_flagged")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -257,6 +269,10 @@ class PeerInfo(_message.Message):
     EVAL_ID_FIELD_NUMBER: _ClassVar[int]
     EVAL_LOSS_FIELD_NUMBER: _ClassVar[int]
     DP_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_CALLS_FIELD_NUMBER: _ClassVar[int]
+    KEY_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    DP_SUSPECTS_FIELD_NUMBER: _ClassVar[int]
+    DP_FLAGGED_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     stage: int
     address: str
@@ -278,7 +294,11 @@ class PeerInfo(_message.Message):
     eval_id: int
     eval_loss: float
     dp_rejected: int
-    def __init__(self, peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., last_seen_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., queue_depth: _Optional[int] = ..., reason: _Optional[str] = ..., dp_rounds: _Optional[int] = ..., anchor_id: _Optional[int] = ..., anchor_bytes_out: _Optional[int] = ..., capacity_tokens_per_s: _Optional[float] = ..., dp_bytes_out: _Optional[int] = ..., dp_dense_bytes: _Optional[int] = ..., eval_id: _Optional[int] = ..., eval_loss: _Optional[float] = ..., dp_rejected: _Optional[int] = ...) -> None: ...
+    refused_calls: int
+    key_fingerprint: str
+    dp_suspects: _containers.RepeatedScalarFieldContainer[str]
+    dp_flagged: int
+    def __init__(self, peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., last_seen_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., queue_depth: _Optional[int] = ..., reason: _Optional[str] = ..., dp_rounds: _Optional[int] = ..., anchor_id: _Optional[int] = ..., anchor_bytes_out: _Optional[int] = ..., capacity_tokens_per_s: _Optional[float] = ..., dp_bytes_out: _Optional[int] = ..., dp_dense_bytes: _Optional[int] = ..., eval_id: _Optional[int] = ..., eval_loss: _Optional[float] = ..., dp_rejected: _Optional[int] = ..., refused_calls: _Optional[int] = ..., key_fingerprint: _Optional[str] = ..., dp_suspects: _Optional[_Iterable[str]] = ..., dp_flagged: _Optional[int] = ...) -> None: ...
 
 class PeerReport(_message.Message):
     __slots__ = ("run_id", "peer", "tokens")
@@ -291,7 +311,7 @@ class PeerReport(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., peer: _Optional[_Union[PeerInfo, _Mapping]] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class Directive(_message.Message):
-    __slots__ = ("kind", "reason", "neighbours", "anchor_id", "anchor_micro_batches", "eval_id")
+    __slots__ = ("kind", "reason", "neighbours", "anchor_id", "anchor_micro_batches", "eval_id", "banned")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         CONTINUE: _ClassVar[Directive.Kind]
@@ -306,13 +326,15 @@ class Directive(_message.Message):
     ANCHOR_ID_FIELD_NUMBER: _ClassVar[int]
     ANCHOR_MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
     EVAL_ID_FIELD_NUMBER: _ClassVar[int]
+    BANNED_FIELD_NUMBER: _ClassVar[int]
     kind: Directive.Kind
     reason: str
     neighbours: _containers.RepeatedCompositeFieldContainer[PeerInfo]
     anchor_id: int
     anchor_micro_batches: int
     eval_id: int
-    def __init__(self, kind: _Optional[_Union[Directive.Kind, str]] = ..., reason: _Optional[str] = ..., neighbours: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., anchor_id: _Optional[int] = ..., anchor_micro_batches: _Optional[int] = ..., eval_id: _Optional[int] = ...) -> None: ...
+    banned: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, kind: _Optional[_Union[Directive.Kind, str]] = ..., reason: _Optional[str] = ..., neighbours: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., anchor_id: _Optional[int] = ..., anchor_micro_batches: _Optional[int] = ..., eval_id: _Optional[int] = ..., banned: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("run_id", "peer_id", "reason")
@@ -342,6 +364,22 @@ class RunConfig(_message.Message):
     code_version: str
     def __init__(self, run_id: _Optional[str] = ..., run_config_json: _Optional[str] = ..., code_version: _Optional[str] = ...) -> None: ...
 
+class BanRequest(_message.Message):
+    __slots__ = ("peer_id", "reason", "unban")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    UNBAN_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    reason: str
+    unban: bool
+    def __init__(self, peer_id: _Optional[str] = ..., reason: _Optional[str] = ..., unban: _Optional[bool] = ...) -> None: ...
+
+class BanReply(_message.Message):
+    __slots__ = ("banned",)
+    BANNED_FIELD_NUMBER: _ClassVar[int]
+    banned: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, banned: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class StatusRequest(_message.Message):
     __slots__ = ("interval_s",)
     INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
@@ -363,7 +401,7 @@ class StageStatus(_message.Message):
     def __init__(self, index: _Optional[int] = ..., peers: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., queue_depth: _Optional[int] = ..., capacity_tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("run_id", "step", "tokens", "loss", "tokens_per_s", "pp_bytes_per_token", "pp_compression", "uptime_s", "state", "reason", "stages", "peers", "dht_maddrs", "anchor_step", "anchor_age_steps", "anchors_launched", "anchor_bytes_per_token", "stage_moves", "dp_bytes_per_token", "dp_compression", "eval_loss", "eval_step")
+    __slots__ = ("run_id", "step", "tokens", "loss", "tokens_per_s", "pp_bytes_per_token", "pp_compression", "uptime_s", "state", "reason", "stages", "peers", "dht_maddrs", "anchor_step", "anchor_age_steps", "anchors_launched", "anchor_bytes_per_token", "stage_moves", "dp_bytes_per_token", "dp_compression", "eval_loss", "eval_step", "refused_calls", "banned")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -386,6 +424,8 @@ class RunStatus(_message.Message):
     DP_COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     EVAL_LOSS_FIELD_NUMBER: _ClassVar[int]
     EVAL_STEP_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_CALLS_FIELD_NUMBER: _ClassVar[int]
+    BANNED_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     tokens: int
@@ -408,4 +448,6 @@ class RunStatus(_message.Message):
     dp_compression: float
     eval_loss: float
     eval_step: int
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., tokens: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., pp_bytes_per_token: _Optional[float] = ..., pp_compression: _Optional[float] = ..., uptime_s: _Optional[float] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., dht_maddrs: _Optional[_Iterable[str]] = ..., anchor_step: _Optional[int] = ..., anchor_age_steps: _Optional[int] = ..., anchors_launched: _Optional[int] = ..., anchor_bytes_per_token: _Optional[float] = ..., stage_moves: _Optional[int] = ..., dp_bytes_per_token: _Optional[float] = ..., dp_compression: _Optional[float] = ..., eval_loss: _Optional[float] = ..., eval_step: _Optional[int] = ...) -> None: ...
+    refused_calls: int
+    banned: int
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., tokens: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., pp_bytes_per_token: _Optional[float] = ..., pp_compression: _Optional[float] = ..., uptime_s: _Optional[float] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., dht_maddrs: _Optional[_Iterable[str]] = ..., anchor_step: _Optional[int] = ..., anchor_age_steps: _Optional[int] = ..., anchors_launched: _Optional[int] = ..., anchor_bytes_per_token: _Optional[float] = ..., stage_moves: _Optional[int] = ..., dp_bytes_per_token: _Optional[float] = ..., dp_compression: _Optional[float] = ..., eval_loss: _Optional[float] = ..., eval_step: _Optional[int] = ..., refused_calls: _Optional[int] = ..., banned: _Optional[int] = ...) -> None: ...

@@ -387,6 +387,11 @@ class TrackerStub:
                 request_serializer=peer_dot_wire_dot_anchormesh__pb2.LeaveRequest.SerializeToString,
                 response_deserializer=peer_dot_wire_dot_anchormesh__pb2.LeaveReply.FromString,
                 _registered_method=True)
+        self.Ban = channel.unary_unary(
+                '/anchormesh.v1.Tracker/Ban',
+                request_serializer=peer_dot_wire_dot_anchormesh__pb2.BanRequest.SerializeToString,
+                response_deserializer=peer_dot_wire_dot_anchormesh__pb2.BanReply.FromString,
+                _registered_method=True)
 
 
 class TrackerServicer:
@@ -416,6 +421,13 @@ class TrackerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Ban(self, request, context):
+        """operator key only (anchormesh ban)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrackerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -438,6 +450,11 @@ def add_TrackerServicer_to_server(servicer, server):
                     servicer.Leave,
                     request_deserializer=peer_dot_wire_dot_anchormesh__pb2.LeaveRequest.FromString,
                     response_serializer=peer_dot_wire_dot_anchormesh__pb2.LeaveReply.SerializeToString,
+            ),
+            'Ban': grpc.unary_unary_rpc_method_handler(
+                    servicer.Ban,
+                    request_deserializer=peer_dot_wire_dot_anchormesh__pb2.BanRequest.FromString,
+                    response_serializer=peer_dot_wire_dot_anchormesh__pb2.BanReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -548,6 +565,33 @@ class Tracker:
             '/anchormesh.v1.Tracker/Leave',
             peer_dot_wire_dot_anchormesh__pb2.LeaveRequest.SerializeToString,
             peer_dot_wire_dot_anchormesh__pb2.LeaveReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Ban(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/anchormesh.v1.Tracker/Ban',
+            peer_dot_wire_dot_anchormesh__pb2.BanRequest.SerializeToString,
+            peer_dot_wire_dot_anchormesh__pb2.BanReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,328 @@
+"""Who may call what: every gRPC call of a swarm carries credentials, every server checks them.
+
+Three kinds of credential, each for a reason (DESIGN §6):
+- **run token** (`token`): the secret the operator hands to volunteers. It admits a peer (Join)
+  and lets an observer read the run (export). It never crosses the wire: calls carry an HMAC of
+  the call's method, time and nonce under it.
+- **operator key** (`operator`): only in the bootstrap's `bootstrap.json` (mode 0600); the only
+  credential that may ban a peer.
+- **member certificate** (`member`): a peer's identity key signed by the tracker at Join
+  (peer/identity.py). Member calls carry the certificate, the public key and the caller's
+  signature over the call; any peer checks them with the tracker's public key alone.
+
+A server's `Gate` (a gRPC server interceptor) checks them before any handler runs. Calls without
+credentials, with a wrong token, a forged certificate, a bad signature, a stale time or a
+replayed nonce get UNAUTHENTICATED; a banned key, or a credential the method does not take,
+gets PERMISSION_DENIED; a caller over its call rate gets RESOURCE_EXHAUSTED. Every refusal is
+counted and logged (at most one line per caller and reason every 10 s).
+
+The credentials cover the call, not each message's bytes: with plain TCP an on-path attacker
+could splice a member's open stream. `[security] tls` closes that.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import hmac
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from peer.identity import Identity, certificate_bytes, fingerprint, verify
+
+log = logging.getLogger("anchormesh.auth")
+
+OPEN, TOKEN, MEMBER, OPERATOR = "open", "token", "member", "operator"
+H_PEER, H_KEY, H_CERT, H_SIG = "am-peer", "am-key-bin", "am-cert-bin", "am-sig-bin"
+H_TS, H_NONCE, H_MAC, H_OP = "am-ts", "am-nonce", "am-mac", "am-op"
+MAX_SKEW_S = 300.0  # clocks of volunteers' machines may differ this much (NTP keeps them far closer)
+NO_TOKEN_HINT = "pass --token or set ANCHORMESH_TOKEN (the \"token\" in the bootstrap's bootstrap.json)"
+
+
+def new_secret() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def _call_bytes(method: str, peer: str, ts: str, nonce: str, key: bytes) -> bytes:
+    return f"anchormesh-call\n{method}\n{peer}\n{ts}\n{nonce}\n".encode() + key
+
+
+def _mac(secret: str, data: bytes) -> str:
+    return hmac.new(secret.encode(), data, hashlib.sha256).hexdigest()
+
+
+@dataclass
+class Credentials:
+    """What a client presents; mutable, so a peer's channels pick up its certificate after Join."""
+
+    token: str | None = None
+    identity: Identity | None = None
+    certificate: bytes = b""
+    operator: str | None = None
+
+    def metadata(self, method: str) -> list[tuple[str, str | bytes]]:
+        ts, nonce = f"{time.time():.3f}", secrets.token_hex(12)
+        ident = self.identity
+        peer, key = (ident.peer_id, ident.public) if ident else ("", b"")
+        data = _call_bytes(method, peer, ts, nonce, key)
+        md: list[tuple[str, str | bytes]] = [(H_TS, ts), (H_NONCE, nonce)]
+        if ident is not None:
+            md += [(H_PEER, peer), (H_KEY, key)]
+            if self.certificate:
+                md += [(H_CERT, self.certificate), (H_SIG, ident.sign(data))]
+        if self.token:
+            md.append((H_MAC, _mac(self.token, data)))
+        if self.operator:
+            md.append((H_OP, _mac(self.operator, data)))
+        return md
+
+
+class _Details(collections.namedtuple("_Details", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")), grpc.ClientCallDetails):
+    pass
+
+
+class _AddCredentials(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor, grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    def __init__(self, creds: Credentials) -> None:
+        self.creds = creds
+
+    def _with(self, d: grpc.ClientCallDetails) -> _Details:
+        method = d.method.decode() if isinstance(d.method, bytes) else d.method
+        md = [*(d.metadata or ()), *self.creds.metadata(method)]
+        return _Details(d.method, d.timeout, md, d.credentials, d.wait_for_ready, d.compression)
+
+    def intercept_unary_unary(self, continuation, d, request):
+        return continuation(self._with(d), request)
+
+    def intercept_unary_stream(self, continuation, d, request):
+        return continuation(self._with(d), request)
+
+    def intercept_stream_unary(self, continuation, d, requests):
+        return continuation(self._with(d), requests)
+
+    def intercept_stream_stream(self, continuation, d, requests):
+        return continuation(self._with(d), requests)
+
+
+def open_channel(target: str, creds: Credentials | None, options: list | None = None, tls_ca: bytes | None = None) -> grpc.Channel:
+    """A channel whose every call carries `creds` (TLS-verified against the run's CA when given)."""
+    options = list(options or [])
+    if tls_ca:
+        from peer.tls import SERVER_NAME
+
+        channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=tls_ca), options=[*options, ("grpc.ssl_target_name_override", SERVER_NAME)])
+    else:
+        channel = grpc.insecure_channel(target, options=options)
+    return grpc.intercept_channel(channel, _AddCredentials(creds)) if creds is not None else channel
+
+
+@dataclass(frozen=True)
+class Caller:
+    role: str
+    peer_id: str = ""
+    key: bytes = b""
+
+    @property
+    def name(self) -> str:
+        return self.peer_id or self.role
+
+
+class Refused(Exception):
+    def __init__(self, code: grpc.StatusCode, text: str) -> None:
+        super().__init__(text)
+        self.code, self.text = code, text
+
+
+def _abort_like(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, text: str) -> grpc.RpcMethodHandler:
+    """A handler of the same streaming kind as `handler` that ends the call with `code`."""
+
+    def abort(_request, context: grpc.ServicerContext):
+        context.abort(code, text)
+
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(abort)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(abort)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(abort)
+    return grpc.unary_unary_rpc_method_handler(abort)
+
+
+class RateLimit:
+    """Token buckets per key: `rate` per second, bursts of `burst_s` seconds' worth."""
+
+    def __init__(self, rate: float, burst_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate, self.burst_s, self.clock = rate, burst_s, clock
+        self._buckets: dict[str, tuple[float, float]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, key: str) -> bool:
+        """Spend one token of `key`'s bucket; False when it is empty."""
+        burst, now = self.rate * self.burst_s, self.clock()
+        with self._lock:
+            tokens, at = self._buckets.get(key, (burst, now))
+            tokens = min(burst, tokens + (now - at) * self.rate)
+            if len(self._buckets) > 4096:  # bounded: full buckets carry no state
+                self._buckets = {k: v for k, v in self._buckets.items() if v[0] < burst}
+            self._buckets[key] = (tokens - 1 if tokens >= 1 else tokens, now)
+            return tokens >= 1
+
+
+@dataclass
+class Gate(grpc.ServerInterceptor):
+    """Checks every call against `policy` (method -> roles it takes; unlisted methods: member).
+
+    `tracker_key` verifies member certificates; `token`/`operator` verify HMACs; `banned` maps key
+    fingerprints to the reason. A peer's gate learns these after it joins (`configure`); until
+    then it takes open methods only. `calls_per_s` bounds each caller's new calls (a burst of 10 s
+    worth is allowed): streams are long-lived, so a normal peer opens few."""
+
+    policy: dict[str, frozenset[str]]
+    token: str | None = None
+    operator: str | None = None
+    tracker_key: bytes = b""
+    run_id: str = ""
+    calls_per_s: float = 20.0
+    banned: dict[str, str] = field(default_factory=dict)
+    refused: collections.Counter = field(default_factory=collections.Counter)
+    clock: Callable[[], float] = time.time
+    _nonces: dict[str, float] = field(default_factory=dict)
+    _logged: dict[tuple[str, str], float] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self._calls = RateLimit(self.calls_per_s)
+
+    def configure(self, run_id: str, tracker_key: bytes, token: str | None, calls_per_s: float | None = None) -> None:
+        self.run_id, self.tracker_key, self.token = run_id, tracker_key, token
+        if calls_per_s:
+            self.calls_per_s = calls_per_s
+            self._calls = RateLimit(calls_per_s)
+
+    def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        handler = continuation(details)
+        if handler is None:  # unknown method: gRPC answers UNIMPLEMENTED
+            return None
+        method = details.method.decode() if isinstance(details.method, bytes) else details.method
+        roles = self.policy.get(method, frozenset({MEMBER}))
+        if OPEN in roles:
+            return handler
+        md = {k: v for k, v in (details.invocation_metadata or ())}
+        try:
+            caller = self.check(method, md, roles)
+            self._rate(caller)
+        except Refused as r:
+            self._refuse(method, md, r)
+            return _abort_like(handler, r.code, r.text)
+        return handler
+
+    # -- the checks -------------------------------------------------------------------------
+    def check(self, method: str, md: dict, roles: frozenset[str]) -> Caller:
+        """The verified caller of `method`, or Refused (code + text)."""
+        unauth, denied = grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED
+        ts, nonce = str(md.get(H_TS, "")), str(md.get(H_NONCE, ""))
+        peer, key = str(md.get(H_PEER, "")), md.get(H_KEY, b"")
+        if not isinstance(key, bytes):
+            raise Refused(unauth, f"{H_KEY} must be binary metadata")
+        presented = [h for h in (H_CERT, H_MAC, H_OP) if h in md]
+        if not presented:
+            raise Refused(unauth, f"{method} needs credentials and the call has none: {NO_TOKEN_HINT}")
+        try:
+            age = abs(self.clock() - float(ts))
+        except ValueError:
+            raise Refused(unauth, f"{H_TS}={ts[:40]!r} is not a time") from None
+        if age > MAX_SKEW_S:
+            raise Refused(unauth, f"the call's time is {age:.0f}s off this server's clock (at most {MAX_SKEW_S:.0f}s): fix the caller's clock")
+        if not 8 <= len(nonce) <= 64:
+            raise Refused(unauth, f"{H_NONCE} must be 8-64 characters")
+        data = _call_bytes(method, peer, ts, nonce, key)
+        caller = None
+        if H_OP in md and self.operator and hmac.compare_digest(str(md[H_OP]), _mac(self.operator, data)):
+            caller = Caller(OPERATOR, peer, key)
+        elif H_CERT in md:
+            caller = self._member(md, peer, key, data)
+        elif H_MAC in md:
+            if not self.token:
+                raise Refused(unauth, "this server does not know the run token yet")
+            if not hmac.compare_digest(str(md[H_MAC]), _mac(self.token, data)):
+                raise Refused(unauth, "wrong run token: check --token / ANCHORMESH_TOKEN against the bootstrap's bootstrap.json")
+            caller = Caller(TOKEN, peer, key)
+        else:
+            raise Refused(unauth, "wrong operator key")
+        if key and fingerprint(key) in self.banned:
+            raise Refused(denied, f"peer {peer or fingerprint(key)} is banned from this run: {self.banned[fingerprint(key)]}")
+        if caller.role not in roles:
+            raise Refused(denied, f"{method} takes {' or '.join(sorted(roles))} credentials; the caller has {caller.role} ones")
+        self._fresh(nonce)
+        return caller
+
+    def _member(self, md: dict, peer: str, key: bytes, data: bytes) -> Caller:
+        unauth = grpc.StatusCode.UNAUTHENTICATED
+        cert, sig = md.get(H_CERT, b""), md.get(H_SIG, b"")
+        if not self.tracker_key:
+            raise Refused(unauth, "this server has not joined a run yet")
+        if not isinstance(cert, bytes) or not isinstance(sig, bytes) or not verify(self.tracker_key, cert, certificate_bytes(self.run_id, peer, key)):
+            raise Refused(unauth, f"peer {peer!r}: its certificate was not issued by this run's tracker (another run, or forged)")
+        if not verify(key, sig, data):
+            raise Refused(unauth, f"peer {peer!r}: the call's signature does not match its key")
+        return Caller(MEMBER, peer, key)
+
+    def _fresh(self, nonce: str) -> None:
+        """Refuse a replayed call (its nonce seen within the time window)."""
+        now = self.clock()
+        with self._lock:
+            if nonce in self._nonces:
+                raise Refused(grpc.StatusCode.UNAUTHENTICATED, "replayed call (its nonce was used before)")
+            self._nonces[nonce] = now
+            if len(self._nonces) > 4096:  # forget nonces older than the window (their times are refused anyway)
+                self._nonces = {n: t for n, t in self._nonces.items() if now - t <= 2 * MAX_SKEW_S}
+
+    def _rate(self, caller: Caller) -> None:
+        if not self._calls.take(caller.name):
+            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{caller.name} opens calls faster than {self.calls_per_s:g}/s; slow down")
+
+    def _refuse(self, method: str, md: dict, r: Refused) -> None:
+        who = str(md.get(H_PEER, "")) or "an anonymous caller"
+        now = time.monotonic()
+        with self._lock:
+            self.refused[r.code.name] += 1
+            last = self._logged.get((who, r.text))
+            if last is None or now - last > 10.0:
+                self._logged[(who, r.text)] = now
+                if len(self._logged) > 1024:
+                    self._logged.clear()
+                log.warning("refused %s from %s: %s %s", method, who, r.code.name, r.text)
+
+
+def caller(context: grpc.ServicerContext) -> tuple[str, bytes]:
+    """(peer id, public key) of a call the gate let through (empty for open methods)."""
+    md = {k: v for k, v in (context.invocation_metadata() or ())}
+    key = md.get(H_KEY, b"")
+    return str(md.get(H_PEER, "")), key if isinstance(key, bytes) else b""
+
+
+def read_token(value: str | None) -> str | None:
+    """--token's value: the token, or `@FILE` (a bootstrap.json, or a file holding the token)."""
+    import json
+    from pathlib import Path
+
+    from peer.errors import ConfigError
+
+    if not value or not value.startswith("@"):
+        return value or None
+    path = Path(value[1:])
+    try:
+        text = path.read_text().strip()
+    except OSError as exc:
+        raise ConfigError("--token", value, f"cannot read it: {exc.strerror}") from None
+    if text.startswith("{"):
+        token = json.loads(text).get("token")
+        if not token:
+            raise ConfigError("--token", value, "that JSON has no \"token\" (is it a bootstrap.json of this version?)")
+        return token
+    return text

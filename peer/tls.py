@@ -1,0 +1,140 @@
+"""TLS for a run's gRPC (`[security] tls = true`): the bootstrap is the run's certificate authority.
+
+Why a run CA and not operator-supplied certificates: every volunteer's peer is also a server, and
+nobody hands out certificates to strangers' home machines. The bootstrap makes a CA once (kept in
+its state dir), certifies its own tracker, and certifies each peer's TLS key when the peer joins
+with the run token. Clients trust that CA only and check the name `SERVER_NAME`, which every
+certificate of the run carries (peers are reached at addresses nobody can predict). A peer's
+Stage server starts with a throwaway certificate and takes its CA-issued one at Join (gRPC's
+dynamic server credentials); it serves nobody before that.
+
+TLS protects every message's bytes on the wire; who the caller is stays peer/auth.py's job.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from peer.atomic import write_atomic
+from peer.errors import ConfigError
+
+SERVER_NAME = "anchormesh"
+VALID_DAYS = 3650
+
+
+def _name(cn: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+
+def new_key() -> ec.EllipticCurvePrivateKey:
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+
+
+def public_der(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+def _cert(subject: str, public, issuer: x509.Name, signer, ca: bool) -> x509.Certificate:
+    now = datetime.datetime.now(datetime.timezone.utc)
+    b = (x509.CertificateBuilder().subject_name(_name(subject)).issuer_name(issuer).public_key(public)
+         .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
+         .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
+         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    if not ca:
+        b = b.add_extension(x509.SubjectAlternativeName([x509.DNSName(SERVER_NAME)]), critical=False)
+    return b.sign(signer, hashes.SHA256())
+
+
+@dataclass
+class RunCA:
+    """The run's certificate authority (the bootstrap only)."""
+
+    key: ec.EllipticCurvePrivateKey
+    cert: x509.Certificate
+
+    @property
+    def pem(self) -> bytes:
+        return self.cert.public_bytes(serialization.Encoding.PEM)
+
+    @classmethod
+    def load_or_create(cls, state_dir: Path) -> RunCA:
+        key_path, cert_path = state_dir / "tls-ca.key", state_dir / "tls-ca.pem"
+        if key_path.exists() and cert_path.exists():
+            return cls(serialization.load_pem_private_key(key_path.read_bytes(), None), x509.load_pem_x509_certificate(cert_path.read_bytes()))
+        key = new_key()
+        ca = cls(key, _cert(f"{SERVER_NAME} run CA", key.public_key(), _name(f"{SERVER_NAME} run CA"), key, ca=True))
+        state_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(key_path, key_pem(key), mode=0o600)
+        write_atomic(cert_path, ca.pem)
+        return ca
+
+    def issue(self, subject: str, public: bytes) -> bytes:
+        """A server certificate (PEM) for the DER public key `public`."""
+        try:
+            pub = serialization.load_der_public_key(public)
+        except ValueError as exc:
+            raise ConfigError("tls_public_key", f"{len(public)} bytes", f"not a DER public key: {exc}") from None
+        if not isinstance(pub, ec.EllipticCurvePublicKey):
+            raise ConfigError("tls_public_key", type(pub).__name__, "must be an EC P-256 key")
+        return _cert(subject, pub, self.cert.subject, self.key, ca=False).public_bytes(serialization.Encoding.PEM)
+
+    def server_pair(self, subject: str) -> tuple[bytes, bytes]:
+        """(key PEM, certificate PEM) for a server of this machine (the tracker)."""
+        key = new_key()
+        return key_pem(key), self.issue(subject, public_der(key))
+
+
+class PeerServerTLS:
+    """A peer's Stage server credentials: a throwaway self-signed pair until Join, then the
+    CA-issued certificate (`install`)."""
+
+    def __init__(self) -> None:
+        self.key = new_key()
+        self._pending: bytes | None = None
+        self._lock = threading.Lock()
+        placeholder = _cert("unjoined", self.key.public_key(), _name("unjoined"), self.key, ca=False).public_bytes(serialization.Encoding.PEM)
+        first = grpc.ssl_server_certificate_configuration([(key_pem(self.key), placeholder)])
+        self.credentials = grpc.dynamic_ssl_server_credentials(first, self._fetch)
+
+    def install(self, cert_pem: bytes) -> None:
+        with self._lock:
+            self._pending = cert_pem
+
+    def _fetch(self):  # gRPC asks before each handshake; None keeps the current configuration
+        with self._lock:
+            cert, self._pending = self._pending, None
+        return grpc.ssl_server_certificate_configuration([(key_pem(self.key), cert)]) if cert else None
+
+
+def read_ca(value: str | None) -> bytes | None:
+    """--tls-ca's value: a PEM file, or a bootstrap.json holding "tls_ca"; None = plain TCP."""
+    import json
+
+    if not value:
+        return None
+    path = Path(value)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError("--tls-ca", value, f"cannot read it: {exc.strerror}") from None
+    if text.lstrip().startswith("{"):
+        ca = json.loads(text).get("tls_ca")
+        if not ca:
+            raise ConfigError("--tls-ca", value, "that JSON has no \"tls_ca\": the run does not use TLS (security.tls)")
+        text = ca
+    if "BEGIN CERTIFICATE" not in text:
+        raise ConfigError("--tls-ca", value, "not a PEM certificate")
+    return text.encode()
