@@ -297,6 +297,9 @@ class PeerDaemon:
                             del self.gate.banned[fp]
                         self.gate.banned.update({fp: "banned by the run's operator" for fp in directive.banned})
                         log.warning("banned keys in this run: %s", ", ".join(directive.banned) or "none")
+                    if self.averager is not None:  # a banned peer's averaging process may live on: keep it out of rounds
+                        for hid in directive.banned_dht:
+                            self.averager.excluded.setdefault(hid, "banned by the run's operator")
                     if directive.anchor_id:
                         self._anchor_jobs.append((directive.anchor_id, directive.anchor_micro_batches))
                     if directive.eval_id:

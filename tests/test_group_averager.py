@@ -168,6 +168,16 @@ def test_a_sign_flipped_update_is_refused_and_its_sender_named(attack: str) -> N
         if attack == "flipped":
             assert "points against the rest of the group" in a.last_rejection
             assert [s.split(":")[0] for s in a.suspects] == [str(b.averager.peer_id)]
+            for step in (2, 3):  # named again: excluded; then any round that includes it is refused
+                b._pending = None
+                a.after_step(step)
+                b.after_step(step)
+                while not (a._pending.done() and b._pending.done()):
+                    assert time.monotonic() < deadline + 120, "no averaging round"
+                    time.sleep(0.1)
+                a._finish()
+            assert str(b.averager.peer_id) in a.excluded and a.rejected == 3 and a.rounds == 0
+            assert "includes excluded member(s)" in a.last_rejection
         else:
             assert "a member sent other values than it claimed" in a.last_rejection and not a.suspects
         assert all(torch.equal(x.detach(), y) for x, y in zip(pa, before))

@@ -246,3 +246,6 @@ def test_averaging_suspects_are_named_by_run_peer_id_and_counted() -> None:
     peers = {p.peer_id: p for p in t.status().peers}
     assert list(peers["a"].dp_suspects) == ["b: its update points against the rest of the group (cosine -0.93)", "unknown DHT peer 12D3KooWZ: sent NaN or Inf"]
     assert (peers["b"].dp_flagged, peers["a"].dp_flagged) == (1, 0)
+    t.peers["b"].key = bytes(range(32)).hex()
+    t.ban("b", "sign-flipped updates")
+    assert list(beat(t, "a").banned_dht) == ["12D3KooWB"]  # stage mates refuse rounds that include its averaging process

@@ -49,6 +49,7 @@ MAX_CORRECTION = 4.0  # see GroupAverager._implausible
 # process died, and step() waited forever); 8 KiB still passed
 SAMPLE = 1024
 FLIP_COSINE = -0.5  # an update whose cosine with the rest of the group's mean update is below this points against it
+EXCLUDE_AFTER = 2  # a member named in this many refused rounds is excluded: rounds that include it are refused
 CLAIM_TOLERANCE = 0.1  # |mean - mean of claims| may be this fraction of the largest claimed update (8-bit quantization: ~2%)
 STUCK_ROUND_FACTOR = 3.0  # a round pending this many times its timeout is cancelled
 START_TIMEOUT_S, START_TRIES = 30.0, 3  # the averaging process normally starts in 1-3 s
@@ -217,6 +218,8 @@ class GroupAverager:
         self.last_rejection = ""
         self.peer_id = peer_id  # the run's id of this peer, carried in its claims (for logs)
         self.suspects: deque[str] = deque(maxlen=4)  # "HIVEMIND_PEER_ID: why" of members named by refused rounds, newest last
+        self.excluded: dict[str, str] = {}  # hivemind peer id -> why: rounds with these members are refused
+        self._named: dict[str, int] = {}  # hivemind peer id -> refused rounds that named it
         self._index = sample_index([p.numel() for p in params], prefix)
         self._claim: torch.Tensor | None = None
         self._base = [p.detach().clone() for p in params]  # the last group mean ("int8" sends the change from it)
@@ -308,6 +311,12 @@ class GroupAverager:
             self.rejected += 1
             self.last_rejection = why
             self.suspects.extend(named)
+            for entry in named:
+                hid = entry.split(": ", 1)[0]
+                self._named[hid] = self._named.get(hid, 0) + 1
+                if self._named[hid] >= EXCLUDE_AFTER and hid not in self.excluded:
+                    self.excluded[hid] = f"named in {self._named[hid]} refused rounds"
+                    log.warning("stage-group averaging: member %s excluded (%s): rounds that include it are refused from now on", hid, self.excluded[hid])
             log.warning("stage-group averaging result rejected (%d so far): %s", self.rejected, why)
             return
         with torch.no_grad():
@@ -327,7 +336,13 @@ class GroupAverager:
         cosine with the others' mean update is below `FLIP_COSINE` names that member. Why these:
         honest replicas start from the same mean and train on the same distribution for the same
         number of steps, so their updates have similar sizes and point the same way; scaled,
-        NaN and sign-flipped updates do not. A member never names itself."""
+        NaN and sign-flipped updates do not. A member never names itself. A member named in
+        `EXCLUDE_AFTER` refused rounds, or banned by the operator (`excluded`), makes every round
+        that includes it refused: hivemind's matchmaking cannot leave it out, so the honest
+        members train on without averaging with it."""
+        out = [str(h) for h in group if str(h) in self.excluded]
+        if out:  # hivemind cannot keep a member out of matchmaking; its rounds are refused instead
+            return "the group includes excluded member(s) " + ", ".join(f"{h} ({self.excluded[h]})" for h in out), []
         claims: dict[str, torch.Tensor] = {}
         me = str(self.averager.peer_id)
         for hid, c in group.items():

@@ -311,7 +311,7 @@ class PeerReport(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., peer: _Optional[_Union[PeerInfo, _Mapping]] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class Directive(_message.Message):
-    __slots__ = ("kind", "reason", "neighbours", "anchor_id", "anchor_micro_batches", "eval_id", "banned")
+    __slots__ = ("kind", "reason", "neighbours", "anchor_id", "anchor_micro_batches", "eval_id", "banned", "banned_dht")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         CONTINUE: _ClassVar[Directive.Kind]
@@ -327,6 +327,7 @@ class Directive(_message.Message):
     ANCHOR_MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
     EVAL_ID_FIELD_NUMBER: _ClassVar[int]
     BANNED_FIELD_NUMBER: _ClassVar[int]
+    BANNED_DHT_FIELD_NUMBER: _ClassVar[int]
     kind: Directive.Kind
     reason: str
     neighbours: _containers.RepeatedCompositeFieldContainer[PeerInfo]
@@ -334,7 +335,8 @@ class Directive(_message.Message):
     anchor_micro_batches: int
     eval_id: int
     banned: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, kind: _Optional[_Union[Directive.Kind, str]] = ..., reason: _Optional[str] = ..., neighbours: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., anchor_id: _Optional[int] = ..., anchor_micro_batches: _Optional[int] = ..., eval_id: _Optional[int] = ..., banned: _Optional[_Iterable[str]] = ...) -> None: ...
+    banned_dht: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, kind: _Optional[_Union[Directive.Kind, str]] = ..., reason: _Optional[str] = ..., neighbours: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., anchor_id: _Optional[int] = ..., anchor_micro_batches: _Optional[int] = ..., eval_id: _Optional[int] = ..., banned: _Optional[_Iterable[str]] = ..., banned_dht: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("run_id", "peer_id", "reason")
