@@ -283,7 +283,9 @@ class Gate(grpc.ServerInterceptor):
                 self._nonces = {n: t for n, t in self._nonces.items() if now - t <= 2 * MAX_SKEW_S}
 
     def _rate(self, caller: Caller) -> None:
-        if not self._calls.take(caller.name):
+        # members by their certified id; token and operator callers name themselves, so they
+        # share one bucket per role (a token holder cannot dodge the limit by making up names)
+        if not self._calls.take(caller.peer_id if caller.role == MEMBER else caller.role):
             raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{caller.name} opens calls faster than {self.calls_per_s:g}/s; slow down")
 
     def _refuse(self, method: str, md: dict, r: Refused) -> None:
