@@ -110,6 +110,12 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--dp-every", type=int, default=10, help="steps between DP rounds of masked_dp and compute_bound (default 10, the full bench's)")
     pr.add_argument("--shared-cores", type=int, default=None, help="all peers share this many cores (the namespace test bed); default: each peer its own device")
     pr.add_argument("--json", type=Path, default=None, help="write the result here (default: print it)")
+    pf = bsub.add_parser("profile", help="CPU per process kind and, with py-spy installed, per part of the peers' main processes, in one mode on the test bed (root)")
+    pf.add_argument("--mode", default="masked_dp", help="compute_bound, dense, masked or masked_dp (default masked_dp)")
+    pf.add_argument("--bandwidth-mbit", type=float, default=5.88, help="every link's speed (default 5.88: the GPU-equivalent of 200 Mbit/s measured on this box; ignored for compute_bound)")
+    pf.add_argument("--dp-every", type=int, default=5, help="steps between DP rounds of masked_dp and compute_bound (default 5, the quick bench's)")
+    pf.add_argument("--seconds", type=float, default=25.0, help="length of the profiled window (default 25)")
+    pf.add_argument("--json", type=Path, default=None, help="write the result here (default: print it)")
     pl = bsub.add_parser("plot", help="tokens/s against bandwidth (25-1000 Mbit/s) of the four modes, projected, with measured points (PNG; needs the [bench] extra)")
     pl.add_argument("--json", type=Path, default=None, help="a `bench throughput` result to overlay (scaled by its GPU-equivalent rule)")
     pl.add_argument("--out", type=Path, required=True, help="PNG to write")
@@ -214,6 +220,12 @@ def main(argv: list[str] | None = None) -> None:
                          mfu=args.mfu, dp_every=args.dp_every, shared_cores=args.shared_cores)
             if args.json is not None:
                 print(f"wrote {args.json}")
+        elif args.command == "bench" and args.bench == "profile":
+            from peer.bench.profile import main_json as profile_json
+
+            if not args.seconds > 0 or args.dp_every < 1 or not args.bandwidth_mbit > 0:
+                raise ConfigError("--seconds/--dp-every/--bandwidth-mbit", (args.seconds, args.dp_every, args.bandwidth_mbit), "must be > 0")
+            profile_json(args.json, mode=args.mode, bandwidth_mbit=args.bandwidth_mbit, dp_every=args.dp_every, seconds=args.seconds)
         elif args.command == "bench" and args.bench == "plot":
             from peer.bench.plot import plot
 

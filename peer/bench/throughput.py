@@ -20,9 +20,13 @@ bench first runs compute_bound, then sets the bandwidth so that one dense micro-
 time over its compute time equals that of the GPU scenario (`GpuScenario`) at its link speed:
 
   rho        = (2 * hidden_gpu * 8 / link_bps) * stage_tokens_per_s_gpu   (link time / compute time)
-  bandwidth  = 2 * hidden_cpu * 8 * (compute_bound tokens/s / replicas) / rho
+  bandwidth  = 2 * hidden_cpu * 8 * stage_tokens_per_s_cpu / rho
 
-with stage_tokens_per_s_gpu = peak FLOP/s * MFU / (FLOPs per token / stages).
+with stage_tokens_per_s_gpu = peak FLOP/s * MFU / (FLOPs per token / stages), and
+stage_tokens_per_s_cpu = the median peer capacity of the compute_bound run (tokens/s over the
+fraction of time the peer computed: its stage's compute rate, as on the GPU side). Until
+2026-12-03 the CPU side was compute_bound tokens/s / replicas, the pipeline's throughput with
+its bubbles, about half the compute rate: the bed then stood for ~100 Mbit/s, not 200.
 """
 
 from __future__ import annotations
@@ -69,10 +73,11 @@ class GpuScenario:
         return link_s * self.stage_tokens_per_s(stages)
 
 
-def equivalent_mbit(scenario: GpuScenario, stages: int, replicas: int, compute_bound_tokens_per_s: float) -> float:
-    """The bandwidth at which the CPU swarm's dense link/compute ratio equals the scenario's."""
-    per_peer = compute_bound_tokens_per_s / replicas
-    return 2 * TINY_HIDDEN * 8 * per_peer / scenario.rho(stages) / 1e6
+def equivalent_mbit(scenario: GpuScenario, stages: int, stage_tokens_per_s: float) -> float:
+    """The bandwidth at which the CPU swarm's dense link/compute ratio equals the scenario's;
+    `stage_tokens_per_s` is one peer's compute rate at its stage (not the pipeline's throughput,
+    which bubbles lower: the GPU side is a compute rate too)."""
+    return 2 * TINY_HIDDEN * 8 * stage_tokens_per_s / scenario.rho(stages) / 1e6
 
 
 def mode_config(mode: str, stages: int, steps: int, dp_every: int, seed: int = 0) -> dict:
@@ -99,6 +104,11 @@ def mode_config(mode: str, stages: int, steps: int, dp_every: int, seed: int = 0
         "optim": {"lr": 2e-3},
         "pipeline": {"micro_batch_size": 8, "micro_batches": 2, "seq_len": 128, "eval_every": steps, "eval_batches": 8},
     }
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2 if xs else 0.0
 
 
 def _live(s: dict) -> int:
@@ -145,6 +155,7 @@ def measure_mode(mode: str, rate_mbit: float | None, stages: int, replicas: int,
         "app_bytes_per_token": {"pp": s1["pp_bytes_per_token"], "dp": s1["dp_bytes_per_token"], "anchor": s1["anchor_bytes_per_token"]},
         "pp_compression": s1["pp_compression"],
         "train_loss": s1["loss"],
+        "peer_capacity_tokens_per_s": _median([p["capacity_tokens_per_s"] for p in s1["peers"] if p["state"] in ("active", "idle") and p["capacity_tokens_per_s"] > 0]),
         "wall_s": time.monotonic() - t_start,
     }
     print(f"[{mode}] {result['tokens_per_s']:,.0f} tok/s, {result['wire_bytes_per_token']:.0f} wire B/token, eval loss {result['eval_loss']:.4f} at step {result['eval_step']} ({result['wall_s']:.0f}s)", flush=True)
@@ -175,7 +186,9 @@ def run_throughput(quick: bool, bandwidth_mbit: float | None, stages: int, repli
     if "compute_bound" in modes or rate is None:
         out["modes"]["compute_bound"] = measure_mode("compute_bound", None, stages, replicas, warmup, steps, dp_every, workdir, 10, timeout_s)
     if rate is None:
-        rate = equivalent_mbit(scenario, stages, replicas, out["modes"]["compute_bound"]["tokens_per_s"])
+        cb = out["modes"]["compute_bound"]
+        per_peer = cb["peer_capacity_tokens_per_s"] or cb["tokens_per_s"] / replicas  # no capacity measured: the throughput (under-states it)
+        rate = equivalent_mbit(scenario, stages, per_peer)
         print(f"GPU-equivalent bandwidth: {rate:.2f} Mbit/s stands for {scenario.link_mbit:.0f} Mbit/s ({scenario.model} on an {scenario.gpu})", flush=True)
     for i, mode in enumerate(m for m in modes if m != "compute_bound"):
         out["modes"][mode] = measure_mode(mode, rate, stages, replicas, warmup, steps, dp_every, workdir, 11 + i, timeout_s)
@@ -205,7 +218,8 @@ def run_throughput(quick: bool, bandwidth_mbit: float | None, stages: int, repli
         "dp_every": dp_every,
         "model": {"name": "tiny-llama", "hidden": TINY_HIDDEN, "layers": 2 * stages},
         "scaling_rule": (
-            "bandwidth = 2*hidden_cpu*8 * (compute_bound tokens/s / replicas) / rho, "
+            "bandwidth = 2*hidden_cpu*8 * cpu_stage_tokens_per_s / rho, cpu_stage_tokens_per_s = "
+            "compute_bound's median peer capacity (tokens/s while computing), "
             "rho = (2*hidden_gpu*8 / link_bps) * gpu_stage_tokens_per_s, "
             "gpu_stage_tokens_per_s = peak_flops * mfu / (flops_per_token / stages): the dense "
             "link-time / compute-time ratio per token and stage equals the GPU scenario's"

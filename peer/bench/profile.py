@@ -1,0 +1,150 @@
+"""`anchormesh bench profile`: where the CPU goes in one throughput-bench mode on the test bed.
+
+Why: the throughput targets are missed where something other than the model's compute takes the
+time. Two views of the same measured window (a 2-stage x 2-peer swarm in network namespaces,
+links shaped as in `bench throughput`):
+
+- **CPU seconds per process kind**, from /proc (so C, Go and idle-looking event loops count as
+  what they are): the peers' main processes (model, codec, gRPC, stage loop), hivemind's Python
+  children (DHT node, averaging process), hivemind's p2pd (Go libp2p daemon), the bootstrap.
+- **Inside the peers' main processes**, when `py-spy` is installed (not a dependency: `pip
+  install py-spy`): the share of on-CPU samples per part (model forward/backward, optimizer,
+  codec, wire serialization, gRPC, stage loop), by the innermost anchormesh or library frame.
+  Samples whose innermost frame is a wait (locks, sleeps, polls) are counted as idle.
+
+Output: JSON on stdout or `--json OUT`.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from peer.bench.bedswarm import BedSwarm, write_toml
+from peer.bench.netbed import NetBed, available
+from peer.bench.throughput import MODES, mode_config
+from peer.errors import ConfigError
+
+HZ = os.sysconf("SC_CLK_TCK")
+IDLE_LEAVES = ("Condition.wait", "channel_spin", "Event.wait", "sleep", "select", "poll (", "_recv", "recv (", "epoll", "_run_once", "run_forever", "readinto", "_wait_for_tstate_lock")
+PARTS = (  # innermost match wins, walking from the leaf up
+    ("codec", ("peer/codec/",)),
+    ("wire serialization / validation", ("SerializeToString", "ParseFromString", "FromString", "peer/wire/tensors.py")),
+    ("optimizer step", ("peer/optim/", "torch/optim")),
+    ("model forward/backward", ("peer/model/", "torch/autograd", "torch/nn/")),
+    ("gRPC", ("grpc/",)),
+    ("hivemind (in the peer process)", ("hivemind/",)),
+    ("stage loop (runner, daemon)", ("peer/pipeline/", "peer/daemon.py")),
+)
+
+
+def _processes() -> dict[int, tuple[int, float, str]]:
+    """pid -> (parent pid, CPU seconds so far, command name)."""
+    out = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            st = open(f"/proc/{d}/stat").read()
+        except OSError:
+            continue
+        fields = st[st.rindex(")") + 2:].split()
+        out[int(d)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / HZ, st[st.index("(") + 1:st.rindex(")")])
+    return out
+
+
+def _tree(root: int, procs: dict) -> list[int]:
+    kids = collections.defaultdict(list)
+    for pid, (parent, _, _) in procs.items():
+        kids[parent].append(pid)
+    out, todo = [], [root]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += kids[p]
+    return out
+
+
+def _kind(pid: int, root: int, comm: str) -> str:
+    if pid == root:
+        return "peer main processes"
+    return "hivemind p2pd (Go)" if comm.startswith("p2pd") else "hivemind python children (DHT, averager)"
+
+
+def breakdown(raw_files: list[Path]) -> dict:
+    """Shares of on-CPU py-spy samples per part (see PARTS), from py-spy's raw output."""
+    parts, idle = collections.Counter(), 0
+    for f in raw_files:
+        for line in f.read_text().splitlines():
+            stack, _, n = line.rpartition(" ")
+            frames = stack.split(";")
+            if any(k in frames[-1] for k in IDLE_LEAVES):
+                idle += int(n)
+                continue
+            part = next((name for fr in reversed(frames) for name, pats in PARTS if any(p in fr for p in pats)), "other")
+            parts[part] += int(n)
+    busy = sum(parts.values())
+    return {"on_cpu_samples": busy, "idle_samples": idle, "shares": {k: round(v / busy, 3) for k, v in parts.most_common()} if busy else {}}
+
+
+def run_profile(mode: str, bandwidth_mbit: float | None, dp_every: int = 5, seconds: float = 25.0, warmup: int = 8) -> dict:
+    if mode not in MODES:
+        raise ConfigError("--mode", mode, f"must be one of {', '.join(MODES)}")
+    why = available()
+    if why:
+        raise ConfigError("bench profile", "network namespaces", why)
+    work = Path(tempfile.mkdtemp(prefix="anchormesh-profile-"))
+    cfg = work / "run.toml"
+    write_toml(mode_config(mode, 2, 10**9, dp_every), cfg)
+    local = Path(sys.executable).parent / "py-spy"  # in the same venv, even when it is not on PATH
+    spy = shutil.which("py-spy") or (str(local) if local.exists() else None)
+    rate = None if mode == "compute_bound" else bandwidth_mbit
+    with NetBed([rate] * 5, subnet=30) as bed:
+        swarm = BedSwarm(bed, cfg, work / "swarm")
+        s0 = swarm.wait_status(lambda s: s["step"] >= warmup and sum(p["state"] in ("active", "idle") for p in s["peers"]) == 4, 300, f"4 live peers and step {warmup}")
+        roots = [p.pid for p in swarm.peers]
+        before = _processes()
+        spies = [subprocess.Popen([spy, "record", "-d", str(int(seconds)), "-r", "40", "-f", "raw", "-o", str(work / f"spy{i}.txt"), "-p", str(pid), "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i, pid in enumerate(roots)] if spy else []
+        t0 = time.monotonic()
+        time.sleep(seconds)
+        dt = time.monotonic() - t0
+        after = _processes()
+        for q in spies:
+            q.wait()
+        s1 = swarm.wait_status(lambda s: True, 30, "a status")
+    cpu = collections.Counter()
+    for root in roots + [swarm.bootstrap.pid]:
+        for pid in _tree(root, after):
+            if pid in before:
+                kind = "bootstrap (tracker, DHT)" if root == swarm.bootstrap.pid else _kind(pid, root, after[pid][2])
+                cpu[kind] += after[pid][1] - before[pid][1]
+    return {
+        "mode": mode,
+        "bandwidth_mbit": rate,
+        "dp_every": dp_every,
+        "window_s": round(dt, 1),
+        "tokens_per_s": s1["tokens_per_s"],
+        "steps": [s0["step"], s1["step"]],
+        "cpu_seconds": {k: round(v, 2) for k, v in cpu.most_common()},
+        "cpu_share_of_machine": {k: round(v / ((os.cpu_count() or 1) * dt), 3) for k, v in cpu.most_common()},
+        "peer_main_process": breakdown(sorted(work.glob("spy*.txt"))) if spy else "py-spy not installed (pip install py-spy)",
+        "workdir": str(work),
+    }
+
+
+def main_json(path: Path | None, **kwargs) -> dict:
+    result = run_profile(**kwargs)
+    text = json.dumps(result, indent=2)
+    if path is None:
+        print(text)
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return result
