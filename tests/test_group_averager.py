@@ -5,11 +5,26 @@ and the local steps taken while the round ran are kept."""
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import pytest
 import torch
 
 from peer.dp.group import GroupAverager
+
+
+@contextmanager
+def two_dhts():
+    """Two DHT nodes on loopback, the second bootstrapped from the first; shut down after."""
+    import hivemind
+
+    dht_a = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    dht_b = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[str(m) for m in dht_a.get_visible_maddrs()])
+    try:
+        yield dht_a, dht_b
+    finally:
+        dht_b.shutdown()
+        dht_a.shutdown()
 
 
 def start_round(a: GroupAverager, b: GroupAverager) -> None:
@@ -24,11 +39,7 @@ def start_round(a: GroupAverager, b: GroupAverager) -> None:
 
 @pytest.mark.parametrize("compression,tol", [("none", 1e-6), ("int8", 2e-3)])
 def test_round_leaves_both_peers_at_the_mean(compression: str, tol: float) -> None:
-    import hivemind
-
-    dht_a = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    dht_b = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[str(m) for m in dht_a.get_visible_maddrs()])
-    try:
+    with two_dhts() as (dht_a, dht_b):
         torch.manual_seed(0)
         init = [torch.randn(300, 200), torch.randn(50)]  # both peers start from the same weights (same seed)
         pa = [torch.nn.Parameter(t.clone()) for t in init]
@@ -54,9 +65,6 @@ def test_round_leaves_both_peers_at_the_mean(compression: str, tol: float) -> No
         assert a.bytes_out == int(2 * (2 - 1) / 2 * (300 * 200 + 50) * (1 if compression == "int8" else 4))
         a.shutdown()
         b.shutdown()
-    finally:
-        dht_b.shutdown()
-        dht_a.shutdown()
 
 
 def test_an_averaging_process_that_does_not_start_is_killed_and_forked_again(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
@@ -97,11 +105,7 @@ def test_an_averaging_process_that_does_not_start_is_killed_and_forked_again(mon
 def test_an_implausible_group_mean_is_refused_and_the_weights_stay(poison: str) -> None:
     """Peer b offers NaN or 100x-scaled parameters: the mean a receives is NaN or far outside a's
     own drift since the last mean, so a keeps its weights and counts the refusal."""
-    import hivemind
-
-    dht_a = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    dht_b = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[str(m) for m in dht_a.get_visible_maddrs()])
-    try:
+    with two_dhts() as (dht_a, dht_b):
         torch.manual_seed(0)
         init = [torch.randn(100, 50), torch.randn(20)]
         pa = [torch.nn.Parameter(t.clone()) for t in init]
@@ -123,9 +127,6 @@ def test_an_implausible_group_mean_is_refused_and_the_weights_stay(poison: str) 
         assert all(torch.equal(base, t) for base, t in zip(a._base, init))  # the next delta still counts from the last good mean
         a.shutdown()
         b.shutdown()
-    finally:
-        dht_b.shutdown()
-        dht_a.shutdown()
 
 
 @pytest.mark.parametrize("attack", ["flipped", "lying"])
@@ -134,11 +135,7 @@ def test_a_sign_flipped_update_is_refused_and_its_sender_named(attack: str) -> N
     `flipped`: b sends the mirror image of its update, of normal size, and says so in its claim:
     a refuses the round and names b. `lying`: b claims its honest values but sends flipped
     ones: the mean does not match the claims, a refuses the round and cannot name anyone."""
-    import hivemind
-
-    dht_a = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    dht_b = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[str(m) for m in dht_a.get_visible_maddrs()])
-    try:
+    with two_dhts() as (dht_a, dht_b):
         torch.manual_seed(0)
         init = [torch.randn(100, 50), torch.randn(20)]
         pa = [torch.nn.Parameter(t.clone()) for t in init]
@@ -183,9 +180,6 @@ def test_a_sign_flipped_update_is_refused_and_its_sender_named(attack: str) -> N
         assert all(torch.equal(x.detach(), y) for x, y in zip(pa, before))
         a.shutdown()
         b.shutdown()
-    finally:
-        dht_b.shutdown()
-        dht_a.shutdown()
 
 
 def test_a_peer_alone_in_its_stage_offers_no_round() -> None:

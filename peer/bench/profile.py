@@ -18,7 +18,6 @@ Output: JSON on stdout or `--json OUT`.
 from __future__ import annotations
 
 import collections
-import json
 import os
 import shutil
 import subprocess
@@ -140,11 +139,6 @@ def run_profile(mode: str, bandwidth_mbit: float | None, dp_every: int = 5, seco
 
 
 def main_json(path: Path | None, **kwargs) -> dict:
-    result = run_profile(**kwargs)
-    text = json.dumps(result, indent=2)
-    if path is None:
-        print(text)
-    else:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    return result
+    from peer.bench import emit_json
+
+    return emit_json(run_profile(**kwargs), path)

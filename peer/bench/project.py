@@ -75,7 +75,6 @@ available; a real link adds a round trip per transfer), status and heartbeat tra
 from __future__ import annotations
 
 import heapq
-import json
 import math
 import os
 import random
@@ -1066,13 +1065,8 @@ def run_project(model: str, device: str, bandwidth_mbit: float, stages: int = 2,
 
 
 def main_json(path: Path | None, **kwargs) -> dict:
-    result = run_project(**kwargs)
-    text = json.dumps(result, indent=2)
-    if path is None:
-        print(text)
-    else:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    return result
+    from peer.bench import emit_json
+
+    return emit_json(run_project(**kwargs), path)
 
 

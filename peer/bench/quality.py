@@ -9,7 +9,6 @@ what the exported model would score. Nothing here is tuned to pass: it reports w
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import os
