@@ -45,6 +45,17 @@ MAX_SKEW_S = 300.0  # clocks of volunteers' machines may differ this much (NTP k
 NO_TOKEN_HINT = "pass --token or set ANCHORMESH_TOKEN (the \"token\" in the bootstrap's bootstrap.json)"
 
 
+def tls_hint(details: str | None, tls: bool) -> str:
+    """What to try when a connection fails the way a TLS mismatch does (gRPC says only
+    "Socket closed" to a plain client of a TLS server, "handshake failed" the other way)."""
+    d = (details or "").lower()
+    if not tls and "socket closed" in d:
+        return " (if the run uses TLS, security.tls, pass --tls-ca with the bootstrap.json or its CA)"
+    if tls and "handshake" in d:
+        return " (a TLS handshake failed: the server may not use TLS, drop --tls-ca, or uses another run's CA)"
+    return ""
+
+
 def new_secret() -> str:
     return secrets.token_urlsafe(32)
 

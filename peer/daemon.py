@@ -102,13 +102,13 @@ def dht_maddrs_from_tracker(tracker: str, stop: threading.Event, creds: auth.Cre
             if exc.code() in REFUSALS:
                 log.error("the tracker refused this peer: %s %s", exc.code().name, exc.details())
                 raise SystemExit(2) from None
-            log.warning("tracker %s unreachable (%s: %s); retrying in %.1fs", tracker, exc.code().name, exc.details(), delay)
+            log.warning("tracker %s unreachable (%s: %s%s); retrying in %.1fs", tracker, exc.code().name, exc.details(), auth.tls_hint(exc.details(), tls_ca is not None), delay)
             stop.wait(delay)
             delay = min(delay * 2, 30.0)
     raise SystemExit(1)
 
 
-def join(stub: pbg.TrackerStub, req: pb.JoinRequest, stop: threading.Event) -> pb.Assignment:
+def join(stub: pbg.TrackerStub, req: pb.JoinRequest, stop: threading.Event, tls: bool = False) -> pb.Assignment:
     """Join, retrying with backoff while the tracker is unreachable; a refusal ends the daemon."""
     delay = 0.5
     while not stop.is_set():
@@ -118,7 +118,7 @@ def join(stub: pbg.TrackerStub, req: pb.JoinRequest, stop: threading.Event) -> p
             if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, *REFUSALS):
                 log.error("the tracker refused this peer: %s %s", exc.code().name, exc.details())
                 raise SystemExit(2) from None
-            log.warning("tracker unreachable (%s: %s); retrying in %.1fs", exc.code().name, exc.details(), delay)
+            log.warning("tracker unreachable (%s: %s%s); retrying in %.1fs", exc.code().name, exc.details(), auth.tls_hint(exc.details(), tls), delay)
             stop.wait(delay)
             delay = min(delay * 2, 30.0)
     raise SystemExit(1)
@@ -472,7 +472,7 @@ class PeerDaemon:
                 from peer.tls import public_der
 
                 req.tls_public_key = public_der(self.tls_server.key)
-            a = join(pbg.TrackerStub(join_channel), req, self.stop)
+            a = join(pbg.TrackerStub(join_channel), req, self.stop, self.tls_ca is not None)
         cfg = config_from_dict(json.loads(a.run_config_json))
         self.transport.run_id = a.run_id
         # from now on: calls carry the certificate; the gate checks others' with the tracker's key

@@ -93,7 +93,7 @@ def render(s: pb.RunStatus) -> str:
 
 
 def run_status(tracker: str, as_json: bool, watch: bool, interval: float = 1.0, token: str | None = None, tls_ca: bytes | None = None) -> None:
-    from peer.auth import Credentials, open_channel
+    from peer.auth import Credentials, open_channel, tls_hint
 
     with open_channel(tracker, Credentials(token=token) if token else None, tls_ca=tls_ca) as channel:
         stub = pbg.StatusStub(channel)
@@ -114,5 +114,5 @@ def run_status(tracker: str, as_json: bool, watch: bool, interval: float = 1.0, 
                     sys.stdout.write("\x1b[2J\x1b[H" + render(s) + "\n")
                     sys.stdout.flush()
         except grpc.RpcError as exc:
-            print(f"anchormesh status: cannot reach the tracker at {tracker}: {exc.code().name} {exc.details()}", file=sys.stderr)
+            print(f"anchormesh status: cannot reach the tracker at {tracker}: {exc.code().name} {exc.details()}{tls_hint(exc.details(), tls_ca is not None)}", file=sys.stderr)
             raise SystemExit(1) from None

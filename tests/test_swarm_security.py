@@ -56,7 +56,8 @@ def test_tokens_tls_and_bans_on_a_real_swarm(tmp_path: Path) -> None:
         assert "refused this peer: UNAUTHENTICATED wrong run token" in (tmp_path / "wrong.log").read_text()
         assert "refused /anchormesh.v1.Tracker/Join" in (tmp_path / "boot.log").read_text()
         # without the run's CA the tracker cannot even be read; with it, it can
-        assert cli("status", "--tracker", tracker, "--json", timeout=60).returncode == 1
+        res = cli("status", "--tracker", tracker, "--json", timeout=60)
+        assert res.returncode == 1 and "pass --tls-ca" in res.stderr, res.stderr  # says what is missing
         assert status_json(tracker, *tls)["refused_calls"] >= 1
 
         peer_args = lambda name: ["peer", "--tracker", tracker, "--token", f"@{info_file}", *tls, "--state-dir", str(tmp_path / name)]  # noqa: E731
