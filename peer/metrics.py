@@ -27,6 +27,8 @@ RUN_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("anchormesh_tokens_per_second", "gauge", "Run throughput: tokens/s of the live stage-0 peers.", "tokens_per_s"),
     ("anchormesh_pp_bytes_per_token", "gauge", "Fast-circuit pipeline bytes per token.", "pp_bytes_per_token"),
     ("anchormesh_dp_bytes_per_token", "gauge", "Stage-group averaging bytes per token.", "dp_bytes_per_token"),
+    ("anchormesh_refused_calls_total", "counter", "gRPC calls the tracker refused (credentials, bans, rate).", "refused_calls"),
+    ("anchormesh_banned_keys", "gauge", "Identity keys banned from the run.", "banned"),
 )
 
 
@@ -90,6 +92,7 @@ PEER_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("anchormesh_peer_bytes_out_total", "counter", "Bytes this peer sent to other peers.", "bytes_out"),
     ("anchormesh_peer_dp_rounds_total", "counter", "Stage-group averaging rounds this peer took part in.", "dp_rounds"),
     ("anchormesh_peer_dp_rejected_total", "counter", "Stage-group averaging results this peer refused as implausible.", "dp_rejected"),
+    ("anchormesh_peer_refused_calls_total", "counter", "gRPC calls this peer's Stage service refused (credentials, bans, rate, impersonation).", "refused_calls"),
     ("anchormesh_peer_dropped_messages_total", "counter", "Messages dropped after they failed in the stage loop.", "dropped"),
     ("anchormesh_peer_checkpoint_step", "gauge", "Step of the newest shard checkpoint this peer wrote.", "checkpoint_step"),
 )
