@@ -212,3 +212,12 @@ def test_a_round_pending_far_past_its_timeout_is_cancelled_and_the_next_offered(
         avg.shutdown()
     finally:
         dht.shutdown()
+
+
+def test_a_big_stage_round_is_given_its_transfer_time_before_it_counts_as_stuck() -> None:
+    from types import SimpleNamespace
+
+    tiny = SimpleNamespace(timeout=30.0, numel=400_000, compression="none")
+    big = SimpleNamespace(timeout=30.0, numel=750_000_000, compression="none")  # a 1.5B model's stage, fp32
+    assert 90 < GroupAverager.stuck_after_s(tiny) < 92  # the tiny run: 3 timeouts, as before
+    assert GroupAverager.stuck_after_s(big) == pytest.approx(90 + 750e6 * 4 / 1.25e6)  # 3 GB at 10 Mbit/s: 40 min

@@ -51,7 +51,8 @@ SAMPLE = 1024
 FLIP_COSINE = -0.5  # an update whose cosine with the rest of the group's mean update is below this points against it
 EXCLUDE_AFTER = 2  # a member named in this many refused rounds is excluded: rounds that include it are refused
 CLAIM_TOLERANCE = 0.1  # |mean - mean of claims| may be this fraction of the largest claimed update (8-bit quantization: ~2%)
-STUCK_ROUND_FACTOR = 3.0  # a round pending this many times its timeout is cancelled
+STUCK_ROUND_FACTOR = 3.0  # a round pending this many times its timeout (plus its transfer time, below) is cancelled
+SLOWEST_LINK_BPS = 1.25e6  # 10 Mbit/s: the slowest link a round's bytes are allowed to take before it counts as stuck
 START_TIMEOUT_S, START_TRIES = 30.0, 3  # the averaging process normally starts in 1-3 s
 StateFn = Callable[[], tuple[dict, list[torch.Tensor]]]  # -> (small metadata, tensors): what a joiner downloads
 
@@ -267,13 +268,13 @@ class GroupAverager:
             self._last_round_step = local_step - 1
         if self._pending is not None and self._pending.done():
             self._finish()
-        elif self._pending is not None and time.monotonic() - self._offered_wall > STUCK_ROUND_FACTOR * self.timeout:
+        elif self._pending is not None and time.monotonic() - self._offered_wall > self.stuck_after_s():
             # hivemind's step timeout bounds finding a group only, not the all-reduce after it: a
             # round was seen pending for minutes (the demo's stage 0), and none was offered after it
             self._pending.cancel()
             self._pending = None
             self.failures += 1
-            self.last_error = f"round pending for over {STUCK_ROUND_FACTOR * self.timeout:.0f}s: cancelled"
+            self.last_error = f"round pending for over {self.stuck_after_s():.0f}s: cancelled"
             log.warning("stage-group averaging: %s", self.last_error)
         if self._pending is None and local_step % self.every == 0 and not alone:
             self._offered = [p.detach().clone() for p in self.params]
@@ -285,6 +286,11 @@ class GroupAverager:
                 self._claim = take(tensors, self._index)
             claim = {"peer": self.peer_id, "sample": self._claim.numpy().tobytes()}
             self._pending = self.averager.step(gather=claim, wait=False, timeout=self.timeout)
+
+    def stuck_after_s(self) -> float:
+        """How long a round may stay pending: `STUCK_ROUND_FACTOR` timeouts plus the time its
+        bytes take on a 10 Mbit/s link (a big stage's fp32 round legitimately takes minutes)."""
+        return STUCK_ROUND_FACTOR * self.timeout + round_bytes(self.numel, 2, self.compression) / SLOWEST_LINK_BPS
 
     def _finish(self) -> None:
         pending, self._pending = self._pending, None
