@@ -30,6 +30,8 @@ class RunSecrets:
 def check_token(token: str, field: str = "--token") -> None:
     if len(token) < MIN_TOKEN_CHARS:
         raise ConfigError(field, "<hidden>", f"a run token needs at least {MIN_TOKEN_CHARS} characters (it is the run's password)")
+    if token.startswith("-") or token != token.strip():
+        raise ConfigError(field, "<hidden>", "a run token must not start with '-' or with or end in spaces (peers pass it on the command line)")
 
 
 def load_or_create(state_dir: Path, token: str | None = None) -> RunSecrets:

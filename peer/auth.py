@@ -57,7 +57,9 @@ def tls_hint(details: str | None, tls: bool) -> str:
 
 
 def new_secret() -> str:
-    return secrets.token_urlsafe(32)
+    """256 random bits as hex: no leading "-" (token_urlsafe may start with one, and then
+    `--token VALUE` reads it as a flag: found by a test), nothing to quote in a shell."""
+    return secrets.token_hex(32)
 
 
 def _call_bytes(method: str, peer: str, ts: str, nonce: str, key: bytes) -> bytes:

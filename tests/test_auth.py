@@ -231,3 +231,15 @@ def test_join_issues_a_certificate_that_other_peers_accept_and_a_ban_revokes(tmp
         assert (again.token, again.operator, again.tracker.public) == (secrets.token, secrets.operator, secrets.tracker.public)
     finally:
         server.stop(0)
+
+
+def test_run_secrets_never_start_with_a_dash_and_bad_tokens_are_refused(tmp_path) -> None:
+    """`--token -abc...` would be read as a flag: a generated token starting with "-" made a
+    peer exit 2 with "argument --token: expected one argument" (seen in CI)."""
+    from bootstrap import keys
+    from peer.errors import ConfigError
+
+    assert all(not auth.new_secret().startswith("-") for _ in range(2000))
+    for bad in ("short", "-starts-with-a-dash-0123456789", " padded-token-0123456789 "):
+        with pytest.raises(ConfigError, match="--token"):
+            keys.load_or_create(tmp_path, bad)
