@@ -121,8 +121,10 @@ def test_an_implausible_group_mean_is_refused_and_the_weights_stay(poison: str) 
         start_round(a, b)
         a._finish()
         assert a.rejected == 1 and a.rounds == 0, (a.last_error, a.last_rejection)
-        assert ("sent NaN or Inf" in a.last_rejection) if poison == "nan" else ("x the others' (limit 4x)" in a.last_rejection)
-        assert list(a.suspects) and all(s.startswith(f"{b.averager.peer_id}: ") for s in a.suspects)  # b is named
+        if poison == "nan":  # its claim shows it: b is named
+            assert "sent NaN or Inf" in a.last_rejection and [x.split(": ")[0] for x in a.suspects] == [str(b.averager.peer_id)]
+        else:  # in a pair, size alone names nobody (an honest member with an older base looks the same)
+            assert "more than 4.0x this peer's own drift" in a.last_rejection and not a.suspects
         assert all(torch.equal(x.detach(), y) for x, y in zip(pa, before))  # untouched
         assert all(torch.equal(base, t) for base, t in zip(a._base, init))  # the next delta still counts from the last good mean
         a.shutdown()
@@ -131,55 +133,52 @@ def test_an_implausible_group_mean_is_refused_and_the_weights_stay(poison: str) 
 
 @pytest.mark.parametrize("attack", ["flipped", "lying"])
 def test_a_sign_flipped_update_is_refused_and_its_sender_named(attack: str) -> None:
-    """Both peers train the same way (their updates share a direction, as on one distribution).
-    `flipped`: b sends the mirror image of its update, of normal size, and says so in its claim:
-    a refuses the round and names b. `lying`: b claims its honest values but sends flipped
-    ones: the mean does not match the claims, a refuses the round and cannot name anyone."""
+    """The peers train the same way (their updates share a direction, as on one distribution).
+    `flipped`: in a group of three, c sends the mirror image of its update, of normal size, and
+    says so in its claim: a refuses the round and names c. `lying` (a pair): b claims its honest
+    values but sends flipped ones: the mean does not match the claims, a refuses the round and
+    cannot name anyone."""
+    import hivemind
+
     with two_dhts() as (dht_a, dht_b):
-        torch.manual_seed(0)
-        init = [torch.randn(100, 50), torch.randn(20)]
-        pa = [torch.nn.Parameter(t.clone()) for t in init]
-        pb = [torch.nn.Parameter(t.clone()) for t in init]
-        a = GroupAverager(dht_a, pa, f"flip_{attack}", every=1, timeout=30.0, compression="int8", peer_id="peer-a")
-        b = GroupAverager(dht_b, pb, f"flip_{attack}", every=1, timeout=30.0, compression="int8", peer_id="peer-b")
-        common = [0.01 * torch.randn_like(t) for t in init]
-        with torch.no_grad():
-            for p, c in zip(pa, common):
-                p.add_(c + 0.005 * torch.randn_like(p))
-            for p, c, t in zip(pb, common, init):
-                update = c + 0.005 * torch.randn_like(p)
-                p.copy_(t - update if attack == "flipped" else t + update)
-        before = [p.detach().clone() for p in pa]
-        a.after_step(1)
-        b.after_step(1)
-        if attack == "lying":  # after its claim, before the all-reduce (matchmaking takes >= 2 s)
-            with torch.no_grad(), b.averager.get_tensors() as tensors:
-                for t in tensors:
-                    t.mul_(-1)
-        deadline = time.monotonic() + 60
-        while not (a._pending.done() and b._pending.done()):
-            assert time.monotonic() < deadline, "no averaging round within 60 s"
-            time.sleep(0.1)
-        a._finish()
-        assert a.rejected == 1 and a.rounds == 0, (a.last_error, a.last_rejection)
-        if attack == "flipped":
-            assert "points against the rest of the group" in a.last_rejection
-            assert [s.split(":")[0] for s in a.suspects] == [str(b.averager.peer_id)]
-            for step in (2, 3):  # named again: excluded; then any round that includes it is refused
-                b._pending = None
-                a.after_step(step)
-                b.after_step(step)
-                while not (a._pending.done() and b._pending.done()):
-                    assert time.monotonic() < deadline + 120, "no averaging round"
-                    time.sleep(0.1)
-                a._finish()
-            assert str(b.averager.peer_id) in a.excluded and a.rejected == 3 and a.rounds == 0
-            assert "includes excluded member(s)" in a.last_rejection
-        else:
-            assert "a member sent other values than it claimed" in a.last_rejection and not a.suspects
-        assert all(torch.equal(x.detach(), y) for x, y in zip(pa, before))
-        a.shutdown()
-        b.shutdown()
+        dht_c = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[str(m) for m in dht_a.get_visible_maddrs()]) if attack == "flipped" else None
+        try:
+            torch.manual_seed(0)
+            init = [torch.randn(100, 50), torch.randn(20)]
+            common = [0.01 * torch.randn_like(t) for t in init]
+            dhts = [dht_a, dht_b] + ([dht_c] if dht_c else [])
+            params = [[torch.nn.Parameter(t.clone()) for t in init] for _ in dhts]
+            avgs = [GroupAverager(d, ps, f"flip_{attack}", every=1, timeout=30.0, compression="int8", peer_id=f"peer-{i}") for i, (d, ps) in enumerate(zip(dhts, params))]
+            with torch.no_grad():
+                for i, ps in enumerate(params):
+                    for p, c, t in zip(ps, common, init):
+                        update = c + 0.005 * torch.randn_like(p)
+                        p.copy_(t - update if attack == "flipped" and i == 2 else t + update)
+            a, bad = avgs[0], avgs[-1]
+            before = [p.detach().clone() for p in params[0]]
+            for avg in avgs:
+                avg.after_step(1)
+            if attack == "lying":  # after its claim, before the all-reduce (matchmaking takes >= 2 s)
+                with torch.no_grad(), bad.averager.get_tensors() as tensors:
+                    for t in tensors:
+                        t.mul_(-1)
+            deadline = time.monotonic() + 60
+            while not all(avg._pending.done() for avg in avgs):
+                assert time.monotonic() < deadline, "no averaging round within 60 s"
+                time.sleep(0.1)
+            a._finish()
+            assert a.rejected == 1 and a.rounds == 0, (a.last_error, a.last_rejection)
+            if attack == "flipped":
+                assert "points against the rest of the group" in a.last_rejection
+                assert [x.split(":")[0] for x in a.suspects] == [str(bad.averager.peer_id)]
+            else:
+                assert "a member sent other values than it claimed" in a.last_rejection and not a.suspects
+            assert all(torch.equal(x.detach(), y) for x, y in zip(params[0], before))
+            for avg in avgs:
+                avg.shutdown()
+        finally:
+            if dht_c is not None:
+                dht_c.shutdown()
 
 
 def test_a_peer_alone_in_its_stage_offers_no_round() -> None:

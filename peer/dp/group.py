@@ -49,7 +49,6 @@ MAX_CORRECTION = 4.0  # see GroupAverager._implausible
 # process died, and step() waited forever); 8 KiB still passed
 SAMPLE = 1024
 FLIP_COSINE = -0.5  # an update whose cosine with the rest of the group's mean update is below this points against it
-EXCLUDE_AFTER = 2  # a member named in this many refused rounds is excluded: rounds that include it are refused
 CLAIM_TOLERANCE = 0.1  # |mean - mean of claims| may be this fraction of the largest claimed update (8-bit quantization: ~2%)
 STUCK_ROUND_FACTOR = 3.0  # a round pending this many times its timeout (plus its transfer time, below) is cancelled
 SLOWEST_LINK_BPS = 1.25e6  # 10 Mbit/s: the slowest link a round's bytes are allowed to take before it counts as stuck
@@ -219,8 +218,7 @@ class GroupAverager:
         self.last_rejection = ""
         self.peer_id = peer_id  # the run's id of this peer, carried in its claims (for logs)
         self.suspects: deque[str] = deque(maxlen=4)  # "HIVEMIND_PEER_ID: why" of members named by refused rounds, newest last
-        self.excluded: dict[str, str] = {}  # hivemind peer id -> why: rounds with these members are refused
-        self._named: dict[str, int] = {}  # hivemind peer id -> refused rounds that named it
+        self.excluded: dict[str, str] = {}  # hivemind peer id -> why (banned by the operator): rounds with these members are refused
         self._index = sample_index([p.numel() for p in params], prefix)
         self._claim: torch.Tensor | None = None
         self._base = [p.detach().clone() for p in params]  # the last group mean ("int8" sends the change from it)
@@ -317,12 +315,6 @@ class GroupAverager:
             self.rejected += 1
             self.last_rejection = why
             self.suspects.extend(named)
-            for entry in named:
-                hid = entry.split(": ", 1)[0]
-                self._named[hid] = self._named.get(hid, 0) + 1
-                if self._named[hid] >= EXCLUDE_AFTER and hid not in self.excluded:
-                    self.excluded[hid] = f"named in {self._named[hid]} refused rounds"
-                    log.warning("stage-group averaging: member %s excluded (%s): rounds that include it are refused from now on", hid, self.excluded[hid])
             log.warning("stage-group averaging result rejected (%d so far): %s", self.rejected, why)
             return
         with torch.no_grad():
@@ -342,10 +334,13 @@ class GroupAverager:
         cosine with the others' mean update is below `FLIP_COSINE` names that member. Why these:
         honest replicas start from the same mean and train on the same distribution for the same
         number of steps, so their updates have similar sizes and point the same way; scaled,
-        NaN and sign-flipped updates do not. A member never names itself. A member named in
-        `EXCLUDE_AFTER` refused rounds, or banned by the operator (`excluded`), makes every round
-        that includes it refused: hivemind's matchmaking cannot leave it out, so the honest
-        members train on without averaging with it."""
+        NaN and sign-flipped updates do not. Rules (3) and (4) need at least three members (two
+        others to compare with): in a pair, an honest member whose base is older looks just as
+        outsized, so a pair relies on (1), (2) and `_implausible`. A member never names itself.
+        A member banned by the operator (`excluded`, from the heartbeat's `banned_dht`) makes
+        every round that includes it refused: hivemind's matchmaking cannot leave it out, so the
+        honest members train on without averaging with it. Nobody is excluded on a peer's own
+        say-so: a false alarm would stop a group's averaging for good."""
         out = [str(h) for h in group if str(h) in self.excluded]
         if out:  # hivemind cannot keep a member out of matchmaking; its rounds are refused instead
             return "the group includes excluded member(s) " + ", ".join(f"{h} ({self.excluded[h]})" for h in out), []
@@ -374,7 +369,9 @@ class GroupAverager:
             return f"the mean is {off:.3g} away from the mean of what the members declared (largest update {biggest:.3g}): a member sent other values than it claimed", []
         named = []
         for name, u in updates.items():
-            if name == me or len(updates) < 2:
+            # size and direction need at least two others to compare with: in a pair, an honest
+            # member whose base is older (it missed a round, or just joined) looks "outsized" too
+            if name == me or len(updates) < 3:
                 continue
             others = [v for k, v in updates.items() if k != name]
             ref = float(torch.stack([v.norm() for v in others]).median())
