@@ -220,7 +220,6 @@ class GroupAverager:
         self.suspects: deque[str] = deque(maxlen=4)  # "HIVEMIND_PEER_ID: why" of members named by refused rounds, newest last
         self.excluded: dict[str, str] = {}  # hivemind peer id -> why (banned by the operator): rounds with these members are refused
         self._index = sample_index([p.numel() for p in params], prefix)
-        self._claim: torch.Tensor | None = None
         self._base = [p.detach().clone() for p in params]  # the last group mean ("int8" sends the change from it)
         for attempt in range(1, START_TRIES + 1):
             self.averager = _averager_class()(
@@ -281,8 +280,8 @@ class GroupAverager:
             with torch.no_grad(), self.averager.get_tensors() as tensors:
                 for t, p, base in zip(tensors, self._offered, self._base):
                     t.copy_(p - base if self.compression == "int8" else p)
-                self._claim = take(tensors, self._index)
-            claim = {"peer": self.peer_id, "sample": self._claim.numpy().tobytes()}
+                sample = take(tensors, self._index)
+            claim = {"peer": self.peer_id, "sample": sample.numpy().tobytes()}
             self._pending = self.averager.step(gather=claim, wait=False, timeout=self.timeout)
 
     def stuck_after_s(self) -> float:
