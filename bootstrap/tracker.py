@@ -65,6 +65,9 @@ class PeerRecord:
     key: str = ""  # its identity key (hex); bans name the key's fingerprint
     refused_calls: int = 0
     dp_suspects: tuple[str, ...] = ()  # "HIVEMIND_PEER_ID: why" of members its refused averaging rounds named
+    link_mbit: float = 0.0  # its slowest measured outbound pipeline link
+    pp_keep: float = 0.0  # fraction of mask.rank it sends there
+    dp_period_s: float = 0.0  # its averaging slot period
 
 
 @dataclass
@@ -280,6 +283,7 @@ class Tracker:
             p.dp_rounds, p.anchor_id, p.anchor_bytes_out, p.capacity = info.dp_rounds, info.anchor_id, info.anchor_bytes_out, info.capacity_tokens_per_s
             p.dp_bytes_out, p.dp_dense_bytes, p.dp_rejected = info.dp_bytes_out, info.dp_dense_bytes, info.dp_rejected
             p.eval_id, p.eval_loss, p.refused_calls = info.eval_id, info.eval_loss, info.refused_calls
+            p.link_mbit, p.pp_keep, p.dp_period_s = info.link_mbit, info.pp_keep, info.dp_period_s
             p.dp_suspects = tuple(x[:300] for x in info.dp_suspects[:MAX_SUSPECTS])
             self._expire()
             if self._budget_spent():
@@ -376,6 +380,7 @@ class Tracker:
             dp_dense_bytes=p.dp_dense_bytes, eval_id=p.eval_id, eval_loss=p.eval_loss, dp_rejected=p.dp_rejected,
             refused_calls=p.refused_calls, key_fingerprint=fingerprint(bytes.fromhex(p.key)) if p.key else "",
             dp_suspects=named.get(p.peer_id, []), dp_flagged=flagged.get(p.peer_id, 0),
+            link_mbit=p.link_mbit, pp_keep=p.pp_keep, dp_period_s=p.dp_period_s,
         )
 
     def status(self) -> pb.RunStatus:

@@ -1,4 +1,4 @@
-"""`anchormesh` console entry point: `bootstrap`, `peer`, `status`, `health`, `demo`, `export`, `bench quality|throughput|project|plot`.
+"""`anchormesh` console entry point: `bootstrap`, `peer`, `status`, `health`, `demo`, `export`, `bench quality|throughput|mixed|project|profile|plot`.
 
 Bad flags exit with code 2 and one line naming the flag.
 """
@@ -100,6 +100,13 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--replicas", type=int, default=2, help="peers per stage (default 2)")
     t.add_argument("--modes", help="comma-separated subset of compute_bound,dense,masked,masked_dp")
     t.add_argument("--json", required=True, type=Path, help="write the result here")
+    mx = bsub.add_parser("mixed", help="one swarm on two link speeds at once: codec fixed vs self-tuning, against compute-bound (network namespaces; root)")
+    mx.add_argument("--quick", action="store_true", help="short runs that end within 8 minutes on 2 CPU cores")
+    mx.add_argument("--bandwidth-mbit", type=float, default=None, help="the fast links' speed (default: the GPU-equivalent of 200 Mbit/s)")
+    mx.add_argument("--slow-factor", type=float, default=8.0, help="how many times slower every second peer's link is (default 8)")
+    mx.add_argument("--stages", type=int, default=2, help="pipeline stages (default 2)")
+    mx.add_argument("--replicas", type=int, default=2, help="peers per stage (default 2)")
+    mx.add_argument("--json", required=True, type=Path, help="write the result here")
     pr = bsub.add_parser("project", help="predicted tokens/s of the throughput bench's four modes for a model on a device at a link speed (see peer/bench/project.py)")
     pr.add_argument("--model", default="tiny-llama", help="run.toml path, local model folder, or tiny-llama / llama-3.2-1b / llama-3.2-3b / qwen2.5-0.5b / qwen2.5-1.5b (default tiny-llama)")
     pr.add_argument("--gpu", required=True, help="rtx4090, a100, h100 (published bf16 FLOP/s x --mfu), or cpu (measured on this machine)")
@@ -212,6 +219,11 @@ def main(argv: list[str] | None = None) -> None:
 
             modes = [m.strip() for m in args.modes.split(",")] if args.modes else None
             main_json(args.json, quick=args.quick, bandwidth_mbit=args.bandwidth_mbit, stages=args.stages, replicas=args.replicas, modes=modes)
+            print(f"wrote {args.json}")
+        elif args.command == "bench" and args.bench == "mixed":
+            from peer.bench.mixed import main_json as mixed_json
+
+            mixed_json(args.json, quick=args.quick, bandwidth_mbit=args.bandwidth_mbit, slow_factor=args.slow_factor, stages=args.stages, replicas=args.replicas)
             print(f"wrote {args.json}")
         elif args.command == "bench" and args.bench == "project":
             from peer.bench.project import main_json as project_json

@@ -76,6 +76,13 @@ class MaskConfig:
         basis_refresh: steps between (prior, basis) refreshes for scheme "lowrank".
         prior_rows: scheme "lowrank": most rows of the token prior that travel per refresh; a
             larger vocabulary sends its most frequent tokens' rows and one shared row.
+        adapt: scheme "lowrank": each sender sends per link as many of the `rank` coefficients
+            as the link's measured bandwidth carries within `link_target` of its compute time
+            per micro-batch (peer/pipeline/linktune.py); `rank` is the most, `min_keep * rank`
+            the least. Off: always `rank`.
+        min_keep: the least fraction of `rank` an adapting link sends, in (0, 1].
+        link_target: the share of a micro-batch's compute time its bytes may take on the link,
+            in (0, 1]; below 1 leaves headroom for DP rounds and bursts.
     """
 
     drop: float = 0.0
@@ -87,9 +94,16 @@ class MaskConfig:
     rank: int = 8
     basis_refresh: int = 20
     prior_rows: int = 8192
+    adapt: bool = True
+    min_keep: float = 0.25
+    link_target: float = 0.8
 
     def __post_init__(self) -> None:
         _choice("mask.scheme", self.scheme, ("mask", "lowrank"))
+        if not (0.0 < self.min_keep <= 1.0):
+            raise ConfigError("mask.min_keep", self.min_keep, "must be in (0, 1]: the least fraction of mask.rank a link sends")
+        if not (0.0 < self.link_target <= 1.0):
+            raise ConfigError("mask.link_target", self.link_target, "must be in (0, 1]: the share of a micro-batch's compute time its bytes may take")
         if self.prior_rows < 2:
             raise ConfigError("mask.prior_rows", self.prior_rows, "must be >= 2 (token rows plus the shared row)")
         if self.scheme == "lowrank" and self.drop:
@@ -132,6 +146,9 @@ class DPConfig:
         fragments: Streaming DiLoCo fragments; fragment f syncs after steps where (step+1) % H == f*H//fragments.
         outer_lr, outer_momentum: DiLoCo outer Nesterov SGD.
         outer_compression: how DiLoCo deltas travel: none (fp32), powersgd, int8.
+        link_share: swarm only: the most of a peer's measured uplink time its stage-group rounds
+            may take; rounds are spaced further apart than `inner_steps` when a round's bytes
+            would take more (peer/dp/group.py). 0: `inner_steps` alone sets the spacing.
 
     In a networked swarm the stage group always averages parameters DiLoCo-style in the
     background (peer/dp/group.py): every `inner_steps` steps, `outer_compression` "none" (fp32
@@ -147,8 +164,11 @@ class DPConfig:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     outer_compression: str = "int8"
+    link_share: float = 0.2
 
     def __post_init__(self) -> None:
+        if not (0.0 <= self.link_share <= 1.0):
+            raise ConfigError("dp.link_share", self.link_share, "must be in [0, 1]: the share of the uplink's time averaging rounds may take (0 = no bound)")
         if self.replicas < 1:
             raise ConfigError("dp.replicas", self.replicas, "must be >= 1")
         _choice("dp.scheme", self.scheme, DP_SCHEMES)

@@ -240,6 +240,19 @@ class PeerDaemon:
             return 20.0
         return min(max(3.0 * max(self.round_trips), 5.0), 60.0)
 
+    def uplink_bps(self) -> float | None:
+        """Bytes/s of its slowest measured outbound pipeline stream (None: not measured yet): what
+        its uplink carries, as far as this peer can tell."""
+        rates = [bps for (_, ch), m in list(self.transport.meters.items()) if ch in ("forward", "backward") and (bps := m.bps()) is not None]
+        return min(rates) if rates else None
+
+    def links(self) -> tuple[float, float]:
+        """(its slowest measured outbound pipeline link in Mbit/s or 0, the fraction of mask.rank it
+        sends on its most constrained link or 0 when it sends no coefficients)."""
+        w, bps = self.worker, self.uplink_bps()
+        keep = min(w.coefs_sent.values()) / w.cfg.mask.rank if w is not None and w.coefs_sent else 0.0
+        return (bps * 8 / 1e6 if bps else 0.0), keep
+
     def metrics(self) -> dict:
         """This peer's figures for its Prometheus endpoint (`--metrics-port`)."""
         w, t = self.worker, self.transport
@@ -250,12 +263,14 @@ class PeerDaemon:
             "queue_depth": len(w.inbox_fwd) + len(w.inbox_bwd) if w else 0, "bytes_in": t.bytes_in, "bytes_out": t.total_bytes(),
             "dp_rounds": self.averager.rounds if self.averager else 0, "dp_rejected": self.averager.rejected if self.averager else 0, "dropped": self.dropped,
             "refused_calls": sum(self.gate.refused.values()),
+            "link_mbit": self.links()[0], "pp_keep": self.links()[1], "dp_period_s": self.averager.period_s if self.averager else 0.0,
             "checkpoint_step": self._checkpointed if self.checkpoints is not None and self._checkpointed else None,
         }
 
     # -- heartbeat --------------------------------------------------------------------------
     def _report(self) -> pb.PeerReport:
         w = self.worker
+        link_mbit, pp_keep = self.links()
         return pb.PeerReport(
             run_id=self.transport.run_id,
             tokens=self.tokens,
@@ -275,6 +290,7 @@ class PeerDaemon:
                 refused_calls=sum(self.gate.refused.values()),
                 dp_suspects=list(self.averager.suspects) if self.averager else [],
                 key_fingerprint=self.identity.fingerprint,
+                link_mbit=link_mbit, pp_keep=pp_keep, dp_period_s=self.averager.period_s if self.averager else 0.0,
             ),
         )
 
@@ -342,13 +358,17 @@ class PeerDaemon:
             if key not in w.inflight:
                 self.round_trips.append(now - self._sent_at.pop(key))
 
-    def _start_averaging(self, prefix: str, every: int, compression: str) -> None:
-        """Join the stage group's averaging; without a DHT the peer trains alone."""
+    def _start_averaging(self, prefix: str, every: int, compression: str, link_share: float) -> None:
+        """Join the stage group's averaging; without a DHT the peer trains alone. Rounds are
+        spaced so they take at most `link_share` of the uplink this peer measures."""
         if self.dht is None:
             log.warning("no DHT: this peer will not average with its stage group")
             return
-        self.averager = GroupAverager(self.dht, list(self.worker.stage.parameters()), prefix, every=every, state_fn=self._stage_state, compression=compression, peer_id=self.peer_id)
-        log.info("stage-group averaging every %d steps, %s on the wire (group key %s)", every, compression, prefix)
+        self.averager = GroupAverager(
+            self.dht, list(self.worker.stage.parameters()), prefix, every=every, state_fn=self._stage_state, compression=compression,
+            peer_id=self.peer_id, link_bps=self.uplink_bps, link_share=link_share,
+        )
+        log.info("stage-group averaging every %d steps at least, %s on the wire, at most %.0f%% of the uplink (group key %s)", every, compression, 100 * link_share, prefix)
 
     # -- state transfer ---------------------------------------------------------------------
     def _stage_state(self) -> tuple[dict, list[torch.Tensor]]:
@@ -497,7 +517,7 @@ class PeerDaemon:
         self.anchor = SwarmAnchor(self.worker, cfg.anchor.micro_batches, self._siblings, eval_batches=cfg.pipeline.eval_batches)
         if self.dht is not None and a.group_dht_maddrs:
             log.info("dialled %d of %d stage mates' DHT nodes", connect_peers(self.dht, list(a.group_dht_maddrs)), len(a.group_dht_maddrs))
-        self._start_averaging(f"{a.run_id}_stage{a.stage}", cfg.dp.inner_steps, cfg.dp.outer_compression)  # forks: before any gRPC runs
+        self._start_averaging(f"{a.run_id}_stage{a.stage}", cfg.dp.inner_steps, cfg.dp.outer_compression, cfg.dp.link_share)  # forks: before any gRPC runs
         channel = auth.open_channel(self.tracker, self.creds, TRACKER_CHANNEL_OPTIONS, self.tls_ca)
         stub = pbg.TrackerStub(channel)
         # heartbeats start now, so a slow state download does not get this peer declared dead;

@@ -1,16 +1,31 @@
 """The stage group's background averaging (peer/dp/group.py) over a real hivemind DHT: after a
 round both peers hold the mean of what they offered, for fp32 parameters and for 8-bit deltas,
-and the local steps taken while the round ran are kept."""
+and the local steps taken while the round ran are kept. When rounds are offered (wall-clock slots
+the group shares) is tested without hivemind, with a fake clock."""
 
 from __future__ import annotations
 
+import logging
+import math
+import random
 import time
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from peer.dp.group import GroupAverager
+from peer.dp.group import GroupAverager, RoundSchedule, offer_due, round_bytes, slot_period
+
+
+class FakeClock:
+    """Wall-clock seconds that move only when a test says so (the real averaging process keeps real time)."""
+
+    def __init__(self, t: float = 1000.5) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
 
 
 @contextmanager
@@ -27,10 +42,21 @@ def two_dhts():
         dht_a.shutdown()
 
 
-def start_round(a: GroupAverager, b: GroupAverager) -> None:
-    """Both peers offer a round after step 1; returns once both rounds have ended."""
-    a.after_step(1)
-    b.after_step(1)
+def offer(avgs: list[GroupAverager], clock: FakeClock) -> None:
+    """Each averager (every=1) offers a round: its first step starts its schedule, the second,
+    1 s later, is in a new 1 s slot."""
+    for avg in avgs:
+        avg.after_step(1)
+    assert all(avg._pending is None for avg in avgs)  # the first offer waits for a slot boundary
+    clock.t += 1.0
+    for avg in avgs:
+        avg.after_step(2)
+    assert all(avg._pending is not None for avg in avgs)
+
+
+def start_round(a: GroupAverager, b: GroupAverager, clock: FakeClock) -> None:
+    """Both peers offer a round; returns once both rounds have ended."""
+    offer([a, b], clock)
     deadline = time.monotonic() + 60
     while not (a._pending.done() and b._pending.done()):
         assert time.monotonic() < deadline, "no averaging round within 60 s"
@@ -44,15 +70,16 @@ def test_round_leaves_both_peers_at_the_mean(compression: str, tol: float) -> No
         init = [torch.randn(300, 200), torch.randn(50)]  # both peers start from the same weights (same seed)
         pa = [torch.nn.Parameter(t.clone()) for t in init]
         pb = [torch.nn.Parameter(t.clone()) for t in init]
-        a = GroupAverager(dht_a, pa, f"test_{compression}", every=1, timeout=30.0, compression=compression)
-        b = GroupAverager(dht_b, pb, f"test_{compression}", every=1, timeout=30.0, compression=compression)
+        clock = FakeClock()
+        a = GroupAverager(dht_a, pa, f"test_{compression}", every=1, timeout=30.0, compression=compression, clock=clock)
+        b = GroupAverager(dht_b, pb, f"test_{compression}", every=1, timeout=30.0, compression=compression, clock=clock)
         with torch.no_grad():  # different local training: small, different changes
             for p in pa:
                 p.add_(0.01 * torch.randn_like(p))
             for p in pb:
                 p.add_(0.01 * torch.randn_like(p))
         want = [(x.detach() + y.detach()) / 2 for x, y in zip(pa, pb)]
-        start_round(a, b)
+        start_round(a, b, clock)
         with torch.no_grad():  # a local step taken while the round ran must survive it
             pa[1].add_(1.0)
         a._finish()
@@ -110,15 +137,16 @@ def test_an_implausible_group_mean_is_refused_and_the_weights_stay(poison: str) 
         init = [torch.randn(100, 50), torch.randn(20)]
         pa = [torch.nn.Parameter(t.clone()) for t in init]
         pb = [torch.nn.Parameter(t.clone()) for t in init]
-        a = GroupAverager(dht_a, pa, f"poison_{poison}", every=1, timeout=30.0, compression="none")
-        b = GroupAverager(dht_b, pb, f"poison_{poison}", every=1, timeout=30.0, compression="none")
+        clock = FakeClock()
+        a = GroupAverager(dht_a, pa, f"poison_{poison}", every=1, timeout=30.0, compression="none", clock=clock)
+        b = GroupAverager(dht_b, pb, f"poison_{poison}", every=1, timeout=30.0, compression="none", clock=clock)
         with torch.no_grad():
             for p in pa:
                 p.add_(0.01 * torch.randn_like(p))  # honest local training
             for p in pb:
                 p.copy_(torch.full_like(p, float("nan")) if poison == "nan" else 100.0 * p)
         before = [p.detach().clone() for p in pa]
-        start_round(a, b)
+        start_round(a, b, clock)
         a._finish()
         assert a.rejected == 1 and a.rounds == 0, (a.last_error, a.last_rejection)
         if poison == "nan":  # its claim shows it: b is named
@@ -148,7 +176,8 @@ def test_a_sign_flipped_update_is_refused_and_its_sender_named(attack: str) -> N
             common = [0.01 * torch.randn_like(t) for t in init]
             dhts = [dht_a, dht_b] + ([dht_c] if dht_c else [])
             params = [[torch.nn.Parameter(t.clone()) for t in init] for _ in dhts]
-            avgs = [GroupAverager(d, ps, f"flip_{attack}", every=1, timeout=30.0, compression="int8", peer_id=f"peer-{i}") for i, (d, ps) in enumerate(zip(dhts, params))]
+            clock = FakeClock()
+            avgs = [GroupAverager(d, ps, f"flip_{attack}", every=1, timeout=30.0, compression="int8", peer_id=f"peer-{i}", clock=clock) for i, (d, ps) in enumerate(zip(dhts, params))]
             with torch.no_grad():
                 for i, ps in enumerate(params):
                     for p, c, t in zip(ps, common, init):
@@ -156,9 +185,8 @@ def test_a_sign_flipped_update_is_refused_and_its_sender_named(attack: str) -> N
                         p.copy_(t - update if attack == "flipped" and i == 2 else t + update)
             a, bad = avgs[0], avgs[-1]
             before = [p.detach().clone() for p in params[0]]
-            for avg in avgs:
-                avg.after_step(1)
-            if attack == "lying":  # after its claim, before the all-reduce (matchmaking takes >= 2 s)
+            offer(avgs, clock)
+            if attack == "lying":  # after its claim, before the all-reduce (matchmaking takes >= 1 s)
                 with torch.no_grad(), bad.averager.get_tensors() as tensors:
                     for t in tensors:
                         t.mul_(-1)
@@ -186,10 +214,16 @@ def test_a_peer_alone_in_its_stage_offers_no_round() -> None:
 
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     try:
-        avg = GroupAverager(dht, [torch.nn.Parameter(torch.zeros(4))], "test_alone", every=1)
-        avg.after_step(1, alone=True)
+        clock = FakeClock()
+        avg = GroupAverager(dht, [torch.nn.Parameter(torch.zeros(4))], "test_alone", every=1, clock=clock)
+        avg.after_step(1)
+        clock.t += 1.0  # a new slot: a round would be due
+        avg.after_step(2, alone=True)
         assert avg._pending is None  # no matchmaking for a group that cannot form
-        avg.after_step(2, alone=False)
+        avg.after_step(3, alone=False)
+        assert avg._pending is None  # no longer alone: the next boundary, where the others offer too
+        clock.t += 1.0
+        avg.after_step(4, alone=False)
         assert avg._pending is not None
         avg.shutdown()
     finally:
@@ -202,12 +236,17 @@ def test_a_round_pending_far_past_its_timeout_is_cancelled_and_the_next_offered(
 
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     try:
-        avg = GroupAverager(dht, [torch.nn.Parameter(torch.zeros(4))], "test_stuck", every=1, timeout=5.0)
+        clock = FakeClock()
+        avg = GroupAverager(dht, [torch.nn.Parameter(torch.zeros(4))], "test_stuck", every=1, timeout=5.0, clock=clock)
+        avg.after_step(1)
         stuck = Future()  # never resolves, like the hivemind round seen pending for minutes
         avg._pending, avg._offered_wall = stuck, time.monotonic() - 100.0
-        avg.after_step(1)
+        clock.t += 1.0
+        avg.after_step(2)
         assert stuck.cancelled() and avg.failures == 1 and "cancelled" in avg.last_error
-        assert avg._pending is not None and avg._pending is not stuck  # a new round was offered
+        clock.t += 1.0
+        avg.after_step(3)
+        assert avg._pending is not None and avg._pending is not stuck  # the next round was offered, at the next boundary
         avg.shutdown()
     finally:
         dht.shutdown()
@@ -220,3 +259,159 @@ def test_a_big_stage_round_is_given_its_transfer_time_before_it_counts_as_stuck(
     big = SimpleNamespace(timeout=30.0, numel=750_000_000, compression="none")  # a 1.5B model's stage, fp32
     assert 90 < GroupAverager.stuck_after_s(tiny) < 92  # the tiny run: 3 timeouts, as before
     assert GroupAverager.stuck_after_s(big) == pytest.approx(90 + 750e6 * 4 / 1.25e6)  # 3 GB at 10 Mbit/s: 40 min
+
+
+# --- when rounds are offered: wall-clock slots (RoundSchedule), no hivemind -------------------
+
+
+def ticks(first_step: int, start: float, step_s: float, until: float, jitter: float = 0.0, seed: int = 0) -> list[tuple[int, float]]:
+    """(local step, wall time) of a peer's steps: `step_s` apart, each off by up to `jitter` of it."""
+    rng, out, step, t = random.Random(seed), [], first_step, start
+    while t < until:
+        out.append((step, t))
+        step += 1
+        t += step_s * (1 + jitter * rng.uniform(-1, 1))
+    return out
+
+
+def offers(schedule: RoundSchedule, steps: list[tuple[int, float]], round_s: float = 2.2) -> list[float]:
+    """Feed a peer's steps to its schedule; an offered round stays pending for `round_s` (a
+    matched round: matchmaking and all-reduce). The times of its offers."""
+    out: list[float] = []
+    for step, t in steps:
+        if schedule.tick(step, t, hold=bool(out) and t < out[-1] + round_s):
+            schedule.offered(step, t)
+            out.append(t)
+    return out
+
+
+def test_slot_period_is_the_need_rounded_up_to_a_power_of_two() -> None:
+    assert slot_period(10, 0.61, 0, None, 0.0) == 8.0  # 6.1 s
+    assert slot_period(10, 0.8, 0, None, 0.0) == 8.0  # a power of two already
+    assert slot_period(10, 0.81, 0, None, 0.0) == 16.0
+    assert slot_period(1, 3.0, 0, None, 0.0) == 4.0
+    assert slot_period(10, 0.01, 0, None, 0.0) == slot_period(10, None, 0, None, 0.0) == 1.0  # at least 1 s
+
+
+def test_step_times_within_2x_give_periods_whose_boundaries_nest() -> None:
+    """Members estimate the period each from its own step time: within 2x of each other, the
+    longer period's boundaries are all boundaries of the shorter one, so they meet at each."""
+    for i in range(60):
+        x = 0.05 * 1.07**i
+        for f in (1.0, 1.3, 1.7, 2.0):
+            p, q = slot_period(10, x, 0, None, 0.0), slot_period(10, x * f, 0, None, 0.0)
+            assert q in (p, 2 * p)
+            t0 = 1_700_000_000.3  # epoch seconds, as the peers' clocks
+            edges = {k: [math.floor((t0 + k) / s) > math.floor((t0 + k - 1) / s) for s in (p, q)] for k in range(1, 300)}
+            assert all(in_p for in_p, in_q in edges.values() if in_q)
+
+
+def test_the_link_bound_sets_the_period_on_a_slow_link() -> None:
+    nbytes = round_bytes(5_000_000, 2, "int8")  # a 5M-parameter stage: 5 MB per round
+    assert slot_period(10, 0.3, nbytes, 1.25e6, 0.2) == 32.0  # 10 Mbit/s, a fifth of it: 20 s
+    assert slot_period(10, 0.3, nbytes, 125e6, 0.2) == 4.0  # 1 Gbit/s: 0.2 s; the 3 s of steps set it
+    assert slot_period(10, 0.3, nbytes, None, 0.2) == slot_period(10, 0.3, nbytes, 1.25e6, 0.0) == 4.0  # no link known / no share: no bound
+    link: list[float | None] = [1.25e6]
+    sched = RoundSchedule(10, nbytes, link_bps=lambda: link[0], link_share=0.2)
+    for i in range(3):
+        sched.tick(i, 1000.0 + 0.3 * i)
+    assert (sched.period_s, sched.period_reason) == (32.0, "32 s: link 1.25 MB/s, share 0.2")
+    link[0] = None  # the caller knows nothing now: the rate of this peer's own rounds counts
+    sched.measured_bps = 2.5e6
+    sched.tick(3, 1000.9)
+    assert (sched.period_s, sched.period_reason) == (16.0, "16 s: link (measured) 2.5 MB/s, share 0.2")
+
+
+def test_the_period_follows_the_step_time_with_hysteresis_and_logs_changes(caplog: pytest.LogCaptureFixture) -> None:
+    sched = RoundSchedule(10, 0)
+    t = 1000.0
+    with caplog.at_level(logging.INFO, logger="peer.dp.group"):
+        for step_s, n in ((0.61, 30), (0.85, 40), (0.75, 40), (0.3, 60)):
+            for _ in range(n):
+                t += step_s
+                sched.tick(0, t)
+            if step_s == 0.61:
+                assert (sched.period_s, sched.period_reason) == (8.0, "8 s: 10 steps x 0.61 s")
+            elif step_s == 0.85:
+                assert sched.period_s == 16.0
+            elif step_s == 0.75:  # 7.5 s would fit in 8 s, but not clearly: no flapping at the edge
+                assert sched.period_s == 16.0 and "held until under 7.2 s" in sched.period_reason
+            else:
+                assert (sched.period_s, sched.period_reason) == (4.0, "4 s: 10 steps x 0.30 s")
+    changes = [r.getMessage() for r in caplog.records if "a round every" in r.getMessage()]
+    assert [c.split(" s:")[0].rsplit(" ", 1)[1] for c in changes] == ["8", "16", "8", "4"]  # down by way of 8 s as the average falls
+
+
+def test_offer_due_needs_every_steps_and_a_boundary_since() -> None:
+    assert offer_due(10, 10, since=1003.9, now=1008.1, period_s=8.0)  # 1008 = 126 x 8
+    assert not offer_due(9, 10, 1003.9, 1008.1, 8.0)
+    assert not offer_due(12, 10, 1008.1, 1015.9, 8.0)  # no boundary since
+    assert offer_due(12, 10, 1008.1, 1016.0, 8.0)  # on the boundary counts
+
+
+def test_the_first_offer_waits_for_a_boundary_after_its_steps() -> None:
+    """10 steps of 0.61 s from 1003.5 end at 1009: past the boundary at 1008, so the first offer
+    waits for the one at 1016 (where the group offers), then one at each boundary."""
+    sched = RoundSchedule(10, 0)
+    got = offers(sched, ticks(500, 1003.5, 0.61, 1040))
+    assert sched.period_s == 8.0 and len(got) == 3
+    assert [math.floor(t / 8) * 8 for t in got] == [1016, 1024, 1032] and all(t % 8 < 0.61 for t in got)
+
+
+def test_two_peers_with_different_step_counts_and_step_times_offer_in_the_same_slots() -> None:
+    a, b = RoundSchedule(10, 0), RoundSchedule(10, 0)
+    at = offers(a, ticks(5000, 1000.13, 0.61, 1400, jitter=0.05, seed=1))
+    bt = offers(b, ticks(17, 1013.7, 0.66, 1400, jitter=0.05, seed=2))  # joined later, slower
+    assert a.period_s == b.period_s == 8.0
+    slot = lambda t: math.floor(t / 8)  # noqa: E731
+    assert [slot(t) for t in at if slot(t) >= slot(bt[0])] == [slot(t) for t in bt]  # the same slots
+    assert all(t % 8 < 0.66 * 1.05 for t in at + bt)  # each within a step of the boundary
+    assert len(bt) >= 45
+
+
+def test_a_peer_with_half_the_period_meets_the_other_at_each_of_its_boundaries() -> None:
+    a, b = RoundSchedule(10, 0), RoundSchedule(10, 0)
+    at = offers(a, ticks(300, 1000.13, 0.35, 1400, jitter=0.05, seed=1))  # 3.5 s -> 4 s
+    bt = offers(b, ticks(17, 1013.7, 0.61, 1400, jitter=0.05, seed=2))  # 6.1 s -> 8 s
+    assert (a.period_s, b.period_s) == (4.0, 8.0) and len(bt) >= 45
+    a_at = {math.floor(t / 8) for t in at if t % 8 < 0.4}  # a's offers right after a multiple of 8
+    assert all(math.floor(t / 8) in a_at for t in bt)
+
+
+def test_no_offer_while_alone_and_the_next_waits_for_a_boundary() -> None:
+    sched = RoundSchedule(1, 0)
+    assert not sched.tick(1, 1000.5)
+    assert not sched.tick(2, 1001.5, hold=True)  # due, but alone (or the last round is pending)
+    assert not sched.tick(3, 1001.9)  # a boundary passed while held: an offer now would meet nobody
+    assert sched.tick(4, 1002.1)
+
+
+def test_bad_schedule_arguments_are_refused() -> None:
+    with pytest.raises(ValueError, match="every .* must be >= 1, not 0"):
+        RoundSchedule(0, 0)
+    with pytest.raises(ValueError, match=r"link_share .* must be in \[0, 1\], not 1.5"):
+        RoundSchedule(10, 0, link_share=1.5)
+
+
+def test_matchmaking_stops_after_half_a_period_and_the_group_forms_a_step_after_the_boundary() -> None:
+    def avg(period_s: float, step_s: float | None) -> SimpleNamespace:
+        ns = SimpleNamespace(timeout=30.0, schedule=SimpleNamespace(period_s=period_s, step_s=step_s))
+        ns.match_timeout_s = lambda: GroupAverager.match_timeout_s(ns)
+        return ns
+
+    assert GroupAverager.match_timeout_s(avg(16.0, 0.6)) == 8.0
+    assert GroupAverager.match_timeout_s(avg(2.0, 0.1)) == 5.0  # at least 5 s
+    assert GroupAverager.match_timeout_s(avg(128.0, 1.0)) == 30.0  # at most the timeout
+    assert GroupAverager.match_window_s(avg(16.0, 0.6)) == pytest.approx(1.6)  # 1 s + a step
+    assert GroupAverager.match_window_s(avg(16.0, None)) == 1.0
+    assert GroupAverager.match_window_s(avg(16.0, 4.0)) == 4.0  # below the matchmaking timeout
+
+
+def test_the_link_is_measured_only_from_an_all_reduce_seen_over_several_steps() -> None:
+    clock = FakeClock(1010.0)
+    ns = SimpleNamespace(_allreduce_seen=(3, 1008.0), _ticks=8, _clock=clock, schedule=SimpleNamespace(measured_bps=None))
+    GroupAverager._measure_link(ns, 4_000_000)  # 5 steps, 2 s
+    assert ns.schedule.measured_bps == 2e6 and ns._allreduce_seen is None
+    ns._allreduce_seen, ns._ticks = (7, 1009.5), 9  # 2 steps: mostly the error of seeing it once a step
+    GroupAverager._measure_link(ns, 4_000_000)
+    assert ns.schedule.measured_bps == 2e6

@@ -54,3 +54,26 @@ def test_rate_and_cleanup_on_error() -> None:
             assert "tbf" not in out, out
             raise RuntimeError("boom")
     assert bed.tag not in _namespaces()
+
+
+def test_a_slow_link_is_measured_and_sends_fewer_coefficients(tmp_path: Path) -> None:
+    """Both peers on 0.5 Mbit/s links: the stage-0 peer measures its link from its stream's acks
+    (status `link_mbit`) and sends a share of the low-rank codec's rank that fits it (`pp_keep`
+    < 1), and the swarm trains on."""
+    from peer.bench.bedswarm import write_toml
+
+    cfg = tmp_path / "run.toml"
+    write_toml({"mask": {"scheme": "lowrank", "rank": 64, "values": "int8", "min_keep": 0.125}, "pipeline": {"micro_batch_size": 8, "micro_batches": 2, "seq_len": 128}}, cfg)
+    with netbed.NetBed([None, 0.5, 0.5], subnet=9) as bed:
+        swarm = BedSwarm(bed, cfg, tmp_path / "swarm")
+
+        def adapted(s: dict) -> bool:
+            first = [p for p in s["peers"] if p["stage"] == 0 and p["state"] in ("active", "idle")]
+            return s["step"] >= 3 and bool(first) and (first[0]["pp_keep"] or 1.0) < 1.0
+
+        s = swarm.wait_status(adapted, 240, "the stage-0 peer to send fewer coefficients")
+        first = next(p for p in s["peers"] if p["stage"] == 0 and p["state"] in ("active", "idle"))
+        assert 0.05 < first["link_mbit"] < 1.0, first  # the measured link is the shaped one (tbf's burst lets a little more through)
+        assert 0.125 <= first["pp_keep"] < 1.0, first
+        assert math.isfinite(s["loss"])
+    assert bed.tag not in _namespaces()

@@ -60,7 +60,8 @@ import torch
 
 SERVICE = "anchormesh.bench.DPExchange"
 STREAM_CHUNK_BYTES = 1 << 20
-# (min_matchmaking_time, target_group_size): GroupAverager's settings, a shorter matchmaking, and
+# (min_matchmaking_time, target_group_size): GroupAverager's settings when this was measured (it
+# uses 1.0 / 0.8 s since its rounds start at shared slots), a shorter matchmaking, and
 # GroupAverager's settings with the group size known in advance (the leader may start once it is full)
 HIVEMIND_CASES: tuple[tuple[float, int | None], ...] = ((2.0, None), (0.5, None), (2.0, 2))
 GROUP_AVERAGER_REQUEST_TIMEOUT = 1.0

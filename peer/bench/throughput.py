@@ -84,10 +84,10 @@ def mode_config(mode: str, stages: int, steps: int, dp_every: int, seed: int = 0
     """run.toml content of one mode."""
     if mode not in MODES:
         raise ConfigError("mode", mode, f"must be one of {', '.join(MODES)}")
-    compressed_pp = {"scheme": "lowrank", "rank": 20, "values": "int8"}
+    compressed_pp = {"scheme": "lowrank", "rank": 20, "values": "int8", "adapt": False}
     dense_pp = {"scheme": "mask", "drop": 0.0, "values": "fp16"}
-    dense_dp = {"inner_steps": 1, "outer_compression": "none"}
-    compressed_dp = {"inner_steps": dp_every, "outer_compression": "int8"}
+    dense_dp = {"inner_steps": 1, "outer_compression": "none", "link_share": 0.0}
+    compressed_dp = {"inner_steps": dp_every, "outer_compression": "int8", "link_share": 0.0}
     mask, dp = {
         "dense": (dense_pp, dense_dp),
         "masked": (compressed_pp, dense_dp),
@@ -115,14 +115,25 @@ def _live(s: dict) -> int:
     return sum(p["state"] in ("active", "idle") for p in s["peers"])
 
 
-def measure_mode(mode: str, rate_mbit: float | None, stages: int, replicas: int, warmup: int, steps: int, dp_every: int, workdir: Path, subnet: int, timeout_s: float) -> dict:
-    """Run one mode in a fresh bed and measure it (see the module docstring)."""
+def _rates_text(rates: list[float | None]) -> str:
+    speeds = sorted({r for r in rates if r is not None})
+    if not speeds:
+        return "unshaped"
+    return " and ".join(f"{r:.2f}" for r in speeds) + " Mbit/s" + (" (mixed)" if len(speeds) > 1 else "")
+
+
+def measure_mode(mode: str, rates: list[float | None], stages: int, replicas: int, warmup: int, steps: int, dp_every: int, workdir: Path, subnet: int, timeout_s: float, config: dict | None = None) -> dict:
+    """Run one mode in a fresh bed (host i's link at rates[i] Mbit/s, None = unshaped; host 0 is
+    the bootstrap's) and measure it (see the module docstring). `config`: run.toml content
+    instead of `mode_config(mode, ...)`."""
     cfg_path = workdir / f"{mode}.toml"
-    write_toml(mode_config(mode, stages, steps, dp_every), cfg_path)
+    write_toml(config or mode_config(mode, stages, steps, dp_every), cfg_path)
     n = stages * replicas
-    print(f"[{mode}] {n} peers + bootstrap, links {'unshaped' if rate_mbit is None else f'{rate_mbit:.2f} Mbit/s'}; warm-up to step {warmup}, measure to step {steps}", flush=True)
+    if len(rates) != 1 + n:
+        raise ConfigError("rates", len(rates), f"must name 1 + {n} hosts (the bootstrap and {n} peers)")
+    print(f"[{mode}] {n} peers + bootstrap, links {_rates_text(rates)}; warm-up to step {warmup}, measure to step {steps}", flush=True)
     t_start = time.monotonic()
-    with NetBed([rate_mbit] * (1 + n), subnet=subnet) as bed:
+    with NetBed(rates, subnet=subnet) as bed:
         swarm = BedSwarm(bed, cfg_path, workdir / mode)
         s0 = swarm.wait_status(lambda s: s["step"] >= warmup and _live(s) == n, timeout_s, f"{n} live peers and step {warmup}")
         c0 = bed.counters()
@@ -149,7 +160,7 @@ def measure_mode(mode: str, rate_mbit: float | None, stages: int, replicas: int,
         "wire_bytes_per_token": wire / tokens,
         "eval_loss": s2["eval_loss"],
         "eval_step": s2["eval_step"],
-        "rate_mbit": rate_mbit,
+        "rate_mbit": rates[1] if len(set(rates[1:])) == 1 else None,
         "tokens_measured": tokens,
         "seconds_measured": seconds,
         "app_bytes_per_token": {"pp": s1["pp_bytes_per_token"], "dp": s1["dp_bytes_per_token"], "anchor": s1["anchor_bytes_per_token"]},
@@ -157,6 +168,11 @@ def measure_mode(mode: str, rate_mbit: float | None, stages: int, replicas: int,
         "train_loss": s1["loss"],
         "peer_capacity_tokens_per_s": _median([p["capacity_tokens_per_s"] for p in s1["peers"] if p["state"] in ("active", "idle") and p["capacity_tokens_per_s"] > 0]),
         "wall_s": time.monotonic() - t_start,
+        "peers": [
+            {"id": p["id"], "stage": p["stage"], "host_rate_mbit": rates[int(p["id"].removeprefix("bed-peer"))] if p["id"].startswith("bed-peer") else None,
+             "tokens_per_s": p["tokens_per_s"], "link_mbit": p.get("link_mbit"), "pp_keep": p.get("pp_keep"), "dp_period_s": p.get("dp_period_s"), "dp_rounds": p["dp_rounds"]}
+            for p in s1["peers"] if p["state"] in ("active", "idle")
+        ],
     }
     print(f"[{mode}] {result['tokens_per_s']:,.0f} tok/s, {result['wire_bytes_per_token']:.0f} wire B/token, eval loss {result['eval_loss']:.4f} at step {result['eval_step']} ({result['wall_s']:.0f}s)", flush=True)
     return result
@@ -184,14 +200,14 @@ def run_throughput(quick: bool, bandwidth_mbit: float | None, stages: int, repli
     out: dict = {"modes": {}, "setup": {}}
     rate = bandwidth_mbit
     if "compute_bound" in modes or rate is None:
-        out["modes"]["compute_bound"] = measure_mode("compute_bound", None, stages, replicas, warmup, steps, dp_every, workdir, 10, timeout_s)
+        out["modes"]["compute_bound"] = measure_mode("compute_bound", [None] * (1 + stages * replicas), stages, replicas, warmup, steps, dp_every, workdir, 10, timeout_s)
     if rate is None:
         cb = out["modes"]["compute_bound"]
         per_peer = cb["peer_capacity_tokens_per_s"] or cb["tokens_per_s"] / replicas  # no capacity measured: the throughput (under-states it)
         rate = equivalent_mbit(scenario, stages, per_peer)
         print(f"GPU-equivalent bandwidth: {rate:.2f} Mbit/s stands for {scenario.link_mbit:.0f} Mbit/s ({scenario.model} on an {scenario.gpu})", flush=True)
     for i, mode in enumerate(m for m in modes if m != "compute_bound"):
-        out["modes"][mode] = measure_mode(mode, rate, stages, replicas, warmup, steps, dp_every, workdir, 11 + i, timeout_s)
+        out["modes"][mode] = measure_mode(mode, [rate] * (1 + stages * replicas), stages, replicas, warmup, steps, dp_every, workdir, 11 + i, timeout_s)
     if "compute_bound" not in modes:
         out["modes"].pop("compute_bound", None)
     m = out["modes"]

@@ -52,13 +52,15 @@ class BasisState:
     def prior_of(self, ids: torch.Tensor) -> torch.Tensor:
         return self.prior[ids if self._row_of is None else self._row_of[ids]]
 
-    def project(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Coefficients [B, T, r] of h [B, T, H] (sender side)."""
-        return (h - self.prior_of(ids)) @ self.basis
+    def project(self, h: torch.Tensor, ids: torch.Tensor, k: int | None = None) -> torch.Tensor:
+        """Coefficients [B, T, k] of h [B, T, H] on the first k basis vectors (sender side; all
+        r by default). The columns come in singular-value order, so any prefix is the best rank-k
+        part: a slow link sends fewer coefficients with the same basis."""
+        return (h - self.prior_of(ids)) @ self.basis[:, : self.basis.shape[1] if k is None else k]
 
     def lift(self, c: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """h~ [B, T, H] from coefficients (receiver side); autograd flows to c."""
-        return self.prior_of(ids) + c @ self.basis.T
+        """h~ [B, T, H] from k coefficients (receiver side; k = c's last dim); autograd flows to c."""
+        return self.prior_of(ids) + c @ self.basis[:, : c.shape[-1]].T
 
 
 class BasisLearner:

@@ -1,11 +1,26 @@
 """Parameter averaging inside one stage group over the network (hivemind averaging).
 
-Every `every` local steps a peer offers its stage parameters to hivemind's
-DecentralizedAverager (matchmaking over the run's DHT, keyed by run and stage). The round runs
-in the background while the peer keeps training; when it finishes, the peer adds (group mean -
-what it offered) to its current weights, so the local steps taken meanwhile are kept (DiLoCo's
-outer step with lr 1, applied late). No peer waits for the slowest: a peer alone in its stage,
-or a round that finds no group in time, just trains on.
+A peer offers its stage parameters to hivemind's DecentralizedAverager (matchmaking over the
+run's DHT, keyed by run and stage) about every `every` local steps. The round runs in the
+background while the peer keeps training; when it finishes, the peer adds (group mean - what it
+offered) to its current weights, so the local steps taken meanwhile are kept (DiLoCo's outer step
+with lr 1, applied late). No peer waits for the slowest: a peer alone in its stage, or a round
+that finds no group in time, just trains on.
+
+When a round is offered: members of a group have different local step counts (they joined at
+different times), so "every `every` local steps" fires at different wall times, and the first
+member to offer sat in matchmaking (hivemind polls the DHT without pause: the largest non-model
+CPU cost of a swarm) until the others came. Rounds are therefore offered at wall-clock slot
+boundaries the group shares (`RoundSchedule`): a peer offers at its first step at which at
+least `every` local steps have passed since its last offer (or its start) *and* the clock has
+passed a multiple of `period_s` since then (boundaries passed while it could not offer: alone,
+its last round pending, or short of its first `every` steps, do not count). `period_s` is the
+longer of `every` steps at this peer's step time and the time that keeps the round's bytes to
+`link_share` of the link, rounded UP to a power of two seconds: powers of two nest, so members
+whose estimates differ by up to 2x still meet at every boundary of the longer period, without
+talking. Members then arrive within about a step of each other (their clocks must agree to well
+under a step: NTP): the group forms a step after the boundary (`match_window_s`), and a round
+that has found nobody after half a period gives up (`match_timeout_s`) instead of polling on.
 
 On the wire (`compression`): "none" averages the fp32 parameters themselves (the uncompressed
 baseline); "int8" averages the *change since the last group mean* (the DiLoCo outer delta),
@@ -26,6 +41,7 @@ a joiner downloads from the most-trained member; a peer that has not trained yet
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import zlib
@@ -53,6 +69,17 @@ CLAIM_TOLERANCE = 0.1  # |mean - mean of claims| may be this fraction of the lar
 STUCK_ROUND_FACTOR = 3.0  # a round pending this many times its timeout (plus its transfer time, below) is cancelled
 SLOWEST_LINK_BPS = 1.25e6  # 10 Mbit/s: the slowest link a round's bytes are allowed to take before it counts as stuck
 START_TIMEOUT_S, START_TRIES = 30.0, 3  # the averaging process normally starts in 1-3 s
+# hivemind matchmaking: the leader forms the group when its declared window ends (it cannot know
+# the group's size), polling the DHT without pause until then: a round costs at least
+# MIN_MATCHMAKING_S of that. 1 s, not 2: members now arrive within about a step of each other, and
+# the first window is stretched to cover that step (`match_window_s`). A join request is answered
+# within REQUEST_TIMEOUT_S (hivemind wants it below the window, or two requests can deadlock)
+MIN_MATCHMAKING_S, REQUEST_TIMEOUT_S = 1.0, 0.8
+MIN_PERIOD_S = 1.0  # the shortest slot: a hivemind round takes at least min_matchmaking_time anyway
+STEP_EMA = 0.1  # weight of the newest step time in the step-time average (damps a one-off pause)
+PERIOD_HYSTERESIS = 0.9  # the period halves only once the need is below 0.9x the shorter period: no flapping at a power of two
+MATCH_FLOOR_S = 5.0  # a round looks for its group for at least this long (DHT round trips on a WAN), however short the period
+LINK_MIN_STEPS = 4  # a round's all-reduce must span this many steps to measure the link (it is seen once per step)
 StateFn = Callable[[], tuple[dict, list[torch.Tensor]]]  # -> (small metadata, tensors): what a joiner downloads
 
 
@@ -80,6 +107,108 @@ def sample_index(sizes: list[int], key: str, n: int = SAMPLE) -> list[torch.Tens
 
 def take(tensors: list[torch.Tensor], index: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.detach().reshape(-1)[i].float() for t, i in zip(tensors, index)])
+
+
+def _period_need(every: int, step_s: float | None, nbytes: int, link_bps: float | None, link_share: float, measured: bool = False) -> tuple[float, str]:
+    """Seconds between rounds before rounding, and what sets them (for `period_reason`);
+    `measured`: the link rate comes from this peer's own rounds."""
+    steps_s = every * step_s if step_s is not None else 0.0
+    link_s = nbytes / (link_share * link_bps) if link_share > 0 and link_bps is not None and link_bps > 0 else 0.0
+    steps = f"{every} steps x {step_s:.2f} s" if step_s is not None else "no step time yet"
+    if link_s > max(steps_s, MIN_PERIOD_S):
+        return link_s, f"link{' (measured)' if measured else ''} {link_bps / 1e6:.3g} MB/s, share {link_share:g}"
+    if steps_s >= MIN_PERIOD_S:
+        return steps_s, steps
+    return MIN_PERIOD_S, f"the minimum ({steps})"
+
+
+def _pow2_at_least(seconds: float) -> float:
+    return 2.0 ** math.ceil(math.log2(max(seconds, MIN_PERIOD_S)))
+
+
+def slot_period(every: int, step_s: float | None, round_bytes: int, link_bps: float | None, link_share: float) -> float:
+    """Seconds between a group's round slots: the longer of `every` steps of `step_s` and the time
+    in which `round_bytes` take `link_share` of a `link_bps` link (no bound when either is 0 or
+    unknown), rounded UP to a power of two (at least `MIN_PERIOD_S`). Why a power of two: members
+    estimate the period each on its own; two estimates within 2x round to periods of which one is
+    a multiple of the other, so the longer one's boundaries are boundaries of both."""
+    return _pow2_at_least(_period_need(every, step_s, round_bytes, link_bps, link_share)[0])
+
+
+def offer_due(steps: int, every: int, since: float, now: float, period_s: float) -> bool:
+    """Whether a round is due: at least `every` steps were taken, and a multiple of `period_s`
+    (a boundary of the group's slots) lies in (since, now]."""
+    return steps >= every and math.floor(now / period_s) > math.floor(since / period_s)
+
+
+class RoundSchedule:
+    """When this peer offers a round (see the module docstring). No hivemind in here: the rule is
+    tested with a fake clock. `tick` once per step, `offered` when a round was offered.
+
+    A round is due at the first tick at which (a) at least `every` local steps were taken since
+    the last offer (or the start), and (b) a multiple of `period_s` has passed since the peer
+    was last held: its last offer, its last tick with `hold` (its previous round still pending,
+    or it was alone) or, before its first offer, its last tick short of `every` steps. Why
+    boundaries during a hold do not count: an offer right after it would be off the group's grid
+    and meet nobody (a round that spanned a boundary met the members offering there, or none
+    offered there).
+
+    `period_s` is `slot_period` of the step-time average, with hysteresis: it grows as soon as
+    the need exceeds it, and halves only once the need is below `PERIOD_HYSTERESIS` times the
+    shorter period (a need hovering at a power of two would flip it, and log, every few steps).
+
+    Args:
+        every: local steps between rounds at least (DiLoCo H).
+        round_bytes: what one round uploads (`round_bytes(numel, 2, compression)`).
+        link_bps: bytes/s the uplink is measured to carry, or None (unknown): then `measured_bps`.
+            Called once per tick: keep it cheap.
+        link_share: fraction of the link's time the rounds may take; 0: no bound.
+    """
+
+    def __init__(self, every: int, round_bytes: int, link_bps: Callable[[], float | None] | None = None, link_share: float = 0.0) -> None:
+        if every < 1:
+            raise ValueError(f"every (local steps between rounds) must be >= 1, not {every}")
+        if not 0.0 <= link_share <= 1.0:
+            raise ValueError(f"link_share (fraction of the link's time for averaging) must be in [0, 1], not {link_share}")
+        self.every, self.round_bytes, self.link_bps, self.link_share = every, round_bytes, link_bps, link_share
+        self.step_s: float | None = None  # EMA of the wall time between ticks
+        self.measured_bps: float | None = None  # from this peer's own rounds, used when link_bps says nothing
+        self.period_s = MIN_PERIOD_S
+        self.period_reason = f"{MIN_PERIOD_S:g} s: the minimum (no step time yet)"
+        self._last_tick: float | None = None
+        self._since_step = 0  # (a) counts steps after this one
+        self._since_t = 0.0  # (b) counts boundaries after this time (both set by the first tick)
+        self._first = True  # no offer yet
+
+    def tick(self, local_step: int, now: float, hold: bool = False) -> bool:
+        """Record a step that ended at `now`; whether a round is due now. `hold`: this peer cannot
+        offer now (its last round is pending, or it is alone in its group)."""
+        if self._last_tick is None:  # the start; the first tick follows one step
+            self._since_step, self._since_t = local_step - 1, now
+        else:
+            dt = now - self._last_tick
+            self.step_s = dt if self.step_s is None else (1 - STEP_EMA) * self.step_s + STEP_EMA * dt
+        self._last_tick = now
+        self._update_period()
+        if hold or (self._first and local_step - self._since_step < self.every):
+            self._since_t = now  # wait for a boundary after this one
+        return offer_due(local_step - self._since_step, self.every, self._since_t, now, self.period_s)
+
+    def offered(self, local_step: int, now: float) -> None:
+        self._since_step, self._since_t, self._first = local_step, now, False
+
+    def _update_period(self) -> None:
+        link = self.link_bps() if self.link_bps is not None else None
+        measured = not (link is not None and link > 0) and self.measured_bps is not None
+        need, why = _period_need(self.every, self.step_s, self.round_bytes, self.measured_bps if measured else link, self.link_share, measured)
+        period = _pow2_at_least(need)
+        if period < self.period_s and need > PERIOD_HYSTERESIS * self.period_s / 2:  # not clearly shorter: keep it
+            self.period_reason = f"{self.period_s:g} s: {why} (held until under {PERIOD_HYSTERESIS * self.period_s / 2:.3g} s)"
+            return
+        reason = f"{period:g} s: {why}"
+        if period != self.period_s:
+            log.info("stage-group averaging: a round every %s (was %g s)", reason, self.period_s)
+        self.period_s, self.period_reason = period, reason
 
 
 def _fix_hivemind_8bit() -> None:
@@ -192,9 +321,22 @@ class GroupAverager:
         state_fn: the state a joiner downloads; default: the parameters alone. Called from
             hivemind's thread: hold `lock` while changing what it reads.
         compression: "none" (fp32 parameters) or "int8" (8-bit deltas from the last group mean).
+        peer_id: the run's id of this peer, carried in its claims (for logs).
+        link_bps: bytes/s this peer's uplink is measured to carry (None: unknown), called once per
+            step; when it says nothing, the rate this averager's own rounds achieved is used (`measured_bps`).
+        link_share: fraction of the link's time averaging may take (0: no bound): rounds are at
+            least `round_bytes / (link_share * link)` seconds apart.
+        clock: wall-clock seconds since the epoch, the same for all members (tests pass a fake one).
+
+    Public state: `rounds`, `failures`, `rejected`, `bytes_out`, `period_s` and `period_reason`
+    (the slot length and why, e.g. "8 s: 10 steps x 0.61 s"), `step_s`, `measured_bps`.
     """
 
-    def __init__(self, dht, params: list[torch.nn.Parameter], prefix: str, every: int = 10, timeout: float = 30.0, state_fn: StateFn | None = None, compression: str = "int8", peer_id: str = "") -> None:
+    def __init__(
+        self, dht, params: list[torch.nn.Parameter], prefix: str, every: int = 10, timeout: float = 30.0, state_fn: StateFn | None = None,
+        compression: str = "int8", peer_id: str = "", link_bps: Callable[[], float | None] | None = None, link_share: float = 0.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         from hivemind.compression import NoCompression
 
         if compression not in WIRE_BYTES:
@@ -202,12 +344,16 @@ class GroupAverager:
         self.compression = compression
 
         self.params, self.every, self.timeout = params, every, timeout
+        self.numel = sum(p.numel() for p in params)
+        self.schedule = RoundSchedule(every, round_bytes(self.numel, 2, compression), link_bps, link_share)
+        self._clock = clock
+        self._ticks = 0  # after_step calls so far (the unit in which a round's all-reduce is seen)
+        self._allreduce_seen: tuple[int, float] | None = None  # (tick, clock) when the pending round was first seen exchanging
         self.lock = threading.Lock()  # the owner holds it while stepping; state_fn reads under it
         self._offered: list[torch.Tensor] | None = None
         self._pending: Future | None = None
         self.rounds = 0
         self.failures = 0
-        self.numel = sum(p.numel() for p in params)
         self.bytes_out = 0  # estimated from tensor sizes: hivemind exposes no byte counter
         self.dense_bytes = 0  # a dense fp32 gradient all-reduce every step, over the same steps
         self._last_round_step: int | None = None  # set at the first step this averager sees (a joiner starts late)
@@ -224,7 +370,7 @@ class GroupAverager:
         for attempt in range(1, START_TRIES + 1):
             self.averager = _averager_class()(
                 [p.detach().clone() for p in params], dht, start=False, prefix=prefix, target_group_size=None, min_group_size=2,
-                min_matchmaking_time=2.0, request_timeout=1.0, compression=_absmax_8bit() if compression == "int8" else NoCompression(),
+                min_matchmaking_time=MIN_MATCHMAKING_S, request_timeout=REQUEST_TIMEOUT_S, compression=_absmax_8bit() if compression == "int8" else NoCompression(),
                 state_fn=state_fn or self._params_state, allow_state_sharing=False,  # nothing worth sharing before training
             )
             try:
@@ -257,10 +403,32 @@ class GroupAverager:
             log.warning("could not download the stage state from the group: %s: %s", type(exc).__name__, exc)
             return None
 
+    @property
+    def period_s(self) -> float:
+        return self.schedule.period_s
+
+    @property
+    def period_reason(self) -> str:
+        return self.schedule.period_reason
+
+    @property
+    def step_s(self) -> float | None:
+        return self.schedule.step_s
+
+    @property
+    def measured_bps(self) -> float | None:
+        return self.schedule.measured_bps
+
     def after_step(self, local_step: int, alone: bool = False) -> None:
-        """Call after every optimizer step; never blocks. `alone`: the tracker lists no other live
-        member of this stage group, so no round is offered (matchmaking for a group that cannot
-        form costs the averaging process CPU for nothing, about 0.4 core per peer measured)."""
+        """Call after every optimizer step; never blocks. Offers a round when `RoundSchedule` says
+        one is due and none is pending. `alone`: the tracker lists no other live member of this
+        stage group, so no round is offered (matchmaking for a group that cannot form costs the
+        averaging process CPU for nothing, about 0.4 core per peer measured)."""
+        from hivemind.averaging.control import AveragingStage
+        from hivemind.utils import get_dht_time
+
+        now = self._clock()
+        self._ticks += 1
         if self._last_round_step is None:
             self._last_round_step = local_step - 1
         if self._pending is not None and self._pending.done():
@@ -273,16 +441,40 @@ class GroupAverager:
             self.failures += 1
             self.last_error = f"round pending for over {self.stuck_after_s():.0f}s: cancelled"
             log.warning("stage-group averaging: %s", self.last_error)
-        if self._pending is None and local_step % self.every == 0 and not alone:
+        elif self._pending is not None:
+            if self._pending.stage != AveragingStage.RUNNING_ALLREDUCE:
+                self._allreduce_seen = None  # (still, or again after a failed try) looking for a group
+            elif self._allreduce_seen is None:
+                self._allreduce_seen = (self._ticks, now)
+        due = self.schedule.tick(local_step, now, hold=alone or self._pending is not None)
+        if self._pending is None and due:
             self._offered = [p.detach().clone() for p in self.params]
             self._offered_at = local_step
             self._offered_wall = time.monotonic()
+            self._allreduce_seen = None
             with torch.no_grad(), self.averager.get_tensors() as tensors:
                 for t, p, base in zip(tensors, self._offered, self._base):
                     t.copy_(p - base if self.compression == "int8" else p)
                 sample = take(tensors, self._index)
             claim = {"peer": self.peer_id, "sample": sample.numpy().tobytes()}
-            self._pending = self.averager.step(gather=claim, wait=False, timeout=self.timeout)
+            until = math.floor(now / self.period_s) * self.period_s + self.match_window_s() - now  # the group forms then
+            self._pending = self.averager.step(gather=claim, scheduled_time=get_dht_time() + until, wait=False, timeout=self.match_timeout_s())
+            self.schedule.offered(local_step, now)
+
+    def match_window_s(self) -> float:
+        """How long after the slot boundary the group forms: `MIN_MATCHMAKING_S` plus a step (at
+        most half the matchmaking timeout). Why: members offer at their first step after the
+        boundary, so the last arrives about a step after it; hivemind's leader forms the group when
+        its window ends, with whoever joined by then (a leader still alone opens a new window, so a
+        pair meets anyway, but a third member that comes later is left out)."""
+        return min(MIN_MATCHMAKING_S + (self.schedule.step_s or 0.0), self.match_timeout_s() / 2)
+
+    def match_timeout_s(self) -> float:
+        """How long a round looks for its group: half a period (at least `MATCH_FLOOR_S`, at most
+        `timeout`). Why: members offer within about a step of the same boundary, so a round that
+        has found nobody by then waits for nobody, and polling on would cost CPU and could run into
+        the next boundary (a member whose period is half the group's offers alone at every other one)."""
+        return min(self.timeout, max(self.schedule.period_s / 2, MATCH_FLOOR_S))
 
     def stuck_after_s(self) -> float:
         """How long a round may stay pending: `STUCK_ROUND_FACTOR` timeouts plus the time its
@@ -303,6 +495,7 @@ class GroupAverager:
             return
         n = len(group)
         self.bytes_out += round_bytes(self.numel, n, self.compression)
+        self._measure_link(round_bytes(self.numel, n, self.compression))
         self.dense_bytes += round_bytes(self.numel, n, "none") * max(self._offered_at - self._last_round_step, 1)
         self._last_round_step = self._offered_at
         with torch.no_grad(), self.averager.get_tensors() as tensors:
@@ -321,6 +514,14 @@ class GroupAverager:
                 p.add_(mean.to(p.dtype) - offered)
                 base.copy_(mean)
         self.rounds += 1
+
+    def _measure_link(self, nbytes: int) -> None:
+        """The rate of the round that just ended: its bytes over its all-reduce time (matchmaking
+        excluded), kept only when the all-reduce was seen over at least `LINK_MIN_STEPS` steps: it
+        is seen once per step, so shorter ones are mostly measurement error (and use little link)."""
+        seen, self._allreduce_seen = self._allreduce_seen, None
+        if seen is not None and self._ticks - seen[0] >= LINK_MIN_STEPS and self._clock() > seen[1]:
+            self.schedule.measured_bps = nbytes / (self._clock() - seen[1])
 
     def _attribute(self, group: dict, result: torch.Tensor) -> tuple[str, list[str]]:
         """Check the round against the members' claims; (why it is refused or "", the members

@@ -28,6 +28,7 @@ import grpc
 
 from peer import auth
 from peer.errors import AnchormeshError
+from peer.pipeline.linktune import LinkMeter
 from peer.pipeline.transport import CHANNELS, Address, Transport
 from peer.wire import anchormesh_pb2 as pb
 from peer.wire.tensors import parse_message
@@ -95,6 +96,7 @@ class GrpcTransport(Transport):
         self._inbox: dict[tuple[Address, str], deque[bytes]] = defaultdict(deque)
         self._arrived = threading.Condition()
         self._outgoing: dict[tuple[Address, str], queue.Queue] = {}
+        self.meters: dict[tuple[Address, str], LinkMeter] = defaultdict(LinkMeter)  # (destination, channel) -> its stream's measured rate
         self._senders: list[threading.Thread] = []
         self._channels: dict[str, grpc.Channel] = {}
         self.rejected: list[str] = []  # why inbound chunks were refused (server side)
@@ -241,6 +243,7 @@ class GrpcTransport(Transport):
             raise AnchormeshError(f"no endpoint known for stage {dst[0]} replica {dst[1]}")
         self._count(src, dst, channel, data)
         key = (dst, channel)
+        self.meters[key].sent(len(data))
         if key not in self._outgoing:
             self._outgoing[key] = queue.Queue()
             t = threading.Thread(target=self._sender, args=(dst, channel, self._outgoing[key]), name=f"send-{dst}-{channel}", daemon=True)
@@ -259,6 +262,7 @@ class GrpcTransport(Transport):
             # resolved on every attempt: a peer that restarted may serve on a new address
             call = self.channel(self.endpoints[dst]).stream_stream(f"/{SERVICE}/{METHOD[channel]}", request_serializer=None, response_deserializer=pb.Ack.FromString)
             attempt_over = threading.Event()
+            taken = [0, 0]  # messages this attempt took from the queue, acks it got
 
             def requests() -> Iterator[bytes]:
                 while not attempt_over.is_set():
@@ -268,20 +272,29 @@ class GrpcTransport(Transport):
                         continue
                     if item is None:
                         return
+                    taken[0] += 1
                     yield item
 
+            meter = self.meters[(dst, channel)]
             try:
                 for _ack in call(requests()):
+                    meter.acked()
+                    taken[1] += 1
                     delay = 0.1
                 return  # the queue was closed
             except grpc.RpcError as exc:
                 attempt_over.set()
+                meter.lost(taken[0] - taken[1])
                 if self._closed:
                     return
                 self.send_errors.append(f"{exc.code().name}: {exc.details()}")
                 log.warning("stream to %s (%s) ended: %s %s; reopening in %.1fs", dst, channel, exc.code().name, exc.details(), delay)
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
+
+    def link_bps(self, dst: Address, channel: str) -> float | None:
+        meter = self.meters.get((dst, channel))
+        return meter.bps() if meter is not None else None
 
     def close(self) -> None:
         self._closed = True

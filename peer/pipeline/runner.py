@@ -37,6 +37,7 @@ from peer.dp import build_dp_sync
 from peer.errors import WireError
 from peer.model.stages import StageModule, lm_loss, split_model
 from peer.optim.stage_optimizer import StageOptimizer
+from peer.pipeline.linktune import ComputeClock, coefficients, keep_fraction
 from peer.pipeline.transport import Address, LocalTransport, Transport
 from peer.wire import anchormesh_pb2 as pb
 from peer.wire.tensors import parse_message, proto_to_tensor, tensor_to_proto, token_dtype
@@ -80,6 +81,7 @@ class _InFlight:
     window: torch.Tensor
     basis: BasisState | None = None  # low-rank codec: the (prior, basis) the output was encoded with
     sender: str = ""  # who sent the input (the gradient goes back there)
+    coefs: int = 0  # low-rank codec: coefficients per token the output was sent with
 
 
 @dataclass
@@ -121,6 +123,8 @@ class StageWorker:
     # forwards on a stashed copy of the weights so a step may land between forward and backward
     local_steps: bool = False
     resolve: Callable[[str], Address] | None = None  # sender name -> its address
+    compute: ComputeClock = field(default_factory=ComputeClock)  # seconds of compute per micro-batch
+    coefs_sent: dict = field(default_factory=dict)  # low-rank codec: destination -> coefficients per token last sent
 
     def __post_init__(self) -> None:
         s = self.stage
@@ -178,7 +182,7 @@ class StageWorker:
             ids = check_token_window(msg.token_ids, s.vocab_size)[:, :-1].long()
             key = dict(boundary=b, step=msg.header.step, micro_batch=msg.header.micro_batch_id)
             if self.coef_codec is not None:
-                self.coef_codec.decode(msg.hidden, expect_shape=(*ids.shape, self.cfg.mask.rank), expect_dtype=self.compute_dtype, **key)
+                self.coef_codec.decode(msg.hidden, expect_shape=self._coef_shape(msg.hidden, ids), expect_dtype=self.compute_dtype, **key)
                 if msg.HasField("basis"):
                     self._decode_basis(msg)
                     self.basis_announced[msg.header.sender] = msg.basis_version
@@ -192,8 +196,30 @@ class StageWorker:
         job = self.inflight.get((msg.header.step, msg.header.micro_batch_id))
         if job is None:
             raise WireError(f"gradient for unknown micro-batch (step={msg.header.step}, micro_batch_id={msg.header.micro_batch_id})")
-        last = job.basis.basis.shape[1] if job.basis is not None else s.hidden_size
+        last = job.coefs if job.basis is not None else s.hidden_size
         self.link_codec.decode(msg.grad, expect_shape=(*job.out.shape[:-1], last), expect_dtype=self.compute_dtype, boundary=b, step=msg.header.step, micro_batch=msg.header.micro_batch_id)
+
+    def _coef_shape(self, hidden: pb.TensorPayload, ids: torch.Tensor) -> tuple[int, ...]:
+        """The coefficient shape a low-rank message may have: [*ids, k] with k between the
+        adapting sender's floor (mask.min_keep of mask.rank) and mask.rank."""
+        m = self.cfg.mask
+        lo = coefficients(m.rank, 0.0, m.min_keep) if m.adapt else m.rank
+        k = int(hidden.shape[-1]) if len(hidden.shape) == ids.dim() + 1 else -1
+        if not lo <= k <= m.rank:
+            raise WireError(f"hidden.shape={list(hidden.shape)}: expected [{', '.join(map(str, ids.shape))}, k] with k in [{lo}, {m.rank}] coefficients per token")
+        return (*ids.shape, k)
+
+    def coefs_for(self, dst: Address, tokens: int, fixed: int) -> int:
+        """Low-rank codec: coefficients per token for `dst` (peer/pipeline/linktune.py): all
+        `mask.rank` unless the link's measured bandwidth cannot carry them within
+        `mask.link_target` of this stage's compute time per micro-batch. `fixed`: the message's
+        bytes besides the coefficients (token ids, header)."""
+        m = self.cfg.mask
+        if not m.adapt:
+            return m.rank
+        per_coef = self.link_codec.bytes_per_element() * tokens
+        f = keep_fraction(m.rank * per_coef, fixed, self.transport.link_bps(dst, "forward"), self.compute.per_micro_batch, m.link_target, m.min_keep)
+        return coefficients(m.rank, f, m.min_keep)
 
     def _mb_key(self, step: int, mb_in_step: int) -> int:
         return self.replica * self.cfg.pipeline.micro_batches + mb_in_step
@@ -231,18 +257,21 @@ class StageWorker:
 
     def inject(self, window: torch.Tensor, step: int, j: int) -> None:
         """Stage 0: start micro-batch j of `step` from token windows [B, T+1]."""
+        t0 = time.perf_counter()
         stash = self._weights_for(step)
         out = self._run(window[:, :-1], stash)
         mb = self._mb_key(step, j)
-        basis = self._send_forward(out, window, step, mb)
-        self.inflight[(step, mb)] = _InFlight(step, None, out, stash, window, basis)
+        basis, k = self._send_forward(out, window, step, mb)
+        self.inflight[(step, mb)] = _InFlight(step, None, out, stash, window, basis, coefs=k)
+        self.compute.add(time.perf_counter() - t0)
 
-    def _send_forward(self, out: torch.Tensor, window: torch.Tensor, step: int, mb: int) -> BasisState | None:
-        """Encode and send this stage's output; returns the low-rank basis used, if any."""
+    def _send_forward(self, out: torch.Tensor, window: torch.Tensor, step: int, mb: int) -> tuple[BasisState | None, int]:
+        """Encode and send this stage's output; returns the low-rank basis used, if any, and the
+        coefficients per token sent."""
         b = self.stage.index
         msg = pb.ActivationChunk(header=self._header(step, mb, b), token_ids=tensor_to_proto(window.to(token_dtype(self.stage.vocab_size))))
         dst = self.next_hop() if self.next_hop else (b + 1, self.replica)
-        h, state = out.detach(), None
+        h, state, k = out.detach(), None, 0
         if self.basis_out is not None:
             ids = window[:, :-1]
             self.basis_out.observe(h, ids)
@@ -255,10 +284,12 @@ class StageWorker:
                     msg.basis_prior_ids.CopyFrom(tensor_to_proto(state.row_ids))
                 self.basis_sent[dst] = state.version
             msg.basis_version = state.version
-            h = state.project(h, ids)
+            k = self.coefs_for(dst, ids.numel(), msg.header.ByteSize() + msg.token_ids.ByteSize() + 16)
+            self.coefs_sent[dst] = k
+            h = state.project(h, ids, k)
         msg.hidden.CopyFrom(self.link_codec.encode(h, boundary=b, step=step, micro_batch=mb))
         self.transport.send(self.addr, dst, "forward", msg.SerializeToString())
-        return state
+        return state, k
 
     def forward_one(self) -> bool:
         """Process the oldest activation whose step is within the staleness bound."""
@@ -278,6 +309,7 @@ class StageWorker:
             self._seen[key] = None
             while len(self._seen) > 4096:
                 self._seen.pop(next(iter(self._seen)))
+        t0 = time.perf_counter()
         window = proto_to_tensor(msg.token_ids).to(torch.long)
         ids = window[:, :-1]
         shape = (*ids.shape, self.stage.hidden_size)
@@ -301,8 +333,9 @@ class StageWorker:
             self.losses[step].append(float(loss.detach()))
             self._finish_backward(_InFlight(step, x, out, stash, window, sender=msg.header.sender), mb)
         else:
-            basis = self._send_forward(out, window, step, mb)
-            self.inflight[(step, mb)] = _InFlight(step, x, out, stash, window, basis, msg.header.sender)
+            basis, k = self._send_forward(out, window, step, mb)
+            self.inflight[(step, mb)] = _InFlight(step, x, out, stash, window, basis, msg.header.sender, k)
+        self.compute.add(time.perf_counter() - t0)
         return True
 
     def _decode_basis(self, msg: pb.ActivationChunk) -> BasisState:
@@ -328,7 +361,7 @@ class StageWorker:
         if state is None or state.version != v:
             have = state.version if state else None
             raise WireError(f"{self.name}: basis_version={v} from {sender!r} unknown (have {have})")
-        c = self.coef_codec.decode(msg.hidden, expect_shape=(*ids.shape, self.cfg.mask.rank), boundary=b, step=step, micro_batch=mb)
+        c = self.coef_codec.decode(msg.hidden, expect_shape=self._coef_shape(msg.hidden, ids), boundary=b, step=step, micro_batch=mb)
         c.requires_grad_(True)
         return c, state.lift(c, ids)
 
@@ -341,16 +374,19 @@ class StageWorker:
         job = self.inflight.pop((msg.header.step, mb), None)
         if job is None:
             raise WireError(f"{self.name}: gradient for unknown micro-batch (step={msg.header.step}, micro_batch_id={mb})")
+        t0 = time.perf_counter()
         if job.basis is not None:  # dL/dh = dL/dc B^T
-            g = self.link_codec.decode(msg.grad, expect_shape=(*job.out.shape[:-1], job.basis.basis.shape[1]), boundary=self.stage.index, step=job.step, micro_batch=mb)
-            grad = g @ job.basis.basis.T
+            g = self.link_codec.decode(msg.grad, expect_shape=(*job.out.shape[:-1], job.coefs), boundary=self.stage.index, step=job.step, micro_batch=mb)
+            grad = g @ job.basis.basis[:, : job.coefs].T
         else:
             grad = self.codec.decode(msg.grad, expect_shape=tuple(job.out.shape), boundary=self.stage.index, step=job.step, micro_batch=mb)
         job.out.backward(grad.to(job.out.dtype))
         self._finish_backward(job, mb)
+        self.compute.add(time.perf_counter() - t0)
         return True
 
     def _finish_backward(self, job: _InFlight, mb: int) -> None:
+        self.compute.micro_batch_done()
         if job.stash is not None:  # ran on stashed weights: its gradient belongs to step job.step
             buf = self.grad_buf[-1 if self.local_steps else job.step]
             for name, w in job.stash.items():
@@ -398,6 +434,7 @@ class StageWorker:
             before = {n: p.detach().clone() for n, p in self.stage.named_parameters()}
         self.optimizer.step()
         self.optimizer.zero_grad()
+        self.compute.step()
         if before is not None:
             self.last_delta = {n: p.detach() - before[n] for n, p in self.stage.named_parameters()}
         if self.local_steps:

@@ -50,6 +50,11 @@ class Transport(ABC):
     def close(self) -> None:
         """Release servers, streams and threads."""
 
+    def link_bps(self, dst: Address, channel: str) -> float | None:
+        """Measured bytes/s of the link to `dst` on `channel`; None when not measured (in-process
+        queues have no link)."""
+        return None
+
     def _count(self, src: Address, dst: Address, channel: str, data: bytes) -> None:
         stats = self.links[(src, dst, channel)]
         stats.messages += 1

@@ -1,0 +1,100 @@
+"""`anchormesh bench mixed`: one swarm on two link speeds at once, codec fixed vs self-tuning.
+
+Half the peers (every second host) get a link `--slow-factor` times slower than the others. Modes
+(the same tiny model, batches and seed as `bench throughput`):
+
+  compute_bound  the swarm on unshaped links (also sets the GPU-equivalent fast link, as there)
+  fixed          low-rank PP at rank 64 (the config's most), int8 DP deltas every `dp_every`
+                 steps: hand-tuned for the fast links, and the slow ones hold everyone back
+  adaptive       the same bounds, but each sender picks per link how many of the 64 coefficients
+                 fit its measured bandwidth (mask.adapt, floor mask.min_keep), and each peer
+                 spaces its averaging rounds to take at most dp.link_share of its uplink
+
+The question it answers: does a swarm on mixed links stay near compute-bound without hand tuning?
+Reported per mode: tokens/s, its ratio to compute_bound, wire bytes/token, eval loss at the same
+step, and per peer: its host's link, the link it measured, the share of the rank it sent and its
+averaging period.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+from peer.bench.netbed import available
+from peer.bench.throughput import GpuScenario, equivalent_mbit, measure_mode, mode_config
+from peer.errors import ConfigError
+
+MIXED_MODES = ("compute_bound", "fixed", "adaptive")
+MAX_RANK = 64
+
+
+def mixed_config(mode: str, stages: int, steps: int, dp_every: int) -> dict:
+    """run.toml content of one mode (see the module docstring)."""
+    if mode not in MIXED_MODES:
+        raise ConfigError("mode", mode, f"must be one of {', '.join(MIXED_MODES)}")
+    cfg = mode_config("masked_dp", stages, steps, dp_every)
+    adapt = mode == "adaptive"
+    cfg["mask"] = {"scheme": "lowrank", "rank": MAX_RANK, "values": "int8", "adapt": adapt, "min_keep": 0.125}
+    cfg["dp"] = {"inner_steps": dp_every, "outer_compression": "int8", "link_share": 0.2 if adapt else 0.0}
+    return cfg
+
+
+def host_rates(fast: float | None, slow_factor: float, peers: int) -> list[float | None]:
+    """Bootstrap on a fast link; peer hosts alternate fast, slow, fast, slow, ..."""
+    if fast is None:
+        return [None] * (1 + peers)
+    return [fast] + [fast if i % 2 == 0 else fast / slow_factor for i in range(peers)]
+
+
+def run_mixed(quick: bool, bandwidth_mbit: float | None, slow_factor: float, stages: int, replicas: int, workdir: Path | None = None) -> dict:
+    """compute_bound, then fixed and adaptive on mixed links; returns the JSON."""
+    if stages < 2:
+        raise ConfigError("--stages", stages, "must be >= 2 (a pipeline needs a link)")
+    if replicas < 2:
+        raise ConfigError("--replicas", replicas, "must be >= 2 (the slow peers are every second host)")
+    if not slow_factor > 1:
+        raise ConfigError("--slow-factor", slow_factor, "must be > 1 (how many times slower the slow links are)")
+    if bandwidth_mbit is not None and bandwidth_mbit <= 0:
+        raise ConfigError("--bandwidth-mbit", bandwidth_mbit, "must be > 0")
+    why = available()
+    if why:
+        raise ConfigError("bench mixed", "network namespaces", why)
+    warmup, steps, dp_every = (6, 30, 5) if quick else (10, 100, 10)
+    timeout_s = 300.0 if quick else 1800.0
+    workdir = workdir or Path(tempfile.mkdtemp(prefix="anchormesh-mixed-"))
+    n = stages * replicas
+    out: dict = {"modes": {}}
+
+    def measure(mode: str, rates: list[float | None], subnet: int) -> dict:
+        return measure_mode(mode, rates, stages, replicas, warmup, steps, dp_every, workdir, subnet, timeout_s, config=mixed_config(mode, stages, steps, dp_every))
+
+    out["modes"]["compute_bound"] = cb = measure("compute_bound", host_rates(None, slow_factor, n), 20)
+    fast = bandwidth_mbit or equivalent_mbit(GpuScenario(), stages, cb["peer_capacity_tokens_per_s"] or cb["tokens_per_s"] / replicas)
+    rates = host_rates(fast, slow_factor, n)
+    print(f"links: {fast:.2f} Mbit/s fast, {fast / slow_factor:.2f} Mbit/s slow (every second peer)", flush=True)
+    for i, mode in enumerate(("fixed", "adaptive")):
+        out["modes"][mode] = measure(mode, rates, 21 + i)
+    m = out["modes"]
+    out["ratios"] = {
+        "fixed_vs_compute_bound": m["fixed"]["tokens_per_s"] / cb["tokens_per_s"],
+        "adaptive_vs_compute_bound": m["adaptive"]["tokens_per_s"] / cb["tokens_per_s"],
+        "adaptive_vs_fixed": m["adaptive"]["tokens_per_s"] / m["fixed"]["tokens_per_s"],
+        "eval_loss_vs_compute_bound": {k: v["eval_loss"] / cb["eval_loss"] - 1 for k, v in m.items()},
+    }
+    out["setup"] = {
+        "quick": quick, "stages": stages, "replicas": replicas, "hosts": 1 + n, "warmup_steps": warmup, "steps": steps, "dp_every": dp_every,
+        "fast_mbit": fast, "slow_mbit": fast / slow_factor, "slow_factor": slow_factor, "bandwidth_given": bandwidth_mbit is not None,
+        "host_rates_mbit": rates, "max_rank": MAX_RANK, "min_keep": 0.125, "link_share": 0.2,
+        "scaling_rule": "fast link = bench throughput's GPU-equivalent of 200 Mbit/s (see its setup.scaling_rule) unless --bandwidth-mbit",
+        "workdir": str(workdir),
+    }
+    return out
+
+
+def main_json(path: Path, **kwargs) -> dict:
+    result = run_mixed(**kwargs)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+    return result
