@@ -76,11 +76,12 @@ class MaskConfig:
         basis_refresh: steps between (prior, basis) refreshes for scheme "lowrank".
         prior_rows: scheme "lowrank": most rows of the token prior that travel per refresh; a
             larger vocabulary sends its most frequent tokens' rows and one shared row.
-        adapt: scheme "lowrank": each sender sends per link as many of the `rank` coefficients
-            as the link's measured bandwidth carries within `link_target` of its compute time
-            per micro-batch (peer/pipeline/linktune.py); `rank` is the most, `min_keep * rank`
-            the least. Off: always `rank`.
-        min_keep: the least fraction of `rank` an adapting link sends, in (0, 1].
+        adapt: each sender sends per link as much of the configured payload as the link's
+            measured bandwidth carries within `link_target` of its compute time per micro-batch
+            (peer/pipeline/linktune.py): "lowrank" between `min_keep * rank` and `rank`
+            coefficients; "mask" a keep fraction between `min_keep * (1 - drop)` and `1 - drop`
+            (on a 1/256 grid; drop = 0 stays dense). Off: always the configured payload.
+        min_keep: the least fraction of the configured payload an adapting link sends, in (0, 1].
         link_target: the share of a micro-batch's compute time its bytes may take on the link,
             in (0, 1]; below 1 leaves headroom for DP rounds and bursts.
     """

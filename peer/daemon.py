@@ -247,10 +247,11 @@ class PeerDaemon:
         return min(rates) if rates else None
 
     def links(self) -> tuple[float, float]:
-        """(its slowest measured outbound pipeline link in Mbit/s or 0, the fraction of mask.rank it
-        sends on its most constrained link or 0 when it sends no coefficients)."""
+        """(its slowest measured outbound pipeline link in Mbit/s or 0, the fraction of the codec's
+        configured payload (mask.rank, or mask.drop's keep) it sends on its most constrained link,
+        or 0 when it sends no activations)."""
         w, bps = self.worker, self.uplink_bps()
-        keep = min(w.coefs_sent.values()) / w.cfg.mask.rank if w is not None and w.coefs_sent else 0.0
+        keep = min(w.keep_sent.values()) if w is not None and w.keep_sent else 0.0
         return (bps * 8 / 1e6 if bps else 0.0), keep
 
     def metrics(self) -> dict:

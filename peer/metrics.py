@@ -96,7 +96,7 @@ PEER_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("anchormesh_peer_dropped_messages_total", "counter", "Messages dropped after they failed in the stage loop.", "dropped"),
     ("anchormesh_peer_checkpoint_step", "gauge", "Step of the newest shard checkpoint this peer wrote.", "checkpoint_step"),
     ("anchormesh_peer_link_mbit", "gauge", "Its slowest measured outbound pipeline link, Mbit/s (0: not measured).", "link_mbit"),
-    ("anchormesh_peer_pp_keep", "gauge", "Fraction of mask.rank it sends on its most constrained link (0: sends no coefficients).", "pp_keep"),
+    ("anchormesh_peer_pp_keep", "gauge", "Fraction of the codec's configured payload it sends on its most constrained link (0: sends no activations).", "pp_keep"),
     ("anchormesh_peer_dp_period_seconds", "gauge", "Seconds between the wall-clock slots at which it offers averaging rounds.", "dp_period_s"),
 )
 

@@ -77,6 +77,16 @@ def test_render_shows_run_stages_and_every_peer() -> None:
     assert "41.8s" in delta and "51.00" in delta and "no heartbeat for 10.2s (timeout 10s)" in delta
 
 
+def test_peer_rows_show_the_measured_link_the_kept_share_and_the_averaging_period() -> None:
+    s = _sample()
+    s["peers"][0].update(link_mbit=0.684, pp_keep=0.125, dp_period_s=32.0, dp_rounds=7)
+    s["peers"][2].update(link_mbit=27.4, pp_keep=None, dp_period_s=None, dp_rounds=0)
+    rows = {ln.split()[0]: ln for ln in _text(s).splitlines() if ln.strip().startswith("peer-")}
+    assert "0.684M 12%" in rows["peer-alpha"] and "7/32s" in rows["peer-alpha"]
+    assert "27.4M " in rows["peer-charlie"] and "%" not in rows["peer-charlie"].split("27.4M")[1].split()[0]
+    assert " — " in rows["peer-bravo"]  # not measured yet
+
+
 def test_render_draws_sparklines_of_the_history() -> None:
     h = _history(30)
     out = _text(_sample(), h)

@@ -29,7 +29,8 @@ def _runner(mask: MaskConfig, transport=None) -> LocalPipelineRunner:
 
 @pytest.mark.parametrize(
     "mask",
-    [MaskConfig(drop=0.9), MaskConfig(scheme="lowrank", rank=4, values="int8", basis_refresh=2), MaskConfig(scheme="lowrank", rank=4, basis_refresh=2, prior_rows=16)],
+    # adapt off: the link tuning would read loopback round trips against millisecond micro-batches
+    [MaskConfig(drop=0.9, adapt=False), MaskConfig(scheme="lowrank", rank=4, values="int8", basis_refresh=2, adapt=False), MaskConfig(scheme="lowrank", rank=4, basis_refresh=2, prior_rows=16, adapt=False)],
     ids=["mask", "lowrank", "lowrank_top_rows"],
 )
 def test_grpc_transport_gives_the_same_training_as_in_process(mask: MaskConfig) -> None:

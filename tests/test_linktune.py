@@ -26,6 +26,19 @@ def test_meter_measures_back_to_back_messages_at_the_link_rate() -> None:
     assert m.backlog() == 0
 
 
+def test_meter_takes_the_backlogged_rate_over_lone_messages_round_trips() -> None:
+    m = LinkMeter(min_samples=2)
+    for t in (0.0, 1.0, 2.0):  # lone messages: 0.01 s on the wire plus a 0.09 s round trip each
+        m.sent(1000, now=t)
+        m.acked(now=t + 0.1)
+    assert m.bps() == pytest.approx(10_000)  # all it knows: a lower bound
+    for i in range(3):  # three queued at once: acks 0.01 s apart, the link's own rate
+        m.sent(1000, now=5.0)
+    for i in range(3):
+        m.acked(now=5.1 + 0.01 * i)
+    assert m.bps() == pytest.approx(100_000)
+
+
 def test_meter_counts_idle_time_out_and_forgets_lost_messages() -> None:
     m = LinkMeter(min_samples=2)
     m.sent(500, now=10.0)
@@ -120,3 +133,36 @@ def test_a_coefficient_count_outside_the_bounds_is_refused() -> None:
         fixed.workers[1][0]._coef_shape(pb.TensorPayload(shape=[*ids.shape, 4]), ids)
     runner.close()
     fixed.close()
+
+
+def test_the_mask_scheme_adapts_its_keep_fraction_per_link() -> None:
+    """Mask scheme: the sender into the slow link masks with a higher drop on the 1/256 grid (down
+    to min_keep of the configured keep), the fast link keeps the config's drop, the receiver
+    rebuilds and masks the gradient back with the message's drop, and the loss falls."""
+    cfg = TrainConfig(model=MODEL.__class__(**{**MODEL.__dict__, "num_stages": 3, "num_layers": 3}), pipeline=PIPE, steps=12, optim=OptimConfig(lr=3e-3),
+                      mask=MaskConfig(drop=0.5, fill="prior_rescale", min_keep=0.25))
+    runner = LocalPipelineRunner(cfg, load_causal_lm(cfg.model, seed=3), windows, transport=SlowLinks({1: 1.0, 2: 1e12}))
+    losses = [r.loss for r in runner.run(12)]
+    runner.close()
+    s0, s1 = runner.workers[0][0], runner.workers[1][0]
+    assert s0.keep_sent == {(1, 0): 0.25}  # 0.25 of keep 0.5: drop 1 - 32/256
+    assert list(s0._mask_codecs) == [1 - 32 / 256]
+    assert s1.keep_sent == {(2, 0): 1.0}
+    assert list(s1._mask_codecs) == [1 - 32 / 256]  # the codec it received with (and masks the gradient back with), none to send
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3, losses
+
+
+def test_a_drop_off_the_grid_or_below_the_floor_is_refused() -> None:
+    cfg = TrainConfig(model=MODEL, pipeline=PIPE, mask=MaskConfig(drop=0.5, min_keep=0.25))
+    runner = LocalPipelineRunner(cfg, load_causal_lm(MODEL, seed=3), windows)
+    w = runner.workers[1][0]
+
+    def payload(drop: float) -> pb.TensorPayload:
+        return pb.TensorPayload(compression=pb.Compression(kind=pb.Compression.BERNOULLI_MASK, drop=drop))
+
+    assert w._inbound_codec(payload(0.5)) is w.codec
+    assert w._inbound_codec(payload(1 - 40 / 256)).cfg.drop == 1 - 40 / 256
+    for drop in (1 - 31 / 256, 0.8001, 0.25):  # below the floor (keep 32/256), off the grid, under the config's drop
+        with pytest.raises(WireError, match="Compression.drop"):
+            w._inbound_codec(payload(drop))
+    runner.close()

@@ -73,7 +73,7 @@ _SCALE_BYTES = 4  # int8 blocks carry one float32 scale each
 _LOGICAL_FLOAT = (pb.FLOAT32, pb.FLOAT16, pb.BFLOAT16)
 
 
-def _f32(x: float) -> float:
+def as_f32(x: float) -> float:
     """`x` rounded to float32, as the proto `float drop` field carries it."""
     return struct.unpack("<f", struct.pack("<f", x))[0]
 
@@ -261,7 +261,7 @@ class MaskCodec:
             check_finite_wire(out, field="TensorPayload.payload")
             return out.to(dtype)
 
-        if c.drop != _f32(self.cfg.drop):
+        if c.drop != as_f32(self.cfg.drop):
             raise WireError(f"Compression.drop={c.drop:.7g}: this peer masks with drop={self.cfg.drop!r}")
         if c.mask_seed != int(self.cfg.seed) & U64:
             raise WireError(f"Compression.mask_seed={c.mask_seed}: this run's mask seed is {int(self.cfg.seed) & U64}")

@@ -13,8 +13,11 @@ allows), slow ones less; nobody tunes by hand, and the bounds stay the operator'
 
 Bandwidth is measured from the acks of the link's own gRPC stream (`LinkMeter`): a message's
 service time runs from when the link could start on it (it was queued, and the previous one was
-acknowledged) to its ack, so back-to-back messages measure the link's rate and a lone message
-its rate plus one round trip: the cost a micro-batch really sees.
+acknowledged) to its ack. Messages queued behind another measure the link's rate itself; a lone
+message measures its rate plus one round trip, which understates a link whose round trip is
+long next to a micro-batch's transfer (more in flight would hide it). The estimate is the
+larger of the two: the rate of backlogged messages, when there were enough of them, and that of
+all messages (a lower bound of the rate).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class LinkMeter:
         self._lock = threading.Lock()
         self._queued: deque[tuple[int, float]] = deque()  # (bytes, queued at), not yet acked, in order
         self._samples: deque[tuple[int, float]] = deque(maxlen=window)  # (bytes, service seconds)
+        self._backlogged: deque[tuple[int, float]] = deque(maxlen=window)  # of those, messages queued behind another
         self._last_ack = 0.0
         self.min_samples = min_samples
 
@@ -52,7 +56,10 @@ class LinkMeter:
             if not self._queued:
                 return
             nbytes, queued_at = self._queued.popleft()
-            self._samples.append((nbytes, max(now - max(queued_at, self._last_ack), 1e-6)))
+            sample = (nbytes, max(now - max(queued_at, self._last_ack), 1e-6))
+            self._samples.append(sample)
+            if queued_at < self._last_ack:  # it waited for the previous one: no round trip in it
+                self._backlogged.append(sample)
             self._last_ack = now
 
     def lost(self, n: int) -> None:
@@ -62,11 +69,11 @@ class LinkMeter:
                 self._queued.popleft()
 
     def bps(self) -> float | None:
-        """Measured bytes/s, or None until `min_samples` messages were acked."""
+        """Measured bytes/s, or None until `min_samples` messages were acked (see the module
+        docstring)."""
         with self._lock:
-            if len(self._samples) < self.min_samples:
-                return None
-            return sum(b for b, _ in self._samples) / sum(s for _, s in self._samples)
+            rates = [sum(b for b, _ in xs) / sum(s for _, s in xs) for xs in (self._samples, self._backlogged) if len(xs) >= self.min_samples]
+            return max(rates) if rates else None
 
     def backlog(self) -> int:
         """Bytes queued and not acknowledged yet."""

@@ -18,6 +18,8 @@ With max_staleness = 0, masking off and one replica, a step equals a plain singl
 from __future__ import annotations
 
 import copy
+import dataclasses
+import math
 import time
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable
@@ -30,7 +32,7 @@ from transformers import PreTrainedModel
 from peer.anchor import AnchorPrior, AnchorReplica, AnchorScheduler
 from peer.codec.basis import BasisLearner, BasisState
 from peer.codec.fill import USES_PRIOR, reconstruct
-from peer.codec.mask import MaskCodec
+from peer.codec.mask import MaskCodec, as_f32
 from peer.codec.prior import TokenPrior
 from peer.config import MaskConfig, TrainConfig
 from peer.dp import build_dp_sync
@@ -82,6 +84,11 @@ class _InFlight:
     basis: BasisState | None = None  # low-rank codec: the (prior, basis) the output was encoded with
     sender: str = ""  # who sent the input (the gradient goes back there)
     coefs: int = 0  # low-rank codec: coefficients per token the output was sent with
+    codec_in: MaskCodec | None = None  # mask scheme: the codec (drop) the input came with; None = the config's
+    codec_out: MaskCodec | None = None  # mask scheme: the codec (drop) the output was sent with; None = the config's
+
+
+KEEP_GRID = 256  # mask scheme, adapting: keep fractions are multiples of 1/256 (exact in float32)
 
 
 @dataclass
@@ -125,6 +132,8 @@ class StageWorker:
     resolve: Callable[[str], Address] | None = None  # sender name -> its address
     compute: ComputeClock = field(default_factory=ComputeClock)  # seconds of compute per micro-batch
     coefs_sent: dict = field(default_factory=dict)  # low-rank codec: destination -> coefficients per token last sent
+    keep_sent: dict = field(default_factory=dict)  # destination -> fraction of the configured payload last sent (mask.adapt)
+    _mask_codecs: dict = field(default_factory=dict)  # mask scheme, adapting: drop -> its codec
 
     def __post_init__(self) -> None:
         s = self.stage
@@ -189,7 +198,7 @@ class StageWorker:
                 elif self.basis_announced.get(msg.header.sender) != msg.basis_version:
                     raise WireError(f"basis_version={msg.basis_version}: this peer has no such basis from {msg.header.sender!r}; send it again")
             else:
-                self.codec.decode(msg.hidden, expect_shape=(*ids.shape, s.hidden_size), expect_dtype=self.compute_dtype, **key)
+                self._inbound_codec(msg.hidden).decode(msg.hidden, expect_shape=(*ids.shape, s.hidden_size), expect_dtype=self.compute_dtype, **key)
             return
         if b != s.index:
             raise WireError(f"header.boundary={b}: stage {s.index} receives gradients on boundary {s.index}")
@@ -197,7 +206,7 @@ class StageWorker:
         if job is None:
             raise WireError(f"gradient for unknown micro-batch (step={msg.header.step}, micro_batch_id={msg.header.micro_batch_id})")
         last = job.coefs if job.basis is not None else s.hidden_size
-        self.link_codec.decode(msg.grad, expect_shape=(*job.out.shape[:-1], last), expect_dtype=self.compute_dtype, boundary=b, step=msg.header.step, micro_batch=msg.header.micro_batch_id)
+        (job.codec_out or self.link_codec).decode(msg.grad, expect_shape=(*job.out.shape[:-1], last), expect_dtype=self.compute_dtype, boundary=b, step=msg.header.step, micro_batch=msg.header.micro_batch_id)
 
     def _coef_shape(self, hidden: pb.TensorPayload, ids: torch.Tensor) -> tuple[int, ...]:
         """The coefficient shape a low-rank message may have: [*ids, k] with k between the
@@ -216,10 +225,50 @@ class StageWorker:
         bytes besides the coefficients (token ids, header)."""
         m = self.cfg.mask
         if not m.adapt:
+            self.keep_sent[dst] = 1.0
             return m.rank
         per_coef = self.link_codec.bytes_per_element() * tokens
         f = keep_fraction(m.rank * per_coef, fixed, self.transport.link_bps(dst, "forward"), self.compute.per_micro_batch, m.link_target, m.min_keep)
-        return coefficients(m.rank, f, m.min_keep)
+        k = coefficients(m.rank, f, m.min_keep)
+        self.keep_sent[dst] = k / m.rank
+        return k
+
+    def mask_codec_for(self, dst: Address, elements: int, fixed: int) -> MaskCodec:
+        """Mask scheme: the codec for `dst`: the config's drop unless the link's measured
+        bandwidth cannot carry its kept values within `mask.link_target` of this stage's compute
+        time per micro-batch; then a higher drop on a grid of 1/256 (exact in float32, which the
+        message carries), keep at least `mask.min_keep` of the configured keep. drop = 0 means
+        dense: never masked."""
+        m = self.cfg.mask
+        if not (m.adapt and m.enabled):
+            self.keep_sent[dst] = 1.0
+            return self.codec
+        f = keep_fraction(elements * self.codec.bytes_per_element(), fixed, self.transport.link_bps(dst, "forward"), self.compute.per_micro_batch, m.link_target, m.min_keep)
+        j = max(math.ceil(m.min_keep * m.keep * KEEP_GRID - 1e-9), math.floor(f * m.keep * KEEP_GRID + 1e-9), 1)
+        if j >= m.keep * KEEP_GRID:
+            self.keep_sent[dst] = 1.0
+            return self.codec
+        self.keep_sent[dst] = j / KEEP_GRID / m.keep
+        return self._mask_codec((KEEP_GRID - j) / KEEP_GRID)
+
+    def _mask_codec(self, drop: float) -> MaskCodec:
+        if drop not in self._mask_codecs:
+            self._mask_codecs[drop] = MaskCodec(dataclasses.replace(self.cfg.mask, drop=drop))
+        return self._mask_codecs[drop]
+
+    def _inbound_codec(self, hidden: pb.TensorPayload) -> MaskCodec:
+        """Mask scheme: the codec for an inbound tensor: the config's, or (an adapting sender)
+        one of a higher drop on the 1/256 grid, keeping at least `mask.min_keep` of the
+        configured keep. Anything else: WireError naming the drop."""
+        m, c = self.cfg.mask, hidden.compression
+        if c.kind != pb.Compression.BERNOULLI_MASK or c.drop == as_f32(m.drop):
+            return self.codec
+        keep = 1.0 - c.drop
+        j = keep * KEEP_GRID
+        floor = max(math.ceil(m.min_keep * m.keep * KEEP_GRID - 1e-9), 1)
+        if not (m.adapt and m.enabled and j == int(j) and floor <= j < m.keep * KEEP_GRID):
+            raise WireError(f"Compression.drop={c.drop:.7g}: this peer masks with drop={m.drop!r}" + (f" or, adapting, 1 - j/{KEEP_GRID} with j in [{floor}, {m.keep * KEEP_GRID:.4g})" if m.adapt and m.enabled else ""))
+        return self._mask_codec(c.drop)
 
     def _mb_key(self, step: int, mb_in_step: int) -> int:
         return self.replica * self.cfg.pipeline.micro_batches + mb_in_step
@@ -261,17 +310,17 @@ class StageWorker:
         stash = self._weights_for(step)
         out = self._run(window[:, :-1], stash)
         mb = self._mb_key(step, j)
-        basis, k = self._send_forward(out, window, step, mb)
-        self.inflight[(step, mb)] = _InFlight(step, None, out, stash, window, basis, coefs=k)
+        basis, k, codec = self._send_forward(out, window, step, mb)
+        self.inflight[(step, mb)] = _InFlight(step, None, out, stash, window, basis, coefs=k, codec_out=codec)
         self.compute.add(time.perf_counter() - t0)
 
-    def _send_forward(self, out: torch.Tensor, window: torch.Tensor, step: int, mb: int) -> tuple[BasisState | None, int]:
-        """Encode and send this stage's output; returns the low-rank basis used, if any, and the
-        coefficients per token sent."""
+    def _send_forward(self, out: torch.Tensor, window: torch.Tensor, step: int, mb: int) -> tuple[BasisState | None, int, MaskCodec]:
+        """Encode and send this stage's output; returns the low-rank basis used, if any, the
+        coefficients per token sent and the codec that encoded them."""
         b = self.stage.index
         msg = pb.ActivationChunk(header=self._header(step, mb, b), token_ids=tensor_to_proto(window.to(token_dtype(self.stage.vocab_size))))
         dst = self.next_hop() if self.next_hop else (b + 1, self.replica)
-        h, state, k = out.detach(), None, 0
+        h, state, k, codec = out.detach(), None, 0, self.link_codec
         if self.basis_out is not None:
             ids = window[:, :-1]
             self.basis_out.observe(h, ids)
@@ -287,9 +336,11 @@ class StageWorker:
             k = self.coefs_for(dst, ids.numel(), msg.header.ByteSize() + msg.token_ids.ByteSize() + 16)
             self.coefs_sent[dst] = k
             h = state.project(h, ids, k)
-        msg.hidden.CopyFrom(self.link_codec.encode(h, boundary=b, step=step, micro_batch=mb))
+        else:
+            codec = self.mask_codec_for(dst, h.numel(), msg.header.ByteSize() + msg.token_ids.ByteSize() + 16)
+        msg.hidden.CopyFrom(codec.encode(h, boundary=b, step=step, micro_batch=mb))
         self.transport.send(self.addr, dst, "forward", msg.SerializeToString())
-        return state, k
+        return state, k, codec
 
     def forward_one(self) -> bool:
         """Process the oldest activation whose step is within the staleness bound."""
@@ -313,16 +364,17 @@ class StageWorker:
         window = proto_to_tensor(msg.token_ids).to(torch.long)
         ids = window[:, :-1]
         shape = (*ids.shape, self.stage.hidden_size)
+        codec_in = self.coef_codec or self._inbound_codec(msg.hidden)
         if self.coef_codec is not None:
             x, h = self._lift(msg, ids, b, step, mb)
         else:
-            x = self.codec.decode(msg.hidden, expect_shape=shape, boundary=b, step=step, micro_batch=mb)
+            x = codec_in.decode(msg.hidden, expect_shape=shape, boundary=b, step=step, micro_batch=mb)
             x.requires_grad_(True)  # the leaf whose gradient goes back: kept entries only
             h = x
         if self.cfg.mask.enabled:
-            keep = self.codec.keep_mask(shape, boundary=b, step=step, micro_batch=mb)
+            keep = codec_in.keep_mask(shape, boundary=b, step=step, micro_batch=mb)
             prior = self.prior.fill(ids) if self.prior is not None else None
-            h = reconstruct(x, keep, self.cfg.mask.keep, self.cfg.mask.fill, prior)
+            h = reconstruct(x, keep, codec_in.cfg.keep, self.cfg.mask.fill, prior)
             if self.prior is not None:
                 self.prior.observe(ids, x.detach(), keep)
         stash = self._weights_for(step)
@@ -331,10 +383,10 @@ class StageWorker:
             loss = lm_loss(out, window[:, 1:])
             (loss / self.cfg.pipeline.micro_batches).backward()
             self.losses[step].append(float(loss.detach()))
-            self._finish_backward(_InFlight(step, x, out, stash, window, sender=msg.header.sender), mb)
+            self._finish_backward(_InFlight(step, x, out, stash, window, sender=msg.header.sender, codec_in=codec_in), mb)
         else:
-            basis, k = self._send_forward(out, window, step, mb)
-            self.inflight[(step, mb)] = _InFlight(step, x, out, stash, window, basis, msg.header.sender, k)
+            basis, k, codec = self._send_forward(out, window, step, mb)
+            self.inflight[(step, mb)] = _InFlight(step, x, out, stash, window, basis, msg.header.sender, k, codec_in, codec)
         self.compute.add(time.perf_counter() - t0)
         return True
 
@@ -379,7 +431,7 @@ class StageWorker:
             g = self.link_codec.decode(msg.grad, expect_shape=(*job.out.shape[:-1], job.coefs), boundary=self.stage.index, step=job.step, micro_batch=mb)
             grad = g @ job.basis.basis[:, : job.coefs].T
         else:
-            grad = self.codec.decode(msg.grad, expect_shape=tuple(job.out.shape), boundary=self.stage.index, step=job.step, micro_batch=mb)
+            grad = (job.codec_out or self.codec).decode(msg.grad, expect_shape=tuple(job.out.shape), boundary=self.stage.index, step=job.step, micro_batch=mb)
         job.out.backward(grad.to(job.out.dtype))
         self._finish_backward(job, mb)
         self.compute.add(time.perf_counter() - t0)
@@ -397,7 +449,7 @@ class StageWorker:
             b = self.stage.index - 1
             msg = pb.GradientChunk(
                 header=self._header(job.step, mb, b),
-                grad=self.link_codec.encode(job.x.grad, boundary=b, step=job.step, micro_batch=mb),
+                grad=(job.codec_in or self.link_codec).encode(job.x.grad, boundary=b, step=job.step, micro_batch=mb),
             )
             dst = self.resolve(job.sender) if self.resolve else (b, self.replica)
             data = msg.SerializeToString()
