@@ -166,3 +166,14 @@ def test_a_drop_off_the_grid_or_below_the_floor_is_refused() -> None:
         with pytest.raises(WireError, match="Compression.drop"):
             w._inbound_codec(payload(drop))
     runner.close()
+
+
+def test_the_mixed_bench_slows_the_second_peer_of_each_stage() -> None:
+    from peer.bench.mixed import slow_hosts
+
+    status = {"peers": [
+        {"id": "bed-peer3", "stage": 0, "state": "active"}, {"id": "bed-peer1", "stage": 0, "state": "active"},
+        {"id": "bed-peer2", "stage": 1, "state": "idle"}, {"id": "bed-peer4", "stage": 1, "state": "active"},
+        {"id": "bed-peer5", "stage": 1, "state": "dead"},
+    ]}
+    assert slow_hosts(status) == [3, 4]

@@ -1,6 +1,8 @@
 """`anchormesh bench mixed`: one swarm on two link speeds at once, codec fixed vs self-tuning.
 
-Half the peers (every second host) get a link `--slow-factor` times slower than the others. Modes
+Half the peers get a link `--slow-factor` times slower than the others: once every peer has
+joined, the second peer (by id) of each stage group is slowed, so every group and every stage
+boundary has a fast and a slow end, the same in every mode. Modes
 (the same tiny model, batches and seed as `bench throughput`):
 
   compute_bound  the swarm on unshaped links (also sets the GPU-equivalent fast link, as there)
@@ -41,11 +43,13 @@ def mixed_config(mode: str, stages: int, steps: int, dp_every: int) -> dict:
     return cfg
 
 
-def host_rates(fast: float | None, slow_factor: float, peers: int) -> list[float | None]:
-    """Bootstrap on a fast link; peer hosts alternate fast, slow, fast, slow, ..."""
-    if fast is None:
-        return [None] * (1 + peers)
-    return [fast] + [fast if i % 2 == 0 else fast / slow_factor for i in range(peers)]
+def slow_hosts(status: dict) -> list[int]:
+    """Host indexes of the second peer (by id) of each stage: the ones to slow."""
+    by_stage: dict[int, list[str]] = {}
+    for p in status["peers"]:
+        if p["state"] in ("active", "idle") and p["id"].startswith("bed-peer"):
+            by_stage.setdefault(p["stage"], []).append(p["id"])
+    return sorted(int(ids[1].removeprefix("bed-peer")) for ids in (sorted(v) for v in by_stage.values()) if len(ids) > 1)
 
 
 def run_mixed(quick: bool, bandwidth_mbit: float | None, slow_factor: float, stages: int, replicas: int, workdir: Path | None = None) -> dict:
@@ -61,21 +65,30 @@ def run_mixed(quick: bool, bandwidth_mbit: float | None, slow_factor: float, sta
     why = available()
     if why:
         raise ConfigError("bench mixed", "network namespaces", why)
-    warmup, steps, dp_every = (6, 30, 5) if quick else (10, 100, 10)
+    # longer than bench throughput's quick run: a self-tuned swarm does 30 steps in ~8 s, too
+    # short a window for 1 s status lines and for its (rarer) averaging rounds
+    warmup, steps, dp_every = (10, 70, 5) if quick else (10, 150, 10)
     timeout_s = 300.0 if quick else 1800.0
     workdir = workdir or Path(tempfile.mkdtemp(prefix="anchormesh-mixed-"))
     n = stages * replicas
     out: dict = {"modes": {}}
 
-    def measure(mode: str, rates: list[float | None], subnet: int) -> dict:
-        return measure_mode(mode, rates, stages, replicas, warmup, steps, dp_every, workdir, subnet, timeout_s, config=mixed_config(mode, stages, steps, dp_every))
+    slowed: dict[str, list[int]] = {}
 
-    out["modes"]["compute_bound"] = cb = measure("compute_bound", host_rates(None, slow_factor, n), 20)
+    def measure(mode: str, fast: float | None, subnet: int) -> dict:
+        def reshape(bed, status: dict) -> None:
+            slowed[mode] = slow_hosts(status)
+            for i in slowed[mode]:
+                bed.set_rate(i, fast / slow_factor)
+
+        return measure_mode(mode, [fast] * (1 + n), stages, replicas, warmup, steps, dp_every, workdir, subnet, timeout_s,
+                            config=mixed_config(mode, stages, steps, dp_every), reshape=reshape if fast is not None else None)
+
+    out["modes"]["compute_bound"] = cb = measure("compute_bound", None, 20)
     fast = bandwidth_mbit or equivalent_mbit(GpuScenario(), stages, cb["peer_capacity_tokens_per_s"] or cb["tokens_per_s"] / replicas)
-    rates = host_rates(fast, slow_factor, n)
-    print(f"links: {fast:.2f} Mbit/s fast, {fast / slow_factor:.2f} Mbit/s slow (every second peer)", flush=True)
+    print(f"links: {fast:.2f} Mbit/s fast, {fast / slow_factor:.2f} Mbit/s slow (the second peer of each stage)", flush=True)
     for i, mode in enumerate(("fixed", "adaptive")):
-        out["modes"][mode] = measure(mode, rates, 21 + i)
+        out["modes"][mode] = measure(mode, fast, 21 + i)
     m = out["modes"]
     out["ratios"] = {
         "fixed_vs_compute_bound": m["fixed"]["tokens_per_s"] / cb["tokens_per_s"],
@@ -86,7 +99,7 @@ def run_mixed(quick: bool, bandwidth_mbit: float | None, slow_factor: float, sta
     out["setup"] = {
         "quick": quick, "stages": stages, "replicas": replicas, "hosts": 1 + n, "warmup_steps": warmup, "steps": steps, "dp_every": dp_every,
         "fast_mbit": fast, "slow_mbit": fast / slow_factor, "slow_factor": slow_factor, "bandwidth_given": bandwidth_mbit is not None,
-        "host_rates_mbit": rates, "max_rank": MAX_RANK, "min_keep": 0.125, "link_share": 0.2,
+        "slowed_hosts": slowed, "max_rank": MAX_RANK, "min_keep": 0.125, "link_share": 0.2,
         "scaling_rule": "fast link = bench throughput's GPU-equivalent of 200 Mbit/s (see its setup.scaling_rule) unless --bandwidth-mbit",
         "workdir": str(workdir),
     }

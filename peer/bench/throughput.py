@@ -35,6 +35,7 @@ import json
 import math
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -122,10 +123,14 @@ def _rates_text(rates: list[float | None]) -> str:
     return " and ".join(f"{r:.2f}" for r in speeds) + " Mbit/s" + (" (mixed)" if len(speeds) > 1 else "")
 
 
-def measure_mode(mode: str, rates: list[float | None], stages: int, replicas: int, warmup: int, steps: int, dp_every: int, workdir: Path, subnet: int, timeout_s: float, config: dict | None = None) -> dict:
+def measure_mode(
+    mode: str, rates: list[float | None], stages: int, replicas: int, warmup: int, steps: int, dp_every: int, workdir: Path, subnet: int, timeout_s: float,
+    config: dict | None = None, reshape: Callable[[NetBed, dict], None] | None = None,
+) -> dict:
     """Run one mode in a fresh bed (host i's link at rates[i] Mbit/s, None = unshaped; host 0 is
     the bootstrap's) and measure it (see the module docstring). `config`: run.toml content
-    instead of `mode_config(mode, ...)`."""
+    instead of `mode_config(mode, ...)`. `reshape(bed, status)`: called once every peer is live
+    (with their stages known) to set links; the warm-up then counts from there."""
     cfg_path = workdir / f"{mode}.toml"
     write_toml(config or mode_config(mode, stages, steps, dp_every), cfg_path)
     n = stages * replicas
@@ -135,7 +140,12 @@ def measure_mode(mode: str, rates: list[float | None], stages: int, replicas: in
     t_start = time.monotonic()
     with NetBed(rates, subnet=subnet) as bed:
         swarm = BedSwarm(bed, cfg_path, workdir / mode)
-        s0 = swarm.wait_status(lambda s: s["step"] >= warmup and _live(s) == n, timeout_s, f"{n} live peers and step {warmup}")
+        start = 0
+        if reshape is not None:
+            up = swarm.wait_status(lambda s: _live(s) == n, timeout_s, f"{n} live peers")
+            reshape(bed, up)
+            start = up["step"]
+        s0 = swarm.wait_status(lambda s: s["step"] >= start + warmup and _live(s) == n, timeout_s, f"{n} live peers and step {start + warmup}")
         c0 = bed.counters()
         last_print = time.monotonic()
 
@@ -169,7 +179,7 @@ def measure_mode(mode: str, rates: list[float | None], stages: int, replicas: in
         "peer_capacity_tokens_per_s": _median([p["capacity_tokens_per_s"] for p in s1["peers"] if p["state"] in ("active", "idle") and p["capacity_tokens_per_s"] > 0]),
         "wall_s": time.monotonic() - t_start,
         "peers": [
-            {"id": p["id"], "stage": p["stage"], "host_rate_mbit": rates[int(p["id"].removeprefix("bed-peer"))] if p["id"].startswith("bed-peer") else None,
+            {"id": p["id"], "stage": p["stage"], "host_rate_mbit": bed.hosts[int(p["id"].removeprefix("bed-peer"))].rate_mbit if p["id"].startswith("bed-peer") else None,
              "tokens_per_s": p["tokens_per_s"], "link_mbit": p.get("link_mbit"), "pp_keep": p.get("pp_keep"), "dp_period_s": p.get("dp_period_s"), "dp_rounds": p["dp_rounds"]}
             for p in s1["peers"] if p["state"] in ("active", "idle")
         ],
