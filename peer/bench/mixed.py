@@ -20,7 +20,6 @@ averaging period.
 
 from __future__ import annotations
 
-import json
 import tempfile
 from pathlib import Path
 
@@ -107,7 +106,6 @@ def run_mixed(quick: bool, bandwidth_mbit: float | None, slow_factor: float, sta
 
 
 def main_json(path: Path, **kwargs) -> dict:
-    result = run_mixed(**kwargs)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2))
-    return result
+    from peer.bench import emit_json
+
+    return emit_json(run_mixed(**kwargs), path)

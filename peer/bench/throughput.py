@@ -31,7 +31,6 @@ its bubbles, about half the compute rate: the bed then stood for ~100 Mbit/s, no
 
 from __future__ import annotations
 
-import json
 import math
 import tempfile
 import time
@@ -259,7 +258,6 @@ def run_throughput(quick: bool, bandwidth_mbit: float | None, stages: int, repli
 
 
 def main_json(path: Path, **kwargs) -> dict:
-    result = run_throughput(**kwargs)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2))
-    return result
+    from peer.bench import emit_json
+
+    return emit_json(run_throughput(**kwargs), path)
