@@ -22,6 +22,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from peer.status import dp_cell, link_cell
+
 BLOCKS = "▁▂▃▄▅▆▇█"
 LIVE_STATES = ("joining", "active", "idle")  # as bootstrap/tracker.py: the tracker routes to these
 LABEL_WIDTH = 11  # "stage moves": labels of all summary grids line up
@@ -357,20 +359,6 @@ def _stage_table(s: dict) -> Table:
     return table
 
 
-def _link_cell(p: dict) -> str:
-    """Its slowest measured pipeline link and the share of the codec's rank it sends there."""
-    mbit, keep = p.get("link_mbit"), p.get("pp_keep")
-    if not mbit:
-        return "—"
-    return f"{mbit:,.3g}M" + (f" {keep:.0%}" if keep else "")
-
-
-def _dp_cell(p: dict) -> str:
-    """Averaging rounds done, and the slot period it offers them at."""
-    period = p.get("dp_period_s")
-    return f"{p.get('dp_rounds', 0)}" + (f"/{period:.0f}s" if period else "")
-
-
 def _peer_table(s: dict, with_address: bool = True) -> Table:
     """One row per peer the tracker knows, state coloured; silent live peers' last-seen in red.
 
@@ -390,7 +378,7 @@ def _peer_table(s: dict, with_address: bool = True) -> Table:
             p["id"], str(p.get("stage", "")), Text(state, style=STATE_STYLE.get(state, "")), p.get("address", ""),
             Text(f"{seen:.1f}s", style="red" if live and seen > SILENT_PEER_S else "" if live else "dim"),
             f"{p.get('step', 0):,}", f"{p.get('tokens_per_s', 0):,.0f}",
-            f"{p.get('bytes_in', 0) / 1e6:,.2f}", f"{p.get('bytes_out', 0) / 1e6:,.2f}", _link_cell(p), _dp_cell(p),
+            f"{p.get('bytes_in', 0) / 1e6:,.2f}", f"{p.get('bytes_out', 0) / 1e6:,.2f}", link_cell(p.get("link_mbit"), p.get("pp_keep")), dp_cell(p.get("dp_rounds", 0), p.get("dp_period_s")),
             Text(p.get("reason", ""), style="dim"),
         ]
         if not with_address:

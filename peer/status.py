@@ -63,6 +63,18 @@ def status_dict(s: pb.RunStatus) -> dict:
     }
 
 
+def link_cell(mbit: float | None, keep: float | None) -> str:
+    """A peer's slowest measured pipeline link and the share of the codec's payload it sends there."""
+    if not mbit:
+        return "—"
+    return f"{mbit:,.3g}M" + (f" {keep:.0%}" if keep else "")
+
+
+def dp_cell(rounds: int, period_s: float | None) -> str:
+    """Averaging rounds done, and the slot period it offers them at."""
+    return f"{rounds}" + (f"/{period_s:.0f}s" if period_s else "")
+
+
 def render(s: pb.RunStatus) -> str:
     """A plain-text table for people."""
     loss = "—" if math.isnan(s.loss) else f"{s.loss:.3f}"
@@ -84,11 +96,11 @@ def render(s: pb.RunStatus) -> str:
         + ("  <- no peer" if not st.peers else "  <- bottleneck" if st.index == bottleneck and len(s.stages) > 1 else "")
         for st in s.stages
     ]
-    lines += ["", f"{'peer':<14} {'stage':>5} {'state':<7} {'address':<21} {'seen':>6} {'step':>6} {'tok/s':>8} {'in MB':>7} {'out MB':>7} {'dp':>4}  note"]
+    lines += ["", f"{'peer':<14} {'stage':>5} {'state':<7} {'address':<21} {'seen':>6} {'step':>6} {'tok/s':>8} {'in MB':>7} {'out MB':>7} {'link':>10} {'dp':>6}  note"]
     for p in s.peers:
         lines.append(
             f"{p.peer_id:<14} {p.stage:>5} {p.state:<7} {p.address:<21} {p.last_seen_s:>5.1f}s {p.step:>6} {p.tokens_per_s:>8,.0f} "
-            f"{p.bytes_in / 1e6:>7.2f} {p.bytes_out / 1e6:>7.2f} {p.dp_rounds:>4}  {p.reason}"
+            f"{p.bytes_in / 1e6:>7.2f} {p.bytes_out / 1e6:>7.2f} {link_cell(p.link_mbit, p.pp_keep):>10} {dp_cell(p.dp_rounds, p.dp_period_s):>6}  {p.reason}"
         )
     return "\n".join(lines)
 

@@ -313,3 +313,13 @@ def test_a_peer_its_stage_mates_name_is_shown_with_what_they_say() -> None:
     bad["dp_flagged"] = 1
     accuser["dp_suspects"] = [f"{bad['id']}: its update is 99.0x the others' (limit 4x)"]
     assert problems(s) == [f"{bad['id']} (stage {bad['stage']}) is named by 1 stage mate(s) as the sender of a bad averaging update: its update is 99.0x the others' (limit 4x)"]
+
+
+def test_the_plain_status_table_shows_link_and_averaging_period_too() -> None:
+    from peer.status import render as plain
+    from peer.wire import anchormesh_pb2 as pb
+
+    s = pb.RunStatus(run_id="r", peers=[pb.PeerInfo(peer_id="peer-1", state="active", link_mbit=0.684, pp_keep=0.125, dp_rounds=7, dp_period_s=32), pb.PeerInfo(peer_id="peer-2", stage=1, state="active")])
+    rows = {ln.split()[0]: ln for ln in plain(s).splitlines() if ln.startswith("peer-")}
+    assert "0.684M 12%" in rows["peer-1"] and "7/32s" in rows["peer-1"]
+    assert "—" in rows["peer-2"] and "/" not in rows["peer-2"]
