@@ -257,6 +257,7 @@ class PeerDaemon:
     def metrics(self) -> dict:
         """This peer's figures for its Prometheus endpoint (`--metrics-port`)."""
         w, t = self.worker, self.transport
+        link_mbit, pp_keep = self.links()
         return {
             "id": self.peer_id, "stage": w.stage.index if w else "", "state": self.state, "step": w.version if w else 0,
             "tokens": self.tokens, "tokens_per_s": self.tokens_per_s, "capacity_tokens_per_s": self.capacity,
@@ -264,7 +265,7 @@ class PeerDaemon:
             "queue_depth": len(w.inbox_fwd) + len(w.inbox_bwd) if w else 0, "bytes_in": t.bytes_in, "bytes_out": t.total_bytes(),
             "dp_rounds": self.averager.rounds if self.averager else 0, "dp_rejected": self.averager.rejected if self.averager else 0, "dropped": self.dropped,
             "refused_calls": sum(self.gate.refused.values()),
-            "link_mbit": self.links()[0], "pp_keep": self.links()[1], "dp_period_s": self.averager.period_s if self.averager else 0.0,
+            "link_mbit": link_mbit, "pp_keep": pp_keep, "dp_period_s": self.averager.period_s if self.averager else 0.0,
             "checkpoint_step": self._checkpointed if self.checkpoints is not None and self._checkpointed else None,
         }
 

@@ -113,8 +113,8 @@ def test_a_slow_link_sends_fewer_coefficients_and_the_pipeline_still_learns() ->
     losses = [r.loss for r in runner.run(12)]
     runner.close()
     s0, s1 = runner.workers[0][0], runner.workers[1][0]
-    assert s0.coefs_sent == {(1, 0): 2}  # ceil(0.25 * 8): the floor
-    assert s1.coefs_sent == {(2, 0): 8}
+    assert s0.keep_sent == {(1, 0): 2 / 8}  # ceil(0.25 * 8) = 2 coefficients: the floor
+    assert s1.keep_sent == {(2, 0): 8 / 8}
     assert s0.compute.per_micro_batch is not None and s0.compute.per_micro_batch > 0
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3, losses
 

@@ -23,8 +23,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from peer.bench.netbed import available
-from peer.bench.throughput import GpuScenario, equivalent_mbit, measure_mode, mode_config
+from peer.bench.throughput import GpuScenario, check_bed_args, equivalent_mbit, measure_mode, mode_config
 from peer.errors import ConfigError
 
 MIXED_MODES = ("compute_bound", "fixed", "adaptive")
@@ -53,17 +52,11 @@ def slow_hosts(status: dict) -> list[int]:
 
 def run_mixed(quick: bool, bandwidth_mbit: float | None, slow_factor: float, stages: int, replicas: int, workdir: Path | None = None) -> dict:
     """compute_bound, then fixed and adaptive on mixed links; returns the JSON."""
-    if stages < 2:
-        raise ConfigError("--stages", stages, "must be >= 2 (a pipeline needs a link)")
     if replicas < 2:
-        raise ConfigError("--replicas", replicas, "must be >= 2 (the slow peers are every second host)")
+        raise ConfigError("--replicas", replicas, "must be >= 2 (the second peer of each stage group gets the slow link)")
     if not slow_factor > 1:
         raise ConfigError("--slow-factor", slow_factor, "must be > 1 (how many times slower the slow links are)")
-    if bandwidth_mbit is not None and bandwidth_mbit <= 0:
-        raise ConfigError("--bandwidth-mbit", bandwidth_mbit, "must be > 0")
-    why = available()
-    if why:
-        raise ConfigError("bench mixed", "network namespaces", why)
+    check_bed_args("bench mixed", stages, bandwidth_mbit)
     # longer than bench throughput's quick run: a self-tuned swarm does 30 steps in ~8 s, too
     # short a window for 1 s status lines and for its (rarer) averaging rounds
     warmup, steps, dp_every = (10, 70, 5) if quick else (10, 150, 10)

@@ -187,21 +187,26 @@ def measure_mode(
     return result
 
 
-def run_throughput(quick: bool, bandwidth_mbit: float | None, stages: int, replicas: int, modes: list[str] | None = None, workdir: Path | None = None) -> dict:
-    """All modes, compute_bound first (it sets the GPU-equivalent bandwidth); returns the JSON."""
+def check_bed_args(what: str, stages: int, bandwidth_mbit: float | None) -> None:
+    """The checks every bench on the namespace bed makes before it starts anything."""
     if stages < 2:
         raise ConfigError("--stages", stages, "must be >= 2 (a pipeline needs a link)")
-    if replicas < 1:
-        raise ConfigError("--replicas", replicas, "must be >= 1")
     if bandwidth_mbit is not None and bandwidth_mbit <= 0:
         raise ConfigError("--bandwidth-mbit", bandwidth_mbit, "must be > 0")
+    why = available()
+    if why:
+        raise ConfigError(what, "network namespaces", why)
+
+
+def run_throughput(quick: bool, bandwidth_mbit: float | None, stages: int, replicas: int, modes: list[str] | None = None, workdir: Path | None = None) -> dict:
+    """All modes, compute_bound first (it sets the GPU-equivalent bandwidth); returns the JSON."""
+    if replicas < 1:
+        raise ConfigError("--replicas", replicas, "must be >= 1")
     modes = modes or list(MODES)
     for m in modes:
         if m not in MODES:
             raise ConfigError("--modes", m, f"unknown; known: {', '.join(MODES)}")
-    why = available()
-    if why:
-        raise ConfigError("bench throughput", "network namespaces", why)
+    check_bed_args("bench throughput", stages, bandwidth_mbit)
     warmup, steps, dp_every = (6, 30, 5) if quick else (10, 100, 10)
     timeout_s = 300.0 if quick else 1800.0
     workdir = workdir or Path(tempfile.mkdtemp(prefix="anchormesh-throughput-"))

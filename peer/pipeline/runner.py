@@ -131,7 +131,6 @@ class StageWorker:
     local_steps: bool = False
     resolve: Callable[[str], Address] | None = None  # sender name -> its address
     compute: ComputeClock = field(default_factory=ComputeClock)  # seconds of compute per micro-batch
-    coefs_sent: dict = field(default_factory=dict)  # low-rank codec: destination -> coefficients per token last sent
     keep_sent: dict = field(default_factory=dict)  # destination -> fraction of the configured payload last sent (mask.adapt)
     _mask_codecs: dict = field(default_factory=dict)  # mask scheme, adapting: drop -> its codec
 
@@ -244,12 +243,16 @@ class StageWorker:
             self.keep_sent[dst] = 1.0
             return self.codec
         f = keep_fraction(elements * self.codec.bytes_per_element(), fixed, self.transport.link_bps(dst, "forward"), self.compute.per_micro_batch, m.link_target, m.min_keep)
-        j = max(math.ceil(m.min_keep * m.keep * KEEP_GRID - 1e-9), math.floor(f * m.keep * KEEP_GRID + 1e-9), 1)
+        j = max(self._keep_floor(), math.floor(f * m.keep * KEEP_GRID + 1e-9))
         if j >= m.keep * KEEP_GRID:
             self.keep_sent[dst] = 1.0
             return self.codec
         self.keep_sent[dst] = j / KEEP_GRID / m.keep
         return self._mask_codec((KEEP_GRID - j) / KEEP_GRID)
+
+    def _keep_floor(self) -> int:
+        """Mask scheme, adapting: the least keep, in 1/KEEP_GRID steps (min_keep of the configured keep, at least one step)."""
+        return max(math.ceil(self.cfg.mask.min_keep * self.cfg.mask.keep * KEEP_GRID - 1e-9), 1)
 
     def _mask_codec(self, drop: float) -> MaskCodec:
         if drop not in self._mask_codecs:
@@ -265,7 +268,7 @@ class StageWorker:
             return self.codec
         keep = 1.0 - c.drop
         j = keep * KEEP_GRID
-        floor = max(math.ceil(m.min_keep * m.keep * KEEP_GRID - 1e-9), 1)
+        floor = self._keep_floor()
         if not (m.adapt and m.enabled and j == int(j) and floor <= j < m.keep * KEEP_GRID):
             raise WireError(f"Compression.drop={c.drop:.7g}: this peer masks with drop={m.drop!r}" + (f" or, adapting, 1 - j/{KEEP_GRID} with j in [{floor}, {m.keep * KEEP_GRID:.4g})" if m.adapt and m.enabled else ""))
         return self._mask_codec(c.drop)
@@ -334,7 +337,6 @@ class StageWorker:
                 self.basis_sent[dst] = state.version
             msg.basis_version = state.version
             k = self.coefs_for(dst, ids.numel(), msg.header.ByteSize() + msg.token_ids.ByteSize() + 16)
-            self.coefs_sent[dst] = k
             h = state.project(h, ids, k)
         else:
             codec = self.mask_codec_for(dst, h.numel(), msg.header.ByteSize() + msg.token_ids.ByteSize() + 16)
