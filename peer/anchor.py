@@ -77,8 +77,9 @@ class AnchorReplica:
         for s in self._copies:
             s.zero_grad(set_to_none=True)
         loss_sum, tokens, nbytes = 0.0, 0, 0
+        device = next(self._copies[0].parameters()).device
         for j in range(self.micro_batches):
-            window = self.batch_fn(step, j)
+            window = self.batch_fn(step, j).to(device)
             ids, tgt = window[:, :-1], window[:, 1:]
             h = ids
             for b, stage in enumerate(self._copies):

@@ -49,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     peer.add_argument("--grpc-port", type=int, default=0, help="Stage service port (0 = any free)")
     peer.add_argument("--dht-port", type=int, default=0, help="the peer's DHT node port (0 = any free; fix it to forward or publish it)")
     peer.add_argument("--metrics-port", type=int, default=None, help="serve this peer's Prometheus metrics at http://HOST:PORT/metrics (0 = any free port; default: off)")
-    peer.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"), help="where the stage runs: cpu, or auto (the CPU for now); cuda is refused until GPU placement is built")
+    peer.add_argument("--device", default=os.environ.get("ANCHORMESH_DEVICE", "auto"), help="where the stage trains: auto (the GPU when one is visible, else the CPU), cpu, cuda or cuda:N (env ANCHORMESH_DEVICE)")
     peer.add_argument("--state-dir", type=Path, default=None, help="where the peer keeps its files: shard checkpoints (checkpoints/RUN/stageK/, every checkpoint.every steps and when it leaves; resumed from on restart) and, on the last stage, metrics.jsonl (loss per step)")
     peer.add_argument("--max-steps", type=int, default=None, help="leave once the stage reaches this run step (the run's numbering, not steps since this peer started)")
     peer.add_argument("--threads", type=int, default=int(env("ANCHORMESH_THREADS", "1") or 1), help="torch CPU threads for this peer (default: $ANCHORMESH_THREADS, else 1, so many peers can share one machine; a dedicated CPU peer wants its core count)")
@@ -163,8 +163,9 @@ def main(argv: list[str] | None = None) -> None:
             from peer.address import AUTO, outward_address
             from peer.daemon import run_peer
 
-            if args.device == "cuda":
-                raise ConfigError("--device", "cuda", "GPU placement is not built yet; use cpu or auto (auto runs on the CPU)")
+            from peer.placement import parse_device
+
+            parse_device(args.device)  # no GPU, an index out of range: exit 2 now, before any process starts
 
             if args.host in ("0.0.0.0", "::") and not args.announce_host:
                 raise ConfigError("--announce-host", None, f"required with --host {args.host}: other peers cannot dial {args.host}")

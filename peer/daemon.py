@@ -54,7 +54,8 @@ from peer.logs import setup_logging
 from peer.model.loading import load_causal_lm
 from peer.model.stages import split_model
 from peer.pipeline.grpc_transport import STAGE_POLICY, GrpcTransport
-from peer.pipeline.runner import StageWorker
+from peer.pipeline.runner import StageWorker, mean_loss
+from peer.placement import CPU_FP32, parse_device, resolve_placement
 from peer.pipeline.swarm_anchor import ANCHOR_CHANNELS, SwarmAnchor
 from peer.wire import anchormesh_pb2 as pb
 from peer.wire import anchormesh_pb2_grpc as pbg
@@ -128,8 +129,8 @@ class PeerDaemon:
     """One peer: its stage worker, its gRPC server, its heartbeat and its main loop."""
 
     def __init__(self, tracker: str, host: str = "127.0.0.1", grpc_port: int = 0, device: str = "cpu", dht=None, state_dir: Path | None = None, announce_host: str | None = None, token: str | None = None, tls_ca: bytes | None = None) -> None:
-        if device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"--device={device!r}: must be auto, cpu or cuda")
+        self.device = parse_device(device)  # the precision follows from the run's config at Join
+        self.placement = CPU_FP32
         self.tracker, self.host, self.state_dir = tracker, host, state_dir
         self.identity = Identity.for_peer(state_dir)
         self.peer_id = os.environ.get(PEER_ID_ENV) or self.identity.peer_id  # kept across a MOVE's exec
@@ -377,14 +378,14 @@ class PeerDaemon:
         """What a joiner of this stage group downloads and what a checkpoint holds: parameters and
         AdamW moments, in named_parameters order, plus the step counts (taken under the step's lock)."""
         w = self.worker
-        with self._step_lock():
-            params = [p.detach().clone() for _, p in w.stage.named_parameters()]
+        with self._step_lock():  # host copies: hivemind and torch.save must never touch the device
+            params = [p.detach().to("cpu", copy=True) for _, p in w.stage.named_parameters()]
             opt = w.optimizer.opt
             moments, adam_step = [], 0.0
             for key in ("exp_avg", "exp_avg_sq"):
                 for _, p in w.stage.named_parameters():
                     st = opt.state.get(p, {})
-                    moments.append(st[key].detach().clone() if key in st else torch.zeros_like(p))
+                    moments.append(st[key].detach().to("cpu", copy=True) if key in st else torch.zeros(p.shape, dtype=p.dtype))
                     adam_step = max(adam_step, float(st.get("step", 0.0)))
             return {"version": w.version, "adam_step": adam_step}, params + moments
 
@@ -413,6 +414,8 @@ class PeerDaemon:
                 name, p = named[i % n]
                 if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(p.shape) or not t.is_floating_point() or not torch.isfinite(t).all():
                     raise ValueError(f"tensor {i} ({name}): {getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))} does not fit {tuple(p.shape)} or is not finite")
+                if i >= 2 * n and bool((t < 0).any()):  # a second moment is a mean of squares: a negative one poisons AdamW
+                    raise ValueError(f"tensor {i} (exp_avg_sq of {name}): {int((t < 0).sum())} negative values")
             version, adam_step = int(metadata["version"]), float(metadata["adam_step"])
         except (ValueError, KeyError, TypeError) as exc:
             log.warning("stage state from %s ignored: %s", source, exc)
@@ -424,8 +427,10 @@ class PeerDaemon:
             for (name, p), t in zip(named, tensors[:n]):
                 p.copy_(t.to(p.dtype))
             if adam_step > 0:
+                fused = bool(w.optimizer.opt.defaults.get("fused"))  # fused AdamW keeps its step count on the device
                 for (name, p), m, v in zip(named, tensors[n : 2 * n], tensors[2 * n :]):
-                    w.optimizer.opt.state[p] = {"step": torch.tensor(adam_step), "exp_avg": m.to(p.dtype).clone(), "exp_avg_sq": v.to(p.dtype).clone()}
+                    step_t = torch.tensor(adam_step, dtype=torch.float32, device=p.device if fused else "cpu")
+                    w.optimizer.opt.state[p] = {"step": step_t, "exp_avg": m.to(device=p.device, dtype=p.dtype, copy=True), "exp_avg_sq": v.to(device=p.device, dtype=p.dtype, copy=True)}
             if self.averager is not None:
                 self.averager.rebase()
             w.version = max(w.version, version)
@@ -507,13 +512,18 @@ class PeerDaemon:
                 raise ConfigError("--tls-ca", "given", "the tracker issued no TLS certificate: this run does not use TLS (security.tls); drop --tls-ca")
             self.tls_server.install(a.tls_certificate)
         log.info("%s joined %s: stage %d of %d (layers %d-%d), serving on %s", self.peer_id, a.run_id, a.stage, a.num_stages, a.layer_start, a.layer_end - 1, self.address)
+        try:
+            self.placement = resolve_placement(self.device, cfg.compute)
+        except ConfigError as exc:  # the run's precision does not run on this device: say so and leave
+            self._refuse_config(a.run_id, exc)
+        log.info("computing on %s", self.placement.describe())
         model = load_causal_lm(cfg.model, seed=cfg.seed)
         vocab_size = model.config.vocab_size
         stage = split_model(model, cfg.model.num_stages)[a.stage]
         del model
         stage.train()
         replica = uuid.uuid4().int % (1 << 20)  # makes this peer's micro-batch ids (and masks) its own
-        self.worker = StageWorker(stage, replica, cfg, MaskCodec(cfg.mask), self.transport, a.run_id, peer_id=self.peer_id, next_hop=self._next_hop, resolve=self._resolve, local_steps=True)
+        self.worker = StageWorker(stage, replica, cfg, MaskCodec(cfg.mask), self.transport, a.run_id, peer_id=self.peer_id, next_hop=self._next_hop, resolve=self._resolve, local_steps=True, placement=self.placement)
         self.worker.version = a.start_step  # continue the run's step numbering (the group's state may raise it)
         self.worker.next_mb = a.start_step * cfg.pipeline.micro_batches
         self.anchor = SwarmAnchor(self.worker, cfg.anchor.micro_batches, self._siblings, eval_batches=cfg.pipeline.eval_batches)
@@ -577,6 +587,18 @@ class PeerDaemon:
                 metrics.close()
             log.info("%s left after %d steps", self.peer_id, self.worker.version)
 
+    def _refuse_config(self, run_id: str, exc: ConfigError) -> None:
+        """This peer cannot serve the stage it was given (its device, its memory): it tells the
+        tracker why, leaves, and exits 2 with the reason, before anything loads."""
+        log.error("cannot serve this run here: %s", exc)
+        self.stop.set()
+        with auth.open_channel(self.tracker, self.creds, tls_ca=self.tls_ca) as channel:
+            self._leave(pbg.TrackerStub(channel), run_id, f"cannot serve: {exc}")
+        self.transport.close()
+        if self.dht is not None:
+            self.dht.shutdown()
+        raise SystemExit(2)
+
     def _shutdown(self, channel: grpc.Channel) -> None:
         if self.averager is not None:
             self.averager.shutdown()
@@ -615,7 +637,7 @@ class PeerDaemon:
             if w.stage.is_last:
                 losses = [x for step_losses in w.losses.values() for x in step_losses]
                 w.losses.clear()
-                self.loss = sum(losses) / len(losses) if losses else self.loss
+                self.loss = mean_loss(losses) if losses else self.loss  # one read of the device per step
                 if metrics is not None:
                     metrics.write(json.dumps({"step": w.version, "loss": self.loss, "time": time.time()}) + "\n")
             self.tokens += p.micro_batches * p.micro_batch_size * p.seq_len

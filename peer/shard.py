@@ -40,7 +40,7 @@ class Shard:
 def snapshot(stage: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Copies of the stage's parameters under the full model's names. Call it under the lock that
     the optimizer step holds, so the copy is never half-updated."""
-    return {stage.hf_names[name]: p.detach().clone().contiguous() for name, p in stage.named_parameters()}
+    return {stage.hf_names[name]: p.detach().to("cpu", copy=True).contiguous() for name, p in stage.named_parameters()}
 
 
 def shard_chunks(tensors: dict[str, torch.Tensor], *, run_id: str, peer_id: str, stage: int, num_stages: int, step: int, chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.ShardChunk]:

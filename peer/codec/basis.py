@@ -46,8 +46,9 @@ class BasisState:
     def __post_init__(self) -> None:
         self._row_of: torch.Tensor | None = None
         if self.row_ids is not None:
-            self._row_of = torch.full((self.vocab_size,), len(self.row_ids), dtype=torch.long)
-            self._row_of[self.row_ids.long()] = torch.arange(len(self.row_ids))
+            dev = self.prior.device
+            self._row_of = torch.full((self.vocab_size,), len(self.row_ids), dtype=torch.long, device=dev)
+            self._row_of[self.row_ids.long().to(dev)] = torch.arange(len(self.row_ids), device=dev)
 
     def prior_of(self, ids: torch.Tensor) -> torch.Tensor:
         return self.prior[ids if self._row_of is None else self._row_of[ids]]
@@ -73,20 +74,22 @@ class BasisLearner:
         buffer_tokens: how many recent residual rows the SVD sees.
         max_rows: most rows of P that travel (mask.prior_rows); a larger vocabulary sends the
             most frequent tokens' rows plus one shared row.
+        device: where the sums, the buffer and the SVD live: with the stage's outputs, so
+            observing costs no host copy.
     """
 
-    def __init__(self, vocab_size: int, hidden_size: int, rank: int, refresh: int = 20, buffer_tokens: int = 4096, max_rows: int = 8192) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int, refresh: int = 20, buffer_tokens: int = 4096, max_rows: int = 8192, device: torch.device | str = "cpu") -> None:
         if not (1 <= rank <= hidden_size):
             raise ConfigError("mask.rank", rank, f"must be in [1, hidden_size={hidden_size}]")
         self.rank, self.refresh, self.buffer_tokens, self.max_rows = rank, refresh, buffer_tokens, max_rows
-        self.sums = torch.zeros(vocab_size, hidden_size)
-        self.counts = torch.zeros(vocab_size)
+        self.sums = torch.zeros(vocab_size, hidden_size, device=device)
+        self.counts = torch.zeros(vocab_size, device=device)
         self.rows: list[torch.Tensor] = []
         self.current: BasisState | None = None
         self._last_refresh_step: int | None = None
 
     def observe(self, h: torch.Tensor, ids: torch.Tensor) -> None:
-        h2, t = h.detach().reshape(-1, h.shape[-1]).float(), ids.reshape(-1)
+        h2, t = h.detach().reshape(-1, h.shape[-1]).float(), ids.reshape(-1).to(self.sums.device)
         self.sums.index_put_((t,), h2, accumulate=True)
         self.counts.index_put_((t,), torch.ones_like(t, dtype=torch.float32), accumulate=True)
         self.rows.append(torch.cat([h2, t[:, None].float()], dim=1))
@@ -113,7 +116,7 @@ class BasisLearner:
             row_ids = row_ids.to(torch.int32)
         # rounded to the wire's fp16 here, so sender and receiver compute with identical tensors
         prior = prior.half().float()
-        draft = BasisState(version, prior, torch.zeros(h.shape[1], 0), row_ids, vocab)
+        draft = BasisState(version, prior, torch.zeros(h.shape[1], 0, device=h.device), row_ids, vocab)
         resid = h - draft.prior_of(t)
         if row_ids is not None:  # fit the basis to context, not to rare tokens' offsets from the shared row
             own = torch.isin(t, row_ids.long())

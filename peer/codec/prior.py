@@ -81,16 +81,22 @@ class TokenPrior:
 
     # ---- the prior ------------------------------------------------------------------------
     def fill(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """E[h | token] as float32 [B, T, H] on token_ids' device (channel mean where unseen)."""
+        """E[h | token] as float32 [B, T, H] on the prior's device (channel mean where unseen).
+        Pass host ids: their range check then costs no device sync."""
         tok = self._check_tokens(token_ids).reshape(-1)  # [N]
         mean, count = self.mean[tok], self.count[tok]  # [N, H]
         out = torch.where(count > 0, mean, self.channel_mean.expand_as(mean))
-        return out.reshape(*token_ids.shape, self.hidden_size).to(token_ids.device)
+        return out.reshape(*token_ids.shape, self.hidden_size)
 
-    def observe(self, token_ids: torch.Tensor, values: torch.Tensor, keep: torch.Tensor | None) -> None:
-        """Update from the entries of `values` [B, T, H] where `keep` is True (None = all)."""
+    def observe(self, token_ids: torch.Tensor, values: torch.Tensor, keep: torch.Tensor | None, checked: bool = False) -> None:
+        """Update from the entries of `values` [B, T, H] where `keep` is True (None = all).
+        `checked`: the caller decoded `values` from the wire and vetted them (finite), so the
+        finiteness check, a device sync, is skipped."""
         tok = self._check_tokens(token_ids).reshape(-1)  # [N]
-        self._check_values(token_ids, values)
+        if not checked:
+            self._check_values(token_ids, values)
+        elif tuple(values.shape) != (*token_ids.shape, self.hidden_size):
+            raise TensorError(f"TokenPrior: values.shape={list(values.shape)}: expected {[*token_ids.shape, self.hidden_size]}")
         if keep is not None:
             self._check_values(token_ids, keep, name="keep")
         vals = values.detach().to(device=self.device, dtype=torch.float32).reshape(-1, self.hidden_size)  # [N, H]

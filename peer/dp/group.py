@@ -106,7 +106,8 @@ def sample_index(sizes: list[int], key: str, n: int = SAMPLE) -> list[torch.Tens
 
 
 def take(tensors: list[torch.Tensor], index: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1)[i].float() for t, i in zip(tensors, index)])
+    """The values at the sampled coordinates, on the host (claims travel and compare there)."""
+    return torch.cat([t.detach().reshape(-1)[i.to(t.device)].float().cpu() for t, i in zip(tensors, index)])
 
 
 def _period_need(every: int, step_s: float | None, nbytes: int, link_bps: float | None, link_share: float, measured: bool = False) -> tuple[float, str]:
@@ -369,7 +370,9 @@ class GroupAverager:
         self._base = [p.detach().clone() for p in params]  # the last group mean ("int8" sends the change from it)
         for attempt in range(1, START_TRIES + 1):
             self.averager = _averager_class()(
-                [p.detach().clone() for p in params], dht, start=False, prefix=prefix, target_group_size=None, min_group_size=2,
+                # host copies (hivemind puts them in shared memory for its forked process, which
+                # must never touch CUDA); the base and the offered copy stay where the weights are
+                [p.detach().to("cpu", copy=True) for p in params], dht, start=False, prefix=prefix, target_group_size=None, min_group_size=2,
                 min_matchmaking_time=MIN_MATCHMAKING_S, request_timeout=REQUEST_TIMEOUT_S, compression=_absmax_8bit() if compression == "int8" else NoCompression(),
                 state_fn=state_fn or self._params_state, allow_state_sharing=False,  # nothing worth sharing before training
             )
@@ -388,7 +391,7 @@ class GroupAverager:
 
     def _params_state(self) -> tuple[dict, list[torch.Tensor]]:
         with self.lock:
-            return {}, [p.detach().clone() for p in self.params]
+            return {}, [p.detach().to("cpu", copy=True) for p in self.params]
 
     def share_state(self, priority: float) -> None:
         """Offer this peer's state to joiners; the highest priority (its step count) is asked first."""
@@ -499,7 +502,7 @@ class GroupAverager:
         self.dense_bytes += round_bytes(self.numel, n, "none") * max(self._offered_at - self._last_round_step, 1)
         self._last_round_step = self._offered_at
         with torch.no_grad(), self.averager.get_tensors() as tensors:
-            means = [(base + m.to(base.dtype)) if self.compression == "int8" else m.to(base.dtype).clone() for m, base in zip(tensors, self._base)]
+            means = [(base + m.to(base.device, base.dtype)) if self.compression == "int8" else m.to(base.device, base.dtype, copy=True) for m, base in zip(tensors, self._base)]
             result = take(tensors, self._index)
         why, named = self._attribute(group, result)
         why = why or self._implausible(means)

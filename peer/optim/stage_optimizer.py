@@ -53,8 +53,10 @@ class StageOptimizer:
         ]
         if not groups:
             raise ConfigError("named_params", [], "a stage needs at least one parameter")
+        # fused AdamW on CUDA: one kernel for all parameters instead of a dozen per parameter
+        fused = all(p.is_cuda and p.dtype == torch.float32 for _, p in named_params) or None
         self.opt = torch.optim.AdamW(
-            groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, weight_decay=optim.weight_decay
+            groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, weight_decay=optim.weight_decay, fused=fused
         )
 
     # ------------------------------------------------------------------ lr
@@ -76,7 +78,8 @@ class StageOptimizer:
             unknown = sorted(set(d) - set(self.params))
             if unknown:
                 raise TensorError(f"{what}: {unknown} are not parameters of this stage")
-        pick = lambda d: {n: t for n, t in d.items() if n in self.targets}  # noqa: E731
+        # priors arrive on the host (from the wire) or in the anchor's dtype: onto the weights' device
+        pick = lambda d: {n: t.to(self.params[n].device) for n, t in d.items() if n in self.targets}  # noqa: E731
         self.spectral.observe_anchor(step, pick(dense), None if masked is None else pick(masked))
 
     # ------------------------------------------------------------------ step

@@ -39,6 +39,7 @@ from peer.dp import build_dp_sync
 from peer.errors import WireError
 from peer.model.stages import StageModule, lm_loss, split_model
 from peer.optim.stage_optimizer import StageOptimizer
+from peer.placement import CPU_FP32, Placement
 from peer.pipeline.linktune import ComputeClock, coefficients, keep_fraction
 from peer.pipeline.transport import Address, LocalTransport, Transport
 from peer.wire import anchormesh_pb2 as pb
@@ -46,6 +47,9 @@ from peer.wire.tensors import parse_message, proto_to_tensor, tensor_to_proto, t
 
 BatchFn = Callable[[int, int, int], torch.Tensor]  # (step, replica, micro_batch) -> windows [B, T+1]
 MAX_MESSAGE_BYTES = 256 * 2**20
+# what every link tensor declares as its logical dtype, whatever its peers compute in: values
+# travel as `mask.values`, so a bf16 peer and an fp32 peer of one run talk to each other
+LINK_DTYPE = torch.float32
 
 
 
@@ -77,10 +81,10 @@ class StepReport:
 @dataclass
 class _InFlight:
     step: int
-    x: torch.Tensor | None  # received input (leaf, requires grad) for stages > 0
+    x: torch.Tensor | None  # received input (leaf, requires grad, on the device) for stages > 0
     out: torch.Tensor
-    stash: dict[str, torch.Tensor] | None  # weights the forward ran on, when it ran ahead
-    window: torch.Tensor
+    stash: dict[str, torch.Tensor] | None  # weights the forward ran on when not the live ones (ran ahead, or the low-precision working copy)
+    window: torch.Tensor  # token windows [B, T+1], on the host
     basis: BasisState | None = None  # low-rank codec: the (prior, basis) the output was encoded with
     sender: str = ""  # who sent the input (the gradient goes back there)
     coefs: int = 0  # low-rank codec: coefficients per token the output was sent with
@@ -133,22 +137,27 @@ class StageWorker:
     compute: ComputeClock = field(default_factory=ComputeClock)  # seconds of compute per micro-batch
     keep_sent: dict = field(default_factory=dict)  # destination -> fraction of the configured payload last sent (mask.adapt)
     _mask_codecs: dict = field(default_factory=dict)  # mask scheme, adapting: drop -> its codec
+    placement: Placement = CPU_FP32  # device and precision (peer/placement.py)
+    _work: dict[str, torch.Tensor] | None = None  # mixed precision: the persistent low-precision working copy
+    _work_of: tuple[int, ...] = ()  # the master weights' version counters the working copy was taken at
 
     def __post_init__(self) -> None:
-        s = self.stage
+        s, pl = self.stage, self.placement
+        s.to(device=pl.device, dtype=pl.master_dtype)  # fp32 master weights where they compute
+        s.checkpointing = pl.checkpointing
         self.optimizer = StageOptimizer(list(s.named_parameters()), s.decoder_matrices(), self.cfg.spectral, self.cfg.optim)
         if s.index > 0 and self.cfg.mask.enabled and self.cfg.mask.fill in USES_PRIOR:
-            self.prior = TokenPrior(s.vocab_size, s.hidden_size, self.cfg.mask.prior_momentum)
+            self.prior = TokenPrior(s.vocab_size, s.hidden_size, self.cfg.mask.prior_momentum, device=pl.device)
         m = self.cfg.mask
         if m.scheme == "lowrank":
             self.coef_codec = MaskCodec(MaskConfig(values=m.values, seed=m.seed))
             if not s.is_last:
-                self.basis_out = BasisLearner(s.vocab_size, s.hidden_size, m.rank, m.basis_refresh, max_rows=m.prior_rows)
+                self.basis_out = BasisLearner(s.vocab_size, s.hidden_size, m.rank, m.basis_refresh, max_rows=m.prior_rows, device=pl.device)
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        """The stage's dtype: what every link tensor must declare (its logical dtype)."""
-        return next(self.stage.parameters()).dtype
+        """What the stage's layers compute in (the master weights are float32 regardless)."""
+        return self.placement.compute_dtype
 
     @property
     def link_codec(self) -> MaskCodec:
@@ -190,14 +199,14 @@ class StageWorker:
             ids = check_token_window(msg.token_ids, s.vocab_size)[:, :-1].long()
             key = dict(boundary=b, step=msg.header.step, micro_batch=msg.header.micro_batch_id)
             if self.coef_codec is not None:
-                self.coef_codec.decode(msg.hidden, expect_shape=self._coef_shape(msg.hidden, ids), expect_dtype=self.compute_dtype, **key)
+                self.coef_codec.decode(msg.hidden, expect_shape=self._coef_shape(msg.hidden, ids), expect_dtype=LINK_DTYPE, **key)
                 if msg.HasField("basis"):
                     self._decode_basis(msg)
                     self.basis_announced[msg.header.sender] = msg.basis_version
                 elif self.basis_announced.get(msg.header.sender) != msg.basis_version:
                     raise WireError(f"basis_version={msg.basis_version}: this peer has no such basis from {msg.header.sender!r}; send it again")
             else:
-                self._inbound_codec(msg.hidden).decode(msg.hidden, expect_shape=(*ids.shape, s.hidden_size), expect_dtype=self.compute_dtype, **key)
+                self._inbound_codec(msg.hidden).decode(msg.hidden, expect_shape=(*ids.shape, s.hidden_size), expect_dtype=LINK_DTYPE, **key)
             return
         if b != s.index:
             raise WireError(f"header.boundary={b}: stage {s.index} receives gradients on boundary {s.index}")
@@ -205,7 +214,7 @@ class StageWorker:
         if job is None:
             raise WireError(f"gradient for unknown micro-batch (step={msg.header.step}, micro_batch_id={msg.header.micro_batch_id})")
         last = job.coefs if job.basis is not None else s.hidden_size
-        (job.codec_out or self.link_codec).decode(msg.grad, expect_shape=(*job.out.shape[:-1], last), expect_dtype=self.compute_dtype, boundary=b, step=msg.header.step, micro_batch=msg.header.micro_batch_id)
+        (job.codec_out or self.link_codec).decode(msg.grad, expect_shape=(*job.out.shape[:-1], last), expect_dtype=LINK_DTYPE, boundary=b, step=msg.header.step, micro_batch=msg.header.micro_batch_id)
 
     def _coef_shape(self, hidden: pb.TensorPayload, ids: torch.Tensor) -> tuple[int, ...]:
         """The coefficient shape a low-rank message may have: [*ids, k] with k between the
@@ -278,29 +287,49 @@ class StageWorker:
 
     # -- forward ----------------------------------------------------------------------------
     def _weights_for(self, step: int) -> dict[str, torch.Tensor] | None:
-        """None: run on the live weights. Else stashed (optionally look-ahead) weights for a forward ahead of the optimizer."""
+        """None: run on the live weights. Else the low-precision working copy (mixed precision),
+        or stashed (optionally look-ahead) weights, in the compute dtype, for a forward ahead of
+        the optimizer."""
+        dtype = self.compute_dtype
         if self.local_steps:
             if self.stage.is_first or self.stage.is_last:
-                return None  # stage 0 keeps its own step order; the last stage's backward is immediate
+                return self._working()  # stage 0 keeps its own step order; the last stage's backward is immediate
             if self._stash is None or self._stash[0] != self.version:
-                self._stash = (self.version, {n: p.detach().clone().requires_grad_(True) for n, p in self.stage.named_parameters()})
+                self._stash = (self.version, {n: p.detach().to(dtype, copy=True).requires_grad_(True) for n, p in self.stage.named_parameters()})
             return self._stash[1]
         delay = step - self.version
         if delay == 0:
-            return None
+            return self._working()
         self.forwards_ahead += 1
         stash = {}
         for name, p in self.stage.named_parameters():
             w = p.detach()
             if self.cfg.pipeline.staleness_correction == "lookahead" and self.last_delta is not None:
                 w = w + delay * self.last_delta[name]
-            stash[name] = w.clone().requires_grad_(True)
+            stash[name] = w.to(dtype, copy=True).requires_grad_(True)
         return stash
+
+    def _working(self) -> dict[str, torch.Tensor] | None:
+        """Mixed precision: one persistent low-precision copy of the master weights, refreshed in
+        place whenever a master weight changed (an optimizer step, an averaging round, a loaded
+        state: each bumps the tensor's version counter). None in full precision: the live weights."""
+        if not self.placement.mixed:
+            return None
+        params = list(self.stage.named_parameters())
+        versions = tuple(p._version for _, p in params)
+        if self._work is None:
+            self._work = {n: p.detach().to(self.compute_dtype, copy=True).requires_grad_(True) for n, p in params}
+        elif versions != self._work_of:
+            with torch.no_grad():
+                for n, p in params:
+                    self._work[n].copy_(p)
+        self._work_of = versions
+        return self._work
 
     def _run(self, x: torch.Tensor, stash: dict[str, torch.Tensor] | None) -> torch.Tensor:
         if stash is None:
             return self.stage(x)
-        return functional_call(self.stage, stash, (x,))
+        return functional_call(self.stage, stash, (x,), strict=False)
 
     def can_forward(self, step: int) -> bool:
         if self.local_steps and not self.stage.is_first:
@@ -308,10 +337,11 @@ class StageWorker:
         return step - self.version <= self.cfg.pipeline.max_staleness
 
     def inject(self, window: torch.Tensor, step: int, j: int) -> None:
-        """Stage 0: start micro-batch j of `step` from token windows [B, T+1]."""
+        """Stage 0: start micro-batch j of `step` from token windows [B, T+1] (on the host)."""
         t0 = time.perf_counter()
+        self.stage.check_input(window[:, :-1])  # ids checked on the host: no device sync
         stash = self._weights_for(step)
-        out = self._run(window[:, :-1], stash)
+        out = self._run(self.placement.to_device(window[:, :-1]), stash)
         mb = self._mb_key(step, j)
         basis, k, codec = self._send_forward(out, window, step, mb)
         self.inflight[(step, mb)] = _InFlight(step, None, out, stash, window, basis, coefs=k, codec_out=codec)
@@ -325,22 +355,22 @@ class StageWorker:
         dst = self.next_hop() if self.next_hop else (b + 1, self.replica)
         h, state, k, codec = out.detach(), None, 0, self.link_codec
         if self.basis_out is not None:
-            ids = window[:, :-1]
+            ids = self.placement.to_device(window[:, :-1])
             self.basis_out.observe(h, ids)
             self.basis_out.maybe_refresh(step)
             state = self.basis_out.current
-            if self.basis_sent.get(dst) != state.version:  # a receiver gets each version once
-                msg.basis_prior.CopyFrom(tensor_to_proto(state.prior.half()))
-                msg.basis.CopyFrom(tensor_to_proto(state.basis.half()))
+            if self.basis_sent.get(dst) != state.version:  # a receiver gets each version once (every basis_refresh steps)
+                msg.basis_prior.CopyFrom(tensor_to_proto(state.prior.half().cpu()))
+                msg.basis.CopyFrom(tensor_to_proto(state.basis.half().cpu()))
                 if state.row_ids is not None:
-                    msg.basis_prior_ids.CopyFrom(tensor_to_proto(state.row_ids))
+                    msg.basis_prior_ids.CopyFrom(tensor_to_proto(state.row_ids.cpu()))
                 self.basis_sent[dst] = state.version
             msg.basis_version = state.version
             k = self.coefs_for(dst, ids.numel(), msg.header.ByteSize() + msg.token_ids.ByteSize() + 16)
-            h = state.project(h, ids, k)
+            h = state.project(h.float(), ids, k)
         else:
             codec = self.mask_codec_for(dst, h.numel(), msg.header.ByteSize() + msg.token_ids.ByteSize() + 16)
-        msg.hidden.CopyFrom(codec.encode(h, boundary=b, step=step, micro_batch=mb))
+        msg.hidden.CopyFrom(codec.encode(self.placement.to_host(h), boundary=b, step=step, micro_batch=mb))
         self.transport.send(self.addr, dst, "forward", msg.SerializeToString())
         return state, k, codec
 
@@ -363,28 +393,30 @@ class StageWorker:
             while len(self._seen) > 4096:
                 self._seen.pop(next(iter(self._seen)))
         t0 = time.perf_counter()
+        pl = self.placement
         window = proto_to_tensor(msg.token_ids).to(torch.long)
-        ids = window[:, :-1]
+        ids = window[:, :-1]  # on the host (the prior's checks); ids_dev for what runs on the device
+        ids_dev = pl.to_device(ids)
         shape = (*ids.shape, self.stage.hidden_size)
         codec_in = self.coef_codec or self._inbound_codec(msg.hidden)
         if self.coef_codec is not None:
-            x, h = self._lift(msg, ids, b, step, mb)
+            x, h = self._lift(msg, ids_dev, b, step, mb)
         else:
-            x = codec_in.decode(msg.hidden, expect_shape=shape, boundary=b, step=step, micro_batch=mb)
+            x = pl.to_device(codec_in.decode(msg.hidden, expect_shape=shape, boundary=b, step=step, micro_batch=mb), self.compute_dtype)
             x.requires_grad_(True)  # the leaf whose gradient goes back: kept entries only
             h = x
         if self.cfg.mask.enabled:
-            keep = codec_in.keep_mask(shape, boundary=b, step=step, micro_batch=mb)
+            keep = codec_in.keep_mask(shape, boundary=b, step=step, micro_batch=mb, device=pl.device)
             prior = self.prior.fill(ids) if self.prior is not None else None
             h = reconstruct(x, keep, codec_in.cfg.keep, self.cfg.mask.fill, prior)
             if self.prior is not None:
-                self.prior.observe(ids, x.detach(), keep)
+                self.prior.observe(ids, x.detach(), keep, checked=True)  # decoded values: already vetted as finite
         stash = self._weights_for(step)
         out = self._run(h, stash)
         if self.stage.is_last:
-            loss = lm_loss(out, window[:, 1:])
+            loss = lm_loss(out, pl.to_device(window[:, 1:]))
             (loss / self.cfg.pipeline.micro_batches).backward()
-            self.losses[step].append(float(loss.detach()))
+            self.losses[step].append(loss.detach())  # a device tensor: read in batches, never per micro-batch
             self._finish_backward(_InFlight(step, x, out, stash, window, sender=msg.header.sender, codec_in=codec_in), mb)
         else:
             basis, k, codec = self._send_forward(out, window, step, mb)
@@ -404,10 +436,13 @@ class StageWorker:
         rows = V if row_ids is None else len(row_ids) + 1
         prior = proto_to_tensor(msg.basis_prior, expect_shape=(rows, H), expect_dtype=torch.float16).float()
         basis = proto_to_tensor(msg.basis, expect_shape=(H, r), expect_dtype=torch.float16).float()
-        return BasisState(msg.basis_version, prior, basis, row_ids, V)
+        dev = self.placement.device
+        return BasisState(msg.basis_version, prior.to(dev), basis.to(dev), None if row_ids is None else row_ids.to(dev), V)
 
     def _lift(self, msg: pb.ActivationChunk, ids: torch.Tensor, b: int, step: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Low-rank codec, receiving end: (coefficient leaf, rebuilt hidden state)."""
+        """Low-rank codec, receiving end: (coefficient leaf, rebuilt hidden state), on the device;
+        `ids` on the device. The lift runs in float32 (the basis's precision), then the layers'
+        dtype."""
         v, sender = msg.basis_version, msg.header.sender
         if msg.HasField("basis"):
             self.basis_in[sender] = self._decode_basis(msg)
@@ -415,9 +450,9 @@ class StageWorker:
         if state is None or state.version != v:
             have = state.version if state else None
             raise WireError(f"{self.name}: basis_version={v} from {sender!r} unknown (have {have})")
-        c = self.coef_codec.decode(msg.hidden, expect_shape=self._coef_shape(msg.hidden, ids), boundary=b, step=step, micro_batch=mb)
+        c = self.placement.to_device(self.coef_codec.decode(msg.hidden, expect_shape=self._coef_shape(msg.hidden, ids), boundary=b, step=step, micro_batch=mb))
         c.requires_grad_(True)
-        return c, state.lift(c, ids)
+        return c, state.lift(c, ids).to(self.compute_dtype)
 
     # -- backward ---------------------------------------------------------------------------
     def backward_one(self) -> bool:
@@ -429,11 +464,12 @@ class StageWorker:
         if job is None:
             raise WireError(f"{self.name}: gradient for unknown micro-batch (step={msg.header.step}, micro_batch_id={mb})")
         t0 = time.perf_counter()
+        pl = self.placement
         if job.basis is not None:  # dL/dh = dL/dc B^T
-            g = self.link_codec.decode(msg.grad, expect_shape=(*job.out.shape[:-1], job.coefs), boundary=self.stage.index, step=job.step, micro_batch=mb)
+            g = pl.to_device(self.link_codec.decode(msg.grad, expect_shape=(*job.out.shape[:-1], job.coefs), boundary=self.stage.index, step=job.step, micro_batch=mb))
             grad = g @ job.basis.basis[:, : job.coefs].T
         else:
-            grad = (job.codec_out or self.codec).decode(msg.grad, expect_shape=tuple(job.out.shape), boundary=self.stage.index, step=job.step, micro_batch=mb)
+            grad = pl.to_device((job.codec_out or self.codec).decode(msg.grad, expect_shape=tuple(job.out.shape), boundary=self.stage.index, step=job.step, micro_batch=mb))
         job.out.backward(grad.to(job.out.dtype))
         self._finish_backward(job, mb)
         self.compute.add(time.perf_counter() - t0)
@@ -443,15 +479,16 @@ class StageWorker:
         self.compute.micro_batch_done()
         if job.stash is not None:  # ran on stashed weights: its gradient belongs to step job.step
             buf = self.grad_buf[-1 if self.local_steps else job.step]
+            master = self.placement.master_dtype
             for name, w in job.stash.items():
-                if w.grad is not None:
-                    buf[name] = buf[name] + w.grad if name in buf else w.grad.clone()
+                if w.grad is not None:  # summed in the master dtype: bf16 sums of many micro-batches lose bits
+                    buf[name] = buf[name] + w.grad.to(master) if name in buf else w.grad.to(master, copy=True)
                     w.grad = None
         if job.x is not None:
             b = self.stage.index - 1
             msg = pb.GradientChunk(
                 header=self._header(job.step, mb, b),
-                grad=(job.codec_in or self.link_codec).encode(job.x.grad, boundary=b, step=job.step, micro_batch=mb),
+                grad=(job.codec_in or self.link_codec).encode(self.placement.to_host(job.x.grad), boundary=b, step=job.step, micro_batch=mb),
             )
             dst = self.resolve(job.sender) if self.resolve else (b, self.replica)
             data = msg.SerializeToString()
@@ -507,6 +544,7 @@ class LocalPipelineRunner:
         batch_fn: (step, replica, micro_batch) -> token windows [B, T+1].
         anchor_batch_fn: (anchor_step, micro_batch) -> token windows; defaults to batch_fn(step, 0, 10_000 + j).
         transport: defaults to in-process queues.
+        placement: the device and precision every worker computes in (peer/placement.py).
     """
 
     def __init__(
@@ -518,8 +556,9 @@ class LocalPipelineRunner:
         anchor_batch_fn: Callable[[int, int], torch.Tensor] | None = None,
         transport: Transport | None = None,
         run_id: str = "local",
+        placement: Placement = CPU_FP32,
     ) -> None:
-        self.cfg, self.batch_fn, self.run_id = cfg, batch_fn, run_id
+        self.cfg, self.batch_fn, self.run_id, self.placement = cfg, batch_fn, run_id, placement
         self.transport = transport or LocalTransport()
         self.codec = MaskCodec(cfg.mask)
         base = split_model(model, cfg.model.num_stages)
@@ -527,7 +566,7 @@ class LocalPipelineRunner:
             stage.train()
         R, K = cfg.dp.replicas, cfg.model.num_stages
         self.workers: list[list[StageWorker]] = [
-            [StageWorker(copy.deepcopy(base[s]) if r else base[s], r, cfg, self.codec, self.transport, run_id) for r in range(R)]
+            [StageWorker(copy.deepcopy(base[s]) if r else base[s], r, cfg, self.codec, self.transport, run_id, placement=placement) for r in range(R)]
             for s in range(K)
         ]
         self.dp = [build_dp_sync(cfg.dp, [p.shape for p in base[s].parameters()]) if R > 1 else None for s in range(K)]
@@ -545,7 +584,7 @@ class LocalPipelineRunner:
         self.newest_anchor: int | None = None
         if cfg.anchor.enabled:
             replica = AnchorReplica(
-                stages=base,
+                stages=[row[0].stage for row in self.workers],
                 codec=self.codec,
                 batch_fn=anchor_batch_fn or (lambda step, j: batch_fn(step, 0, 10_000 + j)),
                 micro_batches=cfg.anchor.micro_batches,
@@ -628,7 +667,7 @@ class LocalPipelineRunner:
                 total = self.transport.total_bytes()
                 dp_total = sum(self.dp_bytes)
                 now = time.perf_counter()
-                report = StepReport(step, sum(losses) / len(losses), tokens_per_step, total - last_bytes, dp_total - last_dp, self.newest_anchor, now - t0)
+                report = StepReport(step, mean_loss(losses), tokens_per_step, total - last_bytes, dp_total - last_dp, self.newest_anchor, now - t0)
                 last_bytes, last_dp, t0 = total, dp_total, now
                 self.step_count += 1
                 if self.anchor is not None:
@@ -660,16 +699,26 @@ class LocalPipelineRunner:
         self.transport.close()
 
 
+def mean_loss(losses: list[torch.Tensor | float]) -> float:
+    """The mean of a step's micro-batch losses, read from the device once (one host sync per
+    step, none per micro-batch)."""
+    if not losses:
+        return math.nan
+    return float(torch.stack([torch.as_tensor(x, dtype=torch.float32) for x in losses]).mean())
+
+
 @torch.no_grad()
 def evaluate_stages(stages: list[StageModule], batches: list[torch.Tensor]) -> float:
+    """Dense held-out loss of the stages' master weights, on the device they live on."""
     total, count = 0.0, 0
     for stage in stages:
         stage.eval()
     for window in batches:
+        window = window.to(next(stages[0].parameters()).device)
         h = window[:, :-1]
         for stage in stages:
-            h = stage(h)
-        total += float(lm_loss(h, window[:, 1:])) * window[:, 1:].numel()
+            h = stage(h.to(next(stage.parameters()).device))
+        total += float(lm_loss(h, window[:, 1:].to(h.device))) * window[:, 1:].numel()
         count += window[:, 1:].numel()
     for stage in stages:
         stage.train()

@@ -199,7 +199,7 @@ class SwarmAnchor:
         if self.eval_todo:
             eval_id, j, window = self.eval_todo.popleft()
             with torch.no_grad():
-                out = self.w.stage(window[:, :-1])
+                out = self.w.stage(self.w.placement.to_device(window[:, :-1]))
             self._send(eval_id, j, out, window, self._eval_hop(eval_id, next_hop), evaluation=True)
             return True
         if self.todo:
@@ -209,7 +209,7 @@ class SwarmAnchor:
                 return True
             if job.dst is None:
                 job.dst = next_hop()
-            out = functional_call(self.w.stage, job.snapshot, (window[:, :-1],))
+            out = functional_call(self.w.stage, job.snapshot, (self.w.placement.to_device(window[:, :-1]),))
             job.pending[j] = _Pending(None, out, "")
             self._send(job.anchor_id, j, out, window, job.dst)
             return True
@@ -225,18 +225,19 @@ class SwarmAnchor:
     def _send(self, pass_id: int, j: int, out: torch.Tensor, window: torch.Tensor, dst: Address, evaluation: bool = False) -> None:
         """Micro-batch j of anchor or evaluation pass `pass_id`, dense fp16, to the next stage."""
         header = pb.MicroBatchHeader(run_id=self.w.run_id, micro_batch_id=j, step=pass_id, sender=self.w.name, boundary=self.w.stage.index, dense=True, eval=evaluation)
-        msg = pb.ActivationChunk(header=header, hidden=tensor_to_proto(out.detach().half()), token_ids=tensor_to_proto(window.to(token_dtype(self.w.stage.vocab_size))))
+        msg = pb.ActivationChunk(header=header, hidden=tensor_to_proto(out.detach().to("cpu", torch.float16)), token_ids=tensor_to_proto(window.to(token_dtype(self.w.stage.vocab_size))))
         self.w.transport.send(self.w.addr, dst, "anchor_forward", msg.SerializeToString())
 
     def _eval_forward(self, msg: pb.ActivationChunk, next_hop: Callable[[], Address]) -> None:
         """Forward only, live weights: the next stage, or (last stage) the loss of the pass."""
         window = proto_to_tensor(msg.token_ids).long()
-        with torch.no_grad():
-            out = self.w.stage(proto_to_tensor(msg.hidden).float())
+        pl = self.w.placement
+        with torch.no_grad():  # the master weights: what an export scores
+            out = self.w.stage(pl.to_device(proto_to_tensor(msg.hidden), pl.master_dtype))
             if not self.w.stage.is_last:
                 self._send(msg.header.step, msg.header.micro_batch_id, out, window, self._eval_hop(msg.header.step, next_hop), evaluation=True)
                 return
-            loss = float(lm_loss(out, window[:, 1:]))
+            loss = float(lm_loss(out, pl.to_device(window[:, 1:])))
         eval_id = msg.header.step
         total, n = self._eval_sums.get(eval_id, (0.0, 0))
         self._eval_sums[eval_id] = (total + loss, n + 1)
@@ -261,7 +262,8 @@ class SwarmAnchor:
                     return None
                 del self.jobs[oldest]
                 log.warning("anchor %d: dropped, %d newer passes are held", oldest, MAX_JOBS)
-            snapshot = {n: p.detach().clone().requires_grad_(n in self.targets) for n, p in self.w.stage.named_parameters()}
+            # in the compute dtype (bf16 under mixed precision): a snapshot costs half the fp32 weights
+            snapshot = {n: p.detach().to(self.w.compute_dtype, copy=True).requires_grad_(n in self.targets) for n, p in self.w.stage.named_parameters()}
             job = self.jobs[anchor_id] = _Job(anchor_id, self.w.version, snapshot, time.monotonic())
         job.touched = time.monotonic()
         return job
@@ -273,7 +275,8 @@ class SwarmAnchor:
             return  # a pass that is gone, or a duplicate
         job.seen.add(j)
         window = proto_to_tensor(msg.token_ids).long()
-        x = proto_to_tensor(msg.hidden).float().requires_grad_(True)
+        pl = self.w.placement
+        x = pl.to_device(proto_to_tensor(msg.hidden), self.w.compute_dtype).requires_grad_(True)
         out = functional_call(self.w.stage, job.snapshot, (x,))
         if not self.w.stage.is_last:
             if job.dst is None:
@@ -281,8 +284,8 @@ class SwarmAnchor:
             job.pending[j] = _Pending(x, out, msg.header.sender)
             self._send(job.anchor_id, j, out, window, job.dst)
             return
-        loss = lm_loss(out, window[:, 1:])
-        job.loss = (0.0 if math.isnan(job.loss) else job.loss) + float(loss.detach()) / self.micro_batches
+        loss = lm_loss(out, pl.to_device(window[:, 1:]))
+        job.loss = (0.0 if math.isnan(job.loss) else job.loss) + float(loss.detach()) / self.micro_batches  # anchor work: off the fast path
         self._backward_through(job, _Pending(x, loss / self.micro_batches, msg.header.sender), None, j, resolve)
 
     def _backward(self, msg: pb.GradientChunk, resolve: Callable[[str], Address]) -> None:
@@ -291,7 +294,7 @@ class SwarmAnchor:
         if pending is None:
             raise WireError(f"anchor gradient for unknown micro-batch (anchor {msg.header.step}, micro_batch_id={msg.header.micro_batch_id}): its pass is gone")
         job.touched = time.monotonic()
-        g = proto_to_tensor(msg.grad, expect_shape=tuple(pending.out.shape)).to(pending.out.dtype)
+        g = self.w.placement.to_device(proto_to_tensor(msg.grad, expect_shape=tuple(pending.out.shape)), pending.out.dtype)
         self._backward_through(job, pending, g, msg.header.micro_batch_id, resolve)
 
     def _backward_through(self, job: _Job, p: _Pending, g: torch.Tensor | None, j: int, resolve: Callable[[str], Address]) -> None:
@@ -305,7 +308,7 @@ class SwarmAnchor:
         if p.x is not None:
             b = self.w.stage.index - 1
             header = pb.MicroBatchHeader(run_id=self.w.run_id, micro_batch_id=j, step=job.anchor_id, sender=self.w.name, boundary=b, dense=True)
-            back = pb.GradientChunk(header=header, grad=tensor_to_proto(grads[-1].detach().half()))
+            back = pb.GradientChunk(header=header, grad=tensor_to_proto(grads[-1].detach().to("cpu", torch.float16)))
             self.w.transport.send(self.w.addr, resolve(p.sender), "anchor_backward", back.SerializeToString())
         job.done += 1
         if job.done == self.micro_batches:
@@ -321,7 +324,7 @@ class SwarmAnchor:
         prior = pb.AnchorPrior(
             header=pb.MicroBatchHeader(run_id=self.w.run_id, micro_batch_id=job.anchor_id, step=job.weights_step, sender=self.w.name, boundary=self.w.stage.index, dense=True),
             stage=self.w.stage.index,
-            grads=[pb.NamedTensor(name=n, tensor=tensor_to_proto(g.to(torch.bfloat16))) for n, g in sorted(job.grads.items())],
+            grads=[pb.NamedTensor(name=n, tensor=tensor_to_proto(g.to("cpu", torch.bfloat16))) for n, g in sorted(job.grads.items())],
             loss=job.loss,
         )
         data = prior.SerializeToString()
