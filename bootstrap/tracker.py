@@ -10,6 +10,7 @@ import json
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
@@ -68,6 +69,9 @@ class PeerRecord:
     link_mbit: float = 0.0  # its slowest measured outbound pipeline link
     pp_keep: float = 0.0  # fraction of mask.rank it sends there
     dp_period_s: float = 0.0  # its averaging slot period
+    device: str = ""  # where it computes (from its Join)
+    memory: int = 0  # bytes it may plan a stage for; 0 = unknown
+    memory_plan: int = 0  # its plan for the stage it serves; 0 = unknown
 
 
 @dataclass
@@ -131,6 +135,7 @@ class Tracker:
     started: float = field(default=0.0)
     expire_after: float = 0.0  # clock time before which no peer is declared dead (set after a restart)
     banned: dict[str, str] = field(default_factory=dict)  # key fingerprint -> why (the gate refuses their calls too)
+    unfit: deque = field(default_factory=lambda: deque(maxlen=8))  # the newest joins no stage fitted (status shows them)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
@@ -158,9 +163,27 @@ class Tracker:
             pending[stage] += speed
         return [(sum(speeds[p.peer_id] for p in self.live(s)) + pending[s]) / self.layers[s] for s in range(self.config.model.num_stages)]
 
-    def _pick_stage(self) -> int:
+    def _pick_stage(self, allowed: list[int] | None = None) -> int:
         scores = self.scores()
-        return min(range(len(scores)), key=lambda s: (scores[s], len(self.live(s)), s))
+        return min(allowed if allowed is not None else range(len(scores)), key=lambda s: (scores[s], len(self.live(s)), s))
+
+    def _fitting(self, req: pb.JoinRequest) -> list[int] | None:
+        """The stages whose memory plan fits the joining peer (None: it sent no plan, any stage
+        will do). Raises JoinRefused, and notes it for the status, when none fits."""
+        K = self.config.model.num_stages
+        if not req.memory_bytes or not req.stage_memory_bytes:
+            return None
+        if len(req.stage_memory_bytes) != K:
+            raise JoinRefused(f"stage_memory_bytes has {len(req.stage_memory_bytes)} entries; this run has {K} stages")
+        fits = [s for s, need in enumerate(req.stage_memory_bytes) if need <= req.memory_bytes]
+        if not fits:
+            gib = 2**30
+            smallest = min(range(K), key=lambda s: req.stage_memory_bytes[s])
+            why = (f"{req.peer_id} on {req.device or 'an unnamed device'}: {req.memory_bytes / gib:.1f} GiB, "
+                   f"the smallest stage (stage {smallest}) needs {req.stage_memory_bytes[smallest] / gib:.1f} GiB")
+            self.unfit.append(why)
+            raise JoinRefused(f"no stage of this run fits this peer's memory ({why}); turn on compute.activation_checkpointing, lower pipeline.micro_batch_size, or run more stages (model.num_stages)")
+        return fits
 
     def _move_target(self, p: PeerRecord) -> tuple[int, float] | None:
         """The stage `p` should move to now and p's speed, if any (call with the lock held).
@@ -241,12 +264,16 @@ class Tracker:
                 n = sum(1 for k in self.peers if k.startswith(req.peer_id + "~"))
                 old.peer_id = f"{req.peer_id}~{n + 1}"
                 self.peers[old.peer_id] = old
+            fits = self._fitting(req)
             stage, _, _ = self._reserved.pop(req.peer_id, (None, 0.0, 0.0))
-            if stage is None:
-                stage = self._pick_stage()
+            if stage is None or (fits is not None and stage not in fits):
+                stage = self._pick_stage(fits)
             start_step = max((p.step for p in self.peers.values() if p.stage == stage), default=0)
             mates = [m for q in self.live(stage) for m in q.dht_maddrs[:MAX_MADDRS_PER_PEER]]
-            self.peers[req.peer_id] = PeerRecord(req.peer_id, stage, req.grpc_address, last_seen=self.clock(), joined_at=self.clock(), dht_maddrs=tuple(req.dht_maddrs[:MAX_MADDRS_PER_PEER]), key=key.hex())
+            self.peers[req.peer_id] = PeerRecord(
+                req.peer_id, stage, req.grpc_address, last_seen=self.clock(), joined_at=self.clock(), dht_maddrs=tuple(req.dht_maddrs[:MAX_MADDRS_PER_PEER]), key=key.hex(),
+                device=req.device[:120], memory=req.memory_bytes, memory_plan=req.stage_memory_bytes[stage] if req.stage_memory_bytes else 0,
+            )
         start, end = self.ranges[stage]
         return pb.Assignment(
             run_id=self.run_id,
@@ -381,6 +408,7 @@ class Tracker:
             refused_calls=p.refused_calls, key_fingerprint=fingerprint(bytes.fromhex(p.key)) if p.key else "",
             dp_suspects=named.get(p.peer_id, []), dp_flagged=flagged.get(p.peer_id, 0),
             link_mbit=p.link_mbit, pp_keep=p.pp_keep, dp_period_s=p.dp_period_s,
+            device=p.device, memory_bytes=p.memory, memory_plan_bytes=p.memory_plan,
         )
 
     def status(self) -> pb.RunStatus:
@@ -435,4 +463,5 @@ class Tracker:
                 eval_loss=newest_eval.eval_loss if newest_eval else math.nan,
                 eval_step=self.evals.launched_at.get(newest_eval.eval_id, -1) if newest_eval else -1,
                 banned=len(self.banned),
+                unfit=list(self.unfit),
             )

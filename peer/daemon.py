@@ -51,11 +51,11 @@ from peer.errors import AnchormeshError, ConfigError, WireError
 from peer.identity import IDENTITY_ENV, Identity
 from peer.dp.group import GroupAverager, connect_peers
 from peer.logs import setup_logging
-from peer.model.loading import load_causal_lm
-from peer.model.stages import split_model
+from peer.model.loading import load_stage
 from peer.pipeline.grpc_transport import STAGE_POLICY, GrpcTransport
 from peer.pipeline.runner import StageWorker, mean_loss
-from peer.placement import CPU_FP32, parse_device, resolve_placement
+from peer.memory import anchor_snapshot_slots, check_fits, free_bytes, plan_stages
+from peer.placement import CPU_FP32, DTYPE_NAMES, parse_device, resolve_placement
 from peer.pipeline.swarm_anchor import ANCHOR_CHANNELS, SwarmAnchor
 from peer.wire import anchormesh_pb2 as pb
 from peer.wire import anchormesh_pb2_grpc as pbg
@@ -496,6 +496,14 @@ class PeerDaemon:
         with auth.open_channel(self.tracker, self.creds, tls_ca=self.tls_ca) as join_channel:
             own_maddrs = [str(m) for m in self.dht.get_visible_maddrs()] if self.dht is not None else []
             req = pb.JoinRequest(peer_id=self.peer_id, grpc_address=self.address, code_version=__version__, dht_maddrs=own_maddrs)
+            try:
+                plans = self._plan_memory(pbg.TrackerStub(join_channel), req)
+            except ConfigError as exc:  # the run cannot run on this device: nothing to leave yet
+                log.error("cannot serve this run here: %s", exc)
+                self.transport.close()
+                if self.dht is not None:
+                    self.dht.shutdown()
+                raise SystemExit(2) from None
             if self.tls_server is not None:
                 from peer.tls import public_der
 
@@ -514,19 +522,22 @@ class PeerDaemon:
         log.info("%s joined %s: stage %d of %d (layers %d-%d), serving on %s", self.peer_id, a.run_id, a.stage, a.num_stages, a.layer_start, a.layer_end - 1, self.address)
         try:
             self.placement = resolve_placement(self.device, cfg.compute)
-        except ConfigError as exc:  # the run's precision does not run on this device: say so and leave
+            plan = plans[a.stage] if plans else plan_stages(cfg, self.placement, dp_group=True)[a.stage]
+            free = free_bytes(self.placement.device)
+            check_fits(plan, free, cfg.compute.memory_budget_gib, self.placement.device)
+        except ConfigError as exc:  # the run's precision or this stage does not fit this device: say so and leave
             self._refuse_config(a.run_id, exc)
-        log.info("computing on %s", self.placement.describe())
-        model = load_causal_lm(cfg.model, seed=cfg.seed)
-        vocab_size = model.config.vocab_size
-        stage = split_model(model, cfg.model.num_stages)[a.stage]
-        del model
+        log.info("computing on %s; stage %d plans %.2f GiB of %.2f GiB free", self.placement.describe(), a.stage, plan.need(self.placement.device) / 2**30, free / 2**30)
+        stage = load_stage(cfg.model, a.stage, seed=cfg.seed, device=self.placement.device, dtype=self.placement.master_dtype)  # only this stage's layers
+        vocab_size = stage.vocab_size
         stage.train()
         replica = uuid.uuid4().int % (1 << 20)  # makes this peer's micro-batch ids (and masks) its own
         self.worker = StageWorker(stage, replica, cfg, MaskCodec(cfg.mask), self.transport, a.run_id, peer_id=self.peer_id, next_hop=self._next_hop, resolve=self._resolve, local_steps=True, placement=self.placement)
         self.worker.version = a.start_step  # continue the run's step numbering (the group's state may raise it)
         self.worker.next_mb = a.start_step * cfg.pipeline.micro_batches
-        self.anchor = SwarmAnchor(self.worker, cfg.anchor.micro_batches, self._siblings, eval_batches=cfg.pipeline.eval_batches)
+        snapshot_bytes = plan.anchor_snapshot or sum(p.numel() for p in stage.parameters()) * self.placement.compute_dtype.itemsize
+        slots = anchor_snapshot_slots(free - plan.need(self.placement.device), snapshot_bytes, cfg.compute.anchor_snapshot_share)
+        self.anchor = SwarmAnchor(self.worker, cfg.anchor.micro_batches, self._siblings, eval_batches=cfg.pipeline.eval_batches, max_jobs=slots)
         if self.dht is not None and a.group_dht_maddrs:
             log.info("dialled %d of %d stage mates' DHT nodes", connect_peers(self.dht, list(a.group_dht_maddrs)), len(a.group_dht_maddrs))
         self._start_averaging(f"{a.run_id}_stage{a.stage}", cfg.dp.inner_steps, cfg.dp.outer_compression, cfg.dp.link_share)  # forks: before any gRPC runs
@@ -586,6 +597,27 @@ class PeerDaemon:
             if metrics is not None:
                 metrics.close()
             log.info("%s left after %d steps", self.peer_id, self.worker.version)
+
+    def _plan_memory(self, stub: pbg.TrackerStub, req: pb.JoinRequest) -> list | None:
+        """Before joining: the run's config, this peer's placement for it and its memory plan of
+        every stage, put in the JoinRequest so the tracker gives it a stage that fits. A tracker
+        that cannot say its config (unreachable: Join retries and says so) leaves the plan to
+        after the Join. A device or precision that cannot run the run exits 2 here."""
+        try:
+            cfg = config_from_dict(json.loads(stub.GetConfig(pb.ConfigRequest(), timeout=10).run_config_json))
+        except grpc.RpcError as exc:
+            log.info("no run config before joining (%s): the memory plan waits for the assignment", exc.code().name)
+            return None
+        placement = resolve_placement(self.device, cfg.compute)
+        plans = plan_stages(cfg, placement, dp_group=True)
+        free = free_bytes(placement.device)
+        budget = int(cfg.compute.memory_budget_gib * 2**30)
+        req.memory_bytes = min(budget, free) if budget else free
+        req.stage_memory_bytes.extend(p.need(placement.device) for p in plans)
+        name = torch.cuda.get_device_name(placement.device) if placement.cuda else ""
+        req.device = " ".join(x for x in (str(placement.device), name, DTYPE_NAMES[placement.compute_dtype]) if x)
+        log.info("memory plan on %s (%.2f GiB usable): %s GiB per stage", req.device, req.memory_bytes / 2**30, ", ".join(f"{p.need(placement.device) / 2**30:.2f}" for p in plans))
+        return plans
 
     def _refuse_config(self, run_id: str, exc: ConfigError) -> None:
         """This peer cannot serve the stage it was given (its device, its memory): it tells the

@@ -221,6 +221,12 @@ def _refused_calls(s: dict) -> list[str]:
     ]
 
 
+def _unfit(s: dict) -> list[str]:
+    """Volunteers the tracker turned away because no stage of the run fits their memory: the
+    operator may want more stages or activation checkpointing to use them."""
+    return [f"no stage fits {u}: refused (more stages or compute.activation_checkpointing would let it in)" for u in s.get("unfit") or []]
+
+
 def _bad_loss(s: dict) -> list[str]:
     """The training loss is NaN/inf, or none was reported after 20 run steps.
 
@@ -254,7 +260,7 @@ def _stalled(s: dict) -> list[str]:
 
 
 RULES: tuple[Callable[[dict], list[str]], ...] = (
-    _stages_without_peer, _bottleneck_stages, _stale_anchor, _dead_peers, _silent_peers, _rejected_rounds, _named_by_group, _refused_calls, _bad_loss, _stalled,
+    _stages_without_peer, _bottleneck_stages, _stale_anchor, _dead_peers, _silent_peers, _rejected_rounds, _named_by_group, _refused_calls, _unfit, _bad_loss, _stalled,
 )
 
 

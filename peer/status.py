@@ -43,6 +43,7 @@ def status_dict(s: pb.RunStatus) -> dict:
         "dp_compression": s.dp_compression,
         "refused_calls": s.refused_calls,
         "banned": s.banned,
+        "unfit": list(s.unfit),
         "stages": [
             {"index": st.index, "peers": st.peers, "tokens_per_s": st.tokens_per_s, "queue_depth": st.queue_depth, "capacity_tokens_per_s": st.capacity_tokens_per_s}
             for st in s.stages
@@ -57,6 +58,7 @@ def status_dict(s: pb.RunStatus) -> dict:
                 "dp_rejected": p.dp_rejected, "refused_calls": p.refused_calls, "key": p.key_fingerprint or None,
                 "dp_suspects": list(p.dp_suspects), "dp_flagged": p.dp_flagged,
                 "link_mbit": p.link_mbit or None, "pp_keep": p.pp_keep or None, "dp_period_s": p.dp_period_s or None,
+                "device": p.device or None, "memory_bytes": p.memory_bytes or None, "memory_plan_bytes": p.memory_plan_bytes or None,
             }
             for p in s.peers
         ],

@@ -249,3 +249,29 @@ def test_averaging_suspects_are_named_by_run_peer_id_and_counted() -> None:
     t.peers["b"].key = bytes(range(32)).hex()
     t.ban("b", "sign-flipped updates")
     assert list(beat(t, "a").banned_dht) == ["12D3KooWB"]  # stage mates refuse rounds that include its averaging process
+
+
+def test_a_peer_gets_only_a_stage_its_memory_fits() -> None:
+    """Stage choice by memory plan: a small card gets the stage it fits even when another stage
+    is emptier; a card no stage fits is refused with both figures, and the status says so."""
+    t, _ = make(stages=3, layers=6)
+    gib = 2**30
+
+    def ask(pid: str, memory_gib: float, needs_gib: list[float]) -> pb.Assignment:
+        return t.join(pb.JoinRequest(peer_id=pid, grpc_address=f"h:{len(t.peers)}", code_version=__version__, device="cuda:0 Test GPU bf16",
+                                     memory_bytes=int(memory_gib * gib), stage_memory_bytes=[int(n * gib) for n in needs_gib]))
+
+    needs = [9.0, 6.0, 12.0]  # the embeddings and the head make the ends heavier
+    assert ask("small", 8.0, needs).stage == 1  # fits stage 1 only, though stages 0 and 2 are empty
+    assert ask("mid", 10.0, needs).stage == 0  # fits 0 and 1; stage 0 is emptier
+    assert ask("big", 24.0, needs).stage == 2
+    assert join(t, "no-plan").stage in (0, 1, 2)  # an old peer without a plan: any stage
+    with pytest.raises(JoinRefused, match=r"tiny on cuda:0 Test GPU bf16: 4.0 GiB, the smallest stage \(stage 1\) needs 6.0 GiB.*activation_checkpointing"):
+        ask("tiny", 4.0, needs)
+    with pytest.raises(JoinRefused, match="3 stages"):
+        ask("wrong", 4.0, [1.0])
+    st = t.status()
+    assert list(st.unfit) == ["tiny on cuda:0 Test GPU bf16: 4.0 GiB, the smallest stage (stage 1) needs 6.0 GiB"]
+    row = {p.peer_id: p for p in st.peers}["small"]
+    assert (row.device, row.memory_bytes, row.memory_plan_bytes) == ("cuda:0 Test GPU bf16", 8 * gib, 6 * gib)
+    assert "tiny" not in t.peers

@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
 import time
+from typing import TYPE_CHECKING
 
 import torch
+from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from peer.config import ModelConfig
 from peer.errors import ConfigError
 from peer.model.tokenizer import VOCAB_SIZE
+
+if TYPE_CHECKING:
+    from peer.model.stages import StageModule
 
 SUPPORTED_FAMILIES = ("llama", "qwen2", "mistral", "gpt2")
 TINY_PREFIX = "tiny-"
@@ -109,3 +116,166 @@ def family_of(model: PreTrainedModel) -> str:
     if family not in SUPPORTED_FAMILIES:
         raise ConfigError("model.name", getattr(model.config, "_name_or_path", family), f"model_type {family!r} is not supported; supported: {', '.join(SUPPORTED_FAMILIES)}")
     return family
+
+
+
+def model_config(cfg: ModelConfig):
+    """The model's HF config without its weights: what a meta build or a memory plan needs."""
+    if cfg.name.startswith(TINY_PREFIX):
+        config = tiny_config(cfg.name[len(TINY_PREFIX):], cfg)
+    else:
+        config = _pretrained_config(cfg.name)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def meta_stage(cfg: ModelConfig, index: int, *, dtype: torch.dtype = torch.float32) -> StageModule:
+    """Stage `index` built on the meta device: every shape, no memory. Why: the memory plan and
+    the per-stage loader need the stage's modules before any weight exists."""
+    return meta_stages(cfg, [index], dtype=dtype)[0]
+
+
+def meta_stages(cfg: ModelConfig, indices: list[int], *, dtype: torch.dtype = torch.float32, config=None) -> list[StageModule]:
+    """Several meta stages from one meta build of the model (a plan of every stage needs them)."""
+    from peer.model.stages import StageModule, layer_ranges  # stages imports this module
+
+    config = config if config is not None else model_config(cfg)
+    ranges = layer_ranges(config.num_hidden_layers, cfg.num_stages)
+    for index in indices:
+        _check_index(cfg, index)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return [StageModule(model, i, *ranges[i], cfg.num_stages) for i in indices]
+
+
+def _check_index(cfg: ModelConfig, index: int) -> None:
+    if not 0 <= index < cfg.num_stages:
+        raise ConfigError("stage", index, f"must be in [0, model.num_stages={cfg.num_stages})")
+
+
+def load_stage(cfg: ModelConfig, index: int, *, seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> StageModule:
+    """Stage `index` with its weights, reading only this stage's tensors from the checkpoint.
+
+    Why: a volunteer holding one stage of an 8B model should neither download nor hold the
+    other stages. Tiny models are the exception: their seeded init draws every module's values
+    in order from one RNG stream, so a stage's initial weights depend on all modules before it;
+    building the whole (small) model is the only way to get the same numbers as `split_model`.
+    """
+    from peer.model.stages import split_model  # stages imports this module
+
+    if cfg.name.startswith(TINY_PREFIX):
+        _check_index(cfg, index)
+        return split_model(load_causal_lm(cfg, seed=seed, dtype=dtype), cfg.num_stages)[index].to(device)
+    config = model_config(cfg)
+    files = _safetensors_files(cfg.name)
+    if files is None:
+        log.warning("%s has no safetensors weights: loading the whole model to keep stage %d (needs the full model's memory once)", cfg.name, index)
+        return split_model(load_causal_lm(cfg, dtype=dtype), cfg.num_stages)[index].to(device)
+    t0 = time.monotonic()
+    stage = meta_stages(cfg, [index], dtype=dtype, config=config)[0]
+    stage.to_empty(device=device)
+    _rebuild_buffers(stage, config, torch.device(device))
+    read, opened = _read_stage_tensors(stage, files, config)
+    log.info("stage %d of %s: read %.1f MiB from %d of %d weight file(s) in %.1fs", index, cfg.name, read / 2**20, opened, len(set(files.values())), time.monotonic() - t0)
+    return stage.eval()
+
+
+def _safetensors_files(name: str) -> dict[str, str] | None:
+    """Checkpoint key -> where its shard is (a local path, or "hub_id::file" fetched only when a
+    stage needs it); {"*": path} for a single-file checkpoint; None without safetensors weights."""
+    local = os.path.isdir(name)
+
+    def fetch(filename: str) -> str | None:
+        if local:
+            path = os.path.join(name, filename)
+            return path if os.path.isfile(path) else None
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.errors import EntryNotFoundError
+
+        try:
+            return hf_hub_download(name, filename)
+        except EntryNotFoundError:
+            return None
+        except Exception as exc:  # offline, gated, no such repo: the message says which
+            raise ConfigError("model.name", name, f"cannot fetch {filename} ({exc})") from exc
+
+    index = fetch("model.safetensors.index.json")
+    if index is not None:
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError("model.name", name, f"{index} is not a valid safetensors index ({exc})") from exc
+        return {key: os.path.join(name, file) if local else f"{name}::{file}" for key, file in weight_map.items()}
+    single = fetch("model.safetensors")
+    return None if single is None else {"*": single}
+
+
+def _shard_path(ref: str) -> str:
+    """A local shard path, downloading it first when `ref` is "hub_id::file"."""
+    if "::" not in ref:
+        return ref
+    from huggingface_hub import hf_hub_download
+
+    repo, _, file = ref.partition("::")
+    try:
+        return hf_hub_download(repo, file)
+    except Exception as exc:
+        raise ConfigError("model.name", repo, f"cannot fetch shard {file} ({exc})") from exc
+
+
+def _rebuild_buffers(stage: StageModule, config, device: torch.device) -> None:
+    """`to_empty` leaves buffers uninitialised; the only ones a stage holds are the rotary
+    embedding's non-persistent `inv_freq`s, recomputed from the config (on the CPU, as a full
+    load does, then moved). Any other buffer would stay garbage, so it is refused."""
+    if stage.rotary is not None:
+        stage.rotary = type(stage.rotary)(config).to(device)
+    other = [n for n, _ in stage.named_buffers() if not n.startswith("rotary.")]
+    if other:
+        raise ConfigError("model.name", config._name_or_path, f"stage buffers {other} are not restored by the per-stage loader")
+
+
+def _checkpoint_keys(hf_name: str, config) -> list[str]:
+    """Where a parameter may sit in a checkpoint: under its own name, as the input embedding when
+    the head is tied to it and not stored, or without the base-model prefix (old GPT-2 files)."""
+    names = [hf_name]
+    if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+        names.append("transformer.wte.weight" if config.model_type == "gpt2" else "model.embed_tokens.weight")
+    return names + [n.partition(".")[2] for n in names if n.startswith(("transformer.", "model."))]
+
+
+def _read_stage_tensors(stage: StageModule, files: dict[str, str], config) -> tuple[int, int]:
+    """Copy every stage parameter from its shard, opening each needed shard once and reading only
+    the stage's keys. Returns (bytes read, files opened)."""
+    name = config._name_or_path
+    wanted: dict[str, list[tuple[torch.nn.Parameter, str]]] = {}
+    for pname, param in stage.named_parameters():
+        hf_name = stage.hf_names[pname]
+        ref = files.get("*") or next((files[k] for k in _checkpoint_keys(hf_name, config) if k in files), None)
+        if ref is None:
+            raise ConfigError("model.name", name, f"checkpoint key {hf_name!r} is in no shard of model.safetensors.index.json")
+        wanted.setdefault(ref, []).append((param, hf_name))
+    read = 0
+    for ref, params in wanted.items():
+        path = _shard_path(ref)
+        if not os.path.isfile(path):
+            raise ConfigError("model.name", name, f"shard {path} (holding {params[0][1]!r}) does not exist")
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                keys = set(f.keys())
+                for param, hf_name in params:
+                    key = next((k for k in _checkpoint_keys(hf_name, config) if k in keys), None)
+                    if key is None:
+                        raise ConfigError("model.name", name, f"checkpoint key {hf_name!r} is missing from {path}")
+                    shape = tuple(f.get_slice(key).get_shape())
+                    if shape != tuple(param.shape):
+                        raise ConfigError("model.name", name, f"checkpoint key {key!r} in {path} has shape {shape}, the stage expects {tuple(param.shape)}")
+                    tensor = f.get_tensor(key)
+                    with torch.no_grad():
+                        param.copy_(tensor)
+                    read += tensor.numel() * tensor.element_size()
+        except ConfigError:
+            raise
+        except Exception as exc:  # a truncated or corrupt shard: safetensors raises its own types
+            raise ConfigError("model.name", name, f"cannot read {path} ({type(exc).__name__}: {exc})") from exc
+    return read, len(wanted)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
 from peer.errors import ConfigError, TensorError
@@ -83,6 +84,7 @@ class StageModule(nn.Module):
         self.hidden_size = model.config.hidden_size
         self.vocab_size = model.config.vocab_size
         self.is_first, self.is_last = index == 0, index == num_stages - 1
+        self.checkpointing = False  # per-layer activation checkpointing (compute.activation_checkpointing)
         self.hf_names: dict[str, str] = {}
         self.embed = copy.deepcopy(parts.embed[0]) if self.is_first else None
         self.layers = nn.ModuleList(copy.deepcopy(parts.layers[i]) for i in range(start, end))
@@ -118,7 +120,8 @@ class StageModule(nn.Module):
         if self.is_first:
             if x.dtype != torch.long or x.ndim != 2:
                 raise TensorError(f"stage {self.index} input: expected token ids long [B, T], got {x.dtype} {tuple(x.shape)}")
-            if x.numel() and (int(x.min()) < 0 or int(x.max()) >= self.vocab_size):
+            # the value check reads the ids, a host sync on a device: the caller checks host ids first
+            if x.numel() and x.device.type == "cpu" and (int(x.min()) < 0 or int(x.max()) >= self.vocab_size):
                 raise TensorError(f"stage {self.index} input: token ids must be in [0, {self.vocab_size}), got [{int(x.min())}, {int(x.max())}]")
         elif not x.is_floating_point() or x.ndim != 3 or x.shape[-1] != self.hidden_size:
             raise TensorError(f"stage {self.index} input: expected hidden states float [B, T, {self.hidden_size}], got {x.dtype} {tuple(x.shape)}")
@@ -131,7 +134,11 @@ class StageModule(nn.Module):
             pos = torch.arange(h.shape[1], device=h.device)[None]
             kwargs = {"position_ids": pos, "position_embeddings": self.rotary(h, pos)}
         for layer in self.layers:
-            out = layer(h, attention_mask=None, **kwargs)
+            if self.checkpointing and torch.is_grad_enabled():
+                # keep only the layer's input; its activations are recomputed in the backward
+                out = checkpoint(layer, h, attention_mask=None, use_reentrant=False, **kwargs)
+            else:
+                out = layer(h, attention_mask=None, **kwargs)
             h = out[0] if isinstance(out, tuple) else out
         if self.is_last:
             return self.head(self.norm(h))

@@ -17,8 +17,9 @@ give the run's eval loss without a separate service and without touching any wei
 
 Nothing in the fast circuit waits: a peer does anchor work only when its fast queues are empty
 (`tick` is called only then), priors are folded in between steps, and a job with no progress
-for `timeout_s` (a peer on its path left) is dropped. At most `MAX_JOBS` passes are held at once
-(each holds a copy of the stage's weights); a message for a pass that is gone is dropped in the
+for `timeout_s` (a peer on its path left) is dropped. At most `max_jobs` passes are held at once
+(each holds a copy of the stage's weights in the compute dtype; the daemon sizes the count to
+its memory, peer/memory.py `anchor_snapshot_slots`); a message for a pass that is gone is dropped in the
 loop, not refused on the wire (a refusal would end the sender's stream and lose what it held).
 Only the dense prior is computed here; the spectral modes that need the masked twin of the anchor batch ("ef", "paper_ef") are refused by the tracker for
 swarm runs (peer/config.py: `check_swarm`).
@@ -46,7 +47,7 @@ from peer.wire.tensors import parse_message, proto_to_tensor, tensor_to_proto, t
 log = logging.getLogger(__name__)
 
 ANCHOR_CHANNELS = ("anchor_forward", "anchor_backward", "prior")
-MAX_JOBS = 4  # anchor passes held at once by one stage
+MAX_JOBS = 4  # anchor passes held at once by one stage, unless the daemon sizes it to its memory
 
 
 @dataclass
@@ -84,8 +85,9 @@ class SwarmAnchor:
         timeout_s: a job with no progress for this long is dropped (a peer on its path left).
     """
 
-    def __init__(self, worker: StageWorker, micro_batches: int, siblings: Callable[[], list[Address]], timeout_s: float = 120.0, eval_batches: int = 4) -> None:
+    def __init__(self, worker: StageWorker, micro_batches: int, siblings: Callable[[], list[Address]], timeout_s: float = 120.0, eval_batches: int = 4, max_jobs: int = MAX_JOBS) -> None:
         self.w, self.micro_batches, self.siblings, self.timeout_s = worker, micro_batches, siblings, timeout_s
+        self.max_jobs = max_jobs
         self.eval_batches = eval_batches
         self.eval_todo: deque[tuple[int, int, torch.Tensor]] = deque()  # stage 0: (eval id, j, window)
         self._eval_sums: dict[int, tuple[float, int]] = {}  # last stage: eval id -> (loss sum, micro-batches)
@@ -251,17 +253,17 @@ class SwarmAnchor:
 
     def _job(self, anchor_id: int) -> _Job | None:
         """The pass `anchor_id` at this stage (created at its first micro-batch); None for a pass
-        already folded in, or when MAX_JOBS newer passes are held."""
+        already folded in, or when `max_jobs` newer passes are held."""
         job = self.jobs.get(anchor_id)
         if job is None:
             if anchor_id <= self.newest_id:
                 return None
-            if len(self.jobs) >= MAX_JOBS:
+            if len(self.jobs) >= self.max_jobs:
                 oldest = min(self.jobs)
                 if anchor_id < oldest:
                     return None
                 del self.jobs[oldest]
-                log.warning("anchor %d: dropped, %d newer passes are held", oldest, MAX_JOBS)
+                log.warning("anchor %d: dropped, %d newer passes are held", oldest, self.max_jobs)
             # in the compute dtype (bf16 under mixed precision): a snapshot costs half the fp32 weights
             snapshot = {n: p.detach().to(self.w.compute_dtype, copy=True).requires_grad_(n in self.targets) for n, p in self.w.stage.named_parameters()}
             job = self.jobs[anchor_id] = _Job(anchor_id, self.w.version, snapshot, time.monotonic())

@@ -197,20 +197,26 @@ class ShardChunk(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., step: _Optional[int] = ..., total_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("run_id", "peer_id", "grpc_address", "code_version", "dht_maddrs", "tls_public_key")
+    __slots__ = ("run_id", "peer_id", "grpc_address", "code_version", "dht_maddrs", "tls_public_key", "device", "memory_bytes", "stage_memory_bytes")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CODE_VERSION_FIELD_NUMBER: _ClassVar[int]
     DHT_MADDRS_FIELD_NUMBER: _ClassVar[int]
     TLS_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STAGE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     peer_id: str
     grpc_address: str
     code_version: str
     dht_maddrs: _containers.RepeatedScalarFieldContainer[str]
     tls_public_key: bytes
-    def __init__(self, run_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., code_version: _Optional[str] = ..., dht_maddrs: _Optional[_Iterable[str]] = ..., tls_public_key: _Optional[bytes] = ...) -> None: ...
+    device: str
+    memory_bytes: int
+    stage_memory_bytes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, run_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., code_version: _Optional[str] = ..., dht_maddrs: _Optional[_Iterable[str]] = ..., tls_public_key: _Optional[bytes] = ..., device: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., stage_memory_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Assignment(_message.Message):
     __slots__ = ("run_id", "stage", "num_stages", "layer_start", "layer_end", "run_config_json", "heartbeat_interval_s", "start_step", "dht_maddrs", "group_dht_maddrs", "certificate", "tracker_key", "calls_per_s", "messages_per_s", "tls_certificate")
@@ -247,7 +253,7 @@ class Assignment(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., run_config_json: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., start_step: _Optional[int] = ..., dht_maddrs: _Optional[_Iterable[str]] = ..., group_dht_maddrs: _Optional[_Iterable[str]] = ..., certificate: _Optional[bytes] = ..., tracker_key: _Optional[bytes] = ..., calls_per_s: _Optional[float] = ..., messages_per_s: _Optional[float] = ..., tls_certificate: _Optional[bytes] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
-    __slots__ = ("peer_id", "stage", "address", "state", "last_seen_s", "tokens_per_s", "bytes_in", "bytes_out", "step", "loss", "queue_depth", "reason", "dp_rounds", "anchor_id", "anchor_bytes_out", "capacity_tokens_per_s", "dp_bytes_out", "dp_dense_bytes", "eval_id", "eval_loss", "dp_rejected", "refused_calls", "key_fingerprint", "dp_suspects", "dp_flagged", "link_mbit", "pp_keep", "dp_period_s")
+    __slots__ = ("peer_id", "stage", "address", "state", "last_seen_s", "tokens_per_s", "bytes_in", "bytes_out", "step", "loss", "queue_depth", "reason", "dp_rounds", "anchor_id", "anchor_bytes_out", "capacity_tokens_per_s", "dp_bytes_out", "dp_dense_bytes", "eval_id", "eval_loss", "dp_rejected", "refused_calls", "key_fingerprint", "dp_suspects", "dp_flagged", "link_mbit", "pp_keep", "dp_period_s", "device", "memory_bytes", "memory_plan_bytes")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -276,6 +282,9 @@ class PeerInfo(_message.Message):
     LINK_MBIT_FIELD_NUMBER: _ClassVar[int]
     PP_KEEP_FIELD_NUMBER: _ClassVar[int]
     DP_PERIOD_S_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_PLAN_BYTES_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     stage: int
     address: str
@@ -304,7 +313,10 @@ class PeerInfo(_message.Message):
     link_mbit: float
     pp_keep: float
     dp_period_s: float
-    def __init__(self, peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., last_seen_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., queue_depth: _Optional[int] = ..., reason: _Optional[str] = ..., dp_rounds: _Optional[int] = ..., anchor_id: _Optional[int] = ..., anchor_bytes_out: _Optional[int] = ..., capacity_tokens_per_s: _Optional[float] = ..., dp_bytes_out: _Optional[int] = ..., dp_dense_bytes: _Optional[int] = ..., eval_id: _Optional[int] = ..., eval_loss: _Optional[float] = ..., dp_rejected: _Optional[int] = ..., refused_calls: _Optional[int] = ..., key_fingerprint: _Optional[str] = ..., dp_suspects: _Optional[_Iterable[str]] = ..., dp_flagged: _Optional[int] = ..., link_mbit: _Optional[float] = ..., pp_keep: _Optional[float] = ..., dp_period_s: _Optional[float] = ...) -> None: ...
+    device: str
+    memory_bytes: int
+    memory_plan_bytes: int
+    def __init__(self, peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., last_seen_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., queue_depth: _Optional[int] = ..., reason: _Optional[str] = ..., dp_rounds: _Optional[int] = ..., anchor_id: _Optional[int] = ..., anchor_bytes_out: _Optional[int] = ..., capacity_tokens_per_s: _Optional[float] = ..., dp_bytes_out: _Optional[int] = ..., dp_dense_bytes: _Optional[int] = ..., eval_id: _Optional[int] = ..., eval_loss: _Optional[float] = ..., dp_rejected: _Optional[int] = ..., refused_calls: _Optional[int] = ..., key_fingerprint: _Optional[str] = ..., dp_suspects: _Optional[_Iterable[str]] = ..., dp_flagged: _Optional[int] = ..., link_mbit: _Optional[float] = ..., pp_keep: _Optional[float] = ..., dp_period_s: _Optional[float] = ..., device: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., memory_plan_bytes: _Optional[int] = ...) -> None: ...
 
 class PeerReport(_message.Message):
     __slots__ = ("run_id", "peer", "tokens")
@@ -409,7 +421,7 @@ class StageStatus(_message.Message):
     def __init__(self, index: _Optional[int] = ..., peers: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., queue_depth: _Optional[int] = ..., capacity_tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("run_id", "step", "tokens", "loss", "tokens_per_s", "pp_bytes_per_token", "pp_compression", "uptime_s", "state", "reason", "stages", "peers", "dht_maddrs", "anchor_step", "anchor_age_steps", "anchors_launched", "anchor_bytes_per_token", "stage_moves", "dp_bytes_per_token", "dp_compression", "eval_loss", "eval_step", "refused_calls", "banned")
+    __slots__ = ("run_id", "step", "tokens", "loss", "tokens_per_s", "pp_bytes_per_token", "pp_compression", "uptime_s", "state", "reason", "stages", "peers", "dht_maddrs", "anchor_step", "anchor_age_steps", "anchors_launched", "anchor_bytes_per_token", "stage_moves", "dp_bytes_per_token", "dp_compression", "eval_loss", "eval_step", "refused_calls", "banned", "unfit")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -434,6 +446,7 @@ class RunStatus(_message.Message):
     EVAL_STEP_FIELD_NUMBER: _ClassVar[int]
     REFUSED_CALLS_FIELD_NUMBER: _ClassVar[int]
     BANNED_FIELD_NUMBER: _ClassVar[int]
+    UNFIT_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     tokens: int
@@ -458,4 +471,5 @@ class RunStatus(_message.Message):
     eval_step: int
     refused_calls: int
     banned: int
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., tokens: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., pp_bytes_per_token: _Optional[float] = ..., pp_compression: _Optional[float] = ..., uptime_s: _Optional[float] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., dht_maddrs: _Optional[_Iterable[str]] = ..., anchor_step: _Optional[int] = ..., anchor_age_steps: _Optional[int] = ..., anchors_launched: _Optional[int] = ..., anchor_bytes_per_token: _Optional[float] = ..., stage_moves: _Optional[int] = ..., dp_bytes_per_token: _Optional[float] = ..., dp_compression: _Optional[float] = ..., eval_loss: _Optional[float] = ..., eval_step: _Optional[int] = ..., refused_calls: _Optional[int] = ..., banned: _Optional[int] = ...) -> None: ...
+    unfit: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., tokens: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., pp_bytes_per_token: _Optional[float] = ..., pp_compression: _Optional[float] = ..., uptime_s: _Optional[float] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., dht_maddrs: _Optional[_Iterable[str]] = ..., anchor_step: _Optional[int] = ..., anchor_age_steps: _Optional[int] = ..., anchors_launched: _Optional[int] = ..., anchor_bytes_per_token: _Optional[float] = ..., stage_moves: _Optional[int] = ..., dp_bytes_per_token: _Optional[float] = ..., dp_compression: _Optional[float] = ..., eval_loss: _Optional[float] = ..., eval_step: _Optional[int] = ..., refused_calls: _Optional[int] = ..., banned: _Optional[int] = ..., unfit: _Optional[_Iterable[str]] = ...) -> None: ...
