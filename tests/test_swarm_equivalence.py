@@ -1,6 +1,7 @@
 """The correctness contract across processes: with masking off, one peer per stage and no
 staleness, the swarm (bootstrap + 2 peers over gRPC) trains exactly as the core's local runner
-does on the same batches — the per-step loss curves agree to float tolerance."""
+does on the same batches — the per-step loss curves agree to float tolerance, in fp32 and in
+bf16 compute with fp32 master weights (`compute.dtype`)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ import time
 import zlib
 from pathlib import Path
 
+import pytest
 import torch
 
 from peer.config import load_run_toml
 from peer.data import TokenStream, default_corpus
 from peer.model.loading import load_causal_lm
 from peer.pipeline.runner import LocalPipelineRunner
+from peer.placement import resolve_placement
 from peer.swarm_demo import start_process, stop_processes, wait_for_bootstrap
 
 STEPS = 12
@@ -43,8 +46,8 @@ max_staleness = 0
 STAGE0_ID = "peer-equiv000"
 
 
-def swarm_losses(tmp: Path) -> list[float]:
-    (tmp / "run.toml").write_text(RUN_TOML)
+def swarm_losses(tmp: Path, dtype: str) -> list[float]:
+    (tmp / "run.toml").write_text(RUN_TOML + f'[compute]\ndtype = "{dtype}"\n')
     procs: list[subprocess.Popen] = []
 
     def start(*args: str, log: str, **env: str) -> subprocess.Popen:
@@ -91,15 +94,16 @@ def runner_losses(tmp: Path) -> list[float]:
             batches[key] = stream.batch(p.micro_batch_size, p.seq_len, gen)
         return batches[key]
 
-    runner = LocalPipelineRunner(cfg, load_causal_lm(cfg.model, seed=cfg.seed), batch_fn)
+    runner = LocalPipelineRunner(cfg, load_causal_lm(cfg.model, seed=cfg.seed), batch_fn, placement=resolve_placement("cpu", cfg.compute))
     try:
         return [r.loss for r in runner.run(STEPS)]
     finally:
         runner.close()
 
 
-def test_masking_off_swarm_loss_curve_equals_the_local_runner(tmp_path: Path) -> None:
-    swarm = swarm_losses(tmp_path)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_masking_off_swarm_loss_curve_equals_the_local_runner(tmp_path: Path, dtype: str) -> None:
+    swarm = swarm_losses(tmp_path, dtype)
     local = runner_losses(tmp_path)
     assert local[-1] < local[0]  # it trains
     for step, (a, b) in enumerate(zip(swarm, local)):
