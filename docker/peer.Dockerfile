@@ -6,11 +6,22 @@
 #   CPU fallback:         docker build -f docker/peer.Dockerfile -t anchormesh-peer:cpu \
 #                           --build-arg BASE=python:3.12-slim \
 #                           --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cpu .
-# The CUDA image gets torch from the default index (a CUDA build). GPU placement is not built
-# yet (`--device cuda` is refused), so today the stage trains on the CPU in either image.
+# The CUDA image gets torch from the default index (PyPI): torch 2.13.0's Linux x86_64 wheel is the
+# CUDA 13.0 build (torch.version.cuda == "13.0"; its METADATA requires cuda-toolkit[...]==13.0.3 and
+# nvidia-*-cu13 packages). Those pip packages bring the CUDA runtime, cuBLAS, cuDNN and NCCL, so the
+# base only needs the driver-facing part: nvidia/cuda's `-base` image of the same CUDA version (its
+# NVIDIA_REQUIRE_CUDA asks for cuda>=13.0, so the NVIDIA Container Toolkit refuses a too-old driver
+# when the container starts; `-runtime` would add ~2 GB of CUDA libraries that torch does not load).
+# The toolkit mounts the host's libcuda and /dev/nvidia* (mode 0666) into the container, so the
+# non-root user below reaches the GPU without any group.
+# Host: NVIDIA driver >= 580.65.06 (CUDA 13.0; any R580 or newer driver serves 13.x), a GPU of compute
+# capability >= 7.5 (Turing or newer: CUDA 13 dropped Maxwell, Pascal and Volta), and the NVIDIA
+# Container Toolkit. Run with `--gpus all --ipc=host` (hivemind's averager shares the stage's fp32
+# state through /dev/shm; Docker's default 64 MB is too small): `docker run --gpus all --ipc=host ...`.
+# The peer trains on the GPU with `--device auto` (the default) when the container sees one.
 # peer.Dockerfile.dockerignore (beside this file) keeps .venv, runs and caches out of the context.
 
-ARG BASE=nvidia/cuda:12.4.1-runtime-ubuntu22.04
+ARG BASE=nvidia/cuda:13.0.3-base-ubuntu22.04
 FROM ${BASE}
 
 # torch is installed first and pinned: 2.13.0 is the build the test suite runs with.
@@ -24,7 +35,7 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 # Python 3.11+ in a venv: python:3.x images have one; Ubuntu 22.04 (the CUDA image) ships 3.10
-# and no Python at all in the runtime image, so 3.11 comes from Ubuntu's own packages.
+# and no Python at all in the base image, so 3.11 comes from Ubuntu's own packages.
 RUN set -eux; \
     if command -v python3 >/dev/null && python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then \
         PY=python3; \

@@ -123,6 +123,12 @@ def _parser() -> argparse.ArgumentParser:
     pf.add_argument("--dp-every", type=int, default=5, help="steps between DP rounds of masked_dp and compute_bound (default 5, the quick bench's)")
     pf.add_argument("--seconds", type=float, default=25.0, help="length of the profiled window (default 25)")
     pf.add_argument("--json", type=Path, default=None, help="write the result here (default: print it)")
+    gp = bsub.add_parser("gpu", help="the GPU path end to end: fp32 vs bf16 vs bf16+checkpointing (tokens/s, peak memory vs plan, host syncs), a 2x2 swarm on the device with a SIGKILL, a memory refusal (see peer/bench/gpu.py)")
+    gp.add_argument("--device", default="auto", help="auto (the GPU when present), cpu, cuda or cuda:N")
+    gp.add_argument("--parts", default=",".join(("precision", "swarm", "memory_refusal")), help="comma-separated subset of precision,swarm,memory_refusal")
+    gp.add_argument("--shape", choices=("llama-3.2-1b", "small"), default=None, help="model shape of the precision part (default: llama-3.2-1b on a GPU, small on the CPU)")
+    gp.add_argument("--quick", action="store_true", help="fewer measured steps")
+    gp.add_argument("--json", type=Path, default=None, help="write the result here (default: print it)")
     pl = bsub.add_parser("plot", help="tokens/s against bandwidth (25-1000 Mbit/s) of the four modes, projected, with measured points (PNG; needs the [bench] extra)")
     pl.add_argument("--json", type=Path, default=None, help="a `bench throughput` result to overlay (scaled by its GPU-equivalent rule)")
     pl.add_argument("--out", type=Path, required=True, help="PNG to write")
@@ -239,6 +245,15 @@ def main(argv: list[str] | None = None) -> None:
             if not args.seconds > 0 or args.dp_every < 1 or not args.bandwidth_mbit > 0:
                 raise ConfigError("--seconds/--dp-every/--bandwidth-mbit", (args.seconds, args.dp_every, args.bandwidth_mbit), "must be > 0")
             profile_json(args.json, mode=args.mode, bandwidth_mbit=args.bandwidth_mbit, dp_every=args.dp_every, seconds=args.seconds)
+        elif args.command == "bench" and args.bench == "gpu":
+            from peer.bench.gpu import PARTS, main_json as gpu_json
+
+            parts = tuple(x.strip() for x in args.parts.split(",") if x.strip())
+            if not parts or set(parts) - set(PARTS):
+                raise ConfigError("--parts", args.parts, f"must be a comma-separated subset of {','.join(PARTS)}")
+            gpu_json(args.json, args.device, parts, args.quick, args.shape)
+            if args.json is not None:
+                print(f"wrote {args.json}")
         elif args.command == "bench" and args.bench == "plot":
             from peer.bench.plot import plot
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -73,8 +75,17 @@ def port_of(address: str) -> int:
     return int(address.rsplit(":", 1)[1])
 
 
-def compose() -> dict:
-    return yaml.safe_load((DOCKER / "compose.yaml").read_text())
+def compose(name: str = "compose.yaml") -> dict:
+    return yaml.safe_load((DOCKER / name).read_text())
+
+
+def merged(base: dict, override: dict) -> dict:
+    """`docker compose -f base -f override`, as far as these files use it: mappings merge key by key,
+    anything else (a command, a list) is replaced by the override's."""
+    out = dict(base)
+    for key, value in override.items():
+        out[key] = merged(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict) else value
+    return out
 
 
 def peers(spec: dict) -> dict[str, dict]:
@@ -138,9 +149,36 @@ def test_images_run_as_a_non_root_user_with_state_on_a_volume(name: str) -> None
     assert any(k == "RUN" and "chown anchormesh:anchormesh /state" in rest for k, rest in d)
 
 
+# The CUDA version of torch 2.13.0's default Linux x86_64 wheel on PyPI (what `pip install
+# torch==2.13.0` gets in the CUDA image): its torch/version.py says `__version__ = '2.13.0+cu130'`,
+# `cuda = '13.0'`, and its METADATA has `Requires-Dist: cuda-toolkit[cublas,cudart,...]==13.0.3` and
+# `nvidia-cudnn-cu13`, `nvidia-nccl-cu13`, ... (read from torch-2.13.0-cp312-cp312-
+# manylinux_2_28_x86_64.whl fetched with `pip download torch==2.13.0 --no-deps --index-url
+# https://pypi.org/simple`; the cp311 wheel, which the Ubuntu image's Python 3.11 installs, requires the same).
+# Those pip packages carry the CUDA libraries, so the base image only has to match the version (and
+# the host driver must be >= 580.65.06, the CUDA 13.0 minimum). Change both together with TORCH_VERSION.
+TORCH_VERSION = "2.13.0"
+TORCH_CUDA = "13.0"
+CUDA_BASE = re.compile(r"nvidia/cuda:(\d+)\.(\d+)\.(\d+)-(base|runtime)-ubuntu22\.04")
+
+
+def test_the_cuda_base_matches_the_cuda_of_the_pinned_torch_wheel() -> None:
+    d = dockerfile("peer.Dockerfile")
+    assert ("ARG", f"TORCH_VERSION={TORCH_VERSION}") in d
+    base = next(rest for k, rest in d if k == "ARG" and rest.startswith("BASE="))
+    m = CUDA_BASE.fullmatch(base.removeprefix("BASE="))
+    assert m, f"{base}: expected nvidia/cuda:X.Y.Z-base|runtime-ubuntu22.04"
+    assert f"{m[1]}.{m[2]}" == TORCH_CUDA, f"{base}: torch {TORCH_VERSION}'s wheels are built for CUDA {TORCH_CUDA}"
+    # the documents name this base and the driver it needs (CUDA 13.0: >= 580.65.06)
+    for doc in (DOCKER / "peer.Dockerfile", DOCKER / "compose.gpu.yaml", ROOT / "docs/volunteer.md", ROOT / "README.md"):
+        text = doc.read_text()
+        assert base.removeprefix("BASE=") in text, f"{doc.name}: does not name the peer image's base"
+        assert "580.65.06" in text, f"{doc.name}: states no minimum driver for CUDA {TORCH_CUDA}"
+
+
 def test_bases_cuda_for_the_peer_cpu_for_the_bootstrap_both_switchable() -> None:
     peer, boot = dockerfile("peer.Dockerfile"), dockerfile("bootstrap.Dockerfile")
-    assert ("ARG", "BASE=nvidia/cuda:12.4.1-runtime-ubuntu22.04") in peer
+    assert any(k == "ARG" and CUDA_BASE.fullmatch(rest.removeprefix("BASE=")) for k, rest in peer)
     assert ("ARG", "BASE=python:3.12-slim") in boot
     for d in (peer, boot):
         assert ("FROM", "${BASE}") in d
@@ -224,6 +262,111 @@ def test_every_peer_names_the_bootstrap_tracker_and_serves_on_its_own_port() -> 
     assert set(grpc_ports) == {peer_image.grpc_port}, "the port the peer image EXPOSEs and health-checks"
     volumes = [v.split(":")[0] for s in spec["services"].values() for v in s["volumes"]]
     assert len(set(volumes)) == len(volumes) and set(volumes) <= set(spec["volumes"])
+
+
+def test_compose_peers_get_shared_memory_for_the_averager() -> None:
+    """hivemind's averager process shares the stage state through /dev/shm (Docker's default: 64 MB)."""
+    for name, svc in peers(compose()).items():
+        assert svc.get("ipc") == "host" or svc.get("shm_size"), f"{name}: neither shm_size nor ipc: host"
+
+
+def test_the_gpu_compose_override_builds_the_cuda_image_and_reserves_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from peer.placement import parse_device
+
+    base, gpu = compose(), compose("compose.gpu.yaml")
+    assert set(gpu["services"]) <= set(peers(base)), "the override adds no service of its own"
+    assert set(gpu["services"]) == set(peers(base)), "every peer gets the GPU"
+    cuda_base = next(rest for k, rest in dockerfile("peer.Dockerfile") if k == "ARG" and rest.startswith("BASE=")).removeprefix("BASE=")
+    spec = merged(base, gpu)
+    for name, svc in peers(spec).items():
+        assert svc["build"]["dockerfile"] == "docker/peer.Dockerfile"
+        assert svc["build"]["args"]["BASE"] == cuda_base and svc["build"]["args"]["TORCH_INDEX"] == ""  # torch's CUDA wheel
+        assert svc["image"] != base["services"][name]["image"], f"{name}: the CUDA build would overwrite the CPU image's tag"
+        devices = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] and ("count" in d or "device_ids" in d) for d in devices), devices
+        assert svc.get("ipc") == "host" or svc.get("shm_size"), f"{name}: neither shm_size nor ipc: host"
+        # the merged command and environment, through the real parser: env vars are flag defaults
+        env = {k: str(v) for k, v in svc["environment"].items()}
+        for k, v in env.items():
+            if k != "ANCHORMESH_TOKEN":
+                monkeypatch.setenv(k, v)
+        args = parse_cli(svc["command"], f"compose.gpu.yaml {name}.command")
+        assert args.command == "peer" and args.announce_host == name and args.tracker == "bootstrap:7000"
+        if "ANCHORMESH_DEVICE" in env:
+            assert args.device == env["ANCHORMESH_DEVICE"]
+        # the device it asks for is one the peer accepts on a machine with a GPU
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        assert parse_device(args.device).type == "cuda", args.device
+        monkeypatch.undo()
+        test = svc["healthcheck"]["test"]
+        assert port_of(parse_cli(test[2:], f"compose.gpu.yaml {name}.healthcheck").address) == args.grpc_port
+
+
+# -- documented `docker run` lines ----------------------------------------------------------------
+DOCS = ("README.md", "docs/volunteer.md", "docs/troubleshooting.md")
+# docker run options these documents use: those that take no value, the rest take one
+RUN_SWITCHES = {"-d", "--detach", "--rm", "-i", "-t", "-it", "--init"}
+RUN_OPTIONS = {"--gpus", "--ipc", "--shm-size", "--network", "--name", "-v", "--volume", "-e", "--env", "-p", "--publish", "--entrypoint", "-u", "--user", "--runtime"}
+
+
+def docker_runs(doc: str) -> list[tuple[dict[str, list[str]], str, list[str]]]:
+    """(options, image, arguments) of each `docker run` in the shell blocks of DOC, continuation
+    lines joined and comments dropped."""
+    text = (ROOT / doc).read_text()
+    out = []
+    for block in re.findall(r"```(?:bash|sh|console)?\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            argv = shlex.split(line, comments=True)
+            if argv[:2] != ["docker", "run"]:
+                continue
+            opts: dict[str, list[str]] = {}
+            i = 2
+            while argv[i].startswith("-"):
+                flag, eq, value = argv[i].partition("=")
+                if flag in RUN_SWITCHES:
+                    opts.setdefault(flag, []).append("")
+                else:
+                    assert flag in RUN_OPTIONS, f"{doc}: `{line.strip()}`: docker run option {flag} unknown to this test"
+                    if not eq:
+                        i += 1
+                        value = argv[i]
+                    opts.setdefault(flag, []).append(value)
+                i += 1
+            out.append((opts, argv[i], argv[i + 1:]))
+    return out
+
+
+def test_documented_peer_containers_get_the_gpu_and_shared_memory() -> None:
+    """Every documented `docker run` of the peer image gives the averager shared memory (--ipc=host
+    or --shm-size), the CUDA image's also `--gpus`, and its command passes the real parser."""
+    seen = 0
+    for doc in DOCS:
+        for opts, image, args in docker_runs(doc):
+            name, _, tag = image.partition(":")
+            if name != "anchormesh-peer" or "--entrypoint" in opts:  # another image, or a one-off check
+                continue
+            seen += 1
+            where = f"{doc}: docker run ... {image} {' '.join(args)}"
+            assert opts.get("--ipc") == ["host"] or "--shm-size" in opts, f"{where}: neither --ipc=host nor --shm-size"
+            if tag != "cpu":
+                assert "--gpus" in opts, f"{where}: the CUDA image without --gpus trains on the CPU"
+            if args:
+                assert parse_cli(args, where).command == "peer"
+    assert seen >= 4, "README and docs/volunteer.md show the peer's docker run lines"
+
+
+def test_the_documented_gpu_check_runs_the_images_venv_python() -> None:
+    """`torch.cuda.is_available()` inside the container: the check uses the image's own Python."""
+    venv = next(rest.split()[-1] for k, rest in dockerfile("peer.Dockerfile") if k == "RUN" and "-m venv" in rest)
+    checks = [(doc, opts, image, args) for doc in DOCS for opts, image, args in docker_runs(doc) if "--entrypoint" in opts]
+    assert checks, "no documented in-container GPU check"
+    for doc, opts, image, args in checks:
+        assert opts["--entrypoint"] == [f"{venv}/bin/python"], (doc, opts)
+        assert image == "anchormesh-peer" and "--gpus" in opts and "torch.cuda.is_available()" in " ".join(args), (doc, image, args)
 
 
 def test_announce_maddr_is_an_address_or_a_dns_name() -> None:

@@ -123,3 +123,13 @@ def test_placement_on_this_machine() -> None:
         parse_device("cuda:first")
     with pytest.raises(ConfigError, match="must be auto, cpu, cuda or cuda:N"):
         parse_device("tpu")
+
+
+def test_bf16_with_activation_checkpointing_trains_like_without() -> None:
+    """Checkpointing recomputes each layer on the weights the forward saw: the bf16 working copy
+    (functional_call), not the fp32 masters; both runs step identically."""
+    cfg = TrainConfig(model=MODEL, pipeline=PIPE, optim=OptimConfig(lr=3e-3), mask=MaskConfig(values="fp32"), steps=4)
+    plain, _ = _run(cfg, BF16, 4)
+    ckpt, runner = _run(cfg, Placement(compute_dtype=torch.bfloat16, checkpointing=True), 4)
+    assert all(w.stage.checkpointing for row in runner.workers for w in row)
+    torch.testing.assert_close(ckpt, plain, rtol=1e-4, atol=1e-4)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
@@ -135,14 +136,22 @@ class StageModule(nn.Module):
             kwargs = {"position_ids": pos, "position_embeddings": self.rotary(h, pos)}
         for layer in self.layers:
             if self.checkpointing and torch.is_grad_enabled():
-                # keep only the layer's input; its activations are recomputed in the backward
-                out = checkpoint(layer, h, attention_mask=None, use_reentrant=False, **kwargs)
+                # keep only the layer's input; its activations are recomputed in the backward,
+                # with the weights this forward saw (under functional_call: a working copy or a
+                # stash), which the recompute, running after the call returned, would not find
+                weights = dict(layer.named_parameters())
+                out = checkpoint(_layer_with, layer, weights, h, kwargs, use_reentrant=False)
             else:
                 out = layer(h, attention_mask=None, **kwargs)
             h = out[0] if isinstance(out, tuple) else out
         if self.is_last:
             return self.head(self.norm(h))
         return h
+
+
+def _layer_with(layer: nn.Module, weights: dict[str, torch.Tensor], h: torch.Tensor, kwargs: dict) -> torch.Tensor | tuple:
+    """One decoder layer on the given weights (what activation checkpointing recomputes)."""
+    return functional_call(layer, weights, (h,), {"attention_mask": None, **kwargs})
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
