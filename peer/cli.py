@@ -113,7 +113,8 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--bandwidth-mbit", type=float, required=True, help="every host's link speed, each way")
     pr.add_argument("--stages", type=int, default=2, help="pipeline stages (default 2)")
     pr.add_argument("--replicas", type=int, default=2, help="peers per stage (default 2)")
-    pr.add_argument("--mfu", type=float, default=None, help="fraction of the GPU's peak reached (default 0.40)")
+    pr.add_argument("--mfu", type=float, default=None, help="fraction of the GPU's peak reached (default: measured by a `bench gpu` run, --mfu-from or docs/gpu-bench-DEVICE.json, else 0.40)")
+    pr.add_argument("--mfu-from", type=Path, default=None, help="an `anchormesh bench gpu` result on this GPU: its measured bf16 rate sets the MFU")
     pr.add_argument("--dp-every", type=int, default=10, help="steps between DP rounds of masked_dp and compute_bound (default 10, the full bench's)")
     pr.add_argument("--shared-cores", type=int, default=None, help="all peers share this many cores (the namespace test bed); default: each peer its own device")
     pr.add_argument("--json", type=Path, default=None, help="write the result here (default: print it)")
@@ -126,7 +127,7 @@ def _parser() -> argparse.ArgumentParser:
     gp = bsub.add_parser("gpu", help="the GPU path end to end: fp32 vs bf16 vs bf16+checkpointing (tokens/s, peak memory vs plan, host syncs), a 2x2 swarm on the device with a SIGKILL, a memory refusal (see peer/bench/gpu.py)")
     gp.add_argument("--device", default="auto", help="auto (the GPU when present), cpu, cuda or cuda:N")
     gp.add_argument("--parts", default=",".join(("precision", "swarm", "memory_refusal")), help="comma-separated subset of precision,swarm,memory_refusal")
-    gp.add_argument("--shape", choices=("llama-3.2-1b", "small"), default=None, help="model shape of the precision part (default: llama-3.2-1b on a GPU, small on the CPU)")
+    gp.add_argument("--shape", choices=("llama-3.2-1b", "llama-3.2-1b-4l", "small"), default=None, help="model shape of the precision part (default: llama-3.2-1b on a GPU, small on the CPU; -4l: 4 of its 16 layers)")
     gp.add_argument("--quick", action="store_true", help="fewer measured steps")
     gp.add_argument("--json", type=Path, default=None, help="write the result here (default: print it)")
     pl = bsub.add_parser("plot", help="tokens/s against bandwidth (25-1000 Mbit/s) of the four modes, projected, with measured points (PNG; needs the [bench] extra)")
@@ -236,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
             from peer.bench.project import main_json as project_json
 
             project_json(args.json, model=args.model, device=args.gpu, bandwidth_mbit=args.bandwidth_mbit, stages=args.stages, replicas=args.replicas,
-                         mfu=args.mfu, dp_every=args.dp_every, shared_cores=args.shared_cores)
+                         mfu=args.mfu, dp_every=args.dp_every, shared_cores=args.shared_cores, mfu_from=args.mfu_from)
             if args.json is not None:
                 print(f"wrote {args.json}")
         elif args.command == "bench" and args.bench == "profile":

@@ -189,6 +189,22 @@ def test_gpu_compute_follows_flops() -> None:
     assert c.bwd[0] == pytest.approx(2 * c.fwd[0])
 
 
+def test_a_gpu_run_sets_the_mfu(tmp_path: Path) -> None:
+    """The MFU a `bench gpu` run measured replaces the 40% guess: its bf16 tokens/s times the
+    FLOPs per token of `gpu_compute`'s rule, over the device's peak."""
+    dims, dev = P.KNOWN_MODELS["llama-3.2-1b"], P.DEVICES["h200"]
+    flops = 16 * (6 * dims.layer_params() + 12 * 2048 * 512) + 6 * dims.vocab * dims.hidden
+    run = {"device_name": "NVIDIA H200", "shape": "llama-3.2-1b", "seq_len": 512, "precision": {"bf16": {"tokens_per_s": 0.25 * 989.4e12 / flops}}}
+    (tmp_path / "gpu.json").write_text(json.dumps(run))
+    mfu, source = P.mfu_from_gpu_run(tmp_path / "gpu.json", dev)
+    assert mfu == pytest.approx(0.25) and "NVIDIA H200" in source
+    (tmp_path / "cpu.json").write_text(json.dumps({**run, "shape": "small"}))
+    with pytest.raises(P.ConfigError, match="llama-3.2-1b shape"):
+        P.mfu_from_gpu_run(tmp_path / "cpu.json", dev)
+    with pytest.raises(P.ConfigError, match="bf16 precision row"):
+        P.mfu_from_gpu_run(tmp_path / "missing.json", dev)
+
+
 # -- CLI ----------------------------------------------------------------------------------------
 
 

@@ -13,12 +13,14 @@ Three parts, each a yes/no a volunteer or a reviewer can read off OUT:
 (c) `memory_refusal`: a run whose memory budget no stage fits: the peer exits 2 naming the
     estimate, before anything loads.
 
-On a CPU (`--device cpu`, what CI can run) the same code runs a small model shape, and peak
-memory is not measured (torch has no CPU allocator statistics).
+On a CPU (`--device cpu`, what CI can run) the same code runs a small model shape, and the peak
+is the live tensor storages plus the profiler's allocation peak over one step (torch keeps no
+CPU allocator statistics).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import signal
@@ -39,9 +41,41 @@ log = logging.getLogger("anchormesh.bench.gpu")
 # Llama-3.2-1B's published config (hidden 2048, 16 layers, GQA 32/8, vocab 128256, tied head)
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                 vocab_size=128256, tie_word_embeddings=True, max_position_embeddings=2048, rope_theta=500000.0)
+# the 1B's width, heads and vocabulary with 4 of its 16 layers: what a 2-core CPU box can measure
+LLAMA_1B_4L = {**LLAMA_1B, "num_hidden_layers": 4}
 SMALL = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=4096, tie_word_embeddings=True, max_position_embeddings=512)
+SHAPES = {"llama-3.2-1b": LLAMA_1B, "llama-3.2-1b-4l": LLAMA_1B_4L, "small": SMALL}
 PARTS = ("precision", "swarm", "memory_refusal")
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of every tensor storage alive in this process (each storage once)."""
+    seen: dict[int, int] = {}
+    for obj in gc.get_objects():
+        try:
+            if torch.is_tensor(obj) and obj.device.type == "cpu" and not obj.is_meta:
+                st = obj.untyped_storage()
+                seen[st.data_ptr()] = st.nbytes()
+        except Exception:  # an object that looks like a tensor but has no storage
+            continue
+    return sum(seen.values())
+
+
+def cpu_peak_bytes(step) -> int:
+    """Peak tensor bytes on the CPU while `step()` runs: what was alive before it plus the
+    highest point of the allocations the profiler records during it (torch has no CPU
+    allocator statistics like CUDA's max_memory_allocated)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    before = live_tensor_bytes()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    now = peak = 0
+    for e in sorted(prof.events(), key=lambda e: e.time_range.start):  # op granularity: each op's own net bytes, frees outside ops
+        now += e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage
+        peak = max(peak, now)
+    return before + peak
 
 
 def _shape_dir(shape: dict, root: Path) -> Path:
@@ -106,21 +140,24 @@ def precision(device: torch.device, shape: dict, root: Path, steps: int, quick: 
             torch.cuda.set_sync_debug_mode(0)
         micro_batches = steps * pipe.micro_batches
         planned = sum(p.total for p in plans)
-        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        if device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(device)
+        else:  # one more step under the profiler (slow: after the timed ones)
+            peak = cpu_peak_bytes(lambda: runner.run(3 + steps))
         out[name] = {
             "tokens_per_s": steps * pipe.micro_batches * pipe.micro_batch_size * pipe.seq_len / seconds,
             "loss_first": reports[0].loss, "loss_last": reports[-1].loss,
             "planned_gib": planned / GIB, "planned_per_stage_gib": [p.total / GIB for p in plans],
-            "peak_gib": None if peak is None else peak / GIB,
-            "peak_over_plan": None if peak is None else peak / planned,
+            "peak_gib": peak / GIB, "peak_over_plan": peak / planned,
+            "peak_measured_by": "torch.cuda.max_memory_allocated" if device.type == "cuda" else "live tensor storages + the profiler's allocation peak over one step",
             "host_syncs": syncs if device.type == "cuda" else None,
             "host_syncs_per_micro_batch": syncs / micro_batches if device.type == "cuda" else None,
             "seconds": time.monotonic() - t0,
         }
-        log.info("precision %s: %.0f tokens/s, planned %.2f GiB%s (%.0fs)", name, out[name]["tokens_per_s"], planned / GIB,
-                 "" if peak is None else f", peak {peak / GIB:.2f} GiB", out[name]["seconds"])
+        log.info("precision %s: %.0f tokens/s, planned %.2f GiB, peak %.2f GiB (%.0fs)", name, out[name]["tokens_per_s"], planned / GIB, peak / GIB, out[name]["seconds"])
         runner.close()
         del runner
+        gc.collect()  # the next mode builds its model in this memory
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return out
@@ -244,10 +281,10 @@ def memory_refusal(device: str, root: Path) -> dict:
 def run(device: str = "auto", parts: tuple[str, ...] = PARTS, quick: bool = False, shape: str | None = None) -> dict:
     dev = parse_device(device)
     shape_name = shape or ("llama-3.2-1b" if dev.type == "cuda" else "small")
-    dims = LLAMA_1B if shape_name == "llama-3.2-1b" else SMALL
+    dims = SHAPES[shape_name]
     t0 = time.monotonic()
     result: dict = {"device": str(dev), "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
-                    "cuda": torch.version.cuda, "shape": shape_name, "model_dims": dims}
+                    "cuda": torch.version.cuda, "shape": shape_name, "model_dims": dims, "seq_len": _pipeline(dev, quick).seq_len}
     with tempfile.TemporaryDirectory(prefix="anchormesh-gpu-") as tmp:
         root = Path(tmp)
         for part in parts:

@@ -106,6 +106,7 @@ DEVICES: dict[str, Device] = {
     "rtx4090": Device("rtx4090", GpuScenario.gpu, GpuScenario.peak_tflops, 1008.0, "NVIDIA Ada whitepaper: 165.2 TFLOP/s dense bf16 (fp32 accumulate), 1008 GB/s"),
     "a100": Device("a100", "A100 80GB SXM", 312.0, 2039.0, "NVIDIA A100 datasheet: 312 TFLOP/s dense bf16, 2039 GB/s"),
     "h100": Device("h100", "H100 SXM", 989.4, 3350.0, "NVIDIA H100 datasheet: 989.4 TFLOP/s dense bf16, 3.35 TB/s"),
+    "h200": Device("h200", "H200 SXM", 989.4, 4800.0, "NVIDIA H200 datasheet: 989 TFLOP/s dense bf16 (the H100's tensor cores), 4.8 TB/s"),
     "cpu": Device("cpu", "this machine's CPU, one torch thread per peer (measured)", None, None, "measured here"),
 }
 DEFAULT_MFU = GpuScenario.mfu
@@ -1048,17 +1049,48 @@ def check_args(device: str, bandwidth_mbit: float, stages: int, replicas: int, m
     return DEVICES[device]
 
 
+GPU_RUNS = Path(__file__).resolve().parents[2] / "docs"  # `anchormesh bench gpu` results: gpu-bench-<device>.json
+
+
+def mfu_from_gpu_run(path: Path, device: Device) -> tuple[float, str]:
+    """The MFU `anchormesh bench gpu` measured on `device`: its bf16 tokens/s on the Llama-3.2-1B
+    shape (both stages in one process, the real runner and codec) times the FLOPs per token of
+    `gpu_compute`'s rule, over the device's peak. Why: a measured rate beats the 40% guess."""
+    import json
+
+    try:
+        run = json.loads(Path(path).read_text())
+        tokens_per_s = float(run["precision"]["bf16"]["tokens_per_s"])
+        seq_len = int(run.get("seq_len", 512))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError("--mfu-from", str(path), f"not an `anchormesh bench gpu` result with a bf16 precision row ({exc})") from None
+    if run.get("shape") != "llama-3.2-1b":
+        raise ConfigError("--mfu-from", str(path), f"measured on shape {run.get('shape')!r}; the MFU is taken from the llama-3.2-1b shape")
+    dims = KNOWN_MODELS["llama-3.2-1b"]
+    flops = 6 * dims.layer_params() * dims.layers + 12 * dims.hidden * seq_len * dims.layers + 6 * dims.vocab * dims.hidden
+    mfu = tokens_per_s * flops / (device.peak_tflops * 1e12)
+    return min(mfu, 1.0), f"measured by `anchormesh bench gpu` on {run.get('device_name', '?')} ({path}): {tokens_per_s:,.0f} bf16 tokens/s"
+
+
 def run_project(model: str, device: str, bandwidth_mbit: float, stages: int = 2, replicas: int = 2, mfu: float | None = None, dp_every: int = 10,
-                shared_cores: int | None = None, burst_kb: float = 0.0) -> dict:
-    """`anchormesh bench project`: resolve, measure, project (see the module docstring)."""
+                shared_cores: int | None = None, burst_kb: float = 0.0, mfu_from: Path | None = None) -> dict:
+    """`anchormesh bench project`: resolve, measure, project (see the module docstring). A GPU's
+    MFU is `--mfu`, else what a `bench gpu` run on that device measured (`--mfu-from`, or
+    docs/gpu-bench-<device>.json when it exists), else 40%."""
     dev = check_args(device, bandwidth_mbit, stages, replicas, mfu, dp_every, shared_cores)
     dims, shape, source = resolve_model(model, stages)
     if stages > dims.layers:
         raise ConfigError("--stages", stages, f"must be <= the model's {dims.layers} layers")
+    mfu_source = "--mfu" if mfu is not None else None
     if dev.peak_tflops is not None and mfu is None:
-        mfu = DEFAULT_MFU
+        found = mfu_from or (GPU_RUNS / f"gpu-bench-{dev.name}.json")
+        if mfu_from is not None or found.exists():
+            mfu, mfu_source = mfu_from_gpu_run(found, dev)
+        else:
+            mfu, mfu_source = DEFAULT_MFU, "assumed (no `anchormesh bench gpu` run on this device)"
     costs = measure_costs(dims, shape, stages, replicas, dev, mfu, dp_every)
     out = project(costs, bandwidth_mbit, burst_bytes=burst_kb * 1024, shared_cores=shared_cores)
+    out["setup"]["mfu_source"] = mfu_source
     out["setup"]["model_source"] = source
     out["setup"]["measured_on"] = {"cpus": os.cpu_count(), "when": time.strftime("%Y-%m-%d %H:%M:%S")}
     return out
