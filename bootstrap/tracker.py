@@ -7,6 +7,7 @@ tests drive it directly with a fake clock.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import threading
 import time
@@ -15,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from peer import __version__
-from peer.capacity import fill_unmeasured
+from peer.capacity import MAX_STEPS_PER_S, STEP_SLACK, fill_unmeasured
 from peer.config import TrainConfig
 from peer.errors import AnchormeshError
 from peer.identity import fingerprint
@@ -35,6 +36,7 @@ class Banned(AnchormeshError):
 
 MAX_MADDRS_PER_PEER = 4  # a peer's DHT addresses kept for its stage mates (bounded: the peer declares them)
 MAX_SUSPECTS = 4  # averaging suspects kept per peer report
+log = logging.getLogger("anchormesh.tracker")
 
 
 @dataclass
@@ -72,6 +74,9 @@ class PeerRecord:
     device: str = ""  # where it computes (from its Join)
     memory: int = 0  # bytes it may plan a stage for; 0 = unknown
     memory_plan: int = 0  # its plan for the stage it serves; 0 = unknown
+    start_step: int = 0  # the run step it was given at Join (its reports start from there)
+    refused_reports: int = 0  # reports whose figures were implausible (kept the old ones)
+    last_refusal: str = ""  # why the newest one was
 
 
 @dataclass
@@ -273,6 +278,7 @@ class Tracker:
             self.peers[req.peer_id] = PeerRecord(
                 req.peer_id, stage, req.grpc_address, last_seen=self.clock(), joined_at=self.clock(), dht_maddrs=tuple(req.dht_maddrs[:MAX_MADDRS_PER_PEER]), key=key.hex(),
                 device=req.device[:120], memory=req.memory_bytes, memory_plan=req.stage_memory_bytes[stage] if req.stage_memory_bytes else 0,
+                start_step=start_step, step=start_step,
             )
         start, end = self.ranges[stage]
         return pb.Assignment(
@@ -304,10 +310,19 @@ class Tracker:
             if p is None or p.state in ("dead", "left"):
                 raise JoinRefused(f"peer_id={rep.peer.peer_id!r} is not in the roster: join first")
             info = rep.peer
+            now = self.clock()
+            why = self._implausible(p, info, rep.tokens, now)
+            if why:  # a broken or lying member: its figures would stop the run or steer the routing; keep the old ones
+                p.refused_reports += 1
+                p.last_refusal = why
+                if p.refused_reports in (1, 10, 100) or p.refused_reports % 1000 == 0:
+                    log.warning("implausible report from %s (%d so far): %s", p.peer_id, p.refused_reports, why)
+            else:
+                p.step, p.tokens, p.capacity, p.tokens_per_s = info.step, rep.tokens, info.capacity_tokens_per_s, info.tokens_per_s
             p.state = info.state if info.state in LIVE else p.state
-            p.last_seen, p.tokens_per_s, p.step, p.loss = self.clock(), info.tokens_per_s, info.step, info.loss
-            p.bytes_in, p.bytes_out, p.queue_depth, p.tokens, p.reason = info.bytes_in, info.bytes_out, info.queue_depth, rep.tokens, info.reason
-            p.dp_rounds, p.anchor_id, p.anchor_bytes_out, p.capacity = info.dp_rounds, info.anchor_id, info.anchor_bytes_out, info.capacity_tokens_per_s
+            p.last_seen, p.loss = now, info.loss
+            p.bytes_in, p.bytes_out, p.queue_depth, p.reason = info.bytes_in, info.bytes_out, info.queue_depth, info.reason
+            p.dp_rounds, p.anchor_id, p.anchor_bytes_out = info.dp_rounds, min(info.anchor_id, self.anchors.launched), info.anchor_bytes_out
             p.dp_bytes_out, p.dp_dense_bytes, p.dp_rejected = info.dp_bytes_out, info.dp_dense_bytes, info.dp_rejected
             p.eval_id, p.eval_loss, p.refused_calls = info.eval_id, info.eval_loss, info.refused_calls
             p.link_mbit, p.pp_keep, p.dp_period_s = info.link_mbit, info.pp_keep, info.dp_period_s
@@ -333,7 +348,31 @@ class Tracker:
                 directive.anchor_id, directive.eval_id = self.anchors.due(step), self.evals.due(step)
                 if directive.anchor_id:
                     directive.anchor_micro_batches = self.config.anchor.micro_batches
+            directive.anchors_issued = self.anchors.launched
         return directive
+
+    def _implausible(self, p: PeerRecord, info: pb.PeerInfo, tokens: int, now: float) -> str:
+        """Why a report's step, tokens or capacity cannot be true, or "". Why: the run's step is
+        the highest stage-0 step and its token budget sums stage-0 tokens, so one member reporting
+        step 2^40 or 10^12 tokens would end the run, and a huge capacity draws all the routing.
+        Bounds: a step never goes back and grows at most MAX_STEPS_PER_S x the seconds since its
+        last report (plus a slack); tokens grow at most one step's tokens per step; tokens/s and
+        capacity stay under MAX_STEPS_PER_S steps' tokens per second."""
+        per_step = self.config.pipeline.micro_batches * self.config.pipeline.micro_batch_size * self.config.pipeline.seq_len
+        since = max(now - (p.last_seen or p.joined_at), 0.0)
+        ceiling = max(p.step, p.start_step, self._run_step()) + STEP_SLACK + MAX_STEPS_PER_S * since
+        if info.step < p.step:
+            return f"step {info.step} is below its last reported step {p.step}"
+        if info.step > ceiling:
+            return f"step {info.step} is over {ceiling:.0f} ({MAX_STEPS_PER_S:g} steps/s since its last report)"
+        if tokens < p.tokens:
+            return f"tokens {tokens} below its last report's {p.tokens}"
+        if tokens - p.tokens > (info.step - p.step + STEP_SLACK) * per_step:
+            return f"tokens grew by {tokens - p.tokens} over {info.step - p.step} steps of {per_step} tokens"
+        rate_limit = MAX_STEPS_PER_S * per_step
+        if not (0 <= info.capacity_tokens_per_s <= rate_limit and 0 <= info.tokens_per_s <= rate_limit):
+            return f"capacity {info.capacity_tokens_per_s:.3g} or rate {info.tokens_per_s:.3g} tokens/s outside [0, {rate_limit:.3g}]"
+        return ""
 
     def _tokens(self) -> int:
         return sum(p.tokens for p in self.peers.values() if p.stage == 0)  # stage 0 feeds every token once
@@ -408,7 +447,7 @@ class Tracker:
             refused_calls=p.refused_calls, key_fingerprint=fingerprint(bytes.fromhex(p.key)) if p.key else "",
             dp_suspects=named.get(p.peer_id, []), dp_flagged=flagged.get(p.peer_id, 0),
             link_mbit=p.link_mbit, pp_keep=p.pp_keep, dp_period_s=p.dp_period_s,
-            device=p.device, memory_bytes=p.memory, memory_plan_bytes=p.memory_plan,
+            device=p.device, memory_bytes=p.memory, memory_plan_bytes=p.memory_plan, refused_reports=p.refused_reports,
         )
 
     def status(self) -> pb.RunStatus:

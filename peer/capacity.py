@@ -7,6 +7,12 @@ starved before its first reading.
 
 from __future__ import annotations
 
+# the fastest a stage can plausibly step (a tiny model on a GPU does a few tens a second) and
+# the slack around it: a report or a downloaded state claiming more is refused (the tracker's
+# report checks, the daemon's state checks), since a huge step or token count ends or hijacks a run
+MAX_STEPS_PER_S = 100.0
+STEP_SLACK = 50
+
 
 def fill_unmeasured(values: list[float]) -> list[float]:
     """`values` with every reading <= 0 replaced by the median of the positive ones (1.0 if none)."""

@@ -221,6 +221,15 @@ def _refused_calls(s: dict) -> list[str]:
     ]
 
 
+def _implausible_reports(s: dict) -> list[str]:
+    """Peers whose reports the tracker refused (a step, token count or capacity no honest peer
+    reaches): a broken peer or someone trying to end or steer the run."""
+    return [
+        f"{p['id']} (stage {p['stage']}) sent {p['refused_reports']} implausible report(s) (step, tokens or capacity): the tracker kept its old figures; judge it and ban it if needed"
+        for p in s.get("peers", []) if (p.get("refused_reports") or 0) > 0 and p.get("state") in LIVE_STATES
+    ]
+
+
 def _unfit(s: dict) -> list[str]:
     """Volunteers the tracker turned away because no stage of the run fits their memory: the
     operator may want more stages or activation checkpointing to use them."""
@@ -260,7 +269,7 @@ def _stalled(s: dict) -> list[str]:
 
 
 RULES: tuple[Callable[[dict], list[str]], ...] = (
-    _stages_without_peer, _bottleneck_stages, _stale_anchor, _dead_peers, _silent_peers, _rejected_rounds, _named_by_group, _refused_calls, _unfit, _bad_loss, _stalled,
+    _stages_without_peer, _bottleneck_stages, _stale_anchor, _dead_peers, _silent_peers, _rejected_rounds, _named_by_group, _refused_calls, _implausible_reports, _unfit, _bad_loss, _stalled,
 )
 
 

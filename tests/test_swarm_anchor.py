@@ -137,6 +137,27 @@ def test_an_older_anchor_from_a_sibling_is_skipped() -> None:
     assert a.stale_dropped == 1 and a.priors_applied == 1
 
 
+def test_anchor_ids_above_what_the_tracker_issued_are_refused() -> None:
+    """A forged prior or pass with a huge anchor id would be folded and then block every later
+    prior (ids must increase); with the tracker's ceiling known, it is refused on the wire."""
+    _, _, workers, anchors = build()
+    a = anchors["p1b"]
+    grads = [pb.NamedTensor(name=n, tensor=tensor_to_proto(torch.zeros(s, dtype=torch.bfloat16))) for n, s in a.shapes.items()]
+    forged = pb.AnchorPrior(header=pb.MicroBatchHeader(run_id="run", step=3, micro_batch_id=2**60, sender="p1"), stage=1, grads=grads)
+    a.validate("prior", forged)  # no ceiling heard yet: as before
+    a.issued = 5
+    with pytest.raises(WireError, match="issued only up to 5"):
+        a.validate("prior", forged)
+    forged.header.micro_batch_id = 7  # within the slack: issued since this peer's last heartbeat
+    a.validate("prior", forged)
+    win = windows()[0]
+    fwd = pb.ActivationChunk(header=pb.MicroBatchHeader(run_id="run", step=2**50, micro_batch_id=0, sender="p0", boundary=0, dense=True),
+                             hidden=tensor_to_proto(torch.zeros(2, 8, 32).half()), token_ids=tensor_to_proto(win))
+    anchors["p1"].issued = 5
+    with pytest.raises(WireError, match="issued only up to 5"):
+        anchors["p1"].validate("anchor_forward", fwd)
+
+
 def test_bad_anchor_messages_are_refused_by_name() -> None:
     _, _, workers, anchors = build()
     a1 = anchors["p1"]

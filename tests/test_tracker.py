@@ -275,3 +275,39 @@ def test_a_peer_gets_only_a_stage_its_memory_fits() -> None:
     row = {p.peer_id: p for p in st.peers}["small"]
     assert (row.device, row.memory_bytes, row.memory_plan_bytes) == ("cuda:0 Test GPU bf16", 8 * gib, 6 * gib)
     assert "tiny" not in t.peers
+
+
+def test_implausible_reports_are_refused_and_end_nothing() -> None:
+    """A member reporting step 2^40, 10^12 tokens, a step going back or a huge capacity: its
+    figures are not taken (the run's step, tokens and budget stay), it is counted and shown."""
+    clock = Clock()
+    cfg = TrainConfig(model=ModelConfig(num_stages=2, num_layers=4), token_budget=10**9)
+    t = Tracker("run-x", cfg, peer_timeout_s=30.0, clock=clock)
+    join(t, "a"), join(t, "b")
+    per_step = cfg.pipeline.micro_batches * cfg.pipeline.micro_batch_size * cfg.pipeline.seq_len
+
+    def report(step: int, tokens: int, capacity: float = 100.0) -> pb.Directive:
+        clock.t += 1.0
+        info = pb.PeerInfo(peer_id="a", stage=0, state="active", step=step, capacity_tokens_per_s=capacity)
+        return t.report(pb.PeerReport(run_id="run-x", peer=info, tokens=tokens))
+
+    assert report(10, 10 * per_step).kind == pb.Directive.CONTINUE
+    assert report(2**40, 11 * per_step).kind == pb.Directive.CONTINUE  # not STOP, not the run's step
+    assert report(11, 10**12).kind == pb.Directive.CONTINUE  # the budget is not spent by a claim
+    report(5, 12 * per_step)  # a step going back
+    report(12, 12 * per_step, capacity=1e15)  # a capacity no peer has
+    st = t.status()
+    row = {p.peer_id: p for p in st.peers}["a"]
+    assert (st.step, st.tokens, st.state) == (10, 10 * per_step, "running")
+    assert row.refused_reports == 4 and row.capacity_tokens_per_s == 100.0
+    assert "capacity" in t.peers["a"].last_refusal
+    assert report(13, 13 * per_step).kind == pb.Directive.CONTINUE and t.status().step == 13  # honest figures go on
+
+
+def test_directives_carry_the_newest_issued_anchor_id() -> None:
+    t, clock = make(anchor_every=2)
+    join(t, "a"), join(t, "b")
+    beat(t, "b")
+    d = beat(t, "a", step=2)
+    assert d.anchor_id == 1 and d.anchors_issued == 1
+    assert beat(t, "b").anchors_issued == 1  # every stage learns the ceiling: priors above it are forged

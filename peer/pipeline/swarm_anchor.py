@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 
 ANCHOR_CHANNELS = ("anchor_forward", "anchor_backward", "prior")
 MAX_JOBS = 4  # anchor passes held at once by one stage, unless the daemon sizes it to its memory
+ISSUE_SLACK = 2  # anchor ids this far above the newest issued one this peer heard of may be real (issued since its last heartbeat)
 
 
 @dataclass
@@ -99,6 +100,9 @@ class SwarmAnchor:
         self.todo: deque[tuple[int, int, torch.Tensor]] = deque()  # stage 0: (anchor_id, j, window)
         self.inbox: dict[str, deque] = {ch: deque() for ch in ANCHOR_CHANNELS}
         self.newest_id = 0  # newest anchor pass folded into the optimizer (the tracker numbers them in time order)
+        # the newest anchor id the tracker has issued (from the heartbeat; None: not heard yet):
+        # an id above it (plus ISSUE_SLACK) is forged, and folding it would block every later prior
+        self.issued: int | None = None
         self.priors_applied = 0
         self.stale_dropped = 0
 
@@ -119,6 +123,10 @@ class SwarmAnchor:
         for j, window in enumerate(windows):
             self.todo.append((anchor_id, j, window))
 
+    def _check_issued(self, anchor_id: int) -> None:
+        if self.issued is not None and anchor_id > self.issued + ISSUE_SLACK:
+            raise WireError(f"anchor id {anchor_id}: the tracker has issued only up to {self.issued}")
+
     def validate(self, channel: str, msg: object) -> None:
         """Vet an inbound anchor message before it is queued (transport threads)."""
         s = self.w.stage
@@ -127,6 +135,8 @@ class SwarmAnchor:
                 raise WireError("header.dense=false: anchor activations travel dense")
             if msg.header.boundary != s.index - 1:
                 raise WireError(f"header.boundary={msg.header.boundary}: stage {s.index} receives activations on boundary {s.index - 1}")
+            if not msg.header.eval:
+                self._check_issued(msg.header.step)
             limit, what = (self.eval_batches, "an evaluation") if msg.header.eval else (self.micro_batches, "an anchor")
             if msg.header.micro_batch_id >= limit:
                 raise WireError(f"micro_batch_id={msg.header.micro_batch_id}: {what} pass has {limit} micro-batches")
@@ -147,6 +157,7 @@ class SwarmAnchor:
                 raise WireError(f"stage={msg.stage}: this peer serves stage {s.index}")
             if msg.header.sender not in self.siblings():
                 raise WireError(f"header.sender={msg.header.sender!r} is not a live peer of this stage group")
+            self._check_issued(msg.header.micro_batch_id)
             names = [g.name for g in msg.grads]
             unknown = sorted(set(names) - self.targets)
             if unknown or len(set(names)) != len(names) or not names:
