@@ -415,3 +415,52 @@ def test_the_link_is_measured_only_from_an_all_reduce_seen_over_several_steps() 
     ns._allreduce_seen, ns._ticks = (7, 1009.5), 9  # 2 steps: mostly the error of seeing it once a step
     GroupAverager._measure_link(ns, 4_000_000)
     assert ns.schedule.measured_bps == 2e6
+
+
+def test_a_group_of_three_takes_the_trimmed_mean_and_an_outsized_member_moves_nothing() -> None:
+    """c sends an update 3.9x the others' (under the 4x naming limit, so the round is taken):
+    with hivemind's weighted mean it would drag the group along; the trimmed mean (the median of
+    three, every member weighing 1) leaves the result between the honest members."""
+    import hivemind
+
+    from peer.dp.robust import trimmed_mean
+
+    with two_dhts() as (dht_a, dht_b):
+        dht_c = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[str(m) for m in dht_a.get_visible_maddrs()])
+        try:
+            torch.manual_seed(0)
+            init = [torch.randn(100, 50), torch.randn(20)]
+            common = [0.01 * torch.randn_like(t) for t in init]
+            params = [[torch.nn.Parameter(t.clone()) for t in init] for _ in range(3)]
+            clock = FakeClock()
+            avgs = [GroupAverager(d, ps, "trimmed", every=1, timeout=30.0, compression="none", peer_id=f"peer-{i}", clock=clock) for i, (d, ps) in enumerate(zip((dht_a, dht_b, dht_c), params))]
+            with torch.no_grad():
+                for i, ps in enumerate(params):
+                    for p, c, t in zip(ps, common, init):
+                        p.copy_(t + (3.9 * c if i == 2 else c + 0.002 * torch.randn_like(p)))
+            offered = [[p.detach().clone() for p in ps] for ps in params]
+            offer(avgs, clock)
+            deadline = time.monotonic() + 60
+            while not all(avg._pending.done() for avg in avgs):
+                assert time.monotonic() < deadline, "no averaging round within 60 s"
+                time.sleep(0.1)
+            avgs[0]._finish()
+            assert avgs[0].rounds == 1 and avgs[0].rejected == 0, (avgs[0].last_error, avgs[0].last_rejection)
+            for k, p in enumerate(params[0]):
+                want = trimmed_mean(torch.stack([o[k] for o in offered]))
+                plain = torch.stack([o[k] for o in offered]).mean(0)
+                torch.testing.assert_close(p.detach(), want, rtol=0, atol=1e-6)
+                assert (plain - want).norm() > 10 * (p.detach() - want).norm() + 1e-3  # the plain mean would be elsewhere
+            for avg in avgs:
+                avg.shutdown()
+        finally:
+            dht_c.shutdown()
+
+
+def test_trimmed_mean_drops_the_extremes_per_coordinate() -> None:
+    from peer.dp.robust import trim_count, trimmed_mean
+
+    assert [trim_count(n) for n in (1, 2, 3, 8, 16, 17)] == [0, 0, 1, 1, 2, 2]
+    x = torch.tensor([[1.0, -5.0], [2.0, 0.0], [100.0, 1.0]])
+    assert torch.equal(trimmed_mean(x), torch.tensor([2.0, 0.0]))
+    assert torch.equal(trimmed_mean(x[:2]), x[:2].mean(0))  # a pair: the plain mean

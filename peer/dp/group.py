@@ -28,8 +28,10 @@ baseline); "int8" averages the *change since the last group mean* (the DiLoCo ou
 centred, so 8 bits lose little, while 8-bit parameters would lose most of their mantissa.
 
 Each round also carries every member's *claim*: its id and the values it sends at a fixed sample
-of coordinates (hivemind's all-gather rides along with matchmaking). Claims let a peer check
-the mean it gets back (it must equal the mean of the claims at those coordinates) and name a
+of coordinates (hivemind's all-gather rides along with matchmaking). The reduction itself is a
+coordinate-wise trimmed mean in which every member weighs 1 (peer/dp/robust.py): in a group of
+three or more one member cannot scale or flip the result. Claims let a peer check the result it
+gets back (it must equal the same trimmed mean of the claims at those coordinates) and name a
 member whose update is NaN, far larger than the group's, or points against the rest of the
 group (a sign flip); see `GroupAverager._attribute`.
 
@@ -51,6 +53,7 @@ from concurrent.futures import Future
 
 import torch
 
+from peer.dp.robust import trimmed_mean
 from peer.errors import AnchormeshError
 
 log = logging.getLogger(__name__)
@@ -280,6 +283,27 @@ def _averager_class():
         def get_current_state(self):  # runs in this (host) process, on hivemind's background thread
             metadata, tensors = self._state_fn()
             return metadata, tensors, None
+
+        async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
+            """hivemind's method with its runner swapped for the trimmed-mean one (peer/dp/robust.py)."""
+            from hivemind.averaging.averager import AveragingMode
+            from hivemind.utils import get_dht_time
+            from hivemind.utils.asyncio import as_aiter, azip
+
+            from peer.dp.robust import runner_class
+
+            group_id = group_info.group_id if group_id is None else group_id
+            runner = runner_class()(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors, group_id=group_id, ordered_peer_ids=group_info.peer_ids, **kwargs)
+            assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
+            self._running_groups[group_id].set_result(runner)
+            if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
+                async for tensor, update in azip(as_aiter(*tensors), runner):
+                    tensor.add_(update, alpha=self._averaging_alpha)
+                    self.last_updated = get_dht_time()
+                    self._state_updated.set()
+            else:
+                async for _ in runner:
+                    raise ValueError("aux peers should not receive averaged tensors")
 
     return StageAverager
 
@@ -565,7 +589,7 @@ class GroupAverager:
                 return f"member {name} sent NaN or Inf", [f"{name}: sent NaN or Inf"]
         if not all(torch.isfinite(u).all() for u in updates.values()):
             return "a member sent NaN or Inf", []
-        claimed_mean = torch.stack(list(claims.values())).mean(0)
+        claimed_mean = trimmed_mean(torch.stack(list(claims.values())))  # what the robust reducers compute from the claims
         off = float((result - claimed_mean).norm())
         biggest = max(float(u.norm()) for u in updates.values())
         if off > CLAIM_TOLERANCE * biggest + floor:
