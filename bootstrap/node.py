@@ -1,9 +1,11 @@
 """`anchormesh bootstrap`: the first hivemind DHT node plus the tracker and status gRPC services.
 
-It publishes the tracker's address in the DHT (key `anchormesh/tracker`), so a peer given only
-`--initial-peers` finds it, and writes `STATE_DIR/bootstrap.json` =
-`{"run_id", "dht_maddrs", "tracker", "token", "operator"[, "tls_ca"]}` (mode 0600: it holds the
-run's secrets) once it accepts peers; stdout gets the same without the secrets.
+It publishes the tracker's address in the DHT (key `anchormesh/tracker`, signed with the
+tracker's Ed25519 key: peer/dht_auth.py), so a peer given only `--initial-peers` finds it, and
+writes `STATE_DIR/bootstrap.json` = `{"run_id", "dht_maddrs", "tracker", "tracker_key", "token",
+"operator"[, "tls_ca"]}` (mode 0600: it holds the run's secrets) once it accepts peers; stdout
+gets the same without the secrets. Its DHT node admits only run-token holders (`RunAuthorizer`)
+and stores only tracker records its own key signed.
 
 Every call is checked by a `Gate` (peer/auth.py): Join takes the run token, Heartbeat and Leave a
 member certificate (issued at Join), Ban the operator key, Status nothing unless
@@ -27,7 +29,7 @@ import grpc
 
 from bootstrap import keys, persist
 from bootstrap.tracker import Banned, JoinRefused, Tracker
-from peer import auth
+from peer import auth, dht_auth
 from peer.identity import Identity, certificate_bytes
 from peer.address import announce_maddr, free_port
 from peer.atomic import write_atomic
@@ -41,7 +43,7 @@ from peer.wire.tensors import parse_message
 from peer.wire import anchormesh_pb2_grpc as pbg
 
 log = logging.getLogger("anchormesh.bootstrap")
-DHT_TRACKER_KEY = "anchormesh/tracker"
+DHT_TRACKER_KEY = dht_auth.TRACKER_RECORD_KEY
 DHT_TTL_S = 60.0
 
 
@@ -226,7 +228,7 @@ def serve_tracker(tracker: Tracker, host: str, port: int, secrets: keys.RunSecre
     server.add_generic_rpc_handlers(_handlers(tracker, secrets.tracker if secrets else None, gate, ca))
     try:
         if ca is not None:
-            bound = server.add_secure_port(f"{host}:{port}", grpc.ssl_server_credentials([ca.server_pair("tracker")]))
+            bound = server.add_secure_port(f"{host}:{port}", grpc.ssl_server_credentials([ca.server_pair()]))
         else:
             bound = server.add_insecure_port(f"{host}:{port}")
     except RuntimeError:  # grpc raises on a taken port (older versions returned 0)
@@ -243,7 +245,6 @@ def run_bootstrap(config: TrainConfig | None, host: str, port: int, dht_port: in
     cannot dial 0.0.0.0, and hivemind would list the container's own addresses). `token` sets
     the run token (default: the stored one, or a new random one)."""
     import hivemind
-    from hivemind.utils import get_dht_time
 
     setup_logging()
     saved = None if new_run else persist.load(state_dir)
@@ -271,8 +272,9 @@ def run_bootstrap(config: TrainConfig | None, host: str, port: int, dht_port: in
         dht_port = dht_port or free_port(host)  # hivemind needs the announced port up front; a run keeps its port
     if announce_host:
         announce = [announce_maddr(announce_host, dht_port)]
-    # a persistent identity: the DHT's /p2p/ id (in every peer's --initial-peers) survives a restart
-    dht = hivemind.DHT(host_maddrs=[f"/ip4/{host}/tcp/{dht_port}"], announce_maddrs=announce, identity_path=str(state_dir / "dht.key"), start=True)
+    # a persistent identity: the DHT's /p2p/ id (in every peer's --initial-peers) survives a restart;
+    # only run-token holders take part, and only this tracker's signed record lands under its key
+    dht = hivemind.DHT(host_maddrs=[f"/ip4/{host}/tcp/{dht_port}"], announce_maddrs=announce, identity_path=str(state_dir / "dht.key"), start=True, **dht_auth.dht_kwargs(secrets.token, secrets.tracker.public))
     maddrs = [str(m) for m in dht.get_visible_maddrs()]
     if saved is not None:
         tracker = persist.restore(saved, peer_timeout_s=peer_timeout_s, dht_maddrs=maddrs)
@@ -292,9 +294,9 @@ def run_bootstrap(config: TrainConfig | None, host: str, port: int, dht_port: in
         log.info("Prometheus metrics on http://%s:%d/metrics", host, metrics.server_address[1])
     stop = threading.Event()
 
-    def publish() -> None:
+    def publish() -> None:  # signed: peers take only a record of this tracker's key (peer/dht_auth.py)
         while not stop.is_set():
-            dht.store(DHT_TRACKER_KEY, {"run_id": run_id, "tracker": address}, get_dht_time() + DHT_TTL_S)
+            dht_auth.publish_tracker(dht, secrets.tracker, run_id, address, DHT_TTL_S)
             stop.wait(DHT_TTL_S / 3)
 
     threading.Thread(target=publish, name="dht-publish", daemon=True).start()
@@ -308,7 +310,7 @@ def run_bootstrap(config: TrainConfig | None, host: str, port: int, dht_port: in
 
     persist.save(state_dir, persist.snapshot(tracker, ports))
     threading.Thread(target=keep_state, name="tracker-state", daemon=True).start()
-    info = {"run_id": run_id, "dht_maddrs": maddrs, "tracker": address}
+    info = {"run_id": run_id, "dht_maddrs": maddrs, "tracker": address, "tracker_key": secrets.tracker.public.hex()}  # public: peers check the tracker's DHT record with it
     if ca is not None:
         info["tls_ca"] = ca.pem.decode()
     write_atomic(state_dir / "bootstrap.json", json.dumps({**info, "token": secrets.token, "operator": secrets.operator}).encode(), mode=0o600)

@@ -341,7 +341,10 @@ class Tracker:
             # a joining peer may not serve yet (it may still be downloading its stage's state)
             neighbours = [self._info(q) for q in self.live() if abs(q.stage - p.stage) <= 1 and q.peer_id != p.peer_id and q.state != "joining"]
             banned_dht = sorted({m.rsplit("/p2p/", 1)[1] for q in self.peers.values() if q.state == "banned" for m in q.dht_maddrs if "/p2p/" in m})
-            directive = pb.Directive(kind=pb.Directive.CONTINUE, neighbours=neighbours, banned=sorted(self.banned), banned_dht=banned_dht)
+            # libp2p authenticates hivemind peer ids, and each member declared its own at Join:
+            # an averaging round with any other id has an outsider in it
+            members = sorted({m.rsplit("/p2p/", 1)[1] for q in self.live(p.stage) for m in q.dht_maddrs if "/p2p/" in m})
+            directive = pb.Directive(kind=pb.Directive.CONTINUE, neighbours=neighbours, banned=sorted(self.banned), banned_dht=banned_dht, member_dht=members)
             # anchor and evaluation passes: to the next stage-0 peer to report once due, while every stage is served
             if p.stage == 0 and p.state in ("active", "idle") and all(self.live(s) for s in range(self.config.model.num_stages)):
                 step = self._run_step()

@@ -16,17 +16,29 @@ def write_atomic(path: Path, content: bytes | Callable[[BinaryIO], object], mode
     """Write `content` (bytes, or a function writing to the open file) to a temp name beside
     `path`, fsync it, and rename it over `path`. `mode` applies from the file's creation on
     (0o600 for secrets: never readable by others, not even for a moment)."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = temp_path(path)
     tmp.unlink(missing_ok=True)  # a leftover of a kill may carry another mode
-    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "wb") as f:
-        if callable(content):
-            content(f)
-        else:
-            f.write(content)
-        f.flush()
-        os.fsync(f.fileno())
-    os.chmod(tmp, mode)  # os.open's mode is masked by the umask
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "wb") as f:
+            if callable(content):
+                content(f)
+            else:
+                f.write(content)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)  # os.open's mode is masked by the umask
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, a failed writer: no half file is left to fill the disk further
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise
+
+
+def temp_path(path: Path) -> Path:
+    """The temp name `write_atomic` writes `path` under (never read as a real file)."""
+    return path.with_name(f".{path.name}.tmp")
 
 
 def fsync_dir(path: Path) -> None:

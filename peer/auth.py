@@ -122,16 +122,25 @@ class _AddCredentials(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientIn
         return continuation(self._with(d), requests)
 
 
-def open_channel(target: str, creds: Credentials | None, options: list | None = None, tls_ca: bytes | None = None) -> grpc.Channel:
-    """A channel whose every call carries `creds` (TLS-verified against the run's CA when given)."""
+def open_channel(target: str, creds: Credentials | None, options: list | None = None, tls_ca: bytes | None = None, server_name: str | None = None) -> grpc.Channel:
+    """A channel whose every call carries `creds` (TLS-verified against the run's CA when given,
+    and the server's certificate must carry `server_name`: default, a member's name)."""
     options = list(options or [])
     if tls_ca:
-        from peer.tls import SERVER_NAME
+        from peer.tls import PEER_NAME
 
-        channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=tls_ca), options=[*options, ("grpc.ssl_target_name_override", SERVER_NAME)])
+        channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=tls_ca), options=[*options, ("grpc.ssl_target_name_override", server_name or PEER_NAME)])
     else:
         channel = grpc.insecure_channel(target, options=options)
     return grpc.intercept_channel(channel, _AddCredentials(creds)) if creds is not None else channel
+
+
+def tracker_channel(target: str, creds: Credentials | None, options: list | None = None, tls_ca: bytes | None = None) -> grpc.Channel:
+    """`open_channel` to the tracker: with TLS its certificate must carry the tracker's name, which
+    no member's certificate does (peer/tls.py), so a member cannot pose as the tracker."""
+    from peer.tls import TRACKER_NAME
+
+    return open_channel(target, creds, options, tls_ca, server_name=TRACKER_NAME)
 
 
 @dataclass(frozen=True)

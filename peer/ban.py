@@ -25,7 +25,7 @@ def run_ban(bootstrap_json: Path, peer: str, reason: str = "", unban: bool = Fal
     except (OSError, ValueError, KeyError) as exc:
         raise ConfigError("--bootstrap", str(bootstrap_json), f"not a readable bootstrap.json with the operator key ({exc})") from None
     tls_ca = info["tls_ca"].encode() if info.get("tls_ca") else None
-    with auth.open_channel(tracker, auth.Credentials(operator=operator), tls_ca=tls_ca) as channel:
+    with auth.tracker_channel(tracker, auth.Credentials(operator=operator), tls_ca=tls_ca) as channel:
         try:
             reply = pbg.TrackerStub(channel).Ban(pb.BanRequest(peer_id=peer, reason=reason, unban=unban), timeout=10)
         except grpc.RpcError as exc:

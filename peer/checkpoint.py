@@ -18,7 +18,9 @@ import hashlib
 import io
 import json
 import logging
+import os
 import re
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +54,32 @@ class _HashingWriter(io.RawIOBase):
         self.size += n
         self.bar.update(n)
         return n
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written; the message says why. Nothing of it is left on disk."""
+
+
+def failure_reason(exc: BaseException, where: Path, need: int = 0) -> str:
+    """Why a write failed, in words: the OS error behind it when the exception chain holds one,
+    else the exception, plus the free space when it is below what the write needed (torch.save
+    turns ENOSPC into a bare RuntimeError)."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError) and e.errno is not None:
+            return f"{os.strerror(e.errno)} ({where})"
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    first = str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {first[-1] if first else 'no message'}"
+    try:
+        free = shutil.disk_usage(where if where.exists() else where.parent).free
+    except OSError:
+        return text
+    if free < need:
+        return f"no space left on device? {free / 1e6:.1f} MB free in {where}, {need / 1e6:.1f} MB needed ({text})"
+    return text
 
 
 @dataclass
@@ -100,16 +128,40 @@ class ShardCheckpoints:
         return self.dir / f"step{step:08d}.pt", self.dir / f"step{step:08d}.json"
 
     def save(self, metadata: dict, names: list[str], tensors: list[torch.Tensor], hf_names: list[str] | None = None) -> Path:
-        """Write one checkpoint (atomically), then drop all but the newest `keep`."""
+        """Write one checkpoint (atomically), then drop all but the newest `keep`. Any failure
+        (a full disk makes torch.save raise RuntimeError, not OSError) raises CheckpointWriteError
+        with the reason, after removing what it wrote: the older checkpoints stay the valid ones."""
         step = int(metadata["version"])
+        total = sum(t.numel() * t.element_size() for t in tensors)
+        data, manifest = self._paths(step)
+        existed = manifest.exists()  # a checkpoint of this step written before is not this write's to remove
+        try:
+            return self._save(step, metadata, names, tensors, hf_names, total)
+        except Exception as exc:
+            for p in () if existed else (manifest, data):  # the manifest first: a data file without one never counts
+                try:
+                    p.unlink(missing_ok=True)
+                except OSError:
+                    pass
+            raise CheckpointWriteError(f"checkpoint of stage {self.stage} at step {step}: {failure_reason(exc, self.dir, total)}") from exc
+
+    def _sweep_temp_files(self) -> None:
+        """Temp files a killed writer left: never a checkpoint, but they hold disk space."""
+        for p in self.dir.glob(".step*.tmp"):
+            try:
+                p.unlink()
+            except OSError:
+                pass
+
+    def _save(self, step: int, metadata: dict, names: list[str], tensors: list[torch.Tensor], hf_names: list[str] | None, total: int) -> Path:
         self.dir.mkdir(parents=True, exist_ok=True)
+        self._sweep_temp_files()
         info_path = self.dir.parent / "run.json"
         if self.run_info is not None and not info_path.exists():
             write_atomic(info_path, json.dumps(self.run_info, indent=2).encode())
         data, manifest = self._paths(step)
         t0 = time.monotonic()
         payload = {"format": FORMAT, "run_id": self.run_id, "stage": self.stage, "metadata": metadata, "names": names, "tensors": tensors, "hf_names": hf_names}
-        total = sum(t.numel() * t.element_size() for t in tensors)
         writer: _HashingWriter | None = None
 
         def write(f: BinaryIO) -> None:

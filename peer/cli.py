@@ -55,6 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     peer.add_argument("--threads", type=int, default=int(env("ANCHORMESH_THREADS", "1") or 1), help="torch CPU threads for this peer (default: $ANCHORMESH_THREADS, else 1, so many peers can share one machine; a dedicated CPU peer wants its core count)")
     peer.add_argument("--token", default=env("ANCHORMESH_TOKEN") or None, help="the run token (the \"token\" in the bootstrap's bootstrap.json), or @FILE to read it from a bootstrap.json or a file holding it; default: $ANCHORMESH_TOKEN")
     peer.add_argument("--tls-ca", default=env("ANCHORMESH_TLS_CA") or None, help="the run's CA certificate when it uses TLS (security.tls): a PEM file, or the bootstrap.json (its \"tls_ca\"); default: $ANCHORMESH_TLS_CA")
+    peer.add_argument("--tracker-key", default=env("ANCHORMESH_TRACKER_KEY") or None, help="the tracker's public key (the \"tracker_key\" of bootstrap.json, hex, or @bootstrap.json): a peer that finds the tracker through the DHT takes only a record signed with it; default: $ANCHORMESH_TRACKER_KEY, else the one in the bootstrap.json that --token @FILE names")
 
     status = sub.add_parser("status", help="show a run's stages, peers, loss and throughput")
     status.add_argument("--tracker", required=True, help="tracker host:port")
@@ -140,9 +141,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     from peer.auth import read_token
+    from peer.orphans import install as install_orphan_guard
     from peer.tls import read_ca
 
     args = _parser().parse_args(argv)
+    install_orphan_guard()  # before any child starts: hivemind's processes and p2pd die with this one
     try:
         if args.command == "demo":
             if not args.local:
@@ -169,6 +172,7 @@ def main(argv: list[str] | None = None) -> None:
             faulthandler.register(signal.SIGUSR1, all_threads=True)
             from peer.address import AUTO, outward_address
             from peer.daemon import run_peer
+            from peer.dht_auth import read_tracker_key
 
             from peer.placement import parse_device
 
@@ -191,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
                     raise ConfigError("--announce-host", AUTO, str(exc)) from None
                 print(f"anchormesh peer: --announce-host auto: {announce}", file=sys.stderr, flush=True)
             run_peer(args.initial_peers, args.tracker, args.host, args.grpc_port, args.device, args.max_steps, args.state_dir, announce, dht_port=args.dht_port, metrics_port=args.metrics_port, threads=args.threads,
-                     token=read_token(args.token), tls_ca=read_ca(args.tls_ca))
+                     token=read_token(args.token), tls_ca=read_ca(args.tls_ca), tracker_key=read_tracker_key(args.tracker_key, args.token))
         elif args.command == "export":
             from peer.export import run_export
 

@@ -42,8 +42,9 @@ import torch
 
 from peer import __version__, auth
 from peer.address import announce_maddr, free_port
-from peer.capacity import fill_unmeasured
+from peer.capacity import MAX_STEPS_PER_S, STEP_SLACK, fill_unmeasured
 from peer.checkpoint import ShardCheckpoints
+from peer.runlog import MetricsLog
 from peer.codec.mask import MaskCodec
 from peer.config import config_from_dict
 from peer.data import TokenStream, load_training_data
@@ -69,15 +70,32 @@ PEER_ID_ENV = "ANCHORMESH_PEER_ID"  # set by a MOVE's exec so the peer keeps its
 TRACKER_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 500), ("grpc.min_reconnect_backoff_ms", 500), ("grpc.max_reconnect_backoff_ms", 4000)]
 
 
-def find_tracker(dht, stop: threading.Event) -> str:
-    """The tracker address published in the DHT; retries with backoff and says so."""
-    from bootstrap.node import DHT_TRACKER_KEY
+def find_tracker(dht, stop: threading.Event, tracker_key: bytes | None = None, run_id: str | None = None) -> str:
+    """The tracker address from the DHT's signed records (peer/dht_auth.py), newest first: one
+    signed by `tracker_key` (and of `run_id` when given). Without a key it takes a record only
+    when all well-signed ones have one signer: a member posing as the tracker makes that
+    ambiguous, and then it waits for the key. Logs what it refused; retries with backoff."""
+    from peer import dht_auth
 
-    delay = 0.5
+    delay, said = 0.5, set()
+
+    def once(level: int, text: str, *args) -> None:
+        if (text, args) not in said:
+            said.add((text, args))
+            log.log(level, text, *args)
+
     while not stop.is_set():
-        found = dht.get(DHT_TRACKER_KEY, latest=True)
-        if found is not None:
-            return found.value["tracker"]
+        found = dht.get(dht_auth.TRACKER_RECORD_KEY, latest=True)
+        good, refused = dht_auth.verified_trackers(found, tracker_key, run_id)
+        for signer, why in refused:
+            once(logging.WARNING, "refused a tracker record in the DHT signed by %s: %s", signer, why)
+        signers = {r["key"] for _, r in good}
+        if good and (tracker_key is not None or len(signers) == 1):
+            if tracker_key is None:
+                once(logging.WARNING, "took the tracker record signed by %s without checking that it is the tracker's key: pass --tracker-key or --token @bootstrap.json", good[0][1]["key"][:16])
+            return good[0][1]["tracker"]
+        if len(signers) > 1:
+            once(logging.ERROR, "tracker records from %d keys in the DHT: cannot tell the tracker from a member posing as it; pass --tracker-key (the \"tracker_key\" of bootstrap.json) or --token @bootstrap.json", len(signers))
         log.info("no tracker in the DHT yet; retrying in %.1fs", delay)
         stop.wait(delay)
         delay = min(delay * 2, 10.0)
@@ -97,7 +115,7 @@ def dht_maddrs_from_tracker(tracker: str, stop: threading.Event, creds: auth.Cre
     delay = 0.5
     while not stop.is_set():
         try:
-            with auth.open_channel(tracker, creds, tls_ca=tls_ca) as channel:
+            with auth.tracker_channel(tracker, creds, tls_ca=tls_ca) as channel:
                 return list(pbg.StatusStub(channel).GetStatus(pb.StatusRequest(), timeout=10).dht_maddrs)
         except grpc.RpcError as exc:
             if exc.code() in REFUSALS:
@@ -177,7 +195,11 @@ class PeerDaemon:
         self._checkpointed = 0  # the step of the newest checkpoint written
         self.steps_done = 0  # optimizer steps this peer has taken itself
         self.state_step = -1  # the step of the stage state taken from a checkpoint or the group; -1 = initial weights
+        self._run_clock: tuple[float, int] | None = None  # (when it joined, the run's step then): bounds a downloaded state's step
         self._checkpoint_thread: threading.Thread | None = None
+        self.checkpoint_failures = 0  # checkpoint writes that failed (full disk, I/O error): logged, training goes on
+        self.metrics_log: MetricsLog | None = None  # last stage with --state-dir: metrics.jsonl
+        self.resumed_from = "initial weights"  # where the stage state came from: initial weights, checkpoint step N, group step N
 
     def _step_lock(self) -> threading.Lock:
         """The lock every change of the stage's weights holds: the averager's (its download and
@@ -213,10 +235,12 @@ class PeerDaemon:
         """A live next-stage peer, chosen with probability proportional to its measured capacity
         (tokens/s it could do if never waiting). Not its throughput: a peer that gets little work
         shows little throughput, and routing by it would starve that peer further. A peer not
-        measured yet counts as the median of the others."""
+        measured yet counts as the median of the others. A peer whose stream stopped taking
+        messages is left out while the transport excludes it, unless it is the only one."""
         peers = self.neighbours.get(self.worker.stage.index + 1, [])
         if not peers:
             raise AnchormeshError(f"no live peer of stage {self.worker.stage.index + 1} to send to")
+        peers = [p for p in peers if self.transport.usable(p.peer_id)] or peers
         weights = torch.tensor(fill_unmeasured([p.capacity_tokens_per_s for p in peers]))
         return peers[int(torch.multinomial(weights, 1, generator=self._route_gen))].peer_id
 
@@ -320,6 +344,10 @@ class PeerDaemon:
                     if self.averager is not None:  # a banned peer's averaging process may live on: keep it out of rounds
                         for hid in directive.banned_dht:
                             self.averager.excluded.setdefault(hid, "banned by the run's operator")
+                        if directive.member_dht:
+                            self.averager.members = set(directive.member_dht)
+                    if self.anchor is not None and directive.anchors_issued:
+                        self.anchor.issued = max(self.anchor.issued or 0, directive.anchors_issued)
                     if directive.anchor_id:
                         self._anchor_jobs.append((directive.anchor_id, directive.anchor_micro_batches))
                     if directive.eval_id:
@@ -395,10 +423,40 @@ class PeerDaemon:
         if self.averager is not None:
             log.info("waiting up to 60s for a stage-group member to send its state (the run is at step %d)", self.worker.version)
         got = self.averager.load_state(timeout=60.0) if self.averager is not None else None
-        if got is None:
-            log.info("no stage state to download (first peer of its group, or no donor answered): keeping %s", "the initial weights" if self.worker.version == 0 else f"step {self.worker.version}")
+        if got is not None and self._apply_state(*got, source="a group member"):
+            self.resumed_from = f"group step {self.state_step}"
             return
-        self._apply_state(*got, source="a group member")
+        behind = f"the run is at step {self.worker.version}"
+        if self.state_step >= 0:
+            behind = f"{behind}, {max(self.worker.version - self.state_step, 0)} steps of this stage's training are lost"
+        self.reason = f"no stage-group member answered: resumed from {self.resumed_from} ({behind})"
+        log.warning("no stage state to download (first peer of its group, a group that emptied, or no donor answered): resumed from %s (%s)", self.resumed_from, behind)
+
+    def _check_state(self, named: list, tensors: list, version: int) -> None:
+        """What a donor (or a disk) hands over must be a state honest training can reach; raises
+        ValueError saying why not. Its step is at most the run's step when this peer joined plus
+        what the run can have done since. Each weight's norm is within 10x of this peer's own
+        (initial or checkpointed) weight, plus a root-mean-square of 2: a state of 1e30 weights would
+        wreck the group.
+        AdamW's moments satisfy |m| <= c sqrt(v) elementwise, c = (1 - b1) / sqrt((1 - b2)(1 -
+        b1^2 / b2)) (Cauchy-Schwarz on the two EMAs of one gradient sequence, when b1^2 < b2):
+        a first moment larger than that would make the next step huge."""
+        n = len(named)
+        if self._run_clock is not None:
+            since, start = time.monotonic() - self._run_clock[0], self._run_clock[1]
+            ceiling = start + STEP_SLACK + MAX_STEPS_PER_S * since
+            if version > ceiling:
+                raise ValueError(f"step {version} is past the run's ({start} when this peer joined, at most {ceiling:.0f} now)")
+        for (name, p), t in zip(named, tensors[:n]):
+            own, new = float(p.detach().float().norm()), float(t.float().norm())
+            if new > 10 * own + 2 * t.numel() ** 0.5:  # 10x its own, plus a root-mean-square of 2 per value
+                raise ValueError(f"weight {name}: norm {new:.3g}, over 10x this peer's {own:.3g} (+ 2 per value)")
+        b1, b2 = self.worker.cfg.optim.beta1, self.worker.cfg.optim.beta2
+        if b1 * b1 < b2:
+            c = (1 - b1) / ((1 - b2) * (1 - b1 * b1 / b2)) ** 0.5
+            for (name, _), m, v in zip(named, tensors[n : 2 * n], tensors[2 * n :]):
+                if bool((m.float().abs() > 1.01 * c * v.float().sqrt() + 1e-12).any()):
+                    raise ValueError(f"AdamW moments of {name}: |exp_avg| exceeds {c:.3f} sqrt(exp_avg_sq), which no gradient sequence gives")
 
     def _apply_state(self, metadata: object, tensors: list, source: str) -> bool:
         """Put a stage state (from the group or a checkpoint) into the stage, whole or not at all:
@@ -417,6 +475,7 @@ class PeerDaemon:
                 if i >= 2 * n and bool((t < 0).any()):  # a second moment is a mean of squares: a negative one poisons AdamW
                     raise ValueError(f"tensor {i} (exp_avg_sq of {name}): {int((t < 0).sum())} negative values")
             version, adam_step = int(metadata["version"]), float(metadata["adam_step"])
+            self._check_state(named, tensors, version)
         except (ValueError, KeyError, TypeError) as exc:
             log.warning("stage state from %s ignored: %s", source, exc)
             return False
@@ -452,7 +511,9 @@ class PeerDaemon:
         if got.names != expected * 3:
             log.warning("checkpoint in %s ignored: its tensors are not this stage's parameters", self.checkpoints.dir)
             return
-        self._apply_state(got.metadata, got.tensors, source=f"checkpoint {self.checkpoints.dir}")
+        if self._apply_state(got.metadata, got.tensors, source=f"checkpoint {self.checkpoints.dir}"):
+            self.resumed_from = f"checkpoint step {got.step}"
+            self._checkpointed = got.step  # already on disk: not written again at this step
 
     def _checkpoint(self, wait: bool = False) -> None:
         """Write a checkpoint of the state as it is now; the copy is taken between steps, the
@@ -472,13 +533,17 @@ class PeerDaemon:
         stage = self.worker.stage
         names = [name for name, _ in stage.named_parameters()] * 3
         hf_names = [stage.hf_names[name] for name, _ in stage.named_parameters()]
-        self._checkpointed = int(meta["version"])
+        step, before = int(meta["version"]), self._checkpointed
+        self._checkpointed = step
 
         def write() -> None:
             try:
                 self.checkpoints.save(meta, names, tensors, hf_names)
-            except OSError as exc:
-                log.error("checkpoint at step %d failed: %s", meta["version"], exc)
+            except Exception as exc:  # a full disk or any other failure: counted and logged, never the end of the peer
+                self.checkpoint_failures += 1
+                if self._checkpointed == step:  # not written: the step may be tried again (at exit, say)
+                    self._checkpointed = before
+                log.error("checkpoint at step %d failed (%d so far), training goes on: %s", step, self.checkpoint_failures, exc)
 
         self._checkpoint_thread = threading.Thread(target=write, name="checkpoint", daemon=True)
         self._checkpoint_thread.start()
@@ -493,7 +558,7 @@ class PeerDaemon:
 
         signal.signal(signal.SIGTERM, terminate)
         signal.signal(signal.SIGINT, terminate)
-        with auth.open_channel(self.tracker, self.creds, tls_ca=self.tls_ca) as join_channel:
+        with auth.tracker_channel(self.tracker, self.creds, tls_ca=self.tls_ca) as join_channel:
             own_maddrs = [str(m) for m in self.dht.get_visible_maddrs()] if self.dht is not None else []
             req = pb.JoinRequest(peer_id=self.peer_id, grpc_address=self.address, code_version=__version__, dht_maddrs=own_maddrs)
             try:
@@ -510,6 +575,7 @@ class PeerDaemon:
                 req.tls_public_key = public_der(self.tls_server.key)
             a = join(pbg.TrackerStub(join_channel), req, self.stop, self.tls_ca is not None)
         cfg = config_from_dict(json.loads(a.run_config_json))
+        self._run_clock = (time.monotonic(), a.start_step)
         self.transport.run_id = a.run_id
         # from now on: calls carry the certificate; the gate checks others' with the tracker's key
         self.creds.certificate = a.certificate
@@ -541,7 +607,7 @@ class PeerDaemon:
         if self.dht is not None and a.group_dht_maddrs:
             log.info("dialled %d of %d stage mates' DHT nodes", connect_peers(self.dht, list(a.group_dht_maddrs)), len(a.group_dht_maddrs))
         self._start_averaging(f"{a.run_id}_stage{a.stage}", cfg.dp.inner_steps, cfg.dp.outer_compression, cfg.dp.link_share)  # forks: before any gRPC runs
-        channel = auth.open_channel(self.tracker, self.creds, TRACKER_CHANNEL_OPTIONS, self.tls_ca)
+        channel = auth.tracker_channel(self.tracker, self.creds, TRACKER_CHANNEL_OPTIONS, self.tls_ca)
         stub = pbg.TrackerStub(channel)
         # heartbeats start now, so a slow state download does not get this peer declared dead;
         # while it reports "joining" nobody routes to it
@@ -569,16 +635,16 @@ class PeerDaemon:
             gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + zlib.crc32(self.peer_id.encode()))
             log.info("stage 0 reads %s (%d training tokens, %s tokenizer)", source.split(",")[0], len(stream.train), cfg.data.tokenizer)
         self.transport.start()
-        self.state, self.reason = "idle", "serving; waiting for work"
+        resumed = f" (resumed from {self.resumed_from})" if a.start_step > 0 or self.state_step >= 0 else ""
+        self.state, self.reason = "idle", f"serving; waiting for work{resumed}"
         metrics = None
-        if self.state_dir is not None and stage.is_last:
-            self.state_dir.mkdir(parents=True, exist_ok=True)
-            metrics = open(self.state_dir / "metrics.jsonl", "a", buffering=1)
+        if self.state_dir is not None and stage.is_last:  # its failures are logged and counted, never fatal
+            metrics = self.metrics_log = MetricsLog(self.state_dir / "metrics.jsonl")
         try:
             errors_seen = 0
             while not self.stop.is_set() and (max_steps is None or self.worker.version < max_steps):
-                if len(self.transport.send_errors) != errors_seen:  # a lost message may have carried a basis
-                    errors_seen = len(self.transport.send_errors)
+                if self.transport.send_error_count != errors_seen:  # a lost message may have carried a basis
+                    errors_seen = self.transport.send_error_count
                     self.worker.basis_sent.clear()
                 try:
                     self._tick(stream, gen, cfg, metrics)
@@ -606,6 +672,9 @@ class PeerDaemon:
         try:
             cfg = config_from_dict(json.loads(stub.GetConfig(pb.ConfigRequest(), timeout=10).run_config_json))
         except grpc.RpcError as exc:
+            if exc.code() in REFUSALS:  # a wrong token: Join would be refused the same way
+                log.error("the tracker refused this peer: %s %s", exc.code().name, exc.details())
+                raise ConfigError("--token", "given", f"the tracker refused it ({exc.code().name}: {exc.details()})") from None
             log.info("no run config before joining (%s): the memory plan waits for the assignment", exc.code().name)
             return None
         placement = resolve_placement(self.device, cfg.compute)
@@ -624,7 +693,7 @@ class PeerDaemon:
         tracker why, leaves, and exits 2 with the reason, before anything loads."""
         log.error("cannot serve this run here: %s", exc)
         self.stop.set()
-        with auth.open_channel(self.tracker, self.creds, tls_ca=self.tls_ca) as channel:
+        with auth.tracker_channel(self.tracker, self.creds, tls_ca=self.tls_ca) as channel:
             self._leave(pbg.TrackerStub(channel), run_id, f"cannot serve: {exc}")
         self.transport.close()
         if self.dht is not None:
@@ -645,7 +714,7 @@ class PeerDaemon:
         except grpc.RpcError as exc:
             log.warning("could not say goodbye to the tracker: %s", exc.details())
 
-    def _tick(self, stream: TokenStream | None, gen: torch.Generator | None, cfg, metrics) -> None:
+    def _tick(self, stream: TokenStream | None, gen: torch.Generator | None, cfg, metrics: MetricsLog | None) -> None:
         """One unit of work: a step when its gradients are in, else fast work, else anchor work."""
         w, p = self.worker, cfg.pipeline
         t0 = time.perf_counter()
@@ -671,7 +740,7 @@ class PeerDaemon:
                 w.losses.clear()
                 self.loss = mean_loss(losses) if losses else self.loss  # one read of the device per step
                 if metrics is not None:
-                    metrics.write(json.dumps({"step": w.version, "loss": self.loss, "time": time.time()}) + "\n")
+                    metrics.write({"step": w.version, "loss": self.loss, "time": time.time()})
             self.tokens += p.micro_batches * p.micro_batch_size * p.seq_len
             self._busy += time.perf_counter() - t0
             self._update_rate()
@@ -721,7 +790,9 @@ class PeerDaemon:
             self._rate, self._busy = (now, self.tokens), 0.0
 
 
-def run_peer(initial_peers: list[str], tracker: str | None, host: str, grpc_port: int, device: str, max_steps: int | None = None, state_dir: Path | None = None, announce_host: str | None = None, dht_port: int = 0, metrics_port: int | None = None, threads: int = 1, token: str | None = None, tls_ca: bytes | None = None) -> None:
+def run_peer(initial_peers: list[str], tracker: str | None, host: str, grpc_port: int, device: str, max_steps: int | None = None, state_dir: Path | None = None, announce_host: str | None = None, dht_port: int = 0, metrics_port: int | None = None, threads: int = 1, token: str | None = None, tls_ca: bytes | None = None, tracker_key: bytes | None = None) -> None:
+    """`tracker_key` (the bootstrap's public key, from bootstrap.json or --tracker-key) is what the
+    tracker's DHT record must be signed with; the token admits this node to the run's DHT."""
     setup_logging()
     torch.set_num_threads(threads)  # 1 by default: many peers share few cores on one machine
     if not initial_peers and tracker is None:
@@ -729,6 +800,8 @@ def run_peer(initial_peers: list[str], tracker: str | None, host: str, grpc_port
     if not token:
         raise ConfigError("--token", None, f"a peer joins with the run's token: {auth.NO_TOKEN_HINT}")
     import hivemind
+
+    from peer import dht_auth
 
     stop = threading.Event()
     if not initial_peers:
@@ -739,10 +812,22 @@ def run_peer(initial_peers: list[str], tracker: str | None, host: str, grpc_port
     if announce_host:  # others dial this node at the announced host (hivemind needs the port up front)
         dht_port = dht_port or free_port(host)
         announce = [announce_maddr(announce_host, dht_port)]
-    dht = hivemind.DHT(initial_peers=initial_peers, host_maddrs=[f"/ip4/{host}/tcp/{dht_port}"], announce_maddrs=announce, start=True)  # before any gRPC
+    # before any gRPC; only run-token holders take part in the run's DHT (peer/dht_auth.py)
+    dht_args = dict(initial_peers=initial_peers, host_maddrs=[f"/ip4/{host}/tcp/{dht_port}"], announce_maddrs=announce, start=True, **dht_auth.dht_kwargs(token, tracker_key))
+    try:
+        dht = hivemind.DHT(**dht_args)
+    except RuntimeError as exc:
+        if "bootstrap failed" not in str(exc):
+            raise
+        why = f"no DHT node of the run answered ({', '.join(initial_peers)}): they refuse a node without the run token (check --token), or the addresses are wrong or unreachable"
+        if tracker is None:
+            log.error("%s", why)
+            raise SystemExit(2) from None
+        log.error("%s; asking the tracker whether the token is right", why)  # its Join says so, or the peer trains on
+        dht = hivemind.DHT(**dht_args, ensure_bootstrap_success=False)
     log.info("DHT node up")
     if tracker is None:
-        tracker = find_tracker(dht, stop)
+        tracker = find_tracker(dht, stop, tracker_key)
         log.info("found the tracker at %s through the DHT", tracker)
     daemon = PeerDaemon(tracker, host, grpc_port, device, dht=dht, state_dir=state_dir, announce_host=announce_host, token=token, tls_ca=tls_ca)
     if metrics_port is not None:

@@ -357,7 +357,7 @@ class Curves:
 def _stage_table(s: dict) -> Table:
     """One row per stage; no peer in red, a bottleneck (the `problems` rule) in yellow."""
     table = Table(title="stages", box=box.SIMPLE_HEAD, show_edge=False, title_justify="left", title_style="bold")
-    for name, justify in (("stage", "right"), ("peers", "right"), ("tok/s", "right"), ("capacity tok/s", "right"), ("queue", "right"), ("", "left")):
+    for name, justify in (("stage", "right"), ("peers", "right"), ("tok/s", "right"), ("capacity tok/s", "right"), ("queue", "right"), ("averaging", "left"), ("", "left")):
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
     slow = {st["index"] for st, _ in _bottlenecks(s)}
     for st in s.get("stages", []):
@@ -369,7 +369,7 @@ def _stage_table(s: dict) -> Table:
             style, note = "", ""
         table.add_row(
             str(st["index"]), str(st.get("peers", 0)), f"{st.get('tokens_per_s', 0):,.0f}",
-            f"{st.get('capacity_tokens_per_s', 0):,.0f}", str(st.get("queue_depth", 0)), note, style=style,
+            f"{st.get('capacity_tokens_per_s', 0):,.0f}", str(st.get("queue_depth", 0)), st.get("averaging", ""), note, style=style,
         )
     return table
 

@@ -57,7 +57,7 @@ def _one_line(text: str | None) -> str:
 
 def ask_tracker(tracker: str, timeout_s: float = 10.0, creds: auth.Credentials | None = None, tls_ca: bytes | None = None) -> tuple[pb.RunConfig, pb.RunStatus]:
     """The run's config and status; ExportError when the tracker does not answer or refuses."""
-    with auth.open_channel(tracker, creds, tls_ca=tls_ca) as channel:
+    with auth.tracker_channel(tracker, creds, tls_ca=tls_ca) as channel:
         try:
             run = pbg.TrackerStub(channel).GetConfig(pb.ConfigRequest(), timeout=timeout_s)
             status = pbg.StatusStub(channel).GetStatus(pb.StatusRequest(), timeout=timeout_s)

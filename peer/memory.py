@@ -123,7 +123,7 @@ def _plan(cfg: TrainConfig, placement: Placement, stage: StageModule, dp_group: 
         device=str(placement.device),
         weights=n * master,
         working_copy=n * compute if placement.mixed else 0,
-        grads=n * master,
+        grads=n * master + (n * compute if placement.mixed else 0),  # mixed: the working copy's gradients live until summed into fp32
         optimizer=2 * n * 4,
         dp_copies=n * 4 if dp_group else 0,
         anchor_snapshot=n * compute if cfg.anchor.every > 0 else 0,  # in the compute dtype (peer/pipeline/swarm_anchor.py)

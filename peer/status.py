@@ -45,7 +45,8 @@ def status_dict(s: pb.RunStatus) -> dict:
         "banned": s.banned,
         "unfit": list(s.unfit),
         "stages": [
-            {"index": st.index, "peers": st.peers, "tokens_per_s": st.tokens_per_s, "queue_depth": st.queue_depth, "capacity_tokens_per_s": st.capacity_tokens_per_s}
+            {"index": st.index, "peers": st.peers, "tokens_per_s": st.tokens_per_s, "queue_depth": st.queue_depth, "capacity_tokens_per_s": st.capacity_tokens_per_s,
+             "averaging": averaging_cell(st.peers)}
             for st in s.stages
         ],
         "peers": [
@@ -64,6 +65,16 @@ def status_dict(s: pb.RunStatus) -> dict:
             for p in s.peers
         ],
     }
+
+
+def averaging_cell(peers: int) -> str:
+    """How far a stage group's averaging resists a hostile member (peer/dp/robust.py): a pair
+    has nothing to outvote it with, so only the claim and drift checks guard it."""
+    if peers < 2:
+        return "none (alone)"
+    if peers == 2:
+        return "pair: claim and drift checks only"
+    return f"trimmed mean of {peers}"
 
 
 def link_cell(mbit: float | None, keep: float | None) -> str:
@@ -91,11 +102,11 @@ def render(s: pb.RunStatus) -> str:
         f"anchor: {anchor} ({s.anchors_launched} launched, {s.anchor_bytes_per_token:.1f} B/token)  stage moves: {s.stage_moves}"
         + (f"  refused calls: {s.refused_calls}" if s.refused_calls else "") + (f"  banned keys: {s.banned}" if s.banned else ""),
         "",
-        f"{'stage':>5} {'peers':>5} {'tok/s':>9} {'could':>9} {'queue':>5}",
+        f"{'stage':>5} {'peers':>5} {'tok/s':>9} {'could':>9} {'queue':>5}  {'averaging':<33}",
     ]
     bottleneck = min(range(len(s.stages)), key=lambda i: s.stages[i].capacity_tokens_per_s) if s.stages else -1
     lines += [
-        f"{st.index:>5} {st.peers:>5} {st.tokens_per_s:>9,.0f} {st.capacity_tokens_per_s:>9,.0f} {st.queue_depth:>5}"
+        f"{st.index:>5} {st.peers:>5} {st.tokens_per_s:>9,.0f} {st.capacity_tokens_per_s:>9,.0f} {st.queue_depth:>5}  {averaging_cell(st.peers):<33}"
         + ("  <- no peer" if not st.peers else "  <- bottleneck" if st.index == bottleneck and len(s.stages) > 1 else "")
         for st in s.stages
     ]
@@ -109,9 +120,9 @@ def render(s: pb.RunStatus) -> str:
 
 
 def run_status(tracker: str, as_json: bool, watch: bool, interval: float = 1.0, token: str | None = None, tls_ca: bytes | None = None) -> None:
-    from peer.auth import Credentials, open_channel, tls_hint
+    from peer.auth import Credentials, tls_hint, tracker_channel
 
-    with open_channel(tracker, Credentials(token=token) if token else None, tls_ca=tls_ca) as channel:
+    with tracker_channel(tracker, Credentials(token=token) if token else None, tls_ca=tls_ca) as channel:
         stub = pbg.StatusStub(channel)
         try:
             if not watch:

@@ -3,10 +3,12 @@
 Why a run CA and not operator-supplied certificates: every volunteer's peer is also a server, and
 nobody hands out certificates to strangers' home machines. The bootstrap makes a CA once (kept in
 its state dir), certifies its own tracker, and certifies each peer's TLS key when the peer joins
-with the run token. Clients trust that CA only and check the name `SERVER_NAME`, which every
-certificate of the run carries (peers are reached at addresses nobody can predict). A peer's
-Stage server starts with a throwaway certificate and takes its CA-issued one at Join (gRPC's
-dynamic server credentials); it serves nobody before that.
+with the run token. Clients trust that CA only and check a name, not an address (peers are
+reached at addresses nobody can predict): the tracker's certificate alone carries
+`TRACKER_NAME`, and clients that dial the tracker check it, so a member's certificate cannot
+serve as the tracker; members' certificates carry `PEER_NAME` (what peers check of each other)
+and `anchormesh-peer-<id>`. A peer's Stage server starts with a throwaway certificate and takes
+its CA-issued one at Join (gRPC's dynamic server credentials); it serves nobody before that.
 
 TLS protects every message's bytes on the wire; who the caller is stays peer/auth.py's job.
 """
@@ -27,8 +29,18 @@ from cryptography.x509.oid import NameOID
 from peer.atomic import write_atomic
 from peer.errors import ConfigError
 
-SERVER_NAME = "anchormesh"
+TRACKER_NAME = "anchormesh-tracker"  # only the tracker's certificate carries it
+PEER_NAME = "anchormesh-peer"  # every member's certificate carries it (and anchormesh-peer-<id>)
+SERVER_NAME = PEER_NAME  # what a client checks unless it dials the tracker
 VALID_DAYS = 3650
+
+
+def member_names(peer_id: str) -> list[str]:
+    """The DNS names of a member's certificate: `PEER_NAME`, and `anchormesh-peer-<id>` when the id
+    makes a DNS label. The prefix keeps any id from naming the tracker."""
+    label = peer_id.lower().removeprefix("peer-")
+    ok = 0 < len(label) <= 40 and all(c.isascii() and (c.isalnum() or c == "-") for c in label) and not label.startswith("-") and not label.endswith("-")
+    return [PEER_NAME, f"{PEER_NAME}-{label}"] if ok else [PEER_NAME]
 
 
 def _name(cn: str) -> x509.Name:
@@ -47,14 +59,14 @@ def public_der(key: ec.EllipticCurvePrivateKey) -> bytes:
     return key.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
-def _cert(subject: str, public, issuer: x509.Name, signer, ca: bool) -> x509.Certificate:
+def _cert(subject: str, public, issuer: x509.Name, signer, ca: bool, names: list[str] | None = None) -> x509.Certificate:
     now = datetime.datetime.now(datetime.timezone.utc)
     b = (x509.CertificateBuilder().subject_name(_name(subject)).issuer_name(issuer).public_key(public)
          .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
          .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
          .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
-    if not ca:
-        b = b.add_extension(x509.SubjectAlternativeName([x509.DNSName(SERVER_NAME)]), critical=False)
+    if names:
+        b = b.add_extension(x509.SubjectAlternativeName([x509.DNSName(n) for n in names]), critical=False)
     return b.sign(signer, hashes.SHA256())
 
 
@@ -81,20 +93,22 @@ class RunCA:
         write_atomic(cert_path, ca.pem)
         return ca
 
-    def issue(self, subject: str, public: bytes) -> bytes:
-        """A server certificate (PEM) for the DER public key `public`."""
+    def issue(self, subject: str, public: bytes, tracker: bool = False) -> bytes:
+        """A server certificate (PEM) for the DER public key `public`: the tracker's (`TRACKER_NAME`)
+        or the member `subject`'s (`member_names`)."""
         try:
             pub = serialization.load_der_public_key(public)
         except ValueError as exc:
             raise ConfigError("tls_public_key", f"{len(public)} bytes", f"not a DER public key: {exc}") from None
         if not isinstance(pub, ec.EllipticCurvePublicKey):
             raise ConfigError("tls_public_key", type(pub).__name__, "must be an EC P-256 key")
-        return _cert(subject, pub, self.cert.subject, self.key, ca=False).public_bytes(serialization.Encoding.PEM)
+        names = [TRACKER_NAME] if tracker else member_names(subject)
+        return _cert(subject, pub, self.cert.subject, self.key, ca=False, names=names).public_bytes(serialization.Encoding.PEM)
 
-    def server_pair(self, subject: str) -> tuple[bytes, bytes]:
-        """(key PEM, certificate PEM) for a server of this machine (the tracker)."""
+    def server_pair(self, subject: str = "tracker") -> tuple[bytes, bytes]:
+        """(key PEM, certificate PEM) for the tracker's server (it alone carries `TRACKER_NAME`)."""
         key = new_key()
-        return key_pem(key), self.issue(subject, public_der(key))
+        return key_pem(key), self.issue(subject, public_der(key), tracker=True)
 
 
 class PeerServerTLS:

@@ -453,7 +453,7 @@ def test_health_pings_a_stage_server() -> None:
         out = health("--address", c)
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip() == f"ok stage server {c}: serving (this server trains run 'run-a')"
-        assert joined.rejected == [] and blank.rejected == []
+        assert not joined.rejected and not blank.rejected
     finally:
         joined.close()
         blank.close()

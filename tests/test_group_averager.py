@@ -464,3 +464,24 @@ def test_trimmed_mean_drops_the_extremes_per_coordinate() -> None:
     x = torch.tensor([[1.0, -5.0], [2.0, 0.0], [100.0, 1.0]])
     assert torch.equal(trimmed_mean(x), torch.tensor([2.0, 0.0]))
     assert torch.equal(trimmed_mean(x[:2]), x[:2].mean(0))  # a pair: the plain mean
+
+
+def test_a_round_with_a_peer_the_tracker_does_not_list_is_refused() -> None:
+    """An outsider who learned the group key joins a round (reproduced with a bare averager): the
+    member refuses the result, keeps its weights and names the stranger by its hivemind id."""
+    with two_dhts() as (dht_a, dht_b):
+        torch.manual_seed(0)
+        init = [torch.randn(30, 20)]
+        pa, pb = [torch.nn.Parameter(init[0].clone())], [torch.nn.Parameter(init[0] + 1.0)]
+        clock = FakeClock()
+        a = GroupAverager(dht_a, pa, "members", every=1, timeout=30.0, compression="none", clock=clock)
+        outsider = GroupAverager(dht_b, pb, "members", every=1, timeout=30.0, compression="none", clock=clock)
+        a.members = {str(a.averager.peer_id)}  # what the tracker says: this stage group has no one else
+        before = pa[0].detach().clone()
+        start_round(a, outsider, clock)
+        a._finish()
+        assert a.rejected == 1 and a.rounds == 0 and "not members of this stage group" in a.last_rejection
+        assert a.suspects and a.suspects[-1].startswith(str(outsider.averager.peer_id))
+        assert torch.equal(pa[0].detach(), before)
+        a.shutdown()
+        outsider.shutdown()

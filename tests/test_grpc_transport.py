@@ -42,7 +42,7 @@ def test_grpc_transport_gives_the_same_training_as_in_process(mask: MaskConfig) 
         assert local.transport.total_bytes() == remote.transport.total_bytes()
         sa, sb = merged_state_dict(local.stages()), merged_state_dict(remote.stages())
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
-        assert remote.transport.rejected == [] and remote.transport.send_errors == []
+        assert not remote.transport.rejected and not remote.transport.send_errors
     finally:
         local.close()
         remote.close()
@@ -154,3 +154,46 @@ def test_a_bad_partial_prior_is_refused_before_it_is_queued(ids: torch.Tensor, r
         assert "test" not in worker.basis_announced
     finally:
         runner.close()
+
+
+def test_a_peer_that_never_reads_is_excluded_and_its_queue_dropped() -> None:
+    """A next-stage server that accepts a stream and never reads it: the sender's unacknowledged
+    messages stop at a bound, the destination is excluded with the reason (the daemon routes
+    around it), its queue is dropped, and nothing waits forever."""
+    import threading
+    from concurrent import futures
+
+    import grpc
+
+    from peer.errors import AnchormeshError
+    from peer.pipeline import grpc_transport as gt
+
+    block = threading.Event()
+
+    def never_reads(requests, context):
+        block.wait(30)  # holds the stream open and reads nothing
+        return iter(())
+
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(gt.SERVICE, {"Forward": grpc.stream_stream_rpc_method_handler(never_reads)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    t = gt.GrpcTransport(run_id="run-a")
+    t.endpoints["slow"] = f"127.0.0.1:{port}"
+    try:
+        refused = None
+        for i in range(gt.MAX_UNACKED + 5):
+            try:
+                t.send("me", "slow", "forward", b"x" * 2**20)
+            except AnchormeshError as exc:
+                refused = (i, str(exc))
+                break
+        assert refused is not None and refused[0] == gt.MAX_UNACKED, refused
+        assert "without acknowledging" in refused[1] and not t.usable("slow")
+        with pytest.raises(AnchormeshError, match="excluded for"):
+            t.send("me", "slow", "forward", b"x")
+        assert t._outgoing[("slow", "forward")].empty() and t.send_error_count >= 1
+    finally:
+        block.set()
+        t.close()
+        server.stop(0)

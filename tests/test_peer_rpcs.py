@@ -67,7 +67,7 @@ def test_an_empty_run_id_is_a_liveness_probe_not_a_refusal(caplog: pytest.LogCap
             assert (r.peer_id, r.stage, r.run_id) == ("stage1.r0", 1, "run-a")
             # the default answer for a swarm address (a peer-id string) no longer indexes it as a tuple
             assert ping(peer, "").peer_id == "peer-xyz" and ping(peer, "run-a").peer_id == "peer-xyz"
-        assert t.rejected == [] and not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert not t.rejected and not [r for r in caplog.records if r.levelno >= logging.WARNING]
     finally:
         t.close()
 
@@ -120,3 +120,38 @@ def test_a_broken_shard_stream_is_refused() -> None:
         read_shard([chunks[0], other, *chunks[2:]])
     with pytest.raises(ShardError, match="no chunk"):
         read_shard([])
+
+
+def test_a_flood_of_bad_pings_is_bounded_and_compressed_calls_are_refused() -> None:
+    """2,000 Pings for another run: each refused, the record of refusals stays bounded and the
+    log gets a few lines, not 2,000; a gzip-compressed call is refused before it is inflated."""
+    import logging
+
+    import grpc
+
+    from peer.pipeline.grpc_transport import RECENT, GrpcTransport
+    from peer.wire import anchormesh_pb2 as pb
+
+    t = GrpcTransport(run_id="run-a")
+    addr = t.attach((0, 0))
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("peer.pipeline.grpc_transport").addHandler(handler)
+    try:
+        with grpc.insecure_channel(addr) as channel:
+            ping = channel.unary_unary("/anchormesh.v1.Stage/Ping", request_serializer=None, response_deserializer=pb.PingReply.FromString)
+            bad = pb.PingRequest(run_id="other-run").SerializeToString()
+            for _ in range(2000):
+                with pytest.raises(grpc.RpcError) as exc:
+                    ping(bad, timeout=5)
+                assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            with pytest.raises(grpc.RpcError) as exc:
+                ping(b"\0" * (8 * 2**20), timeout=10, compression=grpc.Compression.Gzip)
+            assert exc.value.code() == grpc.StatusCode.UNIMPLEMENTED and "gzip" in exc.value.details()
+            assert ping(pb.PingRequest().SerializeToString(), timeout=5).run_id == "run-a"  # still serving
+    finally:
+        logging.getLogger("peer.pipeline.grpc_transport").removeHandler(handler)
+        t.close()
+    assert t.rejected_count == 2000 and len(t.rejected) == RECENT
+    assert len([r for r in records if "refused" in r.getMessage()]) <= 40

@@ -83,3 +83,31 @@ def test_no_donor_keeps_the_initial_weights(daemon: PeerDaemon) -> None:
     daemon.averager = FakeAverager(None)
     daemon._load_group_state()
     assert all(torch.equal(a, b) for a, b in zip(before, daemon.worker.stage.parameters()))
+
+
+@pytest.mark.parametrize("poison", ["huge_weights", "negative_second_moment", "first_moment_over_bound", "step_past_the_run"])
+def test_a_poisoned_state_is_refused_whole(daemon: PeerDaemon, poison: str) -> None:
+    """What an outsider offered a joiner (reproduced): version 2^62, weights of 1e30, a negative
+    second moment (NaN after one AdamW step), a first moment no gradient sequence gives."""
+    import time
+
+    meta, tensors = donor_state(daemon.worker.stage)
+    n = len(tensors) // 3
+    daemon._run_clock = (time.monotonic(), 40)  # joined when the run was at step 40
+    if poison == "huge_weights":
+        tensors[0] = torch.full_like(tensors[0], 1e30)
+    elif poison == "negative_second_moment":
+        tensors[2 * n] = -tensors[2 * n]
+    elif poison == "first_moment_over_bound":
+        tensors[n] = torch.full_like(tensors[n], 5.0)  # sqrt(v) = 0.5
+    else:
+        meta = {**meta, "version": 2**62}
+    before = [p.detach().clone() for p in daemon.worker.stage.parameters()]
+    daemon.averager = FakeAverager((meta, tensors))
+    daemon._load_group_state()
+    assert all(torch.equal(a, b) for a, b in zip(before, daemon.worker.stage.parameters()))
+    assert daemon.worker.version == 0 and not daemon.worker.optimizer.opt.state
+    # the same download unpoisoned is taken
+    daemon.averager = FakeAverager(donor_state(daemon.worker.stage))
+    daemon._load_group_state()
+    assert daemon.worker.version == 42

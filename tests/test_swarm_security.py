@@ -54,7 +54,7 @@ def test_tokens_tls_and_bans_on_a_real_swarm(tmp_path: Path) -> None:
         procs.append(wrong)
         assert wait_exit(wrong, tmp_path / "wrong.log") == 2
         assert "refused this peer: UNAUTHENTICATED wrong run token" in (tmp_path / "wrong.log").read_text()
-        assert "refused /anchormesh.v1.Tracker/Join" in (tmp_path / "boot.log").read_text()
+        assert "refused /anchormesh.v1.Tracker/GetConfig" in (tmp_path / "boot.log").read_text()  # its first call, before Join (the memory plan)
         # without the run's CA the tracker cannot even be read; with it, it can
         res = cli("status", "--tracker", tracker, "--json", timeout=60)
         assert res.returncode == 1 and "pass --tls-ca" in res.stderr, res.stderr  # says what is missing

@@ -311,3 +311,12 @@ def test_directives_carry_the_newest_issued_anchor_id() -> None:
     d = beat(t, "a", step=2)
     assert d.anchor_id == 1 and d.anchors_issued == 1
     assert beat(t, "b").anchors_issued == 1  # every stage learns the ceiling: priors above it are forged
+
+
+def test_directives_list_the_stage_groups_hivemind_ids() -> None:
+    t, _ = make(stages=2)
+    for pid, hid in (("a", "QmA"), ("b", "QmB"), ("c", "QmC")):
+        t.join(pb.JoinRequest(peer_id=pid, grpc_address=f"h:{pid}", code_version=__version__, dht_maddrs=[f"/ip4/1.2.3.4/tcp/1/p2p/{hid}"]))
+    stage_of = {pid: t.peers[pid].stage for pid in "abc"}
+    d = beat(t, "a")
+    assert set(d.member_dht) == {f"Qm{p.upper()}" for p in "abc" if stage_of[p] == stage_of["a"]}

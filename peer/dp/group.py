@@ -390,6 +390,9 @@ class GroupAverager:
         self.peer_id = peer_id  # the run's id of this peer, carried in its claims (for logs)
         self.suspects: deque[str] = deque(maxlen=4)  # "HIVEMIND_PEER_ID: why" of members named by refused rounds, newest last
         self.excluded: dict[str, str] = {}  # hivemind peer id -> why (banned by the operator): rounds with these members are refused
+        # hivemind peer ids of the stage group's members, from the tracker (None: not known yet);
+        # a round with anyone else in it is refused: an outsider who found the group key
+        self.members: set[str] | None = None
         self._index = sample_index([p.numel() for p in params], prefix)
         self._base = [p.detach().clone() for p in params]  # the last group mean ("int8" sends the change from it)
         for attempt in range(1, START_TRIES + 1):
@@ -571,8 +574,11 @@ class GroupAverager:
         out = [str(h) for h in group if str(h) in self.excluded]
         if out:  # hivemind cannot keep a member out of matchmaking; its rounds are refused instead
             return "the group includes excluded member(s) " + ", ".join(f"{h} ({self.excluded[h]})" for h in out), []
-        claims: dict[str, torch.Tensor] = {}
         me = str(self.averager.peer_id)
+        strangers = [str(h) for h in group if self.members is not None and str(h) not in self.members and str(h) != me]
+        if strangers:  # a member that joined since the last heartbeat is refused once, then known
+            return "the group includes peer(s) that are not members of this stage group: " + ", ".join(strangers), [f"{h}: not a member of the run" for h in strangers]
+        claims: dict[str, torch.Tensor] = {}
         for hid, c in group.items():
             # members are named by their hivemind peer id (libp2p authenticates it), not by the id
             # they claim: the tracker maps it to the run's peer id (bootstrap/tracker.py)

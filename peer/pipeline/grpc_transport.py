@@ -34,6 +34,20 @@ from peer.wire import anchormesh_pb2 as pb
 from peer.wire.tensors import parse_message
 
 log = logging.getLogger(__name__)
+RECENT = 64  # refusals and send errors kept for inspection (counted beyond that)
+# a destination whose stream holds this many unacknowledged messages, or whose oldest waited this
+# long, is stalled (a peer that accepts a stream and never reads it): its queue is dropped, the
+# stream cut, and sends to it refused for STALL_S so the caller routes around it
+MAX_UNACKED = 64
+MESSAGE_DEADLINE_S = 60.0
+STALL_S = 120.0
+MAX_INBOX = 512  # messages queued per (served address, channel) before senders are told to slow down
+
+
+def log_now(n: int) -> bool:
+    """Whether the n-th occurrence of a repeated event gets a log line: the first ten, then
+    every hundredth."""
+    return n <= 10 or n % 100 == 0
 
 SERVICE = "anchormesh.v1.Stage"
 METHOD = {"forward": "Forward", "backward": "Backward", "anchor_forward": "AnchorForward", "anchor_backward": "AnchorBackward", "prior": "Prior"}
@@ -99,8 +113,13 @@ class GrpcTransport(Transport):
         self.meters: dict[tuple[Address, str], LinkMeter] = defaultdict(LinkMeter)  # (destination, channel) -> its stream's measured rate
         self._senders: list[threading.Thread] = []
         self._channels: dict[str, grpc.Channel] = {}
-        self.rejected: list[str] = []  # why inbound chunks were refused (server side)
-        self.send_errors: list[str] = []  # why outbound streams ended with an error (client side)
+        # bounded: anyone who reaches the port can make refusals (2,000 bad Pings grew a list by 6 MB)
+        self.rejected: deque[str] = deque(maxlen=RECENT)  # why inbound chunks were refused, newest last (server side)
+        self.rejected_count = 0
+        self.send_errors: deque[str] = deque(maxlen=RECENT)  # why outbound streams ended with an error (client side)
+        self.send_error_count = 0
+        self.stalled: dict[Address, tuple[float, str]] = {}  # destination -> (monotonic time it may be tried again, why)
+        self._calls: dict[tuple[Address, str], grpc.Call] = {}  # the live outbound stream per (destination, channel)
         self._closed = False
         self.bytes_in = 0  # accepted inbound bytes
 
@@ -111,6 +130,9 @@ class GrpcTransport(Transport):
             ("grpc.max_receive_message_length", self.max_bytes),
             ("grpc.keepalive_time_ms", 20_000),  # notice a neighbour that vanished without a reset
             ("grpc.keepalive_timeout_ms", 10_000),
+            # no compressed messages: gRPC would inflate them before any size check of ours (a
+            # 64 MiB gzip Ping was), and the codecs already compress what travels
+            ("grpc.compression_enabled_algorithms_bitset", 1),
         ]
 
     # -- server side ------------------------------------------------------------------------
@@ -146,7 +168,9 @@ class GrpcTransport(Transport):
 
     def _reject(self, context: grpc.ServicerContext, addr: Address, why: str) -> None:
         self.rejected.append(why)
-        log.warning("stage server %s refused a chunk: %s", addr, why)
+        self.rejected_count += 1
+        if log_now(self.rejected_count):  # a flood of bad calls must not become a flood of log lines
+            log.warning("stage server %s refused a chunk (%d so far): %s", addr, self.rejected_count, why)
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
 
     def _stream_handler(self, addr: Address, channel: str):
@@ -166,6 +190,7 @@ class GrpcTransport(Transport):
                     if caller is not None and msg.header.sender != caller:
                         self.gate.refused["PERMISSION_DENIED"] += 1
                         self.rejected.append(f"sender {msg.header.sender!r} is not the caller {caller!r}")
+                        self.rejected_count += 1
                         log.warning("stage server %s: %s sent a message signed as %r; stream ended", addr, caller, msg.header.sender)
                         context.abort(grpc.StatusCode.PERMISSION_DENIED, f"header.sender={msg.header.sender!r}: the caller is {caller!r}; a peer sends only as itself")
                     self._validators[addr](channel, msg)
@@ -173,9 +198,14 @@ class GrpcTransport(Transport):
                     self._reject(context, addr, f"{cls.__name__}: {exc}")
                     return
                 with self._arrived:
-                    self.bytes_in += len(data)
-                    self._inbox[(addr, channel)].append(data)
-                    self._arrived.notify_all()
+                    inbox = self._inbox[(addr, channel)]
+                    full = len(inbox) >= MAX_INBOX
+                    if not full:
+                        self.bytes_in += len(data)
+                        inbox.append(data)
+                        self._arrived.notify_all()
+                if full:  # bounded: a sender that outruns this peer is told so, nothing piles up
+                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{addr}'s {channel} inbox holds {MAX_INBOX} messages: it is behind; send elsewhere or later")
                 yield pb.Ack(micro_batch_id=msg.header.micro_batch_id, ok=True)
 
         return handle
@@ -241,8 +271,9 @@ class GrpcTransport(Transport):
             raise ValueError(f"channel={channel!r}: must be one of {CHANNELS}")
         if dst not in self.endpoints:
             raise AnchormeshError(f"no endpoint known for stage {dst[0]} replica {dst[1]}")
-        self._count(src, dst, channel, data)
         key = (dst, channel)
+        self._check_stalled(dst, channel)
+        self._count(src, dst, channel, data)
         self.meters[key].sent(len(data))
         if key not in self._outgoing:
             self._outgoing[key] = queue.Queue()
@@ -250,6 +281,42 @@ class GrpcTransport(Transport):
             t.start()
             self._senders.append(t)
         self._outgoing[key].put(data)
+
+    def usable(self, dst: Address) -> bool:
+        """Whether `dst` may be sent to now (not stalled, or its exclusion has passed)."""
+        until = self.stalled.get(dst)
+        return until is None or time.monotonic() >= until[0]
+
+    def _check_stalled(self, dst: Address, channel: str) -> None:
+        """Refuse a send to a stalled destination; stall one whose stream stopped taking
+        messages (too many unacknowledged, or the oldest past its deadline)."""
+        now = time.monotonic()
+        if dst in self.stalled:
+            until, why = self.stalled[dst]
+            if now < until:
+                raise AnchormeshError(f"{dst} is excluded for {until - now:.0f}s more: {why}")
+            del self.stalled[dst]
+        meter = self.meters.get((dst, channel))
+        if meter is None:
+            return
+        n, age = meter.waiting(now)
+        if n >= MAX_UNACKED or age > MESSAGE_DEADLINE_S:
+            why = f"its {channel} stream took {n} messages without acknowledging them, the oldest {age:.0f}s ago"
+            self.stalled[dst] = (now + STALL_S, why)
+            out = self._outgoing.get((dst, channel))
+            while out is not None and not out.empty():  # the caller resends elsewhere (stage 0 retries)
+                try:
+                    out.get_nowait()
+                except queue.Empty:
+                    break
+            meter.clear()
+            call = self._calls.get((dst, channel))
+            if call is not None:
+                call.cancel()
+            self.send_errors.append(f"{dst}: {why}")
+            self.send_error_count += 1
+            log.warning("excluding %s for %.0fs: %s", dst, STALL_S, why)
+            raise AnchormeshError(f"{dst} is excluded for {STALL_S:.0f}s: {why}")
 
     def _sender(self, dst: Address, channel: str, out: queue.Queue) -> None:
         """Feed one long-lived stream; after an error, back off and open a new one.
@@ -277,7 +344,8 @@ class GrpcTransport(Transport):
 
             meter = self.meters[(dst, channel)]
             try:
-                for _ack in call(requests()):
+                responses = self._calls[(dst, channel)] = call(requests())
+                for _ack in responses:
                     meter.acked()
                     taken[1] += 1
                     delay = 0.1
@@ -288,6 +356,7 @@ class GrpcTransport(Transport):
                 if self._closed:
                     return
                 self.send_errors.append(f"{exc.code().name}: {exc.details()}")
+                self.send_error_count += 1
                 log.warning("stream to %s (%s) ended: %s %s; reopening in %.1fs", dst, channel, exc.code().name, exc.details(), delay)
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)

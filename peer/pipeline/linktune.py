@@ -80,6 +80,17 @@ class LinkMeter:
         with self._lock:
             return sum(b for b, _ in self._queued)
 
+    def waiting(self, now: float | None = None) -> tuple[int, float]:
+        """(messages sent and not acknowledged yet, seconds the oldest of them has waited)."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            return len(self._queued), (now - self._queued[0][1]) if self._queued else 0.0
+
+    def clear(self) -> None:
+        """Forget every unacknowledged message (the stream was cut and its queue dropped)."""
+        with self._lock:
+            self._queued.clear()
+
 
 def keep_fraction(bytes_full: float, bytes_fixed: float, link_bps: float | None, compute_s: float | None, target: float, min_keep: float) -> float:
     """The largest f in [min_keep, 1] whose payload `bytes_fixed + f * bytes_full` crosses the

@@ -512,10 +512,10 @@ class StageWorker:
         buf = self.grad_buf.pop(-1 if self.local_steps else self.version, {})
         out = []
         for name, p in self.stage.named_parameters():
-            g = p.grad if p.grad is not None else torch.zeros_like(p)
-            if name in buf:
-                g = g + buf[name]
-            p.grad = g
+            if name in buf:  # no zeros_like: one fp32 gradient per parameter at a time, not three
+                p.grad = buf.pop(name) if p.grad is None else p.grad.add_(buf.pop(name))
+            elif p.grad is None:
+                p.grad = torch.zeros_like(p)
             out.append(p.grad)
         return out
 

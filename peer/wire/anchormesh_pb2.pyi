@@ -331,7 +331,7 @@ class PeerReport(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., peer: _Optional[_Union[PeerInfo, _Mapping]] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class Directive(_message.Message):
-    __slots__ = ("kind", "reason", "neighbours", "anchor_id", "anchor_micro_batches", "eval_id", "banned", "banned_dht", "anchors_issued")
+    __slots__ = ("kind", "reason", "neighbours", "anchor_id", "anchor_micro_batches", "eval_id", "banned", "banned_dht", "anchors_issued", "member_dht")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         CONTINUE: _ClassVar[Directive.Kind]
@@ -349,6 +349,7 @@ class Directive(_message.Message):
     BANNED_FIELD_NUMBER: _ClassVar[int]
     BANNED_DHT_FIELD_NUMBER: _ClassVar[int]
     ANCHORS_ISSUED_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_DHT_FIELD_NUMBER: _ClassVar[int]
     kind: Directive.Kind
     reason: str
     neighbours: _containers.RepeatedCompositeFieldContainer[PeerInfo]
@@ -358,7 +359,8 @@ class Directive(_message.Message):
     banned: _containers.RepeatedScalarFieldContainer[str]
     banned_dht: _containers.RepeatedScalarFieldContainer[str]
     anchors_issued: int
-    def __init__(self, kind: _Optional[_Union[Directive.Kind, str]] = ..., reason: _Optional[str] = ..., neighbours: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., anchor_id: _Optional[int] = ..., anchor_micro_batches: _Optional[int] = ..., eval_id: _Optional[int] = ..., banned: _Optional[_Iterable[str]] = ..., banned_dht: _Optional[_Iterable[str]] = ..., anchors_issued: _Optional[int] = ...) -> None: ...
+    member_dht: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, kind: _Optional[_Union[Directive.Kind, str]] = ..., reason: _Optional[str] = ..., neighbours: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., anchor_id: _Optional[int] = ..., anchor_micro_batches: _Optional[int] = ..., eval_id: _Optional[int] = ..., banned: _Optional[_Iterable[str]] = ..., banned_dht: _Optional[_Iterable[str]] = ..., anchors_issued: _Optional[int] = ..., member_dht: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("run_id", "peer_id", "reason")
