@@ -24,13 +24,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 import peer.checkpoint as checkpoint_mod
 from peer.atomic import write_atomic
-from peer.checkpoint import CheckpointWriteError, ShardCheckpoints
 from peer.runlog import MetricsLog
-from test_checkpoint import make_daemon, state, trained
+from test_checkpoint import make_daemon, trained
 
 
 def leftovers(d: Path) -> list[str]:

@@ -7,24 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from peer.config import AnchorConfig, ComputeConfig, DPConfig, MaskConfig, ModelConfig, OptimConfig, PipelineConfig, SpectralConfig, TrainConfig, config_from_dict
+from peer.config import AnchorConfig, ComputeConfig, DPConfig, MaskConfig, OptimConfig, PipelineConfig, SpectralConfig, TrainConfig, config_from_dict
 from peer.errors import ConfigError
 from peer.model.loading import load_causal_lm
 from peer.model.stages import lm_loss, split_model
 from peer.placement import CPU_FP32, Placement, parse_device, resolve_placement
+from test_runner import MODEL, PIPE, windows  # the same learnable stream as the fp32 runner tests
 
-MODEL = ModelConfig(name="tiny-llama", hidden_size=64, num_layers=4, num_heads=4, max_seq_len=64)
-PIPE = PipelineConfig(micro_batch_size=4, micro_batches=2, seq_len=32)
 BF16 = Placement(compute_dtype=torch.bfloat16)
-
-
-def windows(step: int, replica: int, j: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1000 * step + 10 * replica + j)
-    phrase = torch.randint(0, 256, (8,), generator=torch.Generator().manual_seed(j % 3))
-    base = phrase.repeat(10)[: PIPE.seq_len + 1]
-    noise = torch.randint(0, 256, (PIPE.micro_batch_size, PIPE.seq_len + 1), generator=g)
-    keep = torch.rand(PIPE.micro_batch_size, PIPE.seq_len + 1, generator=g) < 0.8
-    return torch.where(keep, base.expand_as(noise), noise)
 
 
 def _run(cfg: TrainConfig, placement: Placement, steps: int):
