@@ -22,7 +22,6 @@ def test_bench_gpu_on_the_cpu(tmp_path: Path) -> None:
     for name, m in modes.items():
         assert m["tokens_per_s"] > 0 and m["loss_last"] < m["loss_first"], (name, m)
         assert len(m["planned_per_stage_gib"]) == 2 and 0.5 < m["peak_over_plan"] < 2.0, (name, m)
-    assert modes["bf16"]["planned_gib"] < modes["fp32"]["planned_gib"]
     assert modes["bf16_checkpointing"]["planned_gib"] < modes["bf16"]["planned_gib"]
     assert r["memory_refusal"]["ok"] and r["memory_refusal"]["exit_code"] == 2 and "needs" in r["memory_refusal"]["message"]
 
