@@ -278,7 +278,7 @@ class Tracker:
             self.peers[req.peer_id] = PeerRecord(
                 req.peer_id, stage, req.grpc_address, last_seen=self.clock(), joined_at=self.clock(), dht_maddrs=tuple(req.dht_maddrs[:MAX_MADDRS_PER_PEER]), key=key.hex(),
                 device=req.device[:120], memory=req.memory_bytes, memory_plan=req.stage_memory_bytes[stage] if req.stage_memory_bytes else 0,
-                start_step=start_step, step=start_step,
+                start_step=start_step,
             )
         start, end = self.ranges[stage]
         return pb.Assignment(

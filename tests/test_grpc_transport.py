@@ -97,7 +97,9 @@ def test_bad_chunks_get_invalid_argument_and_touch_nothing(served) -> None:
     wrong_boundary = _chunk(runner)
     wrong_boundary.header.boundary = 3
     bad_tokens = _chunk(runner, token_ids=tensor_to_proto(torch.full((2, 17), 300, dtype=torch.int16)))
+    big_batch = _chunk(runner, token_ids=tensor_to_proto(torch.zeros(64, PIPE.seq_len + 1, dtype=torch.uint8)))  # more work than the run's micro-batch
     cases = {
+        "batch shape": (big_batch.SerializeToString(), "the run's micro-batch"),
         "garbage": (b"\xff\x00not a protobuf", "ActivationChunk"),
         "run id": (bad_run.SerializeToString(), "run_id='other-run'"),
         "nan": (nan.SerializeToString(), "NaN"),

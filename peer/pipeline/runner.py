@@ -196,7 +196,8 @@ class StageWorker:
         if channel == "forward":
             if b != s.index - 1:
                 raise WireError(f"header.boundary={b}: stage {s.index} receives activations on boundary {s.index - 1}")
-            ids = check_token_window(msg.token_ids, s.vocab_size)[:, :-1].long()
+            p = self.cfg.pipeline  # the run's micro-batch shape, pinned: a larger one would cost this stage more than its sender
+            ids = check_token_window(msg.token_ids, s.vocab_size, (p.micro_batch_size, p.seq_len + 1))[:, :-1].long()
             key = dict(boundary=b, step=msg.header.step, micro_batch=msg.header.micro_batch_id)
             if self.coef_codec is not None:
                 self.coef_codec.decode(msg.hidden, expect_shape=self._coef_shape(msg.hidden, ids), expect_dtype=LINK_DTYPE, **key)
