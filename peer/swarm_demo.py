@@ -70,7 +70,7 @@ def run_swarm_demo(seconds: float = 90.0, peers: int = 4) -> dict:
         info = wait_for_bootstrap(work, procs[0], work / "bootstrap.log")
         print(f"bootstrap up: run {info['run_id']}, tracker {info['tracker']}; starting {peers} peers (logs in {work})", flush=True)
         for i in range(peers):
-            procs.append(start_process(["peer", "--initial-peers", info["dht_maddrs"][0]], work / f"peer{i}.log", ANCHORMESH_TOKEN=info["token"]))
+            procs.append(start_process(["peer", "--initial-peers", info["dht_maddrs"][0]], work / f"peer{i}.log", ANCHORMESH_TOKEN=info["token"], ANCHORMESH_TRACKER_KEY=info["tracker_key"]))
         t0 = time.monotonic()
         with grpc.insecure_channel(info["tracker"]) as channel:
             stub = pbg.StatusStub(channel)
