@@ -149,6 +149,7 @@ class TrackerService(pbg.TrackerServicer):
 class StatusService(pbg.StatusServicer):
     def __init__(self, tracker: Tracker, gate: auth.Gate | None = None) -> None:
         self.tracker, self.gate = tracker, gate
+        self._watchers = threading.BoundedSemaphore(MAX_WATCHERS)
 
     def _status(self) -> pb.RunStatus:
         st = self.tracker.status()
@@ -160,13 +161,23 @@ class StatusService(pbg.StatusServicer):
         return self._status()
 
     def WatchStatus(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> Iterator[pb.RunStatus]:
-        interval = min(max(request.interval_s or 1.0, 0.2), 60.0)
-        while context.is_active():
-            yield self._status()
-            time.sleep(interval)
+        """A status stream, within its own budget: each holds a server thread, and anonymous
+        watchers must not take the ones Join and the heartbeats need (240 streams did)."""
+        if not self._watchers.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{MAX_WATCHERS} status streams are open already; use GetStatus (anchormesh status without --watch) or try later")
+        ended = threading.Event()  # a watcher that goes away frees its place at once, not after its interval
+        context.add_callback(ended.set)
+        try:
+            interval = min(max(request.interval_s or 1.0, 0.2), 60.0)
+            while context.is_active():
+                yield self._status()
+                ended.wait(interval)
+        finally:
+            self._watchers.release()
 
 
 MAX_REQUEST_BYTES = 1 << 20
+MAX_WATCHERS = 32  # concurrent WatchStatus streams; the server's other 208 calls stay for peers
 
 
 def _parse(cls, data: bytes, context: grpc.ServicerContext):
@@ -223,7 +234,10 @@ def serve_tracker(tracker: Tracker, host: str, port: int, secrets: keys.RunSecre
         futures.ThreadPoolExecutor(max_workers=256),
         maximum_concurrent_rpcs=240,
         interceptors=[gate] if gate is not None else None,
-        options=[("grpc.max_receive_message_length", 1 << 20), ("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000), ("grpc.so_reuseport", 0)],  # a second tracker on the port fails instead of sharing it
+        # no SO_REUSEPORT: a second tracker on the port fails instead of sharing it; no compressed
+        # calls: gRPC would inflate them before any size check
+        options=[("grpc.max_receive_message_length", 1 << 20), ("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000), ("grpc.so_reuseport", 0),
+                 ("grpc.compression_enabled_algorithms_bitset", 1)],
     )
     server.add_generic_rpc_handlers(_handlers(tracker, secrets.tracker if secrets else None, gate, ca))
     try:

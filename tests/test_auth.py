@@ -243,3 +243,41 @@ def test_run_secrets_never_start_with_a_dash_and_bad_tokens_are_refused(tmp_path
     for bad in ("short", "-starts-with-a-dash-0123456789", " padded-token-0123456789 "):
         with pytest.raises(ConfigError, match="--token"):
             keys.load_or_create(tmp_path, bad)
+
+
+def test_status_streams_have_their_own_budget_and_compressed_calls_are_refused() -> None:
+    """240 anonymous WatchStatus streams once made a valid Join fail: now at most MAX_WATCHERS
+    stream at once, the next one is told so, and the tracker still answers everything else; a
+    gzip-compressed call is refused before it is inflated."""
+    from bootstrap.node import MAX_WATCHERS, default_run, serve_tracker
+    from bootstrap.tracker import Tracker
+    from peer.wire import anchormesh_pb2 as pb
+    from peer.wire import anchormesh_pb2_grpc as pbg
+
+    t = Tracker(RUN, default_run())
+    server, address = serve_tracker(t, "127.0.0.1", 0)
+    streams = []
+    try:
+        with grpc.insecure_channel(address) as ch:
+            stub = pbg.StatusStub(ch)
+            for _ in range(MAX_WATCHERS):
+                s = stub.WatchStatus(pb.StatusRequest(interval_s=5.0))
+                assert next(s).run_id == RUN
+                streams.append(s)
+            extra = stub.WatchStatus(pb.StatusRequest(interval_s=5.0))
+            with pytest.raises(grpc.RpcError) as exc:
+                next(extra)
+            assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "GetStatus" in exc.value.details()
+            assert stub.GetStatus(pb.StatusRequest(), timeout=5).run_id == RUN  # everything else still answers
+            streams.pop().cancel()
+            time.sleep(0.5)
+            again = stub.WatchStatus(pb.StatusRequest(interval_s=5.0))
+            assert next(again).run_id == RUN
+            streams.append(again)
+            with pytest.raises(grpc.RpcError) as exc:
+                stub.GetStatus(pb.StatusRequest(), timeout=5, compression=grpc.Compression.Gzip)
+            assert exc.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        for s in streams:
+            s.cancel()
+        server.stop(0)
