@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from peer import __version__
-from peer.capacity import MAX_STEPS_PER_S, STEP_SLACK, fill_unmeasured
+from peer.capacity import MAX_STEPS_PER_S, STEP_SLACK, fill_unmeasured, step_ceiling
 from peer.config import TrainConfig
 from peer.errors import AnchormeshError
 from peer.identity import fingerprint
@@ -362,8 +362,7 @@ class Tracker:
         last report (plus a slack); tokens grow at most one step's tokens per step; tokens/s and
         capacity stay under MAX_STEPS_PER_S steps' tokens per second."""
         per_step = self.config.pipeline.micro_batches * self.config.pipeline.micro_batch_size * self.config.pipeline.seq_len
-        since = max(now - (p.last_seen or p.joined_at), 0.0)
-        ceiling = max(p.step, p.start_step, self._run_step()) + STEP_SLACK + MAX_STEPS_PER_S * since
+        ceiling = step_ceiling(max(p.step, p.start_step, self._run_step()), now - (p.last_seen or p.joined_at))
         if info.step < p.step:
             return f"step {info.step} is below its last reported step {p.step}"
         if info.step > ceiling:

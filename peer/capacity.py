@@ -14,6 +14,11 @@ MAX_STEPS_PER_S = 100.0
 STEP_SLACK = 50
 
 
+def step_ceiling(known: int, seconds: float) -> float:
+    """The highest step honest training can have reached `seconds` after being at step `known`."""
+    return known + STEP_SLACK + MAX_STEPS_PER_S * max(seconds, 0.0)
+
+
 def fill_unmeasured(values: list[float]) -> list[float]:
     """`values` with every reading <= 0 replaced by the median of the positive ones (1.0 if none)."""
     measured = sorted(v for v in values if v > 0)

@@ -42,7 +42,7 @@ import torch
 
 from peer import __version__, auth
 from peer.address import announce_maddr, free_port
-from peer.capacity import MAX_STEPS_PER_S, STEP_SLACK, fill_unmeasured
+from peer.capacity import fill_unmeasured, step_ceiling
 from peer.checkpoint import ShardCheckpoints
 from peer.runlog import MetricsLog
 from peer.codec.mask import MaskCodec
@@ -443,8 +443,8 @@ class PeerDaemon:
         a first moment larger than that would make the next step huge."""
         n = len(named)
         if self._run_clock is not None:
-            since, start = time.monotonic() - self._run_clock[0], self._run_clock[1]
-            ceiling = start + STEP_SLACK + MAX_STEPS_PER_S * since
+            start = self._run_clock[1]
+            ceiling = step_ceiling(start, time.monotonic() - self._run_clock[0])
             if version > ceiling:
                 raise ValueError(f"step {version} is past the run's ({start} when this peer joined, at most {ceiling:.0f} now)")
         for (name, p), t in zip(named, tensors[:n]):
