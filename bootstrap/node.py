@@ -18,7 +18,6 @@ import json
 import logging
 import signal
 import threading
-import time
 import uuid
 from dataclasses import asdict, replace
 from collections.abc import Iterator
