@@ -386,6 +386,7 @@ class GroupAverager:
         self._offered_wall = 0.0  # when the pending round was offered (monotonic)
         self.last_error = ""
         self.rejected = 0  # rounds whose result failed the plausibility rule (see _implausible)
+        self.left_out = 0  # rounds in which hivemind dropped a member's part (see _left_out)
         self.last_rejection = ""
         self.peer_id = peer_id  # the run's id of this peer, carried in its claims (for logs)
         self.suspects: deque[str] = deque(maxlen=4)  # "HIVEMIND_PEER_ID: why" of members named by refused rounds, newest last
@@ -595,11 +596,16 @@ class GroupAverager:
                 return f"member {name} sent NaN or Inf", [f"{name}: sent NaN or Inf"]
         if not all(torch.isfinite(u).all() for u in updates.values()):
             return "a member sent NaN or Inf", []
-        claimed_mean = trimmed_mean(torch.stack(list(claims.values())))  # what the robust reducers compute from the claims
-        off = float((result - claimed_mean).norm())
         biggest = max(float(u.norm()) for u in updates.values())
+        off = float((result - trimmed_mean(torch.stack(list(claims.values())))).norm())  # what the robust reducers compute from the claims
         if off > CLAIM_TOLERANCE * biggest + floor:
-            return f"the mean is {off:.3g} away from the mean of what the members declared (largest update {biggest:.3g}): a member sent other values than it claimed", []
+            dropped = self._left_out(claims, result, CLAIM_TOLERANCE * biggest + floor)
+            if dropped is None:
+                return f"the mean is {off:.3g} away from the mean of what the members declared (largest update {biggest:.3g}): a member sent other values than it claimed", []
+            # hivemind dropped this sender (its stream failed): the result is the others' mean; every
+            # claim still counts below (a dropped member that flipped its update is still named)
+            log.info("stage-group averaging: hivemind left member %s's part out of the round (its sending failed)", dropped)
+            self.left_out += 1
         named = []
         for name, u in updates.items():
             # size and direction need at least two others to compare with: in a pair, an honest
@@ -618,6 +624,20 @@ class GroupAverager:
         if named:
             return "; ".join(named), named
         return "", []
+
+    def _left_out(self, claims: dict[str, torch.Tensor], result: torch.Tensor, tolerance: float) -> str | None:
+        """The one member (not this peer) whose part hivemind left out of the round, if the result
+        is the trimmed mean of everyone else's claims; else None. Why: hivemind's all-reduce drops
+        a sender whose stream fails (a busy or leaving peer) and reduces the others' parts, so an
+        honest round can miss a member; refusing it as a lie would name a fault nobody made."""
+        me = str(self.averager.peer_id)
+        if len(claims) < 3:  # in a pair, "the other's values alone" would pass any one-sided result
+            return None
+        for name in claims:
+            rest = [v for k, v in claims.items() if k != name]
+            if name != me and float((result - trimmed_mean(torch.stack(rest))).norm()) <= tolerance:
+                return name
+        return None
 
     def _implausible(self, means: list[torch.Tensor]) -> str:
         """Why the group's mean cannot be right, or "". The rule: every value finite, and the
