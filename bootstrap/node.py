@@ -270,6 +270,7 @@ def run_bootstrap(config: TrainConfig | None, host: str, port: int, dht_port: in
     config = config or default_run()
     check_swarm(config)  # before anything starts
     config.model = resolve_dims(config.model)
+    config.check_model_dims()  # now against the pretrained model's real sizes
     layer_ranges(config.model.num_layers, config.model.num_stages)  # a bad stage count fails here, not after the DHT is up
     state_dir.mkdir(parents=True, exist_ok=True)
     if saved is None:

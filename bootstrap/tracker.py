@@ -65,6 +65,7 @@ class PeerRecord:
     eval_id: int = 0
     eval_loss: float = math.nan
     joined_at: float = 0.0
+    reported: bool = False  # has it sent a heartbeat since it joined (before: it loads its stage)
     key: str = ""  # its identity key (hex); bans name the key's fingerprint
     refused_calls: int = 0
     dp_suspects: tuple[str, ...] = ()  # "HIVEMIND_PEER_ID: why" of members its refused averaging rounds named
@@ -111,6 +112,9 @@ class Tracker:
         run_id: the run this tracker serves.
         config: the run's TrainConfig (sent to every joining peer as JSON).
         peer_timeout_s: a peer silent for this long is marked dead and leaves the roster's routing.
+        load_grace_s: how long a joined peer may take to its first heartbeat: it loads its stage's
+            weights first (a hub download, a GGUF file to dequantize: a minute or more), and
+            declaring it dead then would make it join and load again, for ever.
         heartbeat_interval_s: how often peers report.
         move_cooldown_s: at most one peer is moved between stages per this many seconds.
         clock: time source (tests pass a fake).
@@ -132,6 +136,7 @@ class Tracker:
     run_id: str
     config: TrainConfig
     peer_timeout_s: float = 10.0
+    load_grace_s: float = 600.0
     heartbeat_interval_s: float = 1.0
     move_cooldown_s: float = 20.0
     dht_maddrs: list[str] = field(default_factory=list)
@@ -240,8 +245,10 @@ class Tracker:
         if now < self.expire_after:  # just restored: peers are still reconnecting
             return
         for p in self.peers.values():
-            if p.state in LIVE and now - p.last_seen > self.peer_timeout_s:
-                p.state, p.reason = "dead", f"no heartbeat for {now - p.last_seen:.1f}s (timeout {self.peer_timeout_s:.0f}s)"
+            timeout = self.peer_timeout_s if p.reported else max(self.peer_timeout_s, self.load_grace_s)
+            if p.state in LIVE and now - p.last_seen > timeout:
+                what = "heartbeat" if p.reported else "first heartbeat after joining (still loading its stage?)"
+                p.state, p.reason = "dead", f"no {what} for {now - p.last_seen:.1f}s (timeout {timeout:.0f}s)"
 
     def live(self, stage: int | None = None) -> list[PeerRecord]:
         return [p for p in self.peers.values() if p.state in LIVE and (stage is None or p.stage == stage)]
@@ -320,7 +327,7 @@ class Tracker:
             else:
                 p.step, p.tokens, p.capacity, p.tokens_per_s = info.step, rep.tokens, info.capacity_tokens_per_s, info.tokens_per_s
             p.state = info.state if info.state in LIVE else p.state
-            p.last_seen, p.loss = now, info.loss
+            p.last_seen, p.loss, p.reported = now, info.loss, True
             p.bytes_in, p.bytes_out, p.queue_depth, p.reason = info.bytes_in, info.bytes_out, info.queue_depth, info.reason
             p.dp_rounds, p.anchor_id, p.anchor_bytes_out = info.dp_rounds, min(info.anchor_id, self.anchors.launched), info.anchor_bytes_out
             p.dp_bytes_out, p.dp_dense_bytes, p.dp_rejected = info.dp_bytes_out, info.dp_dense_bytes, info.dp_rejected
@@ -443,7 +450,8 @@ class Tracker:
         return pb.PeerInfo(
             peer_id=p.peer_id, stage=p.stage, address=p.address, state=p.state, last_seen_s=self.clock() - p.last_seen,
             tokens_per_s=p.tokens_per_s, bytes_in=p.bytes_in, bytes_out=p.bytes_out, step=p.step, loss=p.loss,
-            queue_depth=p.queue_depth, reason=p.reason, dp_rounds=p.dp_rounds, anchor_id=p.anchor_id,
+            queue_depth=p.queue_depth, reason=p.reason if p.reported or p.state not in LIVE else f"loading its stage ({self.clock() - p.joined_at:.0f}s since it joined)",
+            dp_rounds=p.dp_rounds, anchor_id=p.anchor_id,
             anchor_bytes_out=p.anchor_bytes_out, capacity_tokens_per_s=p.capacity, dp_bytes_out=p.dp_bytes_out,
             dp_dense_bytes=p.dp_dense_bytes, eval_id=p.eval_id, eval_loss=p.eval_loss, dp_rejected=p.dp_rejected,
             refused_calls=p.refused_calls, key_fingerprint=fingerprint(bytes.fromhex(p.key)) if p.key else "",
@@ -505,4 +513,6 @@ class Tracker:
                 eval_step=self.evals.launched_at.get(newest_eval.eval_id, -1) if newest_eval else -1,
                 banned=len(self.banned),
                 unfit=list(self.unfit),
+                model=pb.ModelInfo(name=self.config.model.name, num_layers=self.config.model.num_layers, hidden_size=self.config.model.hidden_size,
+                                   num_stages=K, tokenizer=self.config.data.tokenizer),
             )

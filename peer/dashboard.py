@@ -321,6 +321,9 @@ def _summary(s: dict) -> Group:
     lines = Table.grid(padding=(0, 2))
     lines.add_column(style="dim", justify="right", min_width=LABEL_WIDTH)
     lines.add_column()
+    m = s.get("model") or {}
+    if m.get("name"):
+        lines.add_row("model", f"{m['name']}: {m.get('num_layers', '?')} layers, hidden {m.get('hidden_size', '?')}, {m.get('num_stages', '?')} stages, tokenizer {m.get('tokenizer') or '?'}")
     lines.add_row("PP", f"{s.get('pp_bytes_per_token', 0):.1f} B/token ({s.get('pp_compression', 0):.1f}x vs dense fp16)")
     lines.add_row("DP", dp)
     lines.add_row("anchor", _anchor_text(s))

@@ -158,12 +158,9 @@ def _tokenize(data: bytes, cfg: TrainConfig, vocab_size: int) -> bytes | torch.T
         if vocab_size < 256:
             raise ConfigError("data.tokenizer", "bytes", f"byte ids need a vocabulary of 256; {cfg.model.name} has {vocab_size}")
         return data
-    from transformers import AutoTokenizer
+    from peer.model.source import load_tokenizer
 
-    try:
-        tok = AutoTokenizer.from_pretrained(cfg.model.name)
-    except (OSError, ValueError) as exc:
-        raise ConfigError("data.tokenizer", "model", f"cannot load the tokenizer of {cfg.model.name}: {exc}") from None
+    tok = load_tokenizer(cfg.model.name)
     parts = []
     with byte_bar(f"tokenizing with the tokenizer of {cfg.model.name}", len(data)) as bar:
         start = 0

@@ -27,7 +27,7 @@ import torch
 
 from peer import __version__, auth
 from peer.config import TrainConfig, config_from_dict
-from peer.errors import AnchormeshError
+from peer.errors import AnchormeshError, ConfigError
 from peer.logs import setup_logging
 from peer.progress import byte_bar
 from peer.shard import Shard, ShardError, read_shard
@@ -102,16 +102,15 @@ def download(peer: pb.PeerInfo, run_id: str, timeout_s: float, progress: bool = 
 def hf_config(cfg: TrainConfig):
     """The run's model config as Hugging Face sees it. Untied embedding and head: every stage owns
     its own copy of the modules (peer/model/stages.py), so a tied pair is two trained tensors."""
-    from transformers import AutoConfig
-
     from peer.model.loading import TINY_PREFIX, tiny_config
+    from peer.model.source import pretrained_config
 
     if cfg.model.name.startswith(TINY_PREFIX):
         config = tiny_config(cfg.model.name[len(TINY_PREFIX):], cfg.model)
         # the byte vocabulary has no special tokens: Llama's default bos/eos ids (1, 2) would be bytes
         config.bos_token_id = config.eos_token_id = config.pad_token_id = None
     else:
-        config = AutoConfig.from_pretrained(cfg.model.name)
+        config = pretrained_config(cfg.model.name)
     config.tie_word_embeddings = False
     return config
 
@@ -200,11 +199,11 @@ def write_model(cfg: TrainConfig, shards: list[Shard], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     if cfg.data.tokenizer == "model":
-        from transformers import AutoTokenizer
+        from peer.model.source import load_tokenizer
 
         try:
-            AutoTokenizer.from_pretrained(cfg.model.name).save_pretrained(out)
-        except (OSError, ValueError) as exc:
+            load_tokenizer(cfg.model.name).save_pretrained(out)
+        except ConfigError as exc:
             raise ExportError(f"cannot load the tokenizer of {cfg.model.name} to export with the model: {exc}") from None
         tokenizer_note = f"the model's own: {cfg.model.name}"
     else:

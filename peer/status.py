@@ -44,6 +44,7 @@ def status_dict(s: pb.RunStatus) -> dict:
         "refused_calls": s.refused_calls,
         "banned": s.banned,
         "unfit": list(s.unfit),
+        "model": {"name": s.model.name, "num_layers": s.model.num_layers, "hidden_size": s.model.hidden_size, "num_stages": s.model.num_stages, "tokenizer": s.model.tokenizer},
         "stages": [
             {"index": st.index, "peers": st.peers, "tokens_per_s": st.tokens_per_s, "queue_depth": st.queue_depth, "capacity_tokens_per_s": st.capacity_tokens_per_s,
              "averaging": averaging_cell(st.peers)}
@@ -65,6 +66,11 @@ def status_dict(s: pb.RunStatus) -> dict:
             for p in s.peers
         ],
     }
+
+
+def model_cell(m: pb.ModelInfo) -> str:
+    """"smollm2-135m: 30 layers, hidden 576, 2 stages, tokenizer model": what is trained, at a glance."""
+    return f"{m.name or '?'}: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_stages} stages, tokenizer {m.tokenizer or '?'}"
 
 
 def averaging_cell(peers: int) -> str:
@@ -96,6 +102,7 @@ def render(s: pb.RunStatus) -> str:
     anchor = "off" if not s.anchors_launched else "none yet" if s.anchor_age_steps < 0 else f"{s.anchor_age_steps} steps old"
     lines = [
         f"run {s.run_id}  {s.state.upper()}{'  (' + s.reason + ')' if s.reason else ''}  up {s.uptime_s:.0f}s",
+        f"model {model_cell(s.model)}",
         f"step {s.step}  tokens {s.tokens:,}  train loss {loss}  eval loss {eval_loss}  {s.tokens_per_s:,.0f} tok/s",
         f"PP {s.pp_bytes_per_token:.1f} B/token ({s.pp_compression:.1f}x vs dense fp16)  "
         f"DP {s.dp_bytes_per_token:.1f} B/token" + (f" ({s.dp_compression:.0f}x vs fp32 all-reduce every step)" if s.dp_compression else " (no round yet)"),

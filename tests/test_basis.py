@@ -103,3 +103,15 @@ def test_a_large_vocabulary_sends_only_its_frequent_rows() -> None:
     # the receiver rebuilds the same state from what travels (prior rows, ids, basis)
     twin = BasisState(s_top.version, s_top.prior.half().float(), s_top.basis.half().float(), s_top.row_ids.clone(), vocab)
     assert torch.equal(twin.lift(s_top.project(h, ids), ids), s_top.lift(s_top.project(h, ids), ids))
+
+
+def test_a_first_refresh_with_fewer_tokens_than_the_rank_still_ships_the_full_rank() -> None:
+    """A window of 32 tokens and rank 64 (SmolLM2 with seq_len 32, one sequence per micro-batch):
+    the SVD has only 32 directions; the basis is completed to 64 orthonormal columns, so the
+    receiver's shape check [H, rank] passes."""
+    torch.manual_seed(0)
+    learner = BasisLearner(vocab_size=50, hidden_size=96, rank=64, refresh=1)
+    learner.observe(torch.randn(1, 32, 96), torch.randint(0, 50, (1, 32)))
+    b = learner.maybe_refresh(0).basis
+    assert b.shape == (96, 64)
+    assert torch.allclose(b.T @ b, torch.eye(64), atol=2e-3)  # orthonormal (fp16-rounded)

@@ -320,3 +320,26 @@ def test_directives_list_the_stage_groups_hivemind_ids() -> None:
     stage_of = {pid: t.peers[pid].stage for pid in "abc"}
     d = beat(t, "a")
     assert set(d.member_dht) == {f"Qm{p.upper()}" for p in "abc" if stage_of[p] == stage_of["a"]}
+
+
+def test_a_joined_peer_has_time_to_load_its_stage_before_its_first_heartbeat() -> None:
+    """A real model takes a minute or more to load before the first heartbeat: the peer stays
+    "joining" (status says it is loading) up to load_grace_s; once it has reported, silence for
+    peer_timeout_s is death as before. Without the grace it was declared dead, joined again and
+    loaded again, for ever."""
+    t, clock = make()
+    join(t, "a")
+    join(t, "b")
+    beat(t, "b")
+    clock.t += 120.0  # a is loading; b went silent
+    t._expire()
+    assert t.peers["a"].state == "joining" and t.peers["b"].state == "dead"
+    assert t.status().peers[0].reason == "loading its stage (120s since it joined)"
+    beat(t, "a")
+    clock.t += 31.0
+    t._expire()
+    assert t.peers["a"].state == "dead" and "no heartbeat for 31.0s" in t.peers["a"].reason
+    join(t, "c")
+    clock.t += t.load_grace_s + 1
+    t._expire()
+    assert t.peers["c"].state == "dead" and "no first heartbeat after joining" in t.peers["c"].reason

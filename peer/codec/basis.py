@@ -123,8 +123,23 @@ class BasisLearner:
             if int(own.sum()) >= 4 * self.rank:
                 resid = resid[own]
         _, _, vh = torch.linalg.svd(resid, full_matrices=False)
-        self.current = BasisState(version, prior, vh[: self.rank].T.contiguous().half().float(), row_ids, vocab)
+        self.current = BasisState(version, prior, _complete(vh[: self.rank].T, self.rank).contiguous().half().float(), row_ids, vocab)
         self._last_refresh_step = step
         self.sums *= 0.5  # forget: the sender's weights move, so old outputs count less each refresh
         self.counts *= 0.5
         return self.current
+
+
+def _complete(basis: torch.Tensor, rank: int) -> torch.Tensor:
+    """`basis` [H, k] with orthonormal columns, completed to `rank` columns by orthonormal
+    directions outside its span. Why: before the sender has seen `rank` tokens (the first
+    micro-batch of a short window), the SVD yields fewer directions than the wire's fixed rank;
+    the extra columns still carry part of the residual until the next refresh refits them."""
+    k = basis.shape[1]
+    if k >= rank:
+        return basis
+    g = torch.Generator(device="cpu").manual_seed(k)
+    extra = torch.randn(basis.shape[0], rank - k, generator=g).to(basis.device, basis.dtype)
+    q, _ = torch.linalg.qr(torch.cat([basis, extra], dim=1))
+    return torch.cat([basis, q[:, k:rank]], dim=1)
+

@@ -11,17 +11,18 @@ from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from peer.config import ModelConfig
+from peer.config import TINY_MODEL_PREFIX, ModelConfig
 from peer.errors import ConfigError
+from peer.model.source import from_pretrained, pretrained_config, resolve
 from peer.model.tokenizer import VOCAB_SIZE
 
 if TYPE_CHECKING:
     from peer.model.stages import StageModule
 
 SUPPORTED_FAMILIES = ("llama", "qwen2", "mistral", "gpt2")
-TINY_PREFIX = "tiny-"
+TINY_PREFIX = TINY_MODEL_PREFIX
 log = logging.getLogger(__name__)
 
 
@@ -85,17 +86,14 @@ def load_causal_lm(cfg: ModelConfig, *, seed: int = 0, dtype: torch.dtype = torc
     _pretrained_config(cfg.name)
     log.info("loading %s (a hub id is downloaded on first use, with a progress bar per file)", cfg.name)
     t0 = time.monotonic()
-    model = AutoModelForCausalLM.from_pretrained(cfg.name, dtype=dtype, attn_implementation="sdpa")
+    model = from_pretrained(cfg.name, dtype)
     n = sum(p.numel() for p in model.parameters())
     log.info("loaded %s: %.1fM parameters in %.1fs", cfg.name, n / 1e6, time.monotonic() - t0)
     return model.eval()
 
 
 def _pretrained_config(name: str):
-    try:
-        config = AutoConfig.from_pretrained(name)
-    except (OSError, ValueError) as exc:
-        raise ConfigError("model.name", name, f"cannot load a model config from it ({exc})") from exc
+    config = pretrained_config(name)
     if config.model_type not in SUPPORTED_FAMILIES:
         raise ConfigError("model.name", name, f"model_type {config.model_type!r} is not supported; supported: {', '.join(SUPPORTED_FAMILIES)}")
     return config
@@ -167,9 +165,11 @@ def load_stage(cfg: ModelConfig, index: int, *, seed: int = 0, device: torch.dev
         _check_index(cfg, index)
         return split_model(load_causal_lm(cfg, seed=seed, dtype=dtype), cfg.num_stages)[index].to(device)
     config = model_config(cfg)
-    files = _safetensors_files(cfg.name)
+    src = resolve(cfg.name)
+    files = None if src.gguf_file else _safetensors_files(src.path)
     if files is None:
-        log.warning("%s has no safetensors weights: loading the whole model to keep stage %d (needs the full model's memory once)", cfg.name, index)
+        what = "is one GGUF file" if src.gguf_file else "has no safetensors weights"
+        log.warning("%s %s: loading the whole model to keep stage %d (needs the full model's memory once)", cfg.name, what, index)
         return split_model(load_causal_lm(cfg, dtype=dtype), cfg.num_stages)[index].to(device)
     t0 = time.monotonic()
     stage = meta_stages(cfg, [index], dtype=dtype, config=config)[0]

@@ -427,7 +427,7 @@ class StageStatus(_message.Message):
     def __init__(self, index: _Optional[int] = ..., peers: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., queue_depth: _Optional[int] = ..., capacity_tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("run_id", "step", "tokens", "loss", "tokens_per_s", "pp_bytes_per_token", "pp_compression", "uptime_s", "state", "reason", "stages", "peers", "dht_maddrs", "anchor_step", "anchor_age_steps", "anchors_launched", "anchor_bytes_per_token", "stage_moves", "dp_bytes_per_token", "dp_compression", "eval_loss", "eval_step", "refused_calls", "banned", "unfit")
+    __slots__ = ("run_id", "step", "tokens", "loss", "tokens_per_s", "pp_bytes_per_token", "pp_compression", "uptime_s", "state", "reason", "stages", "peers", "dht_maddrs", "anchor_step", "anchor_age_steps", "anchors_launched", "anchor_bytes_per_token", "stage_moves", "dp_bytes_per_token", "dp_compression", "eval_loss", "eval_step", "refused_calls", "banned", "unfit", "model")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -453,6 +453,7 @@ class RunStatus(_message.Message):
     REFUSED_CALLS_FIELD_NUMBER: _ClassVar[int]
     BANNED_FIELD_NUMBER: _ClassVar[int]
     UNFIT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     tokens: int
@@ -478,4 +479,19 @@ class RunStatus(_message.Message):
     refused_calls: int
     banned: int
     unfit: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., tokens: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., pp_bytes_per_token: _Optional[float] = ..., pp_compression: _Optional[float] = ..., uptime_s: _Optional[float] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., dht_maddrs: _Optional[_Iterable[str]] = ..., anchor_step: _Optional[int] = ..., anchor_age_steps: _Optional[int] = ..., anchors_launched: _Optional[int] = ..., anchor_bytes_per_token: _Optional[float] = ..., stage_moves: _Optional[int] = ..., dp_bytes_per_token: _Optional[float] = ..., dp_compression: _Optional[float] = ..., eval_loss: _Optional[float] = ..., eval_step: _Optional[int] = ..., refused_calls: _Optional[int] = ..., banned: _Optional[int] = ..., unfit: _Optional[_Iterable[str]] = ...) -> None: ...
+    model: ModelInfo
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., tokens: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., pp_bytes_per_token: _Optional[float] = ..., pp_compression: _Optional[float] = ..., uptime_s: _Optional[float] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., dht_maddrs: _Optional[_Iterable[str]] = ..., anchor_step: _Optional[int] = ..., anchor_age_steps: _Optional[int] = ..., anchors_launched: _Optional[int] = ..., anchor_bytes_per_token: _Optional[float] = ..., stage_moves: _Optional[int] = ..., dp_bytes_per_token: _Optional[float] = ..., dp_compression: _Optional[float] = ..., eval_loss: _Optional[float] = ..., eval_step: _Optional[int] = ..., refused_calls: _Optional[int] = ..., banned: _Optional[int] = ..., unfit: _Optional[_Iterable[str]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ...) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("name", "num_layers", "hidden_size", "num_stages", "tokenizer")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_stages: int
+    tokenizer: str
+    def __init__(self, name: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_stages: _Optional[int] = ..., tokenizer: _Optional[str] = ...) -> None: ...
