@@ -89,10 +89,11 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks (JSON out)")
     bsub = bench.add_subparsers(dest="bench", required=True)
     q = bsub.add_parser("quality", help="eval loss of dense vs masked vs masked+anchor (+DP) adaptation")
-    q.add_argument("--quick", action="store_true", help="small setup that ends within 5 minutes on 2 CPU cores")
+    q.add_argument("--quick", action="store_true", help="small setup that ends within 5 minutes on 2 CPU cores (30 with --model smollm2-135m)")
     q.add_argument("--corpus-a", help="general corpus (file or folder of text); default: found on this machine")
     q.add_argument("--corpus-b", help="domain corpus (file or folder of text); default: found on this machine")
     q.add_argument("--rows", help="comma-separated subset of rows to run")
+    q.add_argument("--model", default=None, help="adapt this pretrained model (hub id, folder, .gguf file, smollm2-135m) instead of the toy pretrained here")
     q.add_argument("--json", required=True, type=Path, help="write the result here")
     t = bsub.add_parser("throughput", help="tokens/s of dense vs masked vs masked+DP vs compute-bound on shaped links (network namespaces; root)")
     t.add_argument("--quick", action="store_true", help="short runs that end within 8 minutes on 2 CPU cores")
@@ -222,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
             from peer.bench.quality import run_quality
 
             only = [r.strip() for r in args.rows.split(",")] if args.rows else None
-            result = run_quality(args.quick, args.corpus_a, args.corpus_b, only)
+            result = run_quality(args.quick, args.corpus_a, args.corpus_b, only, model=args.model)
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(result, indent=2))
             print(f"wrote {args.json}")

@@ -1,14 +1,18 @@
 """`anchormesh bench quality`: does masked pipeline training reach the loss of dense training?
 
-One small model is "pretrained" on corpus A (general prose) inside the benchmark and cached;
-every row then adapts a copy of it on corpus B (Python source) with the same token budget,
-the same data order and the same seed, through the local pipeline runner. Eval losses are
-dense (unmasked) forward passes of the trained stages on held-out B and held-out A (forgetting):
-what the exported model would score. Nothing here is tuned to pass: it reports what it measures.
+Two kinds of base model. By default one small model is "pretrained" on corpus A (general prose)
+inside the benchmark and cached. With `--model` (a hub id, a folder, a `.gguf` file, or
+`smollm2-135m`) the real pretrained model is the base, with its own tokenizer: domain adaptation
+of what practitioners actually adapt. Either way every row adapts a copy of the base on corpus B
+(Python source) with the same token budget, the same data order and the same seed, through the
+local pipeline runner. Eval losses are dense (unmasked) forward passes of the trained stages on
+held-out B and held-out A (forgetting): what the exported model would score. Nothing here is
+tuned to pass: it reports what it measures.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -20,9 +24,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from peer.config import AnchorConfig, DPConfig, MaskConfig, ModelConfig, OptimConfig, PipelineConfig, SpectralConfig, TrainConfig
+from peer.config import TINY_MODEL_PREFIX, AnchorConfig, DPConfig, MaskConfig, ModelConfig, OptimConfig, PipelineConfig, SpectralConfig, TrainConfig
 from peer.data import TokenStream, default_corpus, read_path
-from peer.model.loading import load_causal_lm
+from peer.model.loading import load_causal_lm, resolve_dims
+from peer.model.source import load_tokenizer
 from peer.model.stages import lm_loss
 from peer.pipeline.runner import LocalPipelineRunner, evaluate_stages
 
@@ -48,7 +53,19 @@ class QualitySetup:
     seed: int = 0
 
 
-def setup_for(quick: bool) -> QualitySetup:
+def setup_for(quick: bool, model: str | None = None) -> QualitySetup:
+    """The toy setup (a model pretrained here), or with `model` a pretrained model's.
+
+    A pretrained model is adapted as practitioners adapt one: AdamW at a constant lr of 1e-4
+    (betas 0.9/0.95, clip 1.0; the swarm has no lr schedule), no pretraining here, 2 stages cut
+    at the middle layer, the low-rank codec at rank 64 (what the boundary probes measured).
+    `quick` fits 2 CPU cores in 30 minutes (40 steps of 512 tokens per row); the full run is
+    for a GPU (300 steps of 2048 tokens)."""
+    if model and not model.startswith(TINY_MODEL_PREFIX):
+        dims = resolve_dims(ModelConfig(name=model, num_stages=2, max_seq_len=256))
+        if quick:
+            return QualitySetup(dims, 0, 40, 4, 2, 64, 0.0, 1e-4, 8, anchor_every=10, lowrank_rank=min(64, dims.hidden_size // 2))
+        return QualitySetup(dims, 0, 300, 8, 1, 256, 0.0, 1e-4, 32, anchor_every=20, lowrank_rank=min(64, dims.hidden_size // 2))
     if quick:
         return QualitySetup(ModelConfig(hidden_size=128, num_layers=4, num_heads=4, max_seq_len=128), 300, 120, 8, 2, 128, 3e-3, 1e-3, 8)
     return QualitySetup(ModelConfig(hidden_size=192, num_layers=6, num_heads=6, max_seq_len=256), 1200, 400, 8, 4, 256, 2e-3, 6e-4, 32)
@@ -127,9 +144,8 @@ def pretrain(setup: QualitySetup, corpus_a: TokenStream, key: str) -> dict[str, 
     return state
 
 
-def run_row(name: str, cfg: TrainConfig, base_state: dict, setup: QualitySetup, corpus_b: TokenStream, eval_b: list, eval_a: list) -> dict:
-    model = load_causal_lm(setup.model, seed=setup.seed)
-    model.load_state_dict(base_state)
+def run_row(name: str, cfg: TrainConfig, fresh_model: Callable[[], torch.nn.Module], setup: QualitySetup, corpus_b: TokenStream, eval_b: list, eval_a: list) -> dict:
+    model = fresh_model()
     batch = _windows(corpus_b, setup.seed)
     bs, T = cfg.pipeline.micro_batch_size, cfg.pipeline.seq_len
     m_dense = setup.micro_batches  # anchor batches use the dense row's micro-batch numbering space
@@ -169,32 +185,58 @@ def run_row(name: str, cfg: TrainConfig, base_state: dict, setup: QualitySetup, 
     }
 
 
-def run_quality(quick: bool, corpus_a: str | None, corpus_b: str | None, only: list[str] | None = None) -> dict:
-    setup = setup_for(quick)
+DEFAULT_ROW = "lowrank"  # the swarm's default codec (bootstrap/node.py default_run): low-rank, int8 coefficients, no anchor
+TOKENIZE_BYTES = 1_000_000  # corpus bytes a pretrained model's tokenizer reads per corpus (~300 k tokens of Python)
+
+
+def _corpora(setup: QualitySetup, corpus_a: str | None, corpus_b: str | None) -> tuple[TokenStream, TokenStream, dict]:
+    """Corpus A (general) and B (domain) as token streams: bytes for the toy, the model's own
+    tokenizer for a pretrained model."""
     data_a, src_a = (read_path(corpus_a), corpus_a) if corpus_a else default_corpus("a")
     data_b, src_b = (read_path(corpus_b), corpus_b) if corpus_b else default_corpus("b")
-    stream_a, stream_b = TokenStream(data_a), TokenStream(data_b)
-    pre = {k: v for k, v in asdict(setup).items() if k in ("model", "pretrain_steps", "micro_batch_size", "micro_batches", "seq_len", "pretrain_lr", "seed")}
-    key = hashlib.sha256(json.dumps(pre, sort_keys=True).encode() + hashlib.sha256(data_a).digest()).hexdigest()[:16]
+    info = {"corpus_a": src_a, "corpus_b": src_b, "corpus_a_bytes": len(data_a), "corpus_b_bytes": len(data_b)}
+    if setup.model.name.startswith(TINY_MODEL_PREFIX):
+        return TokenStream(data_a), TokenStream(data_b), {**info, "tokenizer": "bytes"}
+    tok = load_tokenizer(setup.model.name)
+
+    def ids(data: bytes) -> torch.Tensor:
+        return torch.tensor(tok(data[:TOKENIZE_BYTES].decode("utf-8", errors="replace"), add_special_tokens=False)["input_ids"], dtype=torch.long)
+
+    a, b = ids(data_a), ids(data_b)
+    return TokenStream(a), TokenStream(b), {**info, "tokenizer": "model", "corpus_a_tokens": len(a), "corpus_b_tokens": len(b)}
+
+
+def run_quality(quick: bool, corpus_a: str | None, corpus_b: str | None, only: list[str] | None = None, model: str | None = None) -> dict:
+    setup = setup_for(quick, model)
+    stream_a, stream_b, corpora = _corpora(setup, corpus_a, corpus_b)
     t0 = time.perf_counter()
-    base = pretrain(setup, stream_a, key)
+    if setup.pretrain_steps:  # the toy: pretrained here on corpus A, cached
+        pre = {k: v for k, v in asdict(setup).items() if k in ("model", "pretrain_steps", "micro_batch_size", "micro_batches", "seq_len", "pretrain_lr", "seed")}
+        key = hashlib.sha256(json.dumps(pre, sort_keys=True).encode() + hashlib.sha256(stream_a.train.numpy().tobytes()).digest()).hexdigest()[:16]
+        base_state = pretrain(setup, stream_a, key)
+        base = load_causal_lm(setup.model, seed=setup.seed)
+        base.load_state_dict(base_state)
+    else:  # a real pretrained model: the base as loaded
+        base = load_causal_lm(setup.model, seed=setup.seed)
     pretrain_s = time.perf_counter() - t0
     eval_b = stream_b.eval_batches(setup.micro_batch_size, setup.seq_len, setup.eval_batches)
     eval_a = stream_a.eval_batches(setup.micro_batch_size, setup.seq_len, setup.eval_batches)
-    model = load_causal_lm(setup.model, seed=setup.seed)
-    model.load_state_dict(base)
     from peer.model.stages import split_model
 
-    base_stages = split_model(model, setup.model.num_stages)
+    base_stages = split_model(base, setup.model.num_stages)
     out = {
-        "setup": {**asdict(setup), "corpus_a": src_a, "corpus_b": src_b, "corpus_a_bytes": len(data_a), "corpus_b_bytes": len(data_b), "pretrain_seconds": pretrain_s, "eval": "dense forward of the trained stages on held-out windows", "threads": torch.get_num_threads()},
+        "setup": {**asdict(setup), **corpora, "pretrain_seconds": pretrain_s, "eval": "dense forward of the trained stages on held-out windows", "threads": torch.get_num_threads(),
+                  "optimizer": f"AdamW lr {setup.adapt_lr:g} constant (betas 0.9/0.95, clip 1.0, no weight decay)",
+                  "tokens_per_step": setup.micro_batch_size * setup.micro_batches * setup.seq_len},
         "pretrained": {"eval_loss": evaluate_stages(base_stages, eval_b), "eval_loss_a": evaluate_stages(base_stages, eval_a)},
+        "default_row": DEFAULT_ROW,
         "runs": {},
     }
+    del base_stages
     for name, cfg in rows(setup).items():
         if only and name not in only:
             continue
-        result = run_row(name, cfg, base, setup, stream_b, eval_b, eval_a)
+        result = run_row(name, cfg, lambda: copy.deepcopy(base), setup, stream_b, eval_b, eval_a)
         out["runs"][name] = result
         print(f"{name:>24}: eval_loss {result['eval_loss']:.4f}  eval_loss_a {result['eval_loss_a']:.4f}  pp B/token {result['pp_bytes_per_token']:.1f}  dp B/step {result['dp_bytes_per_step']:.0f}  {result['seconds']:.1f}s", flush=True)
     dense = out["runs"].get("dense")

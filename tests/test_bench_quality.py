@@ -1,0 +1,41 @@
+"""`anchormesh bench quality --model`: a pretrained model (here a tiny one saved as a local
+folder with its own tokenizer, as a hub model would be) is the base every row adapts, with no
+pretraining inside the benchmark, its own tokenizer, and the swarm's default row named."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from peer.bench import quality
+from peer.config import ModelConfig
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from peer.model.loading import load_causal_lm
+    from peer.model.tokenizer import hf_byte_tokenizer
+
+    out = tmp_path_factory.mktemp("pretrained")
+    model = load_causal_lm(ModelConfig(name="tiny-llama", hidden_size=64, num_layers=2, num_heads=4, max_seq_len=128), seed=3)
+    model.save_pretrained(out)
+    hf_byte_tokenizer(128).save_pretrained(out)
+    return out
+
+
+def test_a_pretrained_model_is_the_base_of_every_row(pretrained: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = quality.setup_for
+    monkeypatch.setattr(quality, "setup_for", lambda quick, model=None: replace(real(quick, model), adapt_steps=4, eval_batches=2))
+    torch.manual_seed(0)
+    out = quality.run_quality(True, None, None, only=["dense", "lowrank"], model=str(pretrained))
+    setup = out["setup"]
+    assert setup["pretrain_steps"] == 0 and setup["tokenizer"] == "model" and setup["model"]["hidden_size"] == 64
+    assert setup["lowrank_rank"] == 32 and "lr 0.0001 constant" in setup["optimizer"]
+    assert out["default_row"] == "lowrank" and set(out["runs"]) == {"dense", "lowrank"}
+    dense, lowrank = out["runs"]["dense"], out["runs"]["lowrank"]
+    assert dense["eval_loss"] != out["pretrained"]["eval_loss"]  # the rows train the base
+    assert lowrank["pp_bytes_per_token"] < dense["pp_bytes_per_token"] / 2
+    assert out["vs_dense"]["lowrank"]["pp_bytes_reduction"] > 2
