@@ -1,6 +1,7 @@
 """`anchormesh demo`: a real local swarm — bootstrap plus peers as separate processes.
 
-Starts `anchormesh bootstrap` and one `anchormesh peer` per stage on loopback, shows the
+Starts `anchormesh bootstrap` and `peers` `anchormesh peer` processes on loopback (the tiny
+default run, or with `--model` a pretrained model such as `smollm2-135m`), shows the
 tracker's status table live, and after `seconds` (or Ctrl-C) stops every process it started —
 by pid, SIGTERM first, SIGKILL after a grace period — and prints a summary.
 """
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import grpc
 
+from peer.config import ModelConfig
 from peer.status import render
 from peer.wire import anchormesh_pb2 as pb
 from peer.wire import anchormesh_pb2_grpc as pbg
@@ -61,12 +63,46 @@ def stop_processes(procs: list[subprocess.Popen], grace_s: float = 20.0) -> None
         p.wait()
 
 
-def run_swarm_demo(seconds: float = 90.0, peers: int = 4) -> dict:
+def model_run_toml(model: str) -> str:
+    """The demo's run for a pretrained model: 2 stages cut at its middle layer, the low-rank codec
+    at rank 64 with int8 coefficients (what `bench quality --model` runs as its default row), the
+    adaptation lr of `bench quality`, the built-in Python corpus through the model's tokenizer.
+    The model is resolved first, so a model that is not installed fails here, before any process."""
+    from peer.model.loading import resolve_dims
+
+    dims = resolve_dims(ModelConfig(name=model, num_stages=2))
+    return f"""# anchormesh demo --model {model}
+[model]
+name = {json.dumps(model)}
+num_stages = 2
+max_seq_len = 128
+[mask]
+scheme = "lowrank"
+rank = {min(64, dims.hidden_size // 2)}
+values = "int8"
+[optim]
+lr = 1e-4
+[pipeline]
+micro_batch_size = 2
+micro_batches = 2
+seq_len = 128
+[data]
+max_bytes = 400000
+"""
+
+
+def run_swarm_demo(seconds: float = 90.0, peers: int = 4, model: str | None = None) -> dict:
+    """`model`: a pretrained model instead of the tiny default run (see `model_run_toml`)."""
+    run_toml = model_run_toml(model) if model else None
     work = Path(tempfile.mkdtemp(prefix="anchormesh-swarm-"))
     procs: list[subprocess.Popen] = []
     last: pb.RunStatus | None = None
     try:
-        procs.append(start_process(["bootstrap", "--state-dir", str(work)], work / "bootstrap.log"))
+        config = []
+        if run_toml:
+            (work / "run.toml").write_text(run_toml)
+            config = ["--config", str(work / "run.toml")]
+        procs.append(start_process(["bootstrap", "--state-dir", str(work), *config], work / "bootstrap.log"))
         info = wait_for_bootstrap(work, procs[0], work / "bootstrap.log")
         print(f"bootstrap up: run {info['run_id']}, tracker {info['tracker']}; starting {peers} peers (logs in {work})", flush=True)
         for i in range(peers):

@@ -182,3 +182,11 @@ def test_a_swarm_trains_the_real_model_shows_it_in_status_and_exports_it(tmp_pat
         assert model.config.num_hidden_layers == 30 and loss < 3.5, loss  # still the pretrained model after a few steps at lr 1e-4
     finally:
         stop_processes(procs, grace_s=10)
+
+
+def test_the_demo_refuses_a_model_it_cannot_load_before_starting_anything(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "peer.cli", "demo", "--model", str(tmp_path / "nope.gguf"), "--seconds", "1"], capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 2 and "no such GGUF file" in res.stderr and "bootstrap up" not in res.stdout, (res.stdout, res.stderr)
