@@ -39,11 +39,13 @@ def test_a_round_trip_keeps_the_run() -> None:
     t = Tracker("run-x", cfg, peer_timeout_s=10.0, clock=clock)
     for pid in ("a", "b", "c"):
         t.join(pb.JoinRequest(peer_id=pid, grpc_address=f"h:{len(t.peers)}", code_version=__version__, dht_maddrs=[f"/ip4/1.2.3.4/tcp/{len(t.peers)}"]))
+    c = t.peers["c"]
+    t.report(pb.PeerReport(run_id="run-x", peer=pb.PeerInfo(peer_id="c", stage=c.stage, address=c.address, state="active", loss=math.nan)))
     clock.t += 5
     for pid, step in (("a", 12), ("b", 11)):
         p = t.peers[pid]
         t.report(pb.PeerReport(run_id="run-x", tokens=step * 100, peer=pb.PeerInfo(peer_id=pid, stage=p.stage, address=p.address, state="active", step=step, loss=2.5, capacity_tokens_per_s=50.0)))
-    clock.t += 7  # "c" never reported: dead by now; "a" and "b" are live
+    clock.t += 7  # "c" has not reported since: dead by now; "a" and "b" are live
     before = t.status()
     assert {p.peer_id: p.state for p in before.peers} == {"a": "active", "b": "active", "c": "dead"}
     data = json.loads(json.dumps(persist.snapshot(t, {"tracker": 7000, "dht": 7001})))
