@@ -30,7 +30,6 @@ TEXT = "def add(a, b):\n    \"\"\"Return the sum of a and b.\"\"\"\n    return a
 def model():
     from peer.model.loading import load_causal_lm
 
-    torch.set_num_threads(2)
     return load_causal_lm(ModelConfig(name=MODEL))
 
 

@@ -15,8 +15,6 @@ import torch
 from peer.bench import netbed
 from peer.bench import project as P
 
-torch.set_num_threads(1)
-
 
 @pytest.fixture(scope="module")
 def tiny_cpu_costs() -> P.Costs:
