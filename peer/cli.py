@@ -1,4 +1,4 @@
-"""`anchormesh` console entry point: `bootstrap`, `peer`, `status`, `health`, `demo`, `export`, `bench quality|throughput|mixed|project|profile|plot`.
+"""`anchormesh` console entry point: `bootstrap`, `peer`, `status`, `health`, `demo`, `export`, `bench quality|boundary|throughput|mixed|project|profile|gpu|plot`.
 
 Bad flags exit with code 2 and one line naming the flag.
 """
@@ -127,6 +127,16 @@ def _parser() -> argparse.ArgumentParser:
     pf.add_argument("--dp-every", type=int, default=5, help="steps between DP rounds of masked_dp and compute_bound (default 5, the quick bench's)")
     pf.add_argument("--seconds", type=float, default=25.0, help="length of the profiled window (default 25)")
     pf.add_argument("--json", type=Path, default=None, help="write the result here (default: print it)")
+    bd = bsub.add_parser("boundary", help="what each stage-boundary codec does to a pretrained model, forward only: eval loss through the codec, wire bytes/token, activation statistics (see peer/bench/boundary.py)")
+    bd.add_argument("--model", default="smollm2-135m", help="hub id, folder, .gguf file, smollm2-135m or tiny-* (default smollm2-135m)")
+    bd.add_argument("--boundaries", default=None, help="comma-separated layer counts L: the boundary after decoder layer L (default 5,10,15,20,25; --quick: 15)")
+    bd.add_argument("--eval-tokens", type=int, default=2048, help="held-out tokens the loss is measured on (default 2048)")
+    bd.add_argument("--calib-tokens", type=int, default=8192, help="tokens the codecs are fitted on, never evaluated (default 8192)")
+    bd.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512)")
+    bd.add_argument("--corpus", type=Path, default=None, help="text file or folder (default: the built-in Python corpus)")
+    bd.add_argument("--rows", default=None, help="comma-separated subset of codec rows")
+    bd.add_argument("--quick", action="store_true", help="one boundary, a quarter of the tokens, a few rows (minutes on 2 CPU cores)")
+    bd.add_argument("--json", type=Path, default=None, help="write the result here (default: print it)")
     gp = bsub.add_parser("gpu", help="the GPU path end to end: fp32 vs bf16 vs bf16+checkpointing (tokens/s, peak memory vs plan, host syncs), a 2x2 swarm on the device with a SIGKILL, a memory refusal (see peer/bench/gpu.py)")
     gp.add_argument("--device", default="auto", help="auto (the GPU when present), cpu, cuda or cuda:N")
     gp.add_argument("--parts", default=",".join(("precision", "swarm", "memory_refusal")), help="comma-separated subset of precision,swarm,memory_refusal")
@@ -252,6 +262,14 @@ def main(argv: list[str] | None = None) -> None:
             if not args.seconds > 0 or args.dp_every < 1 or not args.bandwidth_mbit > 0:
                 raise ConfigError("--seconds/--dp-every/--bandwidth-mbit", (args.seconds, args.dp_every, args.bandwidth_mbit), "must be > 0")
             profile_json(args.json, mode=args.mode, bandwidth_mbit=args.bandwidth_mbit, dp_every=args.dp_every, seconds=args.seconds)
+        elif args.command == "bench" and args.bench == "boundary":
+            from peer.bench.boundary import main_json as boundary_json
+
+            if args.eval_tokens < 1 or args.calib_tokens < 1 or args.seq_len < 2:
+                raise ConfigError("--eval-tokens/--calib-tokens/--seq-len", (args.eval_tokens, args.calib_tokens, args.seq_len), "must be >= 1 (seq-len >= 2)")
+            rows = [r.strip() for r in args.rows.split(",")] if args.rows else None
+            boundary_json(args.json, model=args.model, boundaries=args.boundaries, eval_tokens=args.eval_tokens, calib_tokens=args.calib_tokens,
+                          seq_len=args.seq_len, quick=args.quick, corpus=args.corpus, rows=rows)
         elif args.command == "bench" and args.bench == "gpu":
             from peer.bench.gpu import PARTS, main_json as gpu_json
 
