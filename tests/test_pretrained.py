@@ -158,7 +158,6 @@ def test_a_swarm_trains_the_real_model_shows_it_in_status_and_exports_it(tmp_pat
     from peer.auth import read_token
     from peer.export import export
     from peer.swarm_demo import start_process, stop_processes, wait_for_bootstrap
-    from tests.swarmkit import wait_for_status
 
     (tmp_path / "run.toml").write_text(RUN_TOML)
     procs = [start_process(["bootstrap", "--config", str(tmp_path / "run.toml"), "--state-dir", str(tmp_path / "boot")], tmp_path / "boot.log")]
@@ -168,7 +167,7 @@ def test_a_swarm_trains_the_real_model_shows_it_in_status_and_exports_it(tmp_pat
         for i in range(2):
             procs.append(start_process(["peer", "--tracker", tracker, "--token", token], tmp_path / f"p{i}.log"))
         t0 = time.monotonic()
-        s = wait_for_status(tracker, lambda s: sorted(p["stage"] for p in s["peers"] if p["step"] >= 2) == [0, 1], tmp_path, procs, timeout=240)
+        s = _wait_trained(tracker, tmp_path, procs, timeout=300)
         print(f"both stages took 2 steps {time.monotonic() - t0:.0f}s after the peers started")
         assert s["model"]["name"] == MODEL and s["model"]["num_layers"] == 30 and s["model"]["hidden_size"] == 576, s["model"]
         out = tmp_path / "export"
@@ -189,3 +188,29 @@ def test_the_demo_refuses_a_model_it_cannot_load_before_starting_anything(tmp_pa
 
     res = subprocess.run([sys.executable, "-m", "peer.cli", "demo", "--model", str(tmp_path / "nope.gguf"), "--seconds", "1"], capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 2 and "no such GGUF file" in res.stderr and "bootstrap up" not in res.stdout, (res.stdout, res.stderr)
+
+
+def _wait_trained(tracker: str, tmp: Path, procs: list, timeout: float) -> dict:
+    """The first status (queried in this process: an `anchormesh status` process would import
+    torch again beside two peers dequantizing the model) in which both stages took 2 steps."""
+    import grpc
+
+    from peer.status import status_dict
+    from peer.wire import anchormesh_pb2 as pb
+    from peer.wire import anchormesh_pb2_grpc as pbg
+
+    deadline, s = time.monotonic() + timeout, None
+    with grpc.insecure_channel(tracker) as channel:
+        stub = pbg.StatusStub(channel)
+        while time.monotonic() < deadline:
+            try:
+                s = status_dict(stub.GetStatus(pb.StatusRequest(), timeout=10))
+            except grpc.RpcError:
+                s = None
+            if s and sorted(p["stage"] for p in s["peers"] if p["step"] >= 2) == [0, 1]:
+                return s
+            if any(p.poll() is not None for p in procs):
+                break
+            time.sleep(1.0)
+    logs = "\n".join(f"--- {f.name}\n{f.read_text()[-3000:]}" for f in sorted(tmp.glob("*.log")))
+    pytest.fail(f"the swarm did not train 2 steps on both stages: {s and [(p['stage'], p['state'], p['step']) for p in s['peers']]}\n{logs}")
