@@ -14,15 +14,12 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
-import logging
 import os
 from dataclasses import dataclass
 
 import torch
 
 from peer.errors import ConfigError
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -54,11 +51,6 @@ class ModelSource:
 
     def kwargs(self) -> dict:
         return {"gguf_file": self.gguf_file} if self.gguf_file else {}
-
-    @property
-    def local_folder(self) -> str | None:
-        """The folder holding the weights when they are on this disk (not for GGUF: one file)."""
-        return self.path if self.gguf_file is None and os.path.isdir(self.path) else None
 
 
 def known_gguf_path(name: str) -> str | None:
