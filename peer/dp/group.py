@@ -50,6 +50,7 @@ import zlib
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch
 
@@ -270,6 +271,26 @@ def _absmax_8bit():
     return quantizer
 
 
+@dataclass(frozen=True)
+class RoundResult:
+    """What a finished round hands back to the host process: every member's claim (hivemind's
+    gathered data) and the flat ranges (start, end) of the stage's concatenated parameters whose
+    results never arrived. Why the ranges: hivemind keeps this peer's own values there and says
+    only "received 99.9% results" in its log; a peer that took those values for the group mean
+    would move its base (int8 deltas) away from the others' for good."""
+
+    gathered: dict
+    lost: tuple[tuple[int, int], ...] = ()
+
+
+def lost_masks(lost: tuple[tuple[int, int], ...], sizes: list[int]) -> list[torch.Tensor]:
+    """Per tensor, a flat bool mask of the coordinates inside `lost` (ranges over all tensors concatenated)."""
+    flat = torch.zeros(sum(sizes), dtype=torch.bool)
+    for start, end in lost:
+        flat[start:end] = True
+    return list(flat.split(sizes))
+
+
 def _averager_class():
     from hivemind.averaging import DecentralizedAverager
 
@@ -283,6 +304,12 @@ def _averager_class():
         def get_current_state(self):  # runs in this (host) process, on hivemind's background thread
             metadata, tensors = self._state_fn()
             return metadata, tensors, None
+
+        async def _aggregate_with_group(self, group_info, *args, **kwargs) -> RoundResult:
+            """hivemind's round, with the flat ranges whose results were lost handed back too."""
+            self._lost: list[tuple[int, int]] = []
+            gathered = await super()._aggregate_with_group(group_info, *args, **kwargs)
+            return RoundResult(gathered, tuple(self._lost))
 
         async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
             """hivemind's method with its runner swapped for the trimmed-mean one (peer/dp/robust.py)."""
@@ -304,6 +331,7 @@ def _averager_class():
             else:
                 async for _ in runner:
                     raise ValueError("aux peers should not receive averaged tensors")
+            self._lost.extend(runner.lost)
 
     return StageAverager
 
@@ -387,6 +415,8 @@ class GroupAverager:
         self.last_error = ""
         self.rejected = 0  # rounds whose result failed the plausibility rule (see _implausible)
         self.left_out = 0  # rounds in which hivemind dropped a member's part (see _left_out)
+        self.partial = 0  # rounds of which some results never came back to this peer (see RoundResult)
+        self.last_lost: list[torch.Tensor] | None = None  # per parameter, where the last accepted round's results were lost
         self.last_rejection = ""
         self.peer_id = peer_id  # the run's id of this peer, carried in its claims (for logs)
         self.suspects: deque[str] = deque(maxlen=4)  # "HIVEMIND_PEER_ID: why" of members named by refused rounds, newest last
@@ -515,12 +545,13 @@ class GroupAverager:
     def _finish(self) -> None:
         pending, self._pending = self._pending, None
         try:
-            group = pending.result()
+            got = pending.result()
         except Exception as exc:  # hivemind reports no-group / timeouts as exceptions
             self.failures += 1
             self.last_error = f"{type(exc).__name__}: {exc}"
             log.info("stage-group averaging found no group this round (%s)", self.last_error)
             return
+        group, lost = (got.gathered, got.lost) if isinstance(got, RoundResult) else (got, ())
         if not group:
             self.failures += 1
             return
@@ -529,10 +560,13 @@ class GroupAverager:
         self._measure_link(round_bytes(self.numel, n, self.compression))
         self.dense_bytes += round_bytes(self.numel, n, "none") * max(self._offered_at - self._last_round_step, 1)
         self._last_round_step = self._offered_at
+        masks = lost_masks(lost, [p.numel() for p in self.params]) if lost else None
         with torch.no_grad(), self.averager.get_tensors() as tensors:
             means = [(base + m.to(base.device, base.dtype)) if self.compression == "int8" else m.to(base.device, base.dtype, copy=True) for m, base in zip(tensors, self._base)]
             result = take(tensors, self._index)
-        why, named = self._attribute(group, result)
+        # where results were lost the "mean" is this peer's own offer: the claims cannot be checked there
+        kept = take(masks, self._index) == 0 if masks else None
+        why, named = self._attribute(group, result, kept)
         why = why or self._implausible(means)
         if why:  # keep the local weights and the old base: as if the round had not happened
             self.rejected += 1
@@ -541,10 +575,18 @@ class GroupAverager:
             log.warning("stage-group averaging result rejected (%d so far): %s", self.rejected, why)
             return
         with torch.no_grad():
-            for p, offered, mean, base in zip(self.params, self._offered, means, self._base):
-                p.add_(mean.to(p.dtype) - offered)
-                base.copy_(mean)
+            for i, (p, offered, mean, base) in enumerate(zip(self.params, self._offered, means, self._base)):
+                p.add_(mean.to(p.dtype) - offered)  # zero where results were lost: the own offer came back
+                if masks is None:
+                    base.copy_(mean)
+                else:  # lost coordinates keep the old base: their drift is offered again next round
+                    base.copy_(torch.where(masks[i].view_as(base).to(base.device), base, mean))
         self.rounds += 1
+        self.last_lost = [m.view_as(p) for m, p in zip(masks, self.params)] if masks else None
+        if masks:
+            self.partial += 1
+            n = sum(int(m.sum()) for m in masks)
+            log.warning("stage-group averaging: %d of %d values (%.2f%%) got no result back this round (a member's stream failed); they keep this peer's values", n, self.numel, 100 * n / max(self.numel, 1))
 
     def _measure_link(self, nbytes: int) -> None:
         """The rate of the round that just ended: its bytes over its all-reduce time (matchmaking
@@ -554,9 +596,10 @@ class GroupAverager:
         if seen is not None and self._ticks - seen[0] >= LINK_MIN_STEPS and self._clock() > seen[1]:
             self.schedule.measured_bps = nbytes / (self._clock() - seen[1])
 
-    def _attribute(self, group: dict, result: torch.Tensor) -> tuple[str, list[str]]:
+    def _attribute(self, group: dict, result: torch.Tensor, kept: torch.Tensor | None = None) -> tuple[str, list[str]]:
         """Check the round against the members' claims; (why it is refused or "", the members
-        named as "peer: why").
+        named as "peer: why"). `kept`: the sampled coordinates whose results arrived (all when
+        None); rule (1) is checked on those only.
 
         Rules, at the sampled coordinates: (1) the mean must equal the mean of the claims, within
         `CLAIM_TOLERANCE` of the largest claimed update: otherwise some member sent other values
@@ -597,6 +640,8 @@ class GroupAverager:
         if not all(torch.isfinite(u).all() for u in updates.values()):
             return "a member sent NaN or Inf", []
         biggest = max(float(u.norm()) for u in updates.values())
+        if kept is not None:  # results lost on the way back: compare where they arrived
+            result, claims = result[kept], {k: v[kept] for k, v in claims.items()}
         off = float((result - trimmed_mean(torch.stack(list(claims.values())))).norm())  # what the robust reducers compute from the claims
         if off > CLAIM_TOLERANCE * biggest + floor:
             dropped = self._left_out(claims, result, CLAIM_TOLERANCE * biggest + floor)

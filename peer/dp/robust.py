@@ -86,8 +86,30 @@ def runner_class():
     reducer = reducer_class()
 
     class RobustAllReduceRunner(AllReduceRunner):
+        """Also records `lost`: the flat ranges (start, end) of the concatenated tensors whose
+        results never came back (hivemind keeps this peer's own values there and only logs it)."""
+
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
+            self.tensor_part_reducer.finished.set()  # the replaced reducer, silenced: it would log "received 0.0%" when collected
             self.tensor_part_reducer = reducer(tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids))
+            self.lost: list[tuple[int, int]] = []
+            container = self.tensor_part_container
+            starts, at = [], 0  # hivemind hands each peer a contiguous run of parts, in peer order
+            for parts in container._input_parts_by_peer:
+                starts.append([])
+                for part, _info in parts:
+                    starts[-1].append(at)
+                    at += part.numel()
+            ends = [s[0] + sum(p.numel() for p, _ in parts) if s else 0 for s, parts in zip(starts, container._input_parts_by_peer)]
+            register_failed = container.register_failed_reducer
+
+            def failed(peer_index: int) -> None:
+                first = container._outputs_registered_by_peer[peer_index]
+                if first < len(starts[peer_index]):
+                    self.lost.append((starts[peer_index][first], ends[peer_index]))
+                register_failed(peer_index)
+
+            container.register_failed_reducer = failed
 
     return RobustAllReduceRunner
