@@ -19,7 +19,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="a local swarm on this machine (bootstrap + peers as processes) training the tiny default run, status live")
-    demo.add_argument("--seconds", type=float, default=None, help="how long it trains (default 180; 60 with --local)")
+    demo.add_argument("--seconds", type=float, default=None, help="how long it trains, from the run's first step (default 180; 60 with --local)")
     demo.add_argument("--peers", type=int, default=4, help="peers to start (default 4: 2 stages x 2)")
     demo.add_argument("--model", default=None, help="train this pretrained model instead of the tiny default run (hub id, folder, .gguf file, smollm2-135m; each peer loads it: ~15 s for smollm2-135m, default --seconds 600)")
     demo.add_argument("--local", action="store_true", help="instead: the training core alone, all stages in this process")
@@ -165,7 +165,9 @@ def main(argv: list[str] | None = None) -> None:
 
                 if args.peers < 1:
                     raise ConfigError("--peers", args.peers, "must be >= 1")
-                run_swarm_demo(seconds=args.seconds or (600.0 if args.model else 180.0), peers=args.peers, model=args.model)
+                summary = run_swarm_demo(seconds=args.seconds or (600.0 if args.model else 180.0), peers=args.peers, model=args.model)
+                if summary["startup_s"] is None or summary["processes_left"]:
+                    sys.exit(1)
                 return
             from peer.demo import run_demo
 

@@ -2,8 +2,13 @@
 
 Starts `anchormesh bootstrap` and `peers` `anchormesh peer` processes on loopback (the tiny
 default run, or with `--model` a pretrained model such as `smollm2-135m`), shows the
-tracker's status table live, and after `seconds` (or Ctrl-C) stops every process it started —
-by pid, SIGTERM first, SIGKILL after a grace period — and prints a summary.
+tracker's status table live, and after `seconds` of training (or Ctrl-C) stops every process
+it started — by pid, SIGTERM first, SIGKILL after a grace period — and prints a summary.
+
+The clock starts at the run's first step, not at launch: on a busy machine starting the
+processes (hivemind's DHT, p2pd, loading the model) took most of a fixed window, and a demo
+could end at step 0. Startup has its own limit (`STARTUP_S`, longer with a pretrained model);
+past it the demo stops and says so (`startup_s`: null in the summary, exit 1).
 """
 
 from __future__ import annotations
@@ -91,12 +96,17 @@ max_bytes = 400000
 """
 
 
+STARTUP_S = {"tiny": 180.0, "pretrained": 900.0}  # launch to first step, at most
+
+
 def run_swarm_demo(seconds: float = 90.0, peers: int = 4, model: str | None = None) -> dict:
-    """`model`: a pretrained model instead of the tiny default run (see `model_run_toml`)."""
+    """`model`: a pretrained model instead of the tiny default run (see `model_run_toml`);
+    `seconds`: of training, counted from the run's first step."""
     run_toml = model_run_toml(model) if model else None
     work = Path(tempfile.mkdtemp(prefix="anchormesh-swarm-"))
     procs: list[subprocess.Popen] = []
     last: pb.RunStatus | None = None
+    t0, started = time.monotonic(), None
     try:
         config = []
         if run_toml:
@@ -107,13 +117,23 @@ def run_swarm_demo(seconds: float = 90.0, peers: int = 4, model: str | None = No
         print(f"bootstrap up: run {info['run_id']}, tracker {info['tracker']}; starting {peers} peers (logs in {work})", flush=True)
         for i in range(peers):
             procs.append(start_process(["peer", "--initial-peers", info["dht_maddrs"][0]], work / f"peer{i}.log", ANCHORMESH_TOKEN=info["token"], ANCHORMESH_TRACKER_KEY=info["tracker_key"]))
-        t0 = time.monotonic()
+        startup_limit = STARTUP_S["pretrained" if model else "tiny"]
         with grpc.insecure_channel(info["tracker"]) as channel:
             stub = pbg.StatusStub(channel)
-            while time.monotonic() - t0 < seconds:
+            while True:
                 last = stub.GetStatus(pb.StatusRequest(), timeout=10)
+                now = time.monotonic()
+                if started is None and last.step > 0:
+                    started = now
+                    print(f"first step {now - t0:.0f} s after launch", flush=True)
+                if started is None and now - t0 > startup_limit:
+                    print(f"\nno step within {startup_limit:.0f} s of launch: see the status above and the logs in {work}", flush=True)
+                    break
+                if started is not None and now - started >= seconds:
+                    break
+                phase = f"starting, {now - t0:.0f} s" if started is None else f"training {now - started:.0f}/{seconds:.0f} s"
                 sys.stdout.write("\x1b[2J\x1b[H" if sys.stdout.isatty() else "\n")
-                sys.stdout.write(f"anchormesh swarm demo — {time.monotonic() - t0:.0f}/{seconds:.0f}s (Ctrl-C ends it)\n\n{render(last)}\n")
+                sys.stdout.write(f"anchormesh swarm demo — {phase} (Ctrl-C ends it)\n\n{render(last)}\n")
                 sys.stdout.flush()
                 time.sleep(2.0)
     except KeyboardInterrupt:
@@ -122,6 +142,7 @@ def run_swarm_demo(seconds: float = 90.0, peers: int = 4, model: str | None = No
         stop_processes(procs)
     left = [p.pid for p in procs if p.poll() is None]
     summary = {"run_id": last.run_id if last else None, "step": last.step if last else 0, "tokens": last.tokens if last else 0,
-               "loss": last.loss if last else None, "pp_bytes_per_token": last.pp_bytes_per_token if last else 0.0, "processes_left": left}
+               "loss": last.loss if last else None, "pp_bytes_per_token": last.pp_bytes_per_token if last else 0.0,
+               "startup_s": round(started - t0, 1) if started is not None else None, "processes_left": left}
     print(f"summary: {json.dumps(summary)}; every process stopped" if not left else f"summary: {json.dumps(summary)}; STILL RUNNING: {left}")
     return summary

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import random
+import threading
 import time
 from contextlib import contextmanager
 from types import SimpleNamespace
@@ -165,6 +167,71 @@ def test_results_lost_on_the_way_back_keep_own_values_and_the_old_base(monkeypat
         finally:
             a.shutdown()
             b.shutdown()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_threads_of_a_forked_averaging_process_start_together_without_breaking_torch() -> None:
+    """hivemind forks the averaging process from a peer that set torch's thread count; there
+    several executor threads run their first torch op at once. After `after_fork` (what the
+    averaging process runs first) none fails; without it most such children hit torch's
+    "Invalid thread pool!" assert (measured: 186 of 200)."""
+    from peer.dp.group import after_fork
+
+    torch.set_num_threads(1)
+    (torch.ones(1_000_000) * 2).sum()  # the parent's pool exists before the fork, as in a peer
+    failed = 0
+    for _ in range(20):
+        pid = os.fork()
+        if pid == 0:  # the child: no pytest machinery, only an exit code
+            code = 1
+            try:
+                after_fork()
+                errors: list[str] = []
+                barrier = threading.Barrier(16)
+
+                def first_op() -> None:
+                    try:
+                        barrier.wait()
+                        (torch.ones(200_000) * 2).sum()
+                    except Exception as exc:  # noqa: BLE001 (torch's assert is a RuntimeError)
+                        errors.append(str(exc))
+
+                threads = [threading.Thread(target=first_op) for _ in range(16)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                code = 1 if errors else 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        failed += os.waitstatus_to_exitcode(status) != 0
+    assert failed == 0, f"{failed} of 20 forked children failed a torch op"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_an_averaging_process_killed_inside_hivemind_s_allocation_lock_blocks_nobody() -> None:
+    """A stuck averaging process is killed and forked again; killed while it held hivemind's
+    `SharedBytes` lock (a multiprocessing lock shared by every forked process) it left the peer
+    blocked for ever at its next MPFuture. After `after_fork` the child's lock is its own."""
+    import signal
+
+    from hivemind.utils.mpfuture import SharedBytes
+
+    from peer.dp.group import after_fork
+
+    pid = os.fork()
+    if pid == 0:
+        try:
+            after_fork()
+            SharedBytes._lock.acquire()
+            os.kill(os.getpid(), signal.SIGKILL)  # dies holding the lock, as a killed child can
+        finally:
+            os._exit(1)
+    os.waitpid(pid, 0)
+    assert SharedBytes._lock.acquire(timeout=5), "the parent's lock is still held by the killed child"
+    SharedBytes._lock.release()
+    assert SharedBytes.next().numel() == 1  # what an MPFuture takes
 
 
 def test_an_averaging_process_that_does_not_start_is_killed_and_forked_again(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:

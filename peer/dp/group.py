@@ -79,6 +79,12 @@ START_TIMEOUT_S, START_TRIES = 30.0, 3  # the averaging process normally starts 
 # the first window is stretched to cover that step (`match_window_s`). A join request is answered
 # within REQUEST_TIMEOUT_S (hivemind wants it below the window, or two requests can deadlock)
 MIN_MATCHMAKING_S, REQUEST_TIMEOUT_S = 1.0, 0.8
+# hivemind waits for the next chunk of a member's all-reduce stream without limit by default, so
+# one silent member (stalled, gone without closing its streams) held the round until it counted as
+# stuck (STUCK_ROUND_FACTOR timeouts). A sender silent this long is left out (a reducer twice as
+# long); the round goes on without it (`_left_out`, `RoundResult.lost`). A part is at most 512 KiB:
+# 0.4 s on the slowest link allowed, so the floor is for a busy CPU, not the wire.
+NEXT_CHUNK_S = 15.0
 MIN_PERIOD_S = 1.0  # the shortest slot: a hivemind round takes at least min_matchmaking_time anyway
 STEP_EMA = 0.1  # weight of the newest step time in the step-time average (damps a one-off pause)
 PERIOD_HYSTERESIS = 0.9  # the period halves only once the need is below 0.9x the shorter period: no flapping at a power of two
@@ -291,6 +297,28 @@ def lost_masks(lost: tuple[tuple[int, int], ...], sizes: list[int]) -> list[torc
     return list(flat.split(sizes))
 
 
+def after_fork() -> None:
+    """What the forked averaging process does first, on its main thread, before it starts threads.
+
+    1. Rebuild torch's thread pool. Why: torch marks its pool invalid in a forked child and
+       rebuilds it on next use, unguarded; in a process whose parent set a thread count (every
+       peer does: 1), each new thread re-applies the count on its first parallel op, so two of
+       hivemind's executor threads starting together raced the rebuild and one failed with "pool
+       INTERNAL ASSERT FAILED ... Invalid thread pool!": that member's part of the round was lost
+       and its mates waited on it (tests/test_group_averager.py reproduces the race in 90 % of forks).
+    2. Give hivemind's `SharedBytes` a lock of this process's own. Why: it is a multiprocessing
+       lock made at import, so shared by the peer and every child it forks, though what it guards
+       (the allocating process's buffer) is per process. A child killed while holding it (a stuck
+       averaging process is killed and forked again) left the peer blocked for ever at its next
+       MPFuture (seen in the test of that restart, on a loaded machine)."""
+    import threading
+
+    from hivemind.utils.mpfuture import SharedBytes
+
+    torch.set_num_threads(torch.get_num_threads())
+    SharedBytes._lock = threading.Lock()
+
+
 def _averager_class():
     from hivemind.averaging import DecentralizedAverager
 
@@ -300,6 +328,11 @@ def _averager_class():
         def __init__(self, *args, state_fn: StateFn, **kwargs) -> None:
             self._state_fn = state_fn
             super().__init__(*args, **kwargs)
+
+        def run(self) -> None:
+            """The forked averaging process: torch's thread pool rebuilt first (`after_fork`)."""
+            after_fork()
+            super().run()
 
         def get_current_state(self):  # runs in this (host) process, on hivemind's background thread
             metadata, tensors = self._state_fn()
@@ -431,7 +464,7 @@ class GroupAverager:
                 # host copies (hivemind puts them in shared memory for its forked process, which
                 # must never touch CUDA); the base and the offered copy stay where the weights are
                 [p.detach().to("cpu", copy=True) for p in params], dht, start=False, prefix=prefix, target_group_size=None, min_group_size=2,
-                min_matchmaking_time=MIN_MATCHMAKING_S, request_timeout=REQUEST_TIMEOUT_S, compression=_absmax_8bit() if compression == "int8" else NoCompression(),
+                min_matchmaking_time=MIN_MATCHMAKING_S, request_timeout=REQUEST_TIMEOUT_S, next_chunk_timeout=NEXT_CHUNK_S, compression=_absmax_8bit() if compression == "int8" else NoCompression(),
                 state_fn=state_fn or self._params_state, allow_state_sharing=False,  # nothing worth sharing before training
             )
             try:
