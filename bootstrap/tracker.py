@@ -35,7 +35,7 @@ class Banned(AnchormeshError):
 
 
 MAX_MADDRS_PER_PEER = 4  # a peer's DHT addresses kept for its stage mates (bounded: the peer declares them)
-MAX_SUSPECTS = 4  # averaging suspects kept per peer report
+MAX_SUSPECTS = 4  # averaging suspects (and excluded next hops) kept per peer report
 log = logging.getLogger("anchormesh.tracker")
 
 
@@ -78,6 +78,7 @@ class PeerRecord:
     start_step: int = 0  # the run step it was given at Join (its reports start from there)
     refused_reports: int = 0  # reports whose figures were implausible (kept the old ones)
     last_refusal: str = ""  # why the newest one was
+    excluding: tuple[str, ...] = ()  # "PEER: why (N s left)" of next-stage peers its sends route around
 
 
 @dataclass
@@ -334,6 +335,7 @@ class Tracker:
             p.eval_id, p.eval_loss, p.refused_calls = info.eval_id, info.eval_loss, info.refused_calls
             p.link_mbit, p.pp_keep, p.dp_period_s = info.link_mbit, info.pp_keep, info.dp_period_s
             p.dp_suspects = tuple(x[:300] for x in info.dp_suspects[:MAX_SUSPECTS])
+            p.excluding = tuple(x[:300] for x in info.excluding[:MAX_SUSPECTS])
             self._expire()
             if self._budget_spent():
                 return pb.Directive(kind=pb.Directive.STOP, reason=f"the run's token budget of {self.config.token_budget} tokens is spent")
@@ -458,6 +460,7 @@ class Tracker:
             dp_suspects=named.get(p.peer_id, []), dp_flagged=flagged.get(p.peer_id, 0),
             link_mbit=p.link_mbit, pp_keep=p.pp_keep, dp_period_s=p.dp_period_s,
             device=p.device, memory_bytes=p.memory, memory_plan_bytes=p.memory_plan, refused_reports=p.refused_reports,
+            excluding=list(p.excluding),
         )
 
     def status(self) -> pb.RunStatus:

@@ -319,6 +319,7 @@ class PeerDaemon:
                 dp_suspects=list(self.averager.suspects) if self.averager else [],
                 key_fingerprint=self.identity.fingerprint,
                 link_mbit=link_mbit, pp_keep=pp_keep, dp_period_s=self.averager.period_s if self.averager else 0.0,
+                excluding=self.transport.excluding()[:4],  # the tracker keeps 4
             ),
         )
 

@@ -210,6 +210,16 @@ def _named_by_group(s: dict) -> list[str]:
     return out
 
 
+def _excluding(s: dict) -> list[str]:
+    """A live peer routes around a next-stage peer whose stream stopped taking messages (it is
+    excluded for a while, then tried again): hung, overloaded, or a member that accepts streams
+    and never reads them. Shown with the sender's reason so the operator sees who and why."""
+    return [
+        f"{p['id']} (stage {p['stage']}) routes around {x}"
+        for p in s.get("peers", []) if p.get("state") in LIVE_STATES for x in p.get("excluding") or []
+    ]
+
+
 def _refused_calls(s: dict) -> list[str]:
     """Calls refused for bad credentials, bans or rate (peer/auth.py), at the tracker and each
     live peer: honest members never trip the gate, so any refusal means a misconfigured
@@ -269,7 +279,7 @@ def _stalled(s: dict) -> list[str]:
 
 
 RULES: tuple[Callable[[dict], list[str]], ...] = (
-    _stages_without_peer, _bottleneck_stages, _stale_anchor, _dead_peers, _silent_peers, _rejected_rounds, _named_by_group, _refused_calls, _implausible_reports, _unfit, _bad_loss, _stalled,
+    _stages_without_peer, _bottleneck_stages, _stale_anchor, _dead_peers, _silent_peers, _rejected_rounds, _named_by_group, _excluding, _refused_calls, _implausible_reports, _unfit, _bad_loss, _stalled,
 )
 
 

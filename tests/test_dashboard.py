@@ -315,6 +315,16 @@ def test_a_peer_its_stage_mates_name_is_shown_with_what_they_say() -> None:
     assert problems(s) == [f"{bad['id']} (stage {bad['stage']}) is named by 1 stage mate(s) as the sender of a bad averaging update: its update is 99.0x the others' (limit 4x)"]
 
 
+def test_a_peer_routing_around_a_next_stage_peer_says_which_and_why() -> None:
+    s = _healthy()
+    live = [p for p in s["peers"] if p["state"] in ("active", "idle")]
+    why = f"{live[1]['id']}: its forward stream took 64 messages without acknowledging them, the oldest 3s ago (117 s left)"
+    live[0]["excluding"] = [why]
+    assert problems(s) == [f"{live[0]['id']} (stage {live[0]['stage']}) routes around {why}"]
+    live[0]["state"] = "dead"  # a dead peer's old view is not news
+    assert [m for m in problems(s) if "routes around" in m] == []
+
+
 def test_the_plain_status_table_shows_link_and_averaging_period_too() -> None:
     from peer.status import render as plain
     from peer.wire import anchormesh_pb2 as pb

@@ -195,7 +195,29 @@ def test_a_peer_that_never_reads_is_excluded_and_its_queue_dropped() -> None:
         with pytest.raises(AnchormeshError, match="excluded for"):
             t.send("me", "slow", "forward", b"x")
         assert t._outgoing[("slow", "forward")].empty() and t.send_error_count >= 1
+        [said] = t.excluding()  # what the heartbeat reports, and the status shows
+        assert said.startswith("slow: its forward stream took 64 messages without acknowledging them") and said.endswith(" s left)")
     finally:
         block.set()
         t.close()
         server.stop(0)
+
+
+def test_stage_0_routes_around_an_excluded_next_hop_unless_it_is_the_only_one() -> None:
+    """`PeerDaemon._next_hop` (capacity-weighted choice of a next-stage peer) leaves out the peers
+    the transport excludes; with every peer excluded it still picks one (sending to a peer that
+    may have recovered beats not sending at all)."""
+    from types import SimpleNamespace
+
+    from peer.daemon import PeerDaemon
+
+    excluded: set[str] = {"b"}
+    d = object.__new__(PeerDaemon)  # only what _next_hop reads
+    d.worker = SimpleNamespace(stage=SimpleNamespace(index=0))
+    d.neighbours = {1: [pb.PeerInfo(peer_id=x, capacity_tokens_per_s=100.0) for x in ("a", "b", "c")]}
+    d.transport = SimpleNamespace(usable=lambda dst: dst not in excluded)
+    d._route_gen = torch.Generator().manual_seed(0)
+    picks = {d._next_hop() for _ in range(200)}
+    assert picks == {"a", "c"}
+    excluded.update({"a", "c"})
+    assert {d._next_hop() for _ in range(200)} == {"a", "b", "c"}

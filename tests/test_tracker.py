@@ -343,3 +343,21 @@ def test_a_joined_peer_has_time_to_load_its_stage_before_its_first_heartbeat() -
     clock.t += t.load_grace_s + 1
     t._expire()
     assert t.peers["c"].state == "dead" and "no first heartbeat after joining" in t.peers["c"].reason
+
+
+def test_a_peer_s_excluded_next_hops_reach_the_status_capped() -> None:
+    """What a peer's sends route around (its transport's exclusions) is shown per peer, at most
+    4 entries of 300 characters whatever the report holds."""
+    clock = Clock()
+    t = Tracker("run-x", TrainConfig(model=ModelConfig(num_stages=2, num_layers=4)), peer_timeout_s=30.0, clock=clock)
+    join(t, "a"), join(t, "b")
+    said = [f"b{i}: its forward stream took 64 messages without acknowledging them (100 s left)" for i in range(6)]
+    info = pb.PeerInfo(peer_id="a", stage=0, state="active", step=1, excluding=said[:5] + ["x" * 5000])
+    t.report(pb.PeerReport(run_id="run-x", peer=info, tokens=0))
+    row = {p.peer_id: p for p in t.status().peers}["a"]
+    assert list(row.excluding) == said[:4]
+    info = pb.PeerInfo(peer_id="a", stage=0, state="active", step=2, excluding=["x" * 5000])
+    t.report(pb.PeerReport(run_id="run-x", peer=info, tokens=0))
+    assert [len(x) for x in {p.peer_id: p for p in t.status().peers}["a"].excluding] == [300]
+    t.report(pb.PeerReport(run_id="run-x", peer=pb.PeerInfo(peer_id="a", stage=0, state="active", step=3), tokens=0))
+    assert list({p.peer_id: p for p in t.status().peers}["a"].excluding) == []  # the exclusion ended

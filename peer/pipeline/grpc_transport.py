@@ -282,6 +282,11 @@ class GrpcTransport(Transport):
             self._senders.append(t)
         self._outgoing[key].put(data)
 
+    def excluding(self) -> list[str]:
+        """The destinations sends route around now: "DST: why (N s left)" (the status shows them)."""
+        now = time.monotonic()
+        return [f"{dst}: {why} ({until - now:.0f} s left)" for dst, (until, why) in list(self.stalled.items()) if until > now]
+
     def usable(self, dst: Address) -> bool:
         """Whether `dst` may be sent to now (not stalled, or its exclusion has passed)."""
         until = self.stalled.get(dst)
