@@ -202,7 +202,9 @@ class Gate(grpc.ServerInterceptor):
     `tracker_key` verifies member certificates; `token`/`operator` verify HMACs; `banned` maps key
     fingerprints to the reason. A peer's gate learns these after it joins (`configure`); until
     then it takes open methods only. `calls_per_s` bounds each caller's new calls (a burst of 10 s
-    worth is allowed): streams are long-lived, so a normal peer opens few."""
+    worth is allowed): streams are long-lived, so a normal peer opens few. Open methods (Ping,
+    a public status) have no verified caller: `open_calls_per_s` bounds them per network host
+    (2,000 anonymous Pings once cost 2,000 handler calls; a dashboard polls every 2 s)."""
 
     policy: dict[str, frozenset[str]]
     token: str | None = None
@@ -210,6 +212,7 @@ class Gate(grpc.ServerInterceptor):
     tracker_key: bytes = b""
     run_id: str = ""
     calls_per_s: float = 20.0
+    open_calls_per_s: float = 20.0
     banned: dict[str, str] = field(default_factory=dict)
     refused: collections.Counter = field(default_factory=collections.Counter)
     clock: Callable[[], float] = time.time
@@ -219,6 +222,7 @@ class Gate(grpc.ServerInterceptor):
 
     def __post_init__(self) -> None:
         self._calls = RateLimit(self.calls_per_s)
+        self._open_calls = RateLimit(self.open_calls_per_s)
 
     def configure(self, run_id: str, tracker_key: bytes, token: str | None, calls_per_s: float | None = None) -> None:
         self.run_id, self.tracker_key, self.token = run_id, tracker_key, token
@@ -233,7 +237,7 @@ class Gate(grpc.ServerInterceptor):
         method = details.method.decode() if isinstance(details.method, bytes) else details.method
         roles = self.policy.get(method, frozenset({MEMBER}))
         if OPEN in roles:
-            return handler
+            return self._per_host(handler, method)
         md = {k: v for k, v in (details.invocation_metadata or ())}
         try:
             caller = self.check(method, md, roles)
@@ -242,6 +246,23 @@ class Gate(grpc.ServerInterceptor):
             self._refuse(method, md, r)
             return _abort_like(handler, r.code, r.text)
         return handler
+
+    def _per_host(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        """`handler` with its calls limited per caller host (`open_calls_per_s`)."""
+
+        def limited(behaviour: Callable) -> Callable:
+            def call(request, context: grpc.ServicerContext):
+                host = _host(context.peer())
+                if not self._open_calls.take(host):
+                    r = Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method} is called from {host} faster than {self.open_calls_per_s:g}/s; slow down")
+                    self._refuse(method, {H_PEER: host}, r)
+                    context.abort(r.code, r.text)
+                return behaviour(request, context)
+
+            return call
+
+        kinds = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
+        return handler._replace(**{k: limited(getattr(handler, k)) for k in kinds if getattr(handler, k) is not None})
 
     # -- the checks -------------------------------------------------------------------------
     def check(self, method: str, md: dict, roles: frozenset[str]) -> Caller:
@@ -321,6 +342,14 @@ class Gate(grpc.ServerInterceptor):
                 if len(self._logged) > 1024:
                     self._logged.clear()
                 log.warning("refused %s from %s: %s %s", method, who, r.code.name, r.text)
+
+
+def _host(peer: str) -> str:
+    """The host of gRPC's `context.peer()` ("ipv4:1.2.3.4:5", "ipv6:[::1]:5", "unix:..."), port dropped."""
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        return rest.rsplit(":", 1)[0]
+    return peer
 
 
 def caller(context: grpc.ServicerContext) -> tuple[str, bytes]:

@@ -63,7 +63,7 @@ class Server:
 
 @pytest.fixture
 def server():
-    s = Server()
+    s = Server(open_calls_per_s=1e6)  # these tests call the open method hundreds of times; its limit has its own test
     yield s
     s.server.stop(0)
 
@@ -281,3 +281,39 @@ def test_status_streams_have_their_own_budget_and_compressed_calls_are_refused()
         for s in streams:
             s.cancel()
         server.stop(0)
+
+
+def test_open_methods_are_rate_limited_per_host_and_the_server_keeps_serving() -> None:
+    """Ping needs no credentials, so a flood of them has no caller to limit: the gate limits open
+    methods per network host (here 1 call/s, bursts of 10): the rest get RESOURCE_EXHAUSTED with
+    the reason, are counted, and the host is served again once its bucket refills."""
+    from peer.pipeline.grpc_transport import STAGE_POLICY, GrpcTransport
+    from peer.wire import anchormesh_pb2 as pb
+    from peer.wire import anchormesh_pb2_grpc as pbg
+
+    gate = auth.Gate(STAGE_POLICY, open_calls_per_s=1.0)
+    t = GrpcTransport(run_id=RUN, gate=gate)
+    addr = t.attach((0, 0))
+    try:
+        with grpc.insecure_channel(addr) as channel:
+            stub = pbg.StageStub(channel)
+            codes = []
+            for _ in range(40):
+                try:
+                    stub.Ping(pb.PingRequest(), timeout=5)
+                    codes.append("OK")
+                except grpc.RpcError as exc:
+                    codes.append(exc.code().name)
+                    assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "faster than 1/s" in exc.details() and "127.0.0.1" in exc.details()
+            assert 10 <= codes.count("OK") <= 13 and codes[:10] == ["OK"] * 10  # the burst, plus what refilled meanwhile
+            assert gate.refused["RESOURCE_EXHAUSTED"] == codes.count("RESOURCE_EXHAUSTED")
+            time.sleep(1.2)
+            assert stub.Ping(pb.PingRequest(), timeout=5).run_id == RUN
+    finally:
+        t.close()
+
+
+def test_the_host_of_a_grpc_peer_string() -> None:
+    assert auth._host("ipv4:198.18.0.7:51234") == "198.18.0.7"
+    assert auth._host("ipv6:[::1]:51234") == "[::1]"
+    assert auth._host("unix:/tmp/x.sock") == "unix:/tmp/x.sock"
