@@ -102,6 +102,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--stages", type=int, default=2, help="pipeline stages (default 2)")
     t.add_argument("--replicas", type=int, default=2, help="peers per stage (default 2)")
     t.add_argument("--modes", help="comma-separated subset of compute_bound,dense,masked,masked_dp")
+    t.add_argument("--repeat", type=int, default=None, help="measure every mode this many times, interleaved (A B C D A B C D ...); medians and spreads in OUT (default 3; 1 with --quick)")
     t.add_argument("--json", required=True, type=Path, help="write the result here")
     mx = bsub.add_parser("mixed", help="one swarm on two link speeds at once: codec fixed vs self-tuning, against compute-bound (network namespaces; root)")
     mx.add_argument("--quick", action="store_true", help="short runs (steps 10 to 70 per mode; about 7 minutes on 2 CPU cores)")
@@ -244,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
             from peer.bench.throughput import main_json
 
             modes = [m.strip() for m in args.modes.split(",")] if args.modes else None
-            main_json(args.json, quick=args.quick, bandwidth_mbit=args.bandwidth_mbit, stages=args.stages, replicas=args.replicas, modes=modes)
+            main_json(args.json, quick=args.quick, bandwidth_mbit=args.bandwidth_mbit, stages=args.stages, replicas=args.replicas, modes=modes, repeat=args.repeat)
             print(f"wrote {args.json}")
         elif args.command == "bench" and args.bench == "mixed":
             from peer.bench.mixed import main_json as mixed_json

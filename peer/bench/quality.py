@@ -13,6 +13,8 @@ tuned to pass: it reports what it measures.
 from __future__ import annotations
 
 import copy
+import ctypes
+import gc
 import hashlib
 import json
 import os
@@ -185,6 +187,27 @@ def run_row(name: str, cfg: TrainConfig, fresh_model: Callable[[], torch.nn.Modu
     }
 
 
+def rss_gb() -> float | None:
+    """This process's resident memory now (Linux), GB; None elsewhere."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(x.split()[1]) for x in f if x.startswith("VmRSS:")) / 1e6
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def release_memory() -> None:
+    """Free what the last row left: collect cycles, then hand glibc's free heap back to the OS.
+    Why: the SmolLM2 run grew to 23.7 GB by its tenth row and was killed, though no tensor
+    outlives a row (checked with the toy); freed blocks kept by glibc's per-thread arenas are the
+    likely rest, and each row's `rss_gb_after` now shows whether this holds."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 DEFAULT_ROW = "lowrank"  # the swarm's default codec (bootstrap/node.py default_run): low-rank, int8 coefficients, no anchor
 TOKENIZE_BYTES = 1_000_000  # corpus bytes a pretrained model's tokenizer reads per corpus (~300 k tokens of Python)
 
@@ -237,6 +260,8 @@ def run_quality(quick: bool, corpus_a: str | None, corpus_b: str | None, only: l
         if only and name not in only:
             continue
         result = run_row(name, cfg, lambda: copy.deepcopy(base), setup, stream_b, eval_b, eval_a)
+        release_memory()
+        result["rss_gb_after"] = rss_gb()
         out["runs"][name] = result
         print(f"{name:>24}: eval_loss {result['eval_loss']:.4f}  eval_loss_a {result['eval_loss_a']:.4f}  pp B/token {result['pp_bytes_per_token']:.1f}  dp B/step {result['dp_bytes_per_step']:.0f}  {result['seconds']:.1f}s", flush=True)
     dense = out["runs"].get("dense")

@@ -198,10 +198,36 @@ def check_bed_args(what: str, stages: int, bandwidth_mbit: float | None) -> None
         raise ConfigError(what, "network namespaces", why)
 
 
-def run_throughput(quick: bool, bandwidth_mbit: float | None, stages: int, replicas: int, modes: list[str] | None = None, workdir: Path | None = None) -> dict:
-    """All modes, compute_bound first (it sets the GPU-equivalent bandwidth); returns the JSON."""
+RATIOS = {"masked_vs_dense": ("masked", "dense"), "masked_dp_vs_dense": ("masked_dp", "dense"), "masked_dp_vs_compute_bound": ("masked_dp", "compute_bound")}
+
+
+def combine_repeats(repeats: list[dict[str, dict]]) -> tuple[dict[str, dict], dict[str, dict]]:
+    """Several interleaved measurements of the same modes -> (each mode: its median run, plus
+    `tokens_per_s_runs` in repeat order; each ratio: median, min, max and every repeat's value).
+    Ratios are taken within one repeat (modes measured minutes apart, not an hour), then their
+    median: one noisy run no longer decides a row. The median run of an even count is the lower."""
+    modes: dict[str, dict] = {}
+    for mode in repeats[0]:
+        runs = [r[mode] for r in repeats if mode in r]
+        rates = [r["tokens_per_s"] for r in runs]
+        median_run = sorted(runs, key=lambda r: r["tokens_per_s"])[(len(runs) - 1) // 2]
+        modes[mode] = {**median_run, "tokens_per_s": _median(rates), "tokens_per_s_runs": rates, "runs": len(runs)}
+    ratios: dict[str, dict] = {}
+    for name, (a, b) in RATIOS.items():
+        values = [r[a]["tokens_per_s"] / r[b]["tokens_per_s"] for r in repeats if a in r and b in r]
+        if values:
+            ratios[name] = {"median": _median(values), "min": min(values), "max": max(values), "runs": values}
+    return modes, ratios
+
+
+def run_throughput(quick: bool, bandwidth_mbit: float | None, stages: int, replicas: int, modes: list[str] | None = None, workdir: Path | None = None, repeat: int | None = None) -> dict:
+    """All modes, compute_bound first (it sets the GPU-equivalent bandwidth), `repeat` times
+    interleaved (A B C D A B C D ...; default 1 with `quick`, else 3); returns the JSON."""
     if replicas < 1:
         raise ConfigError("--replicas", replicas, "must be >= 1")
+    repeat = repeat if repeat is not None else (1 if quick else 3)
+    if repeat < 1:
+        raise ConfigError("--repeat", repeat, "must be >= 1")
     modes = modes or list(MODES)
     for m in modes:
         if m not in MODES:
@@ -213,30 +239,35 @@ def run_throughput(quick: bool, bandwidth_mbit: float | None, stages: int, repli
     scenario = GpuScenario()
     out: dict = {"modes": {}, "setup": {}}
     rate = bandwidth_mbit
-    if "compute_bound" in modes or rate is None:
-        out["modes"]["compute_bound"] = measure_mode("compute_bound", [None] * (1 + stages * replicas), stages, replicas, warmup, steps, dp_every, workdir, 10, timeout_s)
-    if rate is None:
-        cb = out["modes"]["compute_bound"]
-        per_peer = cb["peer_capacity_tokens_per_s"] or cb["tokens_per_s"] / replicas  # no capacity measured: the throughput (under-states it)
-        rate = equivalent_mbit(scenario, stages, per_peer)
-        print(f"GPU-equivalent bandwidth: {rate:.2f} Mbit/s stands for {scenario.link_mbit:.0f} Mbit/s ({scenario.model} on an {scenario.gpu})", flush=True)
-    for i, mode in enumerate(m for m in modes if m != "compute_bound"):
-        out["modes"][mode] = measure_mode(mode, [rate] * (1 + stages * replicas), stages, replicas, warmup, steps, dp_every, workdir, 11 + i, timeout_s)
-    if "compute_bound" not in modes:
-        out["modes"].pop("compute_bound", None)
-    m = out["modes"]
-
-    def ratio(a: str, b: str) -> float | None:
-        return m[a]["tokens_per_s"] / m[b]["tokens_per_s"] if a in m and b in m else None
-
+    repeats: list[dict[str, dict]] = []
+    for r in range(repeat):
+        got: dict[str, dict] = {}
+        tag = f" (repeat {r + 1} of {repeat})" if repeat > 1 else ""
+        (workdir / f"r{r}").mkdir(parents=True, exist_ok=True)
+        if "compute_bound" in modes or (rate is None and r == 0):
+            print(f"compute_bound{tag}", flush=True)
+            got["compute_bound"] = measure_mode("compute_bound", [None] * (1 + stages * replicas), stages, replicas, warmup, steps, dp_every, workdir / f"r{r}", 10, timeout_s)
+        if rate is None:  # from the first compute_bound run: every repeat runs on the same links
+            cb = got["compute_bound"]
+            per_peer = cb["peer_capacity_tokens_per_s"] or cb["tokens_per_s"] / replicas  # no capacity measured: the throughput (under-states it)
+            rate = equivalent_mbit(scenario, stages, per_peer)
+            print(f"GPU-equivalent bandwidth: {rate:.2f} Mbit/s stands for {scenario.link_mbit:.0f} Mbit/s ({scenario.model} on an {scenario.gpu})", flush=True)
+        for i, mode in enumerate(m for m in modes if m != "compute_bound"):
+            print(f"{mode}{tag}", flush=True)
+            got[mode] = measure_mode(mode, [rate] * (1 + stages * replicas), stages, replicas, warmup, steps, dp_every, workdir / f"r{r}", 11 + i, timeout_s)
+        if "compute_bound" not in modes:
+            got.pop("compute_bound", None)
+        repeats.append(got)
+    m, spread = combine_repeats(repeats)
+    out["modes"] = m
     out["ratios"] = {
-        "masked_vs_dense": ratio("masked", "dense"),
-        "masked_dp_vs_dense": ratio("masked_dp", "dense"),
-        "masked_dp_vs_compute_bound": ratio("masked_dp", "compute_bound"),
+        **{name: spread[name]["median"] if name in spread else None for name in RATIOS},
         "eval_loss_vs_dense": {k: v["eval_loss"] / m["dense"]["eval_loss"] - 1 for k, v in m.items()} if "dense" in m else None,
     }
+    out["ratio_spread"] = spread
     out["setup"] = {
         "quick": quick,
+        "repeat": repeat,
         "stages": stages,
         "replicas": replicas,
         "hosts": 1 + stages * replicas,
