@@ -39,3 +39,4 @@ def test_a_pretrained_model_is_the_base_of_every_row(pretrained: Path, monkeypat
     assert dense["eval_loss"] != out["pretrained"]["eval_loss"]  # the rows train the base
     assert lowrank["pp_bytes_per_token"] < dense["pp_bytes_per_token"] / 2
     assert out["vs_dense"]["lowrank"]["pp_bytes_reduction"] > 2
+    assert all(r["rss_gb_after"] is not None and 0 < r["rss_gb_after"] < 64 for r in (dense, lowrank))  # memory after each row (Linux)
