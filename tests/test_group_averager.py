@@ -607,8 +607,10 @@ def test_trimmed_mean_drops_the_extremes_per_coordinate() -> None:
 
 
 def test_a_round_with_a_peer_the_tracker_does_not_list_is_refused() -> None:
-    """An outsider who learned the group key joins a round (reproduced with a bare averager): the
-    member refuses the result, keeps its weights and names the stranger by its hivemind id."""
+    """The backstop behind the member gate: a round that reached a member with an outsider in it
+    (here the averaging process was not handed the member list, as between a change and the
+    pipe's delivery) is refused by the host, which keeps its weights and names the stranger by
+    its hivemind id."""
     with two_dhts() as (dht_a, dht_b):
         torch.manual_seed(0)
         init = [torch.randn(30, 20)]
@@ -616,7 +618,7 @@ def test_a_round_with_a_peer_the_tracker_does_not_list_is_refused() -> None:
         clock = FakeClock()
         a = GroupAverager(dht_a, pa, "members", every=1, timeout=30.0, compression="none", clock=clock)
         outsider = GroupAverager(dht_b, pb, "members", every=1, timeout=30.0, compression="none", clock=clock)
-        a.members = {str(a.averager.peer_id)}  # what the tracker says: this stage group has no one else
+        a._members = {str(a.averager.peer_id)}  # what the tracker says (the host only: see above)
         before = pa[0].detach().clone()
         start_round(a, outsider, clock)
         a._finish()
@@ -644,3 +646,41 @@ def test_a_member_hivemind_left_out_is_told_apart_from_a_lie() -> None:
     assert left_out(fake, claims, trimmed_mean(torch.stack([claims["b"], claims["c"]])), 1e-3) is None  # only "me" could explain it
     assert left_out(fake, claims, (claims["me"] + claims["b"]) / 2 + 0.05, 1e-3) is None
     assert left_out(fake, {"me": claims["me"], "b": claims["b"]}, claims["me"], 1e-3) is None
+
+
+def test_a_non_member_gets_no_state_and_no_round_and_a_member_gets_both() -> None:
+    """hivemind's averaging RPCs answer anyone who reaches a peer's libp2p address. Once the
+    tracker names the stage group's members, a non-member's state download gets nothing and its
+    rounds reach nothing of the member's; named a member, it downloads the state."""
+    with two_dhts() as (dht_a, dht_b):
+        torch.manual_seed(0)
+        init = [torch.randn(60, 40), torch.randn(10)]
+        pa = [torch.nn.Parameter(t + 1.0) for t in init]  # the donor has trained: not the joiner's weights
+        pb = [torch.nn.Parameter(t.clone()) for t in init]
+        clock = FakeClock()
+        a = GroupAverager(dht_a, pa, "gate", every=1, timeout=8.0, clock=clock)
+        b = GroupAverager(dht_b, pb, "gate", every=1, timeout=8.0, clock=clock)
+        try:
+            a_id, b_id = str(a.averager.peer_id), str(b.averager.peer_id)
+            a.members = {a_id}  # the tracker lists only a: b is an outsider
+            a.share_state(priority=5.0)
+            deadline = time.monotonic() + 20
+            while not b._donors_declared():
+                assert time.monotonic() < deadline, "the donor never declared its state"
+                time.sleep(0.2)
+            assert b.load_state(timeout=5.0, tries=2, wait_s=0.5) is None  # refused, asked again, refused
+            start_round(a, b, clock)
+            a._finish()
+            b._finish()
+            assert a.rounds == 0  # a refused b's join and b's parts, and sent nothing to a group holding b
+            assert all(torch.equal(p.detach(), t + 1.0) for p, t in zip(pa, init))
+            # b (not gated: its tracker named nobody) may count a round of its own values: nothing of a's reached it
+            assert all(torch.allclose(p.detach(), t, atol=1e-6) for p, t in zip(pb, init)), b.rounds
+            a.members = {a_id, b_id}  # b joined the run
+            got = b.load_state(timeout=20.0)
+            assert got is not None
+            _, tensors = got
+            assert all(torch.equal(x, p.detach()) for x, p in zip(tensors, pa))
+        finally:
+            a.shutdown()
+            b.shutdown()

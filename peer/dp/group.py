@@ -46,6 +46,7 @@ import logging
 import math
 import threading
 import time
+import typing
 import zlib
 from collections import deque
 from collections.abc import Callable
@@ -322,12 +323,62 @@ def after_fork() -> None:
 def _averager_class():
     from hivemind.averaging import DecentralizedAverager
 
+    from hivemind.proto import averaging_pb2
+
     class StageAverager(DecentralizedAverager):
-        """hivemind's averager whose shared state is the live stage state (not its averaging buffer)."""
+        """hivemind's averager whose shared state is the live stage state (not its averaging
+        buffer), and whose rounds and state are for the stage group's members only.
+
+        Why the member gate: hivemind's averaging RPCs (join a round, send a part, download the
+        state) answer anyone who can reach this peer's libp2p address, whatever the DHT's access
+        tokens say; an outsider could read a round's mean or the stage's weights and optimizer
+        state, or feed a round. Once the tracker has named the members (`set_members`, from each
+        heartbeat), calls from any other hivemind id are refused, and this peer never sends its
+        parts to a group that holds one."""
 
         def __init__(self, *args, state_fn: StateFn, **kwargs) -> None:
             self._state_fn = state_fn
+            self._members: frozenset[str] | None = None  # None: not named yet (nothing refused)
+            self._refusals: dict[str, float] = {}
             super().__init__(*args, **kwargs)
+
+        def set_members(self, members: frozenset[str]) -> None:
+            """Host side: hand the member list to the averaging process."""
+            self._outer_pipe.send(("_set_members", [members], {}))
+
+        async def _set_members(self, members: frozenset[str]) -> None:  # in the averaging process
+            self._members = members
+
+        def _stranger(self, context, what: str) -> bool:
+            """Whether the caller is not a member (logged once a minute per caller and call)."""
+            who = str(context.remote_id)
+            if self._members is None or who in self._members:
+                return False
+            now = time.monotonic()
+            if now - self._refusals.get(f"{who} {what}", -math.inf) > 60.0:
+                self._refusals[f"{who} {what}"] = now
+                log.warning("stage-group averaging: refused %s from %s: not a member of this stage group", what, who)
+            return True
+
+        async def rpc_join_group(self, request, context):
+            if self._stranger(context, "a request to join a round"):
+                yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+                return
+            async for reply in super().rpc_join_group(request, context):
+                yield reply
+
+        async def rpc_aggregate_part(self, stream, context):
+            if self._stranger(context, "a part to average"):
+                yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+                return
+            async for reply in super().rpc_aggregate_part(stream, context):
+                yield reply
+
+        async def rpc_download_state(self, _request, _context):  # hivemind's argument names (its type hints are copied below)
+            if self._stranger(_context, "a state download"):
+                return  # no state: the caller tries its next donor
+            async for reply in super().rpc_download_state(_request, _context):
+                yield reply
 
         def run(self) -> None:
             """The forked averaging process: torch's thread pool rebuilt first (`after_fork`)."""
@@ -353,6 +404,11 @@ def _averager_class():
             from peer.dp.robust import runner_class
 
             group_id = group_info.group_id if group_id is None else group_id
+            strangers = [str(p) for p in group_info.peer_ids if self._members is not None and str(p) not in self._members]
+            if strangers:  # a group led or joined by a non-member: send it nothing
+                from hivemind.averaging.partition import AllreduceException
+
+                raise AllreduceException(f"the group includes non-members of this stage group: {', '.join(strangers)}")
             runner = runner_class()(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors, group_id=group_id, ordered_peer_ids=group_info.peer_ids, **kwargs)
             assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
             self._running_groups[group_id].set_result(runner)
@@ -366,6 +422,8 @@ def _averager_class():
                     raise ValueError("aux peers should not receive averaged tensors")
             self._lost.extend(runner.lost)
 
+    for name in ("rpc_join_group", "rpc_aggregate_part", "rpc_download_state"):  # hivemind routes RPCs by these hints
+        getattr(StageAverager, name).__annotations__ = typing.get_type_hints(getattr(DecentralizedAverager, name))
     return StageAverager
 
 
@@ -456,7 +514,7 @@ class GroupAverager:
         self.excluded: dict[str, str] = {}  # hivemind peer id -> why (banned by the operator): rounds with these members are refused
         # hivemind peer ids of the stage group's members, from the tracker (None: not known yet);
         # a round with anyone else in it is refused: an outsider who found the group key
-        self.members: set[str] | None = None
+        self._members: set[str] | None = None
         self._index = sample_index([p.numel() for p in params], prefix)
         self._base = [p.detach().clone() for p in params]  # the last group mean ("int8" sends the change from it)
         for attempt in range(1, START_TRIES + 1):
@@ -482,20 +540,50 @@ class GroupAverager:
 
     def _params_state(self) -> tuple[dict, list[torch.Tensor]]:
         with self.lock:
-            return {}, [p.detach().to("cpu", copy=True) for p in self.params]
+            # metadata must not be empty: hivemind takes an empty one for "no state to send"
+            return {"tensors": len(self.params)}, [p.detach().to("cpu", copy=True) for p in self.params]
 
     def share_state(self, priority: float) -> None:
         """Offer this peer's state to joiners; the highest priority (its step count) is asked first."""
         self.averager.state_sharing_priority = float(priority)
         self.averager.allow_state_sharing = True
 
-    def load_state(self, timeout: float = 60.0) -> tuple[dict, list[torch.Tensor]] | None:
-        """The state of the most-trained peer of the group, or None (nobody to ask, or it failed)."""
+    @property
+    def members(self) -> set[str] | None:
+        """Hivemind ids of the stage group's members as the tracker names them (None: not yet)."""
+        return self._members
+
+    @members.setter
+    def members(self, value: set[str] | None) -> None:
+        if value is not None and value != self._members:  # the averaging process refuses anyone else
+            self.averager.set_members(frozenset(value) | {str(self.averager.peer_id)})
+        self._members = value
+
+    def load_state(self, timeout: float = 60.0, tries: int = 3, wait_s: float = 2.0) -> tuple[dict, list[torch.Tensor]] | None:
+        """The state of the most-trained peer of the group, or None (nobody to ask, or it failed).
+        When donors are declared but none answered, it asks again (`tries`, `wait_s` apart): a
+        donor refuses non-members, and learns of a peer that just joined at its next heartbeat."""
+        deadline = time.monotonic() + timeout
+        for attempt in range(1, tries + 1):
+            try:
+                got = self.averager.load_state_from_peers(timeout=max(deadline - time.monotonic(), 1.0))
+            except Exception as exc:  # a donor that vanished mid-download, a timeout
+                log.warning("could not download the stage state from the group: %s: %s", type(exc).__name__, exc)
+                got = None
+            if got is not None or attempt == tries or time.monotonic() + wait_s >= deadline or not self._donors_declared():
+                return got
+            log.info("no stage-group member sent its state (try %d of %d); asking again in %.0f s", attempt, tries, wait_s)
+            time.sleep(wait_s)
+        return None
+
+    def _donors_declared(self) -> bool:
+        """Whether another member has declared its state downloadable (hivemind's DHT record)."""
         try:
-            return self.averager.load_state_from_peers(timeout=timeout)
-        except Exception as exc:  # a donor that vanished mid-download, a timeout
-            log.warning("could not download the stage state from the group: %s: %s", type(exc).__name__, exc)
-            return None
+            found = self.averager.dht.get(f"{self.averager.prefix}.all_averagers", latest=True)
+        except Exception:  # the DHT is shutting down
+            return False
+        own = self.averager.peer_id.to_bytes()
+        return found is not None and isinstance(found.value, dict) and any(k != own for k in found.value)
 
     @property
     def period_s(self) -> float:
