@@ -79,6 +79,7 @@ class PeerRecord:
     refused_reports: int = 0  # reports whose figures were implausible (kept the old ones)
     last_refusal: str = ""  # why the newest one was
     excluding: tuple[str, ...] = ()  # "PEER: why (N s left)" of next-stage peers its sends route around
+    startup_s: float = 0.0  # its process start to its first step (0: not yet)
 
 
 @dataclass
@@ -336,6 +337,7 @@ class Tracker:
             p.link_mbit, p.pp_keep, p.dp_period_s = info.link_mbit, info.pp_keep, info.dp_period_s
             p.dp_suspects = tuple(x[:300] for x in info.dp_suspects[:MAX_SUSPECTS])
             p.excluding = tuple(x[:300] for x in info.excluding[:MAX_SUSPECTS])
+            p.startup_s = info.startup_s if math.isfinite(info.startup_s) and 0 <= info.startup_s < 1e7 else 0.0
             self._expire()
             if self._budget_spent():
                 return pb.Directive(kind=pb.Directive.STOP, reason=f"the run's token budget of {self.config.token_budget} tokens is spent")
@@ -460,7 +462,7 @@ class Tracker:
             dp_suspects=named.get(p.peer_id, []), dp_flagged=flagged.get(p.peer_id, 0),
             link_mbit=p.link_mbit, pp_keep=p.pp_keep, dp_period_s=p.dp_period_s,
             device=p.device, memory_bytes=p.memory, memory_plan_bytes=p.memory_plan, refused_reports=p.refused_reports,
-            excluding=list(p.excluding),
+            excluding=list(p.excluding), startup_s=p.startup_s,
         )
 
     def status(self) -> pb.RunStatus:

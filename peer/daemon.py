@@ -143,6 +143,20 @@ def join(stub: pbg.TrackerStub, req: pb.JoinRequest, stop: threading.Event, tls:
     raise SystemExit(1)
 
 
+def process_age_s() -> float:
+    """Seconds since this process started (Linux: /proc, so imports and the DHT's start count;
+    elsewhere: since this module was imported)."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, counted after the name
+        with open("/proc/uptime") as f:
+            return max(float(f.read().split()[0]) - start_ticks / os.sysconf("SC_CLK_TCK"), 0.0)
+    except (OSError, ValueError, IndexError):
+        return time.monotonic() - _IMPORTED
+
+
+_IMPORTED = time.monotonic()
+
 class PeerDaemon:
     """One peer: its stage worker, its gRPC server, its heartbeat and its main loop."""
 
@@ -194,6 +208,7 @@ class PeerDaemon:
         self.checkpoints: ShardCheckpoints | None = None  # with --state-dir, once the stage is known
         self._checkpointed = 0  # the step of the newest checkpoint written
         self.steps_done = 0  # optimizer steps this peer has taken itself
+        self.startup_s = 0.0  # process start to its first optimizer step (0: not yet)
         self.state_step = -1  # the step of the stage state taken from a checkpoint or the group; -1 = initial weights
         self._run_clock: tuple[float, int] | None = None  # (when it joined, the run's step then): bounds a downloaded state's step
         self._checkpoint_thread: threading.Thread | None = None
@@ -305,7 +320,9 @@ class PeerDaemon:
             peer=pb.PeerInfo(
                 peer_id=self.peer_id, stage=w.stage.index, address=self.address, state=self.state, tokens_per_s=self.tokens_per_s,
                 bytes_in=self.transport.bytes_in, bytes_out=self.transport.total_bytes(), step=w.version, loss=self.loss,
-                queue_depth=len(w.inbox_fwd) + len(w.inbox_bwd), reason=self.reason,
+                queue_depth=len(w.inbox_fwd) + len(w.inbox_bwd), startup_s=self.startup_s,
+                # before its first step, how long it has been starting (what it waits on is the reason)
+                reason=self.reason if self.steps_done else f"{self.reason or 'starting'} ({process_age_s():.0f} s since start)",
                 dp_rounds=self.averager.rounds if self.averager else 0,
                 anchor_id=self.anchor.newest_id if self.anchor else 0,
                 anchor_bytes_out=self.anchor.bytes_out if self.anchor else 0,
@@ -735,6 +752,9 @@ class PeerDaemon:
                 with self._weights_lock:
                     w.apply_step()
             self.steps_done += 1
+            if self.steps_done == 1:
+                self.startup_s = process_age_s()
+                log.info("first step %.1f s after the process started", self.startup_s)
             if cfg.checkpoint.every and w.version % cfg.checkpoint.every == 0:
                 self._checkpoint()
             if w.stage.is_last:

@@ -62,6 +62,7 @@ def status_dict(s: pb.RunStatus) -> dict:
                 "link_mbit": p.link_mbit or None, "pp_keep": p.pp_keep or None, "dp_period_s": p.dp_period_s or None,
                 "device": p.device or None, "memory_bytes": p.memory_bytes or None, "memory_plan_bytes": p.memory_plan_bytes or None,
                 "refused_reports": p.refused_reports, "excluding": list(p.excluding),
+                "startup_s": round(p.startup_s, 1) or None,
             }
             for p in s.peers
         ],

@@ -361,3 +361,12 @@ def test_a_peer_s_excluded_next_hops_reach_the_status_capped() -> None:
     assert [len(x) for x in {p.peer_id: p for p in t.status().peers}["a"].excluding] == [300]
     t.report(pb.PeerReport(run_id="run-x", peer=pb.PeerInfo(peer_id="a", stage=0, state="active", step=3), tokens=0))
     assert list({p.peer_id: p for p in t.status().peers}["a"].excluding) == []  # the exclusion ended
+
+
+def test_a_peer_s_startup_time_reaches_the_status_and_nonsense_does_not() -> None:
+    clock = Clock()
+    t = Tracker("run-x", TrainConfig(model=ModelConfig(num_stages=2, num_layers=4)), peer_timeout_s=30.0, clock=clock)
+    join(t, "a")
+    for sent, shown in ((12.5, 12.5), (float("nan"), 0.0), (-3.0, 0.0), (1e12, 0.0)):
+        t.report(pb.PeerReport(run_id="run-x", peer=pb.PeerInfo(peer_id="a", stage=0, state="active", step=1, startup_s=sent), tokens=0))
+        assert t.status().peers[0].startup_s == shown

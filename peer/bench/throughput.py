@@ -175,6 +175,7 @@ def measure_mode(
         "app_bytes_per_token": {"pp": s1["pp_bytes_per_token"], "dp": s1["dp_bytes_per_token"], "anchor": s1["anchor_bytes_per_token"]},
         "pp_compression": s1["pp_compression"],
         "train_loss": s1["loss"],
+        "peer_startup_s": _median([p["startup_s"] for p in s1["peers"] if p["state"] in ("active", "idle") and p.get("startup_s")]),  # process start to first step
         "peer_capacity_tokens_per_s": _median([p["capacity_tokens_per_s"] for p in s1["peers"] if p["state"] in ("active", "idle") and p["capacity_tokens_per_s"] > 0]),
         "wall_s": time.monotonic() - t_start,
         "peers": [
