@@ -65,6 +65,16 @@ def start_round(a: GroupAverager, b: GroupAverager, clock: FakeClock) -> None:
         time.sleep(0.1)
 
 
+def same_start(dht_a, dht_b, init: list[torch.Tensor], prefix: str, compression: str) -> tuple[list, list, GroupAverager, GroupAverager, FakeClock]:
+    """Two peers' parameters starting from the same weights, and their averagers (every=1, a shared fake clock)."""
+    pa = [torch.nn.Parameter(t.clone()) for t in init]
+    pb = [torch.nn.Parameter(t.clone()) for t in init]
+    clock = FakeClock()
+    a = GroupAverager(dht_a, pa, prefix, every=1, timeout=30.0, compression=compression, clock=clock)
+    b = GroupAverager(dht_b, pb, prefix, every=1, timeout=30.0, compression=compression, clock=clock)
+    return pa, pb, a, b, clock
+
+
 def at_mean_unless_lost(mean: list[torch.Tensor], own: list[torch.Tensor], avg: GroupAverager) -> list[torch.Tensor]:
     """What a peer must hold after a round: the mean, except where its results were lost (its own values)."""
     if avg.last_lost is None:
@@ -79,11 +89,7 @@ def test_round_leaves_both_peers_at_the_mean(compression: str, tol: float) -> No
     with two_dhts() as (dht_a, dht_b):
         torch.manual_seed(0)
         init = [torch.randn(300, 200), torch.randn(50)]  # both peers start from the same weights (same seed)
-        pa = [torch.nn.Parameter(t.clone()) for t in init]
-        pb = [torch.nn.Parameter(t.clone()) for t in init]
-        clock = FakeClock()
-        a = GroupAverager(dht_a, pa, f"test_{compression}", every=1, timeout=30.0, compression=compression, clock=clock)
-        b = GroupAverager(dht_b, pb, f"test_{compression}", every=1, timeout=30.0, compression=compression, clock=clock)
+        pa, pb, a, b, clock = same_start(dht_a, dht_b, init, f"test_{compression}", compression)
         with torch.no_grad():  # different local training: small, different changes
             for p in pa:
                 p.add_(0.01 * torch.randn_like(p))
@@ -138,11 +144,7 @@ def test_results_lost_on_the_way_back_keep_own_values_and_the_old_base(monkeypat
     with two_dhts() as (dht_a, dht_b):
         torch.manual_seed(0)
         init = [torch.randn(300, 200), torch.randn(50)]
-        pa = [torch.nn.Parameter(t.clone()) for t in init]
-        pb = [torch.nn.Parameter(t.clone()) for t in init]
-        clock = FakeClock()
-        a = GroupAverager(dht_a, pa, f"lossy_{compression}", every=1, timeout=30.0, compression=compression, clock=clock)
-        b = GroupAverager(dht_b, pb, f"lossy_{compression}", every=1, timeout=30.0, compression=compression, clock=clock)
+        pa, pb, a, b, clock = same_start(dht_a, dht_b, init, f"lossy_{compression}", compression)
         with torch.no_grad():
             for p in pa + pb:
                 p.add_(0.01 * torch.randn_like(p))
@@ -275,11 +277,7 @@ def test_an_implausible_group_mean_is_refused_and_the_weights_stay(poison: str) 
     with two_dhts() as (dht_a, dht_b):
         torch.manual_seed(0)
         init = [torch.randn(100, 50), torch.randn(20)]
-        pa = [torch.nn.Parameter(t.clone()) for t in init]
-        pb = [torch.nn.Parameter(t.clone()) for t in init]
-        clock = FakeClock()
-        a = GroupAverager(dht_a, pa, f"poison_{poison}", every=1, timeout=30.0, compression="none", clock=clock)
-        b = GroupAverager(dht_b, pb, f"poison_{poison}", every=1, timeout=30.0, compression="none", clock=clock)
+        pa, pb, a, b, clock = same_start(dht_a, dht_b, init, f"poison_{poison}", "none")
         with torch.no_grad():
             for p in pa:
                 p.add_(0.01 * torch.randn_like(p))  # honest local training
