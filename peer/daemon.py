@@ -143,6 +143,9 @@ def join(stub: pbg.TrackerStub, req: pb.JoinRequest, stop: threading.Event, tls:
     raise SystemExit(1)
 
 
+_IMPORTED = time.monotonic()
+
+
 def process_age_s() -> float:
     """Seconds since this process started (Linux: /proc, so imports and the DHT's start count;
     elsewhere: since this module was imported)."""
@@ -154,8 +157,6 @@ def process_age_s() -> float:
     except (OSError, ValueError, IndexError):
         return time.monotonic() - _IMPORTED
 
-
-_IMPORTED = time.monotonic()
 
 class PeerDaemon:
     """One peer: its stage worker, its gRPC server, its heartbeat and its main loop."""
