@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from peer.atomic import write_atomic
-from peer.auth import new_secret
 from peer.errors import ConfigError
-from peer.identity import Identity
+from peer.security.auth import new_secret
+from peer.security.identity import Identity
 
 FILE = "auth.json"
 MIN_TOKEN_CHARS = 16

@@ -1,13 +1,13 @@
 """`anchormesh bootstrap`: the first hivemind DHT node plus the tracker and status gRPC services.
 
 It publishes the tracker's address in the DHT (key `anchormesh/tracker`, signed with the
-tracker's Ed25519 key: peer/dht_auth.py), so a peer given only `--initial-peers` finds it, and
+tracker's Ed25519 key: peer/security/dht_auth.py), so a peer given only `--initial-peers` finds it, and
 writes `STATE_DIR/bootstrap.json` = `{"run_id", "dht_maddrs", "tracker", "tracker_key", "token",
 "operator"[, "tls_ca"]}` (mode 0600: it holds the run's secrets) once it accepts peers; stdout
 gets the same without the secrets. Its DHT node admits only run-token holders (`RunAuthorizer`)
 and stores only tracker records its own key signed.
 
-Every call is checked by a `Gate` (peer/auth.py): Join takes the run token, Heartbeat and Leave a
+Every call is checked by a `Gate` (peer/security/auth.py): Join takes the run token, Heartbeat and Leave a
 member certificate (issued at Join), Ban the operator key, Status nothing unless
 `security.private_status`.
 """
@@ -19,27 +19,37 @@ import logging
 import signal
 import threading
 import uuid
-from dataclasses import asdict, replace
 from collections.abc import Iterator
 from concurrent import futures
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import grpc
 
 from bootstrap import keys, persist
 from bootstrap.tracker import Banned, JoinRefused, Tracker
-from peer import auth, dht_auth
-from peer.identity import Identity, certificate_bytes
 from peer.address import announce_maddr, free_port
 from peer.atomic import write_atomic
-from peer.config import config_from_dict, check_swarm, AnchorConfig, DPConfig, MaskConfig, ModelConfig, OptimConfig, PipelineConfig, TrainConfig
+from peer.config import (
+    AnchorConfig,
+    DPConfig,
+    MaskConfig,
+    ModelConfig,
+    OptimConfig,
+    PipelineConfig,
+    TrainConfig,
+    check_swarm,
+    config_from_dict,
+)
 from peer.errors import AnchormeshError, ConfigError
 from peer.logs import setup_logging
 from peer.model.loading import resolve_dims
 from peer.model.stages import layer_ranges
+from peer.security import auth, dht_auth
+from peer.security.identity import Identity, certificate_bytes
 from peer.wire import anchormesh_pb2 as pb
-from peer.wire.tensors import parse_message
 from peer.wire import anchormesh_pb2_grpc as pbg
+from peer.wire.tensors import parse_message
 
 log = logging.getLogger("anchormesh.bootstrap")
 DHT_TRACKER_KEY = dht_auth.TRACKER_RECORD_KEY
@@ -62,7 +72,7 @@ def default_run() -> TrainConfig:
 
 
 def tracker_policy(config: TrainConfig) -> dict[str, frozenset[str]]:
-    """Which credentials each tracker method takes (peer/auth.py)."""
+    """Which credentials each tracker method takes (peer/security/auth.py)."""
     watch = frozenset({auth.TOKEN, auth.MEMBER, auth.OPERATOR}) if config.security.private_status else frozenset({auth.OPEN})
     return {
         "/anchormesh.v1.Tracker/Join": frozenset({auth.TOKEN, auth.MEMBER}),
@@ -278,7 +288,7 @@ def run_bootstrap(config: TrainConfig | None, host: str, port: int, dht_port: in
     secrets = keys.load_or_create(state_dir, token)
     ca = None
     if config.security.tls:
-        from peer.tls import RunCA
+        from peer.security.tls import RunCA
 
         ca = RunCA.load_or_create(state_dir)
     announce = None
@@ -301,14 +311,14 @@ def run_bootstrap(config: TrainConfig | None, host: str, port: int, dht_port: in
         address = f"{announce_host}:{address.rsplit(':', 1)[1]}"
     metrics = None
     if metrics_port is not None:
+        from peer.client.view import status_dict
         from peer.metrics import serve_metrics
-        from peer.status import status_dict
 
         metrics = serve_metrics(metrics_port, lambda: status_dict(tracker.status()), host=host)
         log.info("Prometheus metrics on http://%s:%d/metrics", host, metrics.server_address[1])
     stop = threading.Event()
 
-    def publish() -> None:  # signed: peers take only a record of this tracker's key (peer/dht_auth.py)
+    def publish() -> None:  # signed: peers take only a record of this tracker's key (peer/security/dht_auth.py)
         while not stop.is_set():
             dht_auth.publish_tracker(dht, secrets.tracker, run_id, address, DHT_TTL_S)
             stop.wait(DHT_TTL_S / 3)

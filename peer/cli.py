@@ -6,7 +6,6 @@ Bad flags exit with code 2 and one line naming the flag.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -87,82 +86,24 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--token", default=os.environ.get("ANCHORMESH_TOKEN") or None, help="with --tracker: the run token, or @FILE (a bootstrap.json); default: $ANCHORMESH_TOKEN")
     export.add_argument("--tls-ca", default=os.environ.get("ANCHORMESH_TLS_CA") or None, help="with --tracker, when the run uses TLS: its CA certificate (PEM file or bootstrap.json); default: $ANCHORMESH_TLS_CA")
 
-    bench = sub.add_parser("bench", help="benchmarks (JSON out)")
-    bsub = bench.add_subparsers(dest="bench", required=True)
-    q = bsub.add_parser("quality", help="eval loss of dense vs masked vs masked+anchor (+DP) adaptation")
-    q.add_argument("--quick", action="store_true", help="small setup that ends within 5 minutes on 2 CPU cores (30 with --model smollm2-135m)")
-    q.add_argument("--corpus-a", help="general corpus (file or folder of text); default: found on this machine")
-    q.add_argument("--corpus-b", help="domain corpus (file or folder of text); default: found on this machine")
-    q.add_argument("--rows", help="comma-separated subset of rows to run")
-    q.add_argument("--model", default=None, help="adapt this pretrained model (hub id, folder, .gguf file, smollm2-135m) instead of the toy pretrained here")
-    q.add_argument("--json", required=True, type=Path, help="write the result here")
-    t = bsub.add_parser("throughput", help="tokens/s of dense vs masked vs masked+DP vs compute-bound on shaped links (network namespaces; root)")
-    t.add_argument("--quick", action="store_true", help="short runs that end within 8 minutes on 2 CPU cores")
-    t.add_argument("--bandwidth-mbit", type=float, default=None, help="link speed of every host (default: the GPU-equivalent of 200 Mbit/s, see README)")
-    t.add_argument("--stages", type=int, default=2, help="pipeline stages (default 2)")
-    t.add_argument("--replicas", type=int, default=2, help="peers per stage (default 2)")
-    t.add_argument("--modes", help="comma-separated subset of compute_bound,dense,masked,masked_dp")
-    t.add_argument("--repeat", type=int, default=None, help="measure every mode this many times, interleaved (A B C D A B C D ...); medians and spreads in OUT (default 3; 1 with --quick)")
-    t.add_argument("--json", required=True, type=Path, help="write the result here")
-    mx = bsub.add_parser("mixed", help="one swarm on two link speeds at once: codec fixed vs self-tuning, against compute-bound (network namespaces; root)")
-    mx.add_argument("--quick", action="store_true", help="short runs (steps 10 to 70 per mode; about 7 minutes on 2 CPU cores)")
-    mx.add_argument("--bandwidth-mbit", type=float, default=None, help="the fast links' speed (default: the GPU-equivalent of 200 Mbit/s)")
-    mx.add_argument("--slow-factor", type=float, default=8.0, help="how many times slower the second peer of each stage group is linked (default 8)")
-    mx.add_argument("--stages", type=int, default=2, help="pipeline stages (default 2)")
-    mx.add_argument("--replicas", type=int, default=2, help="peers per stage (default 2)")
-    mx.add_argument("--json", required=True, type=Path, help="write the result here")
-    pr = bsub.add_parser("project", help="predicted tokens/s of the throughput bench's four modes for a model on a device at a link speed (see peer/bench/project.py)")
-    pr.add_argument("--model", default="tiny-llama", help="run.toml path, local model folder, or tiny-llama / llama-3.2-1b / llama-3.2-3b / qwen2.5-0.5b / qwen2.5-1.5b (default tiny-llama)")
-    pr.add_argument("--gpu", required=True, help="rtx4090, a100, h100 (published bf16 FLOP/s x --mfu), or cpu (measured on this machine)")
-    pr.add_argument("--bandwidth-mbit", type=float, required=True, help="every host's link speed, each way")
-    pr.add_argument("--stages", type=int, default=2, help="pipeline stages (default 2)")
-    pr.add_argument("--replicas", type=int, default=2, help="peers per stage (default 2)")
-    pr.add_argument("--mfu", type=float, default=None, help="fraction of the GPU's peak reached (default: measured by a `bench gpu` run, --mfu-from or docs/gpu-bench-DEVICE.json, else 0.40)")
-    pr.add_argument("--mfu-from", type=Path, default=None, help="an `anchormesh bench gpu` result on this GPU: its measured bf16 rate sets the MFU")
-    pr.add_argument("--dp-every", type=int, default=10, help="steps between DP rounds of masked_dp and compute_bound (default 10, the full bench's)")
-    pr.add_argument("--shared-cores", type=int, default=None, help="all peers share this many cores (the namespace test bed); default: each peer its own device")
-    pr.add_argument("--json", type=Path, default=None, help="write the result here (default: print it)")
-    pf = bsub.add_parser("profile", help="CPU per process kind and, with py-spy installed, per part of the peers' main processes, in one mode on the test bed (root)")
-    pf.add_argument("--mode", default="masked_dp", help="compute_bound, dense, masked or masked_dp (default masked_dp)")
-    pf.add_argument("--bandwidth-mbit", type=float, default=5.88, help="every link's speed (default 5.88: the GPU-equivalent of 200 Mbit/s measured on this box; ignored for compute_bound)")
-    pf.add_argument("--dp-every", type=int, default=5, help="steps between DP rounds of masked_dp and compute_bound (default 5, the quick bench's)")
-    pf.add_argument("--seconds", type=float, default=25.0, help="length of the profiled window (default 25)")
-    pf.add_argument("--json", type=Path, default=None, help="write the result here (default: print it)")
-    bd = bsub.add_parser("boundary", help="what each stage-boundary codec does to a pretrained model, forward only: eval loss through the codec, wire bytes/token, activation statistics (see peer/bench/boundary.py)")
-    bd.add_argument("--model", default="smollm2-135m", help="hub id, folder, .gguf file, smollm2-135m or tiny-* (default smollm2-135m)")
-    bd.add_argument("--boundaries", default=None, help="comma-separated layer counts L: the boundary after decoder layer L (default 5,10,15,20,25; --quick: 15)")
-    bd.add_argument("--eval-tokens", type=int, default=2048, help="held-out tokens the loss is measured on (default 2048)")
-    bd.add_argument("--calib-tokens", type=int, default=8192, help="tokens the codecs are fitted on, never evaluated (default 8192)")
-    bd.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512)")
-    bd.add_argument("--corpus", type=Path, default=None, help="text file or folder (default: the built-in Python corpus)")
-    bd.add_argument("--rows", default=None, help="comma-separated subset of codec rows")
-    bd.add_argument("--quick", action="store_true", help="one boundary, a quarter of the tokens, a few rows (minutes on 2 CPU cores)")
-    bd.add_argument("--json", type=Path, default=None, help="write the result here (default: print it)")
-    gp = bsub.add_parser("gpu", help="the GPU path end to end: fp32 vs bf16 vs bf16+checkpointing (tokens/s, peak memory vs plan, host syncs), a 2x2 swarm on the device with a SIGKILL, a memory refusal (see peer/bench/gpu.py)")
-    gp.add_argument("--device", default="auto", help="auto (the GPU when present), cpu, cuda or cuda:N")
-    gp.add_argument("--parts", default=",".join(("precision", "swarm", "memory_refusal")), help="comma-separated subset of precision,swarm,memory_refusal")
-    gp.add_argument("--shape", choices=("llama-3.2-1b", "llama-3.2-1b-4l", "small"), default=None, help="model shape of the precision part (default: llama-3.2-1b on a GPU, small on the CPU; -4l: 4 of its 16 layers)")
-    gp.add_argument("--quick", action="store_true", help="fewer measured steps")
-    gp.add_argument("--json", type=Path, default=None, help="write the result here (default: print it)")
-    pl = bsub.add_parser("plot", help="tokens/s against bandwidth (25-1000 Mbit/s) of the four modes, projected, with measured points (PNG; needs the [bench] extra)")
-    pl.add_argument("--json", type=Path, default=None, help="a `bench throughput` result to overlay (scaled by its GPU-equivalent rule)")
-    pl.add_argument("--out", type=Path, required=True, help="PNG to write")
-    pl.add_argument("--model", default="llama-3.2-1b", help="as for `bench project` (default llama-3.2-1b)")
-    pl.add_argument("--gpu", default="rtx4090", help="as for `bench project` (default rtx4090)")
+    # the benchmarks' package: only this entry point imports it (tests/test_layout.py)
+    from peer.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> None:
-    from peer.auth import read_token
-    from peer.orphans import install as install_orphan_guard
-    from peer.tls import read_ca
+    from peer.daemon.orphans import install as install_orphan_guard
+    from peer.security.auth import read_token
+    from peer.security.tls import read_ca
 
     args = _parser().parse_args(argv)
     install_orphan_guard()  # before any child starts: hivemind's processes and p2pd die with this one
     try:
         if args.command == "demo":
             if not args.local:
-                from peer.swarm_demo import run_swarm_demo
+                from peer.demo.swarm import run_swarm_demo
 
                 if args.peers < 1:
                     raise ConfigError("--peers", args.peers, "must be >= 1")
@@ -170,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
                 if summary["startup_s"] is None or summary["processes_left"]:
                     sys.exit(1)
                 return
-            from peer.demo import run_demo
+            from peer.demo.local import run_demo
 
             run_demo(seconds=args.seconds or 60.0, stages=args.stages, codec=args.codec, drop=args.drop, rank=args.rank, threads=args.threads)
         elif args.command == "bootstrap":
@@ -186,10 +127,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"anchormesh peer: starting (pid {os.getpid()}); SIGUSR1 dumps every thread's stack to stderr", file=sys.stderr, flush=True)
             faulthandler.register(signal.SIGUSR1, all_threads=True)
             from peer.address import AUTO, outward_address
-            from peer.daemon import run_peer
-            from peer.dht_auth import read_tracker_key
-
-            from peer.placement import parse_device
+            from peer.daemon.main import run_peer
+            from peer.model.placement import parse_device
+            from peer.security.dht_auth import read_tracker_key
 
             parse_device(args.device)  # no GPU, an index out of range: exit 2 now, before any process starts
 
@@ -212,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
             run_peer(args.initial_peers, args.tracker, args.host, args.grpc_port, args.device, args.max_steps, args.state_dir, announce, dht_port=args.dht_port, metrics_port=args.metrics_port, threads=args.threads,
                      token=read_token(args.token), tls_ca=read_ca(args.tls_ca), tracker_key=read_tracker_key(args.tracker_key, args.token))
         elif args.command == "export":
-            from peer.export import run_export
+            from peer.client.export import run_export
 
             if not args.timeout > 0:
                 raise ConfigError("--timeout", args.timeout, "must be > 0")
@@ -220,73 +160,23 @@ def main(argv: list[str] | None = None) -> None:
                 raise ConfigError("--run", args.run, "only goes with --checkpoints")
             raise SystemExit(run_export(args.tracker, args.out, args.timeout, checkpoints=args.checkpoints, run_id=args.run, token=read_token(args.token), tls_ca=read_ca(args.tls_ca)))
         elif args.command == "status":
-            from peer.status import run_status
+            from peer.client.status import run_status
 
             run_status(args.tracker, args.json, args.watch, token=read_token(args.token), tls_ca=read_ca(args.tls_ca))
         elif args.command == "ban":
-            from peer.ban import run_ban
+            from peer.client.ban import run_ban
 
             raise SystemExit(run_ban(args.bootstrap, args.peer, args.reason, args.unban))
         elif args.command == "health":
-            from peer.health import run_health
+            from peer.client.health import run_health
 
             if not args.timeout > 0:
                 raise ConfigError("--timeout", args.timeout, "must be > 0")
             raise SystemExit(run_health(args.address, args.tracker, args.timeout, read_ca(args.tls_ca)))
-        elif args.command == "bench" and args.bench == "quality":
-            from peer.bench.quality import run_quality
+        elif args.command == "bench":
+            from peer.bench.cli import run_bench
 
-            only = [r.strip() for r in args.rows.split(",")] if args.rows else None
-            result = run_quality(args.quick, args.corpus_a, args.corpus_b, only, model=args.model)
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(result, indent=2))
-            print(f"wrote {args.json}")
-        elif args.command == "bench" and args.bench == "throughput":
-            from peer.bench.throughput import main_json
-
-            modes = [m.strip() for m in args.modes.split(",")] if args.modes else None
-            main_json(args.json, quick=args.quick, bandwidth_mbit=args.bandwidth_mbit, stages=args.stages, replicas=args.replicas, modes=modes, repeat=args.repeat)
-            print(f"wrote {args.json}")
-        elif args.command == "bench" and args.bench == "mixed":
-            from peer.bench.mixed import main_json as mixed_json
-
-            mixed_json(args.json, quick=args.quick, bandwidth_mbit=args.bandwidth_mbit, slow_factor=args.slow_factor, stages=args.stages, replicas=args.replicas)
-            print(f"wrote {args.json}")
-        elif args.command == "bench" and args.bench == "project":
-            from peer.bench.project import main_json as project_json
-
-            project_json(args.json, model=args.model, device=args.gpu, bandwidth_mbit=args.bandwidth_mbit, stages=args.stages, replicas=args.replicas,
-                         mfu=args.mfu, dp_every=args.dp_every, shared_cores=args.shared_cores, mfu_from=args.mfu_from)
-            if args.json is not None:
-                print(f"wrote {args.json}")
-        elif args.command == "bench" and args.bench == "profile":
-            from peer.bench.profile import main_json as profile_json
-
-            if not args.seconds > 0 or args.dp_every < 1 or not args.bandwidth_mbit > 0:
-                raise ConfigError("--seconds/--dp-every/--bandwidth-mbit", (args.seconds, args.dp_every, args.bandwidth_mbit), "must be > 0")
-            profile_json(args.json, mode=args.mode, bandwidth_mbit=args.bandwidth_mbit, dp_every=args.dp_every, seconds=args.seconds)
-        elif args.command == "bench" and args.bench == "boundary":
-            from peer.bench.boundary import main_json as boundary_json
-
-            if args.eval_tokens < 1 or args.calib_tokens < 1 or args.seq_len < 2:
-                raise ConfigError("--eval-tokens/--calib-tokens/--seq-len", (args.eval_tokens, args.calib_tokens, args.seq_len), "must be >= 1 (seq-len >= 2)")
-            rows = [r.strip() for r in args.rows.split(",")] if args.rows else None
-            boundary_json(args.json, model=args.model, boundaries=args.boundaries, eval_tokens=args.eval_tokens, calib_tokens=args.calib_tokens,
-                          seq_len=args.seq_len, quick=args.quick, corpus=args.corpus, rows=rows)
-        elif args.command == "bench" and args.bench == "gpu":
-            from peer.bench.gpu import PARTS, main_json as gpu_json
-
-            parts = tuple(x.strip() for x in args.parts.split(",") if x.strip())
-            if not parts or set(parts) - set(PARTS):
-                raise ConfigError("--parts", args.parts, f"must be a comma-separated subset of {','.join(PARTS)}")
-            gpu_json(args.json, args.device, parts, args.quick, args.shape)
-            if args.json is not None:
-                print(f"wrote {args.json}")
-        elif args.command == "bench" and args.bench == "plot":
-            from peer.bench.plot import plot
-
-            plot(args.out, measured=args.json, model=args.model, gpu=args.gpu)
-            print(f"wrote {args.out}")
+            run_bench(args)
     except ConfigError as exc:
         print(f"anchormesh: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

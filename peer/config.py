@@ -357,7 +357,7 @@ class DataConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Shard checkpoints that peers with `--state-dir` write (peer/checkpoint.py).
+    """Shard checkpoints that peers with `--state-dir` write (peer/store/checkpoint.py).
 
     Args:
         every: run steps between checkpoints of a peer's stage (weights, AdamW moments, step);
@@ -375,7 +375,7 @@ class CheckpointConfig:
 
 @dataclass
 class SecurityConfig:
-    """Who may call what (peer/auth.py); joining always needs the run token.
+    """Who may call what (peer/security/auth.py); joining always needs the run token.
 
     Args:
         private_status: the Status service (the dashboard) wants the run token too; by default
@@ -402,7 +402,7 @@ COMPUTE_DTYPES = ("auto", "fp32", "bf16")
 
 @dataclass
 class ComputeConfig:
-    """How each peer computes its stage (peer/placement.py); the device itself is per peer
+    """How each peer computes its stage (peer/model/placement.py); the device itself is per peer
     (`anchormesh peer --device`).
 
     Args:
@@ -415,7 +415,7 @@ class ComputeConfig:
             instead of keeping them (about a third more compute, a fraction of the memory).
         memory_budget_gib: the most memory a peer may plan its stage for; 0 = what the device
             has free when the peer starts. A stage whose plan exceeds it is refused before
-            anything loads (peer/memory.py).
+            anything loads (peer/daemon/memory.py).
         anchor_snapshot_share: the share of the memory left after the plan that anchor weight
             snapshots (bf16) may take; the number of snapshots kept follows from it.
     """

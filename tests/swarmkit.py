@@ -72,8 +72,8 @@ def wait_for_status(tracker: str, what: Callable[[dict], bool], tmp: Path, procs
 def admit(daemon, run_id: str, caller_id: str = "caller", rate: float = 1e6):
     """An in-process PeerDaemon set up as if its tracker had admitted it to `run_id` (no rate
     limits unless `rate`), and the credentials of another member named `caller_id`."""
-    from peer import auth
-    from peer.identity import Identity, certificate_bytes
+    from peer.security import auth
+    from peer.security.identity import Identity, certificate_bytes
 
     tracker = Identity.generate()
     daemon.gate.configure(run_id, tracker.public, "test-run-token-0123456789", rate)

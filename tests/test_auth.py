@@ -1,4 +1,4 @@
-"""Who may call what (peer/auth.py): the gate on a real gRPC server, every way a call can be
+"""Who may call what (peer/security/auth.py): the gate on a real gRPC server, every way a call can be
 refused, a hypothesis fuzz of the credential metadata, and the tracker's Join/Ban path."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from peer import auth
-from peer.identity import Identity, certificate_bytes
+from peer.security import auth
+from peer.security.identity import Identity, certificate_bytes
 
 RUN = "run-auth"
 TOKEN = "auth-test-token-0123456789"

@@ -1,4 +1,4 @@
-"""Shard checkpoints (peer/checkpoint.py) and a peer resuming from them (PeerDaemon).
+"""Shard checkpoints (peer/store/checkpoint.py) and a peer resuming from them (PeerDaemon).
 
 Checks: a checkpoint round-trips exactly; only the newest `keep` stay; a damaged, truncated,
 foreign or half-written checkpoint is skipped with a message and the next older one used; a
@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from peer.checkpoint import ShardCheckpoints
 from peer.codec.mask import MaskCodec
 from peer.config import ModelConfig, PipelineConfig, TrainConfig
-from peer.daemon import PeerDaemon
+from peer.daemon.main import PeerDaemon
 from peer.model.loading import load_causal_lm
 from peer.model.stages import split_model
-from peer.pipeline.runner import StageWorker
+from peer.pipeline.worker import StageWorker
+from peer.store.checkpoint import ShardCheckpoints
 
 CFG = TrainConfig(model=ModelConfig(name="tiny-llama", num_stages=2, hidden_size=32, num_layers=2, num_heads=2, max_seq_len=16), pipeline=PipelineConfig(micro_batch_size=2, seq_len=8))
 
@@ -63,7 +63,7 @@ def test_a_damaged_checkpoint_is_skipped_for_the_older_one(tmp_path: Path, damag
         src = other.save(*state(10, fill=99))
         newest.write_bytes(src.read_bytes())
         manifest.write_bytes(src.with_suffix(".json").read_bytes())
-    with caplog.at_level(logging.WARNING, logger="peer.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="peer.store.checkpoint"):
         got = ck.newest()
     meta, tensors = got.metadata, got.tensors
     assert meta["version"] == 5 and torch.equal(tensors[0], torch.full((3, 4), 5.0))

@@ -17,9 +17,9 @@ import subprocess
 import time
 from pathlib import Path
 
-
-from peer.swarm_demo import start_process, stop_processes, wait_for_bootstrap
 from swarmkit import logs, status_json, tiny_run_toml
+
+from peer.demo.swarm import start_process, stop_processes, wait_for_bootstrap
 
 RUN_TOML = tiny_run_toml(extra="""
 [dp]

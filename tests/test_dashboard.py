@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from peer import dashboard
-from peer.dashboard import BLOCKS, History, problems, render, sparkline
+from peer.client import dashboard
+from peer.client.dashboard import BLOCKS, History, problems, render, sparkline
 
 SAMPLE = json.loads((Path(__file__).parent / "data" / "status_sample.json").read_text())
 
@@ -229,7 +229,7 @@ class _FakeChannel:
 
 
 def _run_status_with(monkeypatch: pytest.MonkeyPatch, tty: bool) -> str:
-    from peer import status as status_mod
+    from peer.client import status as status_mod
     from peer.wire import anchormesh_pb2 as pb
 
     msg = pb.RunStatus(
@@ -326,7 +326,7 @@ def test_a_peer_routing_around_a_next_stage_peer_says_which_and_why() -> None:
 
 
 def test_the_plain_status_table_shows_link_and_averaging_period_too() -> None:
-    from peer.status import render as plain
+    from peer.client.status import render as plain
     from peer.wire import anchormesh_pb2 as pb
 
     s = pb.RunStatus(run_id="r", peers=[pb.PeerInfo(peer_id="peer-1", state="active", link_mbit=0.684, pp_keep=0.125, dp_rounds=7, dp_period_s=32), pb.PeerInfo(peer_id="peer-2", stage=1, state="active")])

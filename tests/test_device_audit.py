@@ -17,10 +17,17 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from peer.config import MaskConfig, ModelConfig, OptimConfig, PipelineConfig, TrainConfig
+from peer.config import (
+    MaskConfig,
+    ModelConfig,
+    OptimConfig,
+    PipelineConfig,
+    TrainConfig,
+)
 from peer.model.loading import load_causal_lm
-from peer.pipeline.runner import LocalPipelineRunner, StageWorker
-from peer.placement import Placement
+from peer.model.placement import Placement
+from peer.pipeline.local import LocalPipelineRunner
+from peer.pipeline.worker import StageWorker
 
 FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, torch.rand, torch.randn, torch.randint, torch.tensor, torch.linspace}
 SYNCS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu, torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.__int__}
@@ -109,9 +116,9 @@ def test_fast_path_makes_no_host_sync_and_no_deviceless_tensor(name: str, mask: 
 
 def test_the_audit_catches_what_it_looks_for() -> None:
     """The audit itself: a sync and a device-less factory called from peer/ code are reported."""
-    from peer.pipeline import runner as runner_module
+    from peer.pipeline import worker
 
     audit = DeviceAudit()
     with audit:
-        runner_module.mean_loss([torch.tensor(1.0, device="cpu")])  # float(): one read, by design per step
+        worker.mean_loss([torch.tensor(1.0, device="cpu")])  # float(): one read, by design per step
     assert any(w == "Tensor.__float__" and "mean_loss" in at for w, at in audit.found), audit.found

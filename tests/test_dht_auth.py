@@ -1,4 +1,4 @@
-"""The run's hivemind DHT is the run's (peer/dht_auth.py), on real DHT nodes over loopback.
+"""The run's hivemind DHT is the run's (peer/security/dht_auth.py), on real DHT nodes over loopback.
 
 An outsider without the run token is refused by every node (its store does not land, its finds
 get nothing); a token holder that is not the bootstrap cannot plant a tracker record that a
@@ -27,11 +27,19 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.serializer import MSGPackSerializer
 
-from peer import auth, dht_auth
-from peer.daemon import find_tracker
+from peer.daemon.main import find_tracker
 from peer.errors import ConfigError
-from peer.identity import Identity
-from peer.tls import PEER_NAME, TRACKER_NAME, RunCA, member_names, public_der, new_key, key_pem
+from peer.security import auth, dht_auth
+from peer.security.identity import Identity
+from peer.security.tls import (
+    PEER_NAME,
+    TRACKER_NAME,
+    RunCA,
+    key_pem,
+    member_names,
+    new_key,
+    public_der,
+)
 
 TOKEN = "run-token-0123456789abcdef"
 RUN, ADDRESS = "run-1a2b3c4d", "127.0.0.1:7000"

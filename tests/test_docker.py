@@ -273,7 +273,7 @@ def test_compose_peers_get_shared_memory_for_the_averager() -> None:
 def test_the_gpu_compose_override_builds_the_cuda_image_and_reserves_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    from peer.placement import parse_device
+    from peer.model.placement import parse_device
 
     base, gpu = compose(), compose("compose.gpu.yaml")
     assert set(gpu["services"]) <= set(peers(base)), "the override adds no service of its own"
@@ -381,7 +381,7 @@ def test_a_bootstrap_announcing_a_name_is_joined_through_that_name(tmp_path: Pat
     """What the compose file relies on, on loopback: `--announce-host NAME` puts NAME in the tracker
     address and the DHT multiaddrs (/dns4/NAME), and a peer given only that tracker address starts
     its DHT node from them (libp2p resolves the name) and joins."""
-    from peer.swarm_demo import start_process, stop_processes, wait_for_bootstrap
+    from peer.demo.swarm import start_process, stop_processes, wait_for_bootstrap
 
     procs = []
     try:

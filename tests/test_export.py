@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from peer import __version__
-from peer.auth import read_token
-from peer.export import ExportError, export, gather
-from peer.swarm_demo import start_process, stop_processes, wait_for_bootstrap
+from peer.client.export import ExportError, export, gather
+from peer.demo.swarm import start_process, stop_processes, wait_for_bootstrap
+from peer.security.auth import read_token
 from peer.wire import anchormesh_pb2 as pb
 from peer.wire import anchormesh_pb2_grpc as pbg
 
@@ -120,7 +120,7 @@ def test_a_shard_that_does_not_fit_is_refused_and_the_next_peer_tried(tracker) -
     from peer.model.loading import load_causal_lm
     from peer.model.stages import split_model
     from peer.pipeline.grpc_transport import GrpcTransport
-    from peer.shard import shard_chunks, snapshot
+    from peer.store.shard import shard_chunks, snapshot
 
     t, address = tracker
     stages = split_model(load_causal_lm(t.config.model, seed=0), t.config.model.num_stages)

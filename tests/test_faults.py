@@ -24,11 +24,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-import peer.checkpoint as checkpoint_mod
-from peer.atomic import write_atomic
-from peer.runlog import MetricsLog
 from test_checkpoint import make_daemon, trained
+
+import peer.store.checkpoint as checkpoint_mod
+from peer.atomic import write_atomic
+from peer.daemon.runlog import MetricsLog
 
 
 def leftovers(d: Path) -> list[str]:
@@ -82,7 +82,7 @@ def test_a_failed_checkpoint_is_logged_counted_cleaned_and_the_next_one_succeeds
                 return real_write(self, b)
 
             monkeypatch.setattr(checkpoint_mod._HashingWriter, "write", failing)
-        with caplog.at_level(logging.ERROR, logger="peer.daemon"):
+        with caplog.at_level(logging.ERROR, logger="peer.daemon.main"):
             d._checkpoint(wait=True)
         assert thread_errors == []
         assert d.checkpoint_failures == 1 and d._checkpointed == 4  # step 8 may be tried again
@@ -193,7 +193,7 @@ def test_a_failed_metrics_write_is_counted_logged_once_a_minute_and_the_file_reo
 
     m.close()
     monkeypatch.setattr("builtins.open", opener)
-    with caplog.at_level(logging.WARNING, logger="peer.runlog"):
+    with caplog.at_level(logging.WARNING, logger="peer.daemon.runlog"):
         results = [m.write({"step": s}) for s in range(2, 6)]
     assert results == [False] * 4 and m.failures == 4
     assert caplog.text.count("cannot write") == 1 and "No space left on device" in caplog.text
@@ -236,7 +236,7 @@ def test_a_replacement_whose_group_is_gone_says_where_it_resumed_from(tmp_path: 
     try:
         d.worker.version = 20  # the run is at step 20 (the Join's start_step)
         d._resume_from_checkpoint()
-        with caplog.at_level(logging.WARNING, logger="peer.daemon"):
+        with caplog.at_level(logging.WARNING, logger="peer.daemon.main"):
             d._load_group_state()  # no averager: nobody answers
         where = "checkpoint step 7" if has_checkpoint else "initial weights"
         assert d.resumed_from == where and f"resumed from {where}" in d.reason and f"resumed from {where}" in caplog.text
@@ -295,8 +295,9 @@ def kill_and_watch(proc: subprocess.Popen, kids: dict[int, str], timeout_s: floa
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signals are Linux only")
 def test_a_sigkilled_peer_and_bootstrap_leave_no_children_running(tmp_path: Path) -> None:
-    from peer.swarm_demo import start_process, stop_processes, wait_for_bootstrap
     from swarmkit import tiny_run_toml, wait_for_status
+
+    from peer.demo.swarm import start_process, stop_processes, wait_for_bootstrap
 
     (tmp_path / "run.toml").write_text(tiny_run_toml())
     procs: list[subprocess.Popen] = []
@@ -337,7 +338,7 @@ def test_a_child_forked_by_a_short_lived_thread_is_not_killed_when_that_thread_e
     """PDEATHSIG fires when the forking *thread* exits: such a child is left untied, not killed."""
     script = """
 import multiprocessing as mp, threading, time, sys
-from peer import orphans
+from peer.daemon import orphans
 assert orphans.install() and orphans.install()
 procs = []
 t = threading.Thread(target=lambda: procs.append(mp.Process(target=time.sleep, args=(30,), daemon=True)) or procs[0].start())

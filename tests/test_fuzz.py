@@ -20,19 +20,25 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from swarmkit import admit
 
-from peer import auth
 from peer.codec.mask import MaskCodec
-from peer.config import MaskConfig, ModelConfig, PipelineConfig, SecurityConfig, TrainConfig
-from peer.daemon import PeerDaemon
+from peer.config import (
+    MaskConfig,
+    ModelConfig,
+    PipelineConfig,
+    SecurityConfig,
+    TrainConfig,
+)
+from peer.daemon.main import PeerDaemon
 from peer.model.loading import load_causal_lm
 from peer.model.stages import split_model
 from peer.pipeline.grpc_transport import SERVICE
-from peer.pipeline.runner import StageWorker
 from peer.pipeline.swarm_anchor import SwarmAnchor
+from peer.pipeline.worker import StageWorker
+from peer.security import auth
 from peer.wire import anchormesh_pb2 as pb
 from peer.wire.tensors import tensor_to_proto
-from swarmkit import admit
 
 RUN = "run-fuzz"
 CFG = TrainConfig(
@@ -260,7 +266,7 @@ def tracker(tmp_path_factory: pytest.TempPathFactory):
     from bootstrap import keys
     from bootstrap.node import serve_tracker
     from bootstrap.tracker import Tracker
-    from peer.identity import Identity, certificate_bytes
+    from peer.security.identity import Identity, certificate_bytes
 
     t = Tracker(RUN, replace(CFG, security=SecurityConfig(calls_per_s=1e6)))
     secrets = keys.load_or_create(tmp_path_factory.mktemp("boot"))

@@ -17,7 +17,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from peer.dp.group import GroupAverager, RoundSchedule, offer_due, round_bytes, slot_period
+from peer.dp.group import (
+    GroupAverager,
+    RoundSchedule,
+    offer_due,
+    round_bytes,
+    slot_period,
+)
 
 
 class FakeClock:
@@ -369,8 +375,9 @@ def test_a_peer_alone_in_its_stage_offers_no_round() -> None:
 
 
 def test_a_round_pending_far_past_its_timeout_is_cancelled_and_the_next_offered() -> None:
-    import hivemind
     from concurrent.futures import Future
+
+    import hivemind
 
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     try:

@@ -6,11 +6,17 @@ import grpc
 import pytest
 import torch
 
-from peer.config import MaskConfig, ModelConfig, OptimConfig, PipelineConfig, TrainConfig
+from peer.config import (
+    MaskConfig,
+    ModelConfig,
+    OptimConfig,
+    PipelineConfig,
+    TrainConfig,
+)
 from peer.model.loading import load_causal_lm
 from peer.model.stages import merged_state_dict
 from peer.pipeline.grpc_transport import SERVICE, GrpcTransport
-from peer.pipeline.runner import LocalPipelineRunner
+from peer.pipeline.local import LocalPipelineRunner
 from peer.wire import anchormesh_pb2 as pb
 from peer.wire.tensors import tensor_to_proto
 
@@ -209,7 +215,7 @@ def test_stage_0_routes_around_an_excluded_next_hop_unless_it_is_the_only_one() 
     may have recovered beats not sending at all)."""
     from types import SimpleNamespace
 
-    from peer.daemon import PeerDaemon
+    from peer.daemon.main import PeerDaemon
 
     excluded: set[str] = {"b"}
     d = object.__new__(PeerDaemon)  # only what _next_hop reads

@@ -9,7 +9,7 @@ from peer.config import MaskConfig, OptimConfig, TrainConfig
 from peer.errors import ConfigError, WireError
 from peer.model.loading import load_causal_lm
 from peer.pipeline.linktune import ComputeClock, LinkMeter, coefficients, keep_fraction
-from peer.pipeline.runner import LocalPipelineRunner
+from peer.pipeline.local import LocalPipelineRunner
 from peer.pipeline.transport import LocalTransport
 from peer.wire import anchormesh_pb2 as pb
 from tests.test_runner import MODEL, PIPE, windows

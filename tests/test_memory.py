@@ -10,11 +10,26 @@ from pathlib import Path
 import pytest
 import torch
 
-from peer.config import AnchorConfig, MaskConfig, ModelConfig, PipelineConfig, TrainConfig
+from peer.config import (
+    AnchorConfig,
+    MaskConfig,
+    ModelConfig,
+    PipelineConfig,
+    TrainConfig,
+)
+from peer.daemon.memory import (
+    GIB,
+    MemoryPlan,
+    anchor_snapshot_slots,
+    check_fits,
+    free_bytes,
+    plan_stage,
+    plan_table,
+    saved_activation_bytes,
+)
 from peer.errors import ConfigError
-from peer.memory import GIB, MemoryPlan, anchor_snapshot_slots, check_fits, free_bytes, plan_stage, plan_table, saved_activation_bytes
 from peer.model.loading import load_stage, meta_stage
-from peer.placement import Placement
+from peer.model.placement import Placement
 
 FP32 = Placement()
 BF16 = Placement(compute_dtype=torch.bfloat16)

@@ -95,11 +95,11 @@ def test_a_peer_serves_its_own_figures(tmp_path: Path) -> None:
 
     from peer.codec.mask import MaskCodec
     from peer.config import ModelConfig, PipelineConfig, TrainConfig
-    from peer.daemon import PeerDaemon
+    from peer.daemon.main import PeerDaemon
     from peer.metrics import peer_exposition
     from peer.model.loading import load_causal_lm
     from peer.model.stages import split_model
-    from peer.pipeline.runner import StageWorker
+    from peer.pipeline.worker import StageWorker
 
     cfg = TrainConfig(model=ModelConfig(name="tiny-llama", num_stages=2, hidden_size=32, num_layers=2, num_heads=2, max_seq_len=16), pipeline=PipelineConfig(micro_batch_size=2, seq_len=8))
     d = PeerDaemon("127.0.0.1:9", state_dir=tmp_path)
@@ -116,7 +116,7 @@ def test_a_peer_serves_its_own_figures(tmp_path: Path) -> None:
         assert f"anchormesh_peer_step{{{labels}}} 12" in body and f"anchormesh_peer_tokens_total{{{labels}}} 4096" in body
         assert "anchormesh_peer_loss" not in body and "anchormesh_peer_checkpoint_step" not in body  # no loss yet (NaN), no checkpoint
         d.loss, d._checkpointed = 2.5, 10
-        from peer.checkpoint import ShardCheckpoints
+        from peer.store.checkpoint import ShardCheckpoints
 
         d.checkpoints = ShardCheckpoints(tmp_path, "run", 1)
         body = _get(url)[2]

@@ -9,16 +9,16 @@ from types import SimpleNamespace
 import grpc
 import pytest
 import torch
+from swarmkit import admit
 
-from peer import auth
 from peer.config import ModelConfig
-from peer.daemon import PeerDaemon
+from peer.daemon.main import PeerDaemon
 from peer.model.loading import load_causal_lm
 from peer.model.stages import split_model
 from peer.pipeline.grpc_transport import SERVICE, GrpcTransport
-from peer.shard import ShardError, read_shard, shard_chunks, snapshot
+from peer.security import auth
+from peer.store.shard import ShardError, read_shard, shard_chunks, snapshot
 from peer.wire import anchormesh_pb2 as pb
-from swarmkit import admit
 
 MODEL = ModelConfig(name="tiny-llama", num_stages=2, hidden_size=32, num_layers=2, num_heads=2, max_seq_len=32)
 

@@ -6,19 +6,33 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_runner import (  # the same learnable stream as the fp32 runner tests
+    MODEL,
+    PIPE,
+    windows,
+)
 
-from peer.config import AnchorConfig, ComputeConfig, DPConfig, MaskConfig, OptimConfig, PipelineConfig, SpectralConfig, TrainConfig, config_from_dict
+from peer.config import (
+    AnchorConfig,
+    ComputeConfig,
+    DPConfig,
+    MaskConfig,
+    OptimConfig,
+    PipelineConfig,
+    SpectralConfig,
+    TrainConfig,
+    config_from_dict,
+)
 from peer.errors import ConfigError
 from peer.model.loading import load_causal_lm
+from peer.model.placement import CPU_FP32, Placement, parse_device, resolve_placement
 from peer.model.stages import lm_loss, split_model
-from peer.placement import CPU_FP32, Placement, parse_device, resolve_placement
-from test_runner import MODEL, PIPE, windows  # the same learnable stream as the fp32 runner tests
 
 BF16 = Placement(compute_dtype=torch.bfloat16)
 
 
 def _run(cfg: TrainConfig, placement: Placement, steps: int):
-    from peer.pipeline.runner import LocalPipelineRunner
+    from peer.pipeline.local import LocalPipelineRunner
 
     runner = LocalPipelineRunner(cfg, load_causal_lm(MODEL, seed=3), windows, placement=placement)
     losses = [r.loss for r in runner.run(steps)]
@@ -43,7 +57,7 @@ def test_working_copy_is_persistent_and_follows_the_masters() -> None:
     """One low-precision copy per parameter for the whole run, refreshed in place after each
     step: never a new one per micro-batch or per step."""
     cfg = TrainConfig(model=MODEL, pipeline=PIPE, optim=OptimConfig(lr=3e-3), steps=3)
-    from peer.pipeline.runner import LocalPipelineRunner
+    from peer.pipeline.local import LocalPipelineRunner
 
     runner = LocalPipelineRunner(cfg, load_causal_lm(MODEL, seed=3), windows, placement=BF16)
     runner.run(1)

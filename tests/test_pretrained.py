@@ -82,9 +82,9 @@ def test_export_of_a_gguf_run_saves_a_loadable_model_and_tokenizer(model, tmp_pa
     exported folder is a normal model that loads without the GGUF and computes the same logits."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from peer.export import write_model
+    from peer.client.export import write_model
     from peer.model.stages import split_model
-    from peer.shard import Shard, snapshot
+    from peer.store.shard import Shard, snapshot
 
     cfg = TrainConfig(model=ModelConfig(name=MODEL, num_stages=2, num_layers=30, hidden_size=576, num_heads=9))
     stages = split_model(model, 2)
@@ -155,9 +155,9 @@ def test_a_swarm_trains_the_real_model_shows_it_in_status_and_exports_it(tmp_pat
     model and its real sizes, and `export` writes a model transformers loads with its tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from peer.auth import read_token
-    from peer.export import export
-    from peer.swarm_demo import start_process, stop_processes, wait_for_bootstrap
+    from peer.client.export import export
+    from peer.demo.swarm import start_process, stop_processes, wait_for_bootstrap
+    from peer.security.auth import read_token
 
     (tmp_path / "run.toml").write_text(RUN_TOML)
     procs = [start_process(["bootstrap", "--config", str(tmp_path / "run.toml"), "--state-dir", str(tmp_path / "boot")], tmp_path / "boot.log")]
@@ -195,7 +195,7 @@ def _wait_trained(tracker: str, tmp: Path, procs: list, timeout: float) -> dict:
     torch again beside two peers dequantizing the model) in which both stages took 2 steps."""
     import grpc
 
-    from peer.status import status_dict
+    from peer.client.view import status_dict
     from peer.wire import anchormesh_pb2 as pb
     from peer.wire import anchormesh_pb2_grpc as pbg
 

@@ -58,7 +58,7 @@ def test_message_bytes_equal_the_runner_counters(mode: str) -> None:
     from peer.bench.throughput import mode_config
     from peer.config import config_from_dict
     from peer.model.loading import load_causal_lm
-    from peer.pipeline.runner import LocalPipelineRunner
+    from peer.pipeline.local import LocalPipelineRunner
     from peer.pipeline.transport import LocalTransport
     from peer.wire import anchormesh_pb2 as pb
 

@@ -14,7 +14,15 @@ import torch
 
 from bootstrap.tracker import Tracker
 from peer import __version__
-from peer.config import ConfigError, DataConfig, ModelConfig, TrainConfig, check_swarm, config_from_dict, load_run_toml
+from peer.config import (
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    TrainConfig,
+    check_swarm,
+    config_from_dict,
+    load_run_toml,
+)
 from peer.data import load_training_data
 from peer.model.loading import load_causal_lm, resolve_dims
 from peer.model.tokenizer import hf_byte_tokenizer
@@ -153,9 +161,9 @@ def test_export_writes_the_tokenizer_the_run_trained_with(tmp_path: Path) -> Non
     """`data.tokenizer = "model"`: the export carries the model's own tokenizer, not the byte one."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    from peer.export import write_model
+    from peer.client.export import write_model
     from peer.model.stages import split_model
-    from peer.shard import Shard, snapshot
+    from peer.store.shard import Shard, snapshot
 
     folder = tiny_model_folder(tmp_path)
     tok = AutoTokenizer.from_pretrained(folder)

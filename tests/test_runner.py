@@ -7,10 +7,19 @@ import copy
 import pytest
 import torch
 
-from peer.config import AnchorConfig, DPConfig, MaskConfig, ModelConfig, OptimConfig, PipelineConfig, SpectralConfig, TrainConfig
+from peer.config import (
+    AnchorConfig,
+    DPConfig,
+    MaskConfig,
+    ModelConfig,
+    OptimConfig,
+    PipelineConfig,
+    SpectralConfig,
+    TrainConfig,
+)
 from peer.model.loading import load_causal_lm
 from peer.model.stages import lm_loss, merged_state_dict
-from peer.pipeline.runner import LocalPipelineRunner
+from peer.pipeline.local import LocalPipelineRunner
 
 MODEL = ModelConfig(name="tiny-llama", hidden_size=64, num_layers=4, num_heads=4, max_seq_len=64)
 PIPE = PipelineConfig(micro_batch_size=4, micro_batches=2, seq_len=32)

@@ -1,4 +1,4 @@
-"""A joiner takes its stage group's state (peer/daemon.py `_load_group_state`): a download that
+"""A joiner takes its stage group's state (peer/daemon/main.py `_load_group_state`): a download that
 fits is applied whole (weights, AdamW moments, step); one that does not fit is ignored whole."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import torch
 
 from peer.codec.mask import MaskCodec
 from peer.config import ModelConfig, PipelineConfig, TrainConfig
-from peer.daemon import PeerDaemon
+from peer.daemon.main import PeerDaemon
 from peer.model.loading import load_causal_lm
 from peer.model.stages import split_model
-from peer.pipeline.runner import StageWorker
+from peer.pipeline.worker import StageWorker
 
 CFG = TrainConfig(model=ModelConfig(name="tiny-llama", num_stages=2, hidden_size=32, num_layers=2, num_heads=2, max_seq_len=16), pipeline=PipelineConfig(micro_batch_size=2, seq_len=8))
 

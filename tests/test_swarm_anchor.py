@@ -10,13 +10,20 @@ import pytest
 import torch
 
 from peer.codec.mask import MaskCodec
-from peer.config import AnchorConfig, MaskConfig, ModelConfig, PipelineConfig, SpectralConfig, TrainConfig
+from peer.config import (
+    AnchorConfig,
+    MaskConfig,
+    ModelConfig,
+    PipelineConfig,
+    SpectralConfig,
+    TrainConfig,
+)
 from peer.errors import AnchormeshError, WireError
 from peer.model.loading import load_causal_lm
 from peer.model.stages import lm_loss, split_model
-from peer.pipeline.runner import StageWorker
 from peer.pipeline.swarm_anchor import SwarmAnchor
 from peer.pipeline.transport import LocalTransport
+from peer.pipeline.worker import StageWorker
 from peer.wire import anchormesh_pb2 as pb
 from peer.wire.tensors import tensor_to_proto
 

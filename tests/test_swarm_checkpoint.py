@@ -12,10 +12,10 @@ import time
 from pathlib import Path
 
 import torch
-
-from peer.checkpoint import ShardCheckpoints
-from peer.swarm_demo import start_process, stop_processes, wait_for_bootstrap
 from swarmkit import TOKENS_PER_STEP, status_json, tiny_run_toml, wait_for_status
+
+from peer.demo.swarm import start_process, stop_processes, wait_for_bootstrap
+from peer.store.checkpoint import ShardCheckpoints
 
 BUDGET_STEPS = 60
 RUN_TOML = tiny_run_toml(top=f"token_budget = {BUDGET_STEPS * TOKENS_PER_STEP}\n", extra="""

@@ -16,10 +16,10 @@ import torch
 
 from peer.config import load_run_toml
 from peer.data import TokenStream, default_corpus
+from peer.demo.swarm import start_process, stop_processes, wait_for_bootstrap
 from peer.model.loading import load_causal_lm
-from peer.pipeline.runner import LocalPipelineRunner
-from peer.placement import resolve_placement
-from peer.swarm_demo import start_process, stop_processes, wait_for_bootstrap
+from peer.model.placement import resolve_placement
+from peer.pipeline.local import LocalPipelineRunner
 
 STEPS = 12
 RUN_TOML = """
@@ -83,7 +83,7 @@ def runner_losses(tmp: Path) -> list[float]:
     cfg = load_run_toml(str(tmp / "run.toml"))
     data, _ = default_corpus("b")
     stream = TokenStream(data)
-    # the daemon's stage 0 draws its micro-batches in order from this generator (peer/daemon.py)
+    # the daemon's stage 0 draws its micro-batches in order from this generator (peer/daemon/main.py)
     gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + zlib.crc32(STAGE0_ID.encode()))
     p = cfg.pipeline
     batches: dict[tuple[int, int], torch.Tensor] = {}

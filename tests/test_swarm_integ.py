@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from peer.swarm_demo import start_process, stop_processes, wait_for_bootstrap
+from peer.demo.swarm import start_process, stop_processes, wait_for_bootstrap
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from peer.swarm_demo import start_process, stop_processes, wait_for_bootstrap
 from swarmkit import status_json, tiny_run_toml, wait_for_status
+
+from peer.demo.swarm import start_process, stop_processes, wait_for_bootstrap
 
 
 def _boot(tmp_path: Path, compute: str) -> tuple[list[subprocess.Popen], dict]:

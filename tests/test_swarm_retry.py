@@ -13,8 +13,8 @@ from peer.config import ModelConfig, PipelineConfig, TrainConfig
 from peer.errors import WireError
 from peer.model.loading import load_causal_lm
 from peer.model.stages import split_model
-from peer.pipeline.runner import StageWorker
 from peer.pipeline.transport import LocalTransport
+from peer.pipeline.worker import StageWorker
 
 CFG = TrainConfig(model=ModelConfig(name="tiny-llama", num_stages=2, hidden_size=32, num_layers=2, num_heads=2, max_seq_len=16), pipeline=PipelineConfig(micro_batch_size=2, micro_batches=2, seq_len=8))
 

@@ -16,8 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-from peer.swarm_demo import start_process, stop_processes, wait_for_bootstrap
 from swarmkit import logs, status_json, tiny_run_toml, wait_for_status
+
+from peer.demo.swarm import start_process, stop_processes, wait_for_bootstrap
 
 RUN_TOML = tiny_run_toml(extra="[security]\ntls = true\n")
 

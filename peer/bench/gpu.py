@@ -5,7 +5,7 @@ Three parts, each a yes/no a volunteer or a reviewer can read off OUT:
 (a) `precision`: a Llama-3.2-1B-shaped model built from a config (random init, no download), 2
     stages in one process through the real runner (low-rank codec, serialized wire messages), in
     fp32, bf16 (fp32 masters) and bf16 with activation checkpointing: tokens/s, the peak memory
-    against the plan's estimate (peer/memory.py), and host syncs per micro-batch (CUDA's sync
+    against the plan's estimate (peer/daemon/memory.py), and host syncs per micro-batch (CUDA's sync
     debug mode counts them; the two wire crossings per message are the expected ones).
 (b) `swarm`: bootstrap + 2 stages x 2 peers as processes with `--device DEVICE`, 40 steps:
     averaging rounds done and none refused, an anchor prior folded in, an eval loss, and one
@@ -32,9 +32,15 @@ from pathlib import Path
 import torch
 
 from peer.bench import emit_json
-from peer.config import MaskConfig, ModelConfig, OptimConfig, PipelineConfig, TrainConfig
-from peer.memory import GIB, plan_stages
-from peer.placement import Placement, parse_device
+from peer.config import (
+    MaskConfig,
+    ModelConfig,
+    OptimConfig,
+    PipelineConfig,
+    TrainConfig,
+)
+from peer.daemon.memory import GIB, plan_stages
+from peer.model.placement import Placement, parse_device
 
 log = logging.getLogger("anchormesh.bench.gpu")
 
@@ -97,7 +103,7 @@ def precision(device: torch.device, shape: dict, root: Path, steps: int, quick: 
     """Part (a): tokens/s, peak memory vs plan and host syncs, per precision mode."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from peer.pipeline.runner import LocalPipelineRunner
+    from peer.pipeline.local import LocalPipelineRunner
 
     folder = _shape_dir(shape, root)
     pipe = _pipeline(device, quick)
@@ -193,8 +199,8 @@ every = 10
 
 def swarm(device: str, root: Path, steps: int = 40, kill_at: int = 20, timeout_s: float = 240.0) -> dict:
     """Part (b): a 2 x 2 swarm on `device`; one peer SIGKILLed at `kill_at` and restarted."""
-    from peer.swarm_demo import start_process, stop_processes, wait_for_bootstrap
-    from peer.status import status_dict
+    from peer.client.view import status_dict
+    from peer.demo.swarm import start_process, stop_processes, wait_for_bootstrap
 
     (root / "run.toml").write_text(SWARM_RUN.format(hidden=512 if device.startswith("cuda") else 64))
     procs, t0 = [], time.monotonic()
@@ -202,7 +208,7 @@ def swarm(device: str, root: Path, steps: int = 40, kill_at: int = 20, timeout_s
     def status() -> dict | None:
         import grpc
 
-        from peer import auth
+        from peer.security import auth
         from peer.wire import anchormesh_pb2 as pb
         from peer.wire import anchormesh_pb2_grpc as pbg
 
@@ -263,7 +269,7 @@ def swarm(device: str, root: Path, steps: int = 40, kill_at: int = 20, timeout_s
 
 def memory_refusal(device: str, root: Path) -> dict:
     """Part (c): a budget no stage fits; the peer must exit 2 naming the estimate."""
-    from peer.swarm_demo import start_process, stop_processes, wait_for_bootstrap
+    from peer.demo.swarm import start_process, stop_processes, wait_for_bootstrap
 
     (root / "run.toml").write_text(SWARM_RUN.format(hidden=64) + "[compute]\nmemory_budget_gib = 0.001\n")
     procs = [start_process(["bootstrap", "--config", str(root / "run.toml"), "--state-dir", str(root / "boot")], root / "boot.log")]

@@ -40,7 +40,7 @@ PARTS = (  # innermost match wins, walking from the leaf up
     ("model forward/backward", ("peer/model/", "torch/autograd", "torch/nn/")),
     ("gRPC", ("grpc/",)),
     ("hivemind (in the peer process)", ("hivemind/",)),
-    ("stage loop (runner, daemon)", ("peer/pipeline/", "peer/daemon.py")),
+    ("stage loop (runner, daemon)", ("peer/pipeline/", "peer/daemon/")),
 )
 
 

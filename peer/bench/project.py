@@ -294,7 +294,13 @@ class _OneThread:
 def _build_stages(dims: ModelDims, seq_len: int) -> list:
     """First, middle and last StageModule of a 3-layer model with these dims (random weights)."""
     import torch
-    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import (
+        AutoModelForCausalLM,
+        GPT2Config,
+        LlamaConfig,
+        MistralConfig,
+        Qwen2Config,
+    )
 
     from peer.model.stages import split_model
 
@@ -319,9 +325,9 @@ def measure_cpu_compute(dims: ModelDims, shape: Shape, stages: int) -> StageComp
     """Time the app's StageModules here (one thread) and build per-stage costs from per-layer ones."""
     import torch
 
+    from peer.config import OptimConfig, SpectralConfig
     from peer.model.stages import layer_ranges, lm_loss
     from peer.optim.stage_optimizer import StageOptimizer
-    from peer.config import OptimConfig, SpectralConfig
 
     with _OneThread():
         first, mid, last = _build_stages(dims, shape.seq_len)
@@ -436,7 +442,12 @@ def _payload(codec, shape: tuple[int, ...], boundary: int, names: Names, n_bytes
 
 def link_payload_bytes(mask, numel: int) -> int:
     """Payload bytes of `numel` link values: kept values (drop 0 here: all) + int8 block scales."""
-    from peer.codec.mask import DEFAULT_BLOCK_SIZE, VALUE_WIRE, _SCALE_BYTES, _VALUE_BYTES
+    from peer.codec.mask import (
+        _SCALE_BYTES,
+        _VALUE_BYTES,
+        DEFAULT_BLOCK_SIZE,
+        VALUE_WIRE,
+    )
     from peer.wire import anchormesh_pb2 as pb
 
     if mask.scheme == "mask" and mask.drop:
@@ -466,10 +477,10 @@ class MessageBytes:
 
 def message_bytes(mode: str, dims: ModelDims, shape: Shape, boundary: int = 0, names: Names = Names()) -> MessageBytes:
     """Sizes of the ActivationChunk and GradientChunk one micro-batch sends over `boundary`."""
+    import torch
+
     from peer.wire import anchormesh_pb2 as pb
     from peer.wire.tensors import tensor_to_proto, token_dtype
-
-    import torch
 
     mask = _mask_cfg(mode)
     codec = _link_codec(mask)
@@ -563,9 +574,14 @@ def measure_codec(mode: str, dims: ModelDims, shape: Shape, names: Names = Names
     import torch
 
     from peer.codec.basis import BasisLearner
-    from peer.pipeline.runner import MAX_MESSAGE_BYTES, check_token_window
+    from peer.pipeline.worker import MAX_MESSAGE_BYTES, check_token_window
     from peer.wire import anchormesh_pb2 as pb
-    from peer.wire.tensors import parse_message, proto_to_tensor, tensor_to_proto, token_dtype
+    from peer.wire.tensors import (
+        parse_message,
+        proto_to_tensor,
+        tensor_to_proto,
+        token_dtype,
+    )
 
     mask = _mask_cfg(mode)
     codec = _link_codec(mask)

@@ -26,12 +26,22 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from peer.config import TINY_MODEL_PREFIX, AnchorConfig, DPConfig, MaskConfig, ModelConfig, OptimConfig, PipelineConfig, SpectralConfig, TrainConfig
+from peer.config import (
+    TINY_MODEL_PREFIX,
+    AnchorConfig,
+    DPConfig,
+    MaskConfig,
+    ModelConfig,
+    OptimConfig,
+    PipelineConfig,
+    SpectralConfig,
+    TrainConfig,
+)
 from peer.data import TokenStream, default_corpus, read_path
 from peer.model.loading import load_causal_lm, resolve_dims
 from peer.model.source import load_tokenizer
 from peer.model.stages import lm_loss
-from peer.pipeline.runner import LocalPipelineRunner, evaluate_stages
+from peer.pipeline.local import LocalPipelineRunner, evaluate_stages
 
 CACHE_DIR = Path(os.environ.get("ANCHORMESH_CACHE", ".anchormesh-cache"))
 

@@ -322,7 +322,6 @@ def after_fork() -> None:
 
 def _averager_class():
     from hivemind.averaging import DecentralizedAverager
-
     from hivemind.proto import averaging_pb2
 
     class StageAverager(DecentralizedAverager):

@@ -6,7 +6,11 @@ import warnings
 
 import numpy as np
 import torch
-from hivemind.compression import CompressionInfo, Uniform8BitQuantization, deserialize_torch_tensor
+from hivemind.compression import (
+    CompressionInfo,
+    Uniform8BitQuantization,
+    deserialize_torch_tensor,
+)
 from hivemind.proto import runtime_pb2
 
 from peer.config import DPConfig

@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import time
-from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -16,12 +15,9 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from peer.config import TINY_MODEL_PREFIX, ModelConfig
 from peer.errors import ConfigError
 from peer.model.source import from_pretrained, pretrained_config, resolve
+from peer.model.stages import SUPPORTED_FAMILIES, StageModule, layer_ranges, split_model
 from peer.model.tokenizer import VOCAB_SIZE
 
-if TYPE_CHECKING:
-    from peer.model.stages import StageModule
-
-SUPPORTED_FAMILIES = ("llama", "qwen2", "mistral", "gpt2")
 TINY_PREFIX = TINY_MODEL_PREFIX
 log = logging.getLogger(__name__)
 
@@ -109,14 +105,6 @@ def resolve_dims(cfg: ModelConfig) -> ModelConfig:
     return dataclasses.replace(cfg, num_layers=config.num_hidden_layers, hidden_size=config.hidden_size, num_heads=config.num_attention_heads)
 
 
-def family_of(model: PreTrainedModel) -> str:
-    family = model.config.model_type
-    if family not in SUPPORTED_FAMILIES:
-        raise ConfigError("model.name", getattr(model.config, "_name_or_path", family), f"model_type {family!r} is not supported; supported: {', '.join(SUPPORTED_FAMILIES)}")
-    return family
-
-
-
 def model_config(cfg: ModelConfig):
     """The model's HF config without its weights: what a meta build or a memory plan needs."""
     if cfg.name.startswith(TINY_PREFIX):
@@ -135,8 +123,6 @@ def meta_stage(cfg: ModelConfig, index: int, *, dtype: torch.dtype = torch.float
 
 def meta_stages(cfg: ModelConfig, indices: list[int], *, dtype: torch.dtype = torch.float32, config=None) -> list[StageModule]:
     """Several meta stages from one meta build of the model (a plan of every stage needs them)."""
-    from peer.model.stages import StageModule, layer_ranges  # stages imports this module
-
     config = config if config is not None else model_config(cfg)
     ranges = layer_ranges(config.num_hidden_layers, cfg.num_stages)
     for index in indices:
@@ -159,8 +145,6 @@ def load_stage(cfg: ModelConfig, index: int, *, seed: int = 0, device: torch.dev
     in order from one RNG stream, so a stage's initial weights depend on all modules before it;
     building the whole (small) model is the only way to get the same numbers as `split_model`.
     """
-    from peer.model.stages import split_model  # stages imports this module
-
     if cfg.name.startswith(TINY_PREFIX):
         _check_index(cfg, index)
         return split_model(load_causal_lm(cfg, seed=seed, dtype=dtype), cfg.num_stages)[index].to(device)

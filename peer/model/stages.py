@@ -20,7 +20,15 @@ from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
 from peer.errors import ConfigError, TensorError
-from peer.model.loading import family_of
+
+SUPPORTED_FAMILIES = ("llama", "qwen2", "mistral", "gpt2")  # the decoder layouts `split_model` knows
+
+
+def family_of(model: PreTrainedModel) -> str:
+    family = model.config.model_type
+    if family not in SUPPORTED_FAMILIES:
+        raise ConfigError("model.name", getattr(model.config, "_name_or_path", family), f"model_type {family!r} is not supported; supported: {', '.join(SUPPORTED_FAMILIES)}")
+    return family
 
 
 class GPT2Embedding(nn.Module):

@@ -8,7 +8,7 @@ before anything is queued for the worker. A chunk that fails ends its stream wit
 INVALID_ARGUMENT naming the problem; the server keeps serving and the sender opens a new stream.
 Message sizes are set explicitly on both ends; flow control is gRPC's (HTTP/2 windows).
 
-In a swarm (`gate` and `creds` given) every call is authenticated (peer/auth.py): the gate checks
+In a swarm (`gate` and `creds` given) every call is authenticated (peer/security/auth.py): the gate checks
 the caller's certificate before a handler runs, a message's header.sender must be the caller,
 and each sender's messages are rate-limited. A local run's transport (one process, loopback)
 has neither.
@@ -26,10 +26,10 @@ from concurrent import futures
 
 import grpc
 
-from peer import auth
 from peer.errors import AnchormeshError
 from peer.pipeline.linktune import LinkMeter
 from peer.pipeline.transport import CHANNELS, Address, Transport
+from peer.security import auth
 from peer.wire import anchormesh_pb2 as pb
 from peer.wire.tensors import parse_message
 
@@ -53,7 +53,7 @@ SERVICE = "anchormesh.v1.Stage"
 METHOD = {"forward": "Forward", "backward": "Backward", "anchor_forward": "AnchorForward", "anchor_backward": "AnchorBackward", "prior": "Prior"}
 MESSAGE = {"forward": pb.ActivationChunk, "backward": pb.GradientChunk, "anchor_forward": pb.ActivationChunk, "anchor_backward": pb.GradientChunk, "prior": pb.AnchorPrior}
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 2**20
-# which credentials a swarm peer's Stage methods take (peer/auth.py); the fast and anchor circuits
+# which credentials a swarm peer's Stage methods take (peer/security/auth.py); the fast and anchor circuits
 # (unlisted) take members only. Ping stays open (container health checks); GetShard also takes the
 # run token (anchormesh export on the operator's machine is not a member).
 STAGE_POLICY = {f"/{SERVICE}/Ping": frozenset({auth.OPEN}), f"/{SERVICE}/GetShard": frozenset({auth.TOKEN, auth.MEMBER, auth.OPERATOR})}

@@ -19,7 +19,7 @@ Nothing in the fast circuit waits: a peer does anchor work only when its fast qu
 (`tick` is called only then), priors are folded in between steps, and a job with no progress
 for `timeout_s` (a peer on its path left) is dropped. At most `max_jobs` passes are held at once
 (each holds a copy of the stage's weights in the compute dtype; the daemon sizes the count to
-its memory, peer/memory.py `anchor_snapshot_slots`); a message for a pass that is gone is dropped in the
+its memory, peer/daemon/memory.py `anchor_snapshot_slots`); a message for a pass that is gone is dropped in the
 loop, not refused on the wire (a refusal would end the sender's stream and lose what it held).
 Only the dense prior is computed here; the spectral modes that need the masked twin of the anchor batch ("ef", "paper_ef") are refused by the tracker for
 swarm runs (peer/config.py: `check_swarm`).
@@ -39,10 +39,15 @@ from torch.func import functional_call
 
 from peer.errors import WireError
 from peer.model.stages import lm_loss
-from peer.pipeline.runner import MAX_MESSAGE_BYTES, StageWorker, check_token_window
 from peer.pipeline.transport import Address
+from peer.pipeline.worker import MAX_MESSAGE_BYTES, StageWorker, check_token_window
 from peer.wire import anchormesh_pb2 as pb
-from peer.wire.tensors import parse_message, proto_to_tensor, tensor_to_proto, token_dtype
+from peer.wire.tensors import (
+    parse_message,
+    proto_to_tensor,
+    tensor_to_proto,
+    token_dtype,
+)
 
 log = logging.getLogger(__name__)
 

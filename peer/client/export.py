@@ -25,12 +25,13 @@ from pathlib import Path
 import grpc
 import torch
 
-from peer import __version__, auth
+from peer import __version__
 from peer.config import TrainConfig, config_from_dict
 from peer.errors import AnchormeshError, ConfigError
 from peer.logs import setup_logging
 from peer.progress import byte_bar
-from peer.shard import Shard, ShardError, read_shard
+from peer.security import auth
+from peer.store.shard import Shard, ShardError, read_shard
 from peer.wire import anchormesh_pb2 as pb
 from peer.wire import anchormesh_pb2_grpc as pbg
 
@@ -230,7 +231,7 @@ def gather_checkpoints(dirs: list[Path], run_id: str | None = None) -> tuple[Tra
     """The run's config and, per stage, the newest checkpoint that checks out across `dirs`
     (peers' state dirs, or their `checkpoints/` folders). Why: once a run ends (its token budget
     spent) the peers leave, and their checkpoints are where the trained weights are."""
-    from peer.checkpoint import ShardCheckpoints, run_dirs
+    from peer.store.checkpoint import ShardCheckpoints, run_dirs
 
     runs: dict[str, list[Path]] = {}
     for d in dirs:

@@ -19,8 +19,8 @@ from peer.codec.fill import USES_PRIOR
 from peer.config import TrainConfig
 from peer.errors import ConfigError
 from peer.model.loading import meta_stages
+from peer.model.placement import DTYPE_NAMES, Placement
 from peer.model.stages import StageModule
-from peer.placement import DTYPE_NAMES, Placement
 
 GIB = 2**30
 MAX_SNAPSHOT_SLOTS = 8

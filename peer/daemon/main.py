@@ -16,7 +16,7 @@ starving stage. A peer that joins a trained run downloads its stage's state (par
 AdamW moments) from the most-trained member of its group through hivemind.
 
 Every gRPC call it makes carries its credentials and every call it serves is checked
-(peer/auth.py): it joins with the run token and its identity key (peer/identity.py), and from
+(peer/security/auth.py): it joins with the run token and its identity key (peer/security/identity.py), and from
 then on presents the certificate the tracker gave it; its gate learns the banned keys from the
 heartbeat replies.
 """
@@ -40,24 +40,30 @@ from pathlib import Path
 import grpc
 import torch
 
-from peer import __version__, auth
+from peer import __version__
 from peer.address import announce_maddr, free_port
 from peer.capacity import fill_unmeasured, step_ceiling
-from peer.checkpoint import ShardCheckpoints
-from peer.runlog import MetricsLog
 from peer.codec.mask import MaskCodec
 from peer.config import config_from_dict
+from peer.daemon.memory import (
+    anchor_snapshot_slots,
+    check_fits,
+    free_bytes,
+    plan_stages,
+)
+from peer.daemon.runlog import MetricsLog
 from peer.data import TokenStream, load_training_data
-from peer.errors import AnchormeshError, ConfigError, WireError
-from peer.identity import IDENTITY_ENV, Identity
 from peer.dp.group import GroupAverager, connect_peers
+from peer.errors import AnchormeshError, ConfigError, WireError
 from peer.logs import setup_logging
 from peer.model.loading import load_stage
+from peer.model.placement import CPU_FP32, DTYPE_NAMES, parse_device, resolve_placement
 from peer.pipeline.grpc_transport import STAGE_POLICY, GrpcTransport
-from peer.pipeline.runner import StageWorker, mean_loss
-from peer.memory import anchor_snapshot_slots, check_fits, free_bytes, plan_stages
-from peer.placement import CPU_FP32, DTYPE_NAMES, parse_device, resolve_placement
 from peer.pipeline.swarm_anchor import ANCHOR_CHANNELS, SwarmAnchor
+from peer.pipeline.worker import StageWorker, mean_loss
+from peer.security import auth
+from peer.security.identity import IDENTITY_ENV, Identity
+from peer.store.checkpoint import ShardCheckpoints
 from peer.wire import anchormesh_pb2 as pb
 from peer.wire import anchormesh_pb2_grpc as pbg
 
@@ -71,11 +77,11 @@ TRACKER_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 500), ("grpc.mi
 
 
 def find_tracker(dht, stop: threading.Event, tracker_key: bytes | None = None, run_id: str | None = None) -> str:
-    """The tracker address from the DHT's signed records (peer/dht_auth.py), newest first: one
+    """The tracker address from the DHT's signed records (peer/security/dht_auth.py), newest first: one
     signed by `tracker_key` (and of `run_id` when given). Without a key it takes a record only
     when all well-signed ones have one signer: a member posing as the tracker makes that
     ambiguous, and then it waits for the key. Logs what it refused; retries with backoff."""
-    from peer import dht_auth
+    from peer.security import dht_auth
 
     delay, said = 0.5, set()
 
@@ -172,7 +178,7 @@ class PeerDaemon:
         self.gate = auth.Gate(STAGE_POLICY, token=token)
         self.tls_ca, self.tls_server = tls_ca, None
         if tls_ca is not None:
-            from peer.tls import PeerServerTLS
+            from peer.security.tls import PeerServerTLS
 
             self.tls_server = PeerServerTLS()
         self.refused = ""  # why the tracker refused this peer (banned, bad credentials): it does not join again
@@ -229,7 +235,7 @@ class PeerDaemon:
 
     def _shard(self, addr: object, req: pb.ShardRequest) -> Iterator[pb.ShardChunk]:
         """GetShard: the stage's weights, copied between steps (under the step's lock), sent in chunks."""
-        from peer.shard import shard_chunks, snapshot
+        from peer.store.shard import shard_chunks, snapshot
 
         w = self.worker
         if w is None or self.state == "joining":
@@ -590,7 +596,7 @@ class PeerDaemon:
                     self.dht.shutdown()
                 raise SystemExit(2) from None
             if self.tls_server is not None:
-                from peer.tls import public_der
+                from peer.security.tls import public_der
 
                 req.tls_public_key = public_der(self.tls_server.key)
             a = join(pbg.TrackerStub(join_channel), req, self.stop, self.tls_ca is not None)
@@ -824,7 +830,7 @@ def run_peer(initial_peers: list[str], tracker: str | None, host: str, grpc_port
         raise ConfigError("--token", None, f"a peer joins with the run's token: {auth.NO_TOKEN_HINT}")
     import hivemind
 
-    from peer import dht_auth
+    from peer.security import dht_auth
 
     stop = threading.Event()
     if not initial_peers:
@@ -835,7 +841,7 @@ def run_peer(initial_peers: list[str], tracker: str | None, host: str, grpc_port
     if announce_host:  # others dial this node at the announced host (hivemind needs the port up front)
         dht_port = dht_port or free_port(host)
         announce = [announce_maddr(announce_host, dht_port)]
-    # before any gRPC; only run-token holders take part in the run's DHT (peer/dht_auth.py)
+    # before any gRPC; only run-token holders take part in the run's DHT (peer/security/dht_auth.py)
     dht_args = dict(initial_peers=initial_peers, host_maddrs=[f"/ip4/{host}/tcp/{dht_port}"], announce_maddrs=announce, start=True, **dht_auth.dht_kwargs(token, tracker_key))
     try:
         dht = hivemind.DHT(**dht_args)

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import grpc
 
+from peer.client.status import render
 from peer.config import ModelConfig
-from peer.status import render
 from peer.wire import anchormesh_pb2 as pb
 from peer.wire import anchormesh_pb2_grpc as pbg
 

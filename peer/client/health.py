@@ -30,7 +30,7 @@ def _one_line(text: str | None) -> str:
 def check(address: str, tracker: bool = False, timeout_s: float = 5.0, tls_ca: bytes | None = None) -> tuple[bool, str]:
     """(answers?, the line to print) for the Stage service at `address`, or its Status service with
     `tracker`. Never raises for a gRPC failure: a health check reports, it does not crash."""
-    from peer.auth import open_channel, tracker_channel
+    from peer.security.auth import open_channel, tracker_channel
 
     with (tracker_channel if tracker else open_channel)(address, None, tls_ca=tls_ca) as channel:
         try:

@@ -10,7 +10,7 @@ serve as the tracker; members' certificates carry `PEER_NAME` (what peers check 
 and `anchormesh-peer-<id>`. A peer's Stage server starts with a throwaway certificate and takes
 its CA-issued one at Join (gRPC's dynamic server credentials); it serves nobody before that.
 
-TLS protects every message's bytes on the wire; who the caller is stays peer/auth.py's job.
+TLS protects every message's bytes on the wire; who the caller is stays peer/security/auth.py's job.
 """
 
 from __future__ import annotations

@@ -43,13 +43,13 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.serializer import MSGPackSerializer
 
 from peer.errors import ConfigError
-from peer.identity import KEY_BYTES, Identity, verify
+from peer.security.identity import KEY_BYTES, Identity, verify
 
 log = logging.getLogger("anchormesh.dht")
 
 USERNAME = "anchormesh-dht"
 ACCESS_TTL_S = 3600.0  # an access token lives an hour, renewed when a quarter is left
-MAX_SKEW_S = 300.0  # as peer/auth.py: volunteers' clocks may differ this much
+MAX_SKEW_S = 300.0  # as peer/security/auth.py: volunteers' clocks may differ this much
 TRACKER_RECORD_KEY = "anchormesh/tracker"
 TRACKER_KEY_ID = DHTID.generate(source=TRACKER_RECORD_KEY).to_bytes()
 MAX_RECORD_TTL_S = 300.0  # the bootstrap stores 60 s expiries; far ones are squatting

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import grpc
 
-from peer import auth
 from peer.errors import ConfigError
+from peer.security import auth
 from peer.wire import anchormesh_pb2 as pb
 from peer.wire import anchormesh_pb2_grpc as pbg
 

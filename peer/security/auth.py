@@ -7,7 +7,7 @@ Three kinds of credential, each for a reason (DESIGN §6):
 - **operator key** (`operator`): only in the bootstrap's `bootstrap.json` (mode 0600); the only
   credential that may ban a peer.
 - **member certificate** (`member`): a peer's identity key signed by the tracker at Join
-  (peer/identity.py). Member calls carry the certificate, the public key and the caller's
+  (peer/security/identity.py). Member calls carry the certificate, the public key and the caller's
   signature over the call; any peer checks them with the tracker's public key alone.
 
 A server's `Gate` (a gRPC server interceptor) checks them before any handler runs. Calls without
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from peer.identity import Identity, certificate_bytes, fingerprint, verify
+from peer.security.identity import Identity, certificate_bytes, fingerprint, verify
 
 log = logging.getLogger("anchormesh.auth")
 
@@ -127,7 +127,7 @@ def open_channel(target: str, creds: Credentials | None, options: list | None = 
     and the server's certificate must carry `server_name`: default, a member's name)."""
     options = list(options or [])
     if tls_ca:
-        from peer.tls import PEER_NAME
+        from peer.security.tls import PEER_NAME
 
         channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=tls_ca), options=[*options, ("grpc.ssl_target_name_override", server_name or PEER_NAME)])
     else:
@@ -137,8 +137,8 @@ def open_channel(target: str, creds: Credentials | None, options: list | None = 
 
 def tracker_channel(target: str, creds: Credentials | None, options: list | None = None, tls_ca: bytes | None = None) -> grpc.Channel:
     """`open_channel` to the tracker: with TLS its certificate must carry the tracker's name, which
-    no member's certificate does (peer/tls.py), so a member cannot pose as the tracker."""
-    from peer.tls import TRACKER_NAME
+    no member's certificate does (peer/security/tls.py), so a member cannot pose as the tracker."""
+    from peer.security.tls import TRACKER_NAME
 
     return open_channel(target, creds, options, tls_ca, server_name=TRACKER_NAME)
 
