@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -30,8 +31,9 @@ FORMAT = 1
 FILE = "tracker.json"
 SAVE_EVERY_S = 2.0
 # after a restart no peer is declared dead for this long: a peer's gRPC channel may be in its
-# reconnect backoff (peers cap it at TRACKER_MAX_BACKOFF_MS, peer/daemon.py)
+# reconnect backoff (peers cap it at TRACKER_MAX_BACKOFF_MS, peer/daemon/main.py)
 RECONNECT_GRACE_S = 15.0
+MAX_DOWN_S = 86400.0  # a wrong wall clock cannot open the report bounds wider than a day of training
 
 
 def snapshot(tracker: Tracker, ports: dict[str, int]) -> dict:
@@ -42,6 +44,8 @@ def snapshot(tracker: Tracker, ports: dict[str, int]) -> dict:
         for p in tracker.peers.values():
             rec = asdict(p)
             rec["last_seen_age_s"], rec["joined_age_s"] = now - rec.pop("last_seen"), now - rec.pop("joined_at")
+            accepted = rec.pop("accepted_at")
+            rec["accepted_age_s"] = now - accepted if accepted else None
             rec["dht_maddrs"] = list(p.dht_maddrs)
             peers.append(rec)
         return {
@@ -50,6 +54,7 @@ def snapshot(tracker: Tracker, ports: dict[str, int]) -> dict:
             "run_id": tracker.run_id,
             "config": asdict(tracker.config),
             "uptime_s": now - tracker.started,
+            "saved_at_unix": time.time(),  # the wall clock: a restore counts the time the tracker was down
             "moves": tracker.moves,
             "anchors": {"next_at": tracker.anchors.next_at, "launched": tracker.anchors.launched, "launched_at": tracker.anchors.launched_at},
             "evals": {"next_at": tracker.evals.next_at, "launched": tracker.evals.launched, "launched_at": tracker.evals.launched_at},
@@ -88,6 +93,7 @@ def restore(data: dict, **tracker_kwargs) -> Tracker:
     tracker = Tracker(data["run_id"], config, **tracker_kwargs)
     now = tracker.clock()
     tracker.started = now - float(data.get("uptime_s", 0.0))
+    down_s = min(max(time.time() - float(data.get("saved_at_unix", time.time())), 0.0), MAX_DOWN_S)
     tracker.moves = int(data.get("moves", 0))
     tracker.banned.update({str(k): str(v) for k, v in (data.get("banned") or {}).items()})
     for name in ("anchors", "evals"):
@@ -102,6 +108,10 @@ def restore(data: dict, **tracker_kwargs) -> Tracker:
         p.dht_maddrs = tuple(p.dht_maddrs)
         p.joined_at = now - joined_age
         p.last_seen = now if p.state in LIVE else now - last_seen_age
+        # peers trained on while the tracker was down: their next step is bounded from their last
+        # report taken as true, down time included (else it is refused as too far ahead)
+        accepted_age = rec.get("accepted_age_s")
+        p.accepted_at = now - (float(accepted_age) if accepted_age is not None else joined_age) - down_s
         tracker.peers[p.peer_id] = p
     tracker.expire_after = now + RECONNECT_GRACE_S
     live = sum(1 for p in tracker.peers.values() if p.state in LIVE)

@@ -16,11 +16,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from peer import __version__
-from peer.capacity import MAX_STEPS_PER_S, STEP_SLACK, fill_unmeasured, step_ceiling
+from peer.capacity import MAX_CAPACITY_FACTOR, MAX_STEPS_PER_S, STEP_SLACK, fill_unmeasured, step_ceiling
 from peer.config import TrainConfig
 from peer.errors import AnchormeshError
-from peer.identity import fingerprint
 from peer.model.stages import layer_ranges
+from peer.security.identity import fingerprint
 from peer.wire import anchormesh_pb2 as pb
 
 LIVE = ("joining", "active", "idle")
@@ -65,6 +65,7 @@ class PeerRecord:
     eval_id: int = 0
     eval_loss: float = math.nan
     joined_at: float = 0.0
+    accepted_at: float = 0.0  # tracker clock of its last report taken as true (0: none yet): bounds the next one's step
     reported: bool = False  # has it sent a heartbeat since it joined (before: it loads its stage)
     key: str = ""  # its identity key (hex); bans name the key's fingerprint
     refused_calls: int = 0
@@ -328,6 +329,7 @@ class Tracker:
                     log.warning("implausible report from %s (%d so far): %s", p.peer_id, p.refused_reports, why)
             else:
                 p.step, p.tokens, p.capacity, p.tokens_per_s = info.step, rep.tokens, info.capacity_tokens_per_s, info.tokens_per_s
+                p.accepted_at = now
             p.state = info.state if info.state in LIVE else p.state
             p.last_seen, p.loss, p.reported = now, info.loss, True
             p.bytes_in, p.bytes_out, p.queue_depth, p.reason = info.bytes_in, info.bytes_out, info.queue_depth, info.reason
@@ -370,10 +372,13 @@ class Tracker:
         the highest stage-0 step and its token budget sums stage-0 tokens, so one member reporting
         step 2^40 or 10^12 tokens would end the run, and a huge capacity draws all the routing.
         Bounds: a step never goes back and grows at most MAX_STEPS_PER_S x the seconds since its
-        last report (plus a slack); tokens grow at most one step's tokens per step; tokens/s and
-        capacity stay under MAX_STEPS_PER_S steps' tokens per second."""
+        last report taken as true (plus a slack; counted from that report, not the last one seen,
+        so a peer that trained on while the tracker was down or refused it catches up instead of
+        being refused for ever); tokens grow at most one step's tokens per step; tokens/s stays
+        under MAX_STEPS_PER_S steps' tokens per second and capacity under MAX_CAPACITY_FACTOR
+        times that (a tiny model's stage alone can compute faster than the pipeline steps)."""
         per_step = self.config.pipeline.micro_batches * self.config.pipeline.micro_batch_size * self.config.pipeline.seq_len
-        ceiling = step_ceiling(max(p.step, p.start_step, self._run_step()), now - (p.last_seen or p.joined_at))
+        ceiling = step_ceiling(max(p.step, p.start_step, self._run_step()), now - (p.accepted_at or p.joined_at))
         if info.step < p.step:
             return f"step {info.step} is below its last reported step {p.step}"
         if info.step > ceiling:
@@ -383,8 +388,10 @@ class Tracker:
         if tokens - p.tokens > (info.step - p.step + STEP_SLACK) * per_step:
             return f"tokens grew by {tokens - p.tokens} over {info.step - p.step} steps of {per_step} tokens"
         rate_limit = MAX_STEPS_PER_S * per_step
-        if not (0 <= info.capacity_tokens_per_s <= rate_limit and 0 <= info.tokens_per_s <= rate_limit):
-            return f"capacity {info.capacity_tokens_per_s:.3g} or rate {info.tokens_per_s:.3g} tokens/s outside [0, {rate_limit:.3g}]"
+        if not 0 <= info.tokens_per_s <= rate_limit:
+            return f"rate {info.tokens_per_s:.3g} tokens/s outside [0, {rate_limit:.3g}]"
+        if not 0 <= info.capacity_tokens_per_s <= MAX_CAPACITY_FACTOR * rate_limit:
+            return f"capacity {info.capacity_tokens_per_s:.3g} tokens/s outside [0, {MAX_CAPACITY_FACTOR * rate_limit:.3g}]"
         return ""
 
     def _tokens(self) -> int:

@@ -12,6 +12,9 @@ from __future__ import annotations
 # report checks, the daemon's state checks), since a huge step or token count ends or hijacks a run
 MAX_STEPS_PER_S = 100.0
 STEP_SLACK = 50
+# a capacity (tokens/s if it never waited) may exceed the step bound's rate: one stage of a tiny
+# model computes far faster than the whole pipeline steps; 10x still refuses absurd claims
+MAX_CAPACITY_FACTOR = 10.0
 
 
 def step_ceiling(known: int, seconds: float) -> float:

@@ -10,7 +10,15 @@ import pytest
 
 from bootstrap.tracker import JoinRefused, Tracker
 from peer import __version__
-from peer.config import AnchorConfig, ConfigError, ModelConfig, SpectralConfig, TrainConfig, check_swarm, config_from_dict
+from peer.config import (
+    AnchorConfig,
+    ConfigError,
+    ModelConfig,
+    SpectralConfig,
+    TrainConfig,
+    check_swarm,
+    config_from_dict,
+)
 from peer.wire import anchormesh_pb2 as pb
 
 
@@ -302,6 +310,45 @@ def test_implausible_reports_are_refused_and_end_nothing() -> None:
     assert row.refused_reports == 4 and row.capacity_tokens_per_s == 100.0
     assert "capacity" in t.peers["a"].last_refusal
     assert report(13, 13 * per_step).kind == pb.Directive.CONTINUE and t.status().step == 13  # honest figures go on
+
+
+def test_a_refused_step_is_taken_once_the_time_since_the_last_true_report_allows_it() -> None:
+    """A peer whose step ran ahead of the bound (it trained while unseen) reports every second:
+    the bound grows from its last report taken as true, not from its last report, so it is taken
+    within (gap - slack) / rate seconds instead of being refused for ever."""
+    clock = Clock()
+    cfg = TrainConfig(model=ModelConfig(num_stages=2, num_layers=4))
+    t = Tracker("run-x", cfg, peer_timeout_s=30.0, clock=clock)
+    join(t, "a"), join(t, "b")
+    per_step = cfg.pipeline.micro_batches * cfg.pipeline.micro_batch_size * cfg.pipeline.seq_len
+    step = 10
+
+    def report() -> int:
+        clock.t += 1.0
+        info = pb.PeerInfo(peer_id="a", stage=0, state="active", step=step, capacity_tokens_per_s=100.0)
+        t.report(pb.PeerReport(run_id="run-x", peer=info, tokens=step * per_step))
+        return t.status().step
+
+    assert report() == 10
+    step = 10 + 500  # 500 steps ahead: over 50 + 100 steps/s x 1 s
+    assert report() == 10 and t.peers["a"].refused_reports == 1
+    seen = [report() for _ in range(5)]
+    assert seen[-1] == 510 and t.peers["a"].refused_reports < 6
+
+
+def test_an_honest_tiny_stage_may_claim_more_capacity_than_the_pipeline_steps() -> None:
+    """Capacity is what one stage could compute if it never waited: a tiny model's stage may
+    exceed 100 steps/s of tokens; 10x that is still refused."""
+    clock = Clock()
+    cfg = TrainConfig(model=ModelConfig(num_stages=2, num_layers=4))
+    t = Tracker("run-x", cfg, peer_timeout_s=30.0, clock=clock)
+    join(t, "a"), join(t, "b")
+    per_step = cfg.pipeline.micro_batches * cfg.pipeline.micro_batch_size * cfg.pipeline.seq_len
+    for capacity, refused in ((150.0 * per_step, 0), (2000.0 * per_step, 1)):
+        clock.t += 1.0
+        t.report(pb.PeerReport(run_id="run-x", peer=pb.PeerInfo(peer_id="a", stage=0, state="active", step=1, capacity_tokens_per_s=capacity), tokens=per_step))
+        assert t.peers["a"].refused_reports == refused
+    assert t.peers["a"].capacity == 150.0 * per_step
 
 
 def test_directives_carry_the_newest_issued_anchor_id() -> None:

@@ -15,14 +15,14 @@ import time
 from pathlib import Path
 
 import pytest
+from swarmkit import status_json, tiny_run_toml, wait_for_status
 
 from bootstrap import persist
 from bootstrap.tracker import Tracker
 from peer import __version__
 from peer.config import AnchorConfig, ConfigError, ModelConfig, TrainConfig
-from peer.swarm_demo import start_process, stop_processes, wait_for_bootstrap
+from peer.demo.swarm import start_process, stop_processes, wait_for_bootstrap
 from peer.wire import anchormesh_pb2 as pb
-from swarmkit import status_json, tiny_run_toml, wait_for_status
 
 
 class Clock:
@@ -68,6 +68,30 @@ def test_a_round_trip_keeps_the_run() -> None:
     assert {p.peer_id: p.state for p in restored.status().peers}["b"] == "active"
     rclock.t += 2
     assert {p.peer_id: p.state for p in restored.status().peers}["b"] == "dead"
+
+
+def test_steps_trained_while_the_tracker_was_down_are_taken_after_a_restore() -> None:
+    """Peers train on while the bootstrap is down: 30 s down at up to 100 steps/s is a step far
+    above the last one saved. The bound counts the down time (the wall clock in the state), so
+    the first report after the restart is taken, not refused as too far ahead for ever."""
+    clock = Clock(1000.0)
+    cfg = TrainConfig(model=ModelConfig(num_stages=2, num_layers=4))
+    t = Tracker("run-x", cfg, peer_timeout_s=10.0, clock=clock)
+    t.join(pb.JoinRequest(peer_id="a", grpc_address="h:1", code_version=__version__))
+    per_step = cfg.pipeline.micro_batches * cfg.pipeline.micro_batch_size * cfg.pipeline.seq_len
+
+    def report(tr: Tracker, step: int) -> None:
+        tr.report(pb.PeerReport(run_id="run-x", tokens=step * per_step, peer=pb.PeerInfo(peer_id="a", stage=0, state="active", step=step)))
+
+    report(t, 10)
+    data = json.loads(json.dumps(persist.snapshot(t, {})))
+    data["saved_at_unix"] -= 30.0  # the bootstrap was down 30 s
+    restored = persist.restore(data, peer_timeout_s=10.0, clock=Clock(5.0))
+    report(restored, 10 + 2000)  # 20 s of the 30 at the bound's rate: plausible
+    assert restored.status().step == 2010 and restored.peers["a"].refused_reports == 0
+    fresh = persist.restore(json.loads(json.dumps(persist.snapshot(t, {}))), peer_timeout_s=10.0, clock=Clock(5.0))
+    report(fresh, 10 + 2000)  # no down time: too far ahead, refused
+    assert fresh.status().step == 10 and fresh.peers["a"].refused_reports == 1
 
 
 def test_an_unreadable_state_names_the_state_dir(tmp_path: Path) -> None:
