@@ -27,24 +27,16 @@ from pathlib import Path
 import grpc
 
 from bootstrap import keys, persist
-from bootstrap.tracker import Banned, JoinRefused, Tracker
+from bootstrap.roster import Banned, JoinRefused
+from bootstrap.tracker import Tracker
 from peer.address import announce_maddr, free_port
 from peer.atomic import write_atomic
-from peer.config import (
-    AnchorConfig,
-    DPConfig,
-    MaskConfig,
-    ModelConfig,
-    OptimConfig,
-    PipelineConfig,
-    TrainConfig,
-    check_swarm,
-    config_from_dict,
-)
+from peer.config import AnchorConfig, DPConfig, MaskConfig, ModelConfig, OptimConfig, PipelineConfig, TrainConfig, check_swarm
 from peer.errors import AnchormeshError, ConfigError
 from peer.logs import setup_logging
 from peer.model.loading import resolve_dims
 from peer.model.stages import layer_ranges
+from peer.runtoml import config_from_dict
 from peer.security import auth, dht_auth
 from peer.security.identity import Identity, certificate_bytes
 from peer.wire import anchormesh_pb2 as pb

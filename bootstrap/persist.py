@@ -20,18 +20,19 @@ import time
 from dataclasses import asdict, fields
 from pathlib import Path
 
-from bootstrap.tracker import LIVE, PeerRecord, Tracker
+from bootstrap.roster import LIVE, PeerRecord
+from bootstrap.tracker import Tracker
 from peer import __version__
 from peer.atomic import write_atomic
-from peer.config import config_from_dict
 from peer.errors import ConfigError
+from peer.runtoml import config_from_dict
 
 log = logging.getLogger("anchormesh.bootstrap")
 FORMAT = 1
 FILE = "tracker.json"
 SAVE_EVERY_S = 2.0
 # after a restart no peer is declared dead for this long: a peer's gRPC channel may be in its
-# reconnect backoff (peers cap it at TRACKER_MAX_BACKOFF_MS, peer/daemon/main.py)
+# reconnect backoff (peers cap it with TRACKER_CHANNEL_OPTIONS, peer/daemon/membership.py)
 RECONNECT_GRACE_S = 15.0
 MAX_DOWN_S = 86400.0  # a wrong wall clock cannot open the report bounds wider than a day of training
 

@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
             run_demo(seconds=args.seconds or 60.0, stages=args.stages, codec=args.codec, drop=args.drop, rank=args.rank, threads=args.threads)
         elif args.command == "bootstrap":
             from bootstrap.node import run_bootstrap
-            from peer.config import load_run_toml
+            from peer.runtoml import load_run_toml
 
             config = load_run_toml(args.config) if args.config else None
             run_bootstrap(config, args.host, args.port, args.dht_port, args.state_dir, args.peer_timeout, metrics_port=args.metrics_port, announce_host=args.announce_host, new_run=args.new_run, token=read_token(args.token))

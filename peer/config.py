@@ -1,8 +1,14 @@
 """Config dataclasses for the training core, with defaults that run.
 
 Every dataclass validates itself in `__post_init__` and raises `ConfigError` naming the field and
-the value; nothing is silently clamped. The entry points build one `TrainConfig` and hand its
-parts to the components (codec, DP sync, anchor scheduler, optimizer, runner).
+the value; nothing is silently clamped. The entry points build one `TrainConfig` (from a
+run.toml or the tracker's JSON: peer/runtoml.py) and hand its parts to the components (codec,
+DP sync, anchor scheduler, optimizer, runner).
+
+Longer than 400 lines: this is the run.toml schema, one idea. Each section is one dataclass
+whose docstring is the reference for its settings (most of the length), and `TrainConfig` and
+`check_swarm` hold the rules that span sections; split across modules, that reference and
+those rules would be scattered.
 """
 
 from __future__ import annotations
@@ -477,69 +483,6 @@ class TrainConfig:
         are known (bootstrap/node.py), since `model.hidden_size` is only a placeholder until then."""
         if self.mask.scheme == "lowrank" and self.mask.rank > self.model.hidden_size:
             raise ConfigError("mask.rank", self.mask.rank, f"exceeds the model's hidden size {self.model.hidden_size} (a rank-r code of an {self.model.hidden_size}-wide activation needs r <= {self.model.hidden_size})")
-
-
-SCALARS = ("steps", "seed", "token_budget")  # top-level keys of a run.toml that are not sections
-
-
-def _check_type(name: str, value: object, default: object) -> None:
-    """A setting must have its default's type (an int is fine where a float is expected), so a
-    typo like `lr = "3e-4"` names the field instead of failing somewhere inside a component."""
-    if isinstance(default, bool):
-        ok, want = isinstance(value, bool), "true or false"
-    elif isinstance(default, int):
-        ok, want = isinstance(value, int) and not isinstance(value, bool), "an integer"
-    elif isinstance(default, float):
-        ok, want = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
-    elif isinstance(default, str):
-        ok, want = isinstance(value, str), "a string"
-    else:
-        return
-    if not ok:
-        raise ConfigError(name, value, f"must be {want}")
-
-
-def config_from_dict(data: dict) -> TrainConfig:
-    """A TrainConfig from nested plain data (run.toml, the tracker's JSON); unknown keys are errors."""
-    import dataclasses
-
-    sections = {f.name: f.default_factory for f in dataclasses.fields(TrainConfig) if f.default_factory is not dataclasses.MISSING}
-    kwargs: dict = {}
-    for key, value in data.items():
-        if key in sections:
-            if not isinstance(value, dict):
-                raise ConfigError(key, value, "must be a table of settings")
-            cls = type(sections[key]())
-            known = {f.name: f.default for f in dataclasses.fields(cls)}
-            for sub in value:
-                if sub not in known:
-                    raise ConfigError(f"{key}.{sub}", value[sub], f"unknown setting; known: {', '.join(sorted(known))}")
-                _check_type(f"{key}.{sub}", value[sub], known[sub])
-            try:
-                kwargs[key] = cls(**value)
-            except TypeError as exc:
-                raise ConfigError(key, value, str(exc)) from None
-        elif key in SCALARS:
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ConfigError(key, value, "must be an integer")
-            kwargs[key] = value
-        else:
-            raise ConfigError(key, value, f"unknown section; known: {', '.join(sorted([*sections, *SCALARS]))}")
-    return TrainConfig(**kwargs)
-
-
-def load_run_toml(path: str) -> TrainConfig:
-    """Read a run.toml into a TrainConfig (errors name the field)."""
-    import tomllib
-
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except OSError as exc:
-        raise ConfigError("--config", path, f"cannot read: {exc.strerror}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError("--config", path, f"not valid TOML: {exc}") from None
-    return config_from_dict(data)
 
 
 def check_swarm(cfg: TrainConfig) -> None:

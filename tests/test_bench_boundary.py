@@ -10,23 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from peer.bench.boundary import (
-    KLT,
-    MSE,
-    PCA,
-    Chain,
-    Dense,
-    Outliers,
-    ProjectLowRank,
-    ProjectMask,
-    Quant,
-    Residual,
-    Sink,
-    boundary_stats,
-    run_boundary,
-    split_windows,
-    uniform_quantize,
-)
+from peer.bench.boundary import boundary_stats, run_boundary
+from peer.bench.boundary_chain import Chain, split_windows
+from peer.bench.boundary_codecs import KLT, MSE, PCA, Dense, Outliers, Quant, Residual, Sink, uniform_quantize
+from peer.bench.boundary_rows import ProjectLowRank, ProjectMask
 from peer.config import ModelConfig
 from peer.errors import ConfigError
 from peer.model.loading import load_causal_lm

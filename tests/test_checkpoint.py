@@ -100,21 +100,21 @@ def test_a_restarted_peer_resumes_its_newest_checkpoint(tmp_path: Path) -> None:
     old = make_daemon(tmp_path)
     try:
         trained(old, 7)
-        old._checkpoint(wait=True)
+        old.checkpointer.write(wait=True)
         expected = [p.detach().clone() for p in old.worker.stage.parameters()]
     finally:
         old.transport.close()
     new = make_daemon(tmp_path)
     try:
-        new._resume_from_checkpoint()
+        new.checkpointer.resume()
         assert new.worker.version == 7 and new.state_step == 7
         assert all(torch.equal(a, b) for a, b in zip(expected, new.worker.stage.parameters()))
         p0 = next(new.worker.stage.parameters())
         st = new.worker.optimizer.opt.state[p0]
         assert float(st["step"]) == 7.0 and torch.all(st["exp_avg"] == 0.1)
         # a group state no newer than the checkpoint is not taken over it
-        meta, tensors = new._stage_state()
-        assert not new._apply_state({"version": 7, "adam_step": 7.0}, [t + 1 for t in tensors], source="a group member")
+        meta, tensors = new.state_sync.stage_state()
+        assert not new.state_sync.apply_state({"version": 7, "adam_step": 7.0}, [t + 1 for t in tensors], source="a group member")
         assert all(torch.equal(a, b) for a, b in zip(expected, new.worker.stage.parameters()))
     finally:
         new.transport.close()
@@ -123,13 +123,13 @@ def test_a_restarted_peer_resumes_its_newest_checkpoint(tmp_path: Path) -> None:
 def test_a_checkpoint_that_does_not_fit_leaves_the_weights_alone(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     d = make_daemon(tmp_path)
     try:
-        meta, tensors = d._stage_state()
+        meta, tensors = d.state_sync.stage_state()
         names = [n for n, _ in d.worker.stage.named_parameters()] * 3
         tensors[1] = torch.full_like(tensors[1], float("nan"))
         d.checkpoints.save({"version": 9, "adam_step": 9.0}, names, tensors)
         before = [p.detach().clone() for p in d.worker.stage.parameters()]
         with caplog.at_level(logging.WARNING):
-            d._resume_from_checkpoint()
+            d.checkpointer.resume()
         assert "is not finite" in caplog.text
         assert d.worker.version == 0 and d.state_step == -1
         assert all(torch.equal(a, b) for a, b in zip(before, d.worker.stage.parameters()))
@@ -141,7 +141,7 @@ def test_untrained_initial_weights_are_not_checkpointed(tmp_path: Path) -> None:
     d = make_daemon(tmp_path)
     try:
         d.worker.version = 40  # a joiner continues the run's numbering but holds the initial weights
-        d._checkpoint(wait=True)
+        d.checkpointer.write(wait=True)
         assert d.checkpoints.steps() == []
     finally:
         d.transport.close()

@@ -65,7 +65,7 @@ def test_bootstrap_with_a_bad_run_toml_exits_2_naming_the_field(tmp_path) -> Non
 
 
 def test_run_toml_round_trips_into_the_config(tmp_path) -> None:
-    from peer.config import load_run_toml
+    from peer.runtoml import load_run_toml
 
     path = tmp_path / "run.toml"
     path.write_text('steps = 50\n[model]\nnum_stages = 3\n[mask]\nscheme = "lowrank"\nrank = 12\n[dp]\ninner_steps = 20\n')

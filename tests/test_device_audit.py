@@ -17,13 +17,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from peer.config import (
-    MaskConfig,
-    ModelConfig,
-    OptimConfig,
-    PipelineConfig,
-    TrainConfig,
-)
+from peer.config import MaskConfig, ModelConfig, OptimConfig, PipelineConfig, TrainConfig
 from peer.model.loading import load_causal_lm
 from peer.model.placement import Placement
 from peer.pipeline.local import LocalPipelineRunner
@@ -34,7 +28,7 @@ SYNCS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tenso
 PEER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "peer")
 # host-side by design: the wire's bytes, the codec's encode/decode and mask PRF, host token checks
 HOST_SIDE = {("wire", "tensors.py"), ("codec", "mask.py")}
-HOST_FUNCS = {"check_token_window", "_check_tokens", "to_host", "_coef_shape", "check_input"}  # check_input reads only host ids
+HOST_FUNCS = {"check_token_window", "_check_tokens", "to_host", "coef_shape", "check_input"}  # check_input reads only host ids
 GENERIC = {("errors.py",)}  # helpers judged by who calls them
 
 

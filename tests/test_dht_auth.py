@@ -27,19 +27,11 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.serializer import MSGPackSerializer
 
-from peer.daemon.main import find_tracker
+from peer.daemon.membership import find_tracker
 from peer.errors import ConfigError
 from peer.security import auth, dht_auth
 from peer.security.identity import Identity
-from peer.security.tls import (
-    PEER_NAME,
-    TRACKER_NAME,
-    RunCA,
-    key_pem,
-    member_names,
-    new_key,
-    public_der,
-)
+from peer.security.tls import PEER_NAME, TRACKER_NAME, RunCA, key_pem, member_names, new_key, public_der
 
 TOKEN = "run-token-0123456789abcdef"
 RUN, ADDRESS = "run-1a2b3c4d", "127.0.0.1:7000"

@@ -61,7 +61,7 @@ def test_a_failed_checkpoint_is_logged_counted_cleaned_and_the_next_one_succeeds
     d = make_daemon(tmp_path)
     try:
         trained(d, 4)
-        d._checkpoint(wait=True)
+        d.checkpointer.write(wait=True)
         good = leftovers(d.checkpoints.dir)
         trained(d, 8)
         if fault == "manifest-enospc":  # the data file is whole, its manifest cannot be written
@@ -83,15 +83,15 @@ def test_a_failed_checkpoint_is_logged_counted_cleaned_and_the_next_one_succeeds
 
             monkeypatch.setattr(checkpoint_mod._HashingWriter, "write", failing)
         with caplog.at_level(logging.ERROR, logger="peer.daemon.main"):
-            d._checkpoint(wait=True)
+            d.checkpointer.write(wait=True)
         assert thread_errors == []
-        assert d.checkpoint_failures == 1 and d._checkpointed == 4  # step 8 may be tried again
+        assert d.checkpoint_failures == 1 and d.checkpointer.written == 4  # step 8 may be tried again
         assert leftovers(d.checkpoints.dir) == good and d.checkpoints.steps() == [4]
         assert "checkpoint at step 8 failed (1 so far), training goes on" in caplog.text
         assert ("RuntimeError: " if fault == "torch-runtime-error" else "No space left on device") in caplog.text  # torch re-raises its own
         monkeypatch.undo()  # the disk has room again
-        d._checkpoint(wait=True)  # the same step, tried again (as at exit)
-        assert d.checkpoints.steps() == [8, 4] and d._checkpointed == 8 and d.checkpoint_failures == 1
+        d.checkpointer.write(wait=True)  # the same step, tried again (as at exit)
+        assert d.checkpoints.steps() == [8, 4] and d.checkpointer.written == 8 and d.checkpoint_failures == 1
         assert d.checkpoints.newest().step == 8 and thread_errors == []
     finally:
         d.transport.close()
@@ -138,12 +138,12 @@ def test_a_real_full_disk_fails_a_checkpoint_and_metrics_cleanly_then_both_resum
     metrics = MetricsLog(tiny_disk / "metrics.jsonl")
     try:
         trained(d, 4)
-        d._checkpoint(wait=True)
+        d.checkpointer.write(wait=True)
         assert d.checkpoints.steps() == [4] and metrics.write({"step": 4})
         filler = fill(tiny_disk)
         trained(d, 8)
         with caplog.at_level(logging.WARNING):
-            d._checkpoint(wait=True)
+            d.checkpointer.write(wait=True)
             for step in range(5, 9):
                 assert not metrics.write({"step": step, "pad": "x" * 5000})  # more than the page it has
         assert thread_errors == [] and d.checkpoint_failures == 1 and metrics.failures == 4
@@ -153,7 +153,7 @@ def test_a_real_full_disk_fails_a_checkpoint_and_metrics_cleanly_then_both_resum
         assert not [n for n in leftovers(d.checkpoints.dir) if n.endswith(".tmp")] and d.checkpoints.steps() == [4]
         filler.unlink()  # room again: the next checkpoint and the next metrics line land
         trained(d, 9)
-        d._checkpoint(wait=True)
+        d.checkpointer.write(wait=True)
         assert d.checkpoints.steps() == [9, 4] and d.checkpoints.newest().step == 9
         assert metrics.write({"step": 9})
         assert [json.loads(line)["step"] for line in (tiny_disk / "metrics.jsonl").read_text().splitlines()] == [4, 9]  # no cut line
@@ -229,15 +229,15 @@ def test_a_replacement_whose_group_is_gone_says_where_it_resumed_from(tmp_path: 
         old = make_daemon(tmp_path)
         try:
             trained(old, 7)
-            old._checkpoint(wait=True)
+            old.checkpointer.write(wait=True)
         finally:
             old.transport.close()
     d = make_daemon(tmp_path)
     try:
         d.worker.version = 20  # the run is at step 20 (the Join's start_step)
-        d._resume_from_checkpoint()
+        d.checkpointer.resume()
         with caplog.at_level(logging.WARNING, logger="peer.daemon.main"):
-            d._load_group_state()  # no averager: nobody answers
+            d.state_sync.load_group_state()  # no averager: nobody answers
         where = "checkpoint step 7" if has_checkpoint else "initial weights"
         assert d.resumed_from == where and f"resumed from {where}" in d.reason and f"resumed from {where}" in caplog.text
         assert ("13 steps of this stage's training are lost" in d.reason) == has_checkpoint

@@ -23,13 +23,7 @@ from hypothesis import strategies as st
 from swarmkit import admit
 
 from peer.codec.mask import MaskCodec
-from peer.config import (
-    MaskConfig,
-    ModelConfig,
-    PipelineConfig,
-    SecurityConfig,
-    TrainConfig,
-)
+from peer.config import MaskConfig, ModelConfig, PipelineConfig, SecurityConfig, TrainConfig
 from peer.daemon.main import PeerDaemon
 from peer.model.loading import load_causal_lm
 from peer.model.stages import split_model
@@ -71,7 +65,7 @@ def peer():
     d = PeerDaemon("127.0.0.1:9")
     stage = split_model(load_causal_lm(CFG.model, seed=0), 2)[1]
     d.worker = StageWorker(stage, 0, CFG, MaskCodec(CFG.mask), d.transport, RUN, peer_id=d.peer_id, local_steps=True)
-    d.anchor = SwarmAnchor(d.worker, CFG.anchor.micro_batches, d._siblings, eval_batches=CFG.pipeline.eval_batches)
+    d.anchor = SwarmAnchor(d.worker, CFG.anchor.micro_batches, d.router.siblings, eval_batches=CFG.pipeline.eval_batches)
     for p in stage.parameters():  # one optimizer step, so AdamW moments exist and are checked too
         p.grad = torch.randn_like(p) * 1e-3
     d.worker.optimizer.opt.step()

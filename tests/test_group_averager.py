@@ -17,13 +17,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from peer.dp.group import (
-    GroupAverager,
-    RoundSchedule,
-    offer_due,
-    round_bytes,
-    slot_period,
-)
+from peer.dp.group import GroupAverager
+from peer.dp.schedule import RoundSchedule, offer_due, round_bytes, slot_period
 
 
 class FakeClock:
@@ -183,7 +178,7 @@ def test_threads_of_a_forked_averaging_process_start_together_without_breaking_t
     several executor threads run their first torch op at once. After `after_fork` (what the
     averaging process runs first) none fails; without it most such children hit torch's
     "Invalid thread pool!" assert (measured: 186 of 200)."""
-    from peer.dp.group import after_fork
+    from peer.dp.hivemind_averager import after_fork
 
     torch.set_num_threads(1)
     (torch.ones(1_000_000) * 2).sum()  # the parent's pool exists before the fork, as in a peer
@@ -226,7 +221,7 @@ def test_an_averaging_process_killed_inside_hivemind_s_allocation_lock_blocks_no
 
     from hivemind.utils.mpfuture import SharedBytes
 
-    from peer.dp.group import after_fork
+    from peer.dp.hivemind_averager import after_fork
 
     pid = os.fork()
     if pid == 0:
@@ -470,7 +465,7 @@ def test_the_link_bound_sets_the_period_on_a_slow_link() -> None:
 def test_the_period_follows_the_step_time_with_hysteresis_and_logs_changes(caplog: pytest.LogCaptureFixture) -> None:
     sched = RoundSchedule(10, 0)
     t = 1000.0
-    with caplog.at_level(logging.INFO, logger="peer.dp.group"):
+    with caplog.at_level(logging.INFO, logger="peer.dp.schedule"):
         for step_s, n in ((0.61, 30), (0.85, 40), (0.75, 40), (0.3, 60)):
             for _ in range(n):
                 t += step_s

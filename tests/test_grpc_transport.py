@@ -6,13 +6,7 @@ import grpc
 import pytest
 import torch
 
-from peer.config import (
-    MaskConfig,
-    ModelConfig,
-    OptimConfig,
-    PipelineConfig,
-    TrainConfig,
-)
+from peer.config import MaskConfig, ModelConfig, OptimConfig, PipelineConfig, TrainConfig
 from peer.model.loading import load_causal_lm
 from peer.model.stages import merged_state_dict
 from peer.pipeline.grpc_transport import SERVICE, GrpcTransport
@@ -210,20 +204,19 @@ def test_a_peer_that_never_reads_is_excluded_and_its_queue_dropped() -> None:
 
 
 def test_stage_0_routes_around_an_excluded_next_hop_unless_it_is_the_only_one() -> None:
-    """`PeerDaemon._next_hop` (capacity-weighted choice of a next-stage peer) leaves out the peers
+    """`Router.next_hop` (capacity-weighted choice of a next-stage peer) leaves out the peers
     the transport excludes; with every peer excluded it still picks one (sending to a peer that
     may have recovered beats not sending at all)."""
     from types import SimpleNamespace
 
-    from peer.daemon.main import PeerDaemon
+    from peer.daemon.routing import Router
 
     excluded: set[str] = {"b"}
-    d = object.__new__(PeerDaemon)  # only what _next_hop reads
-    d.worker = SimpleNamespace(stage=SimpleNamespace(index=0))
+    worker = SimpleNamespace(stage=SimpleNamespace(index=0))  # only what next_hop reads
+    d = Router(SimpleNamespace(usable=lambda dst: dst not in excluded), "me", lambda: worker)
     d.neighbours = {1: [pb.PeerInfo(peer_id=x, capacity_tokens_per_s=100.0) for x in ("a", "b", "c")]}
-    d.transport = SimpleNamespace(usable=lambda dst: dst not in excluded)
-    d._route_gen = torch.Generator().manual_seed(0)
-    picks = {d._next_hop() for _ in range(200)}
+    d.route_gen = torch.Generator().manual_seed(0)
+    picks = {d.next_hop() for _ in range(200)}
     assert picks == {"a", "c"}
     excluded.update({"a", "c"})
-    assert {d._next_hop() for _ in range(200)} == {"a", "b", "c"}
+    assert {d.next_hop() for _ in range(200)} == {"a", "b", "c"}

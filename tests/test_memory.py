@@ -10,23 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from peer.config import (
-    AnchorConfig,
-    MaskConfig,
-    ModelConfig,
-    PipelineConfig,
-    TrainConfig,
-)
-from peer.daemon.memory import (
-    GIB,
-    MemoryPlan,
-    anchor_snapshot_slots,
-    check_fits,
-    free_bytes,
-    plan_stage,
-    plan_table,
-    saved_activation_bytes,
-)
+from peer.config import AnchorConfig, MaskConfig, ModelConfig, PipelineConfig, TrainConfig
+from peer.daemon.memory import GIB, MemoryPlan, anchor_snapshot_slots, check_fits, free_bytes, plan_stage, plan_table, saved_activation_bytes
 from peer.errors import ConfigError
 from peer.model.loading import load_stage, meta_stage
 from peer.model.placement import Placement

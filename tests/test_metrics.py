@@ -115,7 +115,7 @@ def test_a_peer_serves_its_own_figures(tmp_path: Path) -> None:
         labels = f'peer="{d.peer_id}",stage="1"'
         assert f"anchormesh_peer_step{{{labels}}} 12" in body and f"anchormesh_peer_tokens_total{{{labels}}} 4096" in body
         assert "anchormesh_peer_loss" not in body and "anchormesh_peer_checkpoint_step" not in body  # no loss yet (NaN), no checkpoint
-        d.loss, d._checkpointed = 2.5, 10
+        d.loss, d.checkpointer.written = 2.5, 10
         from peer.store.checkpoint import ShardCheckpoints
 
         d.checkpoints = ShardCheckpoints(tmp_path, "run", 1)

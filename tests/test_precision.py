@@ -6,27 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_runner import (  # the same learnable stream as the fp32 runner tests
-    MODEL,
-    PIPE,
-    windows,
-)
+from test_runner import MODEL, PIPE, windows  # the same learnable stream as the fp32 runner tests
 
-from peer.config import (
-    AnchorConfig,
-    ComputeConfig,
-    DPConfig,
-    MaskConfig,
-    OptimConfig,
-    PipelineConfig,
-    SpectralConfig,
-    TrainConfig,
-    config_from_dict,
-)
+from peer.config import AnchorConfig, ComputeConfig, DPConfig, MaskConfig, OptimConfig, PipelineConfig, SpectralConfig, TrainConfig
 from peer.errors import ConfigError
 from peer.model.loading import load_causal_lm
 from peer.model.placement import CPU_FP32, Placement, parse_device, resolve_placement
 from peer.model.stages import lm_loss, split_model
+from peer.runtoml import config_from_dict
 
 BF16 = Placement(compute_dtype=torch.bfloat16)
 

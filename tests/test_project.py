@@ -14,19 +14,25 @@ import torch
 
 from peer.bench import netbed
 from peer.bench import project as P
+from peer.bench.project_bytes import Framing, Names, dp_round_bytes, message_bytes
+from peer.bench.project_compute import gpu_compute
+from peer.bench.project_model import DEFAULT_MFU, DEVICES, KNOWN_MODELS, Shape, resolve_model
+from peer.bench.project_sim import Tasks, simulate
+from peer.bench.throughput import MODES
+from peer.errors import ConfigError
 
 
 @pytest.fixture(scope="module")
 def tiny_cpu_costs() -> P.Costs:
-    dims, shape, _ = P.resolve_model("tiny-llama", 2)
-    return P.measure_costs(dims, shape, 2, 1, P.DEVICES["cpu"], None, 10)
+    dims, shape, _ = resolve_model("tiny-llama", 2)
+    return P.measure_costs(dims, shape, 2, 1, DEVICES["cpu"], None, 10)
 
 
 @pytest.fixture(scope="module")
 def calibrated() -> tuple[P.Costs, float]:
     """Costs measured on this CPU and, right after, the canary's cost (see Canary)."""
-    dims, shape, _ = P.resolve_model("tiny-llama", 2)
-    costs = P.measure_costs(dims, shape, 2, 1, P.DEVICES["cpu"], None, 10)
+    dims, shape, _ = resolve_model("tiny-llama", 2)
+    costs = P.measure_costs(dims, shape, 2, 1, DEVICES["cpu"], None, 10)
     return costs, Canary().reference()
 
 
@@ -35,8 +41,8 @@ def calibrated() -> tuple[P.Costs, float]:
 
 def test_parameter_counts_match_the_published_totals() -> None:
     # totals on the models' cards / safetensors index: exact counts from the published dims
-    assert P.KNOWN_MODELS["llama-3.2-1b"].params() == 1_235_814_400
-    assert P.KNOWN_MODELS["qwen2.5-0.5b"].params() == 494_032_768
+    assert KNOWN_MODELS["llama-3.2-1b"].params() == 1_235_814_400
+    assert KNOWN_MODELS["qwen2.5-0.5b"].params() == 494_032_768
 
 
 def test_stage_parameter_counts_match_the_app_stages() -> None:
@@ -45,7 +51,7 @@ def test_stage_parameter_counts_match_the_app_stages() -> None:
     from peer.model.stages import split_model
 
     for name in ("tiny-llama", "tiny-qwen2", "tiny-gpt2"):
-        dims, _, _ = P.resolve_model(name, 2)
+        dims, _, _ = resolve_model(name, 2)
         model = load_causal_lm(ModelConfig(name=name, num_stages=2, hidden_size=dims.hidden, num_layers=dims.layers, num_heads=dims.heads, max_seq_len=128))
         stages = split_model(model, 2)
         assert [dims.stage_params(i, 2) for i in range(2)] == [sum(p.numel() for p in s.parameters()) for s in stages], name
@@ -56,10 +62,10 @@ def test_message_bytes_equal_the_runner_counters(mode: str) -> None:
     """The app's transport counts every serialized message; the projection's size of each one
     (with that message's header values) must be the same bytes, the basis pair included."""
     from peer.bench.throughput import mode_config
-    from peer.config import config_from_dict
     from peer.model.loading import load_causal_lm
     from peer.pipeline.local import LocalPipelineRunner
     from peer.pipeline.transport import LocalTransport
+    from peer.runtoml import config_from_dict
     from peer.wire import anchormesh_pb2 as pb
 
     class Recording(LocalTransport):
@@ -81,15 +87,15 @@ def test_message_bytes_equal_the_runner_counters(mode: str) -> None:
     runner = LocalPipelineRunner(cfg, load_causal_lm(cfg.model, seed=0), lambda step, r, j: torch.randint(0, 256, (2, 17), generator=gen), transport=transport)
     runner.run(steps=3)
     runner.close()
-    dims, _, _ = P.resolve_model("tiny-llama", 2)
-    shape = P.Shape(2, 16, 2)
+    dims, _, _ = resolve_model("tiny-llama", 2)
+    shape = Shape(2, 16, 2)
     assert sum(len(d) for _, d in transport.sent) == transport.total_bytes() > 0
     pairs = 0
     for channel, raw in transport.sent:
         msg = (pb.ActivationChunk if channel == "forward" else pb.GradientChunk).FromString(raw)
         h = msg.header
-        names = P.Names(run_id=h.run_id, sender=h.sender, micro_batch_id=h.micro_batch_id, step=h.step, basis_version=getattr(msg, "basis_version", 0))
-        want = P.message_bytes(mode, dims, shape, boundary=h.boundary, names=names)
+        names = Names(run_id=h.run_id, sender=h.sender, micro_batch_id=h.micro_batch_id, step=h.step, basis_version=getattr(msg, "basis_version", 0))
+        want = message_bytes(mode, dims, shape, boundary=h.boundary, names=names)
         if channel == "backward":
             assert len(raw) == want.gradient
         else:
@@ -99,13 +105,13 @@ def test_message_bytes_equal_the_runner_counters(mode: str) -> None:
 
 
 def test_dp_bytes_are_the_averagers_formula() -> None:
-    from peer.dp.group import round_bytes
+    from peer.dp.schedule import round_bytes
 
-    dims, _, _ = P.resolve_model("tiny-llama", 2)
+    dims, _, _ = resolve_model("tiny-llama", 2)
     for comp, per in (("none", 4), ("int8", 1)):
-        assert P.dp_round_bytes(dims, 0, 2, 2, comp) == round_bytes(dims.stage_params(0, 2), 2, comp) == dims.stage_params(0, 2) * per
-        assert P.dp_round_bytes(dims, 0, 2, 4, comp) == int(1.5 * dims.stage_params(0, 2) * per)
-    assert P.dp_round_bytes(dims, 0, 2, 1, "none") == 0
+        assert dp_round_bytes(dims, 0, 2, 2, comp) == round_bytes(dims.stage_params(0, 2), 2, comp) == dims.stage_params(0, 2) * per
+        assert dp_round_bytes(dims, 0, 2, 4, comp) == int(1.5 * dims.stage_params(0, 2) * per)
+    assert dp_round_bytes(dims, 0, 2, 1, "none") == 0
 
 
 def test_projected_bytes_per_token_follow_the_modes(tiny_cpu_costs: P.Costs) -> None:
@@ -119,7 +125,7 @@ def test_projected_bytes_per_token_follow_the_modes(tiny_cpu_costs: P.Costs) -> 
     assert out["dense"]["app_bytes_per_token"]["dp"] == pytest.approx(2 * 4 * params / tokens_step)
     assert out["masked_dp"]["app_bytes_per_token"]["dp"] == pytest.approx(2 * params / 10 / tokens_step)
     assert out["masked"]["app_bytes_per_token"]["pp"] < out["dense"]["app_bytes_per_token"]["pp"] / 10
-    f = P.Framing()
+    f = Framing()
     assert f.wire(10**7) / 10**7 == pytest.approx(1514 / 1448, rel=2e-3)  # + HTTP/2 frame headers
     assert f.acks(10**7) / 10**7 == pytest.approx(66 / 2 / 1448, rel=2e-3)
 
@@ -127,14 +133,14 @@ def test_projected_bytes_per_token_follow_the_modes(tiny_cpu_costs: P.Costs) -> 
 # -- the schedule model -------------------------------------------------------------------------
 
 
-def _tasks(fwd: list[float], bwd: list[float], step: list[float], act: float = 0.0, grad: float = 0.0) -> P.Tasks:
-    return P.Tasks(fwd, bwd, step, [act], [grad], [0.0], [0.0])
+def _tasks(fwd: list[float], bwd: list[float], step: list[float], act: float = 0.0, grad: float = 0.0) -> Tasks:
+    return Tasks(fwd, bwd, step, [act], [grad], [0.0], [0.0])
 
 
 def test_schedule_compute_only_is_the_hand_derived_step() -> None:
     # stage 0: inject f0, backward b0, step o0; stage 1: forward+loss+backward p, step o1; M = 2
     f0, b0, o0, p, o1 = 0.010, 0.020, 0.003, 0.050, 0.004
-    s = P.simulate(_tasks([f0, p], [b0, 0.0], [o0, o1]), 2, 1, 2, 1000, None)
+    s = simulate(_tasks([f0, p], [b0, 0.0], [o0, o1]), 2, 1, 2, 1000, None)
     # mb0 and mb1 forward, stage 1 runs p twice back to back, stage 0's backwards wait for them
     assert s.step_s == pytest.approx(f0 + 2 * p + b0 + o0)
     assert s.tokens_per_s == pytest.approx(2 * 1000 / (f0 + 2 * p + b0 + o0))
@@ -142,19 +148,19 @@ def test_schedule_compute_only_is_the_hand_derived_step() -> None:
 
 def test_schedule_link_only_is_the_hand_derived_step() -> None:
     rate = 1e6  # bytes/s; activations 0.2 s, gradients 0.3 s per micro-batch
-    s = P.simulate(_tasks([1e-9, 1e-9], [1e-9, 0.0], [0.0, 0.0], act=2e5, grad=3e5), 2, 1, 2, 1000, rate)
+    s = simulate(_tasks([1e-9, 1e-9], [1e-9, 0.0], [0.0, 0.0], act=2e5, grad=3e5), 2, 1, 2, 1000, rate)
     # A0 [0, .2], A1 [.2, .4], G0 [.2, .5], G1 [.5, .8]
     assert s.step_s == pytest.approx(0.8, rel=1e-6)
     # a tbf bucket of 1e5 bytes: a transfer on a rested link starts with 0.1 s of credit
-    s = P.simulate(_tasks([1e-9, 1e-9], [1e-9, 0.0], [0.0, 0.0], act=2e5, grad=3e5), 2, 1, 2, 1000, rate, burst_bytes=1e5)
+    s = simulate(_tasks([1e-9, 1e-9], [1e-9, 0.0], [0.0, 0.0], act=2e5, grad=3e5), 2, 1, 2, 1000, rate, burst_bytes=1e5)
     assert s.step_s < 0.8
 
 
 def test_shared_cores_slow_concurrent_work() -> None:
     t = _tasks([0.05, 0.05], [0.05, 0.0], [0.0, 0.0])
-    alone = P.simulate(t, 2, 2, 2, 1000, None)
-    shared = P.simulate(t, 2, 2, 2, 1000, None, shared_cores=1)
-    loaded = P.simulate(t, 2, 2, 2, 1000, None, shared_cores=0.5)
+    alone = simulate(t, 2, 2, 2, 1000, None)
+    shared = simulate(t, 2, 2, 2, 1000, None, shared_cores=1)
+    loaded = simulate(t, 2, 2, 2, 1000, None, shared_cores=0.5)
     assert shared.tokens_per_s < 0.75 * alone.tokens_per_s
     assert loaded.tokens_per_s < shared.tokens_per_s
 
@@ -163,7 +169,7 @@ def test_projection_bounds_and_labels(tiny_cpu_costs: P.Costs) -> None:
     c = tiny_cpu_costs
     slow, fast = P.project(c, 2.0)["modes"], P.project(c, 10_000.0)["modes"]
     assert slow["dense"]["bound"] == "link" and fast["masked"]["bound"] == "compute"
-    for m in P.MODES:
+    for m in MODES:
         assert slow[m]["tokens_per_s"] <= slow[m]["tokens_per_s_bound"] * (1 + 1e-9)
         assert slow[m]["tokens_per_s"] <= fast[m]["tokens_per_s"] * (1 + 1e-9)
     assert slow["compute_bound"] == {**slow["compute_bound"], "bandwidth_mbit": None}
@@ -178,10 +184,10 @@ def test_projection_bounds_and_labels(tiny_cpu_costs: P.Costs) -> None:
 
 
 def test_gpu_compute_follows_flops() -> None:
-    dims = P.KNOWN_MODELS["llama-3.2-1b"]
-    shape = P.Shape(4, 2048, 2)
-    dev = P.DEVICES["rtx4090"]
-    c = P.gpu_compute(dims, shape, 2, dev, 0.4)
+    dims = KNOWN_MODELS["llama-3.2-1b"]
+    shape = Shape(4, 2048, 2)
+    dev = DEVICES["rtx4090"]
+    c = gpu_compute(dims, shape, 2, dev, 0.4)
     flops = shape.tokens * (8 * (6 * dims.layer_params() + 12 * 2048 * 2048) + 6 * dims.vocab * dims.hidden)
     assert c.fwd[1] + c.bwd[1] == pytest.approx(flops / (165.2e12 * 0.4))
     assert c.bwd[0] == pytest.approx(2 * c.fwd[0])
@@ -190,16 +196,16 @@ def test_gpu_compute_follows_flops() -> None:
 def test_a_gpu_run_sets_the_mfu(tmp_path: Path) -> None:
     """The MFU a `bench gpu` run measured replaces the 40% guess: its bf16 tokens/s times the
     FLOPs per token of `gpu_compute`'s rule, over the device's peak."""
-    dims, dev = P.KNOWN_MODELS["llama-3.2-1b"], P.DEVICES["h200"]
+    dims, dev = KNOWN_MODELS["llama-3.2-1b"], DEVICES["h200"]
     flops = 16 * (6 * dims.layer_params() + 12 * 2048 * 512) + 6 * dims.vocab * dims.hidden
     run = {"device_name": "NVIDIA H200", "shape": "llama-3.2-1b", "seq_len": 512, "precision": {"bf16": {"tokens_per_s": 0.25 * 989.4e12 / flops}}}
     (tmp_path / "gpu.json").write_text(json.dumps(run))
     mfu, source = P.mfu_from_gpu_run(tmp_path / "gpu.json", dev)
     assert mfu == pytest.approx(0.25) and "NVIDIA H200" in source
     (tmp_path / "cpu.json").write_text(json.dumps({**run, "shape": "small"}))
-    with pytest.raises(P.ConfigError, match="llama-3.2-1b shape"):
+    with pytest.raises(ConfigError, match="llama-3.2-1b shape"):
         P.mfu_from_gpu_run(tmp_path / "cpu.json", dev)
-    with pytest.raises(P.ConfigError, match="bf16 precision row"):
+    with pytest.raises(ConfigError, match="bf16 precision row"):
         P.mfu_from_gpu_run(tmp_path / "missing.json", dev)
 
 
@@ -271,17 +277,17 @@ def test_bench_project_writes_the_json(tmp_path: Path) -> None:
     out = tmp_path / "p.json"
     main(["bench", "project", "--model", "tiny-llama", "--gpu", "rtx4090", "--bandwidth-mbit", "200", "--json", str(out)])
     data = json.loads(out.read_text())
-    assert set(data["modes"]) == set(P.MODES)
+    assert set(data["modes"]) == set(MODES)
     for m in data["modes"].values():
         assert m["tokens_per_s"] > 0 and m["bound"] in ("compute", "link", "dp") and m["wire_bytes_per_token"] > 0
-    assert data["setup"]["device"]["name"] == "rtx4090" and data["setup"]["mfu"] == P.DEFAULT_MFU
+    assert data["setup"]["device"]["name"] == "rtx4090" and data["setup"]["mfu"] == DEFAULT_MFU
 
 
 def test_run_toml_model(tmp_path: Path) -> None:
     toml = tmp_path / "run.toml"
     toml.write_text('[model]\nname = "tiny-llama"\nhidden_size = 64\nnum_layers = 6\nnum_heads = 4\nmax_seq_len = 64\n[pipeline]\nmicro_batch_size = 4\nseq_len = 64\nmicro_batches = 3\n')
-    dims, shape, source = P.resolve_model(str(toml), 3)
-    assert (dims.hidden, dims.layers, shape) == (64, 6, P.Shape(4, 64, 3)) and "run.toml" in source
+    dims, shape, source = resolve_model(str(toml), 3)
+    assert (dims.hidden, dims.layers, shape) == (64, 6, Shape(4, 64, 3)) and "run.toml" in source
 
 
 # -- plot ---------------------------------------------------------------------------------------
@@ -300,7 +306,7 @@ def test_plot_renders_the_four_modes_and_measured_points(tmp_path: Path) -> None
     fig = plot(out, measured=measured, model="tiny-llama", gpu="rtx4090", points=6)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     labels = [line.get_label() for line in fig.axes[0].get_lines()]
-    for m in P.MODES:
+    for m in MODES:
         assert any(label.startswith(m) for label in labels), labels
     assert any("measured" in label for label in labels), labels
     assert fig.axes[0].get_xscale() == "log"

@@ -14,18 +14,11 @@ import torch
 
 from bootstrap.tracker import Tracker
 from peer import __version__
-from peer.config import (
-    ConfigError,
-    DataConfig,
-    ModelConfig,
-    TrainConfig,
-    check_swarm,
-    config_from_dict,
-    load_run_toml,
-)
+from peer.config import ConfigError, DataConfig, ModelConfig, TrainConfig, check_swarm
 from peer.data import load_training_data
 from peer.model.loading import load_causal_lm, resolve_dims
 from peer.model.tokenizer import hf_byte_tokenizer
+from peer.runtoml import config_from_dict, load_run_toml
 from peer.wire import anchormesh_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[1]

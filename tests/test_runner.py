@@ -7,16 +7,7 @@ import copy
 import pytest
 import torch
 
-from peer.config import (
-    AnchorConfig,
-    DPConfig,
-    MaskConfig,
-    ModelConfig,
-    OptimConfig,
-    PipelineConfig,
-    SpectralConfig,
-    TrainConfig,
-)
+from peer.config import AnchorConfig, DPConfig, MaskConfig, ModelConfig, OptimConfig, PipelineConfig, SpectralConfig, TrainConfig
 from peer.model.loading import load_causal_lm
 from peer.model.stages import lm_loss, merged_state_dict
 from peer.pipeline.local import LocalPipelineRunner

@@ -1,4 +1,4 @@
-"""A joiner takes its stage group's state (peer/daemon/main.py `_load_group_state`): a download that
+"""A joiner takes its stage group's state (peer/daemon/state_sync.py `load_group_state`): a download that
 fits is applied whole (weights, AdamW moments, step); one that does not fit is ignored whole."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def daemon():
 def test_a_fitting_state_is_applied_whole(daemon: PeerDaemon) -> None:
     meta, tensors = donor_state(daemon.worker.stage)
     daemon.averager = FakeAverager((meta, tensors))
-    daemon._load_group_state()
+    daemon.state_sync.load_group_state()
     named = list(daemon.worker.stage.named_parameters())
     assert all(torch.equal(p, t) for (_, p), t in zip(named, tensors))
     assert daemon.worker.version == 42
@@ -56,7 +56,7 @@ def test_a_fitting_state_is_applied_whole(daemon: PeerDaemon) -> None:
     st = daemon.worker.optimizer.opt.state[named[0][1]]
     assert float(st["step"]) == 40.0 and torch.all(st["exp_avg"] == 0.5) and torch.all(st["exp_avg_sq"] == 0.25)
     # the state this peer offers in turn is what it now holds
-    meta2, offered = daemon._stage_state()
+    meta2, offered = daemon.state_sync.stage_state()
     assert meta2 == {"version": 42, "adam_step": 40.0} and all(torch.equal(a, b) for a, b in zip(offered, tensors))
 
 
@@ -73,7 +73,7 @@ def test_a_state_that_does_not_fit_is_ignored_whole(daemon: PeerDaemon, damage: 
         meta = {"version": "x"}
     before = [p.detach().clone() for p in daemon.worker.stage.parameters()]
     daemon.averager = FakeAverager((meta, tensors))
-    daemon._load_group_state()
+    daemon.state_sync.load_group_state()
     assert all(torch.equal(a, b) for a, b in zip(before, daemon.worker.stage.parameters()))
     assert daemon.worker.version == 0 and not daemon.worker.optimizer.opt.state
 
@@ -81,7 +81,7 @@ def test_a_state_that_does_not_fit_is_ignored_whole(daemon: PeerDaemon, damage: 
 def test_no_donor_keeps_the_initial_weights(daemon: PeerDaemon) -> None:
     before = [p.detach().clone() for p in daemon.worker.stage.parameters()]
     daemon.averager = FakeAverager(None)
-    daemon._load_group_state()
+    daemon.state_sync.load_group_state()
     assert all(torch.equal(a, b) for a, b in zip(before, daemon.worker.stage.parameters()))
 
 
@@ -93,7 +93,7 @@ def test_a_poisoned_state_is_refused_whole(daemon: PeerDaemon, poison: str) -> N
 
     meta, tensors = donor_state(daemon.worker.stage)
     n = len(tensors) // 3
-    daemon._run_clock = (time.monotonic(), 40)  # joined when the run was at step 40
+    daemon.state_sync.run_clock = (time.monotonic(), 40)  # joined when the run was at step 40
     if poison == "huge_weights":
         tensors[0] = torch.full_like(tensors[0], 1e30)
     elif poison == "negative_second_moment":
@@ -104,10 +104,10 @@ def test_a_poisoned_state_is_refused_whole(daemon: PeerDaemon, poison: str) -> N
         meta = {**meta, "version": 2**62}
     before = [p.detach().clone() for p in daemon.worker.stage.parameters()]
     daemon.averager = FakeAverager((meta, tensors))
-    daemon._load_group_state()
+    daemon.state_sync.load_group_state()
     assert all(torch.equal(a, b) for a, b in zip(before, daemon.worker.stage.parameters()))
     assert daemon.worker.version == 0 and not daemon.worker.optimizer.opt.state
     # the same download unpoisoned is taken
     daemon.averager = FakeAverager(donor_state(daemon.worker.stage))
-    daemon._load_group_state()
+    daemon.state_sync.load_group_state()
     assert daemon.worker.version == 42

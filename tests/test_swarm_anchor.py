@@ -10,14 +10,7 @@ import pytest
 import torch
 
 from peer.codec.mask import MaskCodec
-from peer.config import (
-    AnchorConfig,
-    MaskConfig,
-    ModelConfig,
-    PipelineConfig,
-    SpectralConfig,
-    TrainConfig,
-)
+from peer.config import AnchorConfig, MaskConfig, ModelConfig, PipelineConfig, SpectralConfig, TrainConfig
 from peer.errors import AnchormeshError, WireError
 from peer.model.loading import load_causal_lm
 from peer.model.stages import lm_loss, split_model

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from peer.config import load_run_toml
 from peer.data import TokenStream, default_corpus
 from peer.demo.swarm import start_process, stop_processes, wait_for_bootstrap
 from peer.model.loading import load_causal_lm
 from peer.model.placement import resolve_placement
 from peer.pipeline.local import LocalPipelineRunner
+from peer.runtoml import load_run_toml
 
 STEPS = 12
 RUN_TOML = """

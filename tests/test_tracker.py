@@ -8,17 +8,11 @@ import math
 
 import pytest
 
-from bootstrap.tracker import JoinRefused, Tracker
+from bootstrap.roster import JoinRefused
+from bootstrap.tracker import Tracker
 from peer import __version__
-from peer.config import (
-    AnchorConfig,
-    ConfigError,
-    ModelConfig,
-    SpectralConfig,
-    TrainConfig,
-    check_swarm,
-    config_from_dict,
-)
+from peer.config import AnchorConfig, ConfigError, ModelConfig, SpectralConfig, TrainConfig, check_swarm
+from peer.runtoml import config_from_dict
 from peer.wire import anchormesh_pb2 as pb
 
 

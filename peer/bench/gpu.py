@@ -20,6 +20,7 @@ CPU allocator statistics).
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import logging
@@ -32,13 +33,7 @@ from pathlib import Path
 import torch
 
 from peer.bench import emit_json
-from peer.config import (
-    MaskConfig,
-    ModelConfig,
-    OptimConfig,
-    PipelineConfig,
-    TrainConfig,
-)
+from peer.config import MaskConfig, ModelConfig, OptimConfig, PipelineConfig, TrainConfig
 from peer.daemon.memory import GIB, plan_stages
 from peer.model.placement import Placement, parse_device
 
@@ -149,7 +144,7 @@ def precision(device: torch.device, shape: dict, root: Path, steps: int, quick: 
         if device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(device)
         else:  # one more step under the profiler (slow: after the timed ones)
-            peak = cpu_peak_bytes(lambda: runner.run(3 + steps))
+            peak = cpu_peak_bytes(functools.partial(runner.run, 3 + steps))
         out[name] = {
             "tokens_per_s": steps * pipe.micro_batches * pipe.micro_batch_size * pipe.seq_len / seconds,
             "loss_first": reports[0].loss, "loss_last": reports[-1].loss,

@@ -23,13 +23,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from peer.bench.throughput import (
-    GpuScenario,
-    check_bed_args,
-    equivalent_mbit,
-    measure_mode,
-    mode_config,
-)
+from peer.bench.throughput import GpuScenario, check_bed_args, equivalent_mbit, measure_mode, mode_config
 from peer.errors import ConfigError
 
 MIXED_MODES = ("compute_bound", "fixed", "adaptive")

@@ -18,6 +18,8 @@ import json
 from pathlib import Path
 
 from peer.bench import project as P
+from peer.bench.project_model import DEFAULT_MFU, resolve_model
+from peer.bench.throughput import MODES, mode_config
 from peer.errors import ConfigError
 
 STYLE = {"dense": "tab:red", "masked": "tab:blue", "masked_dp": "tab:green", "compute_bound": "tab:gray"}
@@ -57,17 +59,17 @@ def plot(out: Path, measured: Path | None = None, model: str = "llama-3.2-1b", g
     setup = data["setup"] if data else {}
     stages, replicas = int(setup.get("stages", 2)), int(setup.get("replicas", 2))
     device = P.check_args(gpu, hi_mbit, stages, replicas, None, int(setup.get("dp_every", 10)))
-    dims, shape, source = P.resolve_model(model, stages)
+    dims, shape, source = resolve_model(model, stages)
     plt = _matplotlib()
-    mfu = None if device.peak_tflops is None else P.DEFAULT_MFU
+    mfu = None if device.peak_tflops is None else DEFAULT_MFU
     dp_every = int(setup.get("dp_every", 10))  # the measured run's masked_dp cadence, else the full bench's
     costs = P.measure_costs(dims, shape, stages, replicas, device, mfu, dp_every)
     xs = [lo_mbit * (hi_mbit / lo_mbit) ** (i / (points - 1)) for i in range(points)]
-    proj = {m: [P.project_mode(costs, m, x) for x in xs] for m in P.MODES}
+    proj = {m: [P.project_mode(costs, m, x) for x in xs] for m in MODES}
 
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 7), dpi=100, sharex=True, gridspec_kw={"height_ratios": [3, 1.2]})
     width = {"masked": 5, "masked_dp": 1.8}  # masked and masked_dp often coincide: the wide one shows under the narrow one
-    for m in P.MODES:
+    for m in MODES:
         ax.plot(xs, [r["tokens_per_s"] for r in proj[m]], color=STYLE[m], lw=width.get(m, 2), alpha=0.5 if m == "masked" else 1.0,
                 ls="--" if m == "compute_bound" else "-", label=f"{m} (projected)")
     for m in ("dense", "masked", "masked_dp"):  # the same mode if DP had to keep its cadence
@@ -77,7 +79,7 @@ def plot(out: Path, measured: Path | None = None, model: str = "llama-3.2-1b", g
     if data:
         cb_gpu = proj["compute_bound"][0]["tokens_per_s"]
         cb_cpu = data["modes"]["compute_bound"]["tokens_per_s"]
-        hidden_cpu = (setup.get("model") or {}).get("hidden", P.mode_config("dense", stages, 1, 1)["model"]["hidden_size"])
+        hidden_cpu = (setup.get("model") or {}).get("hidden", mode_config("dense", stages, 1, 1)["model"]["hidden_size"])
         speed = cb_gpu / cb_cpu
         for m, r in data["modes"].items():
             if m not in STYLE or m == "compute_bound" or not r.get("tokens_per_s"):

@@ -26,17 +26,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from peer.config import (
-    TINY_MODEL_PREFIX,
-    AnchorConfig,
-    DPConfig,
-    MaskConfig,
-    ModelConfig,
-    OptimConfig,
-    PipelineConfig,
-    SpectralConfig,
-    TrainConfig,
-)
+from peer.config import TINY_MODEL_PREFIX, AnchorConfig, DPConfig, MaskConfig, ModelConfig, OptimConfig, PipelineConfig, SpectralConfig, TrainConfig
 from peer.data import TokenStream, default_corpus, read_path
 from peer.model.loading import load_causal_lm, resolve_dims
 from peer.model.source import load_tokenizer

@@ -26,10 +26,11 @@ import grpc
 import torch
 
 from peer import __version__
-from peer.config import TrainConfig, config_from_dict
+from peer.config import TrainConfig
 from peer.errors import AnchormeshError, ConfigError
 from peer.logs import setup_logging
 from peer.progress import byte_bar
+from peer.runtoml import config_from_dict
 from peer.security import auth
 from peer.store.shard import Shard, ShardError, read_shard
 from peer.wire import anchormesh_pb2 as pb

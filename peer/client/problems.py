@@ -102,7 +102,7 @@ def _silent_peers(s: dict) -> list[str]:
 
 def _rejected_rounds(s: dict) -> list[str]:
     """A peer refused stage-group averaging results (NaN, or a correction far outside its own
-    drift: peer/dp/group.py). Any refusal is shown: honest groups do not produce one, so it
+    drift: peer/dp/claims.py). Any refusal is shown: honest groups do not produce one, so it
     means a broken or hostile member in that stage group."""
     return [
         f"{p['id']} (stage {p['stage']}) refused {p['dp_rejected']} averaging result(s) of its stage group: a member sends NaN or outsized updates"

@@ -37,17 +37,7 @@ import torch
 from peer.config import MaskConfig
 from peer.errors import ConfigError, TensorError, WireError, check_finite
 from peer.wire import anchormesh_pb2 as pb
-from peer.wire.tensors import (
-    MAX_NUMEL,
-    check_expected,
-    check_finite_wire,
-    check_shape,
-    dtype_name,
-    from_le_bytes,
-    to_le_bytes,
-    torch_dtype,
-    wire_dtype,
-)
+from peer.wire.tensors import MAX_NUMEL, check_expected, check_finite_wire, check_shape, dtype_name, from_le_bytes, to_le_bytes, torch_dtype, wire_dtype
 
 U32 = 0xFFFFFFFF
 U64 = 0xFFFFFFFFFFFFFFFF

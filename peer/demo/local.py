@@ -13,15 +13,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from peer.config import (
-    AnchorConfig,
-    MaskConfig,
-    ModelConfig,
-    OptimConfig,
-    PipelineConfig,
-    SpectralConfig,
-    TrainConfig,
-)
+from peer.config import AnchorConfig, MaskConfig, ModelConfig, OptimConfig, PipelineConfig, SpectralConfig, TrainConfig
 from peer.data import TokenStream, default_corpus
 from peer.model.loading import load_causal_lm
 from peer.pipeline.local import LocalPipelineRunner, evaluate_stages

@@ -4,13 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from peer.dp.base import (
-    MeanSync,
-    Reduction,
-    encode_fp32,
-    mean_of_payloads,
-    payload_bytes,
-)
+from peer.dp.base import MeanSync, Reduction, encode_fp32, mean_of_payloads, payload_bytes
 
 
 class DenseSync(MeanSync):

@@ -7,13 +7,7 @@ import logging
 import torch
 
 from peer.config import DPConfig
-from peer.dp.base import (
-    DPSync,
-    MeanSync,
-    check_tensor_list,
-    clone_nested,
-    validate_replicas,
-)
+from peer.dp.base import DPSync, MeanSync, check_tensor_list, clone_nested, validate_replicas
 from peer.dp.dense import DenseSync
 from peer.dp.int8 import Int8Sync
 from peer.dp.powersgd import PowerSGDSync

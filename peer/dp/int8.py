@@ -6,24 +6,11 @@ import warnings
 
 import numpy as np
 import torch
-from hivemind.compression import (
-    CompressionInfo,
-    Uniform8BitQuantization,
-    deserialize_torch_tensor,
-)
+from hivemind.compression import CompressionInfo, Uniform8BitQuantization, deserialize_torch_tensor
 from hivemind.proto import runtime_pb2
 
 from peer.config import DPConfig
-from peer.dp.base import (
-    FP32_BYTES,
-    MeanSync,
-    Reduction,
-    check_tensor_list,
-    clone_nested,
-    encode_fp32,
-    mean_of_payloads,
-    payload_bytes,
-)
+from peer.dp.base import FP32_BYTES, MeanSync, Reduction, check_tensor_list, clone_nested, encode_fp32, mean_of_payloads, payload_bytes
 from peer.errors import TensorError
 
 INT8_OVERHEAD = 8 + FP32_BYTES * 256

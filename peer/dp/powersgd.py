@@ -6,16 +6,7 @@ import torch
 from hivemind.proto import runtime_pb2
 
 from peer.config import DPConfig
-from peer.dp.base import (
-    FP32_BYTES,
-    MeanSync,
-    Reduction,
-    check_tensor_list,
-    clone_nested,
-    encode_fp32,
-    mean_of_payloads,
-    payload_bytes,
-)
+from peer.dp.base import FP32_BYTES, MeanSync, Reduction, check_tensor_list, clone_nested, encode_fp32, mean_of_payloads, payload_bytes
 from peer.errors import ConfigError, TensorError
 
 Q_SEED = 0x5EED

@@ -7,7 +7,7 @@ weight. With the trimmed mean, each reducer drops the largest and the smallest `
 values of every coordinate before averaging, and ignores the declared weight: in a group of
 three or more, one hostile member moves the result at most as far as the honest spread. A pair
 cannot be protected this way (there is nothing to outvote): the plausibility and claim checks of
-peer/dp/group.py stay its only defence, and the status says so. A majority of colluders wins
+peer/dp/claims.py stay its only defence, and the status says so. A majority of colluders wins
 any vote; that is a limit of the rule, not of this code.
 
 Only hivemind's `TensorPartReducer` (what a member does with its slice) and the runner that

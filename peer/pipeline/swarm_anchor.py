@@ -39,15 +39,11 @@ from torch.func import functional_call
 
 from peer.errors import WireError
 from peer.model.stages import lm_loss
+from peer.pipeline.inbound import MAX_MESSAGE_BYTES, check_token_window
 from peer.pipeline.transport import Address
-from peer.pipeline.worker import MAX_MESSAGE_BYTES, StageWorker, check_token_window
+from peer.pipeline.worker import StageWorker
 from peer.wire import anchormesh_pb2 as pb
-from peer.wire.tensors import (
-    parse_message,
-    proto_to_tensor,
-    tensor_to_proto,
-    token_dtype,
-)
+from peer.wire.tensors import parse_message, proto_to_tensor, tensor_to_proto, token_dtype
 
 log = logging.getLogger(__name__)
 

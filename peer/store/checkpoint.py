@@ -8,8 +8,8 @@ without a manifest, both ignored. Both are written to a temp name, fsynced and r
 restart the newest checkpoint whose checksum matches is used; a corrupt one is skipped with a
 message and the next older one tried.
 
-The tensors are the same list the stage group hands a joiner (`PeerDaemon._stage_state`), so
-one validation path (`PeerDaemon._apply_state`) checks both before they touch the model.
+The tensors are the same list the stage group hands a joiner (`StateSync.stage_state`, peer/daemon/state_sync.py), so
+one validation path (`StateSync.apply_state`) checks both before they touch the model.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def failure_reason(exc: BaseException, where: Path, need: int = 0) -> str:
 
 @dataclass
 class Checkpoint:
-    """One checked checkpoint: the stage state as `PeerDaemon._stage_state` gives it (parameters,
+    """One checked checkpoint: the stage state as `StateSync.stage_state` gives it (parameters,
     then AdamW exp_avg, then exp_avg_sq, all in `names` order) and the parameters' full-model names."""
 
     path: Path

@@ -1,0 +1,54 @@
+"""The daemon's side of stage-group averaging (peer/dp/group.py): starting the averager, the lock
+every change of the stage's weights holds, and an optimizer step with the averaging that follows.
+
+Kept apart from the main loop because the averager's threads (its rounds, a joiner's download)
+touch the same weights as the step: whoever changes them goes through `step_lock`, and a step
+with an averager is taken and reported to it under that one lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from peer.dp.group import GroupAverager
+from peer.pipeline.worker import StageWorker
+
+log = logging.getLogger("anchormesh.peer")
+
+
+def start_averaging(dht, worker: StageWorker, prefix: str, every: int, compression: str, link_share: float, state_fn: Callable, peer_id: str, link_bps: Callable[[], float | None]) -> GroupAverager | None:
+    """Join the stage group's averaging; without a DHT the peer trains alone (None). Rounds are
+    spaced so they take at most `link_share` of the uplink this peer measures (`link_bps`).
+    hivemind forks here: the caller starts it while no gRPC call runs."""
+    if dht is None:
+        log.warning("no DHT: this peer will not average with its stage group")
+        return None
+    averager = GroupAverager(
+        dht, list(worker.stage.parameters()), prefix, every=every, state_fn=state_fn, compression=compression,
+        peer_id=peer_id, link_bps=link_bps, link_share=link_share,
+    )
+    log.info("stage-group averaging every %d steps at least, %s on the wire, at most %.0f%% of the uplink (group key %s)", every, compression, 100 * link_share, prefix)
+    return averager
+
+
+def step_lock(averager: GroupAverager | None, own: threading.Lock) -> threading.Lock:
+    """The lock every change of the stage's weights holds: the averager's (its download and
+    averaging threads use it too) or, without one, the peer's own."""
+    return averager.lock if averager is not None else own
+
+
+def apply_step(w: StageWorker, averager: GroupAverager | None, own: threading.Lock, inner_steps: int, siblings: Callable[[], list[str]]) -> None:
+    """The optimizer step of the stage once its gradients are in; with an averager, the step is
+    reported to it (alone: no live stage mate) and every `inner_steps` steps this peer offers its
+    state to joiners."""
+    if averager is not None:
+        with averager.lock:  # a joiner downloading our state sees whole steps and whole averaging results
+            w.apply_step()
+            averager.after_step(w.version, alone=not siblings())
+        if w.version % max(inner_steps, 1) == 0:
+            averager.share_state(priority=w.version)
+    else:
+        with own:
+            w.apply_step()

@@ -1,0 +1,362 @@
+"""A peer's membership of the run: finding the tracker, joining, heartbeating, leaving.
+
+The tracker is given or found through the DHT's signed records; the peer asks it for the run's
+config first so that its Join carries a memory plan of every stage (the tracker then gives it a
+stage that fits), and joins with retries while the tracker is unreachable. From then on a
+heartbeat thread sends this peer's report and applies the directives of the replies: its
+neighbours, the run's bans and averaging members, anchor and evaluation jobs, MOVE and STOP. A
+refusal of its credentials ends the peer for good: retrying cannot help, the operator must act.
+
+`Heartbeat` reads many of the peer's figures for its report, so it is handed the daemon through
+the `Member` view (a Protocol) rather than each field; routing and the job queue it feeds are
+passed explicitly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Iterator
+from typing import Protocol
+
+import grpc
+import torch
+
+from peer import __version__
+from peer.address import announce_maddr, free_port
+from peer.config import TrainConfig
+from peer.daemon.anchors import AnchorJobs
+from peer.daemon.memory import free_bytes, plan_stages
+from peer.daemon.routing import Router
+from peer.dp.group import GroupAverager
+from peer.errors import ConfigError
+from peer.model.placement import DTYPE_NAMES, resolve_placement
+from peer.pipeline.grpc_transport import GrpcTransport
+from peer.pipeline.swarm_anchor import SwarmAnchor
+from peer.pipeline.worker import StageWorker
+from peer.runtoml import config_from_dict
+from peer.security import auth
+from peer.security.identity import Identity
+from peer.wire import anchormesh_pb2 as pb
+from peer.wire import anchormesh_pb2_grpc as pbg
+
+log = logging.getLogger("anchormesh.peer")
+
+# gRPC backs off reconnecting to an address that refused it, up to 120 s by default; a tracker
+# that restarts must hear the heartbeats within its reconnect grace (bootstrap/persist.py)
+TRACKER_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 500), ("grpc.min_reconnect_backoff_ms", 500), ("grpc.max_reconnect_backoff_ms", 4000)]
+
+
+def find_tracker(dht, stop: threading.Event, tracker_key: bytes | None = None, run_id: str | None = None) -> str:
+    """The tracker address from the DHT's signed records (peer/security/dht_auth.py), newest first: one
+    signed by `tracker_key` (and of `run_id` when given). Without a key it takes a record only
+    when all well-signed ones have one signer: a member posing as the tracker makes that
+    ambiguous, and then it waits for the key. Logs what it refused; retries with backoff."""
+    from peer.security import dht_auth
+
+    delay, said = 0.5, set()
+
+    def once(level: int, text: str, *args) -> None:
+        if (text, args) not in said:
+            said.add((text, args))
+            log.log(level, text, *args)
+
+    while not stop.is_set():
+        found = dht.get(dht_auth.TRACKER_RECORD_KEY, latest=True)
+        good, refused = dht_auth.verified_trackers(found, tracker_key, run_id)
+        for signer, why in refused:
+            once(logging.WARNING, "refused a tracker record in the DHT signed by %s: %s", signer, why)
+        signers = {r["key"] for _, r in good}
+        if good and (tracker_key is not None or len(signers) == 1):
+            if tracker_key is None:
+                once(logging.WARNING, "took the tracker record signed by %s without checking that it is the tracker's key: pass --tracker-key or --token @bootstrap.json", good[0][1]["key"][:16])
+            return good[0][1]["tracker"]
+        if len(signers) > 1:
+            once(logging.ERROR, "tracker records from %d keys in the DHT: cannot tell the tracker from a member posing as it; pass --tracker-key (the \"tracker_key\" of bootstrap.json) or --token @bootstrap.json", len(signers))
+        log.info("no tracker in the DHT yet; retrying in %.1fs", delay)
+        stop.wait(delay)
+        delay = min(delay * 2, 10.0)
+    raise SystemExit(1)
+
+
+# the tracker refused this peer's credentials: retrying cannot help, the operator must act
+REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+
+
+def dht_maddrs_from_tracker(tracker: str, stop: threading.Event, creds: auth.Credentials | None = None, tls_ca: bytes | None = None) -> list[str]:
+    """The run's DHT addresses from the tracker's status; retries with backoff and says so.
+
+    The channel is closed before returning: hivemind starts its DHT and averager by fork(), and
+    a fork while gRPC calls are running can deadlock, so the daemon forks only between calls.
+    """
+    delay = 0.5
+    while not stop.is_set():
+        try:
+            with auth.tracker_channel(tracker, creds, tls_ca=tls_ca) as channel:
+                return list(pbg.StatusStub(channel).GetStatus(pb.StatusRequest(), timeout=10).dht_maddrs)
+        except grpc.RpcError as exc:
+            if exc.code() in REFUSALS:
+                log.error("the tracker refused this peer: %s %s", exc.code().name, exc.details())
+                raise SystemExit(2) from None
+            log.warning("tracker %s unreachable (%s: %s%s); retrying in %.1fs", tracker, exc.code().name, exc.details(), auth.tls_hint(exc.details(), tls_ca is not None), delay)
+            stop.wait(delay)
+            delay = min(delay * 2, 30.0)
+    raise SystemExit(1)
+
+
+def start_dht(initial_peers: list[str], host: str, dht_port: int, announce_host: str | None, token: str, tracker_key: bytes | None, tracker_known: bool):
+    """This node in the run's DHT, started before any gRPC runs (hivemind forks). Only run-token
+    holders take part (peer/security/dht_auth.py). When no node of the run answers, a peer
+    without a tracker address exits 2; one with it starts alone and lets the Join say whether
+    its token is right."""
+    import hivemind
+
+    from peer.security import dht_auth
+
+    log.info("starting a DHT node (initial peers: %s)", ", ".join(initial_peers))
+    announce = None
+    if announce_host:  # others dial this node at the announced host (hivemind needs the port up front)
+        dht_port = dht_port or free_port(host)
+        announce = [announce_maddr(announce_host, dht_port)]
+    # before any gRPC; only run-token holders take part in the run's DHT (peer/security/dht_auth.py)
+    dht_args = dict(initial_peers=initial_peers, host_maddrs=[f"/ip4/{host}/tcp/{dht_port}"], announce_maddrs=announce, start=True, **dht_auth.dht_kwargs(token, tracker_key))
+    try:
+        dht = hivemind.DHT(**dht_args)
+    except RuntimeError as exc:
+        if "bootstrap failed" not in str(exc):
+            raise
+        why = f"no DHT node of the run answered ({', '.join(initial_peers)}): they refuse a node without the run token (check --token), or the addresses are wrong or unreachable"
+        if not tracker_known:
+            log.error("%s", why)
+            raise SystemExit(2) from None
+        log.error("%s; asking the tracker whether the token is right", why)  # its Join says so, or the peer trains on
+        dht = hivemind.DHT(**dht_args, ensure_bootstrap_success=False)
+    log.info("DHT node up")
+    return dht
+
+
+def plan_memory(stub: pbg.TrackerStub, req: pb.JoinRequest, device: torch.device) -> list | None:
+    """Before joining: the run's config, this peer's placement for it and its memory plan of
+    every stage, put in the JoinRequest so the tracker gives it a stage that fits. A tracker
+    that cannot say its config (unreachable: Join retries and says so) leaves the plan to
+    after the Join. A device or precision that cannot run the run exits 2 here."""
+    try:
+        cfg = config_from_dict(json.loads(stub.GetConfig(pb.ConfigRequest(), timeout=10).run_config_json))
+    except grpc.RpcError as exc:
+        if exc.code() in REFUSALS:  # a wrong token: Join would be refused the same way
+            log.error("the tracker refused this peer: %s %s", exc.code().name, exc.details())
+            raise ConfigError("--token", "given", f"the tracker refused it ({exc.code().name}: {exc.details()})") from None
+        log.info("no run config before joining (%s): the memory plan waits for the assignment", exc.code().name)
+        return None
+    placement = resolve_placement(device, cfg.compute)
+    plans = plan_stages(cfg, placement, dp_group=True)
+    free = free_bytes(placement.device)
+    budget = int(cfg.compute.memory_budget_gib * 2**30)
+    req.memory_bytes = min(budget, free) if budget else free
+    req.stage_memory_bytes.extend(p.need(placement.device) for p in plans)
+    name = torch.cuda.get_device_name(placement.device) if placement.cuda else ""
+    req.device = " ".join(x for x in (str(placement.device), name, DTYPE_NAMES[placement.compute_dtype]) if x)
+    log.info("memory plan on %s (%.2f GiB usable): %s GiB per stage", req.device, req.memory_bytes / 2**30, ", ".join(f"{p.need(placement.device) / 2**30:.2f}" for p in plans))
+    return plans
+
+
+def join(stub: pbg.TrackerStub, req: pb.JoinRequest, stop: threading.Event, tls: bool = False) -> pb.Assignment:
+    """Join, retrying with backoff while the tracker is unreachable; a refusal ends the daemon."""
+    delay = 0.5
+    while not stop.is_set():
+        try:
+            return stub.Join(req, timeout=10)
+        except grpc.RpcError as exc:
+            if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, *REFUSALS):
+                log.error("the tracker refused this peer: %s %s", exc.code().name, exc.details())
+                raise SystemExit(2) from None
+            log.warning("tracker unreachable (%s: %s%s); retrying in %.1fs", exc.code().name, exc.details(), auth.tls_hint(exc.details(), tls), delay)
+            stop.wait(delay)
+            delay = min(delay * 2, 30.0)
+    raise SystemExit(1)
+
+
+def leave(stub: pbg.TrackerStub, run_id: str, peer_id: str, reason: str) -> None:
+    """Say goodbye, so the tracker need not wait to declare this peer dead; best effort."""
+    try:
+        stub.Leave(pb.LeaveRequest(run_id=run_id, peer_id=peer_id, reason=reason), timeout=5)
+    except grpc.RpcError as exc:
+        log.warning("could not say goodbye to the tracker: %s", exc.details())
+
+
+_IMPORTED = time.monotonic()
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (Linux: /proc, so imports and the DHT's start count;
+    elsewhere: since this module was imported)."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, counted after the name
+        with open("/proc/uptime") as f:
+            return max(float(f.read().split()[0]) - start_ticks / os.sysconf("SC_CLK_TCK"), 0.0)
+    except (OSError, ValueError, IndexError):
+        return time.monotonic() - _IMPORTED
+
+
+class Member(Protocol):
+    """What membership reads of the peer (to join, and for its report) and sets (its
+    credentials once admitted, why it stops)."""
+
+    tracker: str
+    device: torch.device
+    dht: object | None
+    creds: auth.Credentials
+    tls_ca: bytes | None
+    tls_server: object | None
+    peer_id: str
+    address: str
+    identity: Identity
+    gate: auth.Gate
+    transport: GrpcTransport
+    stop: threading.Event
+    worker: StageWorker | None
+    averager: GroupAverager | None
+    anchor: SwarmAnchor | None
+    state: str
+    reason: str
+    tokens: int
+    tokens_per_s: float
+    capacity: float
+    loss: float
+    steps_done: int
+    startup_s: float
+    move_reason: str
+    refused: str
+
+
+class Membership:
+    """This peer in the run: its Join, then the heartbeat stream (its report out, the tracker's
+    directives in)."""
+
+    def __init__(self, peer: Member, router: Router, jobs: AnchorJobs) -> None:
+        self.peer, self.router, self.jobs = peer, router, jobs
+
+    def enter(self) -> tuple[pb.Assignment, TrainConfig, list | None]:
+        """Join with a memory plan of every stage, then take what the assignment gives: the
+        run's id, a certificate, the run's rate limits and TLS certificate. A device that
+        cannot run the run exits 2 before the Join (nothing to leave yet)."""
+        d = self.peer
+        with auth.tracker_channel(d.tracker, d.creds, tls_ca=d.tls_ca) as join_channel:
+            own_maddrs = [str(m) for m in d.dht.get_visible_maddrs()] if d.dht is not None else []
+            req = pb.JoinRequest(peer_id=d.peer_id, grpc_address=d.address, code_version=__version__, dht_maddrs=own_maddrs)
+            try:
+                plans = plan_memory(pbg.TrackerStub(join_channel), req, d.device)
+            except ConfigError as exc:  # the run cannot run on this device: nothing to leave yet
+                log.error("cannot serve this run here: %s", exc)
+                d.transport.close()
+                if d.dht is not None:
+                    d.dht.shutdown()
+                raise SystemExit(2) from None
+            if d.tls_server is not None:
+                from peer.security.tls import public_der
+
+                req.tls_public_key = public_der(d.tls_server.key)
+            a = join(pbg.TrackerStub(join_channel), req, d.stop, d.tls_ca is not None)
+        cfg = config_from_dict(json.loads(a.run_config_json))
+        return a, cfg, plans
+
+    def admitted(self, a: pb.Assignment) -> None:
+        """From now on: calls carry the certificate; the gate checks others' with the tracker's key."""
+        d = self.peer
+        d.transport.run_id = a.run_id
+        d.creds.certificate = a.certificate
+        d.gate.configure(a.run_id, a.tracker_key, d.creds.token, a.calls_per_s or None)
+        d.transport.messages = auth.RateLimit(a.messages_per_s or d.transport.messages.rate)
+        if d.tls_server is not None:
+            if not a.tls_certificate:
+                raise ConfigError("--tls-ca", "given", "the tracker issued no TLS certificate: this run does not use TLS (security.tls); drop --tls-ca")
+            d.tls_server.install(a.tls_certificate)
+        log.info("%s joined %s: stage %d of %d (layers %d-%d), serving on %s", d.peer_id, a.run_id, a.stage, a.num_stages, a.layer_start, a.layer_end - 1, d.address)
+
+    def report(self) -> pb.PeerReport:
+        d = self.peer
+        w, averager, anchor = d.worker, d.averager, d.anchor
+        link_mbit, pp_keep = self.router.links()
+        return pb.PeerReport(
+            run_id=d.transport.run_id,
+            tokens=d.tokens,
+            peer=pb.PeerInfo(
+                peer_id=d.peer_id, stage=w.stage.index, address=d.address, state=d.state, tokens_per_s=d.tokens_per_s,
+                bytes_in=d.transport.bytes_in, bytes_out=d.transport.total_bytes(), step=w.version, loss=d.loss,
+                queue_depth=len(w.inbox_fwd) + len(w.inbox_bwd), startup_s=d.startup_s,
+                # before its first step, how long it has been starting (what it waits on is the reason)
+                reason=d.reason if d.steps_done else f"{d.reason or 'starting'} ({process_age_s():.0f} s since start)",
+                dp_rounds=averager.rounds if averager else 0,
+                anchor_id=anchor.newest_id if anchor else 0,
+                anchor_bytes_out=anchor.bytes_out if anchor else 0,
+                capacity_tokens_per_s=d.capacity,
+                dp_bytes_out=averager.bytes_out if averager else 0,
+                dp_dense_bytes=averager.dense_bytes if averager else 0,
+                dp_rejected=averager.rejected if averager else 0,
+                eval_id=anchor.eval_result[0] if anchor else 0,
+                eval_loss=anchor.eval_result[1] if anchor else math.nan,
+                refused_calls=sum(d.gate.refused.values()),
+                dp_suspects=list(averager.suspects) if averager else [],
+                key_fingerprint=d.identity.fingerprint,
+                link_mbit=link_mbit, pp_keep=pp_keep, dp_period_s=averager.period_s if averager else 0.0,
+                excluding=d.transport.excluding()[:4],  # the tracker keeps 4
+            ),
+        )
+
+    def heartbeat(self, stub: pbg.TrackerStub, interval: float) -> None:
+        """The heartbeat thread: reconnects after a broken stream; ends on stop, MOVE, a refusal,
+        or when the tracker no longer lists this peer (it then joins again)."""
+        d = self.peer
+        while not d.stop.is_set():
+            def requests() -> Iterator[pb.PeerReport]:
+                while not d.stop.is_set():
+                    yield self.report()
+                    d.stop.wait(interval)
+
+            try:
+                for directive in stub.Heartbeat(requests()):
+                    if directive.kind == pb.Directive.MOVE:
+                        log.info("the tracker moves this peer: %s", directive.reason)
+                        d.move_reason = directive.reason
+                        d.stop.set()
+                        return
+                    self.apply(directive)
+                    if directive.kind == pb.Directive.STOP:
+                        log.info("tracker says stop: %s", directive.reason)
+                        d.stop.set()
+            except grpc.RpcError as exc:
+                if d.stop.is_set():
+                    return
+                if exc.code() in REFUSALS:  # banned, or its credentials no longer pass: leave for good
+                    log.error("the tracker refused this peer: %s %s", exc.code().name, exc.details())
+                    d.refused = exc.details() or exc.code().name
+                    d.stop.set()
+                    return
+                if exc.code() == grpc.StatusCode.NOT_FOUND:  # the tracker dropped us (declared dead): join again
+                    log.warning("the tracker no longer lists this peer (%s); joining again", exc.details())
+                    d.move_reason = f"the tracker dropped this peer: {exc.details()}"
+                    d.stop.set()
+                    return
+                log.warning("heartbeat stream ended (%s: %s); reconnecting in %.0fs", exc.code().name, exc.details(), interval)
+                d.stop.wait(interval)
+
+    def apply(self, directive: pb.Directive) -> None:
+        """A reply's neighbours, bans, averaging members and jobs."""
+        d = self.peer
+        self.router.apply_neighbours(directive)
+        if set(directive.banned) != set(d.gate.banned):  # in place: the gate reads it on every call
+            for fp in set(d.gate.banned) - set(directive.banned):
+                del d.gate.banned[fp]
+            d.gate.banned.update({fp: "banned by the run's operator" for fp in directive.banned})
+            log.warning("banned keys in this run: %s", ", ".join(directive.banned) or "none")
+        if d.averager is not None:  # a banned peer's averaging process may live on: keep it out of rounds
+            for hid in directive.banned_dht:
+                d.averager.excluded.setdefault(hid, "banned by the run's operator")
+            if directive.member_dht:
+                d.averager.members = set(directive.member_dht)
+        self.jobs.take(directive, d.anchor)

@@ -1,0 +1,115 @@
+"""Where this peer's messages go: the neighbours the tracker names, the next-stage peer for each
+message (by capacity), its stage mates, stage 0's resends of micro-batches whose gradient never
+came, and what its links measure.
+
+A part of `PeerDaemon` (peer/daemon/main.py) on its own so that routing can be tested without a
+swarm: it needs the transport (endpoints, meters, exclusions), this peer's id and its worker
+(read when asked: the daemon has no worker until it joins).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from peer.capacity import fill_unmeasured
+from peer.errors import AnchormeshError
+from peer.pipeline.worker import StageWorker
+from peer.wire import anchormesh_pb2 as pb
+
+log = logging.getLogger("anchormesh.peer")
+
+
+class Links(Protocol):
+    """What routing needs of the transport."""
+
+    endpoints: dict[str, str]
+    meters: dict
+
+    def usable(self, dst: str) -> bool: ...
+
+
+class Router:
+    """The neighbours by stage, the capacity-weighted choice of a next hop, and stage 0's
+    round trips and resends."""
+
+    def __init__(self, transport: Links, peer_id: str, worker: Callable[[], StageWorker | None]) -> None:
+        self.transport, self.peer_id, self._worker = transport, peer_id, worker
+        self.neighbours: dict[int, list[pb.PeerInfo]] = {}
+        self.route_gen = torch.Generator().manual_seed(uuid.uuid4().int & 0xFFFF)
+        self.sent_at: dict[tuple[int, int], float] = {}
+        self.round_trips: deque[float] = deque(maxlen=64)  # stage 0: seconds from sending a micro-batch to its gradient
+
+    def next_hop(self) -> str:
+        """A live next-stage peer, chosen with probability proportional to its measured capacity
+        (tokens/s it could do if never waiting). Not its throughput: a peer that gets little work
+        shows little throughput, and routing by it would starve that peer further. A peer not
+        measured yet counts as the median of the others. A peer whose stream stopped taking
+        messages is left out while the transport excludes it, unless it is the only one."""
+        stage = self._worker().stage.index
+        peers = self.neighbours.get(stage + 1, [])
+        if not peers:
+            raise AnchormeshError(f"no live peer of stage {stage + 1} to send to")
+        peers = [p for p in peers if self.transport.usable(p.peer_id)] or peers
+        weights = torch.tensor(fill_unmeasured([p.capacity_tokens_per_s for p in peers]))
+        return peers[int(torch.multinomial(weights, 1, generator=self.route_gen))].peer_id
+
+    @staticmethod
+    def resolve(sender: str) -> str:
+        return sender
+
+    def apply_neighbours(self, directive: pb.Directive) -> None:
+        by_stage: dict[int, list[pb.PeerInfo]] = {}
+        for n in directive.neighbours:
+            by_stage.setdefault(n.stage, []).append(n)
+            self.transport.endpoints[n.peer_id] = n.address
+        self.neighbours = by_stage
+
+    def siblings(self) -> list[str]:
+        """The other live peers of this peer's stage group."""
+        return [n.peer_id for n in self.neighbours.get(self._worker().stage.index, []) if n.peer_id != self.peer_id]
+
+    def retry_after_s(self) -> float:
+        """How long stage 0 waits for a micro-batch's gradient before sending it again: three
+        times the slowest recent round trip, within [5 s, 60 s] (20 s before any is measured)."""
+        if len(self.round_trips) < 4:
+            return 20.0
+        return min(max(3.0 * max(self.round_trips), 5.0), 60.0)
+
+    def retry_stale(self, w: StageWorker) -> None:
+        """Stage 0: a micro-batch without its gradient for `retry_after_s()` is sent again (same window,
+        same id) to a live next-stage peer; its old forward is dropped. Covers a neighbour that died."""
+        now = time.monotonic()
+        limit = self.retry_after_s()
+        for key, job in list(w.inflight.items()):
+            sent = self.sent_at.setdefault(key, now)
+            if now - sent > limit and self.neighbours.get(1):
+                step, mb = key
+                w.inflight.pop(key)
+                w.basis_sent.clear()  # the lost message may have carried the receiver's basis
+                log.warning("no gradient for micro-batch %s of step %d after %.0fs; sending it again", mb, step, now - sent)
+                w.inject(job.window, step, mb - w.replica * w.cfg.pipeline.micro_batches)
+                self.sent_at[key] = now
+        for key in list(self.sent_at):
+            if key not in w.inflight:
+                self.round_trips.append(now - self.sent_at.pop(key))
+
+    def uplink_bps(self) -> float | None:
+        """Bytes/s of its slowest measured outbound pipeline stream (None: not measured yet): what
+        its uplink carries, as far as this peer can tell."""
+        rates = [bps for (_, ch), m in list(self.transport.meters.items()) if ch in ("forward", "backward") and (bps := m.bps()) is not None]
+        return min(rates) if rates else None
+
+    def links(self) -> tuple[float, float]:
+        """(its slowest measured outbound pipeline link in Mbit/s or 0, the fraction of the codec's
+        configured payload (mask.rank, or mask.drop's keep) it sends on its most constrained link,
+        or 0 when it sends no activations)."""
+        w, bps = self._worker(), self.uplink_bps()
+        keep = min(w.keep_sent.values()) if w is not None and w.keep_sent else 0.0
+        return (bps * 8 / 1e6 if bps else 0.0), keep

@@ -1,0 +1,156 @@
+"""The checks of a finished stage-group averaging round against the members' claims.
+
+Each round also carries every member's *claim*: its id and the values it sends at a fixed sample
+of coordinates (hivemind's all-gather rides along with matchmaking). The reduction itself is a
+coordinate-wise trimmed mean in which every member weighs 1 (peer/dp/robust.py): in a group of
+three or more one member cannot scale or flip the result. Claims let a peer check the result it
+gets back (it must equal the same trimmed mean of the claims at those coordinates) and name a
+member whose update is NaN, far larger than the group's, or points against the rest of the
+group (a sign flip); see `attribute`. `implausible` checks the whole mean against this peer's
+own drift. Plain functions of tensors: the `GroupAverager` (peer/dp/group.py) hands them its state.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+from peer.dp.robust import trimmed_mean
+
+MAX_CORRECTION = 4.0  # see implausible
+# coordinates of each member's claim: 4 KiB of fp32. It must stay small: hivemind hands the step
+# to its averaging process over a non-blocking pipe, and a 16 KiB claim broke that pipe (the
+# process died, and step() waited forever); 8 KiB still passed
+SAMPLE = 1024
+FLIP_COSINE = -0.5  # an update whose cosine with the rest of the group's mean update is below this points against it
+CLAIM_TOLERANCE = 0.1  # |mean - mean of claims| may be this fraction of the largest claimed update (8-bit quantization: ~2%)
+
+
+def sample_index(sizes: list[int], key: str, n: int = SAMPLE) -> list[torch.Tensor]:
+    """Per tensor, the flat indices of a sample of n coordinates of all of them together, the same
+    for every member of a group (seeded by `key`)."""
+    total = sum(sizes)
+    flat = torch.randperm(total, generator=torch.Generator().manual_seed(zlib.crc32(key.encode())))[:n].sort().values
+    out, start = [], 0
+    for size in sizes:
+        out.append(flat[(flat >= start) & (flat < start + size)] - start)
+        start += size
+    return out
+
+
+def take(tensors: list[torch.Tensor], index: list[torch.Tensor]) -> torch.Tensor:
+    """The values at the sampled coordinates, on the host (claims travel and compare there)."""
+    return torch.cat([t.detach().reshape(-1)[i.to(t.device)].float().cpu() for t, i in zip(tensors, index)])
+
+
+def attribute(
+    group: dict, result: torch.Tensor, kept: torch.Tensor | None, *, me: str, members: set[str] | None, excluded: dict[str, str],
+    base: list[torch.Tensor], index: list[torch.Tensor], compression: str,
+) -> tuple[str, list[str], str | None]:
+    """Check the round against the members' claims; (why it is refused or "", the members
+    named as "peer: why", the member hivemind left out of the round or None). `group`: hivemind
+    peer id -> claim; `result`: the mean at the sampled coordinates (`index`); `kept`: the
+    sampled coordinates whose results arrived (all when None); rule (1) is checked on those only.
+    `me`: this peer's hivemind id; `members`: the stage group's, from the tracker (None: not
+    known yet); `base`: the last group mean; `compression` says whether claims are deltas from it.
+
+    Rules, at the sampled coordinates: (1) the mean must equal the mean of the claims, within
+    `CLAIM_TOLERANCE` of the largest claimed update: otherwise some member sent other values
+    than it declared, and nobody can be named. (2) a claimed update holding NaN/Inf, (3) one
+    larger than `MAX_CORRECTION` times the median update of the others, or (4) one whose
+    cosine with the others' mean update is below `FLIP_COSINE` names that member. Why these:
+    honest replicas start from the same mean and train on the same distribution for the same
+    number of steps, so their updates have similar sizes and point the same way; scaled,
+    NaN and sign-flipped updates do not. Rules (3) and (4) need at least three members (two
+    others to compare with): in a pair, an honest member whose base is older looks just as
+    outsized, so a pair relies on (1), (2) and `implausible`. A member never names itself.
+    A member banned by the operator (`excluded`, from the heartbeat's `banned_dht`) makes
+    every round that includes it refused: hivemind's matchmaking cannot leave it out, so the
+    honest members train on without averaging with it. Nobody is excluded on a peer's own
+    say-so: a false alarm would stop a group's averaging for good."""
+    out = [str(h) for h in group if str(h) in excluded]
+    if out:  # hivemind cannot keep a member out of matchmaking; its rounds are refused instead
+        return "the group includes excluded member(s) " + ", ".join(f"{h} ({excluded[h]})" for h in out), [], None
+    strangers = [str(h) for h in group if members is not None and str(h) not in members and str(h) != me]
+    if strangers:  # a member that joined since the last heartbeat is refused once, then known
+        return "the group includes peer(s) that are not members of this stage group: " + ", ".join(strangers), [f"{h}: not a member of the run" for h in strangers], None
+    claims: dict[str, torch.Tensor] = {}
+    for hid, c in group.items():
+        # members are named by their hivemind peer id (libp2p authenticates it), not by the id
+        # they claim: the tracker maps it to the run's peer id (bootstrap/tracker.py)
+        name = str(hid)
+        raw = c.get("sample") if isinstance(c, dict) else None
+        if not isinstance(raw, bytes) or len(raw) != 4 * result.numel():
+            return f"member {name} sent no valid claim", [f"{name}: no valid claim of what it sent"], None
+        claims[name] = torch.frombuffer(bytearray(raw), dtype=torch.float32)
+    at_base = take(base, index)
+    updates = {k: (v if compression == "int8" else v - at_base) for k, v in claims.items()}
+    floor = 1e-5 * float(at_base.norm()) + 1e-12
+    for name, u in updates.items():
+        if not torch.isfinite(u).all() and name != me:
+            return f"member {name} sent NaN or Inf", [f"{name}: sent NaN or Inf"], None
+    if not all(torch.isfinite(u).all() for u in updates.values()):
+        return "a member sent NaN or Inf", [], None
+    biggest = max(float(u.norm()) for u in updates.values())
+    if kept is not None:  # results lost on the way back: compare where they arrived
+        result, claims = result[kept], {k: v[kept] for k, v in claims.items()}
+    dropped = None
+    off = float((result - trimmed_mean(torch.stack(list(claims.values())))).norm())  # what the robust reducers compute from the claims
+    if off > CLAIM_TOLERANCE * biggest + floor:
+        dropped = left_out(claims, result, CLAIM_TOLERANCE * biggest + floor, me)
+        if dropped is None:
+            return f"the mean is {off:.3g} away from the mean of what the members declared (largest update {biggest:.3g}): a member sent other values than it claimed", [], None
+        # hivemind dropped this sender (its stream failed): the result is the others' mean; every
+        # claim still counts below (a dropped member that flipped its update is still named)
+    named = []
+    for name, u in updates.items():
+        # size and direction need at least two others to compare with: in a pair, an honest
+        # member whose base is older (it missed a round, or just joined) looks "outsized" too
+        if name == me or len(updates) < 3:
+            continue
+        others = [v for k, v in updates.items() if k != name]
+        ref = float(torch.stack([v.norm() for v in others]).median())
+        if float(u.norm()) > MAX_CORRECTION * ref + floor:
+            named.append(f"{name}: its update is {float(u.norm()) / max(ref, 1e-30):.1f}x the others' (limit {MAX_CORRECTION:g}x)")
+            continue
+        rest = torch.stack(others).mean(0)
+        cos = float(u @ rest / (u.norm() * rest.norm() + 1e-30))
+        if cos < FLIP_COSINE:
+            named.append(f"{name}: its update points against the rest of the group (cosine {cos:.2f})")
+    if named:
+        return "; ".join(named), named, dropped
+    return "", [], dropped
+
+
+def left_out(claims: dict[str, torch.Tensor], result: torch.Tensor, tolerance: float, me: str) -> str | None:
+    """The one member (not this peer, `me`) whose part hivemind left out of the round, if the result
+    is the trimmed mean of everyone else's claims; else None. Why: hivemind's all-reduce drops
+    a sender whose stream fails (a busy or leaving peer) and reduces the others' parts, so an
+    honest round can miss a member; refusing it as a lie would name a fault nobody made."""
+    if len(claims) < 3:  # in a pair, "the other's values alone" would pass any one-sided result
+        return None
+    for name in claims:
+        rest = [v for k, v in claims.items() if k != name]
+        if name != me and float((result - trimmed_mean(torch.stack(rest))).norm()) <= tolerance:
+            return name
+    return None
+
+
+def implausible(means: list[torch.Tensor], offered: list[torch.Tensor], base: list[torch.Tensor]) -> str:
+    """Why the group's mean cannot be right, or "". The rule: every value finite, and the
+    correction it asks for (mean - what this peer `offered`) at most `MAX_CORRECTION` times this
+    peer's own drift since the last mean (`base`; plus a small floor). Why: honest replicas start a
+    round from the same mean and drift by similar amounts in `every` local steps, so the
+    mean of n of them lies within about that drift; a NaN or scaled contribution (a broken or
+    hostile peer) lands far outside it. The whole round is dropped because hivemind's
+    all-reduce hands back only the mean: the sender of a bad part cannot be told apart here."""
+    if not all(torch.isfinite(m).all() for m in means):
+        return "the group mean holds NaN or Inf"
+    correction = torch.sqrt(sum(((m - o) ** 2).sum() for m, o in zip(means, offered)))
+    drift = torch.sqrt(sum(((o - b) ** 2).sum() for o, b in zip(offered, base)))
+    scale = torch.sqrt(sum((b**2).sum() for b in base))
+    limit = MAX_CORRECTION * drift + 1e-3 * scale
+    if correction > limit:
+        return f"it would move the weights by {float(correction):.3g}, more than {MAX_CORRECTION}x this peer's own drift since the last mean ({float(drift):.3g}) plus 0.1% of their norm"
+    return ""

@@ -1,0 +1,81 @@
+"""What an inbound pipeline message must be before a stage worker queues it.
+
+The checks run on the transport's threads, before the message reaches the worker's inbox: each
+raises WireError / TensorError naming the field (wrong boundary, token ids out of range, shapes
+or dtypes that do not fit the stage, NaN/Inf values). They decode the tensors once here and the
+worker again when it uses them (a cost accepted for now).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from peer.config import PipelineConfig
+from peer.errors import WireError
+from peer.model.stages import StageModule
+from peer.pipeline.inflight import InFlight
+from peer.pipeline.link_codec import LinkCodecs
+from peer.wire import anchormesh_pb2 as pb
+from peer.wire.tensors import parse_message, proto_to_tensor
+
+MAX_MESSAGE_BYTES = 256 * 2**20
+# what every link tensor declares as its logical dtype, whatever its peers compute in: values
+# travel as `mask.values`, so a bf16 peer and an fp32 peer of one run talk to each other
+LINK_DTYPE = torch.float32
+
+
+def parse_inbound(channel: str, data: bytes, run_id: str, name: str) -> pb.ActivationChunk | pb.GradientChunk:
+    """A message polled on `channel` ("forward" or "backward") for worker `name`, parsed within
+    MAX_MESSAGE_BYTES; WireError when it belongs to another run than `run_id`."""
+    cls = pb.ActivationChunk if channel == "forward" else pb.GradientChunk
+    msg = parse_message(cls, data, MAX_MESSAGE_BYTES)
+    if msg.header.run_id != run_id:
+        raise WireError(f"{name}: message for run {msg.header.run_id!r}, expected {run_id!r}")
+    return msg
+
+
+def check_token_window(payload: pb.TensorPayload, vocab_size: int, shape: tuple[int, int] | None = None) -> torch.Tensor:
+    """An inbound token window [B, T+1] (inputs and targets), vetted: integer, 2-D with T >= 1,
+    of `shape` when given, every id in [0, vocab_size). Raises WireError naming the problem."""
+    window = proto_to_tensor(payload)
+    want = f"[{shape[0]}, {shape[1]}] (the run's micro-batch)" if shape else "[B, T+1]"
+    if window.is_floating_point() or window.ndim != 2 or window.shape[1] < 2 or (shape and tuple(window.shape) != shape):
+        raise WireError(f"token_ids: expected integer {want}, got {window.dtype} {tuple(window.shape)}")
+    if int(window.min()) < 0 or int(window.max()) >= vocab_size:
+        raise WireError(f"token_ids: values must be in [0, {vocab_size})")
+    return window
+
+
+def check_activation(msg: pb.ActivationChunk, s: StageModule, p: PipelineConfig, links: LinkCodecs, announced: dict[str, int]) -> None:
+    """An activation for stage `s`: on its inbound boundary, a token window of the run's
+    micro-batch shape `p`, hidden states (or low-rank coefficients) that fit it. A low-rank
+    message carries a basis or names one its sender shipped before (`announced`: sender ->
+    newest version it shipped, updated here)."""
+    b = msg.header.boundary
+    if b != s.index - 1:
+        raise WireError(f"header.boundary={b}: stage {s.index} receives activations on boundary {s.index - 1}")
+    # the run's micro-batch shape, pinned: a larger one would cost this stage more than its sender
+    ids = check_token_window(msg.token_ids, s.vocab_size, (p.micro_batch_size, p.seq_len + 1))[:, :-1].long()
+    key = {"boundary": b, "step": msg.header.step, "micro_batch": msg.header.micro_batch_id}
+    if links.coef_codec is not None:
+        links.coef_codec.decode(msg.hidden, expect_shape=links.coef_shape(msg.hidden, ids), expect_dtype=LINK_DTYPE, **key)
+        if msg.HasField("basis"):
+            links.decode_basis(msg)
+            announced[msg.header.sender] = msg.basis_version
+        elif announced.get(msg.header.sender) != msg.basis_version:
+            raise WireError(f"basis_version={msg.basis_version}: this peer has no such basis from {msg.header.sender!r}; send it again")
+    else:
+        links.inbound_codec(msg.hidden).decode(msg.hidden, expect_shape=(*ids.shape, s.hidden_size), expect_dtype=LINK_DTYPE, **key)
+
+
+def check_gradient(msg: pb.GradientChunk, s: StageModule, inflight: dict[tuple[int, int], InFlight], links: LinkCodecs) -> None:
+    """A gradient for stage `s`: on its outbound boundary, for a micro-batch in flight here, of
+    the shape (and codec) its output was sent with."""
+    b = msg.header.boundary
+    if b != s.index:
+        raise WireError(f"header.boundary={b}: stage {s.index} receives gradients on boundary {s.index}")
+    job = inflight.get((msg.header.step, msg.header.micro_batch_id))
+    if job is None:
+        raise WireError(f"gradient for unknown micro-batch (step={msg.header.step}, micro_batch_id={msg.header.micro_batch_id})")
+    last = job.coefs if job.basis is not None else s.hidden_size
+    (job.codec_out or links.link).decode(msg.grad, expect_shape=(*job.out.shape[:-1], last), expect_dtype=LINK_DTYPE, boundary=b, step=msg.header.step, micro_batch=msg.header.micro_batch_id)

@@ -1,0 +1,80 @@
+"""Which weights a stage worker's forward runs on: the live ones, the mixed-precision working
+copy, or a stash taken for a forward ahead of the optimizer.
+
+A forward that runs ahead is taken on stashed weights (PipeDream-style weight stashing, so its
+backward is exact for the weights it saw); with `staleness_correction="lookahead"` those weights
+are extrapolated by the last update times the delay, so the stale gradient is taken near the
+point where it will be applied.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.func import functional_call
+
+from peer.model.placement import Placement
+from peer.model.stages import StageModule
+
+
+class ForwardWeights:
+    """The weights of one worker's forwards, in the compute dtype (the masters stay float32).
+
+    Args:
+        local_steps: swarm: a step is M micro-batches of any sender; middle stages run forwards
+            on a stashed copy of the weights so a step may land between forward and backward.
+        lookahead: extrapolate stashed weights by the last update (`last_delta`) times the delay.
+    """
+
+    def __init__(self, stage: StageModule, placement: Placement, local_steps: bool, lookahead: bool) -> None:
+        self.stage, self.placement, self.local_steps, self.lookahead = stage, placement, local_steps, lookahead
+        self.last_delta: dict[str, torch.Tensor] | None = None  # the last optimizer step's update
+        self.forwards_ahead = 0  # forwards that ran on stashed weights (staleness > 0)
+        self._stash: tuple[int, dict[str, torch.Tensor]] | None = None
+        self.work: dict[str, torch.Tensor] | None = None  # mixed precision: the persistent low-precision working copy
+        self._work_of: tuple[int, ...] = ()  # the master weights' version counters the working copy was taken at
+
+    def for_step(self, step: int, version: int) -> dict[str, torch.Tensor] | None:
+        """None: run on the live weights. Else the low-precision working copy (mixed precision),
+        or stashed (optionally look-ahead) weights, in the compute dtype, for a forward of `step`
+        ahead of the optimizer (at `version`)."""
+        dtype = self.placement.compute_dtype
+        if self.local_steps:
+            if self.stage.is_first or self.stage.is_last:
+                return self.working()  # stage 0 keeps its own step order; the last stage's backward is immediate
+            if self._stash is None or self._stash[0] != version:
+                self._stash = (version, {n: p.detach().to(dtype, copy=True).requires_grad_(True) for n, p in self.stage.named_parameters()})
+            return self._stash[1]
+        delay = step - version
+        if delay == 0:
+            return self.working()
+        self.forwards_ahead += 1
+        stash = {}
+        for name, p in self.stage.named_parameters():
+            w = p.detach()
+            if self.lookahead and self.last_delta is not None:
+                w = w + delay * self.last_delta[name]
+            stash[name] = w.to(dtype, copy=True).requires_grad_(True)
+        return stash
+
+    def working(self) -> dict[str, torch.Tensor] | None:
+        """Mixed precision: one persistent low-precision copy of the master weights, refreshed in
+        place whenever a master weight changed (an optimizer step, an averaging round, a loaded
+        state: each bumps the tensor's version counter). None in full precision: the live weights."""
+        if not self.placement.mixed:
+            return None
+        params = list(self.stage.named_parameters())
+        versions = tuple(p._version for _, p in params)
+        if self.work is None:
+            self.work = {n: p.detach().to(self.placement.compute_dtype, copy=True).requires_grad_(True) for n, p in params}
+        elif versions != self._work_of:
+            with torch.no_grad():
+                for n, p in params:
+                    self.work[n].copy_(p)
+        self._work_of = versions
+        return self.work
+
+    def run(self, x: torch.Tensor, stash: dict[str, torch.Tensor] | None) -> torch.Tensor:
+        """The stage's forward of `x` on `stash` (None: the live weights)."""
+        if stash is None:
+            return self.stage(x)
+        return functional_call(self.stage, stash, (x,), strict=False)
