@@ -140,6 +140,7 @@ class Tracker:
             start_step=start_step,
             dht_maddrs=self.dht_maddrs,
             group_dht_maddrs=mates,
+            anchors_issued=self.anchors.launched,
         )
 
     def run_config(self) -> pb.RunConfig:

@@ -345,13 +345,15 @@ def test_an_honest_tiny_stage_may_claim_more_capacity_than_the_pipeline_steps() 
     assert t.peers["a"].capacity == 150.0 * per_step
 
 
-def test_directives_carry_the_newest_issued_anchor_id() -> None:
+def test_directives_and_join_replies_carry_the_newest_issued_anchor_id() -> None:
     t, clock = make(anchor_every=2)
     join(t, "a"), join(t, "b")
     beat(t, "b")
     d = beat(t, "a", step=2)
     assert d.anchor_id == 1 and d.anchors_issued == 1
     assert beat(t, "b").anchors_issued == 1  # every stage learns the ceiling: priors above it are forged
+    # a joiner learns it from its Join reply, before its first heartbeat (else it takes any id until then)
+    assert join(t, "c").anchors_issued == 1
 
 
 def test_directives_list_the_stage_groups_hivemind_ids() -> None:

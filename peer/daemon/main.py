@@ -185,6 +185,7 @@ class PeerDaemon:
         snapshot_bytes = plan.anchor_snapshot or sum(p.numel() for p in stage.parameters()) * self.placement.compute_dtype.itemsize
         slots = anchor_snapshot_slots(free - plan.need(self.placement.device), snapshot_bytes, cfg.compute.anchor_snapshot_share)
         self.anchor = SwarmAnchor(self.worker, cfg.anchor.micro_batches, self.router.siblings, eval_batches=cfg.pipeline.eval_batches, max_jobs=slots)
+        self.anchor.issued = a.anchors_issued  # the Join reply's ceiling: forged anchor ids are refused before the first heartbeat
         if self.dht is not None and a.group_dht_maddrs:
             log.info("dialled %d of %d stage mates' DHT nodes", connect_peers(self.dht, list(a.group_dht_maddrs)), len(a.group_dht_maddrs))
         self.averager = start_averaging(  # forks: before any gRPC runs
