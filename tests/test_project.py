@@ -4,6 +4,7 @@ measurement on the namespace test bed (within 25 %, the issue's bound)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -43,6 +44,7 @@ def test_parameter_counts_match_the_published_totals() -> None:
     # totals on the models' cards / safetensors index: exact counts from the published dims
     assert KNOWN_MODELS["llama-3.2-1b"].params() == 1_235_814_400
     assert KNOWN_MODELS["qwen2.5-0.5b"].params() == 494_032_768
+    assert KNOWN_MODELS["llama-3.1-8b"].params() == 8_030_261_248  # untied head
 
 
 def test_stage_parameter_counts_match_the_app_stages() -> None:
@@ -154,6 +156,28 @@ def test_schedule_link_only_is_the_hand_derived_step() -> None:
     # a tbf bucket of 1e5 bytes: a transfer on a rested link starts with 0.1 s of credit
     s = simulate(_tasks([1e-9, 1e-9], [1e-9, 0.0], [0.0, 0.0], act=2e5, grad=3e5), 2, 1, 2, 1000, rate, burst_bytes=1e5)
     assert s.step_s < 0.8
+
+
+def test_dense_sync_is_the_hand_derived_flush_plus_all_reduce() -> None:
+    # 2 stages x 2 fixed pipelines, M = 2, links unshaped, an all-reduce of 3 s before each step.
+    # stage 0: inject [0,1] [1,2]; stage 1: mb0 [1,3], mb1 [3,5], then all-reduce + step [5,8.5];
+    # stage 0: backward [3,4] [5,6], all-reduce + step [6,9.5]; the flush: the next step starts at 9.5
+    t = _tasks([1.0, 2.0], [1.0, 0.0], [0.5, 0.5])
+    s = simulate(t, 2, 2, 2, 1000, None, sync_s=[3.0, 3.0])
+    assert s.step_s == pytest.approx(9.5)
+    assert simulate(t, 2, 2, 2, 1000, None).step_s < 9.5 - 2.0  # the swarm overlaps steps and never waits for its group
+
+
+def test_dense_sync_projection_waits_for_an_fp32_all_reduce(tiny_cpu_costs: P.Costs) -> None:
+    """At a slow link the all-reduce of every stage's fp32 gradients dominates dense_sync's step;
+    the swarm's modes, averaging in the background, are far faster."""
+    c = dataclasses.replace(tiny_cpu_costs, replicas=2)  # a stage group to all-reduce in
+    out = P.project(c, 2.0)["modes"]
+    sync = out["dense_sync"]
+    want = max(c.framing.wire(dp_round_bytes(c.dims, s, c.stages, c.replicas, "none")) for s in range(c.stages)) / (2.0 * 1e6 / 8)
+    assert sync["allreduce_s_per_step"] == pytest.approx(want)
+    assert sync["step_s"] > want and out["dense"]["tokens_per_s"] > sync["tokens_per_s"]
+    assert out["masked_dp"]["vs"]["dense_sync"] > out["masked_dp"]["vs"]["dense"] > 1
 
 
 def test_shared_cores_slow_concurrent_work() -> None:
@@ -277,9 +301,10 @@ def test_bench_project_writes_the_json(tmp_path: Path) -> None:
     out = tmp_path / "p.json"
     main(["bench", "project", "--model", "tiny-llama", "--gpu", "rtx4090", "--bandwidth-mbit", "200", "--json", str(out)])
     data = json.loads(out.read_text())
-    assert set(data["modes"]) == set(MODES)
-    for m in data["modes"].values():
-        assert m["tokens_per_s"] > 0 and m["bound"] in ("compute", "link", "dp") and m["wire_bytes_per_token"] > 0
+    assert set(data["modes"]) == set(P.PROJECT_MODES) == {"dense_sync", *MODES}
+    for name, m in data["modes"].items():
+        assert m["tokens_per_s"] > 0 and m["bound"] in (("sync",) if name == "dense_sync" else ("compute", "link", "dp")) and m["wire_bytes_per_token"] > 0
+        assert m["vs"]["dense_sync"] == pytest.approx(m["tokens_per_s"] / data["modes"]["dense_sync"]["tokens_per_s"])
     assert data["setup"]["device"]["name"] == "rtx4090" and data["setup"]["mfu"] == DEFAULT_MFU
 
 
@@ -306,7 +331,7 @@ def test_plot_renders_the_four_modes_and_measured_points(tmp_path: Path) -> None
     fig = plot(out, measured=measured, model="tiny-llama", gpu="rtx4090", points=6)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     labels = [line.get_label() for line in fig.axes[0].get_lines()]
-    for m in MODES:
+    for m in P.PROJECT_MODES:
         assert any(label.startswith(m) for label in labels), labels
     assert any("measured" in label for label in labels), labels
     assert fig.axes[0].get_xscale() == "log"

@@ -38,7 +38,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     mx.add_argument("--replicas", type=int, default=2, help="peers per stage (default 2)")
     mx.add_argument("--json", required=True, type=Path, help="write the result here")
     pr = bsub.add_parser("project", help="predicted tokens/s of the throughput bench's four modes for a model on a device at a link speed (see peer/bench/project.py)")
-    pr.add_argument("--model", default="tiny-llama", help="run.toml path, local model folder, or tiny-llama / llama-3.2-1b / llama-3.2-3b / qwen2.5-0.5b / qwen2.5-1.5b (default tiny-llama)")
+    pr.add_argument("--model", default="tiny-llama", help="run.toml path, local model folder, or tiny-llama / llama-3.2-1b / llama-3.2-3b / llama-3.1-8b / qwen2.5-0.5b / qwen2.5-1.5b (default tiny-llama)")
     pr.add_argument("--gpu", required=True, help="rtx4090, a100, h100 (published bf16 FLOP/s x --mfu), or cpu (measured on this machine)")
     pr.add_argument("--bandwidth-mbit", type=float, required=True, help="every host's link speed, each way")
     pr.add_argument("--stages", type=int, default=2, help="pipeline stages (default 2)")

@@ -19,10 +19,10 @@ from pathlib import Path
 
 from peer.bench import project as P
 from peer.bench.project_model import DEFAULT_MFU, resolve_model
-from peer.bench.throughput import MODES, mode_config
+from peer.bench.throughput import mode_config
 from peer.errors import ConfigError
 
-STYLE = {"dense": "tab:red", "masked": "tab:blue", "masked_dp": "tab:green", "compute_bound": "tab:gray"}
+STYLE = {"dense_sync": "tab:purple", "dense": "tab:red", "masked": "tab:blue", "masked_dp": "tab:green", "compute_bound": "tab:gray"}
 
 
 def _matplotlib():
@@ -65,13 +65,13 @@ def plot(out: Path, measured: Path | None = None, model: str = "llama-3.2-1b", g
     dp_every = int(setup.get("dp_every", 10))  # the measured run's masked_dp cadence, else the full bench's
     costs = P.measure_costs(dims, shape, stages, replicas, device, mfu, dp_every)
     xs = [lo_mbit * (hi_mbit / lo_mbit) ** (i / (points - 1)) for i in range(points)]
-    proj = {m: [P.project_mode(costs, m, x) for x in xs] for m in MODES}
+    proj = {m: [P.project_mode(costs, m, x) for x in xs] for m in P.PROJECT_MODES}
 
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 7), dpi=100, sharex=True, gridspec_kw={"height_ratios": [3, 1.2]})
     width = {"masked": 5, "masked_dp": 1.8}  # masked and masked_dp often coincide: the wide one shows under the narrow one
-    for m in MODES:
-        ax.plot(xs, [r["tokens_per_s"] for r in proj[m]], color=STYLE[m], lw=width.get(m, 2), alpha=0.5 if m == "masked" else 1.0,
-                ls="--" if m == "compute_bound" else "-", label=f"{m} (projected)")
+    for m in P.PROJECT_MODES:
+        ls = "--" if m == "compute_bound" else "-." if m == P.SYNC else "-"
+        ax.plot(xs, [r["tokens_per_s"] for r in proj[m]], color=STYLE[m], lw=width.get(m, 2), alpha=0.5 if m == "masked" else 1.0, ls=ls, label=f"{m} (projected)")
     for m in ("dense", "masked", "masked_dp"):  # the same mode if DP had to keep its cadence
         kept = [r["dp_kept"]["tokens_per_s"] for r in proj[m]]
         if any(abs(k / r["tokens_per_s"] - 1) > 0.01 for k, r in zip(kept, proj[m])):

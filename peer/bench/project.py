@@ -167,8 +167,44 @@ def _tasks(c: Costs, mode: str) -> Tasks:
                  [f.acks(mb.activation) * act_app / mb.activation] * (K - 1), [f.acks(mb.gradient)] * (K - 1))
 
 
+SYNC = "dense_sync"  # the baseline a user would run instead: projected only (the swarm has no synchronous mode)
+PROJECT_MODES = (SYNC, *MODES)
+
+
+def project_sync(c: Costs, bandwidth_mbit: float | None, burst_bytes: float = 0.0, shared_cores: float | None = None, queue_s: float = 0.0) -> dict:
+    """`dense_sync`: stock pipeline + data parallelism, the research's 9x / 40x baseline. Dense
+    fp16 activations (dense's messages and codec costs), R fixed pipelines flushed every step
+    (GPipe), and before every optimizer step an fp32 gradient all-reduce of each stage group
+    (ring: 2 (R-1)/R of the stage's gradients up and down per peer), on links the flushed pipeline
+    leaves idle; nothing overlaps it."""
+    K, R, M = c.stages, c.replicas, c.shape.micro_batches
+    tasks = _tasks(c, "dense")
+    tokens_step = R * M * c.shape.tokens
+    allreduce = [dp_round_bytes(c.dims, s, K, R, "none") for s in range(K)]
+    wire = [c.framing.wire(b) if b else 0.0 for b in allreduce]
+    rate = None if bandwidth_mbit is None else bandwidth_mbit * 1e6 / 8
+    sync_s = [w / rate if rate else 0.0 for w in wire]
+    sched = simulate(tasks, K, R, M, c.shape.tokens, rate, burst_bytes, shared_cores, queue_s, sync_s=sync_s)
+    pp_wire = M * R * (K - 1) * (tasks.act_wire[0] + tasks.grad_wire[0] + tasks.act_ack[0] + tasks.grad_ack[0])
+    return {
+        "tokens_per_s": sched.tokens_per_s,
+        "bound": "sync",  # the flush and the all-reduce: neither overlaps the other's work
+        "step_s": sched.step_s,
+        "allreduce_s_per_step": max(sync_s),
+        "wire_bytes_per_token": (pp_wire + R * sum(wire)) / tokens_step,
+        "app_bytes_per_token": {"pp": M * R * (K - 1) * (c.bytes["dense"].activation + c.bytes["dense"].gradient) / tokens_step, "dp": R * sum(allreduce) / tokens_step},
+        "bandwidth_mbit": bandwidth_mbit,
+        "pp": mode_config("dense", 2, 1, c.dp_every)["mask"],
+        "dp": {"inner_steps": 1, "outer_compression": "none", "synchronous": True},
+        "schedule": "GPipe: R fixed pipelines flushed every step; an fp32 gradient all-reduce of every stage group before each optimizer step",
+        "task_s": {"fwd": tasks.fwd, "bwd": tasks.bwd, "step": tasks.step, "allreduce": sync_s},
+    }
+
+
 def project_mode(c: Costs, mode: str, bandwidth_mbit: float | None, burst_bytes: float = 0.0, shared_cores: float | None = None, queue_s: float = 0.0) -> dict:
     """One mode's prediction at `bandwidth_mbit` (None: unshaped links; compute_bound always is)."""
+    if mode == SYNC:
+        return project_sync(c, bandwidth_mbit, burst_bytes, shared_cores, queue_s)
     if mode == "compute_bound":
         bandwidth_mbit = None
     K, R, M = c.stages, c.replicas, c.shape.micro_batches
@@ -253,10 +289,13 @@ def project_mode(c: Costs, mode: str, bandwidth_mbit: float | None, burst_bytes:
     }
 
 
-def project(costs: Costs, bandwidth_mbit: float, modes: tuple[str, ...] = MODES, burst_bytes: float = 0.0, shared_cores: float | None = None, queue_s: float = 0.0) -> dict:
-    """The JSON of `bench project` for measured/derived `costs` at one bandwidth."""
+def project(costs: Costs, bandwidth_mbit: float, modes: tuple[str, ...] = PROJECT_MODES, burst_bytes: float = 0.0, shared_cores: float | None = None, queue_s: float = 0.0) -> dict:
+    """The JSON of `bench project` for measured/derived `costs` at one bandwidth; each mode's
+    tokens/s also as a ratio to `dense_sync`, `dense` and `compute_bound` (those projected)."""
     c = costs
     out = {m: project_mode(c, m, bandwidth_mbit, burst_bytes, shared_cores, queue_s) for m in modes}
+    for r in out.values():
+        r["vs"] = {b: r["tokens_per_s"] / out[b]["tokens_per_s"] for b in (SYNC, "dense", "compute_bound") if b in out and out[b]["tokens_per_s"] > 0}
     codec = {k: asdict(v) for k, v in {"dense": c.codec["dense"], "lowrank": c.codec["masked"]}.items()}
     return {
         "modes": out,

@@ -80,6 +80,7 @@ _HF = "the model's config.json on the Hugging Face hub"
 KNOWN_MODELS: dict[str, ModelDims] = {
     "llama-3.2-1b": ModelDims("Llama-3.2-1B", "llama", 2048, 16, 32, 8, 8192, 128256, True, source=_HF),
     "llama-3.2-3b": ModelDims("Llama-3.2-3B", "llama", 3072, 28, 24, 8, 8192, 128256, True, source=_HF),
+    "llama-3.1-8b": ModelDims("Llama-3.1-8B", "llama", 4096, 32, 32, 8, 14336, 128256, False, source=_HF),
     "qwen2.5-0.5b": ModelDims("Qwen2.5-0.5B", "qwen2", 896, 24, 14, 2, 4864, 151936, True, qkv_bias=True, source=_HF),
     "qwen2.5-1.5b": ModelDims("Qwen2.5-1.5B", "qwen2", 1536, 28, 12, 2, 8960, 151936, True, qkv_bias=True, source=_HF),
 }

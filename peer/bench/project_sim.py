@@ -43,7 +43,8 @@ class _Link:
 
 
 def simulate(tasks: Tasks, stages: int, replicas: int, micro_batches: int, tokens_per_mb: int, rate_bytes_s: float | None,
-             burst_bytes: float = 0.0, shared_cores: float | None = None, queue_s: float = 0.0, steps: int | None = None, seed: int = 0) -> Schedule:
+             burst_bytes: float = 0.0, shared_cores: float | None = None, queue_s: float = 0.0, steps: int | None = None, seed: int = 0,
+             sync_s: list[float] | None = None) -> Schedule:
     """Event simulation of the swarm's schedule (module docstring); tokens/s of all stage-0 peers.
 
     Each peer is a serial worker: a step when M micro-batches are done, else the oldest backward,
@@ -59,7 +60,13 @@ def simulate(tasks: Tasks, stages: int, replicas: int, micro_batches: int, token
     TCP fills the queue and loses segments, and their retransmissions wait behind the full
     queue, so the receiver gets the message's last bytes about one queue later; the last
     message of a burst finds the queue draining and is on time (a plain TCP probe on the bed
-    shows this)."""
+    shows this).
+
+    `sync_s` (per stage, seconds): the synchronous baseline (`dense_sync`). A peer steps only
+    once every replica of its stage has its step's gradients, and the step then takes
+    `sync_s[s]` more (the gradient all-reduce, on links the flushed pipeline leaves idle); stage 0
+    starts a step only when every peer of every stage has applied the previous one (GPipe's
+    flush)."""
     K, R, M = stages, replicas, micro_batches
     steps = steps or (8 if R == 1 else 30)
     warm = 2 if R == 1 else 6
@@ -85,12 +92,16 @@ def simulate(tasks: Tasks, stages: int, replicas: int, micro_batches: int, token
     def pick(p) -> tuple[float, str, object] | None:
         s, _ = p
         if done[p] >= M:
-            return tasks.step[s], "step", None
+            if sync_s is None:
+                return tasks.step[s], "step", None
+            if all(done[(s, j)] >= M or version[(s, j)] > version[p] for j in range(R)):  # the all-reduce waits for the whole group
+                return tasks.step[s] + sync_s[s], "step", None
+            return None
         if bwd_q[p]:
             return tasks.bwd[s], "bwd", bwd_q[p].popleft()
         if s > 0 and fwd_q[p]:
             return tasks.fwd[s], "fwd", fwd_q[p].popleft()
-        if s == 0 and next_mb[p] // M == version[p] and inflight[p] < M:
+        if s == 0 and next_mb[p] // M == version[p] and inflight[p] < M and (sync_s is None or min(version.values()) >= version[p]):
             return tasks.fwd[0], "inject", None
         return None
 
@@ -130,6 +141,11 @@ def simulate(tasks: Tasks, stages: int, replicas: int, micro_batches: int, token
             on_link[(src, dst)] = [now + d, event, False]
             seq += 1
 
+    def hop(i: int) -> int:
+        """The next-stage replica: any (uniform) in the swarm; the same replica in the
+        synchronous baseline, whose R pipelines are fixed chains (DP across them)."""
+        return i if sync_s is not None else rng.randrange(R)
+
     def finish(p, kind: str, payload) -> None:
         s, i = p
         if kind == "step":
@@ -140,9 +156,9 @@ def simulate(tasks: Tasks, stages: int, replicas: int, micro_batches: int, token
         elif kind == "inject":
             next_mb[p] += 1
             inflight[p] += 1
-            send(p, (1, rng.randrange(R)), tasks.act_wire[0], "act", (p,))
+            send(p, (1, hop(i)), tasks.act_wire[0], "act", (p,))
         elif kind == "fwd" and s < K - 1:
-            send(p, (s + 1, rng.randrange(R)), tasks.act_wire[s], "act", payload + (p,))
+            send(p, (s + 1, hop(i)), tasks.act_wire[s], "act", payload + (p,))
         elif kind == "fwd":  # last stage: forward + loss + backward
             done[p] += 1
             send(p, payload[-1], tasks.grad_wire[s - 1], "grad", payload[:-1])
