@@ -85,13 +85,13 @@ def test_a_failed_checkpoint_is_logged_counted_cleaned_and_the_next_one_succeeds
         with caplog.at_level(logging.ERROR, logger="peer.daemon.main"):
             d.checkpointer.write(wait=True)
         assert thread_errors == []
-        assert d.checkpoint_failures == 1 and d.checkpointer.written == 4  # step 8 may be tried again
+        assert d.checkpointer.failures == 1 and d.checkpointer.written == 4  # step 8 may be tried again
         assert leftovers(d.checkpoints.dir) == good and d.checkpoints.steps() == [4]
         assert "checkpoint at step 8 failed (1 so far), training goes on" in caplog.text
         assert ("RuntimeError: " if fault == "torch-runtime-error" else "No space left on device") in caplog.text  # torch re-raises its own
         monkeypatch.undo()  # the disk has room again
         d.checkpointer.write(wait=True)  # the same step, tried again (as at exit)
-        assert d.checkpoints.steps() == [8, 4] and d.checkpointer.written == 8 and d.checkpoint_failures == 1
+        assert d.checkpoints.steps() == [8, 4] and d.checkpointer.written == 8 and d.checkpointer.failures == 1
         assert d.checkpoints.newest().step == 8 and thread_errors == []
     finally:
         d.transport.close()
@@ -146,7 +146,7 @@ def test_a_real_full_disk_fails_a_checkpoint_and_metrics_cleanly_then_both_resum
             d.checkpointer.write(wait=True)
             for step in range(5, 9):
                 assert not metrics.write({"step": step, "pad": "x" * 5000})  # more than the page it has
-        assert thread_errors == [] and d.checkpoint_failures == 1 and metrics.failures == 4
+        assert thread_errors == [] and d.checkpointer.failures == 1 and metrics.failures == 4
         assert "checkpoint at step 8 failed" in caplog.text
         assert "No space left on device" in caplog.text or "no space left on device?" in caplog.text
         assert caplog.text.count("cannot write") == 1  # rate-limited

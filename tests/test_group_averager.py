@@ -633,19 +633,16 @@ def test_a_member_hivemind_left_out_is_told_apart_from_a_lie() -> None:
     """hivemind drops a sender whose stream fails and reduces the others' parts: a result equal to
     the others' trimmed mean names the dropped member; any other mismatch (or a pair, or this peer
     dropped) stays a lie nobody can be attributed."""
-    from types import SimpleNamespace
-
+    from peer.dp.claims import left_out
     from peer.dp.robust import trimmed_mean
 
     torch.manual_seed(0)
     common = torch.randn(64)
     claims = {"me": common + 0.1 * torch.randn(64), "b": common + 0.1 * torch.randn(64), "c": -common}
-    fake = SimpleNamespace(averager=SimpleNamespace(peer_id="me"))
-    left_out = GroupAverager._left_out
-    assert left_out(fake, claims, (claims["me"] + claims["b"]) / 2, 1e-3) == "c"
-    assert left_out(fake, claims, trimmed_mean(torch.stack([claims["b"], claims["c"]])), 1e-3) is None  # only "me" could explain it
-    assert left_out(fake, claims, (claims["me"] + claims["b"]) / 2 + 0.05, 1e-3) is None
-    assert left_out(fake, {"me": claims["me"], "b": claims["b"]}, claims["me"], 1e-3) is None
+    assert left_out(claims, (claims["me"] + claims["b"]) / 2, 1e-3, "me") == "c"
+    assert left_out(claims, trimmed_mean(torch.stack([claims["b"], claims["c"]])), 1e-3, "me") is None  # only "me" could explain it
+    assert left_out(claims, (claims["me"] + claims["b"]) / 2 + 0.05, 1e-3, "me") is None
+    assert left_out({"me": claims["me"], "b": claims["b"]}, claims["me"], 1e-3, "me") is None
 
 
 def test_a_non_member_gets_no_state_and_no_round_and_a_member_gets_both() -> None:

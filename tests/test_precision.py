@@ -37,7 +37,7 @@ def test_bf16_with_fp32_masters_tracks_fp32_training() -> None:
         # masters and AdamW state in fp32; the layers ran on one bf16 copy kept across steps
         assert all(p.dtype == torch.float32 for p in w.stage.parameters())
         assert all(st["exp_avg"].dtype == torch.float32 and st["exp_avg_sq"].dtype == torch.float32 for st in w.optimizer.opt.state.values())
-        assert w._work is not None and all(t.dtype == torch.bfloat16 for t in w._work.values())
+        assert w.weights.work is not None and all(t.dtype == torch.bfloat16 for t in w.weights.work.values())
 
 
 def test_working_copy_is_persistent_and_follows_the_masters() -> None:
@@ -49,12 +49,12 @@ def test_working_copy_is_persistent_and_follows_the_masters() -> None:
     runner = LocalPipelineRunner(cfg, load_causal_lm(MODEL, seed=3), windows, placement=BF16)
     runner.run(1)
     w = runner.workers[0][0]
-    ids = {n: t.data_ptr() for n, t in w._work.items()}
+    ids = {n: t.data_ptr() for n, t in w.weights.work.items()}
     runner.run(3)
-    assert {n: t.data_ptr() for n, t in w._work.items()} == ids
-    w._working()
+    assert {n: t.data_ptr() for n, t in w.weights.work.items()} == ids
+    w.weights.working()
     for n, p in w.stage.named_parameters():
-        torch.testing.assert_close(w._work[n], p.detach().to(torch.bfloat16), rtol=0, atol=0)
+        torch.testing.assert_close(w.weights.work[n], p.detach().to(torch.bfloat16), rtol=0, atol=0)
     runner.close()
 
 

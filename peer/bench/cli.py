@@ -11,6 +11,12 @@ from pathlib import Path
 from peer.errors import ConfigError
 
 
+def _swarm_shape(p: argparse.ArgumentParser) -> None:
+    """The swarm's shape, the same flags for every bench that builds or models one."""
+    p.add_argument("--stages", type=int, default=2, help="pipeline stages (default 2)")
+    p.add_argument("--replicas", type=int, default=2, help="peers per stage (default 2)")
+
+
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     """The `bench` subcommand and its subcommands, on the entry point's parser."""
     bench = sub.add_parser("bench", help="benchmarks (JSON out)")
@@ -25,8 +31,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     t = bsub.add_parser("throughput", help="tokens/s of dense vs masked vs masked+DP vs compute-bound on shaped links (network namespaces; root)")
     t.add_argument("--quick", action="store_true", help="short runs that end within 8 minutes on 2 CPU cores")
     t.add_argument("--bandwidth-mbit", type=float, default=None, help="link speed of every host (default: the GPU-equivalent of 200 Mbit/s, see README)")
-    t.add_argument("--stages", type=int, default=2, help="pipeline stages (default 2)")
-    t.add_argument("--replicas", type=int, default=2, help="peers per stage (default 2)")
+    _swarm_shape(t)
     t.add_argument("--modes", help="comma-separated subset of compute_bound,dense,masked,masked_dp")
     t.add_argument("--repeat", type=int, default=None, help="measure every mode this many times, interleaved (A B C D A B C D ...); medians and spreads in OUT (default 3; 1 with --quick)")
     t.add_argument("--json", required=True, type=Path, help="write the result here")
@@ -34,15 +39,13 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     mx.add_argument("--quick", action="store_true", help="short runs (steps 10 to 70 per mode; about 7 minutes on 2 CPU cores)")
     mx.add_argument("--bandwidth-mbit", type=float, default=None, help="the fast links' speed (default: the GPU-equivalent of 200 Mbit/s)")
     mx.add_argument("--slow-factor", type=float, default=8.0, help="how many times slower the second peer of each stage group is linked (default 8)")
-    mx.add_argument("--stages", type=int, default=2, help="pipeline stages (default 2)")
-    mx.add_argument("--replicas", type=int, default=2, help="peers per stage (default 2)")
+    _swarm_shape(mx)
     mx.add_argument("--json", required=True, type=Path, help="write the result here")
-    pr = bsub.add_parser("project", help="predicted tokens/s of the throughput bench's four modes for a model on a device at a link speed (see peer/bench/project.py)")
+    pr = bsub.add_parser("project", help="predicted tokens/s of the throughput bench's four modes and of dense_sync (stock pipeline + data parallelism) for a model on a device at a link speed (see peer/bench/project.py)")
     pr.add_argument("--model", default="tiny-llama", help="run.toml path, local model folder, or tiny-llama / llama-3.2-1b / llama-3.2-3b / llama-3.1-8b / qwen2.5-0.5b / qwen2.5-1.5b (default tiny-llama)")
     pr.add_argument("--gpu", required=True, help="rtx4090, a100, h100 (published bf16 FLOP/s x --mfu), or cpu (measured on this machine)")
     pr.add_argument("--bandwidth-mbit", type=float, required=True, help="every host's link speed, each way")
-    pr.add_argument("--stages", type=int, default=2, help="pipeline stages (default 2)")
-    pr.add_argument("--replicas", type=int, default=2, help="peers per stage (default 2)")
+    _swarm_shape(pr)
     pr.add_argument("--mfu", type=float, default=None, help="fraction of the GPU's peak reached (default: measured by a `bench gpu` run, --mfu-from or docs/gpu-bench-DEVICE.json, else 0.40)")
     pr.add_argument("--mfu-from", type=Path, default=None, help="an `anchormesh bench gpu` result on this GPU: its measured bf16 rate sets the MFU")
     pr.add_argument("--dp-every", type=int, default=10, help="steps between DP rounds of masked_dp and compute_bound (default 10, the full bench's)")

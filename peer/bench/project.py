@@ -185,7 +185,7 @@ def project_sync(c: Costs, bandwidth_mbit: float | None, burst_bytes: float = 0.
     rate = None if bandwidth_mbit is None else bandwidth_mbit * 1e6 / 8
     sync_s = [w / rate if rate else 0.0 for w in wire]
     sched = simulate(tasks, K, R, M, c.shape.tokens, rate, burst_bytes, shared_cores, queue_s, sync_s=sync_s)
-    pp_wire = M * R * (K - 1) * (tasks.act_wire[0] + tasks.grad_wire[0] + tasks.act_ack[0] + tasks.grad_ack[0])
+    pp_wire = tasks.pp_wire_per_step(R, M)
     return {
         "tokens_per_s": sched.tokens_per_s,
         "bound": "sync",  # the flush and the all-reduce: neither overlaps the other's work
@@ -263,7 +263,7 @@ def project_mode(c: Costs, mode: str, bandwidth_mbit: float | None, burst_bytes:
         every = max(every, max(dp_wire_step) * dp["inner_steps"] / (dp_rate * app.step_s))
         app_bound = "dp" if max(up) / (rate / 2) > compute_s else "compute"
     pp_app = M * R * (K - 1) * (c.bytes[mode].activation + c.bytes[mode].gradient + (R * c.bytes[mode].basis / (mode_mask(mode).basis_refresh * M) if c.bytes[mode].basis else 0.0))
-    pp_wire = M * R * (K - 1) * (tasks.act_wire[0] + tasks.grad_wire[0] + tasks.act_ack[0] + tasks.grad_ack[0])
+    pp_wire = tasks.pp_wire_per_step(R, M)
     dp_app = R * sum(dp_app_step)
     slow = dp["inner_steps"] / every  # DP bytes per step at the achieved cadence, relative to the configured one
     return {

@@ -23,6 +23,10 @@ class Tasks:
     act_ack: list[float]  # ACK bytes the activation's receiver sends back
     grad_ack: list[float]
 
+    def pp_wire_per_step(self, replicas: int, micro_batches: int) -> float:
+        """Pipeline bytes on the wire per step, all links and peers: both directions and their ACKs."""
+        return micro_batches * replicas * len(self.act_wire) * (self.act_wire[0] + self.grad_wire[0] + self.act_ack[0] + self.grad_ack[0])
+
 
 @dataclass
 class Schedule:

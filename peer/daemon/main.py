@@ -130,11 +130,6 @@ class PeerDaemon:
         self.checkpointer = Checkpointer(self, self.state_sync)
         self.membership = Membership(self, self.router, self.jobs)
 
-    @property
-    def checkpoint_failures(self) -> int:
-        """Checkpoint writes that failed (full disk, I/O error): logged, training goes on."""
-        return self.checkpointer.failures
-
     def step_lock(self) -> threading.Lock:
         """The lock every change of the stage's weights holds (peer/daemon/averaging.py)."""
         return step_lock(self.averager, self._weights_lock)

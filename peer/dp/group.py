@@ -42,7 +42,7 @@ from concurrent.futures import Future
 
 import torch
 
-from peer.dp.claims import attribute, implausible, left_out, sample_index, take
+from peer.dp.claims import attribute, implausible, sample_index, take
 from peer.dp.hivemind_averager import RoundResult, StateFn, absmax_8bit, averager_class, lost_masks
 from peer.dp.schedule import WIRE_BYTES, RoundSchedule, round_bytes
 from peer.errors import AnchormeshError
@@ -344,10 +344,6 @@ class GroupAverager:
             log.info("stage-group averaging: hivemind left member %s's part out of the round (its sending failed)", dropped)
             self.left_out += 1
         return why, named
-
-    def _left_out(self, claims: dict[str, torch.Tensor], result: torch.Tensor, tolerance: float) -> str | None:
-        """`claims.left_out` for this peer."""
-        return left_out(claims, result, tolerance, str(self.averager.peer_id))
 
     def rebase(self) -> None:
         """After the parameters were replaced wholesale (a downloaded state): they are the new

@@ -128,23 +128,6 @@ class StageWorker:
         return self.links.mask_codec_for(dst, elements, fixed)
 
     @property
-    def _mask_codecs(self) -> dict[float, MaskCodec]:
-        return self.links.mask_codecs
-
-    def _coef_shape(self, hidden: pb.TensorPayload, ids: torch.Tensor) -> tuple[int, ...]:
-        return self.links.coef_shape(hidden, ids)
-
-    def _inbound_codec(self, hidden: pb.TensorPayload) -> MaskCodec:
-        return self.links.inbound_codec(hidden)
-
-    @property
-    def _work(self) -> dict[str, torch.Tensor] | None:
-        return self.weights.work
-
-    def _working(self) -> dict[str, torch.Tensor] | None:
-        return self.weights.working()
-
-    @property
     def addr(self) -> Address:
         return self.peer_id or (self.stage.index, self.replica)
 
