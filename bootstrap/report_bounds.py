@@ -25,7 +25,7 @@ def implausible(p: PeerRecord, info: pb.PeerInfo, tokens: int, now: float, pipel
     if info.step < p.step:
         return f"step {info.step} is below its last reported step {p.step}"
     if info.step > ceiling:
-        return f"step {info.step} is over {ceiling:.0f} ({MAX_STEPS_PER_S:g} steps/s since its last report)"
+        return f"step {info.step} is over {ceiling:.0f} ({MAX_STEPS_PER_S:g} steps/s since its last report taken as true)"
     if tokens < p.tokens:
         return f"tokens {tokens} below its last report's {p.tokens}"
     if tokens - p.tokens > (info.step - p.step + STEP_SLACK) * per_step:
