@@ -23,6 +23,7 @@ from bootstrap.peer_view import peer_info, suspects
 from bootstrap.report_bounds import implausible
 from bootstrap.roster import LIVE, Banned, JoinRefused, PeerRecord, live
 from peer import __version__
+from peer.capacity import step_ceiling
 from peer.config import TrainConfig
 from peer.model.stages import layer_ranges
 from peer.security.identity import fingerprint
@@ -122,6 +123,7 @@ class Tracker:
             if stage is None or (fits is not None and stage not in fits):
                 stage = self.balance.pick_stage(self.peers.values(), fits)
             start_step = max((p.step for p in self.peers.values() if p.stage == stage), default=0)
+            restore = self._restore_source(stage)
             mates = [m for q in self.live(stage) for m in q.dht_maddrs[:MAX_MADDRS_PER_PEER]]
             self.peers[req.peer_id] = PeerRecord(
                 req.peer_id, stage, req.grpc_address, last_seen=self.clock(), joined_at=self.clock(), dht_maddrs=tuple(req.dht_maddrs[:MAX_MADDRS_PER_PEER]), key=key.hex(),
@@ -141,6 +143,7 @@ class Tracker:
             dht_maddrs=self.dht_maddrs,
             group_dht_maddrs=mates,
             anchors_issued=self.anchors.launched,
+            restore_from=restore,
         )
 
     def run_config(self) -> pb.RunConfig:
@@ -179,6 +182,10 @@ class Tracker:
             p.dp_suspects = tuple(x[:300] for x in info.dp_suspects[:MAX_SUSPECTS])
             p.excluding = tuple(x[:300] for x in info.excluding[:MAX_SUSPECTS])
             p.startup_s = info.startup_s if math.isfinite(info.startup_s) and 0 <= info.startup_s < 1e7 else 0.0
+            # a claimed replica newer than the run is a lie: a joiner would only refuse it after the download
+            ok = info.replica_stage < self.config.model.num_stages and info.replica_step <= step_ceiling(self._run_step(), 2 * self.heartbeat_interval_s)
+            p.replica_stage, p.replica_step = (info.replica_stage, info.replica_step) if ok else (0, 0)
+            p.resumed_from = info.resumed_from[:200]
             self._expire()
             if self._budget_spent():
                 return pb.Directive(kind=pb.Directive.STOP, reason=f"the run's token budget of {self.config.token_budget} tokens is spent")
@@ -203,7 +210,32 @@ class Tracker:
                 if directive.anchor_id:
                     directive.anchor_micro_batches = self.config.anchor.micro_batches
             directive.anchors_issued = self.anchors.launched
+            source = self._replica_source(p)
+            if source is not None:
+                directive.replicate.CopyFrom(peer_info(source, self.clock()))
         return directive
+
+    def _replica_source(self, p: PeerRecord) -> PeerRecord | None:
+        """The most-trained serving peer of the stage `p` keeps a replica of: the next stage (the
+        last stage's is stage 0), so every stage's state lives on another stage's peers too."""
+        K = self.config.model.num_stages
+        if K < 2 or p.state not in ("active", "idle"):
+            return None
+        ward = (p.stage + 1) % K
+        return max((q for q in self.live(ward) if q.state in ("active", "idle")), key=lambda q: (q.step, q.peer_id), default=None)
+
+    def _restore_source(self, stage: int) -> pb.PeerInfo | None:
+        """When `stage` has no live peer (its whole group died): the live peer holding the newest
+        replica of its state, its step in `step`; None while the group lives or nobody holds one."""
+        if self.live(stage):
+            return None
+        holders = [q for q in self.live() if q.replica_step > 0 and q.replica_stage == stage and q.state in ("active", "idle")]
+        best = max(holders, key=lambda q: (q.replica_step, q.peer_id), default=None)
+        if best is None:
+            return None
+        info = peer_info(best, self.clock())
+        info.step = best.replica_step
+        return info
 
     def _tokens(self) -> int:
         return sum(p.tokens for p in self.peers.values() if p.stage == 0)  # stage 0 feeds every token once

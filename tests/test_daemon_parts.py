@@ -193,8 +193,10 @@ def member() -> tuple[SimpleNamespace, Membership]:
     d = SimpleNamespace(
         peer_id="me", address="h:9", identity=SimpleNamespace(fingerprint="fp"), gate=SimpleNamespace(refused=collections.Counter(a=2, b=1), banned={"old": "x"}),
         transport=transport, stop=threading.Event(), worker=worker, averager=None, anchor=None, state="active", reason="", tokens=4096,
-        tokens_per_s=12.5, capacity=40.0, loss=2.5, steps_done=0, startup_s=0.0, move_reason="", refused="",
+        tokens_per_s=12.5, capacity=40.0, loss=2.5, steps_done=0, startup_s=0.0, move_reason="", refused="", resumed_from="group step 5",
+        replicas=SimpleNamespace(stage=2, step=7, pulls_asked=[]),
     )
+    d.replicas.maybe_pull = d.replicas.pulls_asked.append
     return d, Membership(d, Router(transport, "me", lambda: worker), AnchorJobs())
 
 
@@ -204,6 +206,7 @@ def test_membership_reports_the_peer_s_figures() -> None:
     assert (r.run_id, r.tokens, r.peer.peer_id, r.peer.stage, r.peer.step, r.peer.address) == ("run", 4096, "me", 1, 9, "h:9")
     assert (r.peer.queue_depth, r.peer.bytes_in, r.peer.bytes_out, r.peer.refused_calls, r.peer.key_fingerprint) == (3, 100, 250, 3, "fp")
     assert list(r.peer.excluding) == ["x1", "x2", "x3", "x4"] and r.peer.dp_rounds == 0 and r.peer.anchor_id == 0
+    assert (r.peer.replica_stage, r.peer.replica_step, r.peer.resumed_from) == (2, 7, "group step 5")
     assert r.peer.reason.startswith("starting (") and r.peer.reason.endswith(" s since start)")  # before its first step
     d.steps_done, d.reason = 1, "waiting for a peer of stage 1"
     assert m.report().peer.reason == "waiting for a peer of stage 1"
@@ -220,13 +223,15 @@ class Refused(grpc.RpcError):
 def test_membership_obeys_the_directives() -> None:
     d, m = member()
     directives = [
-        pb.Directive(neighbours=[pb.PeerInfo(peer_id="a", stage=2, address="h:1")], banned=["fp9"], anchor_id=7, anchor_micro_batches=2, eval_id=3),
+        pb.Directive(neighbours=[pb.PeerInfo(peer_id="a", stage=2, address="h:1")], banned=["fp9"], anchor_id=7, anchor_micro_batches=2, eval_id=3,
+                     replicate=pb.PeerInfo(peer_id="a", stage=2, address="h:1", step=8)),
         pb.Directive(kind=pb.Directive.MOVE, reason="stage 0 starves"),
     ]
     m.heartbeat(SimpleNamespace(Heartbeat=lambda requests: iter(directives)), 0.01)
     assert d.gate.banned == {"fp9": "banned by the run's operator"}  # the old ban is lifted, in place
     assert [n.peer_id for n in m.router.neighbours[2]] == ["a"] and list(m.jobs.anchors) == [(7, 2)] and list(m.jobs.evals) == [3]
     assert d.move_reason == "stage 0 starves" and d.stop.is_set()
+    assert [t.peer_id for t in d.replicas.pulls_asked] == ["a"]  # the copy of the next stage: from whom the tracker named
 
     d, m = member()
 

@@ -155,3 +155,35 @@ def test_a_flood_of_bad_pings_is_bounded_and_compressed_calls_are_refused() -> N
         t.close()
     assert t.rejected_count == 2000 and len(t.rejected) == RECENT
     assert len([r for r in records if "refused" in r.getMessage()]) <= 40
+
+
+def test_get_shard_hands_a_stage_s_training_state_its_own_or_the_replica_it_keeps(daemon: PeerDaemon) -> None:
+    """What a replica pull and a restore read (peer/daemon/replicas.py): the state of the stage the
+    peer serves, the copy of another stage it keeps, NOT_FOUND for any other, and a copy larger
+    than the puller allows is refused before it is read."""
+    from peer.daemon.replicas import Replicas
+    from peer.store.shard import state_from_tensors
+
+    target = daemon.transport.endpoints[daemon.peer_id]
+    stage = split_model(load_causal_lm(MODEL, seed=0), 2)[1]
+    names = [n for n, _ in stage.named_parameters()]
+    params = [p.detach().clone() for _, p in stage.named_parameters()]
+    state = params + [torch.full_like(p, 0.1) for p in params] + [torch.full_like(p, 0.04) for p in params]
+    daemon.worker = SimpleNamespace(stage=stage, version=5)
+    daemon.state = "active"
+    daemon.state_sync.stage_state = lambda: ({"version": 5, "adam_step": 5.0}, state)
+    puller = Replicas(SimpleNamespace(channel=lambda address: auth.open_channel(address, daemon.member)), "puller")
+    puller.configure("run-a", every_s=1.0, state_dir=None, own_state_bytes=10**6)
+    holder = pb.PeerInfo(peer_id=daemon.peer_id, stage=1, address=target, step=5)
+    meta, tensors = state_from_tensors(puller.fetch(holder).tensors, names)
+    assert meta == {"version": 5, "adam_step": 5.0} and all(torch.equal(a, b) for a, b in zip(state, tensors))
+    with pytest.raises(grpc.RpcError) as exc:  # stage 0: neither served nor kept
+        puller.fetch(holder, stage=0)
+    assert exc.value.code() == grpc.StatusCode.NOT_FOUND and "no replica of stage 0" in exc.value.details()
+    daemon.replicas.configure("run-a", every_s=1.0, state_dir=None, own_state_bytes=10**6)
+    assert puller.pull(holder) and (puller.stage, puller.step) == (1, 5)  # the puller now keeps stage 1's copy
+    daemon.replicas._keep(0, 4, puller.fetch(holder).tensors)  # and the daemon one of "stage 0"
+    assert puller.fetch(holder, stage=0).step == 4
+    puller.max_bytes = 1000
+    with pytest.raises(ShardError, match="more than the 1000"):
+        puller.fetch(holder)

@@ -52,6 +52,7 @@ from peer.daemon.averaging import apply_step, start_averaging, step_lock
 from peer.daemon.checkpointing import Checkpointer
 from peer.daemon.membership import TRACKER_CHANNEL_OPTIONS, Membership, dht_maddrs_from_tracker, find_tracker, leave, process_age_s, start_dht
 from peer.daemon.memory import anchor_snapshot_slots, check_fits, free_bytes, plan_stages
+from peer.daemon.replicas import Replicas, own_state_bytes
 from peer.daemon.routing import Router
 from peer.daemon.runlog import MetricsLog
 from peer.daemon.serving import Serving
@@ -122,13 +123,14 @@ class PeerDaemon:
         self.startup_s = 0.0  # process start to its first optimizer step (0: not yet)
         self.state_step = -1  # the step of the stage state taken from a checkpoint or the group; -1 = initial weights
         self.metrics_log: MetricsLog | None = None  # last stage with --state-dir: metrics.jsonl
-        self.resumed_from = "initial weights"  # where the stage state came from: initial weights, checkpoint step N, group step N
+        self.resumed_from = "initial weights"  # where the stage state came from: initial weights, checkpoint step N, group step N, replica step N from PEER
         # the parts, each with one job; they read the shared fields above when asked
         self.router = Router(self.transport, self.peer_id, lambda: self.worker)
         self.jobs = AnchorJobs()
         self.state_sync = StateSync(self)
         self.checkpointer = Checkpointer(self, self.state_sync)
         self.membership = Membership(self, self.router, self.jobs)
+        self.replicas = Replicas(self.transport, self.peer_id)  # the copy of another stage's state it keeps
 
     def step_lock(self) -> threading.Lock:
         """The lock every change of the stage's weights holds (peer/daemon/averaging.py)."""
@@ -197,7 +199,10 @@ class PeerDaemon:
             self.checkpoints = ShardCheckpoints(self.state_dir, a.run_id, a.stage, keep=cfg.checkpoint.keep, run_info=run_info)
             self.reason = "checking its checkpoints"
             self.checkpointer.resume()
-        if a.start_step > max(self.state_step, 0):  # the run has trained past what this peer holds: ask the group
+        self.replicas.configure(a.run_id, cfg.checkpoint.replicate_every_s, self.state_dir, own_state_bytes(stage))
+        if a.HasField("restore_from"):  # its whole group died: the newest replica another stage's peer keeps
+            self._restore(a)
+        elif a.start_step > max(self.state_step, 0):  # the run has trained past what this peer holds: ask the group
             self.reason = "downloading its stage's state from the group"
             self.state_sync.load_group_state()
         stream = gen = None
@@ -243,6 +248,18 @@ class PeerDaemon:
             if metrics is not None:
                 metrics.close()
             log.info("%s left after %d steps", self.peer_id, self.worker.version)
+
+    def _restore(self, a) -> None:
+        """This stage has no live peer: take the replica `a.restore_from` holds when it is newer
+        than this peer's own checkpoint; status says where the state came from and what was lost."""
+        holder = a.restore_from
+        if holder.step > max(self.state_step, 0):
+            self.reason = f"restoring its stage's state from the replica {holder.peer_id} holds (step {holder.step})"
+            names = [name for name, _ in self.worker.stage.named_parameters()]
+            if self.replicas.restore(holder, a.stage, names, self.state_sync.apply_state):
+                self.resumed_from = f"replica step {self.state_step} from {holder.peer_id}"
+        lost = max(a.start_step - max(self.state_step, 0), 0)
+        log.warning("stage %d had no live peer: resumed from %s (%d steps of its training lost)", a.stage, self.resumed_from, lost)
 
     def _refuse_config(self, run_id: str, exc: ConfigError) -> None:
         """This peer cannot serve the stage it was given (its device, its memory): it tells the

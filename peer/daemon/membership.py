@@ -31,6 +31,7 @@ from peer.address import announce_maddr, free_port
 from peer.config import TrainConfig
 from peer.daemon.anchors import AnchorJobs
 from peer.daemon.memory import free_bytes, plan_stages
+from peer.daemon.replicas import Replicas
 from peer.daemon.routing import Router
 from peer.dp.group import GroupAverager
 from peer.errors import ConfigError
@@ -232,6 +233,8 @@ class Member(Protocol):
     startup_s: float
     move_reason: str
     refused: str
+    resumed_from: str
+    replicas: Replicas
 
 
 class Membership:
@@ -305,6 +308,7 @@ class Membership:
                 key_fingerprint=d.identity.fingerprint,
                 link_mbit=link_mbit, pp_keep=pp_keep, dp_period_s=averager.period_s if averager else 0.0,
                 excluding=d.transport.excluding()[:4],  # the tracker keeps 4
+                replica_stage=d.replicas.stage, replica_step=d.replicas.step, resumed_from=d.resumed_from,
             ),
         )
 
@@ -360,3 +364,5 @@ class Membership:
             if directive.member_dht:
                 d.averager.members = set(directive.member_dht)
         self.jobs.take(directive, d.anchor)
+        if d.state != "joining":  # a joiner's link is for its own download first
+            d.replicas.maybe_pull(directive.replicate if directive.HasField("replicate") else None)

@@ -240,7 +240,10 @@ class GrpcTransport(Transport):
                 chunks = self.shard_source(addr, req)
             except AnchormeshError as exc:  # e.g. no stage yet: not the caller's fault
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-            log.info("stage server %s: sending its weights to %s", addr, req.sender or "an unnamed caller")
+            except KeyError as exc:  # a stage's state it does not hold
+                context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
+            what = f"the state of stage {req.stage}" if req.what == pb.ShardRequest.STATE else "its weights"
+            log.info("stage server %s: sending %s to %s", addr, what, req.sender or "an unnamed caller")
             yield from chunks
 
         return handle

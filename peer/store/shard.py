@@ -55,18 +55,18 @@ def shard_chunks(tensors: dict[str, torch.Tensor], *, run_id: str, peer_id: str,
     return chunks()
 
 
-def read_shard(chunks: Iterable[pb.ShardChunk], progress: Callable[[int, int], None] | None = None) -> Shard:
+def read_shard(chunks: Iterable[pb.ShardChunk], progress: Callable[[int, int], None] | None = None, max_bytes: int = MAX_SHARD_BYTES) -> Shard:
     """Reassemble and check a GetShard stream: contiguous offsets, the same header on every chunk,
-    the announced size, and the names of the first chunk equal to the file's. `progress(n, total)`
-    is called with each chunk's byte count. Raises ShardError."""
+    the announced size (at most `max_bytes`), and the names of the first chunk equal to the
+    file's. `progress(n, total)` is called with each chunk's byte count. Raises ShardError."""
     parts: list[bytes] = []
     first: pb.ShardChunk | None = None
     got = 0
     for c in chunks:
         if first is None:
             first = c
-            if c.total_bytes > MAX_SHARD_BYTES:
-                raise ShardError(f"shard of {c.total_bytes} bytes: more than the {MAX_SHARD_BYTES} a shard may have")
+            if c.total_bytes > max_bytes:
+                raise ShardError(f"shard of {c.total_bytes} bytes: more than the {max_bytes} it may have")
         key = (c.run_id, c.peer_id, c.stage, c.num_stages, c.step, c.total_bytes)
         if key != (first.run_id, first.peer_id, first.stage, first.num_stages, first.step, first.total_bytes):
             raise ShardError(f"chunk at offset {c.offset}: its header differs from the first chunk's")
@@ -89,3 +89,32 @@ def read_shard(chunks: Iterable[pb.ShardChunk], progress: Callable[[int, int], N
     if sorted(tensors) != list(first.names):
         raise ShardError(f"the file holds {len(tensors)} tensors, the header names {len(first.names)} others")
     return Shard(first.run_id, first.peer_id, first.stage, first.num_stages, first.step, tensors)
+
+
+# -- a stage's training state (parameters and AdamW moments) as a shard -----------------------------
+STATE_PARTS = ("param", "exp_avg", "exp_avg_sq")  # the order StateSync.stage_state lists them in
+
+
+def state_tensors(metadata: dict, names: list[str], tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`StateSync.stage_state`'s (metadata, tensors) as one dict a shard can carry: "param.NAME",
+    "exp_avg.NAME", "exp_avg_sq.NAME" under the stage module's own parameter names, and the step
+    counts as 0-dim tensors (a safetensors file holds tensors and strings only)."""
+    n = len(names)
+    out = {f"{part}.{name}": t.contiguous() for i, part in enumerate(STATE_PARTS) for name, t in zip(names, tensors[i * n : (i + 1) * n])}
+    out["meta.version"] = torch.tensor(int(metadata["version"]), dtype=torch.int64)
+    out["meta.adam_step"] = torch.tensor(float(metadata["adam_step"]), dtype=torch.float64)
+    return out
+
+
+def state_from_tensors(tensors: dict[str, torch.Tensor], names: list[str]) -> tuple[dict, list[torch.Tensor]]:
+    """The inverse of `state_tensors` for a stage with parameters `names`: raises ShardError when a
+    tensor is missing or one more is there (shapes and values are StateSync.apply_state's to check)."""
+    want = [f"{part}.{name}" for part in STATE_PARTS for name in names]
+    extra = set(tensors) - set(want) - {"meta.version", "meta.adam_step"}
+    missing = [k for k in [*want, "meta.version", "meta.adam_step"] if k not in tensors]
+    if missing or extra:
+        raise ShardError(f"not this stage's state: {len(missing)} tensors missing (e.g. {missing[:1]}), {len(extra)} unknown (e.g. {sorted(extra)[:1]})")
+    version, adam_step = tensors["meta.version"], tensors["meta.adam_step"]
+    if version.numel() != 1 or adam_step.numel() != 1:
+        raise ShardError("malformed step counts")
+    return {"version": int(version), "adam_step": float(adam_step)}, [tensors[k] for k in want]

@@ -167,12 +167,22 @@ class AnchorPrior(_message.Message):
     def __init__(self, header: _Optional[_Union[MicroBatchHeader, _Mapping]] = ..., stage: _Optional[int] = ..., grads: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ..., loss: _Optional[float] = ...) -> None: ...
 
 class ShardRequest(_message.Message):
-    __slots__ = ("run_id", "sender")
+    __slots__ = ("run_id", "sender", "what", "stage")
+    class What(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        WEIGHTS: _ClassVar[ShardRequest.What]
+        STATE: _ClassVar[ShardRequest.What]
+    WEIGHTS: ShardRequest.What
+    STATE: ShardRequest.What
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
+    WHAT_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     sender: str
-    def __init__(self, run_id: _Optional[str] = ..., sender: _Optional[str] = ...) -> None: ...
+    what: ShardRequest.What
+    stage: int
+    def __init__(self, run_id: _Optional[str] = ..., sender: _Optional[str] = ..., what: _Optional[_Union[ShardRequest.What, str]] = ..., stage: _Optional[int] = ...) -> None: ...
 
 class ShardChunk(_message.Message):
     __slots__ = ("run_id", "peer_id", "stage", "num_stages", "step", "total_bytes", "offset", "data", "names")
@@ -219,7 +229,7 @@ class JoinRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., code_version: _Optional[str] = ..., dht_maddrs: _Optional[_Iterable[str]] = ..., tls_public_key: _Optional[bytes] = ..., device: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., stage_memory_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("run_id", "stage", "num_stages", "layer_start", "layer_end", "run_config_json", "heartbeat_interval_s", "start_step", "dht_maddrs", "group_dht_maddrs", "certificate", "tracker_key", "calls_per_s", "messages_per_s", "tls_certificate", "anchors_issued")
+    __slots__ = ("run_id", "stage", "num_stages", "layer_start", "layer_end", "run_config_json", "heartbeat_interval_s", "start_step", "dht_maddrs", "group_dht_maddrs", "certificate", "tracker_key", "calls_per_s", "messages_per_s", "tls_certificate", "anchors_issued", "restore_from")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
@@ -236,6 +246,7 @@ class Assignment(_message.Message):
     MESSAGES_PER_S_FIELD_NUMBER: _ClassVar[int]
     TLS_CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
     ANCHORS_ISSUED_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_FROM_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     stage: int
     num_stages: int
@@ -252,10 +263,11 @@ class Assignment(_message.Message):
     messages_per_s: float
     tls_certificate: bytes
     anchors_issued: int
-    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., run_config_json: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., start_step: _Optional[int] = ..., dht_maddrs: _Optional[_Iterable[str]] = ..., group_dht_maddrs: _Optional[_Iterable[str]] = ..., certificate: _Optional[bytes] = ..., tracker_key: _Optional[bytes] = ..., calls_per_s: _Optional[float] = ..., messages_per_s: _Optional[float] = ..., tls_certificate: _Optional[bytes] = ..., anchors_issued: _Optional[int] = ...) -> None: ...
+    restore_from: PeerInfo
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., run_config_json: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., start_step: _Optional[int] = ..., dht_maddrs: _Optional[_Iterable[str]] = ..., group_dht_maddrs: _Optional[_Iterable[str]] = ..., certificate: _Optional[bytes] = ..., tracker_key: _Optional[bytes] = ..., calls_per_s: _Optional[float] = ..., messages_per_s: _Optional[float] = ..., tls_certificate: _Optional[bytes] = ..., anchors_issued: _Optional[int] = ..., restore_from: _Optional[_Union[PeerInfo, _Mapping]] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
-    __slots__ = ("peer_id", "stage", "address", "state", "last_seen_s", "tokens_per_s", "bytes_in", "bytes_out", "step", "loss", "queue_depth", "reason", "dp_rounds", "anchor_id", "anchor_bytes_out", "capacity_tokens_per_s", "dp_bytes_out", "dp_dense_bytes", "eval_id", "eval_loss", "dp_rejected", "refused_calls", "key_fingerprint", "dp_suspects", "dp_flagged", "link_mbit", "pp_keep", "dp_period_s", "device", "memory_bytes", "memory_plan_bytes", "refused_reports", "excluding", "startup_s")
+    __slots__ = ("peer_id", "stage", "address", "state", "last_seen_s", "tokens_per_s", "bytes_in", "bytes_out", "step", "loss", "queue_depth", "reason", "dp_rounds", "anchor_id", "anchor_bytes_out", "capacity_tokens_per_s", "dp_bytes_out", "dp_dense_bytes", "eval_id", "eval_loss", "dp_rejected", "refused_calls", "key_fingerprint", "dp_suspects", "dp_flagged", "link_mbit", "pp_keep", "dp_period_s", "device", "memory_bytes", "memory_plan_bytes", "refused_reports", "excluding", "startup_s", "replica_stage", "replica_step", "resumed_from")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -290,6 +302,9 @@ class PeerInfo(_message.Message):
     REFUSED_REPORTS_FIELD_NUMBER: _ClassVar[int]
     EXCLUDING_FIELD_NUMBER: _ClassVar[int]
     STARTUP_S_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_STAGE_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_STEP_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FROM_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     stage: int
     address: str
@@ -324,7 +339,10 @@ class PeerInfo(_message.Message):
     refused_reports: int
     excluding: _containers.RepeatedScalarFieldContainer[str]
     startup_s: float
-    def __init__(self, peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., last_seen_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., queue_depth: _Optional[int] = ..., reason: _Optional[str] = ..., dp_rounds: _Optional[int] = ..., anchor_id: _Optional[int] = ..., anchor_bytes_out: _Optional[int] = ..., capacity_tokens_per_s: _Optional[float] = ..., dp_bytes_out: _Optional[int] = ..., dp_dense_bytes: _Optional[int] = ..., eval_id: _Optional[int] = ..., eval_loss: _Optional[float] = ..., dp_rejected: _Optional[int] = ..., refused_calls: _Optional[int] = ..., key_fingerprint: _Optional[str] = ..., dp_suspects: _Optional[_Iterable[str]] = ..., dp_flagged: _Optional[int] = ..., link_mbit: _Optional[float] = ..., pp_keep: _Optional[float] = ..., dp_period_s: _Optional[float] = ..., device: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., memory_plan_bytes: _Optional[int] = ..., refused_reports: _Optional[int] = ..., excluding: _Optional[_Iterable[str]] = ..., startup_s: _Optional[float] = ...) -> None: ...
+    replica_stage: int
+    replica_step: int
+    resumed_from: str
+    def __init__(self, peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., last_seen_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., queue_depth: _Optional[int] = ..., reason: _Optional[str] = ..., dp_rounds: _Optional[int] = ..., anchor_id: _Optional[int] = ..., anchor_bytes_out: _Optional[int] = ..., capacity_tokens_per_s: _Optional[float] = ..., dp_bytes_out: _Optional[int] = ..., dp_dense_bytes: _Optional[int] = ..., eval_id: _Optional[int] = ..., eval_loss: _Optional[float] = ..., dp_rejected: _Optional[int] = ..., refused_calls: _Optional[int] = ..., key_fingerprint: _Optional[str] = ..., dp_suspects: _Optional[_Iterable[str]] = ..., dp_flagged: _Optional[int] = ..., link_mbit: _Optional[float] = ..., pp_keep: _Optional[float] = ..., dp_period_s: _Optional[float] = ..., device: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., memory_plan_bytes: _Optional[int] = ..., refused_reports: _Optional[int] = ..., excluding: _Optional[_Iterable[str]] = ..., startup_s: _Optional[float] = ..., replica_stage: _Optional[int] = ..., replica_step: _Optional[int] = ..., resumed_from: _Optional[str] = ...) -> None: ...
 
 class PeerReport(_message.Message):
     __slots__ = ("run_id", "peer", "tokens")
@@ -337,7 +355,7 @@ class PeerReport(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., peer: _Optional[_Union[PeerInfo, _Mapping]] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class Directive(_message.Message):
-    __slots__ = ("kind", "reason", "neighbours", "anchor_id", "anchor_micro_batches", "eval_id", "banned", "banned_dht", "anchors_issued", "member_dht")
+    __slots__ = ("kind", "reason", "neighbours", "anchor_id", "anchor_micro_batches", "eval_id", "banned", "banned_dht", "anchors_issued", "member_dht", "replicate")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         CONTINUE: _ClassVar[Directive.Kind]
@@ -356,6 +374,7 @@ class Directive(_message.Message):
     BANNED_DHT_FIELD_NUMBER: _ClassVar[int]
     ANCHORS_ISSUED_FIELD_NUMBER: _ClassVar[int]
     MEMBER_DHT_FIELD_NUMBER: _ClassVar[int]
+    REPLICATE_FIELD_NUMBER: _ClassVar[int]
     kind: Directive.Kind
     reason: str
     neighbours: _containers.RepeatedCompositeFieldContainer[PeerInfo]
@@ -366,7 +385,8 @@ class Directive(_message.Message):
     banned_dht: _containers.RepeatedScalarFieldContainer[str]
     anchors_issued: int
     member_dht: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, kind: _Optional[_Union[Directive.Kind, str]] = ..., reason: _Optional[str] = ..., neighbours: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., anchor_id: _Optional[int] = ..., anchor_micro_batches: _Optional[int] = ..., eval_id: _Optional[int] = ..., banned: _Optional[_Iterable[str]] = ..., banned_dht: _Optional[_Iterable[str]] = ..., anchors_issued: _Optional[int] = ..., member_dht: _Optional[_Iterable[str]] = ...) -> None: ...
+    replicate: PeerInfo
+    def __init__(self, kind: _Optional[_Union[Directive.Kind, str]] = ..., reason: _Optional[str] = ..., neighbours: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., anchor_id: _Optional[int] = ..., anchor_micro_batches: _Optional[int] = ..., eval_id: _Optional[int] = ..., banned: _Optional[_Iterable[str]] = ..., banned_dht: _Optional[_Iterable[str]] = ..., anchors_issued: _Optional[int] = ..., member_dht: _Optional[_Iterable[str]] = ..., replicate: _Optional[_Union[PeerInfo, _Mapping]] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("run_id", "peer_id", "reason")
