@@ -95,6 +95,8 @@ def test_a_pull_waits_its_pause_and_at_least_nine_times_its_own_duration() -> No
     r = Slow(transport=None, peer_id="me", clock=lambda: now[0])
     r.configure("run-x", every_s=5.0, state_dir=None, own_state_bytes=1000)
     target = pb.PeerInfo(peer_id="src", stage=1, address="h:1", step=10)
+    assert not r.due(target)  # the first copy after one pause
+    now[0] += 5.0
     assert r.due(target) and not r.due(None) and not r.due(pb.PeerInfo(peer_id="src", stage=1, address="h:1"))
     r.took = 2.0
     assert not r.pull(target) and r.failures == 1

@@ -59,6 +59,7 @@ class Replicas:
         """Called at the Join: the run, the pull cadence, where copies live, and the size bound
         (a peer that announces a bigger copy is refused before it is read)."""
         self.run_id, self.every_s = run_id, every_s
+        self._next_pull = self.clock() + every_s  # the first copy after one pause: a young run has little to lose
         self.max_bytes = MAX_STATE_RATIO * own_state_bytes + (64 << 20)
         if state_dir is not None:
             self.dir = Path(state_dir) / "replica" / run_id
