@@ -30,6 +30,7 @@ from peer.security.identity import fingerprint
 from peer.wire import anchormesh_pb2 as pb
 
 MAX_MADDRS_PER_PEER = 4  # a peer's DHT addresses kept for its stage mates (bounded: the peer declares them)
+MAX_DONORS = 4  # stage mates a joiner may ask for the stage's state, most-trained first
 MAX_SUSPECTS = 4  # averaging suspects (and excluded next hops) kept per peer report
 log = logging.getLogger("anchormesh.tracker")
 
@@ -124,6 +125,8 @@ class Tracker:
                 stage = self.balance.pick_stage(self.peers.values(), fits)
             start_step = max((p.step for p in self.peers.values() if p.stage == stage), default=0)
             restore = self._restore_source(stage)
+            serving = sorted((q for q in self.live(stage) if q.state in ("active", "idle")), key=lambda q: (-q.step, q.peer_id))
+            donors = [peer_info(q, self.clock()) for q in serving[:MAX_DONORS]]
             mates = [m for q in self.live(stage) for m in q.dht_maddrs[:MAX_MADDRS_PER_PEER]]
             self.peers[req.peer_id] = PeerRecord(
                 req.peer_id, stage, req.grpc_address, last_seen=self.clock(), joined_at=self.clock(), dht_maddrs=tuple(req.dht_maddrs[:MAX_MADDRS_PER_PEER]), key=key.hex(),
@@ -144,6 +147,7 @@ class Tracker:
             group_dht_maddrs=mates,
             anchors_issued=self.anchors.launched,
             restore_from=restore,
+            donors=donors,
         )
 
     def run_config(self) -> pb.RunConfig:

@@ -102,7 +102,7 @@ def test_state_sync_refuses_a_bad_state_and_touches_nothing(poison: str, caplog:
 def test_state_sync_without_a_donor_says_where_it_resumed_from() -> None:
     h = holder()
     h.worker.version = 20
-    StateSync(h).load_group_state()
+    StateSync(h).load_group_state([], lambda donor: True)
     assert h.reason == "no stage-group member answered: resumed from initial weights (the run is at step 20)"
 
 
@@ -254,9 +254,9 @@ def test_anchor_jobs_become_passes_on_stage_zero() -> None:
     assert scheduled == [("anchor", 5, 3), ("eval", 2, 4)] and not jobs.anchors and not jobs.evals
 
 
-def test_a_step_with_an_averager_is_taken_under_its_lock_and_shared() -> None:
+def test_a_step_with_an_averager_is_taken_under_its_lock() -> None:
     own, calls = threading.Lock(), []
-    averager = SimpleNamespace(lock=threading.Lock(), after_step=lambda v, alone: calls.append(("after", v, alone)), share_state=lambda priority: calls.append(("share", priority)))
+    averager = SimpleNamespace(lock=threading.Lock(), after_step=lambda v, alone: calls.append(("after", v, alone)))
     w = SimpleNamespace(version=3)
 
     def step() -> None:
@@ -264,8 +264,8 @@ def test_a_step_with_an_averager_is_taken_under_its_lock_and_shared() -> None:
         w.version += 1
 
     w.apply_step = step
-    apply_step(w, averager, own, 4, list)  # no stage mates: alone
-    assert calls == [("after", 4, True), ("share", 4)]
+    apply_step(w, averager, own, list)  # no stage mates: alone
+    assert calls == [("after", 4, True)]
     assert step_lock(averager, own) is averager.lock and step_lock(None, own) is own
 
 

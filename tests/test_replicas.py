@@ -108,3 +108,14 @@ def test_a_pull_waits_its_pause_and_at_least_nine_times_its_own_duration() -> No
     assert not r.due(target)  # nothing newer than the copy held
     r.every_s = 0.0
     assert not r.due(pb.PeerInfo(peer_id="src", stage=1, address="h:1", step=11))  # pulls off
+
+
+def test_a_joiner_gets_its_serving_stage_mates_most_trained_first_as_donors() -> None:
+    t, _ = make(stages=1, layers=2)
+    for pid, step in (("a", 5), ("b", 9), ("c", 7), ("d", 8), ("e", 6)):
+        join(t, pid)
+        beat(t, pid, step=step)
+    beat(t, "e", step=6, state="joining")  # still loading: it has nothing to give yet
+    donors = join(t, "new").donors
+    assert [(d.peer_id, d.step) for d in donors] == [("b", 9), ("d", 8), ("c", 7), ("a", 5)]
+    assert all(d.address == t.peers[d.peer_id].address for d in donors)

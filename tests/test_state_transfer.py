@@ -1,5 +1,6 @@
 """A joiner takes its stage group's state (peer/daemon/state_sync.py `load_group_state`): a download that
-fits is applied whole (weights, AdamW moments, step); one that does not fit is ignored whole."""
+fits is applied whole (weights, AdamW moments, step); one that does not fit is ignored whole and
+the next donor is asked."""
 
 from __future__ import annotations
 
@@ -14,20 +15,33 @@ from peer.daemon.main import PeerDaemon
 from peer.model.loading import load_causal_lm
 from peer.model.stages import split_model
 from peer.pipeline.worker import StageWorker
+from peer.wire import anchormesh_pb2 as pb
 
 CFG = TrainConfig(model=ModelConfig(name="tiny-llama", num_stages=2, hidden_size=32, num_layers=2, num_heads=2, max_seq_len=16), pipeline=PipelineConfig(micro_batch_size=2, seq_len=8))
 
 
 class FakeAverager:
-    def __init__(self, state) -> None:
-        self.lock, self.state = threading.Lock(), state
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
         self.rebased = 0
-
-    def load_state(self, timeout: float):
-        return self.state
 
     def rebase(self) -> None:  # the downloaded weights become the base of the next DP delta
         self.rebased += 1
+
+
+def take(daemon: PeerDaemon, *states) -> list[str]:
+    """`load_group_state` with one donor per state (most-trained first, as the tracker lists
+    them), each "download" handing its state to `apply_state`; returns the donors asked."""
+    asked: list[str] = []
+
+    def download(donor: pb.PeerInfo) -> bool:
+        asked.append(donor.peer_id)
+        meta, tensors = states[int(donor.peer_id[1:])]
+        return daemon.state_sync.apply_state(meta, tensors, f"a group member ({donor.peer_id})")
+
+    daemon.averager = daemon.averager or FakeAverager()
+    daemon.state_sync.load_group_state([pb.PeerInfo(peer_id=f"d{i}", step=50) for i in range(len(states))], download)
+    return asked
 
 
 def donor_state(stage) -> tuple[dict, list[torch.Tensor]]:
@@ -47,8 +61,7 @@ def daemon():
 
 def test_a_fitting_state_is_applied_whole(daemon: PeerDaemon) -> None:
     meta, tensors = donor_state(daemon.worker.stage)
-    daemon.averager = FakeAverager((meta, tensors))
-    daemon.state_sync.load_group_state()
+    assert take(daemon, (meta, tensors)) == ["d0"]
     named = list(daemon.worker.stage.named_parameters())
     assert all(torch.equal(p, t) for (_, p), t in zip(named, tensors))
     assert daemon.worker.version == 42
@@ -72,16 +85,15 @@ def test_a_state_that_does_not_fit_is_ignored_whole(daemon: PeerDaemon, damage: 
     else:
         meta = {"version": "x"}
     before = [p.detach().clone() for p in daemon.worker.stage.parameters()]
-    daemon.averager = FakeAverager((meta, tensors))
-    daemon.state_sync.load_group_state()
+    take(daemon, (meta, tensors))
     assert all(torch.equal(a, b) for a, b in zip(before, daemon.worker.stage.parameters()))
     assert daemon.worker.version == 0 and not daemon.worker.optimizer.opt.state
 
 
 def test_no_donor_keeps_the_initial_weights(daemon: PeerDaemon) -> None:
     before = [p.detach().clone() for p in daemon.worker.stage.parameters()]
-    daemon.averager = FakeAverager(None)
-    daemon.state_sync.load_group_state()
+    assert take(daemon) == []
+    assert daemon.resumed_from == "initial weights" and "no stage-group member answered" in daemon.reason
     assert all(torch.equal(a, b) for a, b in zip(before, daemon.worker.stage.parameters()))
 
 
@@ -103,11 +115,9 @@ def test_a_poisoned_state_is_refused_whole(daemon: PeerDaemon, poison: str) -> N
     else:
         meta = {**meta, "version": 2**62}
     before = [p.detach().clone() for p in daemon.worker.stage.parameters()]
-    daemon.averager = FakeAverager((meta, tensors))
-    daemon.state_sync.load_group_state()
+    assert take(daemon, (meta, tensors)) == ["d0"]
     assert all(torch.equal(a, b) for a, b in zip(before, daemon.worker.stage.parameters()))
     assert daemon.worker.version == 0 and not daemon.worker.optimizer.opt.state
-    # the same download unpoisoned is taken
-    daemon.averager = FakeAverager(donor_state(daemon.worker.stage))
-    daemon.state_sync.load_group_state()
-    assert daemon.worker.version == 42
+    # a poisoned donor first, an honest one next: the next donor is asked and its state taken
+    assert take(daemon, (meta, tensors), donor_state(daemon.worker.stage)) == ["d0", "d1"]
+    assert daemon.worker.version == 42 and daemon.resumed_from == "group step 42"

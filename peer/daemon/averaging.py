@@ -18,7 +18,7 @@ from peer.pipeline.worker import StageWorker
 log = logging.getLogger("anchormesh.peer")
 
 
-def start_averaging(dht, worker: StageWorker, prefix: str, every: int, compression: str, link_share: float, state_fn: Callable, peer_id: str, link_bps: Callable[[], float | None]) -> GroupAverager | None:
+def start_averaging(dht, worker: StageWorker, prefix: str, every: int, compression: str, link_share: float, peer_id: str, link_bps: Callable[[], float | None]) -> GroupAverager | None:
     """Join the stage group's averaging; without a DHT the peer trains alone (None). Rounds are
     spaced so they take at most `link_share` of the uplink this peer measures (`link_bps`).
     hivemind forks here: the caller starts it while no gRPC call runs."""
@@ -26,7 +26,7 @@ def start_averaging(dht, worker: StageWorker, prefix: str, every: int, compressi
         log.warning("no DHT: this peer will not average with its stage group")
         return None
     averager = GroupAverager(
-        dht, list(worker.stage.parameters()), prefix, every=every, state_fn=state_fn, compression=compression,
+        dht, list(worker.stage.parameters()), prefix, every=every, compression=compression,
         peer_id=peer_id, link_bps=link_bps, link_share=link_share,
     )
     log.info("stage-group averaging every %d steps at least, %s on the wire, at most %.0f%% of the uplink (group key %s)", every, compression, 100 * link_share, prefix)
@@ -39,16 +39,13 @@ def step_lock(averager: GroupAverager | None, own: threading.Lock) -> threading.
     return averager.lock if averager is not None else own
 
 
-def apply_step(w: StageWorker, averager: GroupAverager | None, own: threading.Lock, inner_steps: int, siblings: Callable[[], list[str]]) -> None:
+def apply_step(w: StageWorker, averager: GroupAverager | None, own: threading.Lock, siblings: Callable[[], list[str]]) -> None:
     """The optimizer step of the stage once its gradients are in; with an averager, the step is
-    reported to it (alone: no live stage mate) and every `inner_steps` steps this peer offers its
-    state to joiners."""
+    reported to it (alone: no live stage mate)."""
     if averager is not None:
         with averager.lock:  # a joiner downloading our state sees whole steps and whole averaging results
             w.apply_step()
             averager.after_step(w.version, alone=not siblings())
-        if w.version % max(inner_steps, 1) == 0:
-            averager.share_state(priority=w.version)
     else:
         with own:
             w.apply_step()

@@ -187,7 +187,7 @@ class PeerDaemon:
             log.info("dialled %d of %d stage mates' DHT nodes", connect_peers(self.dht, list(a.group_dht_maddrs)), len(a.group_dht_maddrs))
         self.averager = start_averaging(  # forks: before any gRPC runs
             self.dht, self.worker, f"{a.run_id}_stage{a.stage}", cfg.dp.inner_steps, cfg.dp.outer_compression, cfg.dp.link_share,
-            state_fn=self.state_sync.stage_state, peer_id=self.peer_id, link_bps=self.router.uplink_bps,
+            peer_id=self.peer_id, link_bps=self.router.uplink_bps,
         )
         channel = auth.tracker_channel(self.tracker, self.creds, TRACKER_CHANNEL_OPTIONS, self.tls_ca)
         stub = pbg.TrackerStub(channel)
@@ -203,8 +203,8 @@ class PeerDaemon:
         if a.HasField("restore_from"):  # its whole group died: the newest replica another stage's peer keeps
             self._restore(a)
         elif a.start_step > max(self.state_step, 0):  # the run has trained past what this peer holds: ask the group
-            self.reason = "downloading its stage's state from the group"
-            self.state_sync.load_group_state()
+            names = [name for name, _ in stage.named_parameters()]
+            self.state_sync.load_group_state(list(a.donors), lambda donor: self.replicas.download(donor, a.stage, names, self.state_sync.apply_state, f"a group member ({donor.peer_id})"))
         stream = gen = None
         if stage.is_first:
             self.reason = "reading the run's data"
@@ -256,7 +256,7 @@ class PeerDaemon:
         if holder.step > max(self.state_step, 0):
             self.reason = f"restoring its stage's state from the replica {holder.peer_id} holds (step {holder.step})"
             names = [name for name, _ in self.worker.stage.named_parameters()]
-            if self.replicas.restore(holder, a.stage, names, self.state_sync.apply_state):
+            if self.replicas.download(holder, a.stage, names, self.state_sync.apply_state, f"the replica {holder.peer_id} holds"):
                 self.resumed_from = f"replica step {self.state_step} from {holder.peer_id}"
         lost = max(a.start_step - max(self.state_step, 0), 0)
         log.warning("stage %d had no live peer: resumed from %s (%d steps of its training lost)", a.stage, self.resumed_from, lost)
@@ -290,7 +290,7 @@ class PeerDaemon:
         self.anchor.apply_priors()
         if w.ready(w.version):
             w.gradients()
-            apply_step(w, self.averager, self._weights_lock, cfg.dp.inner_steps, self.router.siblings)
+            apply_step(w, self.averager, self._weights_lock, self.router.siblings)
             self.steps_done += 1
             if self.steps_done == 1:
                 self.startup_s = process_age_s()

@@ -153,17 +153,18 @@ class Replicas:
         if self.dir is not None and old is not None and old != stage:
             self._path(old).unlink(missing_ok=True)
 
-    # -- restoring a stage whose group died ------------------------------------------------------------
-    def restore(self, holder: pb.PeerInfo, stage: int, names: list[str], apply: Callable[[object, list, str], bool]) -> bool:
-        """Download the replica of `stage` that `holder` keeps and apply it (`apply` is
-        StateSync.apply_state: whole or not at all, only when newer than what this peer holds)."""
-        log.info("stage %d has no live peer: restoring its state from the replica %s holds (step %d)", stage, holder.peer_id, holder.step)
+    # -- a joiner's download: from a stage mate, or the replica of a stage whose group died -------------
+    def download(self, holder: pb.PeerInfo, stage: int, names: list[str], apply: Callable[[object, list, str], bool], source: str) -> bool:
+        """Download the state of `stage` from `holder` (its own, or the replica it keeps) and apply
+        it (`apply` is StateSync.apply_state: whole or not at all, only when newer than what this
+        peer holds). False when the download failed or the state was refused."""
+        log.info("downloading the state of stage %d from %s (step %d)", stage, source, holder.step)
         try:
             meta, tensors = state_from_tensors(self.fetch(holder, stage).tensors, names)
         except (ShardError, grpc.RpcError, OSError, AnchormeshError) as exc:
-            log.warning("the replica of stage %d from %s could not be read: %s", stage, holder.peer_id, exc.details() if isinstance(exc, grpc.RpcError) else exc)
+            log.warning("the state of stage %d from %s could not be read: %s", stage, source, exc.details() if isinstance(exc, grpc.RpcError) else exc)
             return False
-        return apply(meta, tensors, f"the replica {holder.peer_id} holds")
+        return apply(meta, tensors, source)
 
 
 def own_state_bytes(stage: torch.nn.Module) -> int:

@@ -1,7 +1,8 @@
 """The stage state a peer hands its stage group and takes from it: parameters and AdamW moments.
 
-A joiner of a trained run downloads the state of its group's most-trained member (through the
-averager, peer/dp/group.py); a restarted peer reads its own checkpoint (peer/daemon/checkpointing.py).
+A joiner of a trained run downloads the state of its group's most-trained member over gRPC
+(`GetShard`, what = STATE: size-capped while it arrives, peer/daemon/replicas.py), the next
+member after a refusal; a restarted peer reads its own checkpoint (peer/daemon/checkpointing.py).
 Both go through one validation path here, whole or not at all, because whatever a donor or a disk
 hands over lands in the optimizer of every later step: a state no honest training can reach is
 refused. A part of `PeerDaemon` (peer/daemon/main.py); it reads the daemon's worker and averager
@@ -13,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -20,6 +22,7 @@ import torch
 from peer.capacity import step_ceiling
 from peer.dp.group import GroupAverager
 from peer.pipeline.worker import StageWorker
+from peer.wire import anchormesh_pb2 as pb
 
 log = logging.getLogger("anchormesh.peer")
 
@@ -59,16 +62,19 @@ class StateSync:
                     adam_step = max(adam_step, float(st.get("step", 0.0)))
             return {"version": w.version, "adam_step": adam_step}, params + moments
 
-    def load_group_state(self) -> None:
-        """A joiner takes the most-trained group member's state when there is one and it is newer
-        than what this peer holds (a checkpoint may be)."""
+    def load_group_state(self, donors: Sequence[pb.PeerInfo], download: Callable[[pb.PeerInfo], bool]) -> None:
+        """A joiner takes the state of the first of `donors` (the tracker's list of its serving
+        stage mates, most-trained first) newer than what this peer holds (a checkpoint may be) and
+        passing `apply_state`'s checks; `download(donor)` fetches and applies one, False when it
+        failed or was refused, and the next donor is asked."""
         peer = self.peer
-        if peer.averager is not None:
-            log.info("waiting up to 60s for a stage-group member to send its state (the run is at step %d)", peer.worker.version)
-        got = peer.averager.load_state(timeout=60.0) if peer.averager is not None else None
-        if got is not None and self.apply_state(*got, source="a group member"):
-            peer.resumed_from = f"group step {peer.state_step}"
-            return
+        for donor in donors:
+            if donor.step <= peer.state_step:  # its own checkpoint is as new: nothing to gain
+                continue
+            peer.reason = f"downloading its stage's state from {donor.peer_id} (step {donor.step})"
+            if download(donor):
+                peer.resumed_from = f"group step {peer.state_step}"
+                return
         behind = f"the run is at step {peer.worker.version}"
         if peer.state_step >= 0:
             behind = f"{behind}, {max(peer.worker.version - peer.state_step, 0)} steps of this stage's training are lost"

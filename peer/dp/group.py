@@ -22,9 +22,9 @@ of coordinates. The reduction is a trimmed mean in which every member weighs 1
 (peer/dp/robust.py), and the result is checked against the claims before it is taken
 (peer/dp/claims.py); members whose updates are NaN, outsized or sign-flipped are named.
 
-The same averager hands a stage's state to a peer that joins the group late (hivemind's
-`load_state_from_peers`): each peer declares itself a donor with its step count as priority, so
-a joiner downloads from the most-trained member; a peer that has not trained yet declares nothing.
+A joiner's state download does not go through hivemind (its `load_state_from_peers` takes the
+first donor that answers, with no size bound): it goes over the Stage service
+(peer/daemon/replicas.py), and the averager refuses hivemind's state downloads.
 
 This module is the driver (`GroupAverager`): it offers rounds, applies or refuses their results
 and keeps the counters the status shows; hivemind's averager itself is peer/dp/hivemind_averager.py.
@@ -43,7 +43,7 @@ from concurrent.futures import Future
 import torch
 
 from peer.dp.claims import attribute, implausible, sample_index, take
-from peer.dp.hivemind_averager import RoundResult, StateFn, absmax_8bit, averager_class, lost_masks
+from peer.dp.hivemind_averager import RoundResult, absmax_8bit, averager_class, lost_masks
 from peer.dp.schedule import WIRE_BYTES, RoundSchedule, round_bytes
 from peer.errors import AnchormeshError
 
@@ -76,8 +76,6 @@ class GroupAverager:
         prefix: matchmaking key, e.g. "<run_id>_stage1" (no dots: hivemind forbids them); only peers with the same prefix meet.
         every: local steps between rounds (DiLoCo H).
         timeout: seconds a round may take, matchmaking included.
-        state_fn: the state a joiner downloads; default: the parameters alone. Called from
-            hivemind's thread: hold `lock` while changing what it reads.
         compression: "none" (fp32 parameters) or "int8" (8-bit deltas from the last group mean).
         peer_id: the run's id of this peer, carried in its claims (for logs).
         link_bps: bytes/s this peer's uplink is measured to carry (None: unknown), called once per
@@ -91,7 +89,7 @@ class GroupAverager:
     """
 
     def __init__(
-        self, dht, params: list[torch.nn.Parameter], prefix: str, every: int = 10, timeout: float = 30.0, state_fn: StateFn | None = None,
+        self, dht, params: list[torch.nn.Parameter], prefix: str, every: int = 10, timeout: float = 30.0,
         compression: str = "int8", peer_id: str = "", link_bps: Callable[[], float | None] | None = None, link_share: float = 0.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -137,7 +135,7 @@ class GroupAverager:
                 # must never touch CUDA); the base and the offered copy stay where the weights are
                 [p.detach().to("cpu", copy=True) for p in params], dht, start=False, prefix=prefix, target_group_size=None, min_group_size=2,
                 min_matchmaking_time=MIN_MATCHMAKING_S, request_timeout=REQUEST_TIMEOUT_S, next_chunk_timeout=NEXT_CHUNK_S, compression=absmax_8bit() if compression == "int8" else NoCompression(),
-                state_fn=state_fn or self._params_state, allow_state_sharing=False,  # nothing worth sharing before training
+                allow_state_sharing=False,  # a joiner's state comes over the Stage service
             )
             try:
                 # hivemind forks its averaging process; a fork beside live threads (gRPC's, the DHT
@@ -152,16 +150,6 @@ class GroupAverager:
         else:
             raise AnchormeshError(f"the stage-group averaging process did not start in {START_TRIES} tries of {START_TIMEOUT_S:.0f}s")
 
-    def _params_state(self) -> tuple[dict, list[torch.Tensor]]:
-        with self.lock:
-            # metadata must not be empty: hivemind takes an empty one for "no state to send"
-            return {"tensors": len(self.params)}, [p.detach().to("cpu", copy=True) for p in self.params]
-
-    def share_state(self, priority: float) -> None:
-        """Offer this peer's state to joiners; the highest priority (its step count) is asked first."""
-        self.averager.state_sharing_priority = float(priority)
-        self.averager.allow_state_sharing = True
-
     @property
     def members(self) -> set[str] | None:
         """Hivemind ids of the stage group's members as the tracker names them (None: not yet)."""
@@ -172,32 +160,6 @@ class GroupAverager:
         if value is not None and value != self._members:  # the averaging process refuses anyone else
             self.averager.set_members(frozenset(value) | {str(self.averager.peer_id)})
         self._members = value
-
-    def load_state(self, timeout: float = 60.0, tries: int = 3, wait_s: float = 2.0) -> tuple[dict, list[torch.Tensor]] | None:
-        """The state of the most-trained peer of the group, or None (nobody to ask, or it failed).
-        When donors are declared but none answered, it asks again (`tries`, `wait_s` apart): a
-        donor refuses non-members, and learns of a peer that just joined at its next heartbeat."""
-        deadline = time.monotonic() + timeout
-        for attempt in range(1, tries + 1):
-            try:
-                got = self.averager.load_state_from_peers(timeout=max(deadline - time.monotonic(), 1.0))
-            except Exception as exc:  # a donor that vanished mid-download, a timeout
-                log.warning("could not download the stage state from the group: %s: %s", type(exc).__name__, exc)
-                got = None
-            if got is not None or attempt == tries or time.monotonic() + wait_s >= deadline or not self._donors_declared():
-                return got
-            log.info("no stage-group member sent its state (try %d of %d); asking again in %.0f s", attempt, tries, wait_s)
-            time.sleep(wait_s)
-        return None
-
-    def _donors_declared(self) -> bool:
-        """Whether another member has declared its state downloadable (hivemind's DHT record)."""
-        try:
-            found = self.averager.dht.get(f"{self.averager.prefix}.all_averagers", latest=True)
-        except Exception:  # the DHT is shutting down
-            return False
-        own = self.averager.peer_id.to_bytes()
-        return found is not None and isinstance(found.value, dict) and any(k != own for k in found.value)
 
     @property
     def period_s(self) -> float:

@@ -13,14 +13,12 @@ import logging
 import math
 import time
 import typing
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 log = logging.getLogger(__name__)
 
-StateFn = Callable[[], tuple[dict, list[torch.Tensor]]]  # -> (small metadata, tensors): what a joiner downloads
 
 
 def _fix_hivemind_8bit() -> None:
@@ -127,8 +125,9 @@ def averager_class():
     from hivemind.proto import averaging_pb2
 
     class StageAverager(DecentralizedAverager):
-        """hivemind's averager whose shared state is the live stage state (not its averaging
-        buffer), and whose rounds and state are for the stage group's members only.
+        """hivemind's averager whose rounds are for the stage group's members only, and which
+        hands its state to nobody (a joiner downloads it over the Stage service, size-capped and
+        checked: peer/daemon/replicas.py).
 
         Why the member gate: hivemind's averaging RPCs (join a round, send a part, download the
         state) answer anyone who can reach this peer's libp2p address, whatever the DHT's access
@@ -137,8 +136,7 @@ def averager_class():
         heartbeat), calls from any other hivemind id are refused, and this peer never sends its
         parts to a group that holds one."""
 
-        def __init__(self, *args, state_fn: StateFn, **kwargs) -> None:
-            self._state_fn = state_fn
+        def __init__(self, *args, **kwargs) -> None:
             self._members: frozenset[str] | None = None  # None: not named yet (nothing refused)
             self._refusals: dict[str, float] = {}
             super().__init__(*args, **kwargs)
@@ -176,19 +174,14 @@ def averager_class():
                 yield reply
 
         async def rpc_download_state(self, _request, _context):  # hivemind's argument names (its type hints are copied below)
-            if self._stranger(_context, "a state download"):
-                return  # no state: the caller tries its next donor
-            async for reply in super().rpc_download_state(_request, _context):
-                yield reply
+            """Nothing, to anyone: the stage's state goes over the Stage service only."""
+            return
+            yield  # an async generator, as hivemind calls it
 
         def run(self) -> None:
             """The forked averaging process: torch's thread pool rebuilt first (`after_fork`)."""
             after_fork()
             super().run()
-
-        def get_current_state(self):  # runs in this (host) process, on hivemind's background thread
-            metadata, tensors = self._state_fn()
-            return metadata, tensors, None
 
         async def _aggregate_with_group(self, group_info, *args, **kwargs) -> RoundResult:
             """hivemind's round, with the flat ranges whose results were lost handed back too."""
