@@ -60,6 +60,7 @@ from peer.daemon.state_sync import StateSync
 from peer.data import TokenStream, load_training_data
 from peer.dp.group import GroupAverager
 from peer.dp.hivemind_averager import connect_peers
+from peer.dp.signed_claims import ClaimSigner
 from peer.errors import AnchormeshError, ConfigError
 from peer.logs import setup_logging
 from peer.model.loading import load_stage
@@ -188,6 +189,7 @@ class PeerDaemon:
         self.averager = start_averaging(  # forks: before any gRPC runs
             self.dht, self.worker, f"{a.run_id}_stage{a.stage}", cfg.dp.inner_steps, cfg.dp.outer_compression, cfg.dp.link_share,
             peer_id=self.peer_id, link_bps=self.router.uplink_bps,
+            signer=ClaimSigner(self.identity, a.run_id, a.certificate, a.tracker_key) if a.certificate else None,
         )
         channel = auth.tracker_channel(self.tracker, self.creds, TRACKER_CHANNEL_OPTIONS, self.tls_ca)
         stub = pbg.TrackerStub(channel)

@@ -45,6 +45,7 @@ import torch
 from peer.dp.claims import attribute, implausible, sample_index, take
 from peer.dp.hivemind_averager import RoundResult, absmax_8bit, averager_class, lost_masks
 from peer.dp.schedule import WIRE_BYTES, RoundSchedule, round_bytes
+from peer.dp.signed_claims import ClaimSigner
 from peer.errors import AnchormeshError
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,9 @@ class GroupAverager:
         link_share: fraction of the link's time averaging may take (0: no bound): rounds are at
             least `round_bytes / (link_share * link)` seconds apart.
         clock: wall-clock seconds since the epoch, the same for all members (tests pass a fake one).
+        signer: this member's identity and certificate (peer/dp/signed_claims.py): its claims are
+            signed, and a round whose claims are not all members' untouched ones is refused. None:
+            claims go unsigned and unchecked (tests of the averaging alone).
 
     Public state: `rounds`, `failures`, `rejected`, `bytes_out`, `period_s` and `period_reason`
     (the slot length and why, e.g. "8 s: 10 steps x 0.61 s"), `step_s`, `measured_bps`.
@@ -91,7 +95,7 @@ class GroupAverager:
     def __init__(
         self, dht, params: list[torch.nn.Parameter], prefix: str, every: int = 10, timeout: float = 30.0,
         compression: str = "int8", peer_id: str = "", link_bps: Callable[[], float | None] | None = None, link_share: float = 0.0,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.time, signer: ClaimSigner | None = None,
     ) -> None:
         from hivemind.compression import NoCompression
 
@@ -122,6 +126,8 @@ class GroupAverager:
         self.last_lost: list[torch.Tensor] | None = None  # per parameter, where the last accepted round's results were lost
         self.last_rejection = ""
         self.peer_id = peer_id  # the run's id of this peer, carried in its claims (for logs)
+        self.signer = signer
+        self._offered_clock = 0.0  # wall clock of the pending offer: a claim made far from it is a replay
         self.suspects: deque[str] = deque(maxlen=4)  # "HIVEMIND_PEER_ID: why" of members named by refused rounds, newest last
         self.excluded: dict[str, str] = {}  # hivemind peer id -> why (banned by the operator): rounds with these members are refused
         # hivemind peer ids of the stage group's members, from the tracker (None: not known yet);
@@ -215,6 +221,9 @@ class GroupAverager:
                     t.copy_(p - base if self.compression == "int8" else p)
                 sample = take(tensors, self._index)
             claim = {"peer": self.peer_id, "sample": sample.numpy().tobytes()}
+            self._offered_clock = now
+            if self.signer is not None:
+                claim = self.signer.sign(claim, self.averager.prefix, str(self.averager.peer_id), now)
             until = math.floor(now / self.period_s) * self.period_s + self.match_window_s() - now  # the group forms then
             self._pending = self.averager.step(gather=claim, scheduled_time=get_dht_time() + until, wait=False, timeout=self.match_timeout_s())
             self.schedule.offered(local_step, now)
@@ -263,7 +272,11 @@ class GroupAverager:
             result = take(tensors, self._index)
         # where results were lost the "mean" is this peer's own offer: the claims cannot be checked there
         kept = take(masks, self._index) == 0 if masks else None
-        why, named = self._attribute(group, result, kept)
+        # claims a leader altered (or a non-member made) are refused before they are believed
+        why = self.signer.check_group(group, self.averager.prefix, self._offered_clock, self.match_timeout_s() + self.timeout) if self.signer else ""
+        named: list[str] = []
+        if not why:
+            why, named = self._attribute(group, result, kept)
         why = why or implausible(means, self._offered, self._base)
         if why:  # keep the local weights and the old base: as if the round had not happened
             self.rejected += 1
