@@ -159,6 +159,11 @@ class DPConfig:
         link_share: swarm only: the most of a peer's measured uplink time its stage-group rounds
             may take; rounds are spaced further apart than `inner_steps` when a round's bytes
             would take more (peer/dp/group.py). 0: `inner_steps` alone sets the spacing.
+        min_period_s: swarm only: the shortest time between a stage group's rounds, whatever
+            `inner_steps` and the link allow. Why: a hivemind round costs the same CPU however
+            small it is (DHT lookups, each request and answer signed, p2pd traffic: about a
+            quarter CPU-second per peer and round on the bench bed), so fast steps of a small
+            model would spend a quarter of the machine on matchmaking. Rounded up to a power of two.
 
     In a networked swarm the stage group always averages parameters DiLoCo-style in the
     background (peer/dp/group.py): every `inner_steps` steps, `outer_compression` "none" (fp32
@@ -175,8 +180,10 @@ class DPConfig:
     outer_momentum: float = 0.9
     outer_compression: str = "int8"
     link_share: float = 0.2
+    min_period_s: float = 8.0
 
     def __post_init__(self) -> None:
+        _positive("dp.min_period_s", self.min_period_s)
         if not (0.0 <= self.link_share <= 1.0):
             raise ConfigError("dp.link_share", self.link_share, "must be in [0, 1]: the share of the uplink's time averaging rounds may take (0 = no bound)")
         if self.replicas < 1:

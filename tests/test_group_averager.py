@@ -436,6 +436,22 @@ def test_slot_period_is_the_need_rounded_up_to_a_power_of_two() -> None:
     assert slot_period(10, 0.01, 0, None, 0.0) == slot_period(10, None, 0, None, 0.0) == 1.0  # at least 1 s
 
 
+def test_the_run_s_minimum_period_spaces_rounds_of_fast_steps() -> None:
+    """dp.min_period_s: a hivemind round costs the same CPU however small, so fast steps of a
+    small model do not set a round every second; slower needs are not affected."""
+    assert slot_period(5, 0.1, 0, None, 0.0) == 1.0  # hivemind's own floor
+    assert slot_period(5, 0.1, 0, None, 0.0, min_period_s=8.0) == 8.0
+    assert slot_period(5, 0.1, 0, None, 0.0, min_period_s=5.0) == 8.0  # rounded up to a power of two: members' slots nest
+    assert slot_period(10, 2.5, 0, None, 0.0, min_period_s=8.0) == 32.0  # 25 s of steps: above the floor
+    sched = RoundSchedule(5, 0, min_period_s=8.0)
+    assert sched.period_s == 8.0 and "the minimum" in sched.period_reason
+    t = 1000.0
+    for step in range(1, 40):
+        t += 0.1
+        sched.tick(step, t)
+    assert sched.period_s == 8.0
+
+
 def test_step_times_within_2x_give_periods_whose_boundaries_nest() -> None:
     """Members estimate the period each from its own step time: within 2x of each other, the
     longer period's boundaries are all boundaries of the shorter one, so they meet at each."""

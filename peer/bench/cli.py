@@ -56,6 +56,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     pf.add_argument("--bandwidth-mbit", type=float, default=5.88, help="every link's speed (default 5.88: the GPU-equivalent of 200 Mbit/s measured on this box; ignored for compute_bound)")
     pf.add_argument("--dp-every", type=int, default=5, help="steps between DP rounds of masked_dp and compute_bound (default 5, the quick bench's)")
     pf.add_argument("--seconds", type=float, default=25.0, help="length of the profiled window (default 25)")
+    pf.add_argument("--dp-min-period-s", type=float, default=None, help="dp.min_period_s of the profiled run (default: the run default); 1 = as often as hivemind allows")
     pf.add_argument("--json", type=Path, default=None, help="write the result here (default: print it)")
     bd = bsub.add_parser("boundary", help="what each stage-boundary codec does to a pretrained model, forward only: eval loss through the codec, wire bytes/token, activation statistics (see peer/bench/boundary.py)")
     bd.add_argument("--model", default="smollm2-135m", help="hub id, folder, .gguf file, smollm2-135m or tiny-* (default smollm2-135m)")
@@ -113,7 +114,7 @@ def run_bench(args: argparse.Namespace) -> None:
 
         if not args.seconds > 0 or args.dp_every < 1 or not args.bandwidth_mbit > 0:
             raise ConfigError("--seconds/--dp-every/--bandwidth-mbit", (args.seconds, args.dp_every, args.bandwidth_mbit), "must be > 0")
-        profile_json(args.json, mode=args.mode, bandwidth_mbit=args.bandwidth_mbit, dp_every=args.dp_every, seconds=args.seconds)
+        profile_json(args.json, mode=args.mode, bandwidth_mbit=args.bandwidth_mbit, dp_every=args.dp_every, seconds=args.seconds, dp_min_period_s=args.dp_min_period_s)
     elif args.bench == "boundary":
         from peer.bench.boundary import main_json as boundary_json
 

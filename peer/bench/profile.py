@@ -93,7 +93,24 @@ def breakdown(raw_files: list[Path]) -> dict:
     return {"on_cpu_samples": busy, "idle_samples": idle, "shares": {k: round(v / busy, 3) for k, v in parts.most_common()} if busy else {}}
 
 
-def run_profile(mode: str, bandwidth_mbit: float | None, dp_every: int = 5, seconds: float = 25.0, warmup: int = 8) -> dict:
+def children_breakdown(raw_files: list[Path], top: int = 8) -> dict:
+    """hivemind's Python children, from py-spy's raw output: on-CPU samples of the DHT process and
+    of the averaging process (told apart by their stacks), and the innermost frames that take them."""
+    kinds: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    idle = collections.Counter()
+    for f in raw_files:
+        for line in f.read_text().splitlines():
+            stack, _, n = line.rpartition(" ")
+            frames = stack.split(";")
+            kind = "averager" if any("averaging/" in fr for fr in frames) else "dht" if any("hivemind/dht" in fr for fr in frames) else "other"
+            if any(k in frames[-1] for k in IDLE_LEAVES):
+                idle[kind] += int(n)
+                continue
+            kinds[kind][frames[-1].split(" (")[0] + " (" + frames[-1].rsplit("/", 1)[-1]] += int(n)
+    return {k: {"on_cpu_samples": sum(c.values()), "idle_samples": idle[k], "top": dict(c.most_common(top))} for k, c in sorted(kinds.items())}
+
+
+def run_profile(mode: str, bandwidth_mbit: float | None, dp_every: int = 5, seconds: float = 25.0, warmup: int = 8, dp_min_period_s: float | None = None) -> dict:
     if mode not in MODES:
         raise ConfigError("--mode", mode, f"must be one of {', '.join(MODES)}")
     why = available()
@@ -101,7 +118,10 @@ def run_profile(mode: str, bandwidth_mbit: float | None, dp_every: int = 5, seco
         raise ConfigError("bench profile", "network namespaces", why)
     work = Path(tempfile.mkdtemp(prefix="anchormesh-profile-"))
     cfg = work / "run.toml"
-    write_toml(mode_config(mode, 2, 10**9, dp_every), cfg)
+    run = mode_config(mode, 2, 10**9, dp_every)
+    if dp_min_period_s is not None:
+        run["dp"]["min_period_s"] = dp_min_period_s
+    write_toml(run, cfg)
     local = Path(sys.executable).parent / "py-spy"  # in the same venv, even when it is not on PATH
     spy = shutil.which("py-spy") or (str(local) if local.exists() else None)
     rate = None if mode == "compute_bound" else bandwidth_mbit
@@ -110,7 +130,13 @@ def run_profile(mode: str, bandwidth_mbit: float | None, dp_every: int = 5, seco
         s0 = swarm.wait_status(lambda s: s["step"] >= warmup and sum(p["state"] in ("active", "idle") for p in s["peers"]) == 4, 300, f"4 live peers and step {warmup}")
         roots = [p.pid for p in swarm.peers]
         before = _processes()
-        spies = [subprocess.Popen([spy, "record", "-d", str(int(seconds)), "-r", "40", "-f", "raw", "-o", str(work / f"spy{i}.txt"), "-p", str(pid), "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i, pid in enumerate(roots)] if spy else []
+        kids = [pid for root in roots for pid in _tree(root, before) if pid != root and not before[pid][2].startswith("p2pd")]
+
+        def record(pid: int, out: Path) -> subprocess.Popen:
+            return subprocess.Popen([spy, "record", "-d", str(int(seconds)), "-r", "40", "-f", "raw", "-o", str(out), "-p", str(pid), "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+        spies = [record(pid, work / f"spy{i}.txt") for i, pid in enumerate(roots)] if spy else []
+        spies += [record(pid, work / f"kid{i}.txt") for i, pid in enumerate(kids)] if spy else []
         t0 = time.monotonic()
         time.sleep(seconds)
         dt = time.monotonic() - t0
@@ -128,12 +154,14 @@ def run_profile(mode: str, bandwidth_mbit: float | None, dp_every: int = 5, seco
         "mode": mode,
         "bandwidth_mbit": rate,
         "dp_every": dp_every,
+        "dp_min_period_s": run["dp"].get("min_period_s", "run default"),
         "window_s": round(dt, 1),
         "tokens_per_s": s1["tokens_per_s"],
         "steps": [s0["step"], s1["step"]],
         "cpu_seconds": {k: round(v, 2) for k, v in cpu.most_common()},
         "cpu_share_of_machine": {k: round(v / ((os.cpu_count() or 1) * dt), 3) for k, v in cpu.most_common()},
         "peer_main_process": breakdown(sorted(work.glob("spy*.txt"))) if spy else "py-spy not installed (pip install py-spy)",
+        "hivemind_python_children": children_breakdown(sorted(work.glob("kid*.txt"))) if spy else "py-spy not installed",
         "workdir": str(work),
     }
 

@@ -19,7 +19,7 @@ from peer.pipeline.worker import StageWorker
 log = logging.getLogger("anchormesh.peer")
 
 
-def start_averaging(dht, worker: StageWorker, prefix: str, every: int, compression: str, link_share: float, peer_id: str, link_bps: Callable[[], float | None], signer: ClaimSigner | None = None) -> GroupAverager | None:
+def start_averaging(dht, worker: StageWorker, prefix: str, every: int, compression: str, link_share: float, peer_id: str, link_bps: Callable[[], float | None], signer: ClaimSigner | None = None, min_period_s: float = 1.0) -> GroupAverager | None:
     """Join the stage group's averaging; without a DHT the peer trains alone (None). Rounds are
     spaced so they take at most `link_share` of the uplink this peer measures (`link_bps`).
     hivemind forks here: the caller starts it while no gRPC call runs."""
@@ -28,7 +28,7 @@ def start_averaging(dht, worker: StageWorker, prefix: str, every: int, compressi
         return None
     averager = GroupAverager(
         dht, list(worker.stage.parameters()), prefix, every=every, compression=compression,
-        peer_id=peer_id, link_bps=link_bps, link_share=link_share, signer=signer,
+        peer_id=peer_id, link_bps=link_bps, link_share=link_share, signer=signer, min_period_s=min_period_s,
     )
     log.info("stage-group averaging every %d steps at least, %s on the wire, at most %.0f%% of the uplink (group key %s)", every, compression, 100 * link_share, prefix)
     return averager

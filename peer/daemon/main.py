@@ -189,7 +189,7 @@ class PeerDaemon:
         self.averager = start_averaging(  # forks: before any gRPC runs
             self.dht, self.worker, f"{a.run_id}_stage{a.stage}", cfg.dp.inner_steps, cfg.dp.outer_compression, cfg.dp.link_share,
             peer_id=self.peer_id, link_bps=self.router.uplink_bps,
-            signer=ClaimSigner(self.identity, a.run_id, a.certificate, a.tracker_key) if a.certificate else None,
+            signer=ClaimSigner(self.identity, a.run_id, a.certificate, a.tracker_key) if a.certificate else None, min_period_s=cfg.dp.min_period_s,
         )
         channel = auth.tracker_channel(self.tracker, self.creds, TRACKER_CHANNEL_OPTIONS, self.tls_ca)
         stub = pbg.TrackerStub(channel)

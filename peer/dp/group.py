@@ -44,7 +44,7 @@ import torch
 
 from peer.dp.claims import attribute, implausible, sample_index, take
 from peer.dp.hivemind_averager import RoundResult, absmax_8bit, averager_class, lost_masks
-from peer.dp.schedule import WIRE_BYTES, RoundSchedule, round_bytes
+from peer.dp.schedule import MIN_PERIOD_S, WIRE_BYTES, RoundSchedule, round_bytes
 from peer.dp.signed_claims import ClaimSigner
 from peer.errors import AnchormeshError
 
@@ -84,6 +84,7 @@ class GroupAverager:
         link_share: fraction of the link's time averaging may take (0: no bound): rounds are at
             least `round_bytes / (link_share * link)` seconds apart.
         clock: wall-clock seconds since the epoch, the same for all members (tests pass a fake one).
+        min_period_s: the shortest time between rounds (`dp.min_period_s`; see RoundSchedule).
         signer: this member's identity and certificate (peer/dp/signed_claims.py): its claims are
             signed, and a round whose claims are not all members' untouched ones is refused. None:
             claims go unsigned and unchecked (tests of the averaging alone).
@@ -95,7 +96,7 @@ class GroupAverager:
     def __init__(
         self, dht, params: list[torch.nn.Parameter], prefix: str, every: int = 10, timeout: float = 30.0,
         compression: str = "int8", peer_id: str = "", link_bps: Callable[[], float | None] | None = None, link_share: float = 0.0,
-        clock: Callable[[], float] = time.time, signer: ClaimSigner | None = None,
+        clock: Callable[[], float] = time.time, signer: ClaimSigner | None = None, min_period_s: float = MIN_PERIOD_S,
     ) -> None:
         from hivemind.compression import NoCompression
 
@@ -105,7 +106,7 @@ class GroupAverager:
 
         self.params, self.every, self.timeout = params, every, timeout
         self.numel = sum(p.numel() for p in params)
-        self.schedule = RoundSchedule(every, round_bytes(self.numel, 2, compression), link_bps, link_share)
+        self.schedule = RoundSchedule(every, round_bytes(self.numel, 2, compression), link_bps, link_share, min_period_s)
         self._clock = clock
         self._ticks = 0  # after_step calls so far (the unit in which a round's all-reduce is seen)
         self._allreduce_seen: tuple[int, float] | None = None  # (tick, clock) when the pending round was first seen exchanging
