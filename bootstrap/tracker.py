@@ -30,6 +30,7 @@ from peer.security.identity import fingerprint
 from peer.wire import anchormesh_pb2 as pb
 
 MAX_MADDRS_PER_PEER = 4  # a peer's DHT addresses kept for its stage mates (bounded: the peer declares them)
+REPLICA_HOLDERS = 2  # peers of a stage that keep a copy of the next stage's state
 MAX_DONORS = 4  # stage mates a joiner may ask for the stage's state, most-trained first
 MAX_SUSPECTS = 4  # averaging suspects (and excluded next hops) kept per peer report
 log = logging.getLogger("anchormesh.tracker")
@@ -220,13 +221,19 @@ class Tracker:
         return directive
 
     def _replica_source(self, p: PeerRecord) -> PeerRecord | None:
-        """The most-trained serving peer of the stage `p` keeps a replica of: the next stage (the
-        last stage's is stage 0), so every stage's state lives on another stage's peers too."""
+        """Whom `p` copies the next stage's state from (the last stage copies stage 0), so every
+        stage's state lives on another stage's peers too. Only the first `REPLICA_HOLDERS` serving
+        peers of a stage (by id) keep a copy, each from another of the most-trained peers of the
+        next stage: a copy is 12 bytes per parameter, and every peer of a big group pulling from
+        one source would take that source's uplink."""
         K = self.config.model.num_stages
         if K < 2 or p.state not in ("active", "idle"):
             return None
-        ward = (p.stage + 1) % K
-        return max((q for q in self.live(ward) if q.state in ("active", "idle")), key=lambda q: (q.step, q.peer_id), default=None)
+        holders = sorted(q.peer_id for q in self.live(p.stage) if q.state in ("active", "idle"))[:REPLICA_HOLDERS]
+        sources = sorted((q for q in self.live((p.stage + 1) % K) if q.state in ("active", "idle")), key=lambda q: (-q.step, q.peer_id))
+        if p.peer_id not in holders or not sources:
+            return None
+        return sources[holders.index(p.peer_id) % len(sources)]
 
     def _restore_source(self, stage: int) -> pb.PeerInfo | None:
         """When `stage` has no live peer (its whole group died): the live peer holding the newest

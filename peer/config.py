@@ -376,8 +376,8 @@ class CheckpointConfig:
         every: run steps between checkpoints of a peer's stage (weights, AdamW moments, step);
             0 = only the final one when the run ends or the peer leaves.
         keep: how many of the newest checkpoints each stage keeps on each peer.
-        replicate_every_s: seconds between the pulls with which each peer copies the next
-            stage's training state (the last stage copies stage 0's) from its most-trained peer,
+        replicate_every_s: seconds between the pulls with which two peers of each stage copy the
+            next stage's training state (the last stage copies stage 0's) from its most-trained peers,
             so a stage whose whole group dies comes back from that copy, not from the initial
             weights (peer/daemon/replicas.py). A pull that took T seconds waits at least 9 T
             before the next, so copies use at most a tenth of the link; 0 = off.

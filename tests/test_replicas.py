@@ -31,10 +31,27 @@ def test_each_peer_is_told_to_copy_the_next_stage_from_its_most_trained_peer() -
     assert beat(t, b, step=8).replicate.peer_id == c  # stage 1 copies stage 2
     got = beat(t, c, step=8).replicate  # the last stage copies stage 0, its most-trained peer
     assert (got.peer_id, got.stage, got.step, got.address) == (a0, 0, 9, t.peers[a0].address)
+    assert beat(t, a0, step=9).replicate.peer_id == beat(t, a1, step=7).replicate.peer_id == b  # both keep a copy of stage 1, its one peer
     assert not beat(t, a0, step=9, state="joining").HasField("replicate")  # a joiner copies nothing
     t1, _ = make(stages=1, layers=2)
     join(t1, "solo")
     assert not beat(t1, "solo", step=3).HasField("replicate")  # one stage: nothing to copy
+
+
+def test_two_peers_of_a_stage_keep_a_copy_each_from_another_source() -> None:
+    """A copy is 12 bytes per parameter: a big group's peers do not all pull, nor from one source."""
+    t, _ = make(stages=2, layers=4)
+    for pid in ("a", "b", "c", "d", "e", "f"):
+        join(t, pid)
+    zero = sorted(p.peer_id for p in t.peers.values() if p.stage == 0)
+    one = sorted(p.peer_id for p in t.peers.values() if p.stage == 1)
+    assert len(zero) == len(one) == 3
+    for i, pid in enumerate(one):
+        beat(t, pid, step=10 + i)
+    got = {pid: beat(t, pid, step=12).replicate for pid in zero}
+    copying = {pid: r.peer_id for pid, r in got.items() if r.peer_id}
+    assert set(copying) == set(zero[:2])  # the first two by id; the third keeps none
+    assert sorted(copying.values()) == sorted(one[1:])  # from the two most-trained, one each
 
 
 def test_a_joiner_of_a_stage_with_no_live_peer_restores_from_the_newest_replica() -> None:

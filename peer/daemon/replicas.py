@@ -2,10 +2,10 @@
 comes back from it and not from the initial weights.
 
 Why: a stage's checkpoints sit on its own peers' disks, and when its whole group dies they are
-gone with it. So every peer pulls, now and then, the state (parameters, AdamW moments, step) of
-the stage after its own (the last stage's: stage 0) from that stage's most-trained peer, which
-the tracker names in each heartbeat reply (`Directive.replicate`), and reports the copy's stage
-and step. A peer that joins a stage with no live peer gets, in its Join reply, the holder of the
+gone with it. So two peers of each stage pull, now and then, the state (parameters, AdamW
+moments, step) of the stage after their own (the last stage's: stage 0) from that stage's
+most-trained peers, which the tracker names in their heartbeat replies (`Directive.replicate`;
+bootstrap/tracker.py says who copies whom), and report the copy's stage and step. A peer that joins a stage with no live peer gets, in its Join reply, the holder of the
 newest copy (`Assignment.restore_from`), downloads it (`GetShard`, what = STATE) and applies it
 through the same checks as a download from the group (peer/daemon/state_sync.py), unless its
 own checkpoint is newer.
