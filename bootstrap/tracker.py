@@ -126,8 +126,7 @@ class Tracker:
                 stage = self.balance.pick_stage(self.peers.values(), fits)
             start_step = max((p.step for p in self.peers.values() if p.stage == stage), default=0)
             restore = self._restore_source(stage)
-            serving = sorted((q for q in self.live(stage) if q.state in ("active", "idle")), key=lambda q: (-q.step, q.peer_id))
-            donors = [peer_info(q, self.clock()) for q in serving[:MAX_DONORS]]
+            donors = [peer_info(q, self.clock()) for q in self._serving(stage)[:MAX_DONORS]]
             mates = [m for q in self.live(stage) for m in q.dht_maddrs[:MAX_MADDRS_PER_PEER]]
             self.peers[req.peer_id] = PeerRecord(
                 req.peer_id, stage, req.grpc_address, last_seen=self.clock(), joined_at=self.clock(), dht_maddrs=tuple(req.dht_maddrs[:MAX_MADDRS_PER_PEER]), key=key.hex(),
@@ -220,6 +219,11 @@ class Tracker:
                 directive.replicate.CopyFrom(peer_info(source, self.clock()))
         return directive
 
+    def _serving(self, stage: int | None = None) -> list[PeerRecord]:
+        """Live peers that serve (not joining) of `stage` (all stages: None), most-trained first:
+        what a joiner, a replica or a restore may be taken from."""
+        return sorted((q for q in self.live(stage) if q.state in ("active", "idle")), key=lambda q: (-q.step, q.peer_id))
+
     def _replica_source(self, p: PeerRecord) -> PeerRecord | None:
         """Whom `p` copies the next stage's state from (the last stage copies stage 0), so every
         stage's state lives on another stage's peers too. Only the first `REPLICA_HOLDERS` serving
@@ -229,8 +233,8 @@ class Tracker:
         K = self.config.model.num_stages
         if K < 2 or p.state not in ("active", "idle"):
             return None
-        holders = sorted(q.peer_id for q in self.live(p.stage) if q.state in ("active", "idle"))[:REPLICA_HOLDERS]
-        sources = sorted((q for q in self.live((p.stage + 1) % K) if q.state in ("active", "idle")), key=lambda q: (-q.step, q.peer_id))
+        holders = sorted(q.peer_id for q in self._serving(p.stage))[:REPLICA_HOLDERS]
+        sources = self._serving((p.stage + 1) % K)
         if p.peer_id not in holders or not sources:
             return None
         return sources[holders.index(p.peer_id) % len(sources)]
@@ -240,7 +244,7 @@ class Tracker:
         replica of its state, its step in `step`; None while the group lives or nobody holds one."""
         if self.live(stage):
             return None
-        holders = [q for q in self.live() if q.replica_step > 0 and q.replica_stage == stage and q.state in ("active", "idle")]
+        holders = [q for q in self._serving() if q.replica_step > 0 and q.replica_stage == stage]
         best = max(holders, key=lambda q: (q.replica_step, q.peer_id), default=None)
         if best is None:
             return None

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from peer.bench.bedswarm import BedSwarm, write_toml
@@ -77,18 +78,25 @@ def _kind(pid: int, root: int, comm: str) -> str:
     return "hivemind p2pd (Go)" if comm.startswith("p2pd") else "hivemind python children (DHT, averager)"
 
 
-def breakdown(raw_files: list[Path]) -> dict:
-    """Shares of on-CPU py-spy samples per part (see PARTS), from py-spy's raw output."""
-    parts, idle = collections.Counter(), 0
+def samples(raw_files: list[Path]) -> Iterator[tuple[list[str], int, bool]]:
+    """(frames root first, sample count, idle) per line of py-spy's raw output; idle: the innermost
+    frame is a wait (IDLE_LEAVES)."""
     for f in raw_files:
         for line in f.read_text().splitlines():
             stack, _, n = line.rpartition(" ")
             frames = stack.split(";")
-            if any(k in frames[-1] for k in IDLE_LEAVES):
-                idle += int(n)
-                continue
-            part = next((name for fr in reversed(frames) for name, pats in PARTS if any(p in fr for p in pats)), "other")
-            parts[part] += int(n)
+            yield frames, int(n), any(k in frames[-1] for k in IDLE_LEAVES)
+
+
+def breakdown(raw_files: list[Path]) -> dict:
+    """Shares of on-CPU py-spy samples per part (see PARTS), from py-spy's raw output."""
+    parts, idle = collections.Counter(), 0
+    for frames, n, waiting in samples(raw_files):
+        if waiting:
+            idle += n
+            continue
+        part = next((name for fr in reversed(frames) for name, pats in PARTS if any(p in fr for p in pats)), "other")
+        parts[part] += n
     busy = sum(parts.values())
     return {"on_cpu_samples": busy, "idle_samples": idle, "shares": {k: round(v / busy, 3) for k, v in parts.most_common()} if busy else {}}
 
@@ -98,15 +106,12 @@ def children_breakdown(raw_files: list[Path], top: int = 8) -> dict:
     of the averaging process (told apart by their stacks), and the innermost frames that take them."""
     kinds: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     idle = collections.Counter()
-    for f in raw_files:
-        for line in f.read_text().splitlines():
-            stack, _, n = line.rpartition(" ")
-            frames = stack.split(";")
-            kind = "averager" if any("averaging/" in fr for fr in frames) else "dht" if any("hivemind/dht" in fr for fr in frames) else "other"
-            if any(k in frames[-1] for k in IDLE_LEAVES):
-                idle[kind] += int(n)
-                continue
-            kinds[kind][frames[-1].split(" (")[0] + " (" + frames[-1].rsplit("/", 1)[-1]] += int(n)
+    for frames, n, waiting in samples(raw_files):
+        kind = "averager" if any("averaging/" in fr for fr in frames) else "dht" if any("hivemind/dht" in fr for fr in frames) else "other"
+        if waiting:
+            idle[kind] += n
+            continue
+        kinds[kind][frames[-1].split(" (")[0] + " (" + frames[-1].rsplit("/", 1)[-1]] += n
     return {k: {"on_cpu_samples": sum(c.values()), "idle_samples": idle[k], "top": dict(c.most_common(top))} for k, c in sorted(kinds.items())}
 
 

@@ -13,13 +13,14 @@ import threading
 from collections.abc import Callable
 
 from peer.dp.group import GroupAverager
+from peer.dp.schedule import MIN_PERIOD_S
 from peer.dp.signed_claims import ClaimSigner
 from peer.pipeline.worker import StageWorker
 
 log = logging.getLogger("anchormesh.peer")
 
 
-def start_averaging(dht, worker: StageWorker, prefix: str, every: int, compression: str, link_share: float, peer_id: str, link_bps: Callable[[], float | None], signer: ClaimSigner | None = None, min_period_s: float = 1.0) -> GroupAverager | None:
+def start_averaging(dht, worker: StageWorker, prefix: str, every: int, compression: str, link_share: float, peer_id: str, link_bps: Callable[[], float | None], signer: ClaimSigner | None = None, min_period_s: float = MIN_PERIOD_S) -> GroupAverager | None:
     """Join the stage group's averaging; without a DHT the peer trains alone (None). Rounds are
     spaced so they take at most `link_share` of the uplink this peer measures (`link_bps`).
     hivemind forks here: the caller starts it while no gRPC call runs."""

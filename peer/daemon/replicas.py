@@ -39,6 +39,12 @@ log = logging.getLogger("anchormesh.peer")
 PULL_TIMEOUT_S = 1800.0  # one pull or restore download, whole (a big stage over a slow link)
 LINK_SHARE = 0.1  # a pull that took T s waits at least T (1 / LINK_SHARE - 1) before the next
 MAX_STATE_RATIO = 16  # a copy may be at most this many times this peer's own stage state (stages differ: embeddings, head)
+DOWNLOAD_ERRORS = (ShardError, grpc.RpcError, OSError, AnchormeshError)  # what a state download may fail with
+
+
+def failure(exc: BaseException) -> str:
+    """A failed download in words: gRPC's details, else the exception's text."""
+    return (exc.details() or exc.code().name) if isinstance(exc, grpc.RpcError) else str(exc)
 
 
 class Replicas:
@@ -121,10 +127,9 @@ class Replicas:
             log.info("replica of stage %d at step %d from %s (%.1f MB in %.1f s)", shard.stage, shard.step, target.peer_id,
                      sum(t.numel() * t.element_size() for t in shard.tensors.values()) / 1e6, self.clock() - t0)
             return True
-        except (ShardError, grpc.RpcError, OSError, AnchormeshError) as exc:
+        except DOWNLOAD_ERRORS as exc:
             self.failures += 1
-            why = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
-            log.warning("replica of stage %d from %s failed (%d so far): %s", target.stage, target.peer_id, self.failures, why)
+            log.warning("replica of stage %d from %s failed (%d so far): %s", target.stage, target.peer_id, self.failures, failure(exc))
             return False
         finally:
             took = self.clock() - t0
@@ -161,8 +166,8 @@ class Replicas:
         log.info("downloading the state of stage %d from %s (step %d)", stage, source, holder.step)
         try:
             meta, tensors = state_from_tensors(self.fetch(holder, stage).tensors, names)
-        except (ShardError, grpc.RpcError, OSError, AnchormeshError) as exc:
-            log.warning("the state of stage %d from %s could not be read: %s", stage, source, exc.details() if isinstance(exc, grpc.RpcError) else exc)
+        except DOWNLOAD_ERRORS as exc:
+            log.warning("the state of stage %d from %s could not be read: %s", stage, source, failure(exc))
             return False
         return apply(meta, tensors, source)
 

@@ -110,7 +110,7 @@ class GroupAverager:
         self._clock = clock
         self._ticks = 0  # after_step calls so far (the unit in which a round's all-reduce is seen)
         self._allreduce_seen: tuple[int, float] | None = None  # (tick, clock) when the pending round was first seen exchanging
-        self.lock = threading.Lock()  # the owner holds it while stepping; state_fn reads under it
+        self.lock = threading.Lock()  # the owner holds it while stepping; a copy of the state for a joiner or a checkpoint is taken under it
         self._offered: list[torch.Tensor] | None = None
         self._pending: Future | None = None
         self.rounds = 0
