@@ -63,6 +63,9 @@ MASK_FILLS = ("zero", "token_prior", "rescale", "prior_rescale")
 VALUE_DTYPES = ("fp32", "fp16", "bf16", "int8")
 
 
+MASK_SCHEMES = ("mask", "lowrank", "transform")
+
+
 @dataclass
 class MaskConfig:
     """Activation masking on pipeline links (DESIGN.md §4, fast circuit).
@@ -78,11 +81,17 @@ class MaskConfig:
         values: how kept values travel: fp32, fp16, bf16 or int8 (blockwise absmax).
         seed: run-wide seed of the mask PRF; both link ends derive the same mask from it.
         prior_momentum: EMA momentum of the token prior (fill="token_prior").
-        scheme: "mask" (the paper's element mask, above) or "lowrank" (send r coefficients per
+        scheme: "mask" (the paper's element mask, above), "lowrank" (send r coefficients per
             token in a basis the sender learns and ships, around a per-token prior;
-            peer/codec/basis.py). Must not exceed the hidden size.
-        rank: r for scheme "lowrank".
-        basis_refresh: steps between (prior, basis) refreshes for scheme "lowrank".
+            peer/codec/basis.py) or "transform" (every direction at a few bits: a KLT transform
+            coder each tensor's producer fits and ships; peer/codec/transform.py).
+        rank: r for scheme "lowrank". Must not exceed the hidden size.
+        basis_refresh: steps between refits of the sender's (prior, basis) for scheme
+            "lowrank", of each producer's coder for scheme "transform".
+        bits: scheme "transform": bits per value of the activations (forward), in (0, 8].
+        grad_bits: scheme "transform": bits per value of the gradients (backward), in (0, 8].
+        sink: scheme "transform": leading positions of each sequence sent dense in bf16 (the
+            attention sink carries massive activations that no few-bit code survives).
         prior_rows: scheme "lowrank": most rows of the token prior that travel per refresh; a
             larger vocabulary sends its most frequent tokens' rows and one shared row.
         adapt: each sender sends per link as much of the configured payload as the link's
@@ -104,20 +113,28 @@ class MaskConfig:
     rank: int = 8
     basis_refresh: int = 20
     prior_rows: int = 8192
+    bits: float = 3.0
+    grad_bits: float = 1.0
+    sink: int = 1
     adapt: bool = True
     min_keep: float = 0.25
     link_target: float = 0.8
 
     def __post_init__(self) -> None:
-        _choice("mask.scheme", self.scheme, ("mask", "lowrank"))
+        _choice("mask.scheme", self.scheme, MASK_SCHEMES)
         if not (0.0 < self.min_keep <= 1.0):
             raise ConfigError("mask.min_keep", self.min_keep, "must be in (0, 1]: the least fraction of mask.rank a link sends")
         if not (0.0 < self.link_target <= 1.0):
             raise ConfigError("mask.link_target", self.link_target, "must be in (0, 1]: the share of a micro-batch's compute time its bytes may take")
         if self.prior_rows < 2:
             raise ConfigError("mask.prior_rows", self.prior_rows, "must be >= 2 (token rows plus the shared row)")
-        if self.scheme == "lowrank" and self.drop:
-            raise ConfigError("mask.drop", self.drop, 'must be 0 with mask.scheme="lowrank" (coefficients are not masked)')
+        if self.scheme != "mask" and self.drop:
+            raise ConfigError("mask.drop", self.drop, f'must be 0 with mask.scheme="{self.scheme}" (its values are not masked)')
+        for name in ("bits", "grad_bits"):
+            if not (0.0 < getattr(self, name) <= 8.0):
+                raise ConfigError(f"mask.{name}", getattr(self, name), "must be in (0, 8] bits per value")
+        if self.sink < 0:
+            raise ConfigError("mask.sink", self.sink, "must be >= 0 positions")
         _positive("mask.rank", self.rank)
         _positive("mask.basis_refresh", self.basis_refresh)
         if not (0.0 <= self.drop < 1.0):

@@ -104,6 +104,12 @@ def test_dp_group_anchor_and_codec_components() -> None:
     assert plan_stage(cfg, BF16, 0).anchor_snapshot == first.weights // 2
     assert first.codec == 0 and last.codec == 2 * (256 * 64 + 64) * 4
     assert last.need("cpu") == last.total + last.host and last.need("cuda:0") == last.total
+    cfg.mask = MaskConfig(scheme="transform")
+    first, last = plan_stage(cfg, FP32, 0), plan_stage(cfg, FP32, 1)
+    assert first.codec == last.codec > 4 * 64 * 64 * 4  # one direction each: a row buffer of 4 H rows and more
+    cfg3 = _cfg(stages=3)
+    cfg3.mask = MaskConfig(scheme="transform")
+    assert plan_stage(cfg3, FP32, 1).codec == 2 * first.codec  # a middle stage produces both ways
 
 
 def _config_dir(tmp_path: Path, **kw) -> str:

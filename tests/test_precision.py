@@ -63,6 +63,7 @@ def test_working_copy_is_persistent_and_follows_the_masters() -> None:
     [
         ("masked_prior", dict(mask=MaskConfig(drop=0.9, fill="prior_rescale"))),
         ("lowrank_int8", dict(mask=MaskConfig(scheme="lowrank", rank=8, values="int8", basis_refresh=4))),
+        ("transform", dict(mask=MaskConfig(scheme="transform", bits=2.0, grad_bits=1.0, basis_refresh=4))),
         ("anchor_paper", dict(mask=MaskConfig(drop=0.9), anchor=AnchorConfig(every=3), spectral=SpectralConfig(mode="paper"))),
         ("stale_lookahead", dict(mask=MaskConfig(drop=0.9), pipeline=PipelineConfig(micro_batch_size=4, micro_batches=2, seq_len=32, max_staleness=2))),
         ("dp_diloco", dict(mask=MaskConfig(drop=0.9), dp=DPConfig(replicas=2, scheme="diloco", inner_steps=4), pipeline=PipelineConfig(micro_batch_size=4, micro_batches=1, seq_len=32))),

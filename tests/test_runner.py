@@ -86,6 +86,7 @@ def _train(cfg: TrainConfig, steps: int) -> tuple[list[float], LocalPipelineRunn
         ("masked_prior_rescale", dict(mask=MaskConfig(drop=0.95, fill="prior_rescale"))),
         ("lowrank_int8", dict(mask=MaskConfig(scheme="lowrank", rank=8, values="int8", basis_refresh=4))),
         ("lowrank_top_rows", dict(mask=MaskConfig(scheme="lowrank", rank=8, values="int8", basis_refresh=4, prior_rows=24))),  # a "large vocabulary": 23 token rows + 1 shared
+        ("transform", dict(mask=MaskConfig(scheme="transform", bits=2.0, grad_bits=1.0, basis_refresh=4))),  # refits every 4 steps after a dense warm-up
         ("anchor_paper", dict(mask=MaskConfig(drop=0.95), anchor=AnchorConfig(every=3), spectral=SpectralConfig(mode="paper"))),
         ("anchor_ef_thread", dict(mask=MaskConfig(drop=0.95), anchor=AnchorConfig(every=3, executor="thread"), spectral=SpectralConfig(mode="ef"))),
         ("stale_lookahead", dict(mask=MaskConfig(drop=0.9), pipeline=PipelineConfig(micro_batch_size=4, micro_batches=2, seq_len=32, max_staleness=2))),

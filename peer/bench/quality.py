@@ -91,6 +91,7 @@ def rows(setup: QualitySetup) -> dict[str, TrainConfig]:
         return TrainConfig(**base)
 
     lowrank = MaskConfig(scheme="lowrank", rank=setup.lowrank_rank, values="int8")
+    transform = MaskConfig(scheme="transform")  # the swarm's defaults: bits per value both ways, the sink position dense
     return {
         # the paper's method, as DESIGN.md §4 states it
         "dense": cfg(),
@@ -101,10 +102,14 @@ def rows(setup: QualitySetup) -> dict[str, TrainConfig]:
         "masked_prior_rescale": cfg(mask=replace(mask, fill="prior_rescale")),
         "lowrank": cfg(mask=lowrank),
         "lowrank_anchor": cfg(mask=lowrank, anchor=anchor, spectral=SpectralConfig(mode="paper")),
+        # a transform coder made for real boundaries (peer/codec/transform.py)
+        "transform": cfg(mask=transform),
+        "transform_anchor": cfg(mask=transform, anchor=anchor, spectral=SpectralConfig(mode="paper")),
         # data parallel, same token budget: 2 replicas x half the micro-batches
         "dense_dp": cfg(dp=DPConfig(replicas=2, scheme="dense"), pipeline=pipe_dp),
         "masked_anchor_dp": cfg(mask=mask, anchor=anchor, spectral=SpectralConfig(mode="paper"), dp=dp, pipeline=pipe_dp),
         "lowrank_dp": cfg(mask=lowrank, dp=dp, pipeline=pipe_dp),
+        "transform_dp": cfg(mask=transform, dp=dp, pipeline=pipe_dp),
     }
 
 
@@ -172,11 +177,16 @@ def run_row(name: str, cfg: TrainConfig, fresh_model: Callable[[], torch.nn.Modu
     runner.close()
     tokens = sum(r.tokens for r in reports)
     pp = sum(r.pp_bytes for r in reports)
+    state = sum(w.state_bytes_sent for row in runner.workers for w in row)
     dp = sum(r.dp_bytes for r in reports)
     return {
         "eval_loss": evaluate_stages(runner.stages(0), eval_b),
         "eval_loss_a": evaluate_stages(runner.stages(0), eval_a),
         "pp_bytes_per_token": pp / tokens,
+        # of which codec state shipped after each refit (a basis, a coder): a fixed cost per refit
+        # that a run's length amortises; the rest is what every token costs on the link
+        "pp_state_bytes_per_token": state / tokens,
+        "pp_stream_bytes_per_token": (pp - state) / tokens,
         "anchor_pp_bytes_per_token": runner.anchor_bytes / tokens,
         "dp_bytes_per_step": dp / len(reports),
         "train_loss_last10": sum(losses[-10:]) / len(losses[-10:]),
@@ -263,11 +273,15 @@ def run_quality(quick: bool, corpus_a: str | None, corpus_b: str | None, only: l
         release_memory()
         result["rss_gb_after"] = rss_gb()
         out["runs"][name] = result
-        print(f"{name:>24}: eval_loss {result['eval_loss']:.4f}  eval_loss_a {result['eval_loss_a']:.4f}  pp B/token {result['pp_bytes_per_token']:.1f}  dp B/step {result['dp_bytes_per_step']:.0f}  {result['seconds']:.1f}s", flush=True)
+        print(f"{name:>24}: eval_loss {result['eval_loss']:.4f}  eval_loss_a {result['eval_loss_a']:.4f}  pp B/token {result['pp_bytes_per_token']:.1f} (stream {result['pp_stream_bytes_per_token']:.1f})  dp B/step {result['dp_bytes_per_step']:.0f}  {result['seconds']:.1f}s", flush=True)
     dense = out["runs"].get("dense")
     if dense:
         out["vs_dense"] = {
-            name: {"eval_loss_ratio": r["eval_loss"] / dense["eval_loss"], "pp_bytes_reduction": dense["pp_bytes_per_token"] / r["pp_bytes_per_token"]}
+            name: {
+                "eval_loss_ratio": r["eval_loss"] / dense["eval_loss"],
+                "pp_bytes_reduction": dense["pp_bytes_per_token"] / r["pp_bytes_per_token"],
+                "pp_stream_bytes_reduction": dense["pp_stream_bytes_per_token"] / r["pp_stream_bytes_per_token"],
+            }
             for name, r in out["runs"].items()
         }
     return out

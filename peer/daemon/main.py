@@ -232,7 +232,7 @@ class PeerDaemon:
             while not self.stop.is_set() and (max_steps is None or self.worker.version < max_steps):
                 if self.transport.send_error_count != errors_seen:  # a lost message may have carried a basis
                     errors_seen = self.transport.send_error_count
-                    self.worker.basis_sent.clear()
+                    self.worker.forget_sent()
                 try:
                     self._tick(stream, gen, cfg, metrics)
                 except AnchormeshError as exc:  # one bad or late message never ends the peer

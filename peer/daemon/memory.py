@@ -16,6 +16,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from peer.codec.fill import USES_PRIOR
+from peer.codec.transform import BUFFER_ROWS_PER_H
 from peer.config import TrainConfig
 from peer.errors import ConfigError
 from peer.model.loading import meta_stages
@@ -145,7 +146,8 @@ def _plan(cfg: TrainConfig, placement: Placement, stage: StageModule, dp_group: 
 def _codec_bytes(cfg: TrainConfig, stage: StageModule) -> int:
     """Link codec state on the device (peer/codec): the receiving end's token prior for a
     prior fill; for the low-rank scheme the sender's per-token sums, counts and residual buffer
-    and both ends' (prior, basis) version with its token -> row table."""
+    and both ends' (prior, basis) version with its token -> row table; for the transform scheme
+    each direction's learner and coders."""
     m, V, H = cfg.mask, stage.vocab_size, stage.hidden_size
     total = 0
     receives, sends = not stage.is_first, not stage.is_last
@@ -157,6 +159,14 @@ def _codec_bytes(cfg: TrainConfig, stage: StageModule) -> int:
             total += (V * H + V + LOWRANK_BUFFER_TOKENS * (H + 1)) * 4 + version
         if receives:
             total += version
+    if m.scheme == "transform":
+        # per coder: mean, int8 rotation, its float32 copy, scales, stds, bits (K <= H columns)
+        coder = H * 4 + H * H * 5 + H * 20
+        # each producer (outputs if it sends, input gradients if it receives): its row buffer,
+        # the fit's float64 covariance and eigenvectors, its current coder; each consumer: the
+        # two newest coders of one peer (more peers: more, but a stage talks to few at a time)
+        learner = BUFFER_ROWS_PER_H * H * H * 4 + 2 * H * H * 8 + coder
+        total += (sends + receives) * (learner + 2 * coder)
     return total
 
 

@@ -92,7 +92,7 @@ class Router:
             if now - sent > limit and self.neighbours.get(1):
                 step, mb = key
                 w.inflight.pop(key)
-                w.basis_sent.clear()  # the lost message may have carried the receiver's basis
+                w.forget_sent()  # the lost message may have carried the receiver's basis or coder
                 log.warning("no gradient for micro-batch %s of step %d after %.0fs; sending it again", mb, step, now - sent)
                 w.inject(job.window, step, mb - w.replica * w.cfg.pipeline.micro_batches)
                 self.sent_at[key] = now

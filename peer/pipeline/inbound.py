@@ -15,6 +15,7 @@ from peer.errors import WireError
 from peer.model.stages import StageModule
 from peer.pipeline.inflight import InFlight
 from peer.pipeline.link_codec import LinkCodecs
+from peer.pipeline.transform_link import TransformLinks
 from peer.wire import anchormesh_pb2 as pb
 from peer.wire.tensors import parse_message, proto_to_tensor
 
@@ -46,7 +47,7 @@ def check_token_window(payload: pb.TensorPayload, vocab_size: int, shape: tuple[
     return window
 
 
-def check_activation(msg: pb.ActivationChunk, s: StageModule, p: PipelineConfig, links: LinkCodecs, announced: dict[str, int]) -> None:
+def check_activation(msg: pb.ActivationChunk, s: StageModule, p: PipelineConfig, links: LinkCodecs, announced: dict[str, int], transform: TransformLinks | None = None) -> None:
     """An activation for stage `s`: on its inbound boundary, a token window of the run's
     micro-batch shape `p`, hidden states (or low-rank coefficients) that fit it. A low-rank
     message carries a basis or names one its sender shipped before (`announced`: sender ->
@@ -57,7 +58,10 @@ def check_activation(msg: pb.ActivationChunk, s: StageModule, p: PipelineConfig,
     # the run's micro-batch shape, pinned: a larger one would cost this stage more than its sender
     ids = check_token_window(msg.token_ids, s.vocab_size, (p.micro_batch_size, p.seq_len + 1))[:, :-1].long()
     key = {"boundary": b, "step": msg.header.step, "micro_batch": msg.header.micro_batch_id}
-    if links.coef_codec is not None:
+    if transform is not None:  # a coder shipped along is checked and kept here
+        coder = msg.coder if msg.HasField("coder") else None
+        transform.decode("forward", msg.header.sender, msg.hidden, coder, expect_shape=(*ids.shape, s.hidden_size), **key)
+    elif links.coef_codec is not None:
         links.coef_codec.decode(msg.hidden, expect_shape=links.coef_shape(msg.hidden, ids), expect_dtype=LINK_DTYPE, **key)
         if msg.HasField("basis"):
             links.decode_basis(msg)
@@ -68,7 +72,7 @@ def check_activation(msg: pb.ActivationChunk, s: StageModule, p: PipelineConfig,
         links.inbound_codec(msg.hidden).decode(msg.hidden, expect_shape=(*ids.shape, s.hidden_size), expect_dtype=LINK_DTYPE, **key)
 
 
-def check_gradient(msg: pb.GradientChunk, s: StageModule, inflight: dict[tuple[int, int], InFlight], links: LinkCodecs) -> None:
+def check_gradient(msg: pb.GradientChunk, s: StageModule, inflight: dict[tuple[int, int], InFlight], links: LinkCodecs, transform: TransformLinks | None = None) -> None:
     """A gradient for stage `s`: on its outbound boundary, for a micro-batch in flight here, of
     the shape (and codec) its output was sent with."""
     b = msg.header.boundary
@@ -77,5 +81,10 @@ def check_gradient(msg: pb.GradientChunk, s: StageModule, inflight: dict[tuple[i
     job = inflight.get((msg.header.step, msg.header.micro_batch_id))
     if job is None:
         raise WireError(f"gradient for unknown micro-batch (step={msg.header.step}, micro_batch_id={msg.header.micro_batch_id})")
+    key = {"boundary": b, "step": msg.header.step, "micro_batch": msg.header.micro_batch_id}
+    if transform is not None:
+        coder = msg.coder if msg.HasField("coder") else None
+        transform.decode("backward", msg.header.sender, msg.grad, coder, expect_shape=tuple(job.out.shape), **key)
+        return
     last = job.coefs if job.basis is not None else s.hidden_size
     (job.codec_out or links.link).decode(msg.grad, expect_shape=(*job.out.shape[:-1], last), expect_dtype=LINK_DTYPE, boundary=b, step=msg.header.step, micro_batch=msg.header.micro_batch_id)

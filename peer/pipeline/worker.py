@@ -39,6 +39,7 @@ from peer.pipeline.inflight import InFlight
 from peer.pipeline.link_codec import LinkCodecs
 from peer.pipeline.linktune import ComputeClock
 from peer.pipeline.retries import Retries
+from peer.pipeline.transform_link import TransformLinks
 from peer.pipeline.transport import Address, Transport
 from peer.pipeline.weights import ForwardWeights
 from peer.wire import anchormesh_pb2 as pb
@@ -82,6 +83,8 @@ class StageWorker:
     placement: Placement = CPU_FP32  # device and precision (peer/model/placement.py)
     links: LinkCodecs = field(init=False)  # the codec of each link (peer/pipeline/link_codec.py)
     weights: ForwardWeights = field(init=False)  # what the forwards run on (peer/pipeline/weights.py)
+    transform: TransformLinks | None = field(init=False, default=None)  # transform coder ends (peer/pipeline/transform_link.py)
+    state_bytes_sent: int = 0  # bytes of codec state (low-rank bases, transform coders) in the messages sent: amortised over a run
 
     def __post_init__(self) -> None:
         s, pl = self.stage, self.placement
@@ -95,6 +98,8 @@ class StageWorker:
             self.coef_codec = MaskCodec(MaskConfig(values=m.values, seed=m.seed))
             if not s.is_last:
                 self.basis_out = BasisLearner(s.vocab_size, s.hidden_size, m.rank, m.basis_refresh, max_rows=m.prior_rows, device=pl.device)
+        elif m.scheme == "transform":
+            self.transform = TransformLinks(m, s.hidden_size, produces_forward=not s.is_last, produces_backward=s.index > 0)
         self.weights = ForwardWeights(s, pl, self.local_steps, self.cfg.pipeline.staleness_correction == "lookahead")
         self.links = LinkCodecs(m, self.codec, self.coef_codec, self.transport, self.compute, s.hidden_size, s.vocab_size, pl.device)
 
@@ -118,6 +123,12 @@ class StageWorker:
     def forwards_ahead(self) -> int:
         """Forwards that ran on stashed weights (staleness > 0)."""
         return self.weights.forwards_ahead
+
+    def forget_sent(self) -> None:
+        """A message may have been lost with a basis or coder in it: ship them again."""
+        self.basis_sent.clear()
+        if self.transform is not None:
+            self.transform.forget_sent()
 
     def coefs_for(self, dst: Address, tokens: int, fixed: int) -> int:
         """Low-rank codec: coefficients per token for `dst` (peer/pipeline/link_codec.py)."""
@@ -148,9 +159,9 @@ class StageWorker:
         """Vet an inbound message fully before it is queued (runs on the transport's threads;
         the checks: peer/pipeline/inbound.py). Raises WireError / TensorError naming the field."""
         if channel == "forward":
-            check_activation(msg, self.stage, self.cfg.pipeline, self.links, self.basis_announced)
+            check_activation(msg, self.stage, self.cfg.pipeline, self.links, self.basis_announced, self.transform)
         else:
-            check_gradient(msg, self.stage, self.inflight, self.links)
+            check_gradient(msg, self.stage, self.inflight, self.links, self.transform)
 
     def _mb_key(self, step: int, mb_in_step: int) -> int:
         return self.replica * self.cfg.pipeline.micro_batches + mb_in_step
@@ -172,9 +183,9 @@ class StageWorker:
         self.inflight[(step, mb)] = InFlight(step, None, out, stash, window, basis, coefs=k, codec_out=codec)
         self.compute.add(time.perf_counter() - t0)
 
-    def _send_forward(self, out: torch.Tensor, window: torch.Tensor, step: int, mb: int) -> tuple[BasisState | None, int, MaskCodec]:
+    def _send_forward(self, out: torch.Tensor, window: torch.Tensor, step: int, mb: int) -> tuple[BasisState | None, int, MaskCodec | None]:
         """Encode and send this stage's output; returns the low-rank basis used, if any, the
-        coefficients per token sent and the codec that encoded them."""
+        coefficients per token sent and the mask codec that encoded them (None: transform-coded)."""
         b = self.stage.index
         msg = pb.ActivationChunk(header=self._header(step, mb, b), token_ids=tensor_to_proto(window.to(token_dtype(self.stage.vocab_size))))
         dst = self.next_hop() if self.next_hop else (b + 1, self.replica)
@@ -190,9 +201,18 @@ class StageWorker:
                 if state.row_ids is not None:
                     msg.basis_prior_ids.CopyFrom(tensor_to_proto(state.row_ids.cpu()))
                 self.basis_sent[dst] = state.version
+                self.state_bytes_sent += msg.basis_prior.ByteSize() + msg.basis.ByteSize() + msg.basis_prior_ids.ByteSize()
             msg.basis_version = state.version
             k = self.coefs_for(dst, ids.numel(), msg.header.ByteSize() + msg.token_ids.ByteSize() + 16)
             h = state.project(h.float(), ids, k)
+        elif self.transform is not None:
+            payload, coder = self.transform.encode("forward", h, dst, boundary=b, step=step, micro_batch=mb)
+            msg.hidden.CopyFrom(payload)
+            if coder is not None:
+                msg.coder.CopyFrom(coder)
+                self.state_bytes_sent += coder.ByteSize()
+            self.transport.send(self.addr, dst, "forward", msg.SerializeToString())
+            return None, 0, None
         else:
             codec = self.mask_codec_for(dst, h.numel(), msg.header.ByteSize() + msg.token_ids.ByteSize() + 16)
         msg.hidden.CopyFrom(codec.encode(self.placement.to_host(h), boundary=b, step=step, micro_batch=mb))
@@ -220,9 +240,14 @@ class StageWorker:
         ids = window[:, :-1]  # on the host (the prior's checks); ids_dev for what runs on the device
         ids_dev = pl.to_device(ids)
         shape = (*ids.shape, self.stage.hidden_size)
-        codec_in = self.coef_codec or self.links.inbound_codec(msg.hidden)
+        codec_in = None if self.transform else self.coef_codec or self.links.inbound_codec(msg.hidden)
         if self.coef_codec is not None:
             x, h = self._lift(msg, ids_dev, b, step, mb)
+        elif self.transform is not None:
+            coder = msg.coder if msg.HasField("coder") else None
+            x = pl.to_device(self.transform.decode("forward", msg.header.sender, msg.hidden, coder, expect_shape=shape, boundary=b, step=step, micro_batch=mb), self.compute_dtype)
+            x.requires_grad_(True)
+            h = x
         else:
             x = pl.to_device(codec_in.decode(msg.hidden, expect_shape=shape, boundary=b, step=step, micro_batch=mb), self.compute_dtype)
             x.requires_grad_(True)  # the leaf whose gradient goes back: kept entries only
@@ -275,6 +300,9 @@ class StageWorker:
         if job.basis is not None:  # dL/dh = dL/dc B^T
             g = pl.to_device(self.link_codec.decode(msg.grad, expect_shape=(*job.out.shape[:-1], job.coefs), boundary=self.stage.index, step=job.step, micro_batch=mb))
             grad = g @ job.basis.basis[:, : job.coefs].T
+        elif self.transform is not None:
+            coder = msg.coder if msg.HasField("coder") else None
+            grad = pl.to_device(self.transform.decode("backward", msg.header.sender, msg.grad, coder, expect_shape=tuple(job.out.shape), boundary=self.stage.index, step=job.step, micro_batch=mb))
         else:
             grad = pl.to_device((job.codec_out or self.codec).decode(msg.grad, expect_shape=tuple(job.out.shape), boundary=self.stage.index, step=job.step, micro_batch=mb))
         job.out.backward(grad.to(job.out.dtype))
@@ -293,11 +321,16 @@ class StageWorker:
                     w.grad = None
         if job.x is not None:
             b = self.stage.index - 1
-            msg = pb.GradientChunk(
-                header=self._header(job.step, mb, b),
-                grad=(job.codec_in or self.link_codec).encode(self.placement.to_host(job.x.grad), boundary=b, step=job.step, micro_batch=mb),
-            )
             dst = self.resolve(job.sender) if self.resolve else (b, self.replica)
+            msg = pb.GradientChunk(header=self._header(job.step, mb, b))
+            if self.transform is not None:
+                payload, coder = self.transform.encode("backward", job.x.grad, dst, boundary=b, step=job.step, micro_batch=mb)
+                msg.grad.CopyFrom(payload)
+                if coder is not None:
+                    msg.coder.CopyFrom(coder)
+                    self.state_bytes_sent += coder.ByteSize()
+            else:
+                msg.grad.CopyFrom((job.codec_in or self.link_codec).encode(self.placement.to_host(job.x.grad), boundary=b, step=job.step, micro_batch=mb))
             data = msg.SerializeToString()
             if self.local_steps:  # cached before sending: a send that fails (sender not known yet) is redone on its retry
                 self.retries.sent((job.sender, job.step, mb), dst, data)

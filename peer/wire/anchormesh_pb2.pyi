@@ -29,13 +29,15 @@ UINT8: DType
 INT16: DType
 
 class Compression(_message.Message):
-    __slots__ = ("kind", "drop", "mask_seed", "boundary", "step", "micro_batch", "values", "block_size")
+    __slots__ = ("kind", "drop", "mask_seed", "boundary", "step", "micro_batch", "values", "block_size", "coder_version", "sink")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         NONE: _ClassVar[Compression.Kind]
         BERNOULLI_MASK: _ClassVar[Compression.Kind]
+        TRANSFORM: _ClassVar[Compression.Kind]
     NONE: Compression.Kind
     BERNOULLI_MASK: Compression.Kind
+    TRANSFORM: Compression.Kind
     KIND_FIELD_NUMBER: _ClassVar[int]
     DROP_FIELD_NUMBER: _ClassVar[int]
     MASK_SEED_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +46,8 @@ class Compression(_message.Message):
     MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CODER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SINK_FIELD_NUMBER: _ClassVar[int]
     kind: Compression.Kind
     drop: float
     mask_seed: int
@@ -52,7 +56,27 @@ class Compression(_message.Message):
     micro_batch: int
     values: DType
     block_size: int
-    def __init__(self, kind: _Optional[_Union[Compression.Kind, str]] = ..., drop: _Optional[float] = ..., mask_seed: _Optional[int] = ..., boundary: _Optional[int] = ..., step: _Optional[int] = ..., micro_batch: _Optional[int] = ..., values: _Optional[_Union[DType, str]] = ..., block_size: _Optional[int] = ...) -> None: ...
+    coder_version: int
+    sink: int
+    def __init__(self, kind: _Optional[_Union[Compression.Kind, str]] = ..., drop: _Optional[float] = ..., mask_seed: _Optional[int] = ..., boundary: _Optional[int] = ..., step: _Optional[int] = ..., micro_batch: _Optional[int] = ..., values: _Optional[_Union[DType, str]] = ..., block_size: _Optional[int] = ..., coder_version: _Optional[int] = ..., sink: _Optional[int] = ...) -> None: ...
+
+class TransformCoder(_message.Message):
+    __slots__ = ("version", "mean", "rotation", "std", "bits", "rotation_scale", "classes")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MEAN_FIELD_NUMBER: _ClassVar[int]
+    ROTATION_FIELD_NUMBER: _ClassVar[int]
+    STD_FIELD_NUMBER: _ClassVar[int]
+    BITS_FIELD_NUMBER: _ClassVar[int]
+    ROTATION_SCALE_FIELD_NUMBER: _ClassVar[int]
+    CLASSES_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    mean: TensorPayload
+    rotation: TensorPayload
+    std: TensorPayload
+    bits: bytes
+    rotation_scale: TensorPayload
+    classes: int
+    def __init__(self, version: _Optional[int] = ..., mean: _Optional[_Union[TensorPayload, _Mapping]] = ..., rotation: _Optional[_Union[TensorPayload, _Mapping]] = ..., std: _Optional[_Union[TensorPayload, _Mapping]] = ..., bits: _Optional[bytes] = ..., rotation_scale: _Optional[_Union[TensorPayload, _Mapping]] = ..., classes: _Optional[int] = ...) -> None: ...
 
 class TensorPayload(_message.Message):
     __slots__ = ("dtype", "shape", "compression", "payload")
@@ -87,7 +111,7 @@ class MicroBatchHeader(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., micro_batch_id: _Optional[int] = ..., step: _Optional[int] = ..., sender: _Optional[str] = ..., signature: _Optional[bytes] = ..., boundary: _Optional[int] = ..., dense: _Optional[bool] = ..., eval: _Optional[bool] = ...) -> None: ...
 
 class ActivationChunk(_message.Message):
-    __slots__ = ("header", "hidden", "token_ids", "labels", "basis_version", "basis_prior", "basis", "basis_prior_ids")
+    __slots__ = ("header", "hidden", "token_ids", "labels", "basis_version", "basis_prior", "basis", "basis_prior_ids", "coder")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +120,7 @@ class ActivationChunk(_message.Message):
     BASIS_PRIOR_FIELD_NUMBER: _ClassVar[int]
     BASIS_FIELD_NUMBER: _ClassVar[int]
     BASIS_PRIOR_IDS_FIELD_NUMBER: _ClassVar[int]
+    CODER_FIELD_NUMBER: _ClassVar[int]
     header: MicroBatchHeader
     hidden: TensorPayload
     token_ids: TensorPayload
@@ -104,15 +129,18 @@ class ActivationChunk(_message.Message):
     basis_prior: TensorPayload
     basis: TensorPayload
     basis_prior_ids: TensorPayload
-    def __init__(self, header: _Optional[_Union[MicroBatchHeader, _Mapping]] = ..., hidden: _Optional[_Union[TensorPayload, _Mapping]] = ..., token_ids: _Optional[_Union[TensorPayload, _Mapping]] = ..., labels: _Optional[_Union[TensorPayload, _Mapping]] = ..., basis_version: _Optional[int] = ..., basis_prior: _Optional[_Union[TensorPayload, _Mapping]] = ..., basis: _Optional[_Union[TensorPayload, _Mapping]] = ..., basis_prior_ids: _Optional[_Union[TensorPayload, _Mapping]] = ...) -> None: ...
+    coder: TransformCoder
+    def __init__(self, header: _Optional[_Union[MicroBatchHeader, _Mapping]] = ..., hidden: _Optional[_Union[TensorPayload, _Mapping]] = ..., token_ids: _Optional[_Union[TensorPayload, _Mapping]] = ..., labels: _Optional[_Union[TensorPayload, _Mapping]] = ..., basis_version: _Optional[int] = ..., basis_prior: _Optional[_Union[TensorPayload, _Mapping]] = ..., basis: _Optional[_Union[TensorPayload, _Mapping]] = ..., basis_prior_ids: _Optional[_Union[TensorPayload, _Mapping]] = ..., coder: _Optional[_Union[TransformCoder, _Mapping]] = ...) -> None: ...
 
 class GradientChunk(_message.Message):
-    __slots__ = ("header", "grad")
+    __slots__ = ("header", "grad", "coder")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     GRAD_FIELD_NUMBER: _ClassVar[int]
+    CODER_FIELD_NUMBER: _ClassVar[int]
     header: MicroBatchHeader
     grad: TensorPayload
-    def __init__(self, header: _Optional[_Union[MicroBatchHeader, _Mapping]] = ..., grad: _Optional[_Union[TensorPayload, _Mapping]] = ...) -> None: ...
+    coder: TransformCoder
+    def __init__(self, header: _Optional[_Union[MicroBatchHeader, _Mapping]] = ..., grad: _Optional[_Union[TensorPayload, _Mapping]] = ..., coder: _Optional[_Union[TransformCoder, _Mapping]] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("micro_batch_id", "ok", "error")

@@ -1,0 +1,133 @@
+"""The transform coder on the wire: its state as a `TransformCoder` message, a tensor as a
+`TensorPayload`, and the checks a receiver runs on both (bad input: WireError naming the field).
+
+A producer with no coder yet (fewer rows seen than its first fit needs) sends the tensor dense in
+bf16 (kind NONE): that is the warm-up, counted like any other bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+
+from peer.codec.transform import MAX_BITS, TransformState
+from peer.errors import WireError
+from peer.wire import anchormesh_pb2 as pb
+from peer.wire.tensors import check_expected, check_shape, dtype_name, from_le_bytes, proto_to_tensor, tensor_to_proto, to_le_bytes
+
+MAX_CLASSES = 16
+ROTATION_LIMIT = 1.01  # orthonormal columns have unit length; int8 rounding adds a little
+STD_SLACK = 1.01  # rows normalised to unit RMS: a component's std is at most sqrt(H)
+
+
+def budget(bits_per_value: float, hidden_size: int) -> int:
+    """Bits per coded row for `bits_per_value` (what `TransformLearner` allocates)."""
+    return max(1, round(bits_per_value * hidden_size))
+
+
+def coder_to_proto(state: TransformState) -> pb.TransformCoder:
+    return pb.TransformCoder(
+        version=state.version,
+        mean=tensor_to_proto(state.mean.float().cpu()),
+        rotation=tensor_to_proto(state.rotation_q.cpu()),
+        rotation_scale=tensor_to_proto(state.rotation_scale.float().cpu()),
+        std=tensor_to_proto(state.std.half().cpu()),
+        bits=state.bits.to(torch.uint8).cpu().numpy().tobytes(),
+        classes=state.classes,
+    )
+
+
+def coder_from_proto(msg: pb.TransformCoder, hidden_size: int, max_bits: int) -> TransformState:
+    """A received coder, checked: sizes of this stage's boundary (K <= H components, at most
+    MAX_CLASSES rate classes), finite values, rotation columns no longer than unit length
+    (orthonormal up to rounding), std in (0, sqrt(H)], bits in [0, 8] with every component used
+    by some class. One class: at most `max_bits` bits per row (the run's budget: bounds every
+    payload's size); with several, each message's average is checked against it instead."""
+    H = hidden_size
+    if msg.version < 1:
+        raise WireError(f"TransformCoder.version={msg.version}: must be >= 1")
+    C = max(1, msg.classes)
+    if C > MAX_CLASSES:
+        raise WireError(f"TransformCoder.classes={msg.classes}: at most {MAX_CLASSES}")
+    K = len(msg.bits) // C
+    if not 1 <= K <= H or len(msg.bits) != C * K:
+        raise WireError(f"TransformCoder.bits: {len(msg.bits)} bytes: expected {C} classes x K components, K in 1..{H}")
+    bits = torch.frombuffer(bytearray(msg.bits), dtype=torch.uint8).to(torch.int64).reshape(C, K)
+    if int(bits.max()) > MAX_BITS or int(bits.amax(0).min()) < 1:
+        raise WireError(f"TransformCoder.bits: each must be in [0, {MAX_BITS}] and every component must have bits in some class, got max {int(bits.max())}")
+    if C == 1 and int(bits.sum()) > max_bits:
+        raise WireError(f"TransformCoder.bits: they must sum to <= {max_bits} (the run's bits per row), got {int(bits.sum())}")
+    mean = proto_to_tensor(msg.mean, expect_shape=(H,), expect_dtype=torch.float32)
+    rotation_q = proto_to_tensor(msg.rotation, expect_shape=(H, K), expect_dtype=torch.int8)
+    scale = proto_to_tensor(msg.rotation_scale, expect_shape=(K,), expect_dtype=torch.float32)
+    std = proto_to_tensor(msg.std, expect_shape=(K,), expect_dtype=torch.float16).float()
+    for name, t in (("mean", mean), ("rotation_scale", scale), ("std", std)):
+        if not bool(torch.isfinite(t).all()):
+            raise WireError(f"TransformCoder.{name}: NaN/Inf values")
+    if not (float(scale.min()) > 0 and float(scale.max()) <= 1.0 / 127 * ROTATION_LIMIT):
+        raise WireError(f"TransformCoder.rotation_scale: values must be in (0, {ROTATION_LIMIT / 127:.4g}] (unit-length columns)")
+    norms = (rotation_q.float() * scale).norm(dim=0)
+    if float(norms.max()) > ROTATION_LIMIT:
+        raise WireError(f"TransformCoder.rotation: a column of length {float(norms.max()):.4g} > {ROTATION_LIMIT}: columns must be orthonormal")
+    limit = STD_SLACK * math.sqrt(H)
+    if not (float(std.min()) > 0 and float(std.max()) <= limit):
+        raise WireError(f"TransformCoder.std: values must be in (0, {limit:.4g}], got [{float(std.min()):.4g}, {float(std.max()):.4g}]")
+    return TransformState(msg.version, mean, rotation_q, scale, std, bits)
+
+
+def _rounding_seed(boundary: int, step: int, micro_batch: int) -> int:
+    """Seed of a gradient's stochastic rounding: reproducible runs, independent draws per message."""
+    digest = hashlib.blake2b(f"anchormesh.transform.v1|{boundary}|{step}|{micro_batch}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFFFFFFFFFF
+
+
+def encode(state: TransformState | None, x: torch.Tensor, *, sink: int, stochastic: bool, boundary: int, step: int, micro_batch: int, row_budget: int | None = None) -> pb.TensorPayload:
+    """`x` [B, T, H] as a payload: coded with `state` (rate classes: `row_budget` bits per row on
+    average), or dense bf16 while there is none."""
+    if state is None:
+        return pb.TensorPayload(dtype=pb.BFLOAT16, shape=list(x.shape), payload=to_le_bytes(x.detach().to(torch.bfloat16).cpu()))
+    gen = torch.Generator(device=x.device).manual_seed(_rounding_seed(boundary, step, micro_batch)) if stochastic else None
+    msg = pb.TensorPayload(dtype=pb.FLOAT32, shape=list(x.shape), payload=state.encode(x, sink, generator=gen, stochastic=stochastic, row_budget=row_budget))
+    c = msg.compression
+    c.kind, c.coder_version, c.sink = pb.Compression.TRANSFORM, state.version, sink
+    c.boundary, c.step, c.micro_batch = boundary, step, micro_batch
+    return msg
+
+
+def decode(msg: pb.TensorPayload, state: TransformState | None, *, expect_shape: tuple[int, ...], sink: int, boundary: int, step: int, micro_batch: int, max_bits: int | None = None) -> torch.Tensor:
+    """The float32 tensor a payload carries, checked against the expected shape, the run's sink,
+    the message's key, the coder it names (`state`: the producer's newest this end holds) and,
+    with rate classes, `max_bits` per row on average."""
+    if not isinstance(msg, pb.TensorPayload):
+        raise WireError(f"expected a TensorPayload, got {type(msg).__name__}")
+    shape = check_shape(msg.shape)
+    c = msg.compression
+    if c.kind == pb.Compression.NONE:  # warm-up: dense bf16
+        if msg.dtype != pb.BFLOAT16:
+            raise WireError(f"TensorPayload.dtype={dtype_name(msg.dtype)}: a dense tensor on a transform-coded link travels as BFLOAT16")
+        check_expected(shape, torch.bfloat16, expect_shape=expect_shape, expect_dtype=None)
+        if len(msg.payload) != 2 * math.prod(shape):
+            raise WireError(f"TensorPayload.payload: {len(msg.payload)} bytes, expected {2 * math.prod(shape)} (dense BFLOAT16, shape {list(shape)})")
+        out = from_le_bytes(msg.payload, torch.bfloat16).reshape(shape).float()
+        if not bool(torch.isfinite(out).all()):
+            raise WireError("TensorPayload.payload: NaN/Inf values")
+        return out
+    if c.kind != pb.Compression.TRANSFORM:
+        raise WireError(f"TensorPayload.compression.kind={c.kind}: this link is transform-coded (TRANSFORM, or NONE while warming up)")
+    if msg.dtype != pb.FLOAT32:
+        raise WireError(f"TensorPayload.dtype={dtype_name(msg.dtype)}: a transform-coded tensor declares FLOAT32")
+    check_expected(shape, torch.float32, expect_shape=expect_shape, expect_dtype=None)
+    if c.sink != sink:
+        raise WireError(f"Compression.sink={c.sink}: this run sends {sink} leading positions dense")
+    for name, want in (("boundary", boundary), ("step", step), ("micro_batch", micro_batch)):
+        if getattr(c, name) != want:
+            raise WireError(f"Compression.{name}={getattr(c, name)}: the header says {want}")
+    if state is None or state.version != c.coder_version:
+        have = state.version if state else None
+        raise WireError(f"Compression.coder_version={c.coder_version}: unknown here (have {have}); send the coder again")
+    B, T, H = shape
+    if H != state.hidden_size:
+        raise WireError(f"TensorPayload.shape={list(shape)}: the coder is for hidden size {state.hidden_size}")
+    return state.decode(msg.payload, B, T, sink, max_row_bits=max_bits)

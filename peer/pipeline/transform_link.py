@@ -1,0 +1,93 @@
+"""A stage worker's transform-coded links (mask.scheme = "transform", peer/codec/transform.py).
+
+Each tensor's producer fits the coder of what it produces and ships it: a stage fits one for its
+outputs (forward: every row at `mask.bits`) and one for the gradients w.r.t. its input
+(backward: rate classes per row, `mask.grad_bits` per row on average), and sends a coder's new
+version to each destination once. The coders a worker received are kept per (channel, producer),
+the two newest versions each, so a message still queued from before a refit decodes. Checks on
+the transport's threads and the worker's own decode share that store (dict operations only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from peer.codec import transform_wire as tw
+from peer.codec.transform import TransformLearner, TransformState
+from peer.config import MaskConfig
+from peer.errors import WireError
+from peer.wire import anchormesh_pb2 as pb
+
+KEEP_VERSIONS = 2
+
+
+@dataclass
+class TransformLinks:
+    """What one worker produces (its learners) and the coders its peers produced."""
+
+    mask: MaskConfig
+    hidden_size: int
+    produces_forward: bool  # not the last stage: it sends activations
+    produces_backward: bool  # not the first stage: it sends gradients
+    learners: dict[str, TransformLearner] = field(default_factory=dict)  # channel -> this worker's learner
+    sent: dict[tuple[str, object], int] = field(default_factory=dict)  # (channel, destination) -> coder version it holds
+    coders: dict[tuple[str, str], dict[int, TransformState]] = field(default_factory=dict)  # (channel, producer) -> version -> coder
+
+    def __post_init__(self) -> None:
+        m, H = self.mask, self.hidden_size
+        if self.produces_forward:
+            self.learners["forward"] = TransformLearner(H, m.bits, m.basis_refresh)
+        if self.produces_backward:
+            self.learners["backward"] = TransformLearner(H, m.grad_bits, m.basis_refresh, row_classes=True)
+
+    def sink(self, channel: str) -> int:
+        """Leading positions sent dense: the activations' attention sink; gradients have none
+        (every row is coded: its own gain takes a large one)."""
+        return self.mask.sink if channel == "forward" else 0
+
+    def max_bits(self, channel: str) -> int:
+        """The run's bits per coded row on `channel`: the most a received coder may allocate."""
+        return tw.budget(self.mask.bits if channel == "forward" else self.mask.grad_bits, self.hidden_size)
+
+    # ---- producing ------------------------------------------------------------------------
+    def encode(self, channel: str, x: torch.Tensor, dst: object, *, boundary: int, step: int, micro_batch: int) -> tuple[pb.TensorPayload, pb.TransformCoder | None]:
+        """`x` [B, T, H] coded for `dst`, and the coder to ship with it when `dst` lacks it.
+        Gradients round stochastically (unbiased), activations to the nearest level."""
+        learner = self.learners[channel]
+        learner.observe(x, self.sink(channel))
+        learner.maybe_refresh(step)
+        state = learner.current
+        coder = None
+        if state is not None and self.sent.get((channel, dst)) != state.version:
+            coder = tw.coder_to_proto(state)
+            self.sent[(channel, dst)] = state.version
+        payload = tw.encode(state, x, sink=self.sink(channel), stochastic=channel == "backward", boundary=boundary, step=step, micro_batch=micro_batch, row_budget=learner.budget)
+        return payload, coder
+
+    def forget_sent(self) -> None:
+        """A message may have been lost with a coder in it: ship the current ones again."""
+        self.sent.clear()
+
+    # ---- consuming ------------------------------------------------------------------------
+    def take_coder(self, channel: str, producer: str, coder: pb.TransformCoder) -> None:
+        """Check and keep a coder `producer` shipped (WireError when it is malformed)."""
+        state = tw.coder_from_proto(coder, self.hidden_size, self.max_bits(channel))
+        kept = self.coders.setdefault((channel, producer), {})
+        kept[state.version] = state
+        for old in sorted(kept)[:-KEEP_VERSIONS]:
+            kept.pop(old, None)
+
+    def decode(self, channel: str, producer: str, payload: pb.TensorPayload, coder: pb.TransformCoder | None, *, expect_shape: tuple[int, ...], boundary: int, step: int, micro_batch: int) -> torch.Tensor:
+        """The float32 tensor (host) a message from `producer` carries; a coder shipped with it is
+        checked and kept first. WireError for anything malformed or a coder this end lacks."""
+        if coder is not None:
+            self.take_coder(channel, producer, coder)
+        state = None
+        if payload.compression.kind == pb.Compression.TRANSFORM:
+            state = self.coders.get((channel, producer), {}).get(payload.compression.coder_version)
+            if state is None:
+                have = sorted(self.coders.get((channel, producer), {}))
+                raise WireError(f"Compression.coder_version={payload.compression.coder_version}: no such {channel} coder from {producer!r} here (have {have}); send it again")
+        return tw.decode(payload, state, expect_shape=expect_shape, sink=self.sink(channel), boundary=boundary, step=step, micro_batch=micro_batch, max_bits=self.max_bits(channel))

@@ -1,0 +1,269 @@
+"""The transform coder (peer/codec/transform.py) and its wire form (transform_wire.py): packing,
+bit allocation, reconstruction error, unbiased gradients, and every malformed input refused."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from peer.codec import transform_wire as tw
+from peer.codec.transform import MSE, TransformLearner, allocate, pack, packed_bytes, unpack
+from peer.config import MaskConfig, ModelConfig, OptimConfig, PipelineConfig, TrainConfig
+from peer.errors import ConfigError, WireError
+from peer.model.loading import load_causal_lm
+from peer.pipeline.local import LocalPipelineRunner
+from peer.wire import anchormesh_pb2 as pb
+
+H = 48
+
+
+def correlated(n: int, seq: int = 17, seed: int = 0) -> torch.Tensor:
+    """[n, seq, H] rows with a decaying spectrum, an offset, and a huge first position (a sink)."""
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(H, H, generator=torch.Generator().manual_seed(99)) * torch.logspace(0, -2, H)
+    x = torch.randn(n, seq, H, generator=g) @ mix.T * 3 + 1
+    x[:, 0] *= 300
+    return x
+
+
+def learner_state(bits: float = 3.0):
+    learner = TransformLearner(H, bits, refresh=10)
+    learner.observe(correlated(40, seed=1), sink=1)
+    return learner.maybe_refresh(0)
+
+
+K = learner_state().bits.shape[1]  # components that get bits at 3 bits per value
+
+
+@pytest.mark.parametrize("width", range(1, 9))
+def test_pack_unpack_round_trip(width: int) -> None:
+    codes = torch.randint(0, 2**width, (1001,), generator=torch.Generator().manual_seed(width))
+    data = pack(codes, width)
+    assert len(data) == packed_bytes(1001, width) == math.ceil(1001 * width / 8)
+    assert torch.equal(unpack(data, width, 1001), codes)
+
+
+def test_allocation_is_the_greedy_reverse_water_filling() -> None:
+    var = torch.rand(40, generator=torch.Generator().manual_seed(0)) ** 4
+    bits = allocate(var, 100)
+    naive = torch.zeros(40, dtype=torch.long)  # one bit at a time, where it removes the most error
+    for _ in range(100):
+        gain = torch.tensor([float(var[i]) * (MSE[int(b)] - MSE[min(int(b) + 1, 8)]) if b < 8 else -1.0 for i, b in enumerate(naive)])
+        naive[int(gain.argmax())] += 1
+    assert int(bits.sum()) == 100
+    assert torch.equal(bits, naive)
+    assert int(bits[var.argmax()]) == int(bits.max())
+
+
+def test_error_falls_with_bits_and_the_sink_travels_in_bf16() -> None:
+    x = correlated(4)
+    errs = []
+    for bits in (1.0, 2.0, 3.0, 4.0):
+        state = learner_state(bits)
+        y = state.decode(state.encode(x, sink=1), 4, 17, sink=1)
+        errs.append(float((y - x)[:, 1:].norm() / (x[:, 1:] - x[:, 1:].mean((0, 1))).norm()))
+        torch.testing.assert_close(y[:, 0], x[:, 0].bfloat16().float())
+    assert errs == sorted(errs, reverse=True) and errs[-1] < 0.05, errs
+    state = learner_state(3.0)
+    assert len(state.encode(x, sink=1)) == state.payload_bytes(4, 17, 1) == 4 * H * 2 + 4 * 16 * 2 + math.ceil(4 * 16 * int(state.bits.sum()) / 8)
+
+
+def test_stochastic_rounding_is_unbiased_where_components_have_bits() -> None:
+    """Averaged over draws, stochastic rounding leaves only the int8 rotation's own error (the
+    round trip through R R^T without any quantiser); rounding to the nearest level does not."""
+    state = learner_state(8.0)  # every component gets bits: no component dropped
+    assert state.bits.shape == (1, H)
+    x = correlated(2, seed=5)
+    resid = x[:, 1:] - state.mean
+    floor = float((resid - resid @ state.rotation @ state.rotation.T).norm())
+    mean = torch.stack([state.decode(state.encode(x, 1, stochastic=True, generator=torch.Generator().manual_seed(i)), 2, 17, 1) for i in range(300)]).mean(0)
+    nearest = state.decode(state.encode(x, 1), 2, 17, 1)
+    assert float((mean - x)[:, 1:].norm()) < 1.1 * floor < 1.1 / 1.3 * float((nearest - x)[:, 1:].norm())
+    assert floor < 0.02 * float(resid.norm())  # int8 columns: about 1 % of the signal
+
+
+def test_the_learner_fits_early_refits_once_it_spans_every_direction_then_on_its_cadence() -> None:
+    learner = TransformLearner(H, 2.0, refresh=5)
+    learner.observe(correlated(1, seq=8), sink=1)
+    assert learner.maybe_refresh(0) is None  # 7 rows < H / 4: dense until then
+    learner.observe(correlated(1), sink=1)
+    first = learner.maybe_refresh(0)
+    assert first.version == 1 and first.bits.shape[1] <= 23  # 23 rows span at most 23 directions
+    assert learner.maybe_refresh(1) is None
+    learner.observe(correlated(10), sink=1)
+    assert learner.maybe_refresh(1).version == 2  # 2 H rows now: refit before the cadence
+    assert int(learner.current.bits.sum()) == 2 * H and learner.current.bits.shape[1] > 23
+    assert learner.maybe_refresh(5) is None
+    assert learner.maybe_refresh(6).version == 3
+    with pytest.raises(ConfigError, match="bits_per_value"):
+        TransformLearner(H, 9.0, refresh=5)
+
+
+def _coder(**override) -> pb.TransformCoder:
+    msg = tw.coder_to_proto(learner_state())
+    for key, value in override.items():
+        getattr(msg, key).CopyFrom(value) if isinstance(value, pb.TensorPayload) else setattr(msg, key, value)
+    return msg
+
+
+def test_a_coder_travels_intact() -> None:
+    state = learner_state()
+    back = tw.coder_from_proto(tw.coder_to_proto(state), H, tw.budget(3.0, H))
+    assert back.version == state.version and torch.equal(back.bits, state.bits)
+    for name in ("mean", "rotation_q", "rotation_scale", "std"):
+        assert torch.equal(getattr(back, name), getattr(state, name)), name
+
+
+@pytest.mark.parametrize(
+    "override,match",
+    [
+        (dict(version=0), "version=0"),
+        (dict(mean=tw.tensor_to_proto(torch.full((H,), float("nan")))), "NaN"),
+        (dict(mean=tw.tensor_to_proto(torch.zeros(H + 1))), "shape"),
+        (dict(rotation=tw.tensor_to_proto(torch.full((H, K), 127, dtype=torch.int8))), "orthonormal"),
+        (dict(rotation=tw.tensor_to_proto(torch.zeros(H, K))), "dtype"),
+        (dict(rotation=tw.tensor_to_proto(torch.zeros(H, K + 1, dtype=torch.int8))), "shape"),
+        (dict(rotation_scale=tw.tensor_to_proto(torch.full((K,), 0.5))), "rotation_scale"),
+        (dict(std=tw.tensor_to_proto(torch.zeros(K).half())), "std"),
+        (dict(bits=bytes([9] * K)), "bits"),
+        (dict(bits=bytes([0] * K)), "bits"),
+        (dict(bits=bytes([8] * K)), "sum to <= 144"),
+        (dict(bits=bytes(H + 1)), "classes x K components"),
+        (dict(classes=17), "at most 16"),
+    ],
+)
+def test_a_malformed_coder_is_refused_with_the_field(override: dict, match: str) -> None:
+    with pytest.raises(WireError, match=match):
+        tw.coder_from_proto(_coder(**override), H, tw.budget(3.0, H))
+
+
+KEY = dict(boundary=0, step=3, micro_batch=1)
+
+
+def test_payload_checks() -> None:
+    state = learner_state()
+    x = correlated(2)
+    good = tw.encode(state, x, sink=1, stochastic=False, **KEY)
+    torch.testing.assert_close(tw.decode(good, state, expect_shape=(2, 17, H), sink=1, **KEY), state.decode(good.payload, 2, 17, 1))
+    warm = tw.encode(None, x, sink=1, stochastic=False, **KEY)
+    assert warm.dtype == pb.BFLOAT16 and len(warm.payload) == x.numel() * 2
+    torch.testing.assert_close(tw.decode(warm, None, expect_shape=(2, 17, H), sink=1, **KEY), x.bfloat16().float())
+
+    def bad(match: str, msg: pb.TensorPayload, st=state, **kw) -> None:
+        with pytest.raises(WireError, match=match):
+            tw.decode(msg, st, **{"expect_shape": (2, 17, H), "sink": 1, **KEY, **kw})
+
+    short = pb.TensorPayload()
+    short.CopyFrom(good)
+    short.payload = good.payload[:-1]
+    bad("bytes, expected", short)
+    bad("coder_version=1: unknown", good, st=None)
+    bad("sink=1", good, sink=2)
+    bad("step=3", good, step=4)
+    bad("shape", good, expect_shape=(2, 16, H))
+    nan = pb.TensorPayload()
+    nan.CopyFrom(good)
+    nan.payload = good.payload[: 2 * H * 2] + b"\xc0\x7f" + good.payload[2 * H * 2 + 2 :]  # a NaN bf16 gain
+    bad("gain", nan)
+    fp32_dense = pb.TensorPayload(dtype=pb.FLOAT32, shape=[2, 17, H], payload=x.numpy().tobytes())
+    bad("BFLOAT16", fp32_dense)
+    masked = pb.TensorPayload()
+    masked.CopyFrom(good)
+    masked.compression.kind = pb.Compression.BERNOULLI_MASK
+    bad("transform-coded", masked)
+
+
+def test_config_bounds() -> None:
+    with pytest.raises(ConfigError, match="mask.bits"):
+        MaskConfig(scheme="transform", bits=0.0)
+    with pytest.raises(ConfigError, match="mask.grad_bits"):
+        MaskConfig(scheme="transform", grad_bits=8.5)
+    with pytest.raises(ConfigError, match="mask.sink"):
+        MaskConfig(scheme="transform", sink=-1)
+    with pytest.raises(ConfigError, match="mask.drop"):
+        MaskConfig(scheme="transform", drop=0.5)
+
+
+MODEL = ModelConfig(name="tiny-llama", hidden_size=32, num_layers=2, num_heads=2, max_seq_len=32)
+PIPE = PipelineConfig(micro_batch_size=4, micro_batches=2, seq_len=16)
+
+
+def test_the_link_warms_up_dense_then_codes_and_a_bad_coder_changes_nothing() -> None:
+    """Through the worker: TRANSFORM payloads both ways from the first micro-batch, each coder
+    version shipped once per destination; a malformed coder is refused by the
+    inbound check and leaves the receiver's coders and weights as they were."""
+    seen: list[tuple[str, int, bool]] = []
+
+    def windows(step: int, replica: int, j: int) -> torch.Tensor:
+        return torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(10 * step + j))
+
+    cfg = TrainConfig(model=MODEL, pipeline=PIPE, optim=OptimConfig(lr=1e-3), steps=6, mask=MaskConfig(scheme="transform", bits=2.0, grad_bits=1.0, basis_refresh=3))
+    runner = LocalPipelineRunner(cfg, load_causal_lm(MODEL, seed=0), windows)
+    send = runner.transport.send
+
+    def spy(src, dst, channel, data):
+        msg = (pb.ActivationChunk if channel == "forward" else pb.GradientChunk).FromString(data)
+        payload = msg.hidden if channel == "forward" else msg.grad
+        seen.append((channel, payload.compression.kind, msg.coder.version if msg.HasField("coder") else 0))
+        send(src, dst, channel, data)
+
+    runner.transport.send = spy
+    runner.run(6)
+    for channel in ("forward", "backward"):
+        kinds = [k for c, k, _ in seen if c == channel]
+        assert set(kinds) == {pb.Compression.TRANSFORM}  # the first micro-batch has >= H / 4 rows: no dense warm-up
+        ships = [v for c, _, v in seen if c == channel and v]
+        assert ships == sorted(set(ships)) and len(ships) >= 2, (channel, ships)  # each version once: early fit(s), then every 3 steps
+
+    receiver = runner.workers[1][0]
+    before = {k: dict(v) for k, v in receiver.transform.coders.items()}
+    weights = {n: p.detach().clone() for n, p in receiver.stage.named_parameters()}
+    sender = runner.workers[0][0].transform
+    state = sender.learners["forward"].current
+    msg = pb.ActivationChunk(header=pb.MicroBatchHeader(run_id=receiver.run_id, step=6, micro_batch_id=0, sender="stage0.r0", boundary=0))
+    msg.token_ids.CopyFrom(tw.tensor_to_proto(windows(6, 0, 0).to(torch.uint8)))
+    msg.hidden.CopyFrom(tw.encode(state, torch.randn(4, 16, 32), sink=1, stochastic=False, boundary=0, step=6, micro_batch=0))
+    broken = tw.coder_to_proto(state)
+    broken.version = state.version + 1
+    broken.bits = bytes([8] * 32)
+    msg.coder.CopyFrom(broken)
+    with pytest.raises(WireError, match="TransformCoder.bits"):
+        receiver.validate("forward", msg)
+    assert {k: dict(v) for k, v in receiver.transform.coders.items()} == before
+    assert all(torch.equal(p, weights[n]) for n, p in receiver.stage.named_parameters())
+    runner.close()
+
+
+def test_rate_classes_put_the_bits_where_a_gradient_s_energy_is() -> None:
+    """Rows whose norms differ by orders of magnitude (a gradient's): per-row classes at the same
+    average budget leave less total squared error than one class for all, never exceed the
+    budget, and the payload's classes are checked on arrival."""
+    g = torch.Generator().manual_seed(3)
+    mix = torch.randn(H, H, generator=torch.Generator().manual_seed(99)) * torch.logspace(0, -1, H)
+    def grads(n: int) -> torch.Tensor:
+        rows = torch.randn(n, 16, H, generator=g) @ mix.T
+        return rows * torch.logspace(-3, 0, n * 16)[torch.randperm(n * 16, generator=g)].reshape(n, 16, 1)
+    uniform, classes = TransformLearner(H, 1.0, 10), TransformLearner(H, 1.0, 10, row_classes=True)
+    for learner in (uniform, classes):
+        learner.observe(grads(40), sink=0)
+        learner.maybe_refresh(0)
+    x = grads(4)
+    errs = {}
+    for name, learner in (("uniform", uniform), ("classes", classes)):
+        state = learner.current
+        payload = state.encode(x, 0, row_budget=learner.budget)
+        errs[name] = float((state.decode(payload, 4, 16, 0, max_row_bits=learner.budget) - x).pow(2).sum())
+    state = classes.current
+    assert state.classes == 8 and errs["classes"] < 0.7 * errs["uniform"], errs
+    row_class = torch.frombuffer(bytearray(state.encode(x, 0, row_budget=H)[2 * 64 : 3 * 64]), dtype=torch.uint8).long()
+    assert float(state.class_bits[row_class].float().mean()) <= H and int(row_class.min()) == 0  # the faintest rows send nothing
+    with pytest.raises(WireError, match="bits per row on average"):
+        state.decode(state.encode(x, 0, row_budget=2 * H), 4, 16, 0, max_row_bits=H)
+    bad = bytearray(state.encode(x, 0, row_budget=H))
+    bad[2 * 64] = 8
+    with pytest.raises(WireError, match="row class 8"):
+        state.decode(bytes(bad), 4, 16, 0)
+    back = tw.coder_from_proto(tw.coder_to_proto(state), H, tw.budget(1.0, H))
+    assert torch.equal(back.bits, state.bits) and back.classes == 8
