@@ -88,8 +88,8 @@ class MaskConfig:
         rank: r for scheme "lowrank". Must not exceed the hidden size.
         basis_refresh: steps between refits of the sender's (prior, basis) for scheme
             "lowrank", of each producer's coder for scheme "transform".
-        bits: scheme "transform": bits per value of the activations (forward), in (0, 8].
-        grad_bits: scheme "transform": bits per value of the gradients (backward), in (0, 8].
+        bits: scheme "transform": bits per value of the activations (forward), in [1, 8].
+        grad_bits: scheme "transform": bits per value of the gradients (backward), in [1, 8].
         sink: scheme "transform": leading positions of each sequence sent dense in bf16 (the
             attention sink carries massive activations that no few-bit code survives).
         prior_rows: scheme "lowrank": most rows of the token prior that travel per refresh; a
@@ -113,8 +113,8 @@ class MaskConfig:
     rank: int = 8
     basis_refresh: int = 20
     prior_rows: int = 8192
-    bits: float = 3.0
-    grad_bits: float = 1.0
+    bits: float = 2.0
+    grad_bits: float = 2.0
     sink: int = 1
     adapt: bool = True
     min_keep: float = 0.25
@@ -131,8 +131,8 @@ class MaskConfig:
         if self.scheme != "mask" and self.drop:
             raise ConfigError("mask.drop", self.drop, f'must be 0 with mask.scheme="{self.scheme}" (its values are not masked)')
         for name in ("bits", "grad_bits"):
-            if not (0.0 < getattr(self, name) <= 8.0):
-                raise ConfigError(f"mask.{name}", getattr(self, name), "must be in (0, 8] bits per value")
+            if not (1.0 <= getattr(self, name) <= 8.0):
+                raise ConfigError(f"mask.{name}", getattr(self, name), "must be in [1, 8] bits per value: every component of a row gets at least one")
         if self.sink < 0:
             raise ConfigError("mask.sink", self.sink, "must be >= 0 positions")
         _positive("mask.rank", self.rank)

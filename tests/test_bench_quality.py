@@ -30,13 +30,23 @@ def test_a_pretrained_model_is_the_base_of_every_row(pretrained: Path, monkeypat
     real = quality.setup_for
     monkeypatch.setattr(quality, "setup_for", lambda quick, model=None: replace(real(quick, model), adapt_steps=4, eval_batches=2))
     torch.manual_seed(0)
-    out = quality.run_quality(True, None, None, only=["dense", "lowrank"], model=str(pretrained))
+    out = quality.run_quality(True, None, None, only=["dense", "lowrank", "transform"], model=str(pretrained))
     setup = out["setup"]
     assert setup["pretrain_steps"] == 0 and setup["tokenizer"] == "model" and setup["model"]["hidden_size"] == 64
     assert setup["lowrank_rank"] == 32 and "lr 0.0001 constant" in setup["optimizer"]
-    assert out["default_row"] == "lowrank" and set(out["runs"]) == {"dense", "lowrank"}
-    dense, lowrank = out["runs"]["dense"], out["runs"]["lowrank"]
+    assert out["default_row"] == quality.DEFAULT_ROW and set(out["runs"]) == {"dense", "lowrank", "transform"}
+    dense, lowrank, transform = out["runs"]["dense"], out["runs"]["lowrank"], out["runs"]["transform"]
     assert dense["eval_loss"] != out["pretrained"]["eval_loss"]  # the rows train the base
     assert lowrank["pp_bytes_per_token"] < dense["pp_bytes_per_token"] / 2
     assert out["vs_dense"]["lowrank"]["pp_bytes_reduction"] > 2
     assert all(r["rss_gb_after"] is not None and 0 < r["rss_gb_after"] < 64 for r in (dense, lowrank))  # memory after each row (Linux)
+    # the transform coder: fewer stream bytes than dense; its shipped coders counted apart
+    assert 0 < transform["pp_state_bytes_per_token"] and transform["pp_stream_bytes_per_token"] < dense["pp_stream_bytes_per_token"] / 2
+    assert dense["pp_state_bytes_per_token"] == 0 and transform["eval_loss"] == transform["eval_loss"]
+    # equal wall clock: dense's eval curve from the base (step 0) to its last step; a row that
+    # sends fewer bytes per step makes dense look worse at the same time, never better
+    assert set(dense["eval_curve"]) == {0, 1, 2, 3, 4} and dense["eval_curve"][4] == dense["eval_loss"]
+    clock = out["equal_wall_clock"]["rows"]
+    assert clock["dense"]["vs_dense_same_time"] == pytest.approx(1.0)
+    assert clock["transform"]["link_s_per_step"] < clock["dense"]["link_s_per_step"]
+    assert clock["transform"]["dense_steps_in_same_time"] <= 4

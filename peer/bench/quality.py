@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from peer.bench.project_model import Shape
+from peer.bench.quality_clock import equal_wall_clock, model_dims
 from peer.config import TINY_MODEL_PREFIX, AnchorConfig, DPConfig, MaskConfig, ModelConfig, OptimConfig, PipelineConfig, SpectralConfig, TrainConfig
 from peer.data import TokenStream, default_corpus, read_path
 from peer.model.loading import load_causal_lm, resolve_dims
@@ -104,6 +106,7 @@ def rows(setup: QualitySetup) -> dict[str, TrainConfig]:
         "lowrank_anchor": cfg(mask=lowrank, anchor=anchor, spectral=SpectralConfig(mode="paper")),
         # a transform coder made for real boundaries (peer/codec/transform.py)
         "transform": cfg(mask=transform),
+        "transform_grad1": cfg(mask=replace(transform, grad_bits=1.0)),  # half the gradient's bytes
         "transform_anchor": cfg(mask=transform, anchor=anchor, spectral=SpectralConfig(mode="paper")),
         # data parallel, same token budget: 2 replicas x half the micro-batches
         "dense_dp": cfg(dp=DPConfig(replicas=2, scheme="dense"), pipeline=pipe_dp),
@@ -151,7 +154,8 @@ def pretrain(setup: QualitySetup, corpus_a: TokenStream, key: str) -> dict[str, 
     return state
 
 
-def run_row(name: str, cfg: TrainConfig, fresh_model: Callable[[], torch.nn.Module], setup: QualitySetup, corpus_b: TokenStream, eval_b: list, eval_a: list) -> dict:
+def run_row(name: str, cfg: TrainConfig, fresh_model: Callable[[], torch.nn.Module], setup: QualitySetup, corpus_b: TokenStream, eval_b: list, eval_a: list, curve_steps: tuple[int, ...] = ()) -> dict:
+    """Train one row and evaluate it; `curve_steps`: also evaluate on held-out B after those steps."""
     model = fresh_model()
     batch = _windows(corpus_b, setup.seed)
     bs, T = cfg.pipeline.micro_batch_size, cfg.pipeline.seq_len
@@ -165,9 +169,12 @@ def run_row(name: str, cfg: TrainConfig, fresh_model: Callable[[], torch.nn.Modu
     t0 = time.perf_counter()
     bar = tqdm(total=cfg.steps, desc=f"{name:>24}", unit="step", leave=False)
     losses: list[float] = []
+    curve: dict[int, float] = {}
 
     def on_step(rep) -> None:
         losses.append(rep.loss)
+        if len(losses) in curve_steps:
+            curve[len(losses)] = evaluate_stages(runner.stages(0), eval_b)
         bar.update(1)
         bar.set_postfix(loss=f"{rep.loss:.3f}")
 
@@ -194,6 +201,7 @@ def run_row(name: str, cfg: TrainConfig, fresh_model: Callable[[], torch.nn.Modu
         "anchor_passes": runner.anchor.launched if runner.anchor else 0,
         "anchor_seconds": runner.anchor_seconds,
         "seconds": seconds,
+        **({"eval_curve": curve} if curve_steps else {}),
     }
 
 
@@ -269,13 +277,18 @@ def run_quality(quick: bool, corpus_a: str | None, corpus_b: str | None, only: l
     for name, cfg in rows(setup).items():
         if only and name not in only:
             continue
-        result = run_row(name, cfg, lambda: copy.deepcopy(base), setup, stream_b, eval_b, eval_a)
+        curve_steps = tuple(setup.adapt_steps * k // 8 for k in (1, 2, 4, 6)) if name == "dense" else ()
+        result = run_row(name, cfg, lambda: copy.deepcopy(base), setup, stream_b, eval_b, eval_a, curve_steps)
+        if name == "dense":
+            result["eval_curve"] = {0: out["pretrained"]["eval_loss"], **result["eval_curve"], setup.adapt_steps: result["eval_loss"]}
         release_memory()
         result["rss_gb_after"] = rss_gb()
         out["runs"][name] = result
         print(f"{name:>24}: eval_loss {result['eval_loss']:.4f}  eval_loss_a {result['eval_loss_a']:.4f}  pp B/token {result['pp_bytes_per_token']:.1f} (stream {result['pp_stream_bytes_per_token']:.1f})  dp B/step {result['dp_bytes_per_step']:.0f}  {result['seconds']:.1f}s", flush=True)
     dense = out["runs"].get("dense")
     if dense:
+        shape = Shape(setup.micro_batch_size, setup.seq_len, setup.micro_batches)
+        out["equal_wall_clock"] = equal_wall_clock(out["runs"], model_dims(base.config), shape, setup.model.num_stages, setup.adapt_steps)
         out["vs_dense"] = {
             name: {
                 "eval_loss_ratio": r["eval_loss"] / dense["eval_loss"],

@@ -17,7 +17,6 @@ from peer.errors import WireError
 from peer.wire import anchormesh_pb2 as pb
 from peer.wire.tensors import check_expected, check_shape, dtype_name, from_le_bytes, proto_to_tensor, tensor_to_proto, to_le_bytes
 
-MAX_CLASSES = 16
 ROTATION_LIMIT = 1.01  # orthonormal columns have unit length; int8 rounding adds a little
 STD_SLACK = 1.01  # rows normalised to unit RMS: a component's std is at most sqrt(H)
 
@@ -35,38 +34,29 @@ def coder_to_proto(state: TransformState) -> pb.TransformCoder:
         rotation_scale=tensor_to_proto(state.rotation_scale.float().cpu()),
         std=tensor_to_proto(state.std.half().cpu()),
         bits=state.bits.to(torch.uint8).cpu().numpy().tobytes(),
-        classes=state.classes,
     )
 
 
 def coder_from_proto(msg: pb.TransformCoder, hidden_size: int, max_bits: int) -> TransformState:
-    """A received coder, checked: sizes of this stage's boundary (K <= H components, at most
-    MAX_CLASSES rate classes), finite values, rotation columns no longer than unit length
-    (orthonormal up to rounding), std in (0, sqrt(H)], bits in [0, 8] with every component used
-    by some class. One class: at most `max_bits` bits per row (the run's budget: bounds every
-    payload's size); with several, each message's average is checked against it instead."""
+    """A received coder, checked: sizes of this stage's boundary, finite values, rotation columns
+    no longer than unit length (orthonormal up to rounding), std in (0, sqrt(H)], bits in [1, 8]
+    summing to at most `max_bits` (the run's bits per row: bounds every payload's size)."""
     H = hidden_size
     if msg.version < 1:
         raise WireError(f"TransformCoder.version={msg.version}: must be >= 1")
-    C = max(1, msg.classes)
-    if C > MAX_CLASSES:
-        raise WireError(f"TransformCoder.classes={msg.classes}: at most {MAX_CLASSES}")
-    K = len(msg.bits) // C
-    if not 1 <= K <= H or len(msg.bits) != C * K:
-        raise WireError(f"TransformCoder.bits: {len(msg.bits)} bytes: expected {C} classes x K components, K in 1..{H}")
-    bits = torch.frombuffer(bytearray(msg.bits), dtype=torch.uint8).to(torch.int64).reshape(C, K)
-    if int(bits.max()) > MAX_BITS or int(bits.amax(0).min()) < 1:
-        raise WireError(f"TransformCoder.bits: each must be in [0, {MAX_BITS}] and every component must have bits in some class, got max {int(bits.max())}")
-    if C == 1 and int(bits.sum()) > max_bits:
-        raise WireError(f"TransformCoder.bits: they must sum to <= {max_bits} (the run's bits per row), got {int(bits.sum())}")
+    if len(msg.bits) != H:
+        raise WireError(f"TransformCoder.bits: {len(msg.bits)} bytes, expected {H} (one per component)")
+    bits = torch.frombuffer(bytearray(msg.bits), dtype=torch.uint8).to(torch.int64)
+    if int(bits.min()) < 1 or int(bits.max()) > MAX_BITS or int(bits.sum()) > max_bits:
+        raise WireError(f"TransformCoder.bits: each must be in [1, {MAX_BITS}] and they must sum to <= {max_bits} (the run's bits per row), got [{int(bits.min())}, {int(bits.max())}], sum {int(bits.sum())}")
     mean = proto_to_tensor(msg.mean, expect_shape=(H,), expect_dtype=torch.float32)
-    rotation_q = proto_to_tensor(msg.rotation, expect_shape=(H, K), expect_dtype=torch.int8)
-    scale = proto_to_tensor(msg.rotation_scale, expect_shape=(K,), expect_dtype=torch.float32)
-    std = proto_to_tensor(msg.std, expect_shape=(K,), expect_dtype=torch.float16).float()
+    rotation_q = proto_to_tensor(msg.rotation, expect_shape=(H, H), expect_dtype=torch.int8)
+    scale = proto_to_tensor(msg.rotation_scale, expect_shape=(H,), expect_dtype=torch.float32)
+    std = proto_to_tensor(msg.std, expect_shape=(H,), expect_dtype=torch.float16).float()
     for name, t in (("mean", mean), ("rotation_scale", scale), ("std", std)):
         if not bool(torch.isfinite(t).all()):
             raise WireError(f"TransformCoder.{name}: NaN/Inf values")
-    if not (float(scale.min()) > 0 and float(scale.max()) <= 1.0 / 127 * ROTATION_LIMIT):
+    if not (float(scale.min()) > 0 and float(scale.max()) <= ROTATION_LIMIT / 127):
         raise WireError(f"TransformCoder.rotation_scale: values must be in (0, {ROTATION_LIMIT / 127:.4g}] (unit-length columns)")
     norms = (rotation_q.float() * scale).norm(dim=0)
     if float(norms.max()) > ROTATION_LIMIT:
@@ -83,23 +73,21 @@ def _rounding_seed(boundary: int, step: int, micro_batch: int) -> int:
     return int.from_bytes(digest, "little") & 0x7FFFFFFFFFFFFFFF
 
 
-def encode(state: TransformState | None, x: torch.Tensor, *, sink: int, stochastic: bool, boundary: int, step: int, micro_batch: int, row_budget: int | None = None) -> pb.TensorPayload:
-    """`x` [B, T, H] as a payload: coded with `state` (rate classes: `row_budget` bits per row on
-    average), or dense bf16 while there is none."""
+def encode(state: TransformState | None, x: torch.Tensor, *, sink: int, stochastic: bool, boundary: int, step: int, micro_batch: int) -> pb.TensorPayload:
+    """`x` [B, T, H] as a payload: coded with `state`, or dense bf16 while there is none."""
     if state is None:
         return pb.TensorPayload(dtype=pb.BFLOAT16, shape=list(x.shape), payload=to_le_bytes(x.detach().to(torch.bfloat16).cpu()))
     gen = torch.Generator(device=x.device).manual_seed(_rounding_seed(boundary, step, micro_batch)) if stochastic else None
-    msg = pb.TensorPayload(dtype=pb.FLOAT32, shape=list(x.shape), payload=state.encode(x, sink, generator=gen, stochastic=stochastic, row_budget=row_budget))
+    msg = pb.TensorPayload(dtype=pb.FLOAT32, shape=list(x.shape), payload=state.encode(x, sink, generator=gen, stochastic=stochastic))
     c = msg.compression
     c.kind, c.coder_version, c.sink = pb.Compression.TRANSFORM, state.version, sink
     c.boundary, c.step, c.micro_batch = boundary, step, micro_batch
     return msg
 
 
-def decode(msg: pb.TensorPayload, state: TransformState | None, *, expect_shape: tuple[int, ...], sink: int, boundary: int, step: int, micro_batch: int, max_bits: int | None = None) -> torch.Tensor:
+def decode(msg: pb.TensorPayload, state: TransformState | None, *, expect_shape: tuple[int, ...], sink: int, boundary: int, step: int, micro_batch: int) -> torch.Tensor:
     """The float32 tensor a payload carries, checked against the expected shape, the run's sink,
-    the message's key, the coder it names (`state`: the producer's newest this end holds) and,
-    with rate classes, `max_bits` per row on average."""
+    the message's key and the coder it names (`state`: the producer's newest this end holds)."""
     if not isinstance(msg, pb.TensorPayload):
         raise WireError(f"expected a TensorPayload, got {type(msg).__name__}")
     shape = check_shape(msg.shape)
@@ -130,4 +118,4 @@ def decode(msg: pb.TensorPayload, state: TransformState | None, *, expect_shape:
     B, T, H = shape
     if H != state.hidden_size:
         raise WireError(f"TensorPayload.shape={list(shape)}: the coder is for hidden size {state.hidden_size}")
-    return state.decode(msg.payload, B, T, sink, max_row_bits=max_bits)
+    return state.decode(msg.payload, B, T, sink)

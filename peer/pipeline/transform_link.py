@@ -1,9 +1,9 @@
 """A stage worker's transform-coded links (mask.scheme = "transform", peer/codec/transform.py).
 
 Each tensor's producer fits the coder of what it produces and ships it: a stage fits one for its
-outputs (forward: every row at `mask.bits`) and one for the gradients w.r.t. its input
-(backward: rate classes per row, `mask.grad_bits` per row on average), and sends a coder's new
-version to each destination once. The coders a worker received are kept per (channel, producer),
+outputs (forward: a KLT refitted every `mask.basis_refresh` steps, `mask.bits` per value) and
+one for the gradients w.r.t. its input (backward: a fixed random rotation, `mask.grad_bits` per
+value, made once), and sends a coder's new version to each destination once. The coders a worker received are kept per (channel, producer),
 the two newest versions each, so a message still queued from before a refit decodes. Checks on
 the transport's threads and the worker's own decode share that store (dict operations only).
 """
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from peer.codec import transform_wire as tw
-from peer.codec.transform import TransformLearner, TransformState
+from peer.codec.transform import FixedCoder, TransformLearner, TransformState
 from peer.config import MaskConfig
 from peer.errors import WireError
 from peer.wire import anchormesh_pb2 as pb
@@ -31,7 +31,7 @@ class TransformLinks:
     hidden_size: int
     produces_forward: bool  # not the last stage: it sends activations
     produces_backward: bool  # not the first stage: it sends gradients
-    learners: dict[str, TransformLearner] = field(default_factory=dict)  # channel -> this worker's learner
+    learners: dict[str, TransformLearner | FixedCoder] = field(default_factory=dict)  # channel -> what makes this worker's coder
     sent: dict[tuple[str, object], int] = field(default_factory=dict)  # (channel, destination) -> coder version it holds
     coders: dict[tuple[str, str], dict[int, TransformState]] = field(default_factory=dict)  # (channel, producer) -> version -> coder
 
@@ -40,7 +40,7 @@ class TransformLinks:
         if self.produces_forward:
             self.learners["forward"] = TransformLearner(H, m.bits, m.basis_refresh)
         if self.produces_backward:
-            self.learners["backward"] = TransformLearner(H, m.grad_bits, m.basis_refresh, row_classes=True)
+            self.learners["backward"] = FixedCoder(H, m.grad_bits, seed=m.seed)
 
     def sink(self, channel: str) -> int:
         """Leading positions sent dense: the activations' attention sink; gradients have none
@@ -63,7 +63,7 @@ class TransformLinks:
         if state is not None and self.sent.get((channel, dst)) != state.version:
             coder = tw.coder_to_proto(state)
             self.sent[(channel, dst)] = state.version
-        payload = tw.encode(state, x, sink=self.sink(channel), stochastic=channel == "backward", boundary=boundary, step=step, micro_batch=micro_batch, row_budget=learner.budget)
+        payload = tw.encode(state, x, sink=self.sink(channel), stochastic=channel == "backward", boundary=boundary, step=step, micro_batch=micro_batch)
         return payload, coder
 
     def forget_sent(self) -> None:
@@ -90,4 +90,4 @@ class TransformLinks:
             if state is None:
                 have = sorted(self.coders.get((channel, producer), {}))
                 raise WireError(f"Compression.coder_version={payload.compression.coder_version}: no such {channel} coder from {producer!r} here (have {have}); send it again")
-        return tw.decode(payload, state, expect_shape=expect_shape, sink=self.sink(channel), boundary=boundary, step=step, micro_batch=micro_batch, max_bits=self.max_bits(channel))
+        return tw.decode(payload, state, expect_shape=expect_shape, sink=self.sink(channel), boundary=boundary, step=step, micro_batch=micro_batch)
