@@ -49,10 +49,11 @@ DHT_TTL_S = 60.0
 
 
 def default_run() -> TrainConfig:
-    """The tiny default run: 2 stages of the tiny model, low-rank PP codec."""
+    """The tiny default run: 2 stages of the tiny model, the transform PP codec (2 bits per value
+    each way, the default of `bench quality`'s default row: docs/benchmarks.md)."""
     return TrainConfig(
         model=ModelConfig(name="tiny-llama", num_stages=2, hidden_size=128, num_layers=4, num_heads=4, max_seq_len=128),
-        mask=MaskConfig(scheme="lowrank", rank=20, values="int8"),
+        mask=MaskConfig(scheme="transform"),
         anchor=AnchorConfig(every=0),
         # fp32 parameters every 10 steps: the 8-bit deltas showed a +9% eval-loss gap at a
         # 5-step cadence in the throughput bench (docs/benchmarks.md), not yet explained

@@ -23,7 +23,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", default=None, help="train this pretrained model instead of the tiny default run (hub id, folder, .gguf file, smollm2-135m; each peer loads it: ~15 s for smollm2-135m, default --seconds 600)")
     demo.add_argument("--local", action="store_true", help="instead: the training core alone, all stages in this process")
     demo.add_argument("--stages", type=int, default=2, help="with --local: pipeline stages")
-    demo.add_argument("--codec", choices=("lowrank", "mask"), default="lowrank", help="with --local: PP link codec (default lowrank)")
+    demo.add_argument("--codec", choices=("transform", "lowrank", "mask"), default="transform", help="with --local: PP link codec (default transform)")
     demo.add_argument("--drop", type=float, default=0.95, help="with --local --codec mask: P(drop) of activation entries")
     demo.add_argument("--rank", type=int, default=20, help="with --local --codec lowrank: coefficients per token")
     demo.add_argument("--threads", type=int, default=0, help="with --local: torch threads (0 = torch default)")

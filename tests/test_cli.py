@@ -16,7 +16,7 @@ def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "peer.cli", *args], capture_output=True, text=True, timeout=timeout, env=ENV)
 
 
-@pytest.mark.parametrize("codec", ["lowrank", "mask"])
+@pytest.mark.parametrize("codec", ["transform", "lowrank", "mask"])
 def test_demo_trains_and_prints_a_summary(codec: str) -> None:
     out = _cli("demo", "--local", "--seconds", "4", "--threads", "1", "--codec", codec)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -226,7 +226,7 @@ def release_memory() -> None:
         pass
 
 
-DEFAULT_ROW = "lowrank"  # the swarm's default codec (bootstrap/node.py default_run): low-rank, int8 coefficients, no anchor
+DEFAULT_ROW = "transform"  # the swarm's default codec (bootstrap/node.py default_run): transform coder, 2 bits per value each way, no anchor
 TOKENIZE_BYTES = 1_000_000  # corpus bytes a pretrained model's tokenizer reads per corpus (~300 k tokens of Python)
 
 

@@ -20,8 +20,10 @@ from peer.pipeline.local import LocalPipelineRunner, evaluate_stages
 
 
 def demo_config(stages: int, codec: str, drop: float, rank: int) -> TrainConfig:
-    """The demo's run: low-rank codec by default (the best measured), or the paper's element mask."""
-    mask = MaskConfig(scheme="lowrank", rank=rank, values="int8") if codec == "lowrank" else MaskConfig(drop=drop, fill="prior_rescale")
+    """The demo's run: the transform coder by default (the swarm's default), the low-rank codec,
+    or the paper's element mask."""
+    masks = {"transform": lambda: MaskConfig(scheme="transform"), "lowrank": lambda: MaskConfig(scheme="lowrank", rank=rank, values="int8"), "mask": lambda: MaskConfig(drop=drop, fill="prior_rescale")}
+    mask = masks[codec]()
     return TrainConfig(
         model=ModelConfig(name="tiny-llama", num_stages=stages, hidden_size=128, num_layers=4, num_heads=4, max_seq_len=128),
         mask=mask,
@@ -35,10 +37,12 @@ def demo_config(stages: int, codec: str, drop: float, rank: int) -> TrainConfig:
 
 def codec_label(cfg: TrainConfig) -> str:
     m = cfg.mask
+    if m.scheme == "transform":
+        return f"transform {m.bits:g} bits/value forward, {m.grad_bits:g} backward"
     return f"low-rank r={m.rank} {m.values}" if m.scheme == "lowrank" else f"mask drop={m.drop:.2f} fill={m.fill} {m.values}"
 
 
-def run_demo(seconds: float = 60.0, stages: int = 2, codec: str = "lowrank", drop: float = 0.95, rank: int = 20, threads: int = 0) -> dict:
+def run_demo(seconds: float = 60.0, stages: int = 2, codec: str = "transform", drop: float = 0.95, rank: int = 20, threads: int = 0) -> dict:
     if threads:
         torch.set_num_threads(threads)
     cfg = demo_config(stages, codec, drop, rank)

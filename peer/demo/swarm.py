@@ -69,22 +69,23 @@ def stop_processes(procs: list[subprocess.Popen], grace_s: float = 20.0) -> None
 
 
 def model_run_toml(model: str) -> str:
-    """The demo's run for a pretrained model: 2 stages cut at its middle layer, the low-rank codec
-    at rank 64 with int8 coefficients (what `bench quality --model` runs as its default row), the
-    adaptation lr of `bench quality`, the built-in Python corpus through the model's tokenizer.
-    The model is resolved first, so a model that is not installed fails here, before any process."""
+    """The demo's run for a pretrained model: 2 stages cut at its middle layer, the transform
+    coder at 2 bits per value each way (what `bench quality --model` runs as its default row),
+    the adaptation lr of `bench quality`, the built-in Python corpus through the model's
+    tokenizer. The model is resolved first, so a model that is not installed fails here, before
+    any process."""
     from peer.model.loading import resolve_dims
 
-    dims = resolve_dims(ModelConfig(name=model, num_stages=2))
+    resolve_dims(ModelConfig(name=model, num_stages=2))
     return f"""# anchormesh demo --model {model}
 [model]
 name = {json.dumps(model)}
 num_stages = 2
 max_seq_len = 128
 [mask]
-scheme = "lowrank"
-rank = {min(64, dims.hidden_size // 2)}
-values = "int8"
+scheme = "transform"
+bits = 2.0
+grad_bits = 2.0
 [optim]
 lr = 1e-4
 [pipeline]

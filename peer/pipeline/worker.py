@@ -206,6 +206,7 @@ class StageWorker:
             k = self.coefs_for(dst, ids.numel(), msg.header.ByteSize() + msg.token_ids.ByteSize() + 16)
             h = state.project(h.float(), ids, k)
         elif self.transform is not None:
+            self.links.keep_sent[dst] = 1.0  # the transform coder sends its configured bits on every link (no mask.adapt yet)
             payload, coder = self.transform.encode("forward", h, dst, boundary=b, step=step, micro_batch=mb)
             msg.hidden.CopyFrom(payload)
             if coder is not None:
