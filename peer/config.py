@@ -83,8 +83,9 @@ class MaskConfig:
         prior_momentum: EMA momentum of the token prior (fill="token_prior").
         scheme: "mask" (the paper's element mask, above), "lowrank" (send r coefficients per
             token in a basis the sender learns and ships, around a per-token prior;
-            peer/codec/basis.py) or "transform" (every direction at a few bits: a KLT transform
-            coder each tensor's producer fits and ships; peer/codec/transform.py).
+            peer/codec/basis.py) or "transform" (every direction at a few bits: activations in
+            a KLT the sender fits and ships, gradients through a fixed random rotation;
+            peer/codec/transform.py).
         rank: r for scheme "lowrank". Must not exceed the hidden size.
         basis_refresh: steps between refits of the sender's (prior, basis) for scheme
             "lowrank", of each producer's coder for scheme "transform".

@@ -253,3 +253,11 @@ def test_the_link_warms_up_dense_then_codes_and_a_bad_coder_changes_nothing() ->
     assert all(torch.equal(p, weights[n]) for n, p in receiver.stage.named_parameters())
     runner.close()
 
+
+
+def test_a_gain_that_overflows_once_decoded_is_refused() -> None:
+    state = learner_state()
+    payload = bytearray(state.encode(correlated(1), sink=1))
+    payload[H * 2 : H * 2 + 2] = b"\x7f\x7f"  # the first row's bf16 gain: 3.4e38, finite on the wire
+    with pytest.raises(WireError, match="not finite"):
+        state.decode(bytes(payload), 1, 17, 1)

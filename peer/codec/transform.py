@@ -189,6 +189,8 @@ class TransformState:
             z[:, cols] = (q - 2 ** (b - 1)).float().add_(0.5).mul_(STEP[b])
             at += size
         out[:, head:] = (self.mean + gain * ((z * self.std) @ self.rotation.T)).reshape(batch, seq - head, H)
+        if not bool(torch.isfinite(out).all()):  # a finite gain times a large code can still overflow
+            raise WireError(f"TensorPayload.payload: decodes to {int((~torch.isfinite(out)).sum())} values that are not finite (gains too large for the coder)")
         return out.to(device)
 
 

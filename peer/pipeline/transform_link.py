@@ -1,11 +1,12 @@
 """A stage worker's transform-coded links (mask.scheme = "transform", peer/codec/transform.py).
 
-Each tensor's producer fits the coder of what it produces and ships it: a stage fits one for its
+Each tensor's producer makes the coder of what it produces and ships it: a stage has one for its
 outputs (forward: a KLT refitted every `mask.basis_refresh` steps, `mask.bits` per value) and
 one for the gradients w.r.t. its input (backward: a fixed random rotation, `mask.grad_bits` per
-value, made once), and sends a coder's new version to each destination once. The coders a worker received are kept per (channel, producer),
-the two newest versions each, so a message still queued from before a refit decodes. Checks on
-the transport's threads and the worker's own decode share that store (dict operations only).
+value, made once), and sends each new version to each destination once. The coders a worker
+received are kept per (channel, producer), the two newest versions each, so a message still
+queued from before a refit decodes. Checks on the transport's threads and the worker's own
+decode share that store (dict operations only).
 """
 
 from __future__ import annotations

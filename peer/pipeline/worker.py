@@ -209,9 +209,7 @@ class StageWorker:
             self.links.keep_sent[dst] = 1.0  # the transform coder sends its configured bits on every link (no mask.adapt yet)
             payload, coder = self.transform.encode("forward", h, dst, boundary=b, step=step, micro_batch=mb)
             msg.hidden.CopyFrom(payload)
-            if coder is not None:
-                msg.coder.CopyFrom(coder)
-                self.state_bytes_sent += coder.ByteSize()
+            self._ship_coder(msg, coder)
             self.transport.send(self.addr, dst, "forward", msg.SerializeToString())
             return None, 0, None
         else:
@@ -219,6 +217,12 @@ class StageWorker:
         msg.hidden.CopyFrom(codec.encode(self.placement.to_host(h), boundary=b, step=step, micro_batch=mb))
         self.transport.send(self.addr, dst, "forward", msg.SerializeToString())
         return state, k, codec
+
+    def _ship_coder(self, msg: pb.ActivationChunk | pb.GradientChunk, coder: pb.TransformCoder | None) -> None:
+        """Transform codec: put the coder the destination lacks into its message, and count it."""
+        if coder is not None:
+            msg.coder.CopyFrom(coder)
+            self.state_bytes_sent += coder.ByteSize()
 
     def forward_one(self) -> bool:
         """Process the oldest activation whose step is within the staleness bound."""
@@ -327,9 +331,7 @@ class StageWorker:
             if self.transform is not None:
                 payload, coder = self.transform.encode("backward", job.x.grad, dst, boundary=b, step=job.step, micro_batch=mb)
                 msg.grad.CopyFrom(payload)
-                if coder is not None:
-                    msg.coder.CopyFrom(coder)
-                    self.state_bytes_sent += coder.ByteSize()
+                self._ship_coder(msg, coder)
             else:
                 msg.grad.CopyFrom((job.codec_in or self.link_codec).encode(self.placement.to_host(job.x.grad), boundary=b, step=job.step, micro_batch=mb))
             data = msg.SerializeToString()
