@@ -30,7 +30,7 @@ def test_demo_trains_and_prints_a_summary(codec: str) -> None:
     [
         (["demo", "--local", "--codec", "mask", "--drop", "1.5"], "mask.drop=1.5"),
         (["demo", "--local", "--stages", "9"], "model.num_stages=9"),
-        (["demo", "--local", "--rank", "0"], "mask.rank=0"),
+        (["demo", "--local", "--codec", "lowrank", "--rank", "0"], "mask.rank=0"),
     ],
 )
 def test_bad_values_exit_2_naming_the_field(args: list[str], field: str) -> None:

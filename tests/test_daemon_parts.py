@@ -173,6 +173,7 @@ def test_routing_resends_a_micro_batch_whose_gradient_never_came() -> None:
         w.inflight[(step, mb)] = SimpleNamespace(window=window)
 
     w = SimpleNamespace(inflight={(4, 2): SimpleNamespace(window="win")}, basis_sent={"x": 1}, replica=0, cfg=SimpleNamespace(pipeline=SimpleNamespace(micro_batches=4)), inject=inject)
+    w.forget_sent = w.basis_sent.clear  # what StageWorker.forget_sent does for the low-rank codec
     r = router(set())
     r.neighbours = {1: [pb.PeerInfo(peer_id="a", stage=1)]}
     assert r.retry_after_s() == 20.0  # nothing measured yet
