@@ -280,3 +280,16 @@ def test_serving_answers_before_and_after_the_stage() -> None:
         s.validate("forward", object())
     d.worker = SimpleNamespace(stage=SimpleNamespace(index=2), version=7)
     assert (s.ping_info(None).stage, s.ping_info(None).version) == (2, 7)
+
+
+def test_a_retry_encoded_otherwise_is_a_new_micro_batch_for_the_receiver() -> None:
+    """The receiver answers a retry of a micro-batch it took with the gradient it cached, unless
+    the retry was encoded otherwise (mask.adapt, a new basis): that gradient would not fit."""
+    from peer.pipeline.worker import retry_key
+    from peer.wire import anchormesh_pb2 as pb
+
+    def act(k: int, version: int = 3) -> pb.ActivationChunk:
+        return pb.ActivationChunk(header=pb.MicroBatchHeader(sender="s0", step=20, micro_batch_id=7), basis_version=version, hidden=pb.TensorPayload(shape=[4, 32, k]))
+
+    assert retry_key(act(4)) == retry_key(act(4))
+    assert retry_key(act(4)) != retry_key(act(2)) and retry_key(act(4)) != retry_key(act(4, version=4))

@@ -23,3 +23,4 @@ class InFlight:
     coefs: int = 0  # low-rank codec: coefficients per token the output was sent with
     codec_in: MaskCodec | None = None  # mask scheme: the codec (drop) the input came with; None = the config's
     codec_out: MaskCodec | None = None  # mask scheme: the codec (drop) the output was sent with; None = the config's
+    retry_key: tuple | None = None  # swarm: the input's identity for a sender's retries (StageWorker.retry_key)

@@ -230,8 +230,9 @@ class StageWorker:
             return False
         msg = self.inbox_fwd.popleft()
         step, mb, b = msg.header.step, msg.header.micro_batch_id, self.stage.index - 1
+        key = None
         if self.local_steps:  # a sender's retry may duplicate a micro-batch we already took
-            key = (msg.header.sender, step, mb)
+            key = retry_key(msg)
             if not self.retries.take(key):
                 # a retry: the sender lost our gradient (or gave up waiting); send it again rather
                 # than computing the micro-batch twice. Still in flight here: it will come.
@@ -269,10 +270,10 @@ class StageWorker:
             loss = lm_loss(out, pl.to_device(window[:, 1:]))
             (loss / self.cfg.pipeline.micro_batches).backward()
             self.losses[step].append(loss.detach())  # a device tensor: read in batches, never per micro-batch
-            self._finish_backward(InFlight(step, x, out, stash, window, sender=msg.header.sender, codec_in=codec_in), mb)
+            self._finish_backward(InFlight(step, x, out, stash, window, sender=msg.header.sender, codec_in=codec_in, retry_key=key), mb)
         else:
             basis, k, codec = self._send_forward(out, window, step, mb)
-            self.inflight[(step, mb)] = InFlight(step, x, out, stash, window, basis, msg.header.sender, k, codec_in, codec)
+            self.inflight[(step, mb)] = InFlight(step, x, out, stash, window, basis, msg.header.sender, k, codec_in, codec, retry_key=key)
         self.compute.add(time.perf_counter() - t0)
         return True
 
@@ -336,7 +337,7 @@ class StageWorker:
                 msg.grad.CopyFrom((job.codec_in or self.link_codec).encode(self.placement.to_host(job.x.grad), boundary=b, step=job.step, micro_batch=mb))
             data = msg.SerializeToString()
             if self.local_steps:  # cached before sending: a send that fails (sender not known yet) is redone on its retry
-                self.retries.sent((job.sender, job.step, mb), dst, data)
+                self.retries.sent(job.retry_key, dst, data)
             self.done[job.step] += 1
             self.transport.send(self.addr, dst, "backward", data)
             return
@@ -374,6 +375,15 @@ class StageWorker:
         else:
             self.done.pop(self.version, None)
         self.version += 1
+
+
+def retry_key(msg: pb.ActivationChunk) -> tuple:
+    """What makes two activations the same micro-batch for a sender's retries: its sender, step
+    and id, and how it was encoded (low-rank basis version and coefficient count, mask drop).
+    Why the encoding: a retry is encoded anew, and with `mask.adapt` or a refreshed basis it may
+    differ; the gradient cached for the first one would not fit it, and the sender would refuse
+    it on every retry for good (seen in the swarm checkpoint test: [4, 32, 4] vs [4, 32, 2])."""
+    return (msg.header.sender, msg.header.step, msg.header.micro_batch_id, msg.basis_version, tuple(msg.hidden.shape), msg.hidden.compression.drop)
 
 
 def mean_loss(losses: list[torch.Tensor | float]) -> float:
