@@ -114,17 +114,21 @@ def _tiny_dims(name: str, hidden: int, layers: int, heads: int, max_seq_len: int
     return ModelDims(name, family, c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.intermediate_size, c.vocab_size, bool(c.tie_word_embeddings), qkv_bias=family == "qwen2", source="built from a config (peer/model/loading.py)")
 
 
+def dims_of_config(c, name: str, source: str) -> ModelDims:
+    """Dims of a transformers config object (a loaded model's `.config`, or one read from disk)."""
+    if c.model_type == "gpt2":
+        return ModelDims(name, "gpt2", c.n_embd, c.n_layer, c.n_head, c.n_head, c.n_inner or 4 * c.n_embd, c.vocab_size, bool(c.tie_word_embeddings), max_positions=c.n_positions, source=source)
+    return ModelDims(
+        name, c.model_type, c.hidden_size, c.num_hidden_layers, c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+        c.intermediate_size, c.vocab_size, bool(c.tie_word_embeddings), qkv_bias=c.model_type == "qwen2", source=source,
+    )
+
+
 def _hf_dims(path: str) -> ModelDims:
     """Dims of a local Hugging Face model folder (config.json only; nothing is downloaded)."""
     from transformers import AutoConfig
 
-    c = AutoConfig.from_pretrained(path, local_files_only=True)
-    if c.model_type == "gpt2":
-        return ModelDims(path, "gpt2", c.n_embd, c.n_layer, c.n_head, c.n_head, c.n_inner or 4 * c.n_embd, c.vocab_size, bool(c.tie_word_embeddings), max_positions=c.n_positions, source=f"{path}/config.json")
-    return ModelDims(
-        path, c.model_type, c.hidden_size, c.num_hidden_layers, c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
-        c.intermediate_size, c.vocab_size, bool(c.tie_word_embeddings), qkv_bias=c.model_type == "qwen2", source=f"{path}/config.json",
-    )
+    return dims_of_config(AutoConfig.from_pretrained(path, local_files_only=True), path, f"{path}/config.json")
 
 
 def _named_dims(name: str, stages: int) -> ModelDims:

@@ -13,20 +13,16 @@ curve (linear between the checkpoints the benchmark evaluated, step 0 = the base
 from __future__ import annotations
 
 from peer.bench.project_compute import gpu_compute
-from peer.bench.project_model import DEFAULT_MFU, DEVICES, ModelDims, Shape
+from peer.bench.project_model import DEFAULT_MFU, DEVICES, ModelDims, Shape, dims_of_config
 
 LINK_MBIT = 200.0
 DEVICE = "rtx4090"
 
 
 def model_dims(config) -> ModelDims:
-    """Sizes of a transformers config (the base model of the benchmark)."""
-    family = config.model_type
-    return ModelDims(
-        getattr(config, "name_or_path", "") or family, family, config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
-        getattr(config, "num_key_value_heads", None) or config.num_attention_heads, config.intermediate_size, config.vocab_size,
-        bool(getattr(config, "tie_word_embeddings", False)), qkv_bias=family == "qwen2",
-    )
+    """Sizes of the benchmark's base model, from its transformers config."""
+    name = getattr(config, "name_or_path", "") or config.model_type
+    return dims_of_config(config, name, "the benchmark's base model")
 
 
 def curve_value(curve: dict[int, float], step: float) -> float:
