@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from peer.codec import transform_wire as tw
-from peer.codec.transform import MSE, FixedCoder, TransformLearner, allocate, pack, packed_bytes, random_coder, unpack
+from peer.codec.transform import MSE, FixedCoder, TransformLearner, allocate, pack, packed_bytes, random_coder, row_budget, unpack
 from peer.config import MaskConfig, ModelConfig, OptimConfig, PipelineConfig, TrainConfig
 from peer.errors import ConfigError, WireError
 from peer.model.loading import load_causal_lm
@@ -128,7 +128,7 @@ def _coder(**override) -> pb.TransformCoder:
 
 def test_a_coder_travels_intact() -> None:
     state = learner_state()
-    back = tw.coder_from_proto(tw.coder_to_proto(state), H, tw.budget(3.0, H))
+    back = tw.coder_from_proto(tw.coder_to_proto(state), H, row_budget(3.0, H))
     assert back.version == state.version and torch.equal(back.bits, state.bits)
     for name in ("mean", "rotation_q", "rotation_scale", "std"):
         assert torch.equal(getattr(back, name), getattr(state, name)), name
@@ -153,7 +153,7 @@ def test_a_coder_travels_intact() -> None:
 )
 def test_a_malformed_coder_is_refused_with_the_field(override: dict, match: str) -> None:
     with pytest.raises(WireError, match=match):
-        tw.coder_from_proto(_coder(**override), H, tw.budget(3.0, H))
+        tw.coder_from_proto(_coder(**override), H, row_budget(3.0, H))
 
 
 KEY = dict(boundary=0, step=3, micro_batch=1)

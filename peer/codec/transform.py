@@ -72,6 +72,14 @@ def allocate(var: Tensor, budget: int, max_bits: int = MAX_BITS, min_bits: int =
     return torch.bincount(take // max_bits, minlength=len(v))
 
 
+def row_budget(bits_per_value: float, hidden_size: int) -> int:
+    """Bits per coded row for `bits_per_value`: what a producer allocates, and the most a
+    receiver lets a coder allocate. ConfigError outside [1, 8]: every component gets a bit."""
+    if not 1 <= bits_per_value <= MAX_BITS:
+        raise ConfigError("bits_per_value", bits_per_value, f"must be in [1, {MAX_BITS}]: every component gets a bit")
+    return round(bits_per_value * hidden_size)
+
+
 def pack(codes: Tensor, width: int) -> bytes:
     """Unsigned `codes` (< 2**width), `width` bits each, MSB first, padded to a byte. Eight codes
     make one 8*width-bit word (at most 56 bits below width 8), cut into `width` bytes."""
@@ -236,10 +244,8 @@ class TransformLearner:
     direction), then one per `refresh` steps."""
 
     def __init__(self, hidden_size: int, bits_per_value: float, refresh: int, *, buffer_rows: int | None = None, min_rows: int | None = None) -> None:
-        if not 1 <= bits_per_value <= MAX_BITS:
-            raise ConfigError("bits_per_value", bits_per_value, f"must be in [1, {MAX_BITS}]: every component gets a bit")
         self.hidden_size = hidden_size
-        self.budget = max(1, round(bits_per_value * hidden_size))
+        self.budget = row_budget(bits_per_value, hidden_size)
         self.refresh = refresh
         self.min_rows = min_rows or max(1, hidden_size // 4)
         self.full_rows = 2 * hidden_size
@@ -275,9 +281,7 @@ class FixedCoder:
     about it depends on the data), with the learner's interface."""
 
     def __init__(self, hidden_size: int, bits_per_value: float, seed: int) -> None:
-        if not 1 <= bits_per_value <= MAX_BITS:
-            raise ConfigError("bits_per_value", bits_per_value, f"must be in [1, {MAX_BITS}]: every component gets a bit")
-        self.budget = max(1, round(bits_per_value * hidden_size))
+        self.budget = row_budget(bits_per_value, hidden_size)
         self.current = random_coder(hidden_size, self.budget, seed)
 
     def observe(self, x: Tensor, sink: int) -> None:

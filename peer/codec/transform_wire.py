@@ -21,11 +21,6 @@ ROTATION_LIMIT = 1.01  # orthonormal columns have unit length; int8 rounding add
 STD_SLACK = 1.01  # rows normalised to unit RMS: a component's std is at most sqrt(H)
 
 
-def budget(bits_per_value: float, hidden_size: int) -> int:
-    """Bits per coded row for `bits_per_value` (what `TransformLearner` allocates)."""
-    return max(1, round(bits_per_value * hidden_size))
-
-
 def coder_to_proto(state: TransformState) -> pb.TransformCoder:
     return pb.TransformCoder(
         version=state.version,

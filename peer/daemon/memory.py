@@ -160,7 +160,7 @@ def _codec_bytes(cfg: TrainConfig, stage: StageModule) -> int:
         if receives:
             total += version
     if m.scheme == "transform":
-        # per coder: mean, int8 rotation, its float32 copy, scales, stds, bits (K <= H columns)
+        # per coder: mean, int8 rotation, its float32 copy, scales, stds, bits
         coder = H * 4 + H * H * 5 + H * 20
         # each producer (outputs if it sends, input gradients if it receives): its row buffer,
         # the fit's float64 covariance and eigenvectors, its current coder; each consumer: the

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from peer.codec import transform_wire as tw
-from peer.codec.transform import FixedCoder, TransformLearner, TransformState
+from peer.codec.transform import FixedCoder, TransformLearner, TransformState, row_budget
 from peer.config import MaskConfig
 from peer.errors import WireError
 from peer.wire import anchormesh_pb2 as pb
@@ -50,7 +50,7 @@ class TransformLinks:
 
     def max_bits(self, channel: str) -> int:
         """The run's bits per coded row on `channel`: the most a received coder may allocate."""
-        return tw.budget(self.mask.bits if channel == "forward" else self.mask.grad_bits, self.hidden_size)
+        return row_budget(self.mask.bits if channel == "forward" else self.mask.grad_bits, self.hidden_size)
 
     # ---- producing ------------------------------------------------------------------------
     def encode(self, channel: str, x: torch.Tensor, dst: object, *, boundary: int, step: int, micro_batch: int) -> tuple[pb.TensorPayload, pb.TransformCoder | None]:
@@ -80,11 +80,13 @@ class TransformLinks:
         for old in sorted(kept)[:-KEEP_VERSIONS]:
             kept.pop(old, None)
 
-    def decode(self, channel: str, producer: str, payload: pb.TensorPayload, coder: pb.TransformCoder | None, *, expect_shape: tuple[int, ...], boundary: int, step: int, micro_batch: int) -> torch.Tensor:
-        """The float32 tensor (host) a message from `producer` carries; a coder shipped with it is
+    def decode(self, msg: pb.ActivationChunk | pb.GradientChunk, *, expect_shape: tuple[int, ...], boundary: int, step: int, micro_batch: int) -> torch.Tensor:
+        """The float32 tensor (host) an activation or gradient carries; a coder shipped with it is
         checked and kept first. WireError for anything malformed or a coder this end lacks."""
-        if coder is not None:
-            self.take_coder(channel, producer, coder)
+        channel = "forward" if isinstance(msg, pb.ActivationChunk) else "backward"
+        payload, producer = (msg.hidden if channel == "forward" else msg.grad), msg.header.sender
+        if msg.HasField("coder"):
+            self.take_coder(channel, producer, msg.coder)
         state = None
         if payload.compression.kind == pb.Compression.TRANSFORM:
             state = self.coders.get((channel, producer), {}).get(payload.compression.coder_version)
