@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from peer.config import AnchorConfig, MaskConfig, ModelConfig, PipelineConfig, TrainConfig
-from peer.daemon.memory import GIB, MemoryPlan, anchor_snapshot_slots, check_fits, free_bytes, plan_stage, plan_table, saved_activation_bytes
+from peer.daemon.memory import GIB, MemoryPlan, anchor_snapshot_slots, check_fits, free_bytes, plan_stage, plan_stages, plan_table, saved_activation_bytes
 from peer.errors import ConfigError
 from peer.model.loading import load_stage, meta_stage
 from peer.model.placement import Placement
@@ -110,6 +110,20 @@ def test_dp_group_anchor_and_codec_components() -> None:
     cfg3 = _cfg(stages=3)
     cfg3.mask = MaskConfig(scheme="transform")
     assert plan_stage(cfg3, FP32, 1).codec == 2 * first.codec  # a middle stage produces both ways
+
+
+def test_an_in_memory_replica_of_the_next_stage_is_counted_on_the_host() -> None:
+    cfg = _cfg(stages=3)
+    real = [sum(p.numel() for p in load_stage(cfg.model, i, seed=0).parameters()) for i in range(3)]
+    plans = plan_stages(cfg, FP32, dp_group=True, replica_in_memory=True)
+    # fp32 weights and both AdamW moments of the next stage (the last stage keeps stage 0's)
+    assert [p.replica for p in plans] == [12 * real[1], 12 * real[2], 12 * real[0]]
+    assert plans[0].need("cpu") == plans[0].total + plans[0].host + plans[0].replica
+    assert plans[0].need("cuda:0") == plans[0].total  # host memory, not the device's
+    assert all(p.replica == 0 for p in plan_stages(cfg, FP32, dp_group=True))  # a state dir keeps it on disk
+    cfg.checkpoint.replicate_every_s = 0
+    assert all(p.replica == 0 for p in plan_stages(cfg, FP32, dp_group=True, replica_in_memory=True))
+    assert plan_stages(_cfg(stages=1), FP32, dp_group=True, replica_in_memory=True)[0].replica == 0
 
 
 def _config_dir(tmp_path: Path, **kw) -> str:

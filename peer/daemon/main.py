@@ -167,7 +167,7 @@ class PeerDaemon:
         self.membership.admitted(a)
         try:
             self.placement = resolve_placement(self.device, cfg.compute)
-            plan = plans[a.stage] if plans else plan_stages(cfg, self.placement, dp_group=True)[a.stage]
+            plan = plans[a.stage] if plans else plan_stages(cfg, self.placement, dp_group=True, replica_in_memory=self.state_dir is None)[a.stage]
             free = free_bytes(self.placement.device)
             check_fits(plan, free, cfg.compute.memory_budget_gib, self.placement.device)
         except ConfigError as exc:  # the run's precision or this stage does not fit this device: say so and leave

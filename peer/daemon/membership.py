@@ -21,6 +21,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Protocol
 
 import grpc
@@ -140,7 +141,7 @@ def start_dht(initial_peers: list[str], host: str, dht_port: int, announce_host:
     return dht
 
 
-def plan_memory(stub: pbg.TrackerStub, req: pb.JoinRequest, device: torch.device) -> list | None:
+def plan_memory(stub: pbg.TrackerStub, req: pb.JoinRequest, device: torch.device, replica_in_memory: bool = False) -> list | None:
     """Before joining: the run's config, this peer's placement for it and its memory plan of
     every stage, put in the JoinRequest so the tracker gives it a stage that fits. A tracker
     that cannot say its config (unreachable: Join retries and says so) leaves the plan to
@@ -154,7 +155,7 @@ def plan_memory(stub: pbg.TrackerStub, req: pb.JoinRequest, device: torch.device
         log.info("no run config before joining (%s): the memory plan waits for the assignment", exc.code().name)
         return None
     placement = resolve_placement(device, cfg.compute)
-    plans = plan_stages(cfg, placement, dp_group=True)
+    plans = plan_stages(cfg, placement, dp_group=True, replica_in_memory=replica_in_memory)
     free = free_bytes(placement.device)
     budget = int(cfg.compute.memory_budget_gib * 2**30)
     req.memory_bytes = min(budget, free) if budget else free
@@ -210,6 +211,7 @@ class Member(Protocol):
 
     tracker: str
     device: torch.device
+    state_dir: Path | None
     dht: object | None
     creds: auth.Credentials
     tls_ca: bytes | None
@@ -253,7 +255,7 @@ class Membership:
             own_maddrs = [str(m) for m in d.dht.get_visible_maddrs()] if d.dht is not None else []
             req = pb.JoinRequest(peer_id=d.peer_id, grpc_address=d.address, code_version=__version__, dht_maddrs=own_maddrs)
             try:
-                plans = plan_memory(pbg.TrackerStub(join_channel), req, d.device)
+                plans = plan_memory(pbg.TrackerStub(join_channel), req, d.device, replica_in_memory=d.state_dir is None)
             except ConfigError as exc:  # the run cannot run on this device: nothing to leave yet
                 log.error("cannot serve this run here: %s", exc)
                 d.transport.close()

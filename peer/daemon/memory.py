@@ -25,6 +25,7 @@ from peer.model.stages import StageModule
 
 GIB = 2**30
 MAX_SNAPSHOT_SLOTS = 8
+REPLICA_BYTES_PER_PARAMETER = 12  # fp32 weights, exp_avg, exp_avg_sq (peer/daemon/replicas.py)
 LOWRANK_BUFFER_TOKENS = 4096  # BasisLearner's default residual buffer
 COMPONENTS = ("weights", "working_copy", "grads", "optimizer", "dp_copies", "anchor_snapshot", "activations", "logits", "codec")
 
@@ -38,7 +39,9 @@ class MemoryPlan:
     dp_copies: the stage-group averager's fp32 base copy. anchor_snapshot: one compute-dtype copy of the
     weights. activations: saved tensors of every micro-batch in flight. logits: last stage, one
     micro-batch's logits, their fp32 copy for the loss and its gradient. codec: link priors and
-    bases. host: the averager's shared-memory fp32 copy on the CPU.
+    bases. host: the averager's shared-memory fp32 copy on the CPU. replica: the copy of the next
+    stage's training state (fp32 weights and both AdamW moments, 12 bytes per parameter) that a
+    peer without a state dir may be asked to keep in host memory (peer/daemon/replicas.py).
     The remaining fields describe the settings, so a refusal can say what to change.
     """
 
@@ -55,6 +58,7 @@ class MemoryPlan:
     logits: int = 0
     codec: int = 0
     host: int = 0
+    replica: int = 0
     activations_checkpointed: int = 0  # what `activations` would be with checkpointing on
     compute_dtype: str = "fp32"
     checkpointing: bool = False
@@ -70,15 +74,15 @@ class MemoryPlan:
         return sum(getattr(self, c) for c in COMPONENTS)
 
     def need(self, device: torch.device | str | None = None) -> int:
-        """Bytes the plan takes from `device`'s free memory: on the CPU the host copy shares it."""
+        """Bytes the plan takes from `device`'s free memory: on the CPU the host copies share it."""
         dev = torch.device(device if device is not None else self.device)
-        return self.total + (self.host if dev.type == "cpu" else 0)
+        return self.total + (self.host + self.replica if dev.type == "cpu" else 0)
 
     def describe(self) -> str:
         """One line per component, then the totals (for logs and the docs)."""
         rows = [f"stage {self.stage} ({self.layers} layers) on {self.device}, {self.compute_dtype}" + (", checkpointing" if self.checkpointing else "")]
         rows += [f"  {c:<16}{_fmt(getattr(self, c)):>12}" for c in COMPONENTS]
-        rows += [f"  {'total':<16}{_fmt(self.total):>12}", f"  {'host':<16}{_fmt(self.host):>12}"]
+        rows += [f"  {'total':<16}{_fmt(self.total):>12}", f"  {'host':<16}{_fmt(self.host):>12}", f"  {'replica (host)':<16}{_fmt(self.replica):>12}"]
         return "\n".join(rows)
 
 
@@ -92,17 +96,24 @@ def plan_stage(cfg: TrainConfig, placement: Placement, index: int, *, dp_group: 
     return _plan(cfg, placement, meta_stages(cfg.model, [index])[0], dp_group)
 
 
-def plan_stages(cfg: TrainConfig, placement: Placement, dp_group: bool = False) -> list[MemoryPlan]:
+def plan_stages(cfg: TrainConfig, placement: Placement, dp_group: bool = False, replica_in_memory: bool = False) -> list[MemoryPlan]:
     """The plan of every stage of the run, from one meta build (what a peer sends at Join, so
-    the tracker gives it a stage that fits)."""
-    return [_plan(cfg, placement, stage, dp_group) for stage in meta_stages(cfg.model, list(range(cfg.model.num_stages)))]
+    the tracker gives it a stage that fits). `replica_in_memory`: a swarm peer with no state dir
+    keeps the next stage's replica in host memory when the tracker picks it as a holder; the plan
+    counts it for every stage, since the pick comes after the Join."""
+    stages = meta_stages(cfg.model, list(range(cfg.model.num_stages)))
+    plans = [_plan(cfg, placement, stage, dp_group) for stage in stages]
+    if replica_in_memory and len(stages) > 1 and cfg.checkpoint.replicate_every_s > 0:
+        for i, plan in enumerate(plans):
+            plan.replica = REPLICA_BYTES_PER_PARAMETER * sum(p.numel() for p in stages[(i + 1) % len(stages)].parameters())
+    return plans
 
 
 def plan_table(cfg: TrainConfig, placement: Placement, dp_group: bool = False) -> list[dict[str, float | int]]:
     """One row per stage: its layers and every component in GiB (the docs print it)."""
     rows = []
     for plan in plan_stages(cfg, placement, dp_group):
-        rows.append({"stage": plan.stage, "layers": plan.layers} | {c: getattr(plan, c) / GIB for c in (*COMPONENTS, "total", "host")})
+        rows.append({"stage": plan.stage, "layers": plan.layers} | {c: getattr(plan, c) / GIB for c in (*COMPONENTS, "total", "host", "replica")})
     return rows
 
 

@@ -12,7 +12,8 @@ own checkpoint is newer.
 
 Cost: a pull moves 12 bytes per parameter of the copied stage (fp32 weights and two moments);
 one that took T s waits at least 9 T before the next, so copies use at most a tenth of the link.
-The copy lives on disk with `--state-dir` (`replica/<run>/stage<k>.safetensors`), else in memory.
+The copy lives on disk with `--state-dir` (`replica/<run>/stage<k>.safetensors`), else in memory
+(the memory plan, peer/daemon/memory.py, counts it on the host of a peer without a state dir).
 A part of `PeerDaemon` (peer/daemon/main.py).
 """
 
