@@ -50,3 +50,13 @@ def test_a_pretrained_model_is_the_base_of_every_row(pretrained: Path, monkeypat
     assert clock["dense"]["vs_dense_same_time"] == pytest.approx(1.0)
     assert clock["transform"]["link_s_per_step"] < clock["dense"]["link_s_per_step"]
     assert clock["transform"]["dense_steps_in_same_time"] <= 4
+
+
+def test_quick_runs_the_issue_rows_and_rows_are_checked_before_any_model_loads() -> None:
+    table = quality.rows(quality.setup_for(True))
+    assert set(quality.QUICK_ROWS) <= set(table) and quality.DEFAULT_ROW in quality.QUICK_ROWS
+    assert quality.chosen_rows(True, None) == list(quality.QUICK_ROWS)
+    assert quality.chosen_rows(False, None) is None and quality.chosen_rows(True, ["all"]) is None
+    assert quality.chosen_rows(True, ["dense"]) == ["dense"]
+    with pytest.raises(quality.ConfigError, match="unknown row.*dense_sync"):
+        quality.run_quality(True, None, None, only=["dense", "dense_sync"])  # the toy, before its pretraining
