@@ -261,3 +261,32 @@ def test_a_gain_that_overflows_once_decoded_is_refused() -> None:
     payload[H * 2 : H * 2 + 2] = b"\x7f\x7f"  # the first row's bf16 gain: 3.4e38, finite on the wire
     with pytest.raises(WireError, match="not finite"):
         state.decode(bytes(payload), 1, 17, 1)
+
+
+def test_decode_runs_its_products_on_the_requested_device_and_the_inbound_check_decodes_nothing() -> None:
+    """On a GPU the rotation of every row must run there, not on the host: decoding to the meta
+    device (no data, any op) shows where each product ran. The inbound check expands no code."""
+    from torch.overrides import TorchFunctionMode
+
+    class Products(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.devices: list[str] = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func in (torch.matmul, torch.Tensor.__matmul__, torch.Tensor.matmul):
+                self.devices += [a.device.type for a in args if isinstance(a, torch.Tensor)]
+            return func(*args, **(kwargs or {}))
+
+    state = learner_state()
+    payload = state.encode(correlated(2), sink=1)
+    seen = Products()
+    with seen:
+        out = state.decode(payload, 2, 17, 1, device="meta")
+    assert out.device.type == "meta" and out.shape == (2, 17, H) and seen.devices and set(seen.devices) == {"meta"}
+    seen = Products()
+    with seen:
+        state.check(payload, 2, 17, 1)
+    assert seen.devices == []
+    with pytest.raises(WireError, match="bytes, expected"):
+        state.check(payload[:-1], 2, 17, 1)

@@ -52,6 +52,7 @@ MAX_BITS = 8
 # the values. Measured on the toy (2-bit activations; eval loss vs dense 1.678): 2-bit gradients
 # 1.720 at 1x, 1.705 at 1.5x, 1.699 at 2x, 1.711 at 3x; 1-bit ones 1.730 at 2x, 1.727 at 3x, 1.765 at 4x.
 GRAD_STEP_SCALE = 2.0
+DECODE_LIMIT = 1e38  # below float32's largest value (3.4e38): what a decoded value may reach
 BUFFER_ROWS_PER_H = 4  # a learner keeps its newest 4 H rows: a covariance of H dimensions wants several times H samples
 _MSE = torch.tensor([MSE[b] for b in range(MAX_BITS + 1)] + [MSE[MAX_BITS]], dtype=torch.float64)
 
@@ -97,14 +98,21 @@ def pack(codes: Tensor, width: int) -> bytes:
 
 def unpack(data: bytes, width: int, count: int) -> Tensor:
     """Inverse of `pack`: `count` codes of `width` bits (int64)."""
-    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64) if data else torch.zeros(0, dtype=torch.int64)
+    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+    return unpack_codes(raw, width, count)
+
+
+def unpack_codes(raw: Tensor, width: int, count: int) -> Tensor:
+    """`unpack` of packed bytes already in a uint8 tensor, on that tensor's device (int64)."""
+    dev = raw.device
+    raw = raw.to(torch.int64)
     if width == 8:
         return raw[:count]
     words_n = -(-count // 8)
-    full = torch.zeros(words_n * width, dtype=torch.int64)
+    full = torch.zeros(words_n * width, dtype=torch.int64, device=dev)
     full[: len(raw)] = raw
-    words = (full.reshape(-1, width) << (8 * torch.arange(width - 1, -1, -1))).sum(1)
-    codes = (words[:, None] >> (width * torch.arange(7, -1, -1))) & ((1 << width) - 1)
+    words = (full.reshape(-1, width) << (8 * torch.arange(width - 1, -1, -1, device=dev))).sum(1)
+    codes = (words[:, None] >> (width * torch.arange(7, -1, -1, device=dev))) & ((1 << width) - 1)
     return codes.reshape(-1)[:count]
 
 
@@ -128,6 +136,11 @@ class TransformState:
         self.rotation = self.rotation_q.float() * self.rotation_scale  # [H, H]
         self._groups = [(b, (self.bits == b).nonzero().flatten()) for b in range(1, MAX_BITS + 1) if bool((self.bits == b).any())]
         self._placed: dict[str, tuple[Tensor, Tensor, Tensor, list[Tensor]]] = {}
+        # every decoded value is at most _reach + gain * _spread in size: the largest code per
+        # component times its std, the rotation's longest row, and the mean (see _parse)
+        top = torch.tensor([2 ** (b - 1) * STEP[b] for b in self.bits.tolist()], dtype=torch.float64) * self.std.double().cpu()
+        self._spread = float(top.norm()) * float(self.rotation.double().norm(dim=1).max())
+        self._reach = float(self.mean.abs().max()) if len(self.mean) else 0.0
 
     def _on(self, device: torch.device) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
         """(mean, rotation, std, each width's columns) on `device`, copied there once (an H x H
@@ -174,32 +187,54 @@ class TransformState:
             parts.append(pack(q.clamp_(-half, half - 1).to(torch.int64) + half, b))
         return b"".join(parts)
 
-    def decode(self, payload: bytes, batch: int, seq: int, sink: int, device: torch.device | str = "cpu") -> Tensor:
-        """[batch, seq, H] float32 from a payload of exactly `payload_bytes`; WireError otherwise."""
+    def _parse(self, payload: bytes, batch: int, seq: int, sink: int) -> tuple[Tensor, Tensor, Tensor]:
+        """(sink rows [batch, head, H] bf16, gains [rows, 1] bf16, packed codes uint8), host views of
+        `payload`, checked without expanding a code: its length, finite sink rows, finite
+        non-negative gains, and gains small enough that no decoded value can overflow (the
+        largest code times the coder's stds and rotation, times the gain, bounds every value)."""
         H = self.hidden_size
         want = self.payload_bytes(batch, seq, sink)
         if len(payload) != want:
             raise WireError(f"TensorPayload.payload: {len(payload)} bytes, expected {want} (transform coder v{self.version}, {int(self.bits.sum())} bits per row, shape [{batch}, {seq}, {H}])")
         head = min(sink, seq)
-        n_head = batch * head * H * 2
-        rows = batch * (seq - head)
-        out = torch.empty(batch, seq, H)
-        out[:, :head] = torch.frombuffer(bytearray(payload[:n_head]), dtype=torch.int16).view(torch.bfloat16).float().reshape(batch, head, H) if n_head else 0
-        gain = torch.frombuffer(bytearray(payload[n_head : n_head + 2 * rows]), dtype=torch.int16).view(torch.bfloat16).float().reshape(rows, 1) if rows else torch.zeros(0, 1)
-        if not bool(torch.isfinite(out[:, :head]).all()) or not bool(torch.isfinite(gain).all()) or bool((gain < 0).any()):
+        n_head, rows = batch * head * H * 2, batch * (seq - head)
+        raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.zeros(0, dtype=torch.uint8)
+        sink_rows = raw[:n_head].view(torch.bfloat16).reshape(batch, head, H)
+        gain = raw[n_head : n_head + 2 * rows].view(torch.bfloat16).reshape(rows, 1)
+        if not bool(torch.isfinite(sink_rows).all()) or not bool(torch.isfinite(gain).all()) or bool((gain < 0).any()):
             raise WireError("TensorPayload.payload: NaN/Inf in the sink rows or a gain that is not a finite non-negative number")
-        z = torch.zeros(rows, H)
-        at = n_head + 2 * rows
-        for b, cols in self._groups:
+        top = float(gain.max()) if rows else 0.0
+        if top * self._spread + self._reach > DECODE_LIMIT:
+            raise WireError(f"TensorPayload.payload: a gain of {top:.3g} would decode to values that are not finite (at most {(DECODE_LIMIT - self._reach) / self._spread:.3g} for coder v{self.version})")
+        return sink_rows, gain, raw[n_head + 2 * rows :]
+
+    def check(self, payload: bytes, batch: int, seq: int, sink: int) -> None:
+        """What `decode` refuses, found without decoding (a receiver's inbound check, on the host:
+        the rotation of every row is the costly part, and it runs once, in `decode`)."""
+        self._parse(payload, batch, seq, sink)
+
+    def decode(self, payload: bytes, batch: int, seq: int, sink: int, device: torch.device | str = "cpu") -> Tensor:
+        """[batch, seq, H] float32 on `device` from a payload of exactly `payload_bytes`; WireError
+        otherwise. The bytes are checked on the host; the codes cross to `device` still packed and
+        are expanded and rotated there (an H x H product per row: a GPU's work, not the host's)."""
+        H = self.hidden_size
+        sink_rows, gain, codes = self._parse(payload, batch, seq, sink)
+        head, rows = sink_rows.shape[1], gain.shape[0]
+        dev = torch.device(device)
+        mean, rotation, std, placed_cols = self._on(dev)
+        codes = codes.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else codes.to(dev)
+        z = torch.zeros(rows, H, device=dev)
+        at = 0
+        for (b, cols), dcols in zip(self._groups, placed_cols):
             n = rows * len(cols)
             size = packed_bytes(n, b)
-            q = unpack(payload[at : at + size], b, n).reshape(rows, len(cols))
-            z[:, cols] = (q - 2 ** (b - 1)).float().add_(0.5).mul_(STEP[b])
+            q = unpack_codes(codes[at : at + size], b, n).reshape(rows, len(cols))
+            z[:, dcols] = (q - 2 ** (b - 1)).float().add_(0.5).mul_(STEP[b])
             at += size
-        out[:, head:] = (self.mean + gain * ((z * self.std) @ self.rotation.T)).reshape(batch, seq - head, H)
-        if not bool(torch.isfinite(out).all()):  # a finite gain times a large code can still overflow
-            raise WireError(f"TensorPayload.payload: decodes to {int((~torch.isfinite(out)).sum())} values that are not finite (gains too large for the coder)")
-        return out.to(device)
+        out = torch.empty(batch, seq, H, device=dev)
+        out[:, :head] = sink_rows.to(dev).float()
+        out[:, head:] = (mean + gain.to(dev).float() * ((z * std) @ rotation.T)).reshape(batch, seq - head, H)
+        return out
 
 
 def _state(version: int, mean: Tensor, rotation: Tensor, std: Tensor, bits: Tensor) -> TransformState:

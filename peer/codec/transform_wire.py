@@ -80,9 +80,9 @@ def encode(state: TransformState | None, x: torch.Tensor, *, sink: int, stochast
     return msg
 
 
-def decode(msg: pb.TensorPayload, state: TransformState | None, *, expect_shape: tuple[int, ...], sink: int, boundary: int, step: int, micro_batch: int) -> torch.Tensor:
-    """The float32 tensor a payload carries, checked against the expected shape, the run's sink,
-    the message's key and the coder it names (`state`: the producer's newest this end holds)."""
+def _checked(msg: pb.TensorPayload, state: TransformState | None, expect_shape: tuple[int, ...], sink: int, boundary: int, step: int, micro_batch: int) -> tuple[int, ...]:
+    """The payload's shape, after every check of its header against the expected shape, the run's
+    sink, the message's key and the coder it names (`state`: the producer's newest this end holds)."""
     if not isinstance(msg, pb.TensorPayload):
         raise WireError(f"expected a TensorPayload, got {type(msg).__name__}")
     shape = check_shape(msg.shape)
@@ -93,10 +93,7 @@ def decode(msg: pb.TensorPayload, state: TransformState | None, *, expect_shape:
         check_expected(shape, torch.bfloat16, expect_shape=expect_shape, expect_dtype=None)
         if len(msg.payload) != 2 * math.prod(shape):
             raise WireError(f"TensorPayload.payload: {len(msg.payload)} bytes, expected {2 * math.prod(shape)} (dense BFLOAT16, shape {list(shape)})")
-        out = from_le_bytes(msg.payload, torch.bfloat16).reshape(shape).float()
-        if not bool(torch.isfinite(out).all()):
-            raise WireError("TensorPayload.payload: NaN/Inf values")
-        return out
+        return shape
     if c.kind != pb.Compression.TRANSFORM:
         raise WireError(f"TensorPayload.compression.kind={c.kind}: this link is transform-coded (TRANSFORM, or NONE while warming up)")
     if msg.dtype != pb.FLOAT32:
@@ -110,7 +107,33 @@ def decode(msg: pb.TensorPayload, state: TransformState | None, *, expect_shape:
     if state is None or state.version != c.coder_version:
         have = state.version if state else None
         raise WireError(f"Compression.coder_version={c.coder_version}: unknown here (have {have}); send the coder again")
-    B, T, H = shape
-    if H != state.hidden_size:
+    if shape[-1] != state.hidden_size:
         raise WireError(f"TensorPayload.shape={list(shape)}: the coder is for hidden size {state.hidden_size}")
-    return state.decode(msg.payload, B, T, sink)
+    return shape
+
+
+def _dense(msg: pb.TensorPayload, shape: tuple[int, ...]) -> torch.Tensor:
+    out = from_le_bytes(msg.payload, torch.bfloat16).reshape(shape)
+    if not bool(torch.isfinite(out).all()):
+        raise WireError("TensorPayload.payload: NaN/Inf values")
+    return out
+
+
+def check(msg: pb.TensorPayload, state: TransformState | None, *, expect_shape: tuple[int, ...], sink: int, boundary: int, step: int, micro_batch: int) -> None:
+    """What `decode` refuses, found on the host without decoding (the receiver's inbound check)."""
+    shape = _checked(msg, state, expect_shape, sink, boundary, step, micro_batch)
+    if msg.compression.kind == pb.Compression.NONE:
+        _dense(msg, shape)
+    else:
+        B, T, _ = shape
+        state.check(msg.payload, B, T, sink)
+
+
+def decode(msg: pb.TensorPayload, state: TransformState | None, *, expect_shape: tuple[int, ...], sink: int, boundary: int, step: int, micro_batch: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The float32 tensor a payload carries, on `device`, after `check`'s checks (the coder's
+    products run on `device`)."""
+    shape = _checked(msg, state, expect_shape, sink, boundary, step, micro_batch)
+    if msg.compression.kind == pb.Compression.NONE:
+        return _dense(msg, shape).to(device).float()
+    B, T, _ = shape
+    return state.decode(msg.payload, B, T, sink, device=device)

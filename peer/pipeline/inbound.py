@@ -59,7 +59,7 @@ def check_activation(msg: pb.ActivationChunk, s: StageModule, p: PipelineConfig,
     ids = check_token_window(msg.token_ids, s.vocab_size, (p.micro_batch_size, p.seq_len + 1))[:, :-1].long()
     key = {"boundary": b, "step": msg.header.step, "micro_batch": msg.header.micro_batch_id}
     if transform is not None:  # a coder shipped along is checked and kept here
-        transform.decode(msg, expect_shape=(*ids.shape, s.hidden_size), **key)
+        transform.check(msg, expect_shape=(*ids.shape, s.hidden_size), **key)
     elif links.coef_codec is not None:
         links.coef_codec.decode(msg.hidden, expect_shape=links.coef_shape(msg.hidden, ids), expect_dtype=LINK_DTYPE, **key)
         if msg.HasField("basis"):
@@ -82,7 +82,7 @@ def check_gradient(msg: pb.GradientChunk, s: StageModule, inflight: dict[tuple[i
         raise WireError(f"gradient for unknown micro-batch (step={msg.header.step}, micro_batch_id={msg.header.micro_batch_id})")
     key = {"boundary": b, "step": msg.header.step, "micro_batch": msg.header.micro_batch_id}
     if transform is not None:
-        transform.decode(msg, expect_shape=tuple(job.out.shape), **key)
+        transform.check(msg, expect_shape=tuple(job.out.shape), **key)
         return
     last = job.coefs if job.basis is not None else s.hidden_size
     (job.codec_out or links.link).decode(msg.grad, expect_shape=(*job.out.shape[:-1], last), expect_dtype=LINK_DTYPE, boundary=b, step=msg.header.step, micro_batch=msg.header.micro_batch_id)

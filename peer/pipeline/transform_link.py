@@ -80,9 +80,9 @@ class TransformLinks:
         for old in sorted(kept)[:-KEEP_VERSIONS]:
             kept.pop(old, None)
 
-    def decode(self, msg: pb.ActivationChunk | pb.GradientChunk, *, expect_shape: tuple[int, ...], boundary: int, step: int, micro_batch: int) -> torch.Tensor:
-        """The float32 tensor (host) an activation or gradient carries; a coder shipped with it is
-        checked and kept first. WireError for anything malformed or a coder this end lacks."""
+    def _state(self, msg: pb.ActivationChunk | pb.GradientChunk) -> tuple[str, pb.TensorPayload, TransformState | None]:
+        """(channel, payload, the coder it names); a coder shipped with it is checked and kept
+        first. WireError for a malformed coder or one this end lacks."""
         channel = "forward" if isinstance(msg, pb.ActivationChunk) else "backward"
         payload, producer = (msg.hidden if channel == "forward" else msg.grad), msg.header.sender
         if msg.HasField("coder"):
@@ -93,4 +93,14 @@ class TransformLinks:
             if state is None:
                 have = sorted(self.coders.get((channel, producer), {}))
                 raise WireError(f"Compression.coder_version={payload.compression.coder_version}: no such {channel} coder from {producer!r} here (have {have}); send it again")
-        return tw.decode(payload, state, expect_shape=expect_shape, sink=self.sink(channel), boundary=boundary, step=step, micro_batch=micro_batch)
+        return channel, payload, state
+
+    def check(self, msg: pb.ActivationChunk | pb.GradientChunk, *, expect_shape: tuple[int, ...], boundary: int, step: int, micro_batch: int) -> None:
+        """The inbound check of an activation or gradient, on the host, without decoding it."""
+        channel, payload, state = self._state(msg)
+        tw.check(payload, state, expect_shape=expect_shape, sink=self.sink(channel), boundary=boundary, step=step, micro_batch=micro_batch)
+
+    def decode(self, msg: pb.ActivationChunk | pb.GradientChunk, *, expect_shape: tuple[int, ...], boundary: int, step: int, micro_batch: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The float32 tensor an activation or gradient carries, decoded on `device`."""
+        channel, payload, state = self._state(msg)
+        return tw.decode(payload, state, expect_shape=expect_shape, sink=self.sink(channel), boundary=boundary, step=step, micro_batch=micro_batch, device=device)

@@ -250,7 +250,7 @@ class StageWorker:
         if self.coef_codec is not None:
             x, h = self._lift(msg, ids_dev, b, step, mb)
         elif self.transform is not None:
-            x = pl.to_device(self.transform.decode(msg, expect_shape=shape, boundary=b, step=step, micro_batch=mb), self.compute_dtype)
+            x = self.transform.decode(msg, expect_shape=shape, boundary=b, step=step, micro_batch=mb, device=pl.device).to(self.compute_dtype)
             x.requires_grad_(True)
             h = x
         else:
@@ -306,7 +306,7 @@ class StageWorker:
             g = pl.to_device(self.link_codec.decode(msg.grad, expect_shape=(*job.out.shape[:-1], job.coefs), boundary=self.stage.index, step=job.step, micro_batch=mb))
             grad = g @ job.basis.basis[:, : job.coefs].T
         elif self.transform is not None:
-            grad = pl.to_device(self.transform.decode(msg, expect_shape=tuple(job.out.shape), boundary=self.stage.index, step=job.step, micro_batch=mb))
+            grad = self.transform.decode(msg, expect_shape=tuple(job.out.shape), boundary=self.stage.index, step=job.step, micro_batch=mb, device=pl.device)
         else:
             grad = pl.to_device((job.codec_out or self.codec).decode(msg.grad, expect_shape=tuple(job.out.shape), boundary=self.stage.index, step=job.step, micro_batch=mb))
         job.out.backward(grad.to(job.out.dtype))
