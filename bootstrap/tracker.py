@@ -33,6 +33,7 @@ MAX_MADDRS_PER_PEER = 4  # a peer's DHT addresses kept for its stage mates (boun
 REPLICA_HOLDERS = 2  # peers of a stage that keep a copy of the next stage's state
 MAX_DONORS = 4  # stage mates a joiner may ask for the stage's state, most-trained first
 MAX_SUSPECTS = 4  # averaging suspects (and excluded next hops) kept per peer report
+MAX_TEXT = 300  # characters kept of a text a peer reports (a reason, a suspect, an excluded hop)
 log = logging.getLogger("anchormesh.tracker")
 
 
@@ -178,13 +179,13 @@ class Tracker:
                 p.accepted_at = now
             p.state = info.state if info.state in LIVE else p.state
             p.last_seen, p.loss, p.reported = now, info.loss, True
-            p.bytes_in, p.bytes_out, p.queue_depth, p.reason = info.bytes_in, info.bytes_out, info.queue_depth, info.reason
+            p.bytes_in, p.bytes_out, p.queue_depth, p.reason = info.bytes_in, info.bytes_out, info.queue_depth, info.reason[:MAX_TEXT]
             p.dp_rounds, p.anchor_id, p.anchor_bytes_out = info.dp_rounds, min(info.anchor_id, self.anchors.launched), info.anchor_bytes_out
             p.dp_bytes_out, p.dp_dense_bytes, p.dp_rejected = info.dp_bytes_out, info.dp_dense_bytes, info.dp_rejected
             p.eval_id, p.eval_loss, p.refused_calls = info.eval_id, info.eval_loss, info.refused_calls
             p.link_mbit, p.pp_keep, p.dp_period_s = info.link_mbit, info.pp_keep, info.dp_period_s
-            p.dp_suspects = tuple(x[:300] for x in info.dp_suspects[:MAX_SUSPECTS])
-            p.excluding = tuple(x[:300] for x in info.excluding[:MAX_SUSPECTS])
+            p.dp_suspects = tuple(x[:MAX_TEXT] for x in info.dp_suspects[:MAX_SUSPECTS])
+            p.excluding = tuple(x[:MAX_TEXT] for x in info.excluding[:MAX_SUSPECTS])
             p.startup_s = info.startup_s if math.isfinite(info.startup_s) and 0 <= info.startup_s < 1e7 else 0.0
             # a claimed replica newer than the run is a lie: a joiner would only refuse it after the download
             ok = info.replica_stage < self.config.model.num_stages and info.replica_step <= step_ceiling(self._run_step(), 2 * self.heartbeat_interval_s)
@@ -265,7 +266,7 @@ class Tracker:
         with self._lock:
             p = self.peers.get(req.peer_id)
             if p is not None:
-                p.state, p.reason = "left", req.reason or "left"
+                p.state, p.reason = "left", req.reason[:MAX_TEXT] or "left"
 
     def ban(self, who: str, reason: str, unban: bool = False) -> list[str]:
         """Ban (or readmit) the key of peer `who` (a peer id, or a key fingerprint): its calls are

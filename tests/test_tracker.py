@@ -399,9 +399,10 @@ def test_a_peer_s_excluded_next_hops_reach_the_status_capped() -> None:
     t.report(pb.PeerReport(run_id="run-x", peer=info, tokens=0))
     row = {p.peer_id: p for p in t.status().peers}["a"]
     assert list(row.excluding) == said[:4]
-    info = pb.PeerInfo(peer_id="a", stage=0, state="active", step=2, excluding=["x" * 5000])
+    info = pb.PeerInfo(peer_id="a", stage=0, state="active", step=2, excluding=["x" * 5000], reason="y" * 5000)
     t.report(pb.PeerReport(run_id="run-x", peer=info, tokens=0))
-    assert [len(x) for x in {p.peer_id: p for p in t.status().peers}["a"].excluding] == [300]
+    row = {p.peer_id: p for p in t.status().peers}["a"]
+    assert [len(x) for x in row.excluding] == [300] and len(row.reason) == 300  # the reason is capped too
     t.report(pb.PeerReport(run_id="run-x", peer=pb.PeerInfo(peer_id="a", stage=0, state="active", step=3), tokens=0))
     assert list({p.peer_id: p for p in t.status().peers}["a"].excluding) == []  # the exclusion ended
 

@@ -13,8 +13,9 @@ Three kinds of credential, each for a reason (DESIGN §6):
 A server's `Gate` (a gRPC server interceptor) checks them before any handler runs. Calls without
 credentials, with a wrong token, a forged certificate, a bad signature, a stale time or a
 replayed nonce get UNAUTHENTICATED; a banned key, or a credential the method does not take,
-gets PERMISSION_DENIED; a caller over its call rate gets RESOURCE_EXHAUSTED. Every refusal is
-counted and logged (at most one line per caller and reason every 10 s).
+gets PERMISSION_DENIED; a caller over its call rate, or a request over its method's size
+(peer/security/limits.py), gets RESOURCE_EXHAUSTED. Every refusal is counted and logged (at most
+one line per caller and reason every 10 s; oversized requests: one per method every 10 s).
 
 The credentials cover the call, not each message's bytes: with plain TCP an on-path attacker
 could splice a member's open stream. `[security] tls` closes that.
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from peer.security.identity import Identity, certificate_bytes, fingerprint, verify
+from peer.security.limits import METHOD_LIMITS, bound
 
 log = logging.getLogger("anchormesh.auth")
 
@@ -204,7 +206,8 @@ class Gate(grpc.ServerInterceptor):
     then it takes open methods only. `calls_per_s` bounds each caller's new calls (a burst of 10 s
     worth is allowed): streams are long-lived, so a normal peer opens few. Open methods (Ping,
     a public status) have no verified caller: `open_calls_per_s` bounds them per network host
-    (2,000 anonymous Pings once cost 2,000 handler calls; a dashboard polls every 2 s)."""
+    (2,000 anonymous Pings once cost 2,000 handler calls; a dashboard polls every 2 s). `limits`
+    bounds each method's request bytes before it is parsed (None or unlisted: the server's limit)."""
 
     policy: dict[str, frozenset[str]]
     token: str | None = None
@@ -214,6 +217,7 @@ class Gate(grpc.ServerInterceptor):
     calls_per_s: float = 20.0
     open_calls_per_s: float = 20.0
     banned: dict[str, str] = field(default_factory=dict)
+    limits: dict[str, int | None] = field(default_factory=lambda: dict(METHOD_LIMITS))
     refused: collections.Counter = field(default_factory=collections.Counter)
     clock: Callable[[], float] = time.time
     _nonces: dict[str, float] = field(default_factory=dict)
@@ -237,7 +241,7 @@ class Gate(grpc.ServerInterceptor):
         method = details.method.decode() if isinstance(details.method, bytes) else details.method
         roles = self.policy.get(method, frozenset({MEMBER}))
         if OPEN in roles:
-            return self._per_host(handler, method)
+            return self._bounded(self._per_host(handler, method), method, None)
         md = {k: v for k, v in (details.invocation_metadata or ())}
         try:
             caller = self.check(method, md, roles)
@@ -245,7 +249,19 @@ class Gate(grpc.ServerInterceptor):
         except Refused as r:
             self._refuse(method, md, r)
             return _abort_like(handler, r.code, r.text)
-        return handler
+        return self._bounded(handler, method, caller.name)
+
+    def _bounded(self, handler: grpc.RpcMethodHandler, method: str, who: str | None) -> grpc.RpcMethodHandler:
+        """`handler` with its requests bounded by `limits[method]`; refusals name `who` (the verified
+        caller), else the caller's host (an open method's caller is whoever it claims to be)."""
+        limit = self.limits.get(method)
+        if limit is None:
+            return handler
+
+        def refuse(context: grpc.ServicerContext, text: str) -> None:
+            self._refuse(method, {H_PEER: who or _host(context.peer())}, Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, text), log_as="oversized")
+
+        return bound(handler, method, limit, refuse)
 
     def _per_host(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         """`handler` with its calls limited per caller host (`open_calls_per_s`)."""
@@ -331,14 +347,17 @@ class Gate(grpc.ServerInterceptor):
         if not self._calls.take(caller.peer_id if caller.role == MEMBER else caller.role):
             raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{caller.name} opens calls faster than {self.calls_per_s:g}/s; slow down")
 
-    def _refuse(self, method: str, md: dict, r: Refused) -> None:
+    def _refuse(self, method: str, md: dict, r: Refused, log_as: str | None = None) -> None:
+        """Count a refusal and log it at most every 10 s per (caller, text), or per (method,
+        `log_as`) for texts that vary call by call (a request's size)."""
         who = str(md.get(H_PEER, "")) or "an anonymous caller"
+        key = (who, r.text) if log_as is None else (method, log_as)
         now = time.monotonic()
         with self._lock:
             self.refused[r.code.name] += 1
-            last = self._logged.get((who, r.text))
+            last = self._logged.get(key)
             if last is None or now - last > 10.0:
-                self._logged[(who, r.text)] = now
+                self._logged[key] = now
                 if len(self._logged) > 1024:
                     self._logged.clear()
                 log.warning("refused %s from %s: %s %s", method, who, r.code.name, r.text)
