@@ -136,7 +136,7 @@ def test_a_peer_with_the_token_joins_and_finds_the_tracker(run) -> None:
 
 
 # -- (d) the access tokens ---------------------------------------------------------------------------------
-KEY = RSAPrivateKey()
+KEY = Identity.generate()
 
 
 def test_access_tokens_admit_only_this_runs_live_tokens() -> None:
@@ -168,10 +168,10 @@ def test_access_tokens_admit_only_this_runs_live_tokens() -> None:
 
 
 def test_requests_signed_by_another_key_than_the_tokens_are_refused() -> None:
-    """hivemind's request check: the access token names the RSA key that must sign the request."""
+    """The request check: the access token names the Ed25519 key that must sign the request."""
     from hivemind.proto import dht_pb2
 
-    alice, bob = dht_auth.RunAuthorizer(TOKEN, KEY), dht_auth.RunAuthorizer(TOKEN, RSAPrivateKey())
+    alice, bob = dht_auth.RunAuthorizer(TOKEN, KEY), dht_auth.RunAuthorizer(TOKEN, Identity.generate())
 
     async def go() -> tuple[bool, bool, bool]:
         req = dht_pb2.PingRequest()

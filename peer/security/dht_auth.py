@@ -3,13 +3,19 @@ bootstrap can publish where the tracker is.
 
 Two mechanisms, each for its own threat:
 
-- **`RunAuthorizer`** (hivemind's `TokenAuthorizerBase`): every DHT request and response carries
-  an access token `(username, the node's RSA public key, expiry)` with an HMAC-SHA256 under
-  `dht_key(token)`, a key derived from the run token; hivemind signs each request/response with
-  the node's RSA key (which the access token names) and checks time and nonce. An outsider without
-  the run token cannot produce the HMAC, so every honest node refuses its pings, stores and finds,
-  and ignores its responses. The run token itself never crosses the wire; a copied access token
-  is useless without the RSA private key it names.
+- **`RunAuthorizer`** (our implementation of hivemind's `AuthorizerBase`): every DHT request and
+  response carries an access token `(username, the node's Ed25519 public key, expiry)` with an
+  HMAC-SHA256 under `dht_key(token)`, a key derived from the run token, and is signed with the
+  Ed25519 key that the access token names. A request also carries its time and a nonce: the
+  receiver refuses times more than `REQUEST_WINDOW_S` off its clock and nonces it has already
+  taken (a bounded memory); a response carries its request's nonce. An outsider without the run
+  token cannot produce the HMAC, so every honest node refuses its pings, stores and finds, and
+  ignores its responses. The run token itself never crosses the wire; a copied access token is
+  useless without the private key it names. Why not hivemind's `TokenAuthorizerBase`: it signs
+  every request and response with RSA-2048, one of the main CPU costs of the DHT process (issue
+  17); with Ed25519 an RPC's two signatures and two checks take about half the CPU
+  (`python -m peer.bench.dht_auth_cost`). All nodes of a run must run this version: an older
+  node's RSA-keyed access token is refused.
 - **Signed tracker records** (`TrackerRecordValidator`, `sign_record`, `check_record`): the
   tracker's address is stored under `TRACKER_RECORD_KEY` as a dictionary whose subkey is the
   signer's Ed25519 public key (hex) and whose value `{"run_id", "tracker", "key", "sig"}` carries
@@ -28,9 +34,11 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import heapq
 import hmac
 import json
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,8 +46,7 @@ from pathlib import Path
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.proto.auth_pb2 import AccessToken
-from hivemind.utils.auth import TokenAuthorizerBase
-from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.auth import AuthorizedRequestBase, AuthorizedResponseBase, AuthorizerBase
 from hivemind.utils.serializer import MSGPackSerializer
 
 from peer.errors import ConfigError
@@ -54,6 +61,11 @@ TRACKER_RECORD_KEY = "anchormesh/tracker"
 TRACKER_KEY_ID = DHTID.generate(source=TRACKER_RECORD_KEY).to_bytes()
 MAX_RECORD_TTL_S = 300.0  # the bootstrap stores 60 s expiries; far ones are squatting
 TRACKER_KEY_ENV = "ANCHORMESH_TRACKER_KEY"
+REQUEST_WINDOW_S = 60.0  # a request's time may be this far off the receiver's clock (as hivemind's)
+NONCE_BYTES = 16
+MAX_NONCES = 100_000  # about 28 MB at most; a busy DHT node takes a few thousand requests a minute
+_REQUEST_DOMAIN = b"anchormesh-dht-request-v2\0"
+_RESPONSE_DOMAIN = b"anchormesh-dht-response-v2\0"
 
 
 def dht_key(token: str) -> bytes:
@@ -72,19 +84,56 @@ def _expiry(t: AccessToken) -> float | None:
         return None
 
 
-class RunAuthorizer(TokenAuthorizerBase):
-    """Admits to the DHT the nodes whose access token carries a valid HMAC under `dht_key(token)`.
+class _RecentNonces:
+    """The (signer, nonce) pairs of the requests taken whose time is still within the window, so a
+    replay is refused. Bounded: past `limit` the oldest is forgotten and, so that it cannot be
+    replayed, no request sent at or before its time is taken any more (only under a flood)."""
 
-    `clock` is for tests. hivemind calls `get_token` when the local token is missing or needs
-    refreshing, and `is_token_valid` on every request's and response's token."""
+    def __init__(self, limit: int) -> None:
+        self._limit, self._seen, self._heap = limit, set[tuple[bytes, bytes]](), list[tuple[float, tuple[bytes, bytes]]]()
+        self.floor = float("-inf")
 
-    def __init__(self, token: str, local_private_key: RSAPrivateKey | None = None, clock: Callable[[], float] = time.time) -> None:
-        super().__init__(local_private_key)
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def admit(self, key: tuple[bytes, bytes], sent: float, now: float) -> str | None:
+        """Remember `key` (None), or why the request is refused."""
+        while self._heap and self._heap[0][0] + REQUEST_WINDOW_S < now:  # its replays fail the time check now
+            self._seen.discard(heapq.heappop(self._heap)[1])
+        if key in self._seen:
+            return "replayed (its nonce was already taken)"
+        heapq.heappush(self._heap, (sent, key))
+        self._seen.add(key)
+        if len(self._seen) > self._limit:
+            oldest, forgotten = heapq.heappop(self._heap)
+            self._seen.discard(forgotten)
+            self.floor = max(self.floor, oldest)
+        if sent <= self.floor:
+            return "sent before the oldest nonce this node still remembers (too many requests in the window)"
+        return None
+
+
+class RunAuthorizer(AuthorizerBase):
+    """Admits to the DHT the nodes whose access token carries a valid HMAC under `dht_key(token)`
+    and who sign their requests and responses with the Ed25519 key their token names.
+
+    `identity`: the key this node signs with (None: a fresh one; the DHT needs no stable key).
+    `clock` is for tests; it is the time of tokens, requests and the nonce memory."""
+
+    def __init__(self, token: str, identity: Identity | None = None, clock: Callable[[], float] = time.time, max_nonces: int = MAX_NONCES) -> None:
         self._key, self._clock = dht_key(token), clock
+        self._identity = identity if identity is not None else Identity.generate()
+        self._access: AccessToken | None = None
+        self._nonces = _RecentNonces(max_nonces)
+
+    @property
+    def public_key(self) -> bytes:
+        """The Ed25519 key this node signs with (the one its access tokens name)."""
+        return self._identity.public
 
     def mint(self, expires: float) -> AccessToken:
-        """An access token for this node's RSA key, valid until `expires` (epoch seconds)."""
-        t = AccessToken(username=USERNAME, public_key=self.local_public_key.to_bytes(),
+        """An access token for this node's key, valid until `expires` (epoch seconds)."""
+        t = AccessToken(username=USERNAME, public_key=self.public_key,
                         expiration_time=datetime.datetime.fromtimestamp(expires, datetime.timezone.utc).isoformat())
         t.signature = hmac.new(self._key, _token_bytes(t), hashlib.sha256).digest()
         return t
@@ -108,11 +157,91 @@ class RunAuthorizer(TokenAuthorizerBase):
             return "expires too far ahead"
         if not hmac.compare_digest(t.signature, hmac.new(self._key, _token_bytes(t), hashlib.sha256).digest()):
             return "not signed with this run's token (another run, or forged)"
+        if len(t.public_key) != KEY_BYTES:
+            return "names no Ed25519 key (a node of an older version, which signed with RSA?)"
         return None
 
     def does_token_need_refreshing(self, access_token: AccessToken) -> bool:
         expires = _expiry(access_token)
         return expires is None or expires - self._clock() < ACCESS_TTL_S / 4
+
+    def _access_token(self) -> AccessToken:
+        """This node's access token, minted anew when a quarter of its life is left."""
+        if self._access is None or self.does_token_need_refreshing(self._access):
+            self._access = self.mint(self._clock() + ACCESS_TTL_S)
+        return self._access
+
+    # -- hivemind's AuthorizerBase: called by AuthRPCWrapper around every DHT RPC ------------------
+    async def sign_request(self, request: AuthorizedRequestBase, service_public_key: bytes | None) -> None:
+        """Fill `request.auth` and sign the request; `service_public_key` (hivemind's DHT passes
+        None) pins the servicer the request is meant for."""
+        auth = request.auth
+        auth.client_access_token.CopyFrom(self._access_token())
+        if service_public_key is not None:
+            auth.service_public_key = service_public_key
+        auth.time, auth.nonce = self._clock(), secrets.token_bytes(NONCE_BYTES)
+        auth.signature = b""
+        auth.signature = self._identity.sign(_signed_bytes(_REQUEST_DOMAIN, request))
+
+    async def validate_request(self, request: AuthorizedRequestBase) -> bool:
+        problem = self.request_problem(request)
+        if problem is not None:
+            log.debug("refused a DHT request: %s", problem)
+        return problem is None
+
+    def request_problem(self, request: AuthorizedRequestBase) -> str | None:
+        """Why `request` is refused (None: taken, and its nonce remembered)."""
+        auth = request.auth
+        problem = self.token_problem(auth.client_access_token)
+        if problem is not None:
+            return f"access token: {problem}"
+        if not verify(auth.client_access_token.public_key, auth.signature, _signed_bytes(_REQUEST_DOMAIN, request)):
+            return "bad signature (not by the key its access token names, or altered)"
+        if auth.service_public_key and auth.service_public_key != self.public_key:
+            return "meant for another node"
+        now = self._clock()
+        if not abs(auth.time - now) <= REQUEST_WINDOW_S:  # (so that a NaN time fails too)
+            return f"sent {now - auth.time:.0f}s ago by this node's clock (at most {REQUEST_WINDOW_S:.0f}s either way)"
+        if not NONCE_BYTES // 2 <= len(auth.nonce) <= 64:
+            return f"a nonce of {len(auth.nonce)} bytes"
+        return self._nonces.admit((auth.client_access_token.public_key, auth.nonce), auth.time, now)
+
+    async def sign_response(self, response: AuthorizedResponseBase, request: AuthorizedRequestBase) -> None:
+        """Sign `response` for `request`: its nonce ties the response to the request."""
+        auth = response.auth
+        auth.service_access_token.CopyFrom(self._access_token())
+        auth.nonce = request.auth.nonce
+        auth.signature = b""
+        auth.signature = self._identity.sign(_signed_bytes(_RESPONSE_DOMAIN, response))
+
+    async def validate_response(self, response: AuthorizedResponseBase, request: AuthorizedRequestBase) -> bool:
+        problem = self.response_problem(response, request)
+        if problem is not None:
+            log.debug("ignored a DHT response: %s", problem)
+        return problem is None
+
+    def response_problem(self, response: AuthorizedResponseBase, request: AuthorizedRequestBase) -> str | None:
+        """Why `response` to `request` is ignored (None: taken)."""
+        auth = response.auth
+        problem = self.token_problem(auth.service_access_token)
+        if problem is not None:
+            return f"access token: {problem}"
+        if not verify(auth.service_access_token.public_key, auth.signature, _signed_bytes(_RESPONSE_DOMAIN, response)):
+            return "bad signature (not by the key its access token names, or altered)"
+        if not request.auth.nonce or not hmac.compare_digest(auth.nonce, request.auth.nonce):
+            return "answers another request (nonce)"
+        return None
+
+
+def _signed_bytes(domain: bytes, message: AuthorizedRequestBase | AuthorizedResponseBase) -> bytes:
+    """What a request or response is signed over: the message with `auth.signature` empty, after a
+    domain tag, so a signed request can never pass for a response or another protocol's message."""
+    auth = message.auth
+    signature, auth.signature = auth.signature, b""
+    try:
+        return domain + message.SerializeToString(deterministic=True)
+    finally:
+        auth.signature = signature
 
 
 # -- the tracker record -------------------------------------------------------------------------
@@ -205,9 +334,10 @@ class TrackerRecordValidator(RecordValidatorBase):
         return isinstance(other, TrackerRecordValidator) and other.tracker_key == self.tracker_key
 
 
-def dht_kwargs(token: str, tracker_key: bytes | None = None) -> dict:
-    """What every `hivemind.DHT(...)` of the run takes: the authorizer and the record validator."""
-    return {"authorizer": RunAuthorizer(token), "record_validators": [TrackerRecordValidator(tracker_key)]}
+def dht_kwargs(token: str, tracker_key: bytes | None = None, identity: Identity | None = None) -> dict:
+    """What every `hivemind.DHT(...)` of the run takes: the authorizer (signing with `identity`,
+    else a fresh key) and the record validator."""
+    return {"authorizer": RunAuthorizer(token, identity), "record_validators": [TrackerRecordValidator(tracker_key)]}
 
 
 def read_tracker_key(value: str | None, token_arg: str | None = None) -> bytes | None:
