@@ -15,18 +15,22 @@ Inputs, per micro-batch of the run's shape [B, T] (M micro-batches per optimizer
             AdamW measured per parameter on "cpu"; 28 bytes per parameter at the GPU's memory
             bandwidth otherwise.
   codec     measured here, on the CPU, for every mode's codec, by running the code the app runs
-            (peer/codec, peer/wire): the sender's encode (low-rank: observe + project) and
-            serialisation; the receiver's two parses (gRPC handler, then drain), its validation
-            decode and its second decode (+ lift); the same for gradients; the low-rank basis
-            refresh (SVD + prior) and its shipping, amortised over `basis_refresh` steps. The app
-            runs this wire path on the CPU whatever the device, so a GPU projection charges it
-            at this CPU's speed (shapes above 2**21 elements are measured with fewer sequences
-            and scaled linearly in tokens).
+            (peer/codec, peer/wire): the sender's encode (low-rank: observe + project; transform:
+            observe + rotate + quantise + pack) and serialisation; the receiver's two parses (gRPC
+            handler, then drain), its validation (a decode; transform: a host check) and its
+            decode (+ lift); the same for gradients; the basis refresh (low-rank: SVD + prior;
+            transform: the activations' coder refit) and its shipping, amortised over
+            `basis_refresh` steps. The app runs this wire path on the CPU whatever the device,
+            so a GPU projection charges it at this CPU's speed, except the transform coder's
+            rotations ([tokens, H] x [H, H], once in each encode and decode), which run on the
+            device: charged at its FLOP rate (shapes above 2**21 elements are measured with
+            fewer sequences and scaled linearly in tokens).
   bytes     app bytes per message: the serialized ActivationChunk / GradientChunk, sized by
             building the real proto with a payload of the codec's exact length (dense: fp16
-            B*T*H; low-rank: int8 B*T*r + one float32 scale per 256 values; token ids in the
-            narrowest dtype; a (prior, basis) pair of fp16 [V, H] + [H, r] once per refresh and
-            next-stage peer). On the wire: + 5 bytes gRPC prefix, + 9 bytes per 16 KiB HTTP/2
+            B*T*H; low-rank: int8 B*T*r + one float32 scale per 256 values; transform: bits per
+            value packed + a bf16 gain per row + the sink position in bf16; token ids in the
+            narrowest dtype; a (prior, basis) pair of fp16 [V, H] + [H, r], or a transform coder
+            (int8 [H, H] rotation + fp32/fp16 vectors), once per refresh and next-stage peer). On the wire: + 5 bytes gRPC prefix, + 9 bytes per 16 KiB HTTP/2
             frame, + 66 bytes Ethernet/IPv4/TCP-with-timestamps header per 1448-byte segment
             (MTU 1500), and on the reverse link one 66-byte ACK per two segments.
             DP: one averaging round moves 2 (n-1)/n * stage parameters * (4 bytes fp32 | 1 byte
@@ -84,9 +88,10 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 from peer.bench.project_bytes import SWARM_NAMES, Framing, MessageBytes, Names, dp_round_bytes, message_bytes, mode_mask
-from peer.bench.project_codec import CodecCost, measure_codec
+from peer.bench.project_codec import CodecCost, measure_codec, on_device
 from peer.bench.project_compute import StageCompute, gpu_compute, measure_cpu_compute
 from peer.bench.project_model import DEFAULT_MFU, DEVICES, KNOWN_MODELS, Device, ModelDims, Shape, resolve_model
 from peer.bench.project_sim import Schedule, Tasks, simulate
@@ -136,9 +141,14 @@ def measure_costs(dims: ModelDims, shape: Shape, stages: int, replicas: int, dev
     if stages > dims.layers:
         raise ConfigError("--stages", stages, f"must be <= the model's {dims.layers} layers")
     compute = measure_cpu_compute(dims, shape, stages) if device.peak_tflops is None else gpu_compute(dims, shape, stages, device, mfu)
-    codecs = {"dense": "dense", "lowrank": "masked"}
-    measured = {k: measure_codec(m, dims, shape, names) for k, m in codecs.items()}
-    codec = {m: measured["dense" if mode_mask(m).scheme == "mask" else "lowrank"] for m in MODES}
+    # one measurement per codec the modes use (dense's fp16 mask codec, the compressed modes' scheme)
+    gpu = None if device.peak_tflops is None else SimpleNamespace(flops_per_s=device.peak_tflops * 1e12 * (mfu if mfu is not None else DEFAULT_MFU), mem_gbps=device.mem_gbps)
+    measured = {}
+    for m in MODES:
+        scheme = mode_mask(m).scheme
+        if scheme not in measured:
+            measured[scheme] = on_device(measure_codec(m, dims, shape, names), gpu)
+    codec = {m: measured[mode_mask(m).scheme] for m in MODES}
     sizes = {m: message_bytes(m, dims, shape, names=names) for m in MODES}
     return Costs(dims, shape, stages, replicas, compute, codec, sizes, device, mfu, dp_every)
 
@@ -296,7 +306,7 @@ def project(costs: Costs, bandwidth_mbit: float, modes: tuple[str, ...] = PROJEC
     out = {m: project_mode(c, m, bandwidth_mbit, burst_bytes, shared_cores, queue_s) for m in modes}
     for r in out.values():
         r["vs"] = {b: r["tokens_per_s"] / out[b]["tokens_per_s"] for b in (SYNC, "dense", "compute_bound") if b in out and out[b]["tokens_per_s"] > 0}
-    codec = {k: asdict(v) for k, v in {"dense": c.codec["dense"], "lowrank": c.codec["masked"]}.items()}
+    codec = {k: asdict(v) for k, v in {"dense": c.codec["dense"], mode_mask("masked").scheme: c.codec["masked"]}.items()}
     return {
         "modes": out,
         "setup": {

@@ -78,7 +78,8 @@ class MessageBytes:
 
     activation: int
     gradient: int
-    basis: int  # extra bytes of the message that ships a new (prior, basis) pair; 0 without one
+    basis: int  # extra bytes of the message that ships a new (prior, basis) pair or activation coder; 0 without one
+    grad_coder: int = 0  # extra bytes of the gradient that ships the gradients' coder (transform: once per link and run)
 
 
 def message_bytes(mode: str, dims: ModelDims, shape: Shape, boundary: int = 0, names: Names = SWARM_NAMES) -> MessageBytes:
@@ -89,6 +90,8 @@ def message_bytes(mode: str, dims: ModelDims, shape: Shape, boundary: int = 0, n
     from peer.wire.tensors import tensor_to_proto, token_dtype
 
     mask = mode_mask(mode)
+    if mask.scheme == "transform":
+        return _transform_bytes(mask, dims, shape, boundary, names)
     codec = link_codec(mask)
     B, T = shape.micro_batch_size, shape.seq_len
     width = mask.rank if mask.scheme == "lowrank" else dims.hidden
@@ -110,6 +113,43 @@ def message_bytes(mode: str, dims: ModelDims, shape: Shape, boundary: int = 0, n
     grad = pb.GradientChunk(header=header)
     grad.grad.CopyFrom(_payload(codec, (B, T, width), boundary, names, link_payload_bytes(mask, B * T * width)))
     return MessageBytes(act.ByteSize(), grad.ByteSize(), basis)
+
+
+def transform_coders(mask, hidden: int, version: int = 1):
+    """(activation coder, gradient coder) of the transform scheme with the run's bit budgets: a
+    seeded random rotation stands in for the fitted one (the same fields and budget: a fitted
+    coder's bits are spread unevenly, which moves each bit width's padding by under a byte)."""
+    from peer.codec.transform import FixedCoder, random_coder, row_budget
+
+    return random_coder(hidden, row_budget(mask.bits, hidden), seed=mask.seed, version=version), FixedCoder(hidden, mask.grad_bits, seed=mask.seed).current
+
+
+def _transform_bytes(mask, dims: ModelDims, shape: Shape, boundary: int, names: Names) -> MessageBytes:
+    """The transform scheme's messages, built by its own encoder on a micro-batch of zeros."""
+    import torch
+
+    from peer.codec import transform_wire as tw
+    from peer.wire import anchormesh_pb2 as pb
+    from peer.wire.tensors import tensor_to_proto, token_dtype
+
+    B, T, H = shape.micro_batch_size, shape.seq_len, dims.hidden
+    act_coder, grad_coder = transform_coders(mask, H, version=max(1, names.basis_version))
+    key = dict(boundary=boundary, step=names.step, micro_batch=names.micro_batch_id)
+    header = pb.MicroBatchHeader(run_id=names.run_id, micro_batch_id=names.micro_batch_id, step=names.step, sender=names.sender, boundary=boundary)
+    ids = tensor_to_proto(torch.zeros(B, T + 1, dtype=token_dtype(dims.vocab)))
+    row = torch.zeros(1, T, H)  # payloads grow by whole sequences: one is encoded, the rest sized
+    act = pb.ActivationChunk(header=header, token_ids=ids, hidden=_batched(tw.encode(act_coder, row, sink=mask.sink, stochastic=False, **key), act_coder, B, T, mask.sink))
+    grad = pb.GradientChunk(header=header, grad=_batched(tw.encode(grad_coder, row, sink=0, stochastic=True, **key), grad_coder, B, T, 0))
+    coder_act = pb.ActivationChunk(coder=tw.coder_to_proto(act_coder)).ByteSize()
+    coder_grad = pb.GradientChunk(coder=tw.coder_to_proto(grad_coder)).ByteSize()
+    return MessageBytes(act.ByteSize(), grad.ByteSize(), coder_act, coder_grad)
+
+
+def _batched(one, state, B: int, T: int, sink: int):
+    """`one` (a payload of one sequence) as the payload of B sequences: the exact length."""
+    one.shape[0] = B
+    one.payload = b"\0" * state.payload_bytes(B, T, sink)
+    return one
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,16 @@ class CodecCost:
     refresh: float  # sender: BasisLearner.maybe_refresh (SVD + prior), once per version
     ship_basis: float  # one (prior, basis) pair: to proto on the sender, two parses + two decodes on the receiver
     scaled_by: float  # measured on 1/scaled_by of the micro-batch's sequences, then scaled
+    # transform: the part of each of the four costs above that runs where the activations live
+    # (rotate, quantise and pack; unpack, expand and rotate back), as measured here, and what it
+    # is on a device: one [tokens, H] x [H, H] product and about DEVICE_PASSES passes over the
+    # micro-batch's values (`on_device`)
+    device_s: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    device_flops: float = 0.0
+    device_values: int = 0
+
+
+DEVICE_PASSES = 24  # elementwise passes of 4 bytes per value in a transform encode or decode (quantise, round, clamp, pack's shifts; unpack's)
 
 
 MEASURE_MAX_ELEMENTS = 1 << 21
@@ -37,6 +47,8 @@ def measure_codec(mode: str, dims: ModelDims, shape: Shape, names: Names = SWARM
     from peer.wire.tensors import parse_message, proto_to_tensor, tensor_to_proto, token_dtype
 
     mask = mode_mask(mode)
+    if mask.scheme == "transform":
+        return measure_transform_codec(mask, dims, shape, names)
     codec = link_codec(mask)
     H, V = dims.hidden, dims.vocab
     B, T = shape.micro_batch_size, shape.seq_len
@@ -130,3 +142,110 @@ def measure_codec(mode: str, dims: ModelDims, shape: Shape, names: Names = SWARM
 
             ship = time_call(ship_pair, min_s=0.0, max_reps=3)
     return CodecCost(t_send_fwd * scale, t_recv_fwd * scale, t_send_bwd * scale, t_recv_bwd * scale, refresh if lowrank else 0.0, ship, scale)
+
+
+def measure_transform_codec(mask, dims: ModelDims, shape: Shape, names: Names = SWARM_NAMES) -> CodecCost:
+    """The transform scheme's wire path, timed here on one thread with the app's own code
+    (peer/pipeline/transform_link.py): encode (with the learner's observe) and serialise; the
+    receiver's parse, host check, second parse and decode; the same for gradients; a refit of the
+    activations' coder; a coder's shipping (to proto, two parses, two checks on the receiver)."""
+    import torch
+
+    from peer.codec import transform_wire as tw
+    from peer.pipeline.inbound import MAX_MESSAGE_BYTES
+    from peer.pipeline.transform_link import TransformLinks
+    from peer.wire import anchormesh_pb2 as pb
+    from peer.wire.tensors import parse_message, tensor_to_proto, token_dtype
+
+    H, V = dims.hidden, dims.vocab
+    B, T = shape.micro_batch_size, shape.seq_len
+    b = B
+    while b > 1 and b * T * H > MEASURE_MAX_ELEMENTS:
+        b //= 2
+    scale = B / b
+    key = dict(boundary=0, step=names.step, micro_batch=names.micro_batch_id)
+    gen = torch.Generator().manual_seed(0)
+    with OneThread():
+        sender = TransformLinks(mask, H, produces_forward=True, produces_backward=False)
+        receiver = TransformLinks(mask, H, produces_forward=False, produces_backward=True)
+        out = torch.randn(b, T, H, generator=gen)
+        learner = sender.learners["forward"]
+        while sum(len(r) for r in learner.rows) < learner.buffer_rows:
+            learner.observe(torch.randn(b, T, H, generator=gen), mask.sink)
+        refresh = time_call(lambda: learner.maybe_refresh(10**9 if learner._last_fit is None else learner._last_fit + mask.basis_refresh), min_s=0.0, max_reps=3)
+        header = pb.MicroBatchHeader(run_id=names.run_id, micro_batch_id=names.micro_batch_id, step=names.step, sender=names.sender, boundary=0)
+        window = torch.randint(0, V, (b, T + 1), generator=gen)
+        first = pb.ActivationChunk(header=header)
+        first.hidden.CopyFrom(sender.encode("forward", out, "next", **key)[0])
+        first.coder.CopyFrom(tw.coder_to_proto(learner.current))
+        receiver.decode(first, expect_shape=(b, T, H), **key)  # the receiver holds the coder, as after the first message
+
+        def send_fwd() -> bytes:
+            msg = pb.ActivationChunk(header=header, token_ids=tensor_to_proto(window.to(token_dtype(V))))
+            payload, _ = sender.encode("forward", out, "next", **key)
+            msg.hidden.CopyFrom(payload)
+            return msg.SerializeToString()
+
+        data = send_fwd()
+
+        def recv_fwd() -> torch.Tensor:
+            m = parse_message(pb.ActivationChunk, data, MAX_MESSAGE_BYTES)  # the gRPC handler
+            receiver.check(m, expect_shape=(b, T, H), **key)  # validate
+            m = parse_message(pb.ActivationChunk, data, MAX_MESSAGE_BYTES)  # drain
+            return receiver.decode(m, expect_shape=(b, T, H), **key)
+
+        g_out = torch.randn(b, T, H, generator=gen)
+        gheader = pb.MicroBatchHeader(run_id=names.run_id, micro_batch_id=names.micro_batch_id, step=names.step, sender=names.sender, boundary=0)
+        first = pb.GradientChunk(header=gheader)
+        payload, coder = receiver.encode("backward", g_out, "prev", **key)
+        first.grad.CopyFrom(payload)
+        first.coder.CopyFrom(coder)
+        sender_side = TransformLinks(mask, H, produces_forward=False, produces_backward=False)
+        sender_side.decode(first, expect_shape=(b, T, H), **key)
+
+        def send_bwd() -> bytes:
+            msg = pb.GradientChunk(header=gheader)
+            msg.grad.CopyFrom(receiver.encode("backward", g_out, "prev", **key)[0])
+            return msg.SerializeToString()
+
+        gdata = send_bwd()
+
+        def recv_bwd() -> torch.Tensor:
+            m = parse_message(pb.GradientChunk, gdata, MAX_MESSAGE_BYTES)
+            sender_side.check(m, expect_shape=(b, T, H), **key)
+            m = parse_message(pb.GradientChunk, gdata, MAX_MESSAGE_BYTES)
+            return sender_side.decode(m, expect_shape=(b, T, H), **key)
+
+        def ship() -> None:
+            raw = pb.ActivationChunk(coder=tw.coder_to_proto(learner.current)).SerializeToString()
+            for _ in range(2):  # validate, then decode: each takes the coder
+                tw.coder_from_proto(parse_message(pb.ActivationChunk, raw, MAX_MESSAGE_BYTES).coder, H, sender.max_bits("forward"))
+
+        act_state, grad_state = learner.current, receiver.learners["backward"].current
+        act_payload = act_state.encode(out, mask.sink)
+        grad_payload = grad_state.encode(g_out, 0, stochastic=True, generator=torch.Generator().manual_seed(0))
+
+        def expand(state, payload, sink: int) -> float:  # decode less its host parse: the device's share
+            return max(0.0, time_call(lambda: state.decode(payload, b, T, sink)) - time_call(lambda: state.check(payload, b, T, sink)))
+
+        device = (time_call(lambda: act_state.encode(out, mask.sink)), expand(act_state, act_payload, mask.sink),
+                  time_call(lambda: grad_state.encode(g_out, 0, stochastic=True, generator=torch.Generator().manual_seed(0))), expand(grad_state, grad_payload, 0))
+        costs = [time_call(f) for f in (send_fwd, recv_fwd, send_bwd, recv_bwd)]
+        shipping = time_call(ship, min_s=0.0, max_reps=3)
+    # each cost is its host part (messages, bytes, parses, checks) plus its device part; the host
+    # part is the difference, floored at 0 (both are timed: at small shapes it is within noise)
+    return CodecCost(*(c * scale for c in costs), refresh, shipping, scale,
+                     device_s=tuple(min(d, c) * scale for d, c in zip(device, costs)), device_flops=2.0 * B * T * H * H, device_values=B * T * H)
+
+
+def on_device(cost: CodecCost, device) -> CodecCost:
+    """`cost` with its device part (transform) at a GPU's rates instead of this CPU's: the coder
+    rotates, quantises and packs where the activations live; parsing and bytes stay on the host.
+    `device`: project_model.Device with `flops_per_s` set by the caller (None: the CPU itself)."""
+    from dataclasses import replace
+
+    if device is None or not cost.device_values:
+        return cost
+    on = cost.device_flops / device.flops_per_s + DEVICE_PASSES * 4 * cost.device_values / (device.mem_gbps * 1e9)
+    four = [c - d + on for c, d in zip((cost.send_fwd, cost.recv_fwd, cost.send_bwd, cost.recv_bwd), cost.device_s)]
+    return replace(cost, send_fwd=four[0], recv_fwd=four[1], send_bwd=four[2], recv_bwd=four[3], device_s=(on,) * 4)

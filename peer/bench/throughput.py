@@ -84,7 +84,7 @@ def mode_config(mode: str, stages: int, steps: int, dp_every: int, seed: int = 0
     """run.toml content of one mode."""
     if mode not in MODES:
         raise ConfigError("mode", mode, f"must be one of {', '.join(MODES)}")
-    compressed_pp = {"scheme": "lowrank", "rank": 20, "values": "int8", "adapt": False}
+    compressed_pp = {"scheme": "transform", "adapt": False}  # the default run's codec: 2 bits per value each way
     dense_pp = {"scheme": "mask", "drop": 0.0, "values": "fp16", "adapt": False}
     dense_dp = {"inner_steps": 1, "outer_compression": "none", "link_share": 0.0, "min_period_s": 1.0}  # every step, as far as hivemind allows
     compressed_dp = {"inner_steps": dp_every, "outer_compression": "int8", "link_share": 0.0}
