@@ -36,3 +36,25 @@ def test_one_repeat_is_that_run_and_missing_modes_give_no_ratio() -> None:
 def test_an_even_count_takes_the_mean_of_the_middle_two_and_the_lower_run_s_figures() -> None:
     modes, _ = combine_repeats([{"dense": _run(100, 3.0)}, {"dense": _run(200, 2.0)}])
     assert modes["dense"]["tokens_per_s"] == 150 and modes["dense"]["eval_loss"] == 3.0
+
+
+@pytest.mark.skipif(bool(__import__("peer.bench.netbed", fromlist=["available"]).available()), reason="needs network namespaces (root)")
+def test_dense_sync_runs_gpipe_and_an_all_reduce_that_keeps_replicas_identical(tmp_path) -> None:
+    """The baseline a user would run instead, on the bed: 2 stages x 2 replicas of the modes'
+    tiny model over gloo. Each stage group's replicas end with identical weights (the fp32
+    all-reduce ran every step) and at least the gradients of every stage crossed the links."""
+    from peer.bench.project_model import resolve_model
+    from peer.bench.sync_baseline import measure_sync
+    from peer.bench.throughput import mode_config
+
+    cfg = mode_config("dense", 2, 3, 1)
+    got = measure_sync(cfg, None, 2, 2, 1, 2, tmp_path, 47, 240.0)
+    assert got["tokens_per_s"] > 0 and got["tokens_measured"] == 2 * 2 * 2 * 8 * 128  # steps x replicas x M x B x T
+    by_stage = {s: [r for r in got["ranks"] if r["stage"] == s] for s in (0, 1)}
+    for ranks in by_stage.values():
+        assert len(ranks) == 2 and ranks[0]["weights_sum"] == pytest.approx(ranks[1]["weights_sum"], rel=1e-9, abs=1e-9)
+        assert ranks[0]["weights_abs_sum"] == pytest.approx(ranks[1]["weights_abs_sum"], rel=1e-9)
+    assert all(r["last_loss"] is not None and r["last_loss"] > 0 for r in by_stage[1])
+    dims, _, _ = resolve_model("tiny-llama", 2)
+    grads = sum(dims.stage_params(s, 2) for s in (0, 1)) * 4  # one fp32 copy of every stage's gradients per step, at least
+    assert got["wire_bytes_per_token"] * 2 * 8 * 128 * 2 > grads

@@ -32,7 +32,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--quick", action="store_true", help="short runs that end within 8 minutes on 2 CPU cores")
     t.add_argument("--bandwidth-mbit", type=float, default=None, help="link speed of every host (default: the GPU-equivalent of 200 Mbit/s, see README)")
     _swarm_shape(t)
-    t.add_argument("--modes", help="comma-separated subset of compute_bound,dense,masked,masked_dp")
+    t.add_argument("--modes", help="comma-separated subset of compute_bound,dense,masked,masked_dp,dense_sync (default: all)")
     t.add_argument("--repeat", type=int, default=None, help="measure every mode this many times, interleaved (A B C D A B C D ...); medians and spreads in OUT (default 3; 1 with --quick)")
     t.add_argument("--json", required=True, type=Path, help="write the result here")
     mx = bsub.add_parser("mixed", help="one swarm on two link speeds at once: codec fixed vs self-tuning, against compute-bound (network namespaces; root)")

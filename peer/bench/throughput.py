@@ -3,9 +3,12 @@
 Modes (the same tiny model, stages x replicas, batches and seed; only the wire differs):
   dense          no PP compression (fp16 activations and gradients), DP = fp32 parameter
                  averaging as often as the averager manages (every step at most)
-  masked         PP compressed (the run's codec: rank-r coefficients, int8), DP as dense
+  masked         PP compressed (the run's default codec: transform, 2 bits per value each way), DP as dense
   masked_dp      PP compressed, DP = 8-bit deltas every `dp_every` steps
   compute_bound  masked_dp on unshaped links: what the same swarm does when the link is free
+  dense_sync     not the swarm: what a user would run instead, stock GPipe + a synchronous fp32
+                 gradient all-reduce every step (torch.distributed over gloo; peer/bench/sync_baseline.py),
+                 same bed, links, model, micro-batches and optimizer; tokens/s only (random tokens)
 
 Each mode starts a fresh NetBed (bootstrap on host 0, one peer per further host, every link
 shaped with tbf at the same rate), waits for `warmup` run steps, then measures until run step
@@ -43,6 +46,8 @@ from peer.bench.netbed import NetBed, available
 from peer.errors import ConfigError
 
 MODES = ("compute_bound", "dense", "masked", "masked_dp")
+SYNC = "dense_sync"  # stock GPipe + a synchronous fp32 all-reduce, not the swarm (peer/bench/sync_baseline.py)
+ALL_MODES = (*MODES, SYNC)
 TINY_HIDDEN = 128
 
 
@@ -199,7 +204,9 @@ def check_bed_args(what: str, stages: int, bandwidth_mbit: float | None) -> None
         raise ConfigError(what, "network namespaces", why)
 
 
-RATIOS = {"masked_vs_dense": ("masked", "dense"), "masked_dp_vs_dense": ("masked_dp", "dense"), "masked_dp_vs_compute_bound": ("masked_dp", "compute_bound")}
+RATIOS = {"masked_vs_dense": ("masked", "dense"), "masked_dp_vs_dense": ("masked_dp", "dense"), "masked_dp_vs_compute_bound": ("masked_dp", "compute_bound"),
+          "masked_vs_dense_sync": ("masked", SYNC), "masked_dp_vs_dense_sync": ("masked_dp", SYNC), "dense_vs_dense_sync": ("dense", SYNC),
+          "compute_bound_vs_dense_sync": ("compute_bound", SYNC)}
 
 
 def combine_repeats(repeats: list[dict[str, dict]]) -> tuple[dict[str, dict], dict[str, dict]]:
@@ -229,10 +236,10 @@ def run_throughput(quick: bool, bandwidth_mbit: float | None, stages: int, repli
     repeat = repeat if repeat is not None else (1 if quick else 3)
     if repeat < 1:
         raise ConfigError("--repeat", repeat, "must be >= 1")
-    modes = modes or list(MODES)
+    modes = modes or list(ALL_MODES)
     for m in modes:
-        if m not in MODES:
-            raise ConfigError("--modes", m, f"unknown; known: {', '.join(MODES)}")
+        if m not in ALL_MODES:
+            raise ConfigError("--modes", m, f"unknown; known: {', '.join(ALL_MODES)}")
     check_bed_args("bench throughput", stages, bandwidth_mbit)
     warmup, steps, dp_every = (6, 30, 5) if quick else (10, 100, 10)
     timeout_s = 300.0 if quick else 1800.0
@@ -255,7 +262,12 @@ def run_throughput(quick: bool, bandwidth_mbit: float | None, stages: int, repli
             print(f"GPU-equivalent bandwidth: {rate:.2f} Mbit/s stands for {scenario.link_mbit:.0f} Mbit/s ({scenario.model} on an {scenario.gpu})", flush=True)
         for i, mode in enumerate(m for m in modes if m != "compute_bound"):
             print(f"{mode}{tag}", flush=True)
-            got[mode] = measure_mode(mode, [rate] * (1 + stages * replicas), stages, replicas, warmup, steps, dp_every, workdir / f"r{r}", 11 + i, timeout_s)
+            if mode == SYNC:  # a few steps suffice: every step is the same flush and all-reduce
+                from peer.bench.sync_baseline import measure_sync
+
+                got[mode] = measure_sync(mode_config("dense", stages, steps, dp_every), rate, stages, replicas, 2, 6 if quick else 15, workdir / f"r{r}" / SYNC, 11 + i, timeout_s)
+            else:
+                got[mode] = measure_mode(mode, [rate] * (1 + stages * replicas), stages, replicas, warmup, steps, dp_every, workdir / f"r{r}", 11 + i, timeout_s)
         if "compute_bound" not in modes:
             got.pop("compute_bound", None)
         repeats.append(got)
@@ -263,7 +275,7 @@ def run_throughput(quick: bool, bandwidth_mbit: float | None, stages: int, repli
     out["modes"] = m
     out["ratios"] = {
         **{name: spread[name]["median"] if name in spread else None for name in RATIOS},
-        "eval_loss_vs_dense": {k: v["eval_loss"] / m["dense"]["eval_loss"] - 1 for k, v in m.items()} if "dense" in m else None,
+        "eval_loss_vs_dense": {k: v["eval_loss"] / m["dense"]["eval_loss"] - 1 for k, v in m.items() if v.get("eval_loss") is not None} if "dense" in m else None,
     }
     out["ratio_spread"] = spread
     out["setup"] = {
