@@ -15,16 +15,11 @@ Inputs, per micro-batch of the run's shape [B, T] (M micro-batches per optimizer
             AdamW measured per parameter on "cpu"; 28 bytes per parameter at the GPU's memory
             bandwidth otherwise.
   codec     measured here, on the CPU, for every mode's codec, by running the code the app runs
-            (peer/codec, peer/wire): the sender's encode (low-rank: observe + project; transform:
-            observe + rotate + quantise + pack) and serialisation; the receiver's two parses (gRPC
-            handler, then drain), its validation (a decode; transform: a host check) and its
-            decode (+ lift); the same for gradients; the basis refresh (low-rank: SVD + prior;
-            transform: the activations' coder refit) and its shipping, amortised over
-            `basis_refresh` steps. The app runs this wire path on the CPU whatever the device,
-            so a GPU projection charges it at this CPU's speed, except the transform coder's
-            rotations ([tokens, H] x [H, H], once in each encode and decode), which run on the
-            device: charged at its FLOP rate (shapes above 2**21 elements are measured with
-            fewer sequences and scaled linearly in tokens).
+            (peer/codec, peer/wire): encode and serialise, two parses, a validation and a decode,
+            both ways; the basis or coder refit and its shipping, amortised over `basis_refresh`
+            steps (project_codec.py). A GPU projection charges this at this CPU's speed, except
+            the transform coder's device work (rotations, quantising, packing), charged at the
+            device's rates (shapes above 2**21 elements: fewer sequences, scaled in tokens).
   bytes     app bytes per message: the serialized ActivationChunk / GradientChunk, sized by
             building the real proto with a payload of the codec's exact length (dense: fp16
             B*T*H; low-rank: int8 B*T*r + one float32 scale per 256 values; transform: bits per
