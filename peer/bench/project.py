@@ -22,11 +22,10 @@ Inputs, per micro-batch of the run's shape [B, T] (M micro-batches per optimizer
             device's rates (shapes above 2**21 elements: fewer sequences, scaled in tokens).
   bytes     app bytes per message: the serialized ActivationChunk / GradientChunk, sized by
             building the real proto with a payload of the codec's exact length (dense: fp16
-            B*T*H; low-rank: int8 B*T*r + one float32 scale per 256 values; transform: bits per
-            value packed + a bf16 gain per row + the sink position in bf16; token ids in the
-            narrowest dtype; a (prior, basis) pair of fp16 [V, H] + [H, r], or a transform coder
-            (int8 [H, H] rotation + fp32/fp16 vectors), once per refresh and next-stage peer). On the wire: + 5 bytes gRPC prefix, + 9 bytes per 16 KiB HTTP/2
-            frame, + 66 bytes Ethernet/IPv4/TCP-with-timestamps header per 1448-byte segment
+            B*T*H; low-rank: int8 B*T*r + a float32 scale per 256 values; transform: packed codes,
+            a bf16 gain per row, the sink in bf16; token ids in the narrowest dtype; the basis pair
+            or coder once per refresh and next-stage peer). On the wire: + 5 bytes gRPC prefix, + 9
+            bytes per 16 KiB HTTP/2 frame, + 66 bytes Ethernet/IPv4/TCP-with-timestamps header per 1448-byte segment
             (MTU 1500), and on the reverse link one 66-byte ACK per two segments.
             DP: one averaging round moves 2 (n-1)/n * stage parameters * (4 bytes fp32 | 1 byte
             int8) up and as much down per peer (peer/dp/group.py: round_bytes), once every
