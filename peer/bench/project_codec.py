@@ -37,6 +37,14 @@ DEVICE_PASSES = 24  # elementwise passes of 4 bytes per value in a transform enc
 MEASURE_MAX_ELEMENTS = 1 << 21
 
 
+def measured_sequences(B: int, T: int, H: int) -> tuple[int, float]:
+    """(sequences timed, the factor to the micro-batch's B): at most MEASURE_MAX_ELEMENTS values."""
+    b = B
+    while b > 1 and b * T * H > MEASURE_MAX_ELEMENTS:
+        b //= 2
+    return b, B / b
+
+
 def measure_codec(mode: str, dims: ModelDims, shape: Shape, names: Names = SWARM_NAMES) -> CodecCost:
     """Run the app's wire path for one micro-batch of `mode` here (one thread) and time it."""
     import torch
@@ -52,10 +60,7 @@ def measure_codec(mode: str, dims: ModelDims, shape: Shape, names: Names = SWARM
     codec = link_codec(mask)
     H, V = dims.hidden, dims.vocab
     B, T = shape.micro_batch_size, shape.seq_len
-    b = B
-    while b > 1 and b * T * H > MEASURE_MAX_ELEMENTS:
-        b //= 2
-    scale = B / b
+    b, scale = measured_sequences(B, T, H)
     lowrank = mask.scheme == "lowrank"
     width = mask.rank if lowrank else H
     key = dict(boundary=0, step=names.step, micro_batch=names.micro_batch_id)
@@ -159,10 +164,7 @@ def measure_transform_codec(mask, dims: ModelDims, shape: Shape, names: Names = 
 
     H, V = dims.hidden, dims.vocab
     B, T = shape.micro_batch_size, shape.seq_len
-    b = B
-    while b > 1 and b * T * H > MEASURE_MAX_ELEMENTS:
-        b //= 2
-    scale = B / b
+    b, scale = measured_sequences(B, T, H)
     key = dict(boundary=0, step=names.step, micro_batch=names.micro_batch_id)
     gen = torch.Generator().manual_seed(0)
     with OneThread():

@@ -189,14 +189,22 @@ class RunAuthorizer(AuthorizerBase):
             log.debug("refused a DHT request: %s", problem)
         return problem is None
 
+    def _signer_problem(self, token: AccessToken, domain: bytes, message: AuthorizedRequestBase | AuthorizedResponseBase) -> str | None:
+        """Why `message` is not signed by a run member: its access token, then its signature by
+        the key that token names."""
+        problem = self.token_problem(token)
+        if problem is not None:
+            return f"access token: {problem}"
+        if not verify(token.public_key, message.auth.signature, _signed_bytes(domain, message)):
+            return "bad signature (not by the key its access token names, or altered)"
+        return None
+
     def request_problem(self, request: AuthorizedRequestBase) -> str | None:
         """Why `request` is refused (None: taken, and its nonce remembered)."""
         auth = request.auth
-        problem = self.token_problem(auth.client_access_token)
+        problem = self._signer_problem(auth.client_access_token, _REQUEST_DOMAIN, request)
         if problem is not None:
-            return f"access token: {problem}"
-        if not verify(auth.client_access_token.public_key, auth.signature, _signed_bytes(_REQUEST_DOMAIN, request)):
-            return "bad signature (not by the key its access token names, or altered)"
+            return problem
         if auth.service_public_key and auth.service_public_key != self.public_key:
             return "meant for another node"
         now = self._clock()
@@ -223,11 +231,9 @@ class RunAuthorizer(AuthorizerBase):
     def response_problem(self, response: AuthorizedResponseBase, request: AuthorizedRequestBase) -> str | None:
         """Why `response` to `request` is ignored (None: taken)."""
         auth = response.auth
-        problem = self.token_problem(auth.service_access_token)
+        problem = self._signer_problem(auth.service_access_token, _RESPONSE_DOMAIN, response)
         if problem is not None:
-            return f"access token: {problem}"
-        if not verify(auth.service_access_token.public_key, auth.signature, _signed_bytes(_RESPONSE_DOMAIN, response)):
-            return "bad signature (not by the key its access token names, or altered)"
+            return problem
         if not request.auth.nonce or not hmac.compare_digest(auth.nonce, request.auth.nonce):
             return "answers another request (nonce)"
         return None
