@@ -1,4 +1,4 @@
-"""`anchormesh bench throughput`: tokens/s of one swarm on shaped links, four ways, side by side.
+"""`anchormesh bench throughput`: tokens/s of one swarm on shaped links, four ways, and of the synchronous baseline, side by side.
 
 Modes (the same tiny model, stages x replicas, batches and seed; only the wire differs):
   dense          no PP compression (fp16 activations and gradients), DP = fp32 parameter
