@@ -472,10 +472,11 @@ def test_prediction_within_25_percent_of_the_bed(calibrated: tuple[P.Costs, floa
     +25.8 % with the peers taking 22 % more CPU per step than in calibration)."""
     costs, canary_ref = calibrated
     cores = len(os.sched_getaffinity(0))
-    rate = 8.0
     work = tmp_path
     lines, unchecked = [], []
-    for i, (mode, bound) in enumerate((("dense", "link"), ("masked", "compute"))):
+    # masked at 12 Mbit/s: the transform codec's link time is 3/4 of its compute at 8, too close
+    # to the edge for the regime this checks (at 12, about half)
+    for i, (mode, bound, rate) in enumerate((("dense", "link", 8.0), ("masked", "compute", 12.0))):
         for attempt in range(2):
             got = measure_on_bed(mode, rate, work / f"{mode}{attempt}", subnet=41 + 2 * i + attempt)
             slower = got["canary_s"] / canary_ref
