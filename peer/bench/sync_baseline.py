@@ -131,7 +131,7 @@ def measure_sync(config: dict, rate_mbit: float | None, stages: int, replicas: i
     for old in (out_path, *(Path(f"{out_path}.rank{i}") for i in range(n))):
         old.unlink(missing_ok=True)
     t_start = time.monotonic()
-    print(f"[dense_sync] {n} ranks (gloo), links {rate_mbit or 'unshaped'} Mbit/s; warm-up {warmup} steps, measure {steps}", flush=True)
+    print(f"[dense_sync] {n} ranks (gloo), links {f'{rate_mbit:.2f} Mbit/s' if rate_mbit else 'unshaped'}; warm-up {warmup} steps, measure {steps}", flush=True)
     with NetBed([rate_mbit] * n, subnet=subnet) as bed:
         master = bed.hosts[0].address
         procs = []
