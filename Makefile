@@ -43,7 +43,7 @@ bench-quality: $(STAMP)
 # overlaid: docs/throughput.png (~30 s; matplotlib comes with the dev extra). The overlay was made
 # (as root) by: anchormesh bench throughput --quick --json docs/throughput-measured-quick.json
 bench-plot: $(STAMP)
-	$(VENV)/bin/anchormesh bench plot --json docs/throughput-measured-quick.json --out docs/throughput.png
+	$(VENV)/bin/anchormesh bench plot --json docs/throughput-measured-quick-sync-2026-12-05.json --out docs/throughput.png
 
 proto: $(STAMP)
 	$(PY) -m peer.wire.gen
