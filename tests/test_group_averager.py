@@ -302,13 +302,26 @@ def test_an_implausible_group_mean_is_refused_and_the_weights_stay(poison: str) 
 
 
 @pytest.mark.parametrize("attack", ["flipped", "lying"])
-def test_a_sign_flipped_update_is_refused_and_its_sender_named(attack: str) -> None:
+def test_a_sign_flipped_update_is_refused_and_its_sender_named(attack: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The peers train the same way (their updates share a direction, as on one distribution).
     `flipped`: in a group of three, c sends the mirror image of its update, of normal size, and
-    says so in its claim: a refuses the round and names c. `lying` (a pair): b claims its honest
-    values but sends flipped ones: the mean does not match the claims, a refuses the round and
-    cannot name anyone."""
+    commits to it: a refuses the round and names c. `lying` (a pair): b commits to its honest
+    values but sends flipped ones: the mean does not match what b reveals, a refuses the round
+    and cannot name anyone."""
     import hivemind
+
+    from peer.dp import audit
+
+    honest_commit = audit.commit_claim
+
+    def commit_then_flip(tensors, claim, sign):  # runs in each forked averaging process
+        out = honest_commit(tensors, claim, sign)
+        if claim.get("peer") == "peer-1" and attack == "lying":
+            for t in tensors:
+                t.mul_(-1)
+        return out
+
+    monkeypatch.setattr(audit, "commit_claim", commit_then_flip)
 
     with two_dhts() as (dht_a, dht_b):
         dht_c = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[str(m) for m in dht_a.get_visible_maddrs()]) if attack == "flipped" else None
@@ -328,10 +341,6 @@ def test_a_sign_flipped_update_is_refused_and_its_sender_named(attack: str) -> N
             a, bad = avgs[0], avgs[-1]
             before = [p.detach().clone() for p in params[0]]
             offer(avgs, clock)
-            if attack == "lying":  # after its claim, before the all-reduce (matchmaking takes >= 1 s)
-                with torch.no_grad(), bad.averager.get_tensors() as tensors:
-                    for t in tensors:
-                        t.mul_(-1)
             deadline = time.monotonic() + 60
             while not all(avg._pending.done() for avg in avgs):
                 assert time.monotonic() < deadline, "no averaging round within 60 s"
@@ -342,7 +351,7 @@ def test_a_sign_flipped_update_is_refused_and_its_sender_named(attack: str) -> N
                 assert "points against the rest of the group" in a.last_rejection
                 assert [x.split(":")[0] for x in a.suspects] == [str(bad.averager.peer_id)]
             else:
-                assert "a member sent other values than it claimed" in a.last_rejection and not a.suspects
+                assert "a member sent other values than it committed to" in a.last_rejection and not a.suspects
             assert all(torch.equal(x.detach(), y) for x, y in zip(params[0], before))
             for avg in avgs:
                 avg.shutdown()

@@ -24,10 +24,11 @@ def member(tracker: Identity, peer_id: str, run_id: str = RUN) -> ClaimSigner:
 def test_only_an_untouched_member_claim_of_this_round_passes() -> None:
     tracker = Identity.generate()
     a, b = member(tracker, "peer-a"), member(tracker, "peer-b")
-    claim = a.sign({"peer": "peer-a", "sample": b"\x01" * 64}, "run-s_stage1", "QmA", 1000.0)
+    claim = a.sign({"peer": "peer-a", "root": b"\x01" * 32, "n": 4096}, "run-s_stage1", "QmA", 1000.0)
     assert b.check(claim, "run-s_stage1", "QmA", 1003.0, 30.0) == ""
     cases = {
-        "sample": {**claim, "sample": b"\x02" + claim["sample"][1:]},  # the leader changed a value
+        "root": {**claim, "root": b"\x02" + claim["root"][1:]},  # the leader changed the commitment
+        "n": {**claim, "n": 4095},
         "peer": {**claim, "peer": "peer-b"},  # passed off as another member
         "time": {**claim, "time": 999.0},
     }
@@ -36,24 +37,26 @@ def test_only_an_untouched_member_claim_of_this_round_passes() -> None:
     assert "signature does not match" in b.check(claim, "run-s_stage1", "QmB", 1000.0, 30.0)  # re-keyed under another hivemind id
     assert "signature does not match" in b.check(claim, "run-s_stage0", "QmA", 1000.0, 30.0)  # another stage group
     assert "replayed" in b.check(claim, "run-s_stage1", "QmA", 1100.0, 30.0)
-    assert b.check({"peer": "peer-a", "sample": b""}, "run-s_stage1", "QmA", 1000.0, 30.0) == "it is unsigned"
+    assert b.check({"peer": "peer-a", "root": b"", "n": 0}, "run-s_stage1", "QmA", 1000.0, 30.0) == "it is unsigned"
+    assert b.check({**claim, "n": "4096"}, "run-s_stage1", "QmA", 1000.0, 30.0) == "its fields have the wrong types"
     outsider = member(Identity.generate(), "peer-x")  # certified by another tracker
-    forged = outsider.sign({"peer": "peer-x", "sample": b"\x00"}, "run-s_stage1", "QmX", 1000.0)
+    forged = outsider.sign({"peer": "peer-x", "root": b"\x00" * 32, "n": 1}, "run-s_stage1", "QmX", 1000.0)
     assert "not issued by this run's tracker" in b.check(forged, "run-s_stage1", "QmX", 1000.0, 30.0)
     other_run = member(tracker, "peer-c", run_id="run-other")
-    assert "not issued" in b.check(other_run.sign({"peer": "peer-c", "sample": b"\x00"}, "p", "QmC", 1000.0), "p", "QmC", 1000.0, 30.0)
-    why = b.check_group({"QmA": claim, "QmB": cases["sample"]}, "run-s_stage1", 1000.0, 30.0)
+    assert "not issued" in b.check(other_run.sign({"peer": "peer-c", "root": b"\x00" * 32, "n": 1}, "p", "QmC", 1000.0), "p", "QmC", 1000.0, 30.0)
+    why = b.check_group({"QmA": claim, "QmB": cases["root"]}, "run-s_stage1", 1000.0, 30.0)
     assert why.startswith("the claim of peer-a (QmB) is refused")
 
 
 class Tampering(ClaimSigner):
-    """Signs, then changes a sampled value: what a relaying leader's change looks like to the others."""
+    """Signs, then changes the committed root: what a relaying leader's change looks like to the
+    others (it signs in the averaging process, which is forked with this subclass)."""
 
     def sign(self, claim: dict, prefix: str, hivemind_id: str, now: float) -> dict:
         out = super().sign(claim, prefix, hivemind_id, now)
-        sample = bytearray(out["sample"])
-        sample[0] ^= 0x40
-        return {**out, "sample": bytes(sample)}
+        root = bytearray(out["root"])
+        root[0] ^= 0x40
+        return {**out, "root": bytes(root)}
 
 
 @pytest.mark.parametrize("tamper", [False, True])

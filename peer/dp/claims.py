@@ -1,37 +1,31 @@
-"""The checks of a finished stage-group averaging round against the members' claims.
+"""The checks of a finished stage-group averaging round against what the members committed to.
 
-Each round also carries every member's *claim*: its id and the values it sends at a fixed sample
-of coordinates (hivemind's all-gather rides along with matchmaking). The reduction itself is a
-coordinate-wise trimmed mean in which every member weighs 1 (peer/dp/robust.py): in a group of
-three or more one member cannot scale or flip the result. Claims let a peer check the result it
-gets back (it must equal the same trimmed mean of the claims at those coordinates) and name a
-member whose update is NaN, far larger than the group's, or points against the rest of the
-group (a sign flip); see `attribute`. `implausible` checks the whole mean against this peer's
-own drift. Plain functions of tensors: the `GroupAverager` (peer/dp/group.py) hands them its state.
+Each round carries every member's *claim*: its id and the Merkle root of every value it sends
+(peer/dp/commitment.py), signed. After the round each member draws coordinates privately and has
+the others reveal their committed values there (peer/dp/audit.py); nobody knew them in advance.
+The reduction itself is a coordinate-wise trimmed mean in which every member weighs 1
+(peer/dp/robust.py): in a group of three or more one member cannot scale or flip the result.
+The revealed values let a peer check the result it gets back (it must equal the same trimmed
+mean of them at those coordinates) and name a member whose update is NaN, far larger than the
+group's, or points against the rest of the group (a sign flip); see `attribute`. `implausible`
+checks the whole mean against this peer's own drift. Plain functions of tensors: the
+`GroupAverager` (peer/dp/group.py) hands them its state.
 """
 
 from __future__ import annotations
-
-import zlib
 
 import torch
 
 from peer.dp.robust import trimmed_mean
 
 MAX_CORRECTION = 4.0  # see implausible
-# coordinates of each member's claim: 4 KiB of fp32. It must stay small: hivemind hands the step
-# to its averaging process over a non-blocking pipe, and a 16 KiB claim broke that pipe (the
-# process died, and step() waited forever); 8 KiB still passed
-SAMPLE = 1024
 FLIP_COSINE = -0.5  # an update whose cosine with the rest of the group's mean update is below this points against it
 CLAIM_TOLERANCE = 0.1  # |mean - mean of claims| may be this fraction of the largest claimed update (8-bit quantization: ~2%)
 
 
-def sample_index(sizes: list[int], key: str, n: int = SAMPLE) -> list[torch.Tensor]:
-    """Per tensor, the flat indices of a sample of n coordinates of all of them together, the same
-    for every member of a group (seeded by `key`)."""
-    total = sum(sizes)
-    flat = torch.randperm(total, generator=torch.Generator().manual_seed(zlib.crc32(key.encode())))[:n].sort().values
+def split_index(sizes: list[int], flat: torch.Tensor) -> list[torch.Tensor]:
+    """Per tensor, the flat indices inside it of the coordinates `flat` (indices into all the
+    tensors concatenated, in order)."""
     out, start = [], 0
     for size in sizes:
         out.append(flat[(flat >= start) & (flat < start + size)] - start)
@@ -40,22 +34,24 @@ def sample_index(sizes: list[int], key: str, n: int = SAMPLE) -> list[torch.Tens
 
 
 def take(tensors: list[torch.Tensor], index: list[torch.Tensor]) -> torch.Tensor:
-    """The values at the sampled coordinates, on the host (claims travel and compare there)."""
+    """The values at the audited coordinates, on the host (revealed values compare there)."""
     return torch.cat([t.detach().reshape(-1)[i.to(t.device)].float().cpu() for t, i in zip(tensors, index)])
 
 
 def attribute(
-    group: dict, result: torch.Tensor, kept: torch.Tensor | None, *, me: str, members: set[str] | None, excluded: dict[str, str],
-    base: list[torch.Tensor], index: list[torch.Tensor], compression: str,
+    group: dict, revealed: dict[str, torch.Tensor], failed: dict[str, str], result: torch.Tensor, kept: torch.Tensor | None, *,
+    me: str, members: set[str] | None, excluded: dict[str, str], base: list[torch.Tensor], index: list[torch.Tensor], compression: str,
 ) -> tuple[str, list[str], str | None]:
-    """Check the round against the members' claims; (why it is refused or "", the members
-    named as "peer: why", the member hivemind left out of the round or None). `group`: hivemind
-    peer id -> claim; `result`: the mean at the sampled coordinates (`index`); `kept`: the
-    sampled coordinates whose results arrived (all when None); rule (1) is checked on those only.
+    """Check the round against what the members committed to; (why it is refused or "", the
+    members named as "peer: why", the member hivemind left out of the round or None). `group`:
+    hivemind peer id -> claim; `revealed`: hivemind id -> the values it committed to at the
+    audited coordinates (`index`), `failed`: hivemind id -> why its values are missing (the
+    audit, peer/dp/audit.py); `result`: the mean at those coordinates; `kept`: the audited
+    coordinates whose results arrived (all when None); rule (1) is checked on those only.
     `me`: this peer's hivemind id; `members`: the stage group's, from the tracker (None: not
     known yet); `base`: the last group mean; `compression` says whether claims are deltas from it.
 
-    Rules, at the sampled coordinates: (1) the mean must equal the mean of the claims, within
+    Rules, at the audited coordinates: (1) the mean must equal the mean of the claims, within
     `CLAIM_TOLERANCE` of the largest claimed update: otherwise some member sent other values
     than it declared, and nobody can be named. (2) a claimed update holding NaN/Inf, (3) one
     larger than `MAX_CORRECTION` times the median update of the others, or (4) one whose
@@ -76,14 +72,14 @@ def attribute(
     if strangers:  # a member that joined since the last heartbeat is refused once, then known
         return "the group includes peer(s) that are not members of this stage group: " + ", ".join(strangers), [f"{h}: not a member of the run" for h in strangers], None
     claims: dict[str, torch.Tensor] = {}
-    for hid, c in group.items():
+    for hid in group:
         # members are named by their hivemind peer id (libp2p authenticates it), not by the id
         # they claim: the tracker maps it to the run's peer id (bootstrap/tracker.py)
         name = str(hid)
-        raw = c.get("sample") if isinstance(c, dict) else None
-        if not isinstance(raw, bytes) or len(raw) != 4 * result.numel():
-            return f"member {name} sent no valid claim", [f"{name}: no valid claim of what it sent"], None
-        claims[name] = torch.frombuffer(bytearray(raw), dtype=torch.float32)
+        why = failed.get(name) or ("" if name in revealed and revealed[name].numel() == result.numel() else "its committed values were not revealed")
+        if why:
+            return f"member {name} did not prove what it sent: {why}", ([] if name == me else [f"{name}: {why}"]), None
+        claims[name] = revealed[name]
     at_base = take(base, index)
     updates = {k: (v if compression == "int8" else v - at_base) for k, v in claims.items()}
     floor = 1e-5 * float(at_base.norm()) + 1e-12
@@ -100,7 +96,7 @@ def attribute(
     if off > CLAIM_TOLERANCE * biggest + floor:
         dropped = left_out(claims, result, CLAIM_TOLERANCE * biggest + floor, me)
         if dropped is None:
-            return f"the mean is {off:.3g} away from the mean of what the members declared (largest update {biggest:.3g}): a member sent other values than it claimed", [], None
+            return f"the mean is {off:.3g} away from the mean of what the members declared (largest update {biggest:.3g}): a member sent other values than it committed to", [], None
         # hivemind dropped this sender (its stream failed): the result is the others' mean; every
         # claim still counts below (a dropped member that flipped its update is still named)
     named = []

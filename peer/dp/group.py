@@ -17,10 +17,12 @@ baseline); "int8" averages the *change since the last group mean* (the DiLoCo ou
 8-bit with hivemind's uniform quantizer. Why deltas: a few steps of change are small and
 centred, so 8 bits lose little, while 8-bit parameters would lose most of their mantissa.
 
-Each round also carries every member's *claim*: its id and the values it sends at a fixed sample
-of coordinates. The reduction is a trimmed mean in which every member weighs 1
-(peer/dp/robust.py), and the result is checked against the claims before it is taken
-(peer/dp/claims.py); members whose updates are NaN, outsized or sign-flipped are named.
+Each round also carries every member's signed *claim*: its id and a commitment to every value it
+sends (a Merkle root). The reduction is a trimmed mean in which every member weighs 1
+(peer/dp/robust.py); after it, each member has the others reveal their committed values at
+coordinates it drew privately (peer/dp/audit.py), and the result is checked against them before
+it is taken (peer/dp/claims.py); members whose updates are NaN, outsized or sign-flipped, or who
+cannot prove what they sent, are named.
 
 A joiner's state download does not go through hivemind (its `load_state_from_peers` takes the
 first donor that answers, with no size bound): it goes over the Stage service
@@ -42,7 +44,7 @@ from concurrent.futures import Future
 
 import torch
 
-from peer.dp.claims import attribute, implausible, sample_index, take
+from peer.dp.claims import attribute, implausible, split_index, take
 from peer.dp.hivemind_averager import RoundResult, absmax_8bit, averager_class, lost_masks
 from peer.dp.schedule import MIN_PERIOD_S, WIRE_BYTES, RoundSchedule, round_bytes
 from peer.dp.signed_claims import ClaimSigner
@@ -86,8 +88,9 @@ class GroupAverager:
         clock: wall-clock seconds since the epoch, the same for all members (tests pass a fake one).
         min_period_s: the shortest time between rounds (`dp.min_period_s`; see RoundSchedule).
         signer: this member's identity and certificate (peer/dp/signed_claims.py): its claims are
-            signed, and a round whose claims are not all members' untouched ones is refused. None:
-            claims go unsigned and unchecked (tests of the averaging alone).
+            signed (in the averaging process, where the root is made), and a round whose claims
+            are not all members' untouched ones is refused. None: claims go unsigned and
+            unchecked (tests of the averaging alone).
 
     Public state: `rounds`, `failures`, `rejected`, `bytes_out`, `period_s` and `period_reason`
     (the slot length and why, e.g. "8 s: 10 steps x 0.61 s"), `step_s`, `measured_bps`.
@@ -134,7 +137,6 @@ class GroupAverager:
         # hivemind peer ids of the stage group's members, from the tracker (None: not known yet);
         # a round with anyone else in it is refused: an outsider who found the group key
         self._members: set[str] | None = None
-        self._index = sample_index([p.numel() for p in params], prefix)
         self._base = [p.detach().clone() for p in params]  # the last group mean ("int8" sends the change from it)
         for attempt in range(1, START_TRIES + 1):
             self.averager = averager_class()(
@@ -143,6 +145,7 @@ class GroupAverager:
                 [p.detach().to("cpu", copy=True) for p in params], dht, start=False, prefix=prefix, target_group_size=None, min_group_size=2,
                 min_matchmaking_time=MIN_MATCHMAKING_S, request_timeout=REQUEST_TIMEOUT_S, next_chunk_timeout=NEXT_CHUNK_S, compression=absmax_8bit() if compression == "int8" else NoCompression(),
                 allow_state_sharing=False,  # a joiner's state comes over the Stage service
+                signer=signer,
             )
             try:
                 # hivemind forks its averaging process; a fork beside live threads (gRPC's, the DHT
@@ -220,11 +223,9 @@ class GroupAverager:
             with torch.no_grad(), self.averager.get_tensors() as tensors:
                 for t, p, base in zip(tensors, self._offered, self._base):
                     t.copy_(p - base if self.compression == "int8" else p)
-                sample = take(tensors, self._index)
-            claim = {"peer": self.peer_id, "sample": sample.numpy().tobytes()}
+            # the averaging process adds the commitment to what it sends (and signs): peer/dp/audit.py
+            claim = {"peer": self.peer_id, "time": now}
             self._offered_clock = now
-            if self.signer is not None:
-                claim = self.signer.sign(claim, self.averager.prefix, str(self.averager.peer_id), now)
             until = math.floor(now / self.period_s) * self.period_s + self.match_window_s() - now  # the group forms then
             self._pending = self.averager.step(gather=claim, scheduled_time=get_dht_time() + until, wait=False, timeout=self.match_timeout_s())
             self.schedule.offered(local_step, now)
@@ -258,7 +259,7 @@ class GroupAverager:
             self.last_error = f"{type(exc).__name__}: {exc}"
             log.info("stage-group averaging found no group this round (%s)", self.last_error)
             return
-        group, lost = (got.gathered, got.lost) if isinstance(got, RoundResult) else (got, ())
+        group, lost, audit = (got.gathered, got.lost, got.audit) if isinstance(got, RoundResult) else (got, (), None)
         if not group:
             self.failures += 1
             return
@@ -267,17 +268,21 @@ class GroupAverager:
         self._measure_link(round_bytes(self.numel, n, self.compression))
         self.dense_bytes += round_bytes(self.numel, n, "none") * max(self._offered_at - self._last_round_step, 1)
         self._last_round_step = self._offered_at
-        masks = lost_masks(lost, [p.numel() for p in self.params]) if lost else None
+        sizes = [p.numel() for p in self.params]
+        masks = lost_masks(lost, sizes) if lost else None
+        index = split_index(sizes, audit.coordinates() if audit is not None else torch.zeros(0, dtype=torch.int64))
         with torch.no_grad(), self.averager.get_tensors() as tensors:
             means = [(base + m.to(base.device, base.dtype)) if self.compression == "int8" else m.to(base.device, base.dtype, copy=True) for m, base in zip(tensors, self._base)]
-            result = take(tensors, self._index)
+            result = take(tensors, index)
         # where results were lost the "mean" is this peer's own offer: the claims cannot be checked there
-        kept = take(masks, self._index) == 0 if masks else None
+        kept = take(masks, index) == 0 if masks else None
         # claims a leader altered (or a non-member made) are refused before they are believed
         why = self.signer.check_group(group, self.averager.prefix, self._offered_clock, self.match_timeout_s() + self.timeout) if self.signer else ""
         named: list[str] = []
+        if not why and audit is None:
+            why = "the round was not audited"
         if not why:
-            why, named = self._attribute(group, result, kept)
+            why, named = self._attribute(group, audit, result, index, kept)
         why = why or implausible(means, self._offered, self._base)
         if why:  # keep the local weights and the old base: as if the round had not happened
             self.rejected += 1
@@ -308,13 +313,13 @@ class GroupAverager:
             self.schedule.measured_bps = nbytes / (self._clock() - seen[1])
 
 
-    def _attribute(self, group: dict, result: torch.Tensor, kept: torch.Tensor | None = None) -> tuple[str, list[str]]:
-        """Check the round against the members' claims (`claims.attribute`, which says the rules);
-        (why it is refused or "", the members named as "peer: why"). Counts a member hivemind
-        left out of the round."""
+    def _attribute(self, group: dict, audit, result: torch.Tensor, index: list[torch.Tensor], kept: torch.Tensor | None = None) -> tuple[str, list[str]]:
+        """Check the round against the values the members revealed (`claims.attribute`, which
+        says the rules); (why it is refused or "", the members named as "peer: why"). Counts a
+        member hivemind left out of the round."""
         why, named, dropped = attribute(
-            group, result, kept, me=str(self.averager.peer_id), members=self.members, excluded=self.excluded,
-            base=self._base, index=self._index, compression=self.compression,
+            group, audit.tensors(), audit.failed, result, kept, me=str(self.averager.peer_id), members=self.members,
+            excluded=self.excluded, base=self._base, index=index, compression=self.compression,
         )
         if dropped is not None:
             log.info("stage-group averaging: hivemind left member %s's part out of the round (its sending failed)", dropped)

@@ -9,6 +9,7 @@ imported inside. The averager is a process: hivemind forks it (`run_in_backgroun
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -79,13 +80,14 @@ def absmax_8bit():
 @dataclass(frozen=True)
 class RoundResult:
     """What a finished round hands back to the host process: every member's claim (hivemind's
-    gathered data) and the flat ranges (start, end) of the stage's concatenated parameters whose
+    gathered data), the audit of what the members sent (peer/dp/audit.py) and the flat ranges (start, end) of the stage's concatenated parameters whose
     results never arrived. Why the ranges: hivemind keeps this peer's own values there and says
     only "received 99.9% results" in its log; a peer that took those values for the group mean
     would move its base (int8 deltas) away from the others' for good."""
 
     gathered: dict
     lost: tuple[tuple[int, int], ...] = ()
+    audit: object = None  # peer/dp/audit.py's Audit of the round (None: no audit was run)
 
 
 def lost_masks(lost: tuple[tuple[int, int], ...], sizes: list[int]) -> list[torch.Tensor]:
@@ -122,7 +124,10 @@ def averager_class():
     """hivemind's `DecentralizedAverager` subclassed for a stage group (`StageAverager`): built
     in a function because hivemind is imported inside, when an averager is made, not at import."""
     from hivemind.averaging import DecentralizedAverager
+    from hivemind.p2p import P2PContext
     from hivemind.proto import averaging_pb2
+
+    from peer.wire import audit_pb2
 
     class StageAverager(DecentralizedAverager):
         """hivemind's averager whose rounds are for the stage group's members only, and which
@@ -136,10 +141,58 @@ def averager_class():
         heartbeat), calls from any other hivemind id are refused, and this peer never sends its
         parts to a group that holds one."""
 
-        def __init__(self, *args, **kwargs) -> None:
+        def __init__(self, *args, signer=None, **kwargs) -> None:
             self._members: frozenset[str] | None = None  # None: not named yet (nothing refused)
             self._refusals: dict[str, float] = {}
+            self._signer = signer  # signs this member's claims (peer/dp/signed_claims.py), in this process
+            self._commitments: dict = {}  # root -> Commitment: the latest two (a retried round commits again)
+            self._current = None  # the commitment of the round in progress
             super().__init__(*args, **kwargs)
+
+        @property
+        def _matchmaking(self):
+            return self.__dict__.get("_mm")
+
+        @_matchmaking.setter
+        def _matchmaking(self, mm) -> None:
+            """hivemind makes its matchmaker once, in this process; each search for a group is
+            made to commit first (`_commit`), so the claim it sends holds this round's root.
+            Why here and not at `step()`: hivemind's `step()` waits in the host (the training
+            thread) until `_step` has begun; hashing a big stage there would stall training."""
+            look = mm.look_for_group
+
+            async def look_for_group(step):
+                await asyncio.get_running_loop().run_in_executor(None, self._commit, step)
+                return await look(step)
+
+            mm.look_for_group = look_for_group
+            self.__dict__["_mm"] = mm
+
+        def _commit(self, step) -> None:
+            """Commit to the values about to be sent and put the root into the step's claim."""
+            from peer.dp import audit
+
+            bandwidth, mode, user = self.serializer.loads(step.data_for_gather)
+            claim = self.serializer.loads(user)
+            if not isinstance(claim, dict):
+                return
+            sign = None
+            if self._signer is not None:
+                prefix, me = self.prefix, str(self.peer_id)
+                sign = lambda c: self._signer.sign(c, prefix, me, float(c.get("time", time.time())))  # noqa: E731
+            c, claim = audit.commit_claim(list(self._averaged_tensors), claim, sign)
+            self._commitments = {**dict(list(self._commitments.items())[-1:]), c.root: c}
+            self._current = c
+            step._data_for_gather = self.serializer.dumps([bandwidth, mode, self.serializer.dumps(claim)])
+
+        async def rpc_reveal(self, request, context):
+            """Reveal committed values to a member auditing a round (peer/dp/audit.py)."""
+            from peer.dp.audit import answer
+            from peer.wire import audit_pb2
+
+            if self._stranger(context, "a request to reveal committed values"):
+                return audit_pb2.RevealReply(error="not a member of this stage group")
+            return answer(self._commitments, request)
 
         def set_members(self, members: frozenset[str]) -> None:
             """Host side: hand the member list to the averaging process."""
@@ -185,9 +238,16 @@ def averager_class():
 
         async def _aggregate_with_group(self, group_info, *args, **kwargs) -> RoundResult:
             """hivemind's round, with the flat ranges whose results were lost handed back too."""
+            from peer.dp.audit import REVEAL_TIMEOUT_S, run_audit
+
             self._lost: list[tuple[int, int]] = []
             gathered = await super()._aggregate_with_group(group_info, *args, **kwargs)
-            return RoundResult(gathered, tuple(self._lost))
+
+            async def ask(pid, request):
+                return await self.get_stub(self._p2p, pid, namespace=self.prefix).rpc_reveal(request, timeout=REVEAL_TIMEOUT_S)
+
+            audit = await run_audit(str(self.peer_id), self._current, gathered, ask)
+            return RoundResult(gathered, tuple(self._lost), audit)
 
         async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
             """hivemind's method with its runner swapped for the trimmed-mean one (peer/dp/robust.py)."""
@@ -218,6 +278,7 @@ def averager_class():
 
     for name in ("rpc_join_group", "rpc_aggregate_part", "rpc_download_state"):  # hivemind routes RPCs by these hints
         getattr(StageAverager, name).__annotations__ = typing.get_type_hints(getattr(DecentralizedAverager, name))
+    StageAverager.rpc_reveal.__annotations__ = {"request": audit_pb2.RevealRequest, "context": P2PContext, "return": audit_pb2.RevealReply}
     return StageAverager
 
 

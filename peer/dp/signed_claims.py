@@ -4,7 +4,8 @@ A round's claims (peer/dp/claims.py) travel in hivemind's all-gather, which the 
 relays to everyone: a leader could change another member's claim, to frame it or to make its own
 lie fit. So each member signs its claim with its identity key (peer/security/identity.py) and
 adds the tracker's certificate of that key: a receiver checks the certificate against the run's
-tracker key, the signature over (group key, hivemind id, run peer id, time, the sampled values),
+tracker key, the signature over (group key, hivemind id, run peer id, time, the Merkle root of
+every value it sends and their number: peer/dp/commitment.py),
 and that the claim was made near its own offer (an old claim replayed in a later round is
 refused). A round with a claim that fails is refused whole, and nobody is named: the signer and
 the relay cannot be told apart.
@@ -12,18 +13,18 @@ the relay cannot be told apart.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass
 
 from peer.security.identity import Identity, certificate_bytes, verify
 
-FIELDS = ("peer", "sample", "time", "key", "cert", "sig")
+FIELDS = ("peer", "root", "n", "time", "key", "cert", "sig")
 
 
 def claim_bytes(prefix: str, hivemind_id: str, claim: dict) -> bytes:
     """What a member signs: its claim bound to the group key and to its hivemind id."""
-    return b"\0".join([b"anchormesh-claim-v1", prefix.encode(), hivemind_id.encode(), str(claim["peer"]).encode(), repr(float(claim["time"])).encode(), hashlib.sha256(claim["sample"]).digest()])
+    fields = [prefix, hivemind_id, str(claim["peer"]), repr(float(claim["time"])), str(int(claim["n"]))]
+    return b"\0".join([b"anchormesh-claim-v2", *(f.encode() for f in fields), bytes(claim["root"])])
 
 
 @dataclass
@@ -36,7 +37,7 @@ class ClaimSigner:
     tracker_key: bytes
 
     def sign(self, claim: dict, prefix: str, hivemind_id: str, now: float) -> dict:
-        """`claim` ({"peer", "sample"}) with its time, key, certificate and signature."""
+        """`claim` ({"peer", "root", "n"}) with its time, key, certificate and signature."""
         out = {**claim, "time": float(now), "key": self.identity.public, "cert": self.certificate}
         out["sig"] = self.identity.sign(claim_bytes(prefix, hivemind_id, out))
         return out
@@ -46,8 +47,8 @@ class ClaimSigner:
         `skew_s` of `now`; "" when it is."""
         if not isinstance(claim, dict) or any(f not in claim for f in FIELDS):
             return "it is unsigned"
-        peer, stamp, key, cert, sig, sample = (claim[f] for f in ("peer", "time", "key", "cert", "sig", "sample"))
-        if not isinstance(peer, str) or not isinstance(stamp, (int, float)) or not all(isinstance(b, bytes) for b in (key, cert, sig, sample)):
+        peer, stamp, key, cert, sig, root, n = (claim[f] for f in ("peer", "time", "key", "cert", "sig", "root", "n"))
+        if not isinstance(peer, str) or not isinstance(stamp, (int, float)) or not isinstance(n, int) or not all(isinstance(b, bytes) for b in (key, cert, sig, root)):
             return "its fields have the wrong types"
         if not verify(self.tracker_key, cert, certificate_bytes(self.run_id, peer, key)):
             return f"its certificate for {peer!r} was not issued by this run's tracker"
