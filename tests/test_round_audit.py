@@ -87,7 +87,7 @@ def test_an_audit_names_a_member_whose_reveal_does_not_prove_out() -> None:
 
     got = asyncio.run(audit.run_audit("me", mine, gathered, ask))
     assert set(got.values) == {"me", "h"} and set(got.failed) == {"l", "s", "w"}
-    assert "is not what it committed to" in got.failed["l"] and "did not reveal" in got.failed["s"] and "committed to 1025 values" in got.failed["w"]
+    assert "is not what it committed to" in got.failed["l"] and "did not reveal" in got.failed["s"] and f"committed to {4 * LEAF + 1} values" in got.failed["w"]
     index = got.coordinates()
     torch.testing.assert_close(got.tensors()["h"], honest.values[index], rtol=0, atol=0)
     torch.testing.assert_close(got.tensors()["me"], mine.values[index], rtol=0, atol=0)

@@ -26,7 +26,7 @@ import torch
 from peer.dp.commitment import LEAF, Commitment, commit, leaf_count, verify
 from peer.wire import audit_pb2 as pb
 
-AUDIT_LEAVES = 4  # leaves one auditor draws per round: 1,024 coordinates (4 KiB per member to the host)
+AUDIT_LEAVES = 4  # leaves one auditor draws per round: 4,096 coordinates (16 KiB per member to the host)
 MAX_REVEAL_LEAVES = 16  # the most a member reveals per request
 REVEAL_TIMEOUT_S = 10.0  # a member that has not answered by then is named as not proving what it sent
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-LEAF = 256  # values per leaf (1 KiB): a revealed leaf is this many contiguous coordinates
+LEAF = 1024  # values per leaf (4 KiB): a revealed leaf is this many contiguous coordinates
 HASH = 32  # bytes of a SHA-256 digest
 
 
