@@ -73,11 +73,11 @@ def model_cell(m: pb.ModelInfo) -> str:
 
 def averaging_cell(peers: int) -> str:
     """How far a stage group's averaging resists a hostile member (peer/dp/robust.py): a pair
-    has nothing to outvote it with, so only the claim and drift checks guard it."""
+    has nothing to outvote it with, so only the audit and drift checks guard it."""
     if peers < 2:
         return "none (alone)"
     if peers == 2:
-        return "pair: claim and drift checks only"
+        return "pair: audit and drift checks only"
     return f"trimmed mean of {peers}"
 
 

@@ -19,6 +19,7 @@ import torch
 from peer.dp.robust import trimmed_mean
 
 MAX_CORRECTION = 4.0  # see implausible
+DRIFT_FLOOR = 1e-5  # of the weights' norm: what a round may move them beyond the drift bound (rounding; see implausible)
 FLIP_COSINE = -0.5  # an update whose cosine with the rest of the group's mean update is below this points against it
 CLAIM_TOLERANCE = 0.1  # |mean - mean of claims| may be this fraction of the largest claimed update (8-bit quantization: ~2%)
 
@@ -134,19 +135,30 @@ def left_out(claims: dict[str, torch.Tensor], result: torch.Tensor, tolerance: f
 
 
 def implausible(means: list[torch.Tensor], offered: list[torch.Tensor], base: list[torch.Tensor]) -> str:
-    """Why the group's mean cannot be right, or "". The rule: every value finite, and the
-    correction it asks for (mean - what this peer `offered`) at most `MAX_CORRECTION` times this
-    peer's own drift since the last mean (`base`; plus a small floor). Why: honest replicas start a
-    round from the same mean and drift by similar amounts in `every` local steps, so the
-    mean of n of them lies within about that drift; a NaN or scaled contribution (a broken or
-    hostile peer) lands far outside it. The whole round is dropped because hivemind's
-    all-reduce hands back only the mean: the sender of a bad part cannot be told apart here."""
+    """Why the group's mean cannot be right, or "". The rules: every value finite; the correction
+    it asks for (mean - what this peer `offered`) at most `MAX_CORRECTION` times this peer's own
+    drift since the last mean (`base`), plus `DRIFT_FLOOR` of the weights' norm for rounding; and
+    the group's update (mean - base) not pointing against this peer's own (cosine below
+    `FLIP_COSINE`). Why: honest replicas start a round from the same mean and drift by similar
+    amounts, in similar directions, in `every` local steps, so the mean of n of them lies within
+    about that drift and on the same side; a NaN or scaled contribution lands far outside it, and
+    a group whose majority flipped its updates (which the trimmed mean cannot outvote) lands on
+    the other side. The whole round is dropped because hivemind's all-reduce hands back only the
+    mean: who is to blame cannot be told here (a flipping majority would name this peer).
+    The floor was once 0.1 % of the weights' norm: a pair member whose honest drift was far
+    smaller rode it, moving the weights 4.5 % in 50 rounds."""
     if not all(torch.isfinite(m).all() for m in means):
         return "the group mean holds NaN or Inf"
     correction = torch.sqrt(sum(((m - o) ** 2).sum() for m, o in zip(means, offered)))
     drift = torch.sqrt(sum(((o - b) ** 2).sum() for o, b in zip(offered, base)))
     scale = torch.sqrt(sum((b**2).sum() for b in base))
-    limit = MAX_CORRECTION * drift + 1e-3 * scale
+    limit = MAX_CORRECTION * drift + DRIFT_FLOOR * scale
     if correction > limit:
-        return f"it would move the weights by {float(correction):.3g}, more than {MAX_CORRECTION}x this peer's own drift since the last mean ({float(drift):.3g}) plus 0.1% of their norm"
+        return f"it would move the weights by {float(correction):.3g}, more than {MAX_CORRECTION}x this peer's own drift since the last mean ({float(drift):.3g}, plus {DRIFT_FLOOR:g} of their norm)"
+    moved = torch.sqrt(sum(((m - b) ** 2).sum() for m, b in zip(means, base)))
+    if float(drift) > DRIFT_FLOOR * float(scale) and float(moved) > DRIFT_FLOOR * float(scale):
+        dot = sum(((m - b) * (o - b)).sum() for m, b, o in zip(means, base, offered))
+        cos = float(dot / (moved * drift))
+        if cos < FLIP_COSINE:
+            return f"the group's update points against this peer's own (cosine {cos:.2f}): a majority of the group sent updates against it"
     return ""
