@@ -99,7 +99,7 @@ def test_dp_group_anchor_and_codec_components() -> None:
     cfg.anchor = AnchorConfig(every=10)
     cfg.mask = MaskConfig(drop=0.9, fill="token_prior")
     first, last = plan_stage(cfg, FP32, 0, dp_group=True), plan_stage(cfg, FP32, 1, dp_group=True)
-    assert first.dp_copies == first.host == first.weights
+    assert first.dp_copies == first.weights and first.host == 2 * first.weights  # the shared copy and the commitment's
     assert first.anchor_snapshot == first.weights  # a snapshot in the compute dtype: fp32 here
     assert plan_stage(cfg, BF16, 0).anchor_snapshot == first.weights // 2
     assert first.codec == 0 and last.codec == 2 * (256 * 64 + 64) * 4
@@ -193,4 +193,4 @@ def test_plan_table_for_a_llama_1b_shape(tmp_path: Path) -> None:
     full = 16 * (2 * H * H + 2 * H * 512 + 3 * H * 8192 + 2 * H) + V * H + H
     # the tied head is its own copy on the last stage
     assert sum(r["weights"] for r in rows) == pytest.approx((full + V * H) * 4 / GIB)
-    assert all(r["total"] > r["weights"] and r["host"] == r["weights"] for r in rows)
+    assert all(r["total"] > r["weights"] and r["host"] == 2 * r["weights"] for r in rows)

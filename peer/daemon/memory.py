@@ -39,7 +39,8 @@ class MemoryPlan:
     dp_copies: the stage-group averager's fp32 base copy. anchor_snapshot: one compute-dtype copy of the
     weights. activations: saved tensors of every micro-batch in flight. logits: last stage, one
     micro-batch's logits, their fp32 copy for the loss and its gradient. codec: link priors and
-    bases. host: the averager's shared-memory fp32 copy on the CPU. replica: the copy of the next
+    bases. host: the averager's shared-memory fp32 copy on the CPU and the copy of what it last
+    sent, kept to prove it to auditors (peer/dp/commitment.py): 8 bytes per parameter. replica: the copy of the next
     stage's training state (fp32 weights and both AdamW moments, 12 bytes per parameter) that a
     peer without a state dir may be asked to keep in host memory (peer/daemon/replicas.py).
     The remaining fields describe the settings, so a refusal can say what to change.
@@ -142,7 +143,7 @@ def _plan(cfg: TrainConfig, placement: Placement, stage: StageModule, dp_group: 
         activations=in_flight * (checkpointed if placement.checkpointing else full),
         logits=tokens * stage.vocab_size * (compute + 4 + 4) if stage.is_last else 0,
         codec=_codec_bytes(cfg, stage),
-        host=n * 4 if dp_group else 0,
+        host=n * 8 if dp_group else 0,  # shared-memory copy + the last commitment's copy
         activations_checkpointed=in_flight * checkpointed,
         compute_dtype=DTYPE_NAMES[placement.compute_dtype],
         checkpointing=placement.checkpointing,

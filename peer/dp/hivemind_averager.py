@@ -145,7 +145,9 @@ def averager_class():
             self._members: frozenset[str] | None = None  # None: not named yet (nothing refused)
             self._refusals: dict[str, float] = {}
             self._signer = signer  # signs this member's claims (peer/dp/signed_claims.py), in this process
-            self._commitments: dict = {}  # root -> Commitment: the latest two (a retried round commits again)
+            # root -> Commitment: the current round's (and, while a retried round looks for its
+            # group, the earlier try's); each holds a host copy of the stage (memory plan: host)
+            self._commitments: dict = {}
             self._current = None  # the commitment of the round in progress
             super().__init__(*args, **kwargs)
 
@@ -241,6 +243,8 @@ def averager_class():
             from peer.dp.audit import REVEAL_TIMEOUT_S, run_audit
 
             self._lost: list[tuple[int, int]] = []
+            if self._current is not None:  # a round has begun: an earlier try's commitment is nobody's to audit
+                self._commitments = {self._current.root: self._current}
             gathered = await super()._aggregate_with_group(group_info, *args, **kwargs)
 
             async def ask(pid, request):
