@@ -66,6 +66,14 @@ def start_round(a: GroupAverager, b: GroupAverager, clock: FakeClock) -> None:
         time.sleep(0.1)
 
 
+def wait_rounds(avgs: list[GroupAverager]) -> None:
+    """Until every averager's offered round has ended (60 s at most)."""
+    deadline = time.monotonic() + 60
+    while not all(avg._pending.done() for avg in avgs):
+        assert time.monotonic() < deadline, "no averaging round within 60 s"
+        time.sleep(0.1)
+
+
 def same_start(dht_a, dht_b, init: list[torch.Tensor], prefix: str, compression: str) -> tuple[list, list, GroupAverager, GroupAverager, FakeClock]:
     """Two peers' parameters starting from the same weights, and their averagers (every=1, a shared fake clock)."""
     pa = [torch.nn.Parameter(t.clone()) for t in init]
@@ -341,10 +349,7 @@ def test_a_sign_flipped_update_is_refused_and_its_sender_named(attack: str, monk
             a, bad = avgs[0], avgs[-1]
             before = [p.detach().clone() for p in params[0]]
             offer(avgs, clock)
-            deadline = time.monotonic() + 60
-            while not all(avg._pending.done() for avg in avgs):
-                assert time.monotonic() < deadline, "no averaging round within 60 s"
-                time.sleep(0.1)
+            wait_rounds(avgs)
             a._finish()
             assert a.rejected == 1 and a.rounds == 0, (a.last_error, a.last_rejection)
             if attack == "flipped":
@@ -608,10 +613,7 @@ def test_a_group_of_three_takes_the_trimmed_mean_and_an_outsized_member_moves_no
                         p.copy_(t + (3.9 * c if i == 2 else c + 0.002 * torch.randn_like(p)))
             offered = [[p.detach().clone() for p in ps] for ps in params]
             offer(avgs, clock)
-            deadline = time.monotonic() + 60
-            while not all(avg._pending.done() for avg in avgs):
-                assert time.monotonic() < deadline, "no averaging round within 60 s"
-                time.sleep(0.1)
+            wait_rounds(avgs)
             avgs[0]._finish()
             assert avgs[0].rounds == 1 and avgs[0].rejected == 0, (avgs[0].last_error, avgs[0].last_rejection)
             for k, p in enumerate(params[0]):
