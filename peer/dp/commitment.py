@@ -60,7 +60,7 @@ class Commitment:
             values.append(flat[leaf * LEAF : (leaf + 1) * LEAF].tobytes())
             i = leaf
             for level in self.levels[:-1]:
-                proof.append(level[i ^ 1] if (i ^ 1) < len(level) else level[i])
+                proof.append(level[i ^ 1])  # every level below the root has even length (`commit` pads it)
                 i //= 2
         return b"".join(values), b"".join(proof)
 

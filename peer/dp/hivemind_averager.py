@@ -183,14 +183,13 @@ def averager_class():
                 prefix, me = self.prefix, str(self.peer_id)
                 sign = lambda c: self._signer.sign(c, prefix, me, float(c.get("time", time.time())))  # noqa: E731
             c, claim = audit.commit_claim(list(self._averaged_tensors), claim, sign)
-            self._commitments = {**dict(list(self._commitments.items())[-1:]), c.root: c}
+            self._commitments = {**({self._current.root: self._current} if self._current else {}), c.root: c}
             self._current = c
             step._data_for_gather = self.serializer.dumps([bandwidth, mode, self.serializer.dumps(claim)])
 
         async def rpc_reveal(self, request, context):
             """Reveal committed values to a member auditing a round (peer/dp/audit.py)."""
             from peer.dp.audit import answer
-            from peer.wire import audit_pb2
 
             if self._stranger(context, "a request to reveal committed values"):
                 return audit_pb2.RevealReply(error="not a member of this stage group")
