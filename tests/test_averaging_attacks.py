@@ -6,10 +6,9 @@ the colluders run on real hivemind rounds."""
 from __future__ import annotations
 
 import torch
-from test_group_averager import FakeClock, offer, two_dhts, wait_rounds
+from test_group_averager import offer, three_members, wait_rounds
 
 from peer.dp.claims import DRIFT_FLOOR, implausible
-from peer.dp.group import GroupAverager
 
 
 def test_a_pair_member_riding_the_old_floor_moves_the_weights_nowhere_in_50_rounds() -> None:
@@ -70,31 +69,17 @@ def test_two_colluders_of_three_flipping_their_updates_get_no_round_from_the_hon
     mean of three is then theirs, and the checks per member name nobody (each colluder's update
     agrees with the other's). The honest member a sees the group's update point against its own
     and refuses the round; its weights stay."""
-    import hivemind
-
-    with two_dhts() as (dht_a, dht_b):
-        dht_c = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[str(m) for m in dht_a.get_visible_maddrs()])
-        try:
-            torch.manual_seed(0)
-            init = [torch.randn(100, 50), torch.randn(20)]
-            common = [0.01 * torch.randn_like(t) for t in init]
-            params = [[torch.nn.Parameter(t.clone()) for t in init] for _ in range(3)]
-            clock = FakeClock()
-            avgs = [GroupAverager(d, ps, "collude", every=1, timeout=30.0, compression="int8", peer_id=f"peer-{i}", clock=clock) for i, (d, ps) in enumerate(zip((dht_a, dht_b, dht_c), params))]
-            with torch.no_grad():
-                for i, ps in enumerate(params):
-                    for p, c, t in zip(ps, common, init):
-                        update = c + 0.003 * torch.randn_like(p)
-                        p.copy_(t + update if i == 0 else t - update)
-            before = [p.detach().clone() for p in params[0]]
-            offer(avgs, clock)
-            wait_rounds(avgs)
-            a = avgs[0]
-            a._finish()
-            assert a.rounds == 0 and a.rejected == 1, (a.last_error, a.last_rejection)
-            assert "points against this peer's own" in a.last_rejection and not a.suspects
-            assert all(torch.equal(p.detach(), x) for p, x in zip(params[0], before))
-            for avg in avgs:
-                avg.shutdown()
-        finally:
-            dht_c.shutdown()
+    with three_members("collude", "int8") as (init, common, params, avgs, clock):
+        with torch.no_grad():
+            for i, ps in enumerate(params):
+                for p, c, t in zip(ps, common, init):
+                    update = c + 0.003 * torch.randn_like(p)
+                    p.copy_(t + update if i == 0 else t - update)
+        before = [p.detach().clone() for p in params[0]]
+        offer(avgs, clock)
+        wait_rounds(avgs)
+        a = avgs[0]
+        a._finish()
+        assert a.rounds == 0 and a.rejected == 1, (a.last_error, a.last_rejection)
+        assert "points against this peer's own" in a.last_rejection and not a.suspects
+        assert all(torch.equal(p.detach(), x) for p, x in zip(params[0], before))

@@ -74,6 +74,31 @@ def wait_rounds(avgs: list[GroupAverager]) -> None:
         time.sleep(0.1)
 
 
+@contextmanager
+def three_members(prefix: str, compression: str):
+    """Three averagers (every=1, peer ids peer-0..2, a shared fake clock) on three DHT nodes, all
+    starting from the same seeded weights; yields (init, common, params, avgs, clock), where
+    `common` is an update direction the members' training shares. Shut down after."""
+    import hivemind
+
+    with two_dhts() as (dht_a, dht_b):
+        dht_c = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[str(m) for m in dht_a.get_visible_maddrs()])
+        avgs: list[GroupAverager] = []
+        try:
+            torch.manual_seed(0)
+            init = [torch.randn(100, 50), torch.randn(20)]
+            common = [0.01 * torch.randn_like(t) for t in init]
+            params = [[torch.nn.Parameter(t.clone()) for t in init] for _ in range(3)]
+            clock = FakeClock()
+            for i, (d, ps) in enumerate(zip((dht_a, dht_b, dht_c), params)):
+                avgs.append(GroupAverager(d, ps, prefix, every=1, timeout=30.0, compression=compression, peer_id=f"peer-{i}", clock=clock))
+            yield init, common, params, avgs, clock
+        finally:
+            for avg in avgs:
+                avg.shutdown()
+            dht_c.shutdown()
+
+
 def same_start(dht_a, dht_b, init: list[torch.Tensor], prefix: str, compression: str) -> tuple[list, list, GroupAverager, GroupAverager, FakeClock]:
     """Two peers' parameters starting from the same weights, and their averagers (every=1, a shared fake clock)."""
     pa = [torch.nn.Parameter(t.clone()) for t in init]
@@ -594,37 +619,23 @@ def test_a_group_of_three_takes_the_trimmed_mean_and_an_outsized_member_moves_no
     """c sends an update 3.9x the others' (under the 4x naming limit, so the round is taken):
     with hivemind's weighted mean it would drag the group along; the trimmed mean (the median of
     three, every member weighing 1) leaves the result between the honest members."""
-    import hivemind
-
     from peer.dp.robust import trimmed_mean
 
-    with two_dhts() as (dht_a, dht_b):
-        dht_c = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[str(m) for m in dht_a.get_visible_maddrs()])
-        try:
-            torch.manual_seed(0)
-            init = [torch.randn(100, 50), torch.randn(20)]
-            common = [0.01 * torch.randn_like(t) for t in init]
-            params = [[torch.nn.Parameter(t.clone()) for t in init] for _ in range(3)]
-            clock = FakeClock()
-            avgs = [GroupAverager(d, ps, "trimmed", every=1, timeout=30.0, compression="none", peer_id=f"peer-{i}", clock=clock) for i, (d, ps) in enumerate(zip((dht_a, dht_b, dht_c), params))]
-            with torch.no_grad():
-                for i, ps in enumerate(params):
-                    for p, c, t in zip(ps, common, init):
-                        p.copy_(t + (3.9 * c if i == 2 else c + 0.002 * torch.randn_like(p)))
-            offered = [[p.detach().clone() for p in ps] for ps in params]
-            offer(avgs, clock)
-            wait_rounds(avgs)
-            avgs[0]._finish()
-            assert avgs[0].rounds == 1 and avgs[0].rejected == 0, (avgs[0].last_error, avgs[0].last_rejection)
-            for k, p in enumerate(params[0]):
-                want = trimmed_mean(torch.stack([o[k] for o in offered]))
-                plain = torch.stack([o[k] for o in offered]).mean(0)
-                torch.testing.assert_close(p.detach(), want, rtol=0, atol=1e-6)
-                assert (plain - want).norm() > 10 * (p.detach() - want).norm() + 1e-3  # the plain mean would be elsewhere
-            for avg in avgs:
-                avg.shutdown()
-        finally:
-            dht_c.shutdown()
+    with three_members("trimmed", "none") as (init, common, params, avgs, clock):
+        with torch.no_grad():
+            for i, ps in enumerate(params):
+                for p, c, t in zip(ps, common, init):
+                    p.copy_(t + (3.9 * c if i == 2 else c + 0.002 * torch.randn_like(p)))
+        offered = [[p.detach().clone() for p in ps] for ps in params]
+        offer(avgs, clock)
+        wait_rounds(avgs)
+        avgs[0]._finish()
+        assert avgs[0].rounds == 1 and avgs[0].rejected == 0, (avgs[0].last_error, avgs[0].last_rejection)
+        for k, p in enumerate(params[0]):
+            want = trimmed_mean(torch.stack([o[k] for o in offered]))
+            plain = torch.stack([o[k] for o in offered]).mean(0)
+            torch.testing.assert_close(p.detach(), want, rtol=0, atol=1e-6)
+            assert (plain - want).norm() > 10 * (p.detach() - want).norm() + 1e-3  # the plain mean would be elsewhere
 
 
 def test_trimmed_mean_drops_the_extremes_per_coordinate() -> None:
