@@ -47,5 +47,6 @@ def peer_info(p: PeerRecord, now: float, suspects: Suspects = ({}, {})) -> pb.Pe
         link_mbit=p.link_mbit, pp_keep=p.pp_keep, dp_period_s=p.dp_period_s,
         device=p.device, memory_bytes=p.memory, memory_plan_bytes=p.memory_plan, refused_reports=p.refused_reports,
         excluding=list(p.excluding), startup_s=p.startup_s,
+        startup_phases=[pb.StartupPhase(name=n, seconds=x) for n, x in p.startup_phases],
         replica_stage=p.replica_stage, replica_step=p.replica_step, resumed_from=p.resumed_from,
     )

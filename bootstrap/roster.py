@@ -62,6 +62,7 @@ class PeerRecord:
     last_refusal: str = ""  # why the newest one was
     excluding: tuple[str, ...] = ()  # "PEER: why (N s left)" of next-stage peers its sends route around
     startup_s: float = 0.0  # its process start to its first step (0: not yet)
+    startup_phases: tuple[tuple[str, float], ...] = ()  # where that time went (peer/daemon/startup.py)
     replica_stage: int = 0  # the replica of another stage's state it keeps (peer/daemon/replicas.py)
     replica_step: int = 0  # its step; 0 = none
     resumed_from: str = ""  # where its stage state came from (initial weights, checkpoint, group, replica)

@@ -25,6 +25,7 @@ from bootstrap.roster import LIVE, Banned, JoinRefused, PeerRecord, live
 from peer import __version__
 from peer.capacity import step_ceiling
 from peer.config import TrainConfig
+from peer.daemon.startup import MAX_PHASES
 from peer.model.stages import layer_ranges
 from peer.security.identity import fingerprint
 from peer.wire import anchormesh_pb2 as pb
@@ -34,6 +35,7 @@ REPLICA_HOLDERS = 2  # peers of a stage that keep a copy of the next stage's sta
 MAX_DONORS = 4  # stage mates a joiner may ask for the stage's state, most-trained first
 MAX_SUSPECTS = 4  # averaging suspects (and excluded next hops) kept per peer report
 MAX_TEXT = 300  # characters kept of a text a peer reports (a reason, a suspect, an excluded hop)
+MAX_NAME = 32  # characters kept of a startup phase's name
 log = logging.getLogger("anchormesh.tracker")
 
 
@@ -187,6 +189,7 @@ class Tracker:
             p.dp_suspects = tuple(x[:MAX_TEXT] for x in info.dp_suspects[:MAX_SUSPECTS])
             p.excluding = tuple(x[:MAX_TEXT] for x in info.excluding[:MAX_SUSPECTS])
             p.startup_s = info.startup_s if math.isfinite(info.startup_s) and 0 <= info.startup_s < 1e7 else 0.0
+            p.startup_phases = tuple((x.name[:MAX_NAME], x.seconds) for x in info.startup_phases[:MAX_PHASES] if math.isfinite(x.seconds) and 0 <= x.seconds < 1e7)
             # a claimed replica newer than the run is a lie: a joiner would only refuse it after the download
             ok = info.replica_stage < self.config.model.num_stages and info.replica_step <= step_ceiling(self._run_step(), 2 * self.heartbeat_interval_s)
             p.replica_stage, p.replica_step = (info.replica_stage, info.replica_step) if ok else (0, 0)

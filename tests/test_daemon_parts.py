@@ -23,6 +23,7 @@ from peer.daemon.checkpointing import Checkpointer
 from peer.daemon.membership import Membership
 from peer.daemon.routing import Router
 from peer.daemon.serving import Serving
+from peer.daemon.startup import StartupClock
 from peer.daemon.state_sync import StateSync
 from peer.errors import AnchormeshError, WireError
 from peer.store.checkpoint import ShardCheckpoints
@@ -188,13 +189,18 @@ def test_routing_resends_a_micro_batch_whose_gradient_never_came() -> None:
 
 
 # -- membership -------------------------------------------------------------------------------------
+clock = [0.0]  # the member's process age, seconds
+
+
 def member() -> tuple[SimpleNamespace, Membership]:
+    clock[0] = 0.0
     worker = SimpleNamespace(stage=SimpleNamespace(index=1), version=9, inbox_fwd=[1, 2], inbox_bwd=[3], keep_sent={})
     transport = SimpleNamespace(run_id="run", bytes_in=100, total_bytes=lambda: 250, excluding=lambda: ["x1", "x2", "x3", "x4", "x5"], endpoints={}, meters={}, usable=lambda dst: True)
     d = SimpleNamespace(
         peer_id="me", address="h:9", identity=SimpleNamespace(fingerprint="fp"), gate=SimpleNamespace(refused=collections.Counter(a=2, b=1), banned={"old": "x"}),
         transport=transport, stop=threading.Event(), worker=worker, averager=None, anchor=None, state="active", reason="", tokens=4096,
         tokens_per_s=12.5, capacity=40.0, loss=2.5, steps_done=0, startup_s=0.0, move_reason="", refused="", resumed_from="group step 5",
+        startup=StartupClock(lambda: clock[0]),
         replicas=SimpleNamespace(stage=2, step=7, pulls_asked=[]),
     )
     d.replicas.maybe_pull = d.replicas.pulls_asked.append
@@ -208,9 +214,20 @@ def test_membership_reports_the_peer_s_figures() -> None:
     assert (r.peer.queue_depth, r.peer.bytes_in, r.peer.bytes_out, r.peer.refused_calls, r.peer.key_fingerprint) == (3, 100, 250, 3, "fp")
     assert list(r.peer.excluding) == ["x1", "x2", "x3", "x4"] and r.peer.dp_rounds == 0 and r.peer.anchor_id == 0
     assert (r.peer.replica_stage, r.peer.replica_step, r.peer.resumed_from) == (2, 7, "group step 5")
-    assert r.peer.reason.startswith("starting (") and r.peer.reason.endswith(" s since start)")  # before its first step
+    clock[0] = 7.0
+    d.startup.begin("join")
+    clock[0] = 9.4
+    r = m.report()  # before its first step: what it does, for how long, since when; no phases yet
+    assert r.peer.reason == "joining: the run's config, its memory plan, the tracker's assignment (2 s; 9 s since start)" and not r.peer.startup_phases
+    d.startup.begin("state")
+    d.reason = "downloading its stage's state from peer-x (40 %)"  # a phase that says more
+    assert m.report().peer.reason == "downloading its stage's state from peer-x (40 %) (0 s; 9 s since start)"
+    clock[0] = 12.0
+    d.startup_s = d.startup.done()
     d.steps_done, d.reason = 1, "waiting for a peer of stage 1"
-    assert m.report().peer.reason == "waiting for a peer of stage 1"
+    r = m.report()
+    assert r.peer.reason == "waiting for a peer of stage 1" and r.peer.startup_s == 12.0
+    assert [(p.name, round(p.seconds, 1)) for p in r.peer.startup_phases] == [("imports", 7.0), ("join", 2.4), ("state", 2.6)]
 
 
 class Refused(grpc.RpcError):

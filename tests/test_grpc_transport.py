@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 import torch
@@ -221,3 +223,51 @@ def test_stage_0_routes_around_an_excluded_next_hop_unless_it_is_the_only_one() 
     assert picks == {"a", "c"}
     excluded.update({"a", "c"})
     assert {d.next_hop() for _ in range(200)} == {"a", "b", "c"}
+
+
+def test_a_message_for_a_peer_not_known_yet_waits_for_its_address(served) -> None:
+    """A next-stage peer answers a stage-0 peer it has not heard of yet (it started serving after
+    the last heartbeat): the gradient waits for the address instead of being dropped (which cost
+    the sender a 20 s resend before its first step), and goes out once the address is known."""
+    runner, transport = served
+    target = transport.endpoints.pop((1, 0))  # as if its address had not reached the sender yet
+    data = _chunk(runner).SerializeToString()
+    sender = GrpcTransport("run-a")
+    try:
+        sender.send("me", (1, 0), "forward", data)  # no error: parked
+        assert len(sender.parking) == 1 and sender.send_error_count == 0
+        sender.flush_parked()  # still unknown: it keeps waiting
+        assert len(sender.parking) == 1 and transport.poll((1, 0), "forward") is None
+        sender.endpoints[(1, 0)] = target  # the next heartbeat brings it
+        sender.flush_parked()
+        assert len(sender.parking) == 0
+        deadline = time.monotonic() + 10
+        while (got := transport.poll((1, 0), "forward")) is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert got == data
+    finally:
+        transport.endpoints[(1, 0)] = target
+        sender.close()
+
+
+def test_a_message_whose_address_never_comes_is_a_send_error() -> None:
+    from peer.errors import AnchormeshError
+    from peer.pipeline.parking import Parking
+
+    now = [0.0]
+    t = GrpcTransport("run-a")
+    t.parking = Parking(limit=3, wait_s=10.0, clock=lambda: now[0])
+    try:
+        for _ in range(3):
+            t.send("me", "ghost", "forward", b"x")
+        with pytest.raises(AnchormeshError, match="no address known for ghost, and 3 messages already wait"):
+            t.send("me", "ghost", "forward", b"x")  # bounded: a forged sender costs three slots, no more
+        now[0] = 9.0
+        t.flush_parked()
+        assert len(t.parking) == 3 and t.send_error_count == 0
+        now[0] = 10.5
+        t.flush_parked()
+        assert len(t.parking) == 0 and t.parking.expired == 3
+        assert t.send_error_count == 1 and list(t.send_errors) == ["ghost: its address never became known"]  # the worker forgets what it sent
+    finally:
+        t.close()

@@ -138,6 +138,10 @@ def test_two_stages_of_two_peers_train_anchor_rebalance_and_survive_churn(swarm:
     assert all(st["tokens_per_s"] > 0 for st in late["stages"]) or late["tokens_per_s"] > 0
     startups = [p["startup_s"] for p in late["peers"] if p["startup_s"] is not None]  # (a peer that just moved has not stepped again)
     assert startups and all(0 < x < 600 for x in startups), startups
+    for p in late["peers"]:  # where each startup went: the phases from the process's start to its first step
+        if p["startup_s"] is not None:
+            assert list(p["startup_phases"])[0] == "imports" and {"dht", "join", "stage", "first_step"} <= set(p["startup_phases"]), p["startup_phases"]
+            assert abs(sum(p["startup_phases"].values()) - p["startup_s"]) < 0.5, (p["startup_phases"], p["startup_s"])
     assert late["eval_loss"] is not None and late["eval_loss"] < math.log(256) and late["eval_step"] >= 10
     assert late["anchors_launched"] >= 2 and late["anchor_age_steps"] is not None and late["anchor_bytes_per_token"] > 0
     assert 0 < late["pp_bytes_per_token"] < 100, "the low-rank codec should send far fewer bytes than dense (512 B/token)"

@@ -414,3 +414,14 @@ def test_a_peer_s_startup_time_reaches_the_status_and_nonsense_does_not() -> Non
     for sent, shown in ((12.5, 12.5), (float("nan"), 0.0), (-3.0, 0.0), (1e12, 0.0)):
         t.report(pb.PeerReport(run_id="run-x", peer=pb.PeerInfo(peer_id="a", stage=0, state="active", step=1, startup_s=sent), tokens=0))
         assert t.status().peers[0].startup_s == shown
+
+
+def test_a_peer_s_startup_phases_reach_the_status_bounded() -> None:
+    t = Tracker("run-x", TrainConfig(model=ModelConfig(num_stages=2, num_layers=4)), peer_timeout_s=30.0, clock=Clock())
+    join(t, "a")
+    sent = [pb.StartupPhase(name="imports", seconds=4.0), pb.StartupPhase(name="dht", seconds=float("nan")), pb.StartupPhase(name="x" * 500, seconds=-1.0),
+            *[pb.StartupPhase(name=f"p{i}", seconds=0.5) for i in range(40)]]
+    t.report(pb.PeerReport(run_id="run-x", peer=pb.PeerInfo(peer_id="a", stage=0, state="active", step=1, startup_s=9.0, startup_phases=sent), tokens=0))
+    shown = t.status().peers[0].startup_phases
+    assert [(p.name, p.seconds) for p in shown[:2]] == [("imports", 4.0), ("p0", 0.5)]  # NaN and negative seconds dropped
+    assert len(shown) == 14  # of the first 16 sent, the two nonsense ones dropped

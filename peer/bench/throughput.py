@@ -181,6 +181,7 @@ def measure_mode(
         "pp_compression": s1["pp_compression"],
         "train_loss": s1["loss"],
         "peer_startup_s": _median([p["startup_s"] for p in s1["peers"] if p["state"] in ("active", "idle") and p.get("startup_s")]),  # process start to first step
+        "peer_startup_phases_s": startup_phases([p.get("startup_phases") for p in s1["peers"] if p["state"] in ("active", "idle")]),  # where it went
         "peer_capacity_tokens_per_s": _median([p["capacity_tokens_per_s"] for p in s1["peers"] if p["state"] in ("active", "idle") and p["capacity_tokens_per_s"] > 0]),
         "wall_s": time.monotonic() - t_start,
         "peers": [
@@ -191,6 +192,13 @@ def measure_mode(
     }
     print(f"[{mode}] {result['tokens_per_s']:,.0f} tok/s, {result['wire_bytes_per_token']:.0f} wire B/token, eval loss {result['eval_loss']:.4f} at step {result['eval_step']} ({result['wall_s']:.0f}s)", flush=True)
     return result
+
+
+def startup_phases(per_peer: list[dict | None]) -> dict[str, float]:
+    """Each startup phase's median seconds over the peers that reported one (a phase a peer
+    skipped, e.g. a group state download, counts over the peers that had it)."""
+    names = list(dict.fromkeys(name for phases in per_peer if phases for name in phases))
+    return {name: round(_median([phases[name] for phases in per_peer if phases and name in phases]), 2) for name in names}
 
 
 def check_bed_args(what: str, stages: int, bandwidth_mbit: float | None) -> None:

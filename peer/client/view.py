@@ -58,6 +58,7 @@ def status_dict(s: pb.RunStatus) -> dict:
                 "device": p.device or None, "memory_bytes": p.memory_bytes or None, "memory_plan_bytes": p.memory_plan_bytes or None,
                 "refused_reports": p.refused_reports, "excluding": list(p.excluding),
                 "startup_s": round(p.startup_s, 1) or None,
+                "startup_phases": {x.name: round(x.seconds, 2) for x in p.startup_phases} or None,
                 "resumed_from": p.resumed_from or None,
                 "replica": {"stage": p.replica_stage, "step": p.replica_step} if p.replica_step else None,
             }

@@ -56,6 +56,7 @@ from peer.daemon.replicas import Replicas, own_state_bytes
 from peer.daemon.routing import Router
 from peer.daemon.runlog import MetricsLog
 from peer.daemon.serving import Serving
+from peer.daemon.startup import StartupClock
 from peer.daemon.state_sync import StateSync
 from peer.data import TokenStream, load_training_data
 from peer.dp.group import GroupAverager
@@ -80,7 +81,8 @@ PEER_ID_ENV = "ANCHORMESH_PEER_ID"  # set by a MOVE's exec so the peer keeps its
 class PeerDaemon:
     """One peer: its stage worker, its gRPC server, its heartbeat and its main loop."""
 
-    def __init__(self, tracker: str, host: str = "127.0.0.1", grpc_port: int = 0, device: str = "cpu", dht=None, state_dir: Path | None = None, announce_host: str | None = None, token: str | None = None, tls_ca: bytes | None = None) -> None:
+    def __init__(self, tracker: str, host: str = "127.0.0.1", grpc_port: int = 0, device: str = "cpu", dht=None, state_dir: Path | None = None, announce_host: str | None = None, token: str | None = None, tls_ca: bytes | None = None, startup: StartupClock | None = None) -> None:
+        self.startup = startup or StartupClock(process_age_s)  # run_peer's clock: it timed the DHT's start too
         self.device = parse_device(device)  # the precision follows from the run's config at Join
         self.placement = CPU_FP32
         self.tracker, self.host, self.state_dir = tracker, host, state_dir
@@ -133,6 +135,11 @@ class PeerDaemon:
         self.membership = Membership(self, self.router, self.jobs)
         self.replicas = Replicas(self.transport, self.peer_id)  # the copy of another stage's state it keeps
 
+    def phase(self, name: str) -> None:
+        """A new startup phase (peer/daemon/startup.py): its status says what it does, not the last phase's reason."""
+        self.startup.begin(name)
+        self.reason = ""
+
     def step_lock(self) -> threading.Lock:
         """The lock every change of the stage's weights holds (peer/daemon/averaging.py)."""
         return step_lock(self.averager, self._weights_lock)
@@ -162,6 +169,7 @@ class PeerDaemon:
 
         signal.signal(signal.SIGTERM, terminate)
         signal.signal(signal.SIGINT, terminate)
+        self.phase("join")
         a, cfg, plans = self.membership.enter()
         self.state_sync.run_clock = (time.monotonic(), a.start_step)
         self.membership.admitted(a)
@@ -173,6 +181,7 @@ class PeerDaemon:
         except ConfigError as exc:  # the run's precision or this stage does not fit this device: say so and leave
             self._refuse_config(a.run_id, exc)
         log.info("computing on %s; stage %d plans %.2f GiB of %.2f GiB free", self.placement.describe(), a.stage, plan.need(self.placement.device) / 2**30, free / 2**30)
+        self.phase("stage")
         stage = load_stage(cfg.model, a.stage, seed=cfg.seed, device=self.placement.device, dtype=self.placement.master_dtype)  # only this stage's layers
         vocab_size = stage.vocab_size
         stage.train()
@@ -184,6 +193,7 @@ class PeerDaemon:
         slots = anchor_snapshot_slots(free - plan.need(self.placement.device), snapshot_bytes, cfg.compute.anchor_snapshot_share)
         self.anchor = SwarmAnchor(self.worker, cfg.anchor.micro_batches, self.router.siblings, eval_batches=cfg.pipeline.eval_batches, max_jobs=slots)
         self.anchor.issued = a.anchors_issued  # the Join reply's ceiling: forged anchor ids are refused before the first heartbeat
+        self.phase("averager")
         if self.dht is not None and a.group_dht_maddrs:
             log.info("dialled %d of %d stage mates' DHT nodes", connect_peers(self.dht, list(a.group_dht_maddrs)), len(a.group_dht_maddrs))
         self.averager = start_averaging(  # forks: before any gRPC runs
@@ -199,17 +209,19 @@ class PeerDaemon:
         if self.state_dir is not None:
             run_info = {"run_id": a.run_id, "code_version": __version__, "config": json.loads(a.run_config_json)}
             self.checkpoints = ShardCheckpoints(self.state_dir, a.run_id, a.stage, keep=cfg.checkpoint.keep, run_info=run_info)
-            self.reason = "checking its checkpoints"
+            self.phase("checkpoint")
             self.checkpointer.resume()
         self.replicas.configure(a.run_id, cfg.checkpoint.replicate_every_s, self.state_dir, own_state_bytes(stage))
         if a.HasField("restore_from"):  # its whole group died: the newest replica another stage's peer keeps
+            self.phase("restore")
             self._restore(a)
         elif a.start_step > max(self.state_step, 0):  # the run has trained past what this peer holds: ask the group
+            self.phase("state")
             names = [name for name, _ in stage.named_parameters()]
             self.state_sync.load_group_state(list(a.donors), lambda donor: self.replicas.download(donor, a.stage, names, self.state_sync.apply_state, f"a group member ({donor.peer_id})"))
         stream = gen = None
         if stage.is_first:
-            self.reason = "reading the run's data"
+            self.phase("data")
             try:
                 stream, source = load_training_data(cfg, vocab_size)
             except ConfigError as exc:  # this machine cannot serve stage 0 with the run's data: say so and leave
@@ -221,6 +233,7 @@ class PeerDaemon:
             # each stage-0 peer draws its own batches (seeded by its id, so two peers never repeat each other)
             gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + zlib.crc32(self.peer_id.encode()))
             log.info("stage 0 reads %s (%d training tokens, %s tokenizer)", source.split(",")[0], len(stream.train), cfg.data.tokenizer)
+        self.phase("first_step")
         self.transport.start()
         resumed = f" (resumed from {self.resumed_from})" if a.start_step > 0 or self.state_step >= 0 else ""
         self.state, self.reason = "idle", f"serving; waiting for work{resumed}"
@@ -230,6 +243,7 @@ class PeerDaemon:
         try:
             errors_seen = 0
             while not self.stop.is_set() and (max_steps is None or self.worker.version < max_steps):
+                self.transport.flush_parked()  # what waited for an address the last heartbeat brought
                 if self.transport.send_error_count != errors_seen:  # a lost message may have carried a basis
                     errors_seen = self.transport.send_error_count
                     self.worker.forget_sent()
@@ -295,8 +309,7 @@ class PeerDaemon:
             apply_step(w, self.averager, self._weights_lock, self.router.siblings)
             self.steps_done += 1
             if self.steps_done == 1:
-                self.startup_s = process_age_s()
-                log.info("first step %.1f s after the process started", self.startup_s)
+                self.startup_s = self.startup.done()  # logs where the time went
             if cfg.checkpoint.every and w.version % cfg.checkpoint.every == 0:
                 self.checkpointer.write()
             if w.stage.is_last:
@@ -355,14 +368,19 @@ def run_peer(initial_peers: list[str], tracker: str | None, host: str, grpc_port
     if not token:
         raise ConfigError("--token", None, f"a peer joins with the run's token: {auth.NO_TOKEN_HINT}")
     stop = threading.Event()
+    startup = StartupClock(process_age_s)
     if not initial_peers:
+        startup.begin("tracker")
         log.info("asking the tracker %s for the run's DHT addresses", tracker)
         initial_peers = dht_maddrs_from_tracker(tracker, stop, auth.Credentials(token=token), tls_ca)
+    startup.begin("dht")
     dht = start_dht(initial_peers, host, dht_port, announce_host, token, tracker_key, tracker_known=tracker is not None)
     if tracker is None:
+        startup.begin("find_tracker")
         tracker = find_tracker(dht, stop, tracker_key)
         log.info("found the tracker at %s through the DHT", tracker)
-    daemon = PeerDaemon(tracker, host, grpc_port, device, dht=dht, state_dir=state_dir, announce_host=announce_host, token=token, tls_ca=tls_ca)
+    startup.begin("grpc")
+    daemon = PeerDaemon(tracker, host, grpc_port, device, dht=dht, state_dir=state_dir, announce_host=announce_host, token=token, tls_ca=tls_ca, startup=startup)
     if metrics_port is not None:
         from peer.metrics import peer_exposition, serve_metrics
 

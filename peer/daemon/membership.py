@@ -34,6 +34,7 @@ from peer.daemon.anchors import AnchorJobs
 from peer.daemon.memory import free_bytes, plan_stages
 from peer.daemon.replicas import Replicas
 from peer.daemon.routing import Router
+from peer.daemon.startup import StartupClock
 from peer.dp.group import GroupAverager
 from peer.errors import ConfigError
 from peer.model.placement import DTYPE_NAMES, resolve_placement
@@ -233,6 +234,7 @@ class Member(Protocol):
     loss: float
     steps_done: int
     startup_s: float
+    startup: StartupClock
     move_reason: str
     refused: str
     resumed_from: str
@@ -294,8 +296,9 @@ class Membership:
                 peer_id=d.peer_id, stage=w.stage.index, address=d.address, state=d.state, tokens_per_s=d.tokens_per_s,
                 bytes_in=d.transport.bytes_in, bytes_out=d.transport.total_bytes(), step=w.version, loss=d.loss,
                 queue_depth=len(w.inbox_fwd) + len(w.inbox_bwd), startup_s=d.startup_s,
-                # before its first step, how long it has been starting (what it waits on is the reason)
-                reason=d.reason if d.steps_done else f"{d.reason or 'starting'} ({process_age_s():.0f} s since start)",
+                # before its first step: what it is doing (its reason, else its startup phase) and for how long
+                reason=d.reason if d.steps_done else d.startup.waiting(d.reason),
+                startup_phases=[pb.StartupPhase(name=n, seconds=s) for n, s in d.startup.phases()] if d.steps_done else [],
                 dp_rounds=averager.rounds if averager else 0,
                 anchor_id=anchor.newest_id if anchor else 0,
                 anchor_bytes_out=anchor.bytes_out if anchor else 0,

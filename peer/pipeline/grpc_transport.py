@@ -16,6 +16,7 @@ has neither.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -28,6 +29,7 @@ import grpc
 
 from peer.errors import AnchormeshError
 from peer.pipeline.linktune import LinkMeter
+from peer.pipeline.parking import Parking
 from peer.pipeline.transport import CHANNELS, Address, Transport
 from peer.security import auth
 from peer.wire import anchormesh_pb2 as pb
@@ -106,6 +108,7 @@ class GrpcTransport(Transport):
         self.ping_info = ping_info or default_ping_info
         self.shard_source = shard_source
         self.endpoints: dict[Address, str] = {}
+        self.parking = Parking()  # messages for destinations whose address is not known yet
         self._servers: list[grpc.Server] = []
         self._inbox: dict[tuple[Address, str], deque[bytes]] = defaultdict(deque)
         self._arrived = threading.Condition()
@@ -272,8 +275,9 @@ class GrpcTransport(Transport):
     def send(self, src: Address, dst: Address, channel: str, data: bytes) -> None:
         if channel not in CHANNELS:
             raise ValueError(f"channel={channel!r}: must be one of {CHANNELS}")
-        if dst not in self.endpoints:
-            raise AnchormeshError(f"no endpoint known for stage {dst[0]} replica {dst[1]}")
+        if dst not in self.endpoints:  # a peer that started serving after our last heartbeat: its address comes with the next
+            self.parking.park(dst, (src, channel, data))
+            return
         key = (dst, channel)
         self._check_stalled(dst, channel)
         self._count(src, dst, channel, data)
@@ -284,6 +288,17 @@ class GrpcTransport(Transport):
             t.start()
             self._senders.append(t)
         self._outgoing[key].put(data)
+
+    def flush_parked(self) -> None:
+        """Send what waited for an address now known; one whose address never came is a send error."""
+        ready, dropped = self.parking.take(self.endpoints)
+        for dst, (src, channel, data) in ready:
+            with contextlib.suppress(AnchormeshError):  # excluded meanwhile: logged and counted as a send error there
+                self.send(src, dst, channel, data)
+        for dst in dict.fromkeys(dropped):
+            self.send_errors.append(f"{dst}: its address never became known")
+            self.send_error_count += 1
+            log.warning("dropped messages for %s: its address was not known within %.0f s", dst, self.parking.wait_s)
 
     def excluding(self) -> list[str]:
         """The destinations sends route around now: "DST: why (N s left)" (the status shows them)."""

@@ -295,7 +295,7 @@ class Assignment(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., run_config_json: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., start_step: _Optional[int] = ..., dht_maddrs: _Optional[_Iterable[str]] = ..., group_dht_maddrs: _Optional[_Iterable[str]] = ..., certificate: _Optional[bytes] = ..., tracker_key: _Optional[bytes] = ..., calls_per_s: _Optional[float] = ..., messages_per_s: _Optional[float] = ..., tls_certificate: _Optional[bytes] = ..., anchors_issued: _Optional[int] = ..., restore_from: _Optional[_Union[PeerInfo, _Mapping]] = ..., donors: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
-    __slots__ = ("peer_id", "stage", "address", "state", "last_seen_s", "tokens_per_s", "bytes_in", "bytes_out", "step", "loss", "queue_depth", "reason", "dp_rounds", "anchor_id", "anchor_bytes_out", "capacity_tokens_per_s", "dp_bytes_out", "dp_dense_bytes", "eval_id", "eval_loss", "dp_rejected", "refused_calls", "key_fingerprint", "dp_suspects", "dp_flagged", "link_mbit", "pp_keep", "dp_period_s", "device", "memory_bytes", "memory_plan_bytes", "refused_reports", "excluding", "startup_s", "replica_stage", "replica_step", "resumed_from")
+    __slots__ = ("peer_id", "stage", "address", "state", "last_seen_s", "tokens_per_s", "bytes_in", "bytes_out", "step", "loss", "queue_depth", "reason", "dp_rounds", "anchor_id", "anchor_bytes_out", "capacity_tokens_per_s", "dp_bytes_out", "dp_dense_bytes", "eval_id", "eval_loss", "dp_rejected", "refused_calls", "key_fingerprint", "dp_suspects", "dp_flagged", "link_mbit", "pp_keep", "dp_period_s", "device", "memory_bytes", "memory_plan_bytes", "refused_reports", "excluding", "startup_s", "replica_stage", "replica_step", "resumed_from", "startup_phases")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -333,6 +333,7 @@ class PeerInfo(_message.Message):
     REPLICA_STAGE_FIELD_NUMBER: _ClassVar[int]
     REPLICA_STEP_FIELD_NUMBER: _ClassVar[int]
     RESUMED_FROM_FIELD_NUMBER: _ClassVar[int]
+    STARTUP_PHASES_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     stage: int
     address: str
@@ -370,7 +371,16 @@ class PeerInfo(_message.Message):
     replica_stage: int
     replica_step: int
     resumed_from: str
-    def __init__(self, peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., last_seen_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., queue_depth: _Optional[int] = ..., reason: _Optional[str] = ..., dp_rounds: _Optional[int] = ..., anchor_id: _Optional[int] = ..., anchor_bytes_out: _Optional[int] = ..., capacity_tokens_per_s: _Optional[float] = ..., dp_bytes_out: _Optional[int] = ..., dp_dense_bytes: _Optional[int] = ..., eval_id: _Optional[int] = ..., eval_loss: _Optional[float] = ..., dp_rejected: _Optional[int] = ..., refused_calls: _Optional[int] = ..., key_fingerprint: _Optional[str] = ..., dp_suspects: _Optional[_Iterable[str]] = ..., dp_flagged: _Optional[int] = ..., link_mbit: _Optional[float] = ..., pp_keep: _Optional[float] = ..., dp_period_s: _Optional[float] = ..., device: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., memory_plan_bytes: _Optional[int] = ..., refused_reports: _Optional[int] = ..., excluding: _Optional[_Iterable[str]] = ..., startup_s: _Optional[float] = ..., replica_stage: _Optional[int] = ..., replica_step: _Optional[int] = ..., resumed_from: _Optional[str] = ...) -> None: ...
+    startup_phases: _containers.RepeatedCompositeFieldContainer[StartupPhase]
+    def __init__(self, peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., last_seen_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., queue_depth: _Optional[int] = ..., reason: _Optional[str] = ..., dp_rounds: _Optional[int] = ..., anchor_id: _Optional[int] = ..., anchor_bytes_out: _Optional[int] = ..., capacity_tokens_per_s: _Optional[float] = ..., dp_bytes_out: _Optional[int] = ..., dp_dense_bytes: _Optional[int] = ..., eval_id: _Optional[int] = ..., eval_loss: _Optional[float] = ..., dp_rejected: _Optional[int] = ..., refused_calls: _Optional[int] = ..., key_fingerprint: _Optional[str] = ..., dp_suspects: _Optional[_Iterable[str]] = ..., dp_flagged: _Optional[int] = ..., link_mbit: _Optional[float] = ..., pp_keep: _Optional[float] = ..., dp_period_s: _Optional[float] = ..., device: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., memory_plan_bytes: _Optional[int] = ..., refused_reports: _Optional[int] = ..., excluding: _Optional[_Iterable[str]] = ..., startup_s: _Optional[float] = ..., replica_stage: _Optional[int] = ..., replica_step: _Optional[int] = ..., resumed_from: _Optional[str] = ..., startup_phases: _Optional[_Iterable[_Union[StartupPhase, _Mapping]]] = ...) -> None: ...
+
+class StartupPhase(_message.Message):
+    __slots__ = ("name", "seconds")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    seconds: float
+    def __init__(self, name: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class PeerReport(_message.Message):
     __slots__ = ("run_id", "peer", "tokens")
