@@ -256,6 +256,7 @@ def test_a_gpu_run_sets_the_mfu(tmp_path: Path) -> None:
         (["--gpu", "rtx4090", "--bandwidth-mbit", "100", "--mfu", "1.5"], "--mfu"),
         (["--gpu", "cpu", "--bandwidth-mbit", "100", "--mfu", "0.5"], "--mfu"),
         (["--gpu", "rtx4090", "--bandwidth-mbit", "100", "--dp-every", "0"], "--dp-every"),
+        (["--gpu", "rtx4090", "--bandwidth-mbit", "100", "--max-staleness", "9"], "--max-staleness"),
         (["--gpu", "rtx4090", "--bandwidth-mbit", "100", "--model", "no-such-model"], "--model"),
         (["--gpu", "rtx4090", "--bandwidth-mbit", "100", "--model", "missing/run.toml"], "--model"),
         (["--gpu", "rtx4090", "--bandwidth-mbit", "100", "--model", "qwen2.5-0.5b", "--stages", "30"], "--stages"),
@@ -522,3 +523,19 @@ def test_the_transform_coder_s_device_work_is_charged_at_the_device_s_rates() ->
     for before, after, d in zip((cpu.send_fwd, cpu.recv_fwd, cpu.send_bwd, cpu.recv_bwd), (moved.send_fwd, moved.recv_fwd, moved.send_bwd, moved.recv_bwd), cpu.device_s):
         assert after == pytest.approx(before - d + on)
     assert on_device(cpu, None) is cpu and on_device(measure_codec("dense", dims, Shape(4, 64, 2)), gpu).send_fwd > 0
+
+
+def test_schedule_with_staleness_keeps_the_slowest_stage_busy() -> None:
+    """max_staleness 1: stage 0 starts step n+1's micro-batches before applying step n, so the
+    pipeline no longer drains every step; the step is the busiest stage's own work (stage 1:
+    two forward+loss+backward and its optimizer step), not the sum along the pipeline."""
+    f0, b0, o0, p, o1 = 0.010, 0.020, 0.003, 0.050, 0.004
+    t = _tasks([f0, p], [b0, 0.0], [o0, o1])
+    drained = simulate(t, 2, 1, 2, 1000, None)
+    assert drained.step_s == pytest.approx(f0 + 2 * p + b0 + o0)
+    assert simulate(t, 2, 1, 2, 1000, None, staleness=1).step_s == pytest.approx(2 * p + o1)
+    # on a slow link the transfers no longer sit on every step's critical path either
+    rate, act, grad = 1e6, 2e4, 3e4  # 20 ms and 30 ms per micro-batch
+    slow = simulate(_tasks([f0, p], [b0, 0.0], [o0, o1], act=act, grad=grad), 2, 1, 2, 1000, rate)
+    ahead = simulate(_tasks([f0, p], [b0, 0.0], [o0, o1], act=act, grad=grad), 2, 1, 2, 1000, rate, staleness=1)
+    assert slow.step_s > f0 + 2 * p + b0 + o0 + (act + grad) / rate - 1e-9 and ahead.step_s == pytest.approx(2 * p + o1)

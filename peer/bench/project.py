@@ -39,11 +39,10 @@ bound is the slowest resource with perfect overlap:
     step >= max(compute busy of the busiest peer, (PP + DP) link bytes of the busiest link / B)
 
 (`tokens_per_s_bound`; `busy_s_per_step` gives the three terms). The app does not overlap that
-well: stage 0 runs the M forwards of step n only after applying step n-1 (its in-flight limit is
-M and max_staleness is 0), every peer's main loop is serial (step > backward > forward), and a
-micro-batch goes to a next-stage peer drawn at random. So the prediction is an event simulation
-of exactly that schedule (`simulate`): K stages x R peers, each a serial worker, each link a
-FIFO, R * M * B * T tokens per round of stage-0 steps.
+well: with `max_staleness` 0 (the default; `--max-staleness`) stage 0 runs step n's forwards only
+after applying step n-1 (the pipeline drains every step); each peer's loop is serial (step >
+backward > forward); a micro-batch goes to a next-stage peer drawn at random. So the prediction
+is an event simulation of that schedule (`simulate`): K stages x R serial peers, FIFO links.
 
 DP, two ways. `dp_kept`: DP must keep its configured cadence (synchronous data parallelism, the
 baseline the issue's targets compare with); its bytes per step take bandwidth from every link,
@@ -80,7 +79,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -115,8 +114,6 @@ class Costs:
 def scaled(c: Costs, factor: float) -> Costs:
     """`c` with every CPU cost (compute on "cpu", codec everywhere) times `factor`: this machine's
     CPU running slower (or faster) now than when it was measured (the bed test measures that)."""
-    from dataclasses import replace
-
     k = factor if c.device.peak_tflops is None else 1.0
     compute = StageCompute([x * k for x in c.compute.fwd], [x * k for x in c.compute.bwd], [x * k for x in c.compute.opt], c.compute.how)
     codec = {m: replace(v, send_fwd=v.send_fwd * factor, recv_fwd=v.recv_fwd * factor, send_bwd=v.send_bwd * factor, recv_bwd=v.recv_bwd * factor,
@@ -236,7 +233,7 @@ def project_mode(c: Costs, mode: str, bandwidth_mbit: float | None, burst_bytes:
     bound = "compute" if compute_s >= link_s + dp_s else ("dp" if dp_s > link_s else "link")
 
     def run(rate_pp: float | None) -> Schedule:
-        return simulate(tasks, K, R, M, c.shape.tokens, rate_pp, burst_bytes, shared_cores, queue_s)
+        return simulate(tasks, K, R, M, c.shape.tokens, rate_pp, burst_bytes, shared_cores, queue_s, staleness=c.shape.max_staleness)
 
     if rate is None or dp_s == 0.0:
         kept = run(rate)
@@ -324,7 +321,7 @@ def project(costs: Costs, bandwidth_mbit: float, modes: tuple[str, ...] = PROJEC
     }
 
 
-def check_args(device: str, bandwidth_mbit: float, stages: int, replicas: int, mfu: float | None, dp_every: int, shared_cores: int | None = None) -> Device:
+def check_args(device: str, bandwidth_mbit: float, stages: int, replicas: int, mfu: float | None, dp_every: int, shared_cores: int | None = None, max_staleness: int | None = None) -> Device:
     """Every flag checked before anything is measured; ConfigError names the flag."""
     if device not in DEVICES:
         raise ConfigError("--gpu", device, f"unknown; known: {', '.join(DEVICES)}")
@@ -342,6 +339,8 @@ def check_args(device: str, bandwidth_mbit: float, stages: int, replicas: int, m
         raise ConfigError("--dp-every", dp_every, "must be >= 1")
     if shared_cores is not None and shared_cores < 1:
         raise ConfigError("--shared-cores", shared_cores, "must be >= 1")
+    if max_staleness is not None and not 0 <= max_staleness <= 8:
+        raise ConfigError("--max-staleness", max_staleness, "must be in [0, 8] (steps stage 0 may run ahead)")
     return DEVICES[device]
 
 
@@ -369,12 +368,13 @@ def mfu_from_gpu_run(path: Path, device: Device) -> tuple[float, str]:
 
 
 def run_project(model: str, device: str, bandwidth_mbit: float, stages: int = 2, replicas: int = 2, mfu: float | None = None, dp_every: int = 10,
-                shared_cores: int | None = None, burst_kb: float = 0.0, mfu_from: Path | None = None) -> dict:
+                shared_cores: int | None = None, burst_kb: float = 0.0, mfu_from: Path | None = None, max_staleness: int | None = None) -> dict:
     """`anchormesh bench project`: resolve, measure, project (see the module docstring). A GPU's
     MFU is `--mfu`, else what a `bench gpu` run on that device measured (`--mfu-from`, or
     docs/gpu-bench-<device>.json when it exists), else 40%."""
-    dev = check_args(device, bandwidth_mbit, stages, replicas, mfu, dp_every, shared_cores)
+    dev = check_args(device, bandwidth_mbit, stages, replicas, mfu, dp_every, shared_cores, max_staleness)
     dims, shape, source = resolve_model(model, stages)
+    shape = shape if max_staleness is None else replace(shape, max_staleness=max_staleness)  # else the run.toml's, or 0
     if stages > dims.layers:
         raise ConfigError("--stages", stages, f"must be <= the model's {dims.layers} layers")
     mfu_source = "--mfu" if mfu is not None else None

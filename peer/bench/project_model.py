@@ -88,11 +88,14 @@ KNOWN_MODELS: dict[str, ModelDims] = {
 
 @dataclass(frozen=True)
 class Shape:
-    """The pipeline's micro-batch: B sequences of T tokens, M micro-batches per optimizer step."""
+    """The pipeline's micro-batch: B sequences of T tokens, M micro-batches per optimizer step,
+    and how many steps stage 0 may run ahead of the gradients it applied (`pipeline.max_staleness`:
+    0 drains the pipeline every step)."""
 
     micro_batch_size: int
     seq_len: int
     micro_batches: int
+    max_staleness: int = 0
 
     @property
     def tokens(self) -> int:
@@ -160,7 +163,7 @@ def resolve_model(spec: str, stages: int) -> tuple[ModelDims, Shape, str]:
         else:
             dims = _named_dims(m.name, stages)
         p = cfg.pipeline
-        return dims, Shape(p.micro_batch_size, p.seq_len, p.micro_batches), f"run.toml {spec}"
+        return dims, Shape(p.micro_batch_size, p.seq_len, p.micro_batches, p.max_staleness), f"run.toml {spec}"
     dims = _named_dims(spec, stages)
     if spec.startswith("tiny-"):
         p = _bench_pipeline()

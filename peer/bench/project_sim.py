@@ -48,12 +48,12 @@ class _Link:
 
 def simulate(tasks: Tasks, stages: int, replicas: int, micro_batches: int, tokens_per_mb: int, rate_bytes_s: float | None,
              burst_bytes: float = 0.0, shared_cores: float | None = None, queue_s: float = 0.0, steps: int | None = None, seed: int = 0,
-             sync_s: list[float] | None = None) -> Schedule:
+             sync_s: list[float] | None = None, staleness: int = 0) -> Schedule:
     """Event simulation of the swarm's schedule (module docstring); tokens/s of all stage-0 peers.
 
     Each peer is a serial worker: a step when M micro-batches are done, else the oldest backward,
-    else a forward (stage 0: inject while it has applied the previous step and has fewer than M
-    in flight). Messages go to a next-stage peer drawn uniformly (the app draws by capacity,
+    else a forward (stage 0: inject while the micro-batch's step is at most `staleness` ahead of
+    the steps it applied and it has fewer than M * (staleness + 1) in flight, as the app does). Messages go to a next-stage peer drawn uniformly (the app draws by capacity,
     equal here), gradients back to the sender. A transfer holds the sender's upload and the
     receiver's download. With `shared_cores`, the running tasks share that many cores equally
     (the bed: the cores this machine has, less what other processes took meanwhile).
@@ -105,7 +105,7 @@ def simulate(tasks: Tasks, stages: int, replicas: int, micro_batches: int, token
             return tasks.bwd[s], "bwd", bwd_q[p].popleft()
         if s > 0 and fwd_q[p]:
             return tasks.fwd[s], "fwd", fwd_q[p].popleft()
-        if s == 0 and next_mb[p] // M == version[p] and inflight[p] < M and (sync_s is None or min(version.values()) >= version[p]):
+        if s == 0 and next_mb[p] // M - version[p] <= staleness and inflight[p] < M * (staleness + 1) and (sync_s is None or min(version.values()) >= version[p]):
             return tasks.fwd[0], "inject", None
         return None
 

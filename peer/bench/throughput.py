@@ -85,8 +85,9 @@ def equivalent_mbit(scenario: GpuScenario, stages: int, stage_tokens_per_s: floa
     return 2 * TINY_HIDDEN * 8 * stage_tokens_per_s / scenario.rho(stages) / 1e6
 
 
-def mode_config(mode: str, stages: int, steps: int, dp_every: int, seed: int = 0) -> dict:
-    """run.toml content of one mode."""
+def mode_config(mode: str, stages: int, steps: int, dp_every: int, seed: int = 0, max_staleness: int = 0) -> dict:
+    """run.toml content of one mode (`max_staleness`: steps stage 0 may run ahead; 0, the run
+    default, drains the pipeline every step)."""
     if mode not in MODES:
         raise ConfigError("mode", mode, f"must be one of {', '.join(MODES)}")
     compressed_pp = {"scheme": "transform", "adapt": False}  # the default run's codec: 2 bits per value each way
@@ -107,7 +108,7 @@ def mode_config(mode: str, stages: int, steps: int, dp_every: int, seed: int = 0
         "dp": dp,
         "anchor": {"every": 0},
         "optim": {"lr": 2e-3},
-        "pipeline": {"micro_batch_size": 8, "micro_batches": 2, "seq_len": 128, "eval_every": steps, "eval_batches": 8},
+        "pipeline": {"micro_batch_size": 8, "micro_batches": 2, "seq_len": 128, "eval_every": steps, "eval_batches": 8, "max_staleness": max_staleness},
     }
 
 
@@ -236,14 +237,18 @@ def combine_repeats(repeats: list[dict[str, dict]]) -> tuple[dict[str, dict], di
     return modes, ratios
 
 
-def run_throughput(quick: bool, bandwidth_mbit: float | None, stages: int, replicas: int, modes: list[str] | None = None, workdir: Path | None = None, repeat: int | None = None) -> dict:
+def run_throughput(quick: bool, bandwidth_mbit: float | None, stages: int, replicas: int, modes: list[str] | None = None, workdir: Path | None = None, repeat: int | None = None,
+                   max_staleness: int = 0) -> dict:
     """All modes, compute_bound first (it sets the GPU-equivalent bandwidth), `repeat` times
-    interleaved (A B C D A B C D ...; default 1 with `quick`, else 3); returns the JSON."""
+    interleaved (A B C D A B C D ...; default 1 with `quick`, else 3); the swarm's modes with
+    `max_staleness` (dense_sync is GPipe: it flushes every step); returns the JSON."""
     if replicas < 1:
         raise ConfigError("--replicas", replicas, "must be >= 1")
     repeat = repeat if repeat is not None else (1 if quick else 3)
     if repeat < 1:
         raise ConfigError("--repeat", repeat, "must be >= 1")
+    if not 0 <= max_staleness <= 8:
+        raise ConfigError("--max-staleness", max_staleness, "must be in [0, 8] (steps stage 0 may run ahead)")
     modes = modes or list(ALL_MODES)
     for m in modes:
         if m not in ALL_MODES:
@@ -262,7 +267,8 @@ def run_throughput(quick: bool, bandwidth_mbit: float | None, stages: int, repli
         (workdir / f"r{r}").mkdir(parents=True, exist_ok=True)
         if "compute_bound" in modes or (rate is None and r == 0):
             print(f"compute_bound{tag}", flush=True)
-            got["compute_bound"] = measure_mode("compute_bound", [None] * (1 + stages * replicas), stages, replicas, warmup, steps, dp_every, workdir / f"r{r}", 10, timeout_s)
+            got["compute_bound"] = measure_mode("compute_bound", [None] * (1 + stages * replicas), stages, replicas, warmup, steps, dp_every, workdir / f"r{r}", 10, timeout_s,
+                                                config=mode_config("compute_bound", stages, steps, dp_every, max_staleness=max_staleness))
         if rate is None:  # from the first compute_bound run: every repeat runs on the same links
             cb = got["compute_bound"]
             per_peer = cb["peer_capacity_tokens_per_s"] or cb["tokens_per_s"] / replicas  # no capacity measured: the throughput (under-states it)
@@ -275,7 +281,8 @@ def run_throughput(quick: bool, bandwidth_mbit: float | None, stages: int, repli
 
                 got[mode] = measure_sync(mode_config("dense", stages, steps, dp_every), rate, stages, replicas, 2, 6 if quick else 15, workdir / f"r{r}" / SYNC, 11 + i, timeout_s)
             else:
-                got[mode] = measure_mode(mode, [rate] * (1 + stages * replicas), stages, replicas, warmup, steps, dp_every, workdir / f"r{r}", 11 + i, timeout_s)
+                got[mode] = measure_mode(mode, [rate] * (1 + stages * replicas), stages, replicas, warmup, steps, dp_every, workdir / f"r{r}", 11 + i, timeout_s,
+                                         config=mode_config(mode, stages, steps, dp_every, max_staleness=max_staleness))
         if "compute_bound" not in modes:
             got.pop("compute_bound", None)
         repeats.append(got)
@@ -298,6 +305,7 @@ def run_throughput(quick: bool, bandwidth_mbit: float | None, stages: int, repli
         "steps": steps,
         "tokens_per_step_per_replica": 2 * 8 * 128,
         "dp_every": dp_every,
+        "max_staleness": max_staleness,
         "model": {"name": "tiny-llama", "hidden": TINY_HIDDEN, "layers": 2 * stages},
         "scaling_rule": (
             "bandwidth = 2*hidden_cpu*8 * cpu_stage_tokens_per_s / rho, cpu_stage_tokens_per_s = "
