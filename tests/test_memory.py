@@ -194,3 +194,14 @@ def test_plan_table_for_a_llama_1b_shape(tmp_path: Path) -> None:
     # the tied head is its own copy on the last stage
     assert sum(r["weights"] for r in rows) == pytest.approx((full + V * H) * 4 / GIB)
     assert all(r["total"] > r["weights"] and r["host"] == 2 * r["weights"] for r in rows)
+
+
+def test_a_swarm_stage_that_stashes_plans_two_copies_of_its_forward_weights() -> None:
+    """In the swarm a middle stage runs its forwards on stashed weights, and so does stage 0 when
+    it runs ahead (pipeline.max_staleness > 0): two versions can be alive at once."""
+    model = ModelConfig(name="tiny-llama", num_stages=3, hidden_size=32, num_layers=3, num_heads=2, max_seq_len=16)
+    for staleness, copies in ((0, [0, 2, 0]), (1, [2, 2, 0])):
+        cfg = TrainConfig(model=model, pipeline=PipelineConfig(micro_batch_size=2, micro_batches=2, seq_len=8, max_staleness=staleness))
+        plans = plan_stages(cfg, FP32, dp_group=True)
+        assert [p.working_copy for p in plans] == [c * p.weights for c, p in zip(copies, plans)], staleness
+    assert all(p.working_copy == 0 for p in plan_stages(cfg, FP32))  # the local runner: no swarm stashes

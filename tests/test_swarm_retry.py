@@ -47,3 +47,35 @@ def test_a_retried_micro_batch_gets_its_gradient_again_and_counts_once() -> None
         a.backward_one()
     assert sum(a.done.values()) == 1 and not a.ready(0)  # one of M=2 micro-batches: no step yet
     assert all(torch.equal(g, p.grad) for g, p in zip(grads, [p for p in a.stage.parameters() if p.grad is not None]))
+
+
+def test_stage_0_one_step_ahead_takes_its_backward_on_the_weights_its_forward_saw() -> None:
+    """pipeline.max_staleness 1 in the swarm: stage 0 starts step 1's micro-batches before it
+    applies step 0, so its optimizer step lands between such a forward and its backward. The
+    forward ran on a stash of the weights (as a middle stage's does), so the backward is exact
+    for the weights it saw; on the live weights it failed ("modified by an inplace operation")
+    and the peer died (seen on the bed)."""
+    cfg = TrainConfig(model=CFG.model, pipeline=PipelineConfig(micro_batch_size=2, micro_batches=2, seq_len=8, max_staleness=1))
+    stages = split_model(load_causal_lm(cfg.model, seed=0), 2)
+    t = LocalTransport()
+    a = StageWorker(stages[0], 0, cfg, MaskCodec(cfg.mask), t, "run", peer_id="a", next_hop=lambda: "b", resolve=lambda s: s, local_steps=True)
+    b = StageWorker(stages[1], 0, cfg, MaskCodec(cfg.mask), t, "run", peer_id="b", next_hop=lambda: None, resolve=lambda s: s, local_steps=True)
+    windows = [torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    for i, (step, j) in enumerate(((0, 0), (0, 1), (1, 0))):  # the third runs ahead, at version 0
+        assert a.can_forward(step)
+        a.inject(windows[i], step, j)
+    before = {n: p.detach().clone() for n, p in a.stage.named_parameters()}
+    b.drain()
+    while b.forward_one():
+        pass
+    a.drain()
+    assert a.backward_one() and a.backward_one() and a.ready(0)
+    [ahead] = [job for (step, _), job in a.inflight.items() if step == 1]
+    a.gradients()
+    a.apply_step()
+    assert a.version == 1 and any(not torch.equal(before[n], p) for n, p in a.stage.named_parameters())
+    # the weights its forward ran on are version 0's and stay so (a copy, not the live tensors)
+    assert ahead.stash is not None and all(torch.equal(ahead.stash[n], before[n]) for n in before)
+    assert a.backward_one()  # step 1's micro-batch: exact for the weights it saw
+    grads = a.grad_buf[-1]
+    assert set(grads) == set(before) and all(torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads.values() if g.dim() > 1)

@@ -35,7 +35,8 @@ class MemoryPlan:
     """Bytes one stage needs on its device, per component, plus the host bytes it needs besides.
 
     weights: master weights (master dtype). working_copy: the compute-dtype copy of mixed
-    precision. grads: master dtype. optimizer: AdamW's exp_avg + exp_avg_sq (fp32).
+    precision, and in the swarm the stashed copies forwards run on (two versions alive at once: a
+    middle stage, and stage 0 with pipeline.max_staleness > 0; peer/pipeline/weights.py). grads: master dtype. optimizer: AdamW's exp_avg + exp_avg_sq (fp32).
     dp_copies: the stage-group averager's fp32 base copy. anchor_snapshot: one compute-dtype copy of the
     weights. activations: saved tensors of every micro-batch in flight. logits: last stage, one
     micro-batch's logits, their fp32 copy for the loss and its gradient. codec: link priors and
@@ -130,12 +131,13 @@ def _plan(cfg: TrainConfig, placement: Placement, stage: StageModule, dp_group: 
     # checkpointing keeps each layer's input; the backward recomputes one layer's saved tensors at a time
     checkpointed = outside + layer_inputs + max(per_layer, default=0)
     tokens = pipe.micro_batch_size * pipe.seq_len
+    stashes = 2 if dp_group and not stage.is_last and (not stage.is_first or pipe.max_staleness > 0) else 0
     return MemoryPlan(
         stage=stage.index,
         layers=stage.end - stage.start,
         device=str(placement.device),
         weights=n * master,
-        working_copy=n * compute if placement.mixed else 0,
+        working_copy=(n * compute if placement.mixed else 0) + stashes * n * compute,
         grads=n * master + (n * compute if placement.mixed else 0),  # mixed: the working copy's gradients live until summed into fp32
         optimizer=2 * n * 4,
         dp_copies=n * 4 if dp_group else 0,

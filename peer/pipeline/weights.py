@@ -23,10 +23,13 @@ class ForwardWeights:
         local_steps: swarm: a step is M micro-batches of any sender; middle stages run forwards
             on a stashed copy of the weights so a step may land between forward and backward.
         lookahead: extrapolate stashed weights by the last update (`last_delta`) times the delay.
+        runs_ahead: swarm stage 0 with `pipeline.max_staleness` > 0: it starts the next step's
+            micro-batches before applying the last, so it stashes too (on the live weights its
+            optimizer step would change what their backward needs).
     """
 
-    def __init__(self, stage: StageModule, placement: Placement, local_steps: bool, lookahead: bool) -> None:
-        self.stage, self.placement, self.local_steps, self.lookahead = stage, placement, local_steps, lookahead
+    def __init__(self, stage: StageModule, placement: Placement, local_steps: bool, lookahead: bool, runs_ahead: bool = False) -> None:
+        self.stage, self.placement, self.local_steps, self.lookahead, self.runs_ahead = stage, placement, local_steps, lookahead, runs_ahead
         self.last_delta: dict[str, torch.Tensor] | None = None  # the last optimizer step's update
         self.forwards_ahead = 0  # forwards that ran on stashed weights (staleness > 0)
         self._stash: tuple[int, dict[str, torch.Tensor]] | None = None
@@ -39,8 +42,8 @@ class ForwardWeights:
         ahead of the optimizer (at `version`)."""
         dtype = self.placement.compute_dtype
         if self.local_steps:
-            if self.stage.is_first or self.stage.is_last:
-                return self.working()  # stage 0 keeps its own step order; the last stage's backward is immediate
+            if (self.stage.is_first and not self.runs_ahead) or self.stage.is_last:
+                return self.working()  # stage 0 not running ahead keeps its own step order; the last stage's backward is immediate
             if self._stash is None or self._stash[0] != version:
                 self._stash = (version, {n: p.detach().to(dtype, copy=True).requires_grad_(True) for n, p in self.stage.named_parameters()})
             return self._stash[1]
