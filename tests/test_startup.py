@@ -36,3 +36,16 @@ def test_a_phase_entered_twice_is_one_entry_and_the_current_one_counts_to_now() 
 def test_an_unknown_phase_is_refused_with_the_known_ones() -> None:
     with pytest.raises(ValueError, match="unknown startup phase 'warmup': one of imports, tracker, dht"):
         StartupClock(lambda: 0.0).begin("warmup")
+
+
+def test_after_a_move_s_exec_the_clock_counts_from_the_exec(monkeypatch) -> None:
+    """A MOVE execs the same process (same start time in /proc): without the exec's time the new
+    life's startup would include the whole old one."""
+    import time
+
+    from peer.daemon.startup import STARTED_ENV, process_age_s
+
+    monkeypatch.delenv(STARTED_ENV, raising=False)
+    assert process_age_s() > 0  # the process's own age, from /proc
+    monkeypatch.setenv(STARTED_ENV, repr(time.time() - 5.0))
+    assert 5.0 <= process_age_s() < 6.0

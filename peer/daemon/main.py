@@ -50,13 +50,13 @@ from peer.codec.mask import MaskCodec
 from peer.daemon.anchors import AnchorJobs
 from peer.daemon.averaging import apply_step, start_averaging, step_lock
 from peer.daemon.checkpointing import Checkpointer
-from peer.daemon.membership import TRACKER_CHANNEL_OPTIONS, Membership, dht_maddrs_from_tracker, find_tracker, leave, process_age_s, start_dht
+from peer.daemon.membership import TRACKER_CHANNEL_OPTIONS, Membership, dht_maddrs_from_tracker, find_tracker, leave, start_dht
 from peer.daemon.memory import anchor_snapshot_slots, check_fits, free_bytes, plan_stages
 from peer.daemon.replicas import Replicas, own_state_bytes
 from peer.daemon.routing import Router
 from peer.daemon.runlog import MetricsLog
 from peer.daemon.serving import Serving
-from peer.daemon.startup import StartupClock
+from peer.daemon.startup import STARTED_ENV, StartupClock, process_age_s
 from peer.daemon.state_sync import StateSync
 from peer.data import TokenStream, load_training_data
 from peer.dp.group import GroupAverager
@@ -392,7 +392,7 @@ def run_peer(initial_peers: list[str], tracker: str | None, host: str, grpc_port
     if daemon.move_reason and not daemon.terminated:
         # start again from a clean process (hivemind forks; a fork beside live gRPC threads can hang)
         log.info("%s starts again to join the stage that needs it", daemon.peer_id)
-        os.environ[PEER_ID_ENV] = daemon.peer_id
+        os.environ.update({PEER_ID_ENV: daemon.peer_id, STARTED_ENV: repr(time.time())})  # its startup counts from the exec
         if state_dir is None:  # the same identity after the exec (with a state dir it is on disk)
             os.environ[IDENTITY_ENV] = daemon.identity.private_bytes().hex()
         sys.stdout.flush()

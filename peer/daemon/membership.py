@@ -17,9 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
@@ -189,21 +187,6 @@ def leave(stub: pbg.TrackerStub, run_id: str, peer_id: str, reason: str) -> None
         stub.Leave(pb.LeaveRequest(run_id=run_id, peer_id=peer_id, reason=reason), timeout=5)
     except grpc.RpcError as exc:
         log.warning("could not say goodbye to the tracker: %s", exc.details())
-
-
-_IMPORTED = time.monotonic()
-
-
-def process_age_s() -> float:
-    """Seconds since this process started (Linux: /proc, so imports and the DHT's start count;
-    elsewhere: since this module was imported)."""
-    try:
-        with open("/proc/self/stat") as f:
-            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, counted after the name
-        with open("/proc/uptime") as f:
-            return max(float(f.read().split()[0]) - start_ticks / os.sysconf("SC_CLK_TCK"), 0.0)
-    except (OSError, ValueError, IndexError):
-        return time.monotonic() - _IMPORTED
 
 
 class Member(Protocol):

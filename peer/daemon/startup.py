@@ -10,10 +10,14 @@ the interpreter's start and the imports count as the first phase.
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import time
 from collections.abc import Callable
 
 log = logging.getLogger("anchormesh.peer")
+STARTED_ENV = "ANCHORMESH_STARTED_AT"  # set by a MOVE's exec: the new life's start (wall clock), since the process's start is the old one's
+_IMPORTED = time.monotonic()
 
 # what each phase is doing, as a joining peer's status says it
 DOING = {
@@ -32,6 +36,20 @@ DOING = {
     "first_step": "serving, waiting for its first step's gradients",
 }
 MAX_PHASES = 16  # what a report may carry (the tracker keeps at most this many)
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (Linux: /proc, so imports and the DHT's start count;
+    after a MOVE's exec: since the exec; elsewhere: since this module was imported)."""
+    try:
+        if STARTED_ENV in os.environ:
+            return max(time.time() - float(os.environ[STARTED_ENV]), 0.0)
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, counted after the name
+        with open("/proc/uptime") as f:
+            return max(float(f.read().split()[0]) - start_ticks / os.sysconf("SC_CLK_TCK"), 0.0)
+    except (OSError, ValueError, IndexError):
+        return time.monotonic() - _IMPORTED
 
 
 class StartupClock:
