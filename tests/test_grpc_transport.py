@@ -260,7 +260,7 @@ def test_a_message_whose_address_never_comes_is_a_send_error() -> None:
     try:
         for _ in range(3):
             t.send("me", "ghost", "forward", b"x")
-        with pytest.raises(AnchormeshError, match="no address known for ghost, and 3 messages already wait"):
+        with pytest.raises(AnchormeshError, match=r"no address known for ghost, and 3 messages already wait for theirs \(at most 3"):
             t.send("me", "ghost", "forward", b"x")  # bounded: a forged sender costs three slots, no more
         now[0] = 9.0
         t.flush_parked()
@@ -271,3 +271,15 @@ def test_a_message_whose_address_never_comes_is_a_send_error() -> None:
         assert t.send_error_count == 1 and list(t.send_errors) == ["ghost: its address never became known"]  # the worker forgets what it sent
     finally:
         t.close()
+
+
+def test_parked_bytes_are_bounded_too() -> None:
+    from peer.errors import AnchormeshError
+    from peer.pipeline.parking import Parking
+
+    p = Parking(limit=64, limit_bytes=1000)
+    p.park("a", "m1", 600)
+    with pytest.raises(AnchormeshError, match="1000 bytes"):
+        p.park("a", "m2", 500)  # one large activation more would pass the byte bound
+    p.park("b", "m3", 400)
+    assert p.take({"a"}) == ([("a", "m1")], []) and len(p) == 1

@@ -3,8 +3,8 @@
 A peer that has not stepped yet says in its status what it is doing and for how long (a joiner
 that waits on a state download looks like a stuck one otherwise), and once it steps it reports
 each phase's seconds, so `bench throughput` and the status can say which phase to cut instead of
-one opaque figure. The clock is the process's age (peer/daemon/membership.py: `process_age_s`), so
-the interpreter's start and the imports count as the first phase.
+one opaque figure. The clock is the process's age (`process_age_s`), so the interpreter's start
+and the imports count as the first phase.
 """
 
 from __future__ import annotations

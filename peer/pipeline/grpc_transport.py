@@ -276,7 +276,7 @@ class GrpcTransport(Transport):
         if channel not in CHANNELS:
             raise ValueError(f"channel={channel!r}: must be one of {CHANNELS}")
         if dst not in self.endpoints:  # a peer that started serving after our last heartbeat: its address comes with the next
-            self.parking.park(dst, (src, channel, data))
+            self.parking.park(dst, (src, channel, data), len(data))
             return
         key = (dst, channel)
         self._check_stalled(dst, channel)
