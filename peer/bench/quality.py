@@ -231,11 +231,13 @@ def release_memory() -> None:
 
 
 # what `--quick` runs unless `--rows` says otherwise: the rows issue 15 asks for (the paper's
-# rows, the former codec, the default codec with and without anchors, compressed DP). The other
-# rows are explorations; with a pretrained model every row takes 2.5-6 minutes on 2 cores, and
-# all 14 took about an hour, these seven 26.5 minutes (docs/benchmarks.md).
-QUICK_ROWS = ("dense", "masked", "masked_anchor", "lowrank", "transform", "transform_anchor", "transform_dp")
-DEFAULT_ROW = "transform"  # the swarm's default codec (bootstrap/node.py default_run): transform coder, 2 bits per value each way, no anchor
+# rows, the former codec, the default codec with and without anchors, compressed DP) and the
+# default run's row. The other rows are explorations; with a pretrained model every row takes
+# 2.5-6 minutes on 2 cores; the first seven took 26.5 minutes (docs/benchmarks.md).
+QUICK_ROWS = ("dense", "masked", "masked_anchor", "lowrank", "transform", "transform_anchor", "transform_dp", "transform_stale1_stash")
+# the swarm's default run (bootstrap/node.py default_run, the demo): transform coder at 2 bits per
+# value each way, no anchor, stage 0 one step ahead on stashed weights (pipeline.max_staleness 1)
+DEFAULT_ROW = "transform_stale1_stash"
 TOKENIZE_BYTES = 1_000_000  # corpus bytes a pretrained model's tokenizer reads per corpus (~300 k tokens of Python)
 
 

@@ -70,7 +70,8 @@ def stop_processes(procs: list[subprocess.Popen], grace_s: float = 20.0) -> None
 
 def model_run_toml(model: str) -> str:
     """The demo's run for a pretrained model: 2 stages cut at its middle layer, the transform
-    coder at 2 bits per value each way (what `bench quality --model` runs as its default row),
+    coder at 2 bits per value each way and stage 0 one step ahead (what `bench quality --model`
+    runs as its default row),
     the adaptation lr of `bench quality`, the built-in Python corpus through the model's
     tokenizer. The model is resolved first, so a model that is not installed fails here, before
     any process."""
@@ -92,6 +93,7 @@ lr = 1e-4
 micro_batch_size = 2
 micro_batches = 2
 seq_len = 128
+max_staleness = 1
 [data]
 max_bytes = 400000
 """
