@@ -59,8 +59,8 @@ def default_run() -> TrainConfig:
         # 5-step cadence in the throughput bench (docs/benchmarks.md), not yet explained
         dp=DPConfig(inner_steps=10, outer_compression="none"),
         optim=OptimConfig(lr=2e-3),
-        # stage 0 one step ahead: the pipeline no longer drains every step (docs/benchmarks.md: the
-        # bed's masked_dp at 0.98 of compute_bound, median of 3; +0.2 % eval loss on SmolLM2)
+        # stage 0 one step ahead: the pipeline no longer drains every step (docs/benchmarks.md: on
+        # the bed masked 10.3x dense_sync instead of 4.6x; +0.2 % eval loss on SmolLM2)
         pipeline=PipelineConfig(micro_batch_size=8, micro_batches=2, seq_len=128, max_staleness=1),
         steps=10**9,
     )

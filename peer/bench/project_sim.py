@@ -53,8 +53,9 @@ def simulate(tasks: Tasks, stages: int, replicas: int, micro_batches: int, token
 
     Each peer is a serial worker: a step when M micro-batches are done, else the oldest backward,
     else a forward (stage 0: inject while the micro-batch's step is at most `staleness` ahead of
-    the steps it applied and it has fewer than M * (staleness + 1) in flight, as the app does). Messages go to a next-stage peer drawn uniformly (the app draws by capacity,
-    equal here), gradients back to the sender. A transfer holds the sender's upload and the
+    the steps it applied and it has fewer than M * (staleness + 1) in flight, as the app does).
+    Messages go to a next-stage peer drawn uniformly (the app draws by capacity, equal here),
+    gradients back to the sender. A transfer holds the sender's upload and the
     receiver's download. With `shared_cores`, the running tasks share that many cores equally
     (the bed: the cores this machine has, less what other processes took meanwhile).
 

@@ -36,7 +36,8 @@ class MemoryPlan:
 
     weights: master weights (master dtype). working_copy: the compute-dtype copy of mixed
     precision, and in the swarm the stashed copies forwards run on (two versions alive at once: a
-    middle stage, and stage 0 with pipeline.max_staleness > 0; peer/pipeline/weights.py). grads: master dtype. optimizer: AdamW's exp_avg + exp_avg_sq (fp32).
+    middle stage, and stage 0 with pipeline.max_staleness > 0; peer/pipeline/weights.py).
+    grads: master dtype. optimizer: AdamW's exp_avg + exp_avg_sq (fp32).
     dp_copies: the stage-group averager's fp32 base copy. anchor_snapshot: one compute-dtype copy of the
     weights. activations: saved tensors of every micro-batch in flight. logits: last stage, one
     micro-batch's logits, their fp32 copy for the loss and its gradient. codec: link priors and
