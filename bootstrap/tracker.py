@@ -39,6 +39,11 @@ MAX_NAME = 32  # characters kept of a startup phase's name
 log = logging.getLogger("anchormesh.tracker")
 
 
+def _plausible_s(seconds: float) -> bool:
+    """A duration a peer reports (its startup, a phase of it): finite, not negative, under 1e7 s."""
+    return math.isfinite(seconds) and 0 <= seconds < 1e7
+
+
 @dataclass
 class Tracker:
     """Roster and assignment for one run.
@@ -188,8 +193,8 @@ class Tracker:
             p.link_mbit, p.pp_keep, p.dp_period_s = info.link_mbit, info.pp_keep, info.dp_period_s
             p.dp_suspects = tuple(x[:MAX_TEXT] for x in info.dp_suspects[:MAX_SUSPECTS])
             p.excluding = tuple(x[:MAX_TEXT] for x in info.excluding[:MAX_SUSPECTS])
-            p.startup_s = info.startup_s if math.isfinite(info.startup_s) and 0 <= info.startup_s < 1e7 else 0.0
-            p.startup_phases = tuple((x.name[:MAX_NAME], x.seconds) for x in info.startup_phases[:MAX_PHASES] if math.isfinite(x.seconds) and 0 <= x.seconds < 1e7)
+            p.startup_s = info.startup_s if _plausible_s(info.startup_s) else 0.0
+            p.startup_phases = tuple((x.name[:MAX_NAME], x.seconds) for x in info.startup_phases[:MAX_PHASES] if _plausible_s(x.seconds))
             # a claimed replica newer than the run is a lie: a joiner would only refuse it after the download
             ok = info.replica_stage < self.config.model.num_stages and info.replica_step <= step_ceiling(self._run_step(), 2 * self.heartbeat_interval_s)
             p.replica_stage, p.replica_step = (info.replica_stage, info.replica_step) if ok else (0, 0)

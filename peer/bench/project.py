@@ -88,7 +88,7 @@ from peer.bench.project_codec import CodecCost, measure_codec, on_device
 from peer.bench.project_compute import StageCompute, gpu_compute, measure_cpu_compute
 from peer.bench.project_model import DEFAULT_MFU, DEVICES, KNOWN_MODELS, Device, ModelDims, Shape, resolve_model
 from peer.bench.project_sim import Schedule, Tasks, simulate
-from peer.bench.throughput import MODES, mode_config
+from peer.bench.throughput import MODES, check_max_staleness, mode_config
 from peer.errors import ConfigError
 
 # -- the projection -------------------------------------------------------------------------------
@@ -339,8 +339,8 @@ def check_args(device: str, bandwidth_mbit: float, stages: int, replicas: int, m
         raise ConfigError("--dp-every", dp_every, "must be >= 1")
     if shared_cores is not None and shared_cores < 1:
         raise ConfigError("--shared-cores", shared_cores, "must be >= 1")
-    if max_staleness is not None and not 0 <= max_staleness <= 8:
-        raise ConfigError("--max-staleness", max_staleness, "must be in [0, 8] (steps stage 0 may run ahead)")
+    if max_staleness is not None:
+        check_max_staleness(max_staleness)
     return DEVICES[device]
 
 

@@ -202,6 +202,12 @@ def startup_phases(per_peer: list[dict | None]) -> dict[str, float]:
     return {name: round(_median([phases[name] for phases in per_peer if phases and name in phases]), 2) for name in names}
 
 
+def check_max_staleness(max_staleness: int) -> None:
+    """`--max-staleness` of `bench throughput` and `bench project`: steps stage 0 may run ahead."""
+    if not 0 <= max_staleness <= 8:
+        raise ConfigError("--max-staleness", max_staleness, "must be in [0, 8] (steps stage 0 may run ahead)")
+
+
 def check_bed_args(what: str, stages: int, bandwidth_mbit: float | None) -> None:
     """The checks every bench on the namespace bed makes before it starts anything."""
     if stages < 2:
@@ -247,8 +253,7 @@ def run_throughput(quick: bool, bandwidth_mbit: float | None, stages: int, repli
     repeat = repeat if repeat is not None else (1 if quick else 3)
     if repeat < 1:
         raise ConfigError("--repeat", repeat, "must be >= 1")
-    if not 0 <= max_staleness <= 8:
-        raise ConfigError("--max-staleness", max_staleness, "must be in [0, 8] (steps stage 0 may run ahead)")
+    check_max_staleness(max_staleness)
     modes = modes or list(ALL_MODES)
     for m in modes:
         if m not in ALL_MODES:

@@ -22,6 +22,7 @@ from peer.errors import ConfigError
 from peer.model.loading import meta_stages
 from peer.model.placement import DTYPE_NAMES, Placement
 from peer.model.stages import StageModule
+from peer.pipeline.weights import swarm_stashes
 
 GIB = 2**30
 MAX_SNAPSHOT_SLOTS = 8
@@ -132,7 +133,7 @@ def _plan(cfg: TrainConfig, placement: Placement, stage: StageModule, dp_group: 
     # checkpointing keeps each layer's input; the backward recomputes one layer's saved tensors at a time
     checkpointed = outside + layer_inputs + max(per_layer, default=0)
     tokens = pipe.micro_batch_size * pipe.seq_len
-    stashes = 2 if dp_group and not stage.is_last and (not stage.is_first or pipe.max_staleness > 0) else 0
+    stashes = 2 if dp_group and swarm_stashes(stage, pipe.max_staleness) else 0  # two versions alive at once
     return MemoryPlan(
         stage=stage.index,
         layers=stage.end - stage.start,

@@ -16,6 +16,14 @@ from peer.model.placement import Placement
 from peer.model.stages import StageModule
 
 
+def swarm_stashes(stage: StageModule, max_staleness: int) -> bool:
+    """Whether a swarm stage runs its forwards on a stash of its weights, so a step may land
+    between a forward and its backward: a middle stage always; stage 0 when it runs ahead
+    (`max_staleness` > 0: it starts the next step's micro-batches before applying the last); never
+    the last stage, whose backward follows its forward at once. The memory plan counts the stashes."""
+    return not stage.is_last and (not stage.is_first or max_staleness > 0)
+
+
 class ForwardWeights:
     """The weights of one worker's forwards, in the compute dtype (the masters stay float32).
 
@@ -23,13 +31,14 @@ class ForwardWeights:
         local_steps: swarm: a step is M micro-batches of any sender; middle stages run forwards
             on a stashed copy of the weights so a step may land between forward and backward.
         lookahead: extrapolate stashed weights by the last update (`last_delta`) times the delay.
-        runs_ahead: swarm stage 0 with `pipeline.max_staleness` > 0: it starts the next step's
-            micro-batches before applying the last, so it stashes too (on the live weights its
-            optimizer step would change what their backward needs).
+        max_staleness: `pipeline.max_staleness`: with local steps, stage 0 stashes too when it
+            runs ahead (`swarm_stashes`; on the live weights its optimizer step would change what
+            the pending backwards need).
     """
 
-    def __init__(self, stage: StageModule, placement: Placement, local_steps: bool, lookahead: bool, runs_ahead: bool = False) -> None:
-        self.stage, self.placement, self.local_steps, self.lookahead, self.runs_ahead = stage, placement, local_steps, lookahead, runs_ahead
+    def __init__(self, stage: StageModule, placement: Placement, local_steps: bool, lookahead: bool, max_staleness: int = 0) -> None:
+        self.stage, self.placement, self.local_steps, self.lookahead = stage, placement, local_steps, lookahead
+        self.stashes = local_steps and swarm_stashes(stage, max_staleness)
         self.last_delta: dict[str, torch.Tensor] | None = None  # the last optimizer step's update
         self.forwards_ahead = 0  # forwards that ran on stashed weights (staleness > 0)
         self._stash: tuple[int, dict[str, torch.Tensor]] | None = None
@@ -42,7 +51,7 @@ class ForwardWeights:
         ahead of the optimizer (at `version`)."""
         dtype = self.placement.compute_dtype
         if self.local_steps:
-            if (self.stage.is_first and not self.runs_ahead) or self.stage.is_last:
+            if not self.stashes:
                 return self.working()  # stage 0 not running ahead keeps its own step order; the last stage's backward is immediate
             if self._stash is None or self._stash[0] != version:
                 self._stash = (version, {n: p.detach().to(dtype, copy=True).requires_grad_(True) for n, p in self.stage.named_parameters()})

@@ -100,7 +100,7 @@ class StageWorker:
                 self.basis_out = BasisLearner(s.vocab_size, s.hidden_size, m.rank, m.basis_refresh, max_rows=m.prior_rows, device=pl.device)
         elif m.scheme == "transform":
             self.transform = TransformLinks(m, s.hidden_size, produces_forward=not s.is_last, produces_backward=s.index > 0)
-        self.weights = ForwardWeights(s, pl, self.local_steps, self.cfg.pipeline.staleness_correction == "lookahead", runs_ahead=self.cfg.pipeline.max_staleness > 0)
+        self.weights = ForwardWeights(s, pl, self.local_steps, self.cfg.pipeline.staleness_correction == "lookahead", max_staleness=self.cfg.pipeline.max_staleness)
         self.links = LinkCodecs(m, self.codec, self.coef_codec, self.transport, self.compute, s.hidden_size, s.vocab_size, pl.device)
 
     @property
