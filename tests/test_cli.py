@@ -89,7 +89,7 @@ def test_peer_device_that_is_not_here_exits_2_with_the_fix(device: str, says: st
 
 
 @pytest.mark.parametrize("flags,field", [(["--stages", "1"], "--stages"), (["--replicas", "0"], "--replicas"), (["--bandwidth-mbit", "-3"], "--bandwidth-mbit"), (["--modes", "fast"], "--modes"), (["--repeat", "0"], "--repeat"),
-                                         (["--max-staleness", "-1"], "--max-staleness")])
+                                         (["--max-staleness", "-1"], "--max-staleness"), (["--steps", "12"], "--steps")])
 def test_bench_throughput_bad_flags_exit_2(flags: list[str], field: str, tmp_path, capsys) -> None:
     from peer.cli import main
 

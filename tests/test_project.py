@@ -217,6 +217,32 @@ def test_projection_bounds_and_labels(tiny_cpu_costs: P.Costs) -> None:
     assert dense["app_bytes_per_token"]["dp"] == pytest.approx(dense["dp_kept"]["dp_bytes_per_token"] / dense["dp_every_achieved"])
 
 
+def test_rounds_spaced_to_the_link_share_leave_the_pipeline_the_rest(tiny_cpu_costs: P.Costs) -> None:
+    """dp.link_share (the swarm's default 0.2): rounds at power-of-two slot periods that keep a
+    round's bytes to that share of the link (peer/dp/schedule.py), so a DP that would take half
+    the link (link_share 0) leaves the pipeline more of it, and rounds come less often."""
+    from peer.dp.schedule import slot_period
+
+    two = dataclasses.replace(tiny_cpu_costs, replicas=2)
+    rate = 2.0 * 1e6 / 8
+    greedy = P.project_mode(two, "dense", 2.0)
+    assert greedy["dp_link"] is None and greedy["bound"] == "dp"  # fp32 every step: DP splits the link
+    runs = {share: P.project_mode(dataclasses.replace(two, link_share=share), "dense", 2.0) for share in (0.1, 0.2)}
+    round_app = max(dp_round_bytes(two.dims, s, 2, 2, "none") for s in range(2))
+    for share, out in runs.items():
+        link = out["dp_link"]
+        assert link["link_share"] == share and out["dp"]["link_share"] == share
+        # the app's own period rule: no slot shorter than the round's bytes at `share` of the link
+        assert link["period_s"] >= round_app / (share * rate) and link["period_s"] % slot_period(1, out["step_s"], round_app, rate, share, two.min_period_s) == 0
+        assert out["dp_every_achieved"] == pytest.approx(link["period_s"] / out["step_s"])
+        assert 0 < link["busy"] <= 2 * share + 1e-9  # while a round runs PP keeps at least half the link
+        assert out["app_bytes_per_token"]["dp"] == pytest.approx(out["dp_kept"]["dp_bytes_per_token"] / out["dp_every_achieved"])
+        assert greedy["tokens_per_s"] < out["tokens_per_s"]
+        busy = out["busy_s_per_step"]
+        assert out["step_s"] >= max(busy["compute"], busy["link"]) * (1 - 1e-9)  # never faster than the pipeline alone
+    assert runs[0.1]["tokens_per_s"] > runs[0.2]["tokens_per_s"] and runs[0.1]["dp_every_achieved"] > runs[0.2]["dp_every_achieved"]
+
+
 def test_gpu_compute_follows_flops() -> None:
     dims = KNOWN_MODELS["llama-3.2-1b"]
     shape = Shape(4, 2048, 2)
@@ -257,6 +283,7 @@ def test_a_gpu_run_sets_the_mfu(tmp_path: Path) -> None:
         (["--gpu", "cpu", "--bandwidth-mbit", "100", "--mfu", "0.5"], "--mfu"),
         (["--gpu", "rtx4090", "--bandwidth-mbit", "100", "--dp-every", "0"], "--dp-every"),
         (["--gpu", "rtx4090", "--bandwidth-mbit", "100", "--max-staleness", "9"], "--max-staleness"),
+        (["--gpu", "rtx4090", "--bandwidth-mbit", "100", "--link-share", "1.5"], "--link-share"),
         (["--gpu", "rtx4090", "--bandwidth-mbit", "100", "--model", "no-such-model"], "--model"),
         (["--gpu", "rtx4090", "--bandwidth-mbit", "100", "--model", "missing/run.toml"], "--model"),
         (["--gpu", "rtx4090", "--bandwidth-mbit", "100", "--model", "qwen2.5-0.5b", "--stages", "30"], "--stages"),
@@ -317,6 +344,7 @@ def test_bench_project_writes_the_json(tmp_path: Path) -> None:
         assert m["tokens_per_s"] > 0 and m["bound"] in (("sync",) if name == "dense_sync" else ("compute", "link", "dp")) and m["wire_bytes_per_token"] > 0
         assert m["vs"]["dense_sync"] == pytest.approx(m["tokens_per_s"] / data["modes"]["dense_sync"]["tokens_per_s"])
     assert data["setup"]["device"]["name"] == "rtx4090" and data["setup"]["mfu"] == DEFAULT_MFU
+    assert data["setup"]["dp_link_share"] == 0.2  # the swarm's default DP, as users run it
 
 
 def test_run_toml_model(tmp_path: Path) -> None:

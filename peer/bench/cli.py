@@ -35,6 +35,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--modes", help="comma-separated subset of compute_bound,dense,masked,masked_dp,dense_sync (default: all)")
     t.add_argument("--repeat", type=int, default=None, help="measure every mode this many times, interleaved (A B C D A B C D ...); medians and spreads in OUT (default 3; 1 with --quick)")
     t.add_argument("--max-staleness", type=int, default=0, help="pipeline.max_staleness of the swarm's modes: steps stage 0 may run ahead of its applied gradients (default 0, the run default)")
+    t.add_argument("--steps", type=int, default=None, help="measure the swarm's modes until this run step (default 100; 30 with --quick): a longer window averages over more averaging rounds")
     t.add_argument("--json", required=True, type=Path, help="write the result here")
     mx = bsub.add_parser("mixed", help="one swarm on two link speeds at once: codec fixed vs self-tuning, against compute-bound (network namespaces; root)")
     mx.add_argument("--quick", action="store_true", help="short runs (steps 10 to 70 per mode; about 7 minutes on 2 CPU cores)")
@@ -52,6 +53,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     pr.add_argument("--dp-every", type=int, default=10, help="steps between DP rounds of masked_dp and compute_bound (default 10, the full bench's)")
     pr.add_argument("--shared-cores", type=int, default=None, help="all peers share this many cores (the namespace test bed); default: each peer its own device")
     pr.add_argument("--max-staleness", type=int, default=None, help="steps stage 0 may run ahead of its applied gradients (pipeline.max_staleness; default: the run.toml's, else 0: the pipeline drains every step)")
+    pr.add_argument("--link-share", type=float, default=None, help="dp.link_share: the most of the link's time a stage group's averaging rounds take (default: the swarm's, 0.2; 0: as often as the link carries them, as `bench throughput` runs its modes)")
     pr.add_argument("--json", type=Path, default=None, help="write the result here (default: print it)")
     pf = bsub.add_parser("profile", help="CPU per process kind and, with py-spy installed, per part of the peers' main processes, in one mode on the test bed (root)")
     pf.add_argument("--mode", default="masked_dp", help="compute_bound, dense, masked or masked_dp (default masked_dp)")
@@ -97,7 +99,7 @@ def run_bench(args: argparse.Namespace) -> None:
         from peer.bench.throughput import main_json
 
         modes = [m.strip() for m in args.modes.split(",")] if args.modes else None
-        main_json(args.json, quick=args.quick, bandwidth_mbit=args.bandwidth_mbit, stages=args.stages, replicas=args.replicas, modes=modes, repeat=args.repeat, max_staleness=args.max_staleness)
+        main_json(args.json, quick=args.quick, bandwidth_mbit=args.bandwidth_mbit, stages=args.stages, replicas=args.replicas, modes=modes, repeat=args.repeat, max_staleness=args.max_staleness, steps=args.steps)
         print(f"wrote {args.json}")
     elif args.bench == "mixed":
         from peer.bench.mixed import main_json as mixed_json
@@ -108,7 +110,7 @@ def run_bench(args: argparse.Namespace) -> None:
         from peer.bench.project import main_json as project_json
 
         project_json(args.json, model=args.model, device=args.gpu, bandwidth_mbit=args.bandwidth_mbit, stages=args.stages, replicas=args.replicas,
-                     mfu=args.mfu, dp_every=args.dp_every, shared_cores=args.shared_cores, mfu_from=args.mfu_from, max_staleness=args.max_staleness)
+                     mfu=args.mfu, dp_every=args.dp_every, shared_cores=args.shared_cores, mfu_from=args.mfu_from, max_staleness=args.max_staleness, link_share=args.link_share)
         if args.json is not None:
             print(f"wrote {args.json}")
     elif args.bench == "profile":

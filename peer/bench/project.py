@@ -44,15 +44,14 @@ after applying step n-1 (the pipeline drains every step); each peer's loop is se
 backward > forward); a micro-batch goes to a next-stage peer drawn at random. So the prediction
 is an event simulation of that schedule (`simulate`): K stages x R serial peers, FIFO links.
 
-DP, two ways. `dp_kept`: DP must keep its configured cadence (synchronous data parallelism, the
-baseline the issue's targets compare with); its bytes per step take bandwidth from every link,
-solved as a fixed point (the step time T with T = simulate(B - DP bytes per step / T)); `bound`
-"dp" when DP's link time is the largest term. The app (`tokens_per_s`, the bench's own
-definition: "as often as the averager manages"): rounds run in the background and never hold a
-step back. While DP needs at most half a link at its cadence, that is the same as dp_kept. Beyond
-that, the PP and DP TCP flows share the link (PP sees B / 2; an assumption: equal TCP shares),
-and rounds come only as often as what PP leaves of the link carries them
-(`dp_every_achieved` steps per round); `bound` is then "dp" if the halved link binds PP.
+DP, two ways (peer/bench/project_dp.py). `dp_kept`: DP must keep its configured cadence
+(synchronous data parallelism); its bytes per step take bandwidth from every link (a fixed
+point); `bound` "dp" when DP's link time is the largest term. The app (`tokens_per_s`): rounds
+run in the background and never hold a step back, spaced as the swarm spaces them: with
+`dp.link_share` (`--link-share`, default the swarm's 0.2) at slot periods that keep a round's
+bytes to that share of the link, PP and DP sharing the link while a round runs
+(`dp_link.busy` of the time); with 0 (the throughput bench's modes, and the bed test) as often
+as the link carries them. `dp_every_achieved`: steps per round that results in.
 
 Test-bed factors (all off by default; the bed test sets them from the bed): `shared_cores` (the
 peers share this many cores equally: the machine's cores less what other processes took),
@@ -86,9 +85,11 @@ from types import SimpleNamespace
 from peer.bench.project_bytes import SWARM_NAMES, Framing, MessageBytes, Names, dp_round_bytes, message_bytes, mode_mask
 from peer.bench.project_codec import CodecCost, measure_codec, on_device
 from peer.bench.project_compute import StageCompute, gpu_compute, measure_cpu_compute
+from peer.bench.project_dp import dp_greedy, dp_kept, dp_shared
 from peer.bench.project_model import DEFAULT_MFU, DEVICES, KNOWN_MODELS, Device, ModelDims, Shape, resolve_model
 from peer.bench.project_sim import Schedule, Tasks, simulate
 from peer.bench.throughput import MODES, check_max_staleness, mode_config
+from peer.config import DPConfig
 from peer.errors import ConfigError
 
 # -- the projection -------------------------------------------------------------------------------
@@ -109,6 +110,8 @@ class Costs:
     mfu: float | None
     dp_every: int
     framing: Framing = field(default_factory=Framing)
+    link_share: float = 0.0  # dp.link_share of the DP modes: 0 as the throughput bench runs them; `bench project` uses the swarm's default
+    min_period_s: float = DPConfig.min_period_s  # dp.min_period_s, used with link_share
 
 
 def scaled(c: Costs, factor: float) -> Costs:
@@ -235,34 +238,17 @@ def project_mode(c: Costs, mode: str, bandwidth_mbit: float | None, burst_bytes:
     def run(rate_pp: float | None) -> Schedule:
         return simulate(tasks, K, R, M, c.shape.tokens, rate_pp, burst_bytes, shared_cores, queue_s, staleness=c.shape.max_staleness)
 
-    if rate is None or dp_s == 0.0:
-        kept = run(rate)
-    else:  # DP takes dp_wire / step_s of every link: find the step time T = sim(rate - dp/T)
-        dp_bps = max(dp_wire_step)
-        lo = max(run(rate).step_s, dp_bps / rate * (1 + 1e-9))
-        hi = max(2 * lo, bound_s)
-        while run(rate - dp_bps / hi).step_s > hi:
-            hi *= 2
-        for _ in range(40):
-            mid = (lo + hi) / 2
-            if run(rate - dp_bps / mid).step_s > mid:
-                lo = mid
-            else:
-                hi = mid
-            if hi - lo < 1e-4 * hi:
-                break
-        kept = Schedule(hi, tokens_step / hi)
-    # the app: rounds run in the background and never hold a step back. While DP's share at its
-    # cadence stays under half the link it keeps the cadence (= kept); beyond, the two TCP flows
-    # split the link (PP sees rate / 2 while both send) and rounds come as often as the rest of
-    # the link carries them
-    app, every, app_bound = kept, float(dp["inner_steps"]), bound
-    if rate is not None and dp_s > 0.0 and rate - max(dp_wire_step) / kept.step_s < rate / 2:
-        app = run(rate / 2)
-        pp_rate = max(up) / app.step_s
-        dp_rate = max(rate - pp_rate, 1e-9)
-        every = max(every, max(dp_wire_step) * dp["inner_steps"] / (dp_rate * app.step_s))
-        app_bound = "dp" if max(up) / (rate / 2) > compute_s else "compute"
+    kept = run(rate) if rate is None or dp_s == 0.0 else dp_kept(run, rate, max(dp_wire_step), bound_s, tokens_step)
+    app, every, app_bound, shared = kept, float(dp["inner_steps"]), bound, None
+    if rate is not None and dp_s > 0.0 and c.link_share > 0.0:  # the swarm's default: rounds spaced to a share of the link
+        busiest = max(range(K), key=lambda s: dp_wire_step[s])
+        shared = dp_shared(run, rate, dp_round[busiest], dp_wire_step[busiest] * dp["inner_steps"], max(up), dp["inner_steps"], c.link_share, c.min_period_s, tokens_step)
+        app, every = shared.schedule, shared.every
+        app_bound = "link" if link_s > compute_s else ("dp" if shared.busy > 0 and max(up) / (rate / 2) > compute_s else "compute")
+    elif rate is not None and dp_s > 0.0:  # dp.link_share 0 (the throughput bench's modes): as often as the averager manages
+        app, every, split = dp_greedy(run, kept, rate, max(dp_wire_step), max(up), dp["inner_steps"])
+        if split:
+            app_bound = "dp" if max(up) / (rate / 2) > compute_s else "compute"
     pp_app = M * R * (K - 1) * (c.bytes[mode].activation + c.bytes[mode].gradient + (R * c.bytes[mode].basis / (mode_mask(mode).basis_refresh * M) if c.bytes[mode].basis else 0.0))
     pp_wire = tasks.pp_wire_per_step(R, M)
     dp_app = R * sum(dp_app_step)
@@ -271,6 +257,7 @@ def project_mode(c: Costs, mode: str, bandwidth_mbit: float | None, burst_bytes:
         "tokens_per_s": app.tokens_per_s,
         "bound": app_bound,
         "dp_every_achieved": every if dp_s > 0.0 else None,
+        "dp_link": None if shared is None else {"link_share": c.link_share, "period_s": shared.period_s, "busy": shared.busy},
         "tokens_per_s_bound": tokens_step / bound_s,
         "step_s": app.step_s,
         "busy_s_per_step": {"compute": compute_s, "link": link_s, "dp": dp_s},
@@ -285,7 +272,7 @@ def project_mode(c: Costs, mode: str, bandwidth_mbit: float | None, burst_bytes:
         },
         "bandwidth_mbit": bandwidth_mbit,
         "pp": mode_config(mode, 2, 1, c.dp_every)["mask"],
-        "dp": dp,
+        "dp": {**dp, "link_share": c.link_share, "min_period_s": c.min_period_s} if shared is not None else dp,
         "task_s": {"fwd": tasks.fwd, "bwd": tasks.bwd, "step": tasks.step},
     }
 
@@ -309,6 +296,7 @@ def project(costs: Costs, bandwidth_mbit: float, modes: tuple[str, ...] = PROJEC
             "replicas": c.replicas,
             "micro_batch": asdict(c.shape),
             "dp_every": c.dp_every,
+            "dp_link_share": c.link_share,
             "compute": {"fwd_s": c.compute.fwd, "bwd_s": c.compute.bwd, "optimizer_s": c.compute.opt, "how": c.compute.how},
             "codec_s": codec,
             "message_bytes": {m: asdict(b) for m, b in c.bytes.items()},
@@ -321,7 +309,8 @@ def project(costs: Costs, bandwidth_mbit: float, modes: tuple[str, ...] = PROJEC
     }
 
 
-def check_args(device: str, bandwidth_mbit: float, stages: int, replicas: int, mfu: float | None, dp_every: int, shared_cores: int | None = None, max_staleness: int | None = None) -> Device:
+def check_args(device: str, bandwidth_mbit: float, stages: int, replicas: int, mfu: float | None, dp_every: int, shared_cores: int | None = None, max_staleness: int | None = None,
+               link_share: float = 0.0) -> Device:
     """Every flag checked before anything is measured; ConfigError names the flag."""
     if device not in DEVICES:
         raise ConfigError("--gpu", device, f"unknown; known: {', '.join(DEVICES)}")
@@ -341,6 +330,8 @@ def check_args(device: str, bandwidth_mbit: float, stages: int, replicas: int, m
         raise ConfigError("--shared-cores", shared_cores, "must be >= 1")
     if max_staleness is not None:
         check_max_staleness(max_staleness)
+    if not 0.0 <= link_share <= 1.0:
+        raise ConfigError("--link-share", link_share, "must be in [0, 1]: the share of the link's time averaging rounds may take (0 = no bound)")
     return DEVICES[device]
 
 
@@ -368,11 +359,13 @@ def mfu_from_gpu_run(path: Path, device: Device) -> tuple[float, str]:
 
 
 def run_project(model: str, device: str, bandwidth_mbit: float, stages: int = 2, replicas: int = 2, mfu: float | None = None, dp_every: int = 10,
-                shared_cores: int | None = None, burst_kb: float = 0.0, mfu_from: Path | None = None, max_staleness: int | None = None) -> dict:
+                shared_cores: int | None = None, burst_kb: float = 0.0, mfu_from: Path | None = None, max_staleness: int | None = None,
+                link_share: float | None = None) -> dict:
     """`anchormesh bench project`: resolve, measure, project (see the module docstring). A GPU's
     MFU is `--mfu`, else what a `bench gpu` run on that device measured (`--mfu-from`, or
     docs/gpu-bench-<device>.json when it exists), else 40%."""
-    dev = check_args(device, bandwidth_mbit, stages, replicas, mfu, dp_every, shared_cores, max_staleness)
+    link_share = DPConfig.link_share if link_share is None else link_share  # the swarm's default
+    dev = check_args(device, bandwidth_mbit, stages, replicas, mfu, dp_every, shared_cores, max_staleness, link_share)
     dims, shape, source = resolve_model(model, stages)
     shape = shape if max_staleness is None else replace(shape, max_staleness=max_staleness)  # else the run.toml's, or 0
     if stages > dims.layers:
@@ -384,7 +377,7 @@ def run_project(model: str, device: str, bandwidth_mbit: float, stages: int = 2,
             mfu, mfu_source = mfu_from_gpu_run(found, dev)
         else:
             mfu, mfu_source = DEFAULT_MFU, "assumed (no `anchormesh bench gpu` run on this device)"
-    costs = measure_costs(dims, shape, stages, replicas, dev, mfu, dp_every)
+    costs = replace(measure_costs(dims, shape, stages, replicas, dev, mfu, dp_every), link_share=link_share)
     out = project(costs, bandwidth_mbit, burst_bytes=burst_kb * 1024, shared_cores=shared_cores)
     out["setup"]["mfu_source"] = mfu_source
     out["setup"]["model_source"] = source

@@ -244,22 +244,26 @@ def combine_repeats(repeats: list[dict[str, dict]]) -> tuple[dict[str, dict], di
 
 
 def run_throughput(quick: bool, bandwidth_mbit: float | None, stages: int, replicas: int, modes: list[str] | None = None, workdir: Path | None = None, repeat: int | None = None,
-                   max_staleness: int = 0) -> dict:
+                   max_staleness: int = 0, steps: int | None = None) -> dict:
     """All modes, compute_bound first (it sets the GPU-equivalent bandwidth), `repeat` times
     interleaved (A B C D A B C D ...; default 1 with `quick`, else 3); the swarm's modes with
-    `max_staleness` (dense_sync is GPipe: it flushes every step); returns the JSON."""
+    `max_staleness` (dense_sync is GPipe: it flushes every step) and measured to run step `steps`
+    (default 30 with `quick`, else 100; a longer window averages over more DP rounds); returns the JSON."""
     if replicas < 1:
         raise ConfigError("--replicas", replicas, "must be >= 1")
     repeat = repeat if repeat is not None else (1 if quick else 3)
     if repeat < 1:
         raise ConfigError("--repeat", repeat, "must be >= 1")
     check_max_staleness(max_staleness)
+    warmup, default_steps, dp_every = (6, 30, 5) if quick else (10, 100, 10)
+    steps = default_steps if steps is None else steps
+    if steps < warmup + 10:
+        raise ConfigError("--steps", steps, f"must be >= {warmup + 10}: the warm-up ends at step {warmup}, and a window of fewer than 10 steps measures noise")
     modes = modes or list(ALL_MODES)
     for m in modes:
         if m not in ALL_MODES:
             raise ConfigError("--modes", m, f"unknown; known: {', '.join(ALL_MODES)}")
     check_bed_args("bench throughput", stages, bandwidth_mbit)
-    warmup, steps, dp_every = (6, 30, 5) if quick else (10, 100, 10)
     timeout_s = 300.0 if quick else 1800.0
     workdir = workdir or Path(tempfile.mkdtemp(prefix="anchormesh-throughput-"))
     scenario = GpuScenario()
