@@ -63,6 +63,7 @@ MASK_FILLS = ("zero", "token_prior", "rescale", "prior_rescale")
 VALUE_DTYPES = ("fp32", "fp16", "bf16", "int8")
 
 
+GRAD_ROUNDINGS = ("stochastic", "dither")
 MASK_SCHEMES = ("mask", "lowrank", "transform")
 
 
@@ -93,6 +94,11 @@ class MaskConfig:
         grad_bits: scheme "transform": bits per value of the gradients (backward), in [1, 8].
         sink: scheme "transform": leading positions of each sequence sent dense in bf16 (the
             attention sink carries massive activations that no few-bit code survives).
+        grad_rounding: scheme "transform": how gradients round to their levels, both unbiased:
+            "stochastic" (to one of the two nearest at random) or "dither" (subtractive dither:
+            the sender adds a pseudo-random offset before rounding and the receiver, which
+            draws the same offset from the message's key, subtracts it: the error is uniform
+            and independent of the value, half of stochastic rounding's mean square).
         prior_rows: scheme "lowrank": most rows of the token prior that travel per refresh; a
             larger vocabulary sends its most frequent tokens' rows and one shared row.
         adapt: each sender sends per link as much of the configured payload as the link's
@@ -117,6 +123,7 @@ class MaskConfig:
     bits: float = 2.0
     grad_bits: float = 2.0
     sink: int = 1
+    grad_rounding: str = "stochastic"
     adapt: bool = True
     min_keep: float = 0.25
     link_target: float = 0.8
@@ -136,6 +143,7 @@ class MaskConfig:
                 raise ConfigError(f"mask.{name}", getattr(self, name), "must be in [1, 8] bits per value: every component of a row gets at least one")
         if self.sink < 0:
             raise ConfigError("mask.sink", self.sink, "must be >= 0 positions")
+        _choice("mask.grad_rounding", self.grad_rounding, GRAD_ROUNDINGS)
         _positive("mask.rank", self.rank)
         _positive("mask.basis_refresh", self.basis_refresh)
         if not (0.0 <= self.drop < 1.0):
@@ -506,6 +514,8 @@ class TrainConfig:
             raise ConfigError("pipeline.seq_len", self.pipeline.seq_len, f"exceeds model.max_seq_len={self.model.max_seq_len}")
         if self.spectral.mode in ("ef", "paper_ef") and self.anchor.enabled and not self.anchor.with_masked:
             raise ConfigError("anchor.with_masked", False, f"spectral.mode={self.spectral.mode!r} needs the masked anchor gradient")
+        if self.spectral.mode in ("ef", "paper_ef") and self.anchor.enabled and self.mask.scheme != "mask":
+            raise ConfigError("spectral.mode", self.spectral.mode, f'needs the anchor batch\'s masked twin pass, which only the element mask has (mask.scheme="{self.mask.scheme}"); use "paper" or "off"')
         if self.data.tokenizer == "auto":
             self.data.tokenizer = "bytes" if self.model.name.startswith(TINY_MODEL_PREFIX) else "model"
         self.check_model_dims()

@@ -43,6 +43,8 @@ def test_there_are_examples_for_both_uses() -> None:
         ({"optim": {"lr": "3e-4"}}, "optim.lr"),
         ({"mask": {"rank": 2.5}}, "mask.rank"),
         ({"anchor": {"with_masked": 1}}, "anchor.with_masked"),
+        ({"mask": {"scheme": "transform"}, "anchor": {"every": 5}, "spectral": {"mode": "ef"}}, "spectral.mode"),  # no masked twin pass for it
+        ({"mask": {"scheme": "transform", "grad_rounding": "round"}}, "mask.grad_rounding"),
         ({"data": {"path": "a", "dataset": "b"}}, "data.dataset"),
         ({"data": {"tokenizer": "bpe"}}, "data.tokenizer"),
         ({"data": {"heldout": 0.0}}, "data.heldout"),

@@ -119,6 +119,71 @@ def test_the_gradient_coder_is_a_fixed_random_rotation_with_even_bits() -> None:
     assert float((mean - x).norm()) < 0.75 * float((one - x).norm())
 
 
+def test_subtractive_dither_halves_stochastic_rounding_s_error_and_stays_unbiased() -> None:
+    """mask.grad_rounding "dither": the receiver subtracts the offset the sender added, so the
+    error is uniform in half a step whatever the value: about half the mean square of stochastic
+    rounding at the same bits and bytes, still unbiased over draws; decoded with another seed it
+    is not the tensor sent (the offset is part of the code)."""
+    state = random_coder(H, row_budget(2.0, H), seed=3)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 40, H, generator=g) * torch.rand(2, 40, 1, generator=g) * 3
+
+    def rel(d: torch.Tensor) -> float:
+        return float(((d - x) ** 2).mean() / (x**2).mean())
+
+    stochastic = rel(state.decode(state.encode(x, 0, stochastic=True, generator=torch.Generator().manual_seed(0)), 2, 40, 0))
+    payload = state.encode(x, 0, dither_seed=11)
+    assert len(payload) == state.payload_bytes(2, 40, 0)
+    dithered = rel(state.decode(payload, 2, 40, 0, dither_seed=11))
+    assert 0.35 < dithered / stochastic < 0.65, (dithered, stochastic)
+    assert rel(state.decode(payload, 2, 40, 0, dither_seed=12)) > 2 * dithered
+    mean = torch.stack([state.decode(state.encode(x, 0, dither_seed=i), 2, 40, 0, dither_seed=i) for i in range(200)]).mean(0)
+    assert rel(mean) < 0.05 * dithered
+
+
+def test_dither_offsets_are_uniform_and_fixed_by_seed_row_and_column() -> None:
+    """The offsets are a hash of (seed, row, column), so any device draws the same; roughly uniform."""
+    from peer.codec.transform import dither
+
+    cols = torch.tensor([3, 7, 40])
+    u = dither(2**40 + 5, 5000, cols, H)
+    assert u.shape == (5000, 3) and float(u.min()) >= 0.0 and float(u.max()) < 1.0
+    assert abs(float(u.mean()) - 0.5) < 0.01 and abs(float(u.var()) - 1 / 12) < 0.003
+    assert torch.equal(u[:, 1], dither(2**40 + 5, 5000, torch.tensor([7]), H)[:, 0])  # a column's offsets do not depend on the others
+    assert not torch.equal(u, dither(2**40 + 6, 5000, cols, H)) and not torch.equal(u, dither(5, 5000, cols, H))
+
+
+def test_both_ends_of_a_link_dither_by_the_run_s_config_and_a_run_trains() -> None:
+    """Both ends read mask.grad_rounding from the run: a gradient crosses a pair of links with the
+    dither's error (about half stochastic rounding's), and a run with it learns."""
+    from peer.pipeline.transform_link import TransformLinks
+
+    x = torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(2))
+    err = {}
+    for rounding in ("stochastic", "dither"):
+        mask = MaskConfig(scheme="transform", grad_rounding=rounding)
+        producer, consumer = TransformLinks(mask, 32, False, True), TransformLinks(mask, 32, True, False)
+        payload, coder = producer.encode("backward", x, "stage0.r0", boundary=0, step=3, micro_batch=1)
+        msg = pb.GradientChunk(header=pb.MicroBatchHeader(sender="stage1.r0", step=3, micro_batch_id=1, boundary=0), grad=payload, coder=coder)
+        got = consumer.decode(msg, expect_shape=(4, 16, 32), boundary=0, step=3, micro_batch=1)
+        err[rounding] = float(((got - x) ** 2).mean() / (x**2).mean())
+    assert 0.35 < err["dither"] / err["stochastic"] < 0.65, err
+
+    def windows(step: int, replica: int, j: int) -> torch.Tensor:  # counting sequences: learnable in a few steps
+        start = torch.randint(0, 256, (4, 1), generator=torch.Generator().manual_seed(10 * step + j))
+        return (start + torch.arange(17)) % 256
+
+    losses = {}
+    for rounding in ("stochastic", "dither"):
+        cfg = TrainConfig(model=MODEL, pipeline=PIPE, optim=OptimConfig(lr=1e-2), steps=8, mask=MaskConfig(scheme="transform", grad_rounding=rounding))
+        runner = LocalPipelineRunner(cfg, load_causal_lm(MODEL, seed=0), windows)
+        losses[rounding] = [r.loss for r in runner.run(8)]
+        runner.close()
+    assert all(math.isfinite(v) for v in losses["dither"])
+    assert losses["dither"][-1] < losses["dither"][0]
+    assert losses["dither"][0] == pytest.approx(losses["stochastic"][0])  # the first forward is the same: only gradients differ
+
+
 def _coder(**override) -> pb.TransformCoder:
     msg = tw.coder_to_proto(learner_state())
     for key, value in override.items():
@@ -199,6 +264,8 @@ def test_config_bounds() -> None:
         MaskConfig(scheme="transform", grad_bits=8.5)
     with pytest.raises(ConfigError, match="mask.sink"):
         MaskConfig(scheme="transform", sink=-1)
+    with pytest.raises(ConfigError, match="mask.grad_rounding"):
+        MaskConfig(scheme="transform", grad_rounding="round")
     with pytest.raises(ConfigError, match="mask.drop"):
         MaskConfig(scheme="transform", drop=0.5)
 

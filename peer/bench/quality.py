@@ -108,7 +108,13 @@ def rows(setup: QualitySetup) -> dict[str, TrainConfig]:
         # a transform coder made for real boundaries (peer/codec/transform.py)
         "transform": cfg(mask=transform),
         "transform_grad1": cfg(mask=replace(transform, grad_bits=1.0)),  # half the gradient's bytes
+        # gradients with subtractive dither (mask.grad_rounding): half the mean square error of stochastic rounding
+        "transform_dither": cfg(mask=replace(transform, grad_rounding="dither")),
+        "transform_grad1_dither": cfg(mask=replace(transform, grad_bits=1.0, grad_rounding="dither")),
         "transform_anchor": cfg(mask=transform, anchor=anchor, spectral=SpectralConfig(mode="paper")),
+        # the anchors' filter truncated to its top directions (the control variate, spectral "ef", needs
+        # a compressed twin of the anchor pass, which only the element mask has: masked_anchor_ef)
+        "transform_anchor_r8": cfg(mask=transform, anchor=anchor, spectral=SpectralConfig(mode="paper", rank=8)),
         # stage 0 one step ahead of its applied gradients (pipeline.max_staleness 1): the pipeline no longer drains every step
         "transform_stale1": cfg(mask=transform, pipeline=replace(pipe, max_staleness=1)),
         "transform_stale1_stash": cfg(mask=transform, pipeline=replace(pipe, max_staleness=1, staleness_correction="none")),  # plain stashing, as the swarm's stage 0

@@ -26,7 +26,9 @@ Two coders, measured on SmolLM2-135M and the toy (docs/benchmarks.md):
   few clip: a clipped value is a biased one). Why: a gradient's statistics move faster than the refits (a
   fitted coder went stale and clipped: +23 % on the toy), and a biased gradient costs far more
   than a noisy one (rows dropped to save bits: +3.7 % on SmolLM2); a random rotation makes every
-  component of a row about Gaussian with the row's own gain, whatever the gradient does.
+  component of a row about Gaussian with the row's own gain, whatever the gradient does. With
+  `mask.grad_rounding = "dither"` they round with subtractive dither instead (`dither`: an
+  offset both ends draw from the message's key): uniform error, half the mean square.
 The gradient crosses the activations' quantiser as if it were the identity (straight-through).
 
 Payload of one tensor [B, T, H]: the sink rows (bf16, B * sink * H * 2 bytes), the gains (bf16,
@@ -120,6 +122,25 @@ def packed_bytes(count: int, width: int) -> int:
     return (count * width + 7) // 8
 
 
+M32 = 0xFFFFFFFF
+
+
+def dither(seed: int, rows: int, cols: Tensor, hidden: int) -> Tensor:
+    """Offsets in [0, 1) for rows x `cols` of a message, the same on every device: a 32-bit
+    integer hash of (seed, row * hidden + column) in int64 arithmetic that never overflows (every
+    product stays below 2**59), then its top 24 bits as a float32 fraction (exact). Why not
+    torch's generator: its streams differ between CPU and CUDA, and sender and receiver of a
+    gradient may sit on either."""
+    mult = 0x45D9F3B
+    r = torch.arange(rows, device=cols.device, dtype=torch.int64).unsqueeze(1)
+    x = (r * hidden + cols.to(torch.int64).unsqueeze(0) + (seed & M32)) & M32
+    x = x ^ ((seed >> 32) & M32)
+    for _ in range(2):
+        x = (((x >> 16) ^ x) * mult) & M32
+    x = (x >> 16) ^ x
+    return (x >> 8).to(torch.float32) / float(1 << 24)
+
+
 @dataclass
 class TransformState:
     """What both ends hold for one version of a producer's coder (see the module docstring).
@@ -160,10 +181,12 @@ class TransformState:
         rows = batch * (seq - head)
         return batch * head * self.hidden_size * 2 + 2 * rows + sum(packed_bytes(rows * len(cols), b) for b, cols in self._groups)
 
-    def encode(self, x: Tensor, sink: int, stochastic: bool = False, generator: torch.Generator | None = None) -> bytes:
+    def encode(self, x: Tensor, sink: int, stochastic: bool = False, generator: torch.Generator | None = None, dither_seed: int | None = None) -> bytes:
         """The payload of `x` [B, T, H] (any float dtype; coded in float32). `stochastic`: round
         to one of the two nearest levels at random (drawn from `generator`), unbiased inside the
-        quantiser's range."""
+        quantiser's range. `dither_seed`: subtractive dither instead (`dither`'s offset added
+        before rounding down; `decode` with the same seed subtracts it): the error is uniform in
+        half a step either way, whatever the value."""
         x = x.detach().float()
         head = min(sink, x.shape[1])
         parts = [x[:, :head].to(torch.bfloat16).contiguous().view(torch.int16).cpu().numpy().tobytes()]
@@ -178,7 +201,9 @@ class TransformState:
         for (b, _), cols in zip(self._groups, placed_cols):
             half = 2 ** (b - 1)
             t = z[:, cols] / STEP[b]
-            if stochastic:  # between the two nearest levels (q + 0.5) * step
+            if dither_seed is not None:  # decoded as (q + 1 - u) * step: error 0.5 - frac(t - 0.5 + u)
+                q = torch.floor(t - 0.5 + dither(dither_seed, t.shape[0], cols, self.hidden_size))
+            elif stochastic:  # between the two nearest levels (q + 0.5) * step
                 t = t - 0.5
                 lo = torch.floor(t)
                 q = lo + (torch.rand(t.shape, generator=generator, device=t.device) < (t - lo)).float()
@@ -213,10 +238,11 @@ class TransformState:
         the rotation of every row is the costly part, and it runs once, in `decode`)."""
         self._parse(payload, batch, seq, sink)
 
-    def decode(self, payload: bytes, batch: int, seq: int, sink: int, device: torch.device | str = "cpu") -> Tensor:
+    def decode(self, payload: bytes, batch: int, seq: int, sink: int, device: torch.device | str = "cpu", dither_seed: int | None = None) -> Tensor:
         """[batch, seq, H] float32 on `device` from a payload of exactly `payload_bytes`; WireError
         otherwise. The bytes are checked on the host; the codes cross to `device` still packed and
-        are expanded and rotated there (an H x H product per row: a GPU's work, not the host's)."""
+        are expanded and rotated there (an H x H product per row: a GPU's work, not the host's).
+        `dither_seed`: the encoder's, whose offsets are subtracted."""
         H = self.hidden_size
         sink_rows, gain, codes = self._parse(payload, batch, seq, sink)
         head, rows = sink_rows.shape[1], gain.shape[0]
@@ -229,7 +255,9 @@ class TransformState:
             n = rows * len(cols)
             size = packed_bytes(n, b)
             q = unpack_codes(codes[at : at + size], b, n).reshape(rows, len(cols))
-            z[:, dcols] = (q - 2 ** (b - 1)).float().add_(0.5).mul_(STEP[b])
+            level = (q - 2 ** (b - 1)).float()
+            level = level.add_(0.5) if dither_seed is None else level.add_(1.0).sub_(dither(dither_seed, rows, dcols, H))
+            z[:, dcols] = level.mul_(STEP[b])
             at += size
         out = torch.empty(batch, seq, H, device=dev)
         out[:, :head] = sink_rows.to(dev).float()

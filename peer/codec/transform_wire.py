@@ -68,12 +68,14 @@ def _rounding_seed(boundary: int, step: int, micro_batch: int) -> int:
     return int.from_bytes(digest, "little") & 0x7FFFFFFFFFFFFFFF
 
 
-def encode(state: TransformState | None, x: torch.Tensor, *, sink: int, stochastic: bool, boundary: int, step: int, micro_batch: int) -> pb.TensorPayload:
-    """`x` [B, T, H] as a payload: coded with `state`, or dense bf16 while there is none."""
+def encode(state: TransformState | None, x: torch.Tensor, *, sink: int, stochastic: bool, boundary: int, step: int, micro_batch: int, dither: bool = False) -> pb.TensorPayload:
+    """`x` [B, T, H] as a payload: coded with `state`, or dense bf16 while there is none.
+    `dither`: subtractive dither seeded by the message's key (the receiver's `decode` needs it too)."""
     if state is None:
         return pb.TensorPayload(dtype=pb.BFLOAT16, shape=list(x.shape), payload=to_le_bytes(x.detach().to(torch.bfloat16).cpu()))
-    gen = torch.Generator(device=x.device).manual_seed(_rounding_seed(boundary, step, micro_batch)) if stochastic else None
-    msg = pb.TensorPayload(dtype=pb.FLOAT32, shape=list(x.shape), payload=state.encode(x, sink, generator=gen, stochastic=stochastic))
+    seed = _rounding_seed(boundary, step, micro_batch)
+    gen = torch.Generator(device=x.device).manual_seed(seed) if stochastic and not dither else None
+    msg = pb.TensorPayload(dtype=pb.FLOAT32, shape=list(x.shape), payload=state.encode(x, sink, generator=gen, stochastic=stochastic, dither_seed=seed if dither else None))
     c = msg.compression
     c.kind, c.coder_version, c.sink = pb.Compression.TRANSFORM, state.version, sink
     c.boundary, c.step, c.micro_batch = boundary, step, micro_batch
@@ -129,11 +131,12 @@ def check(msg: pb.TensorPayload, state: TransformState | None, *, expect_shape: 
         state.check(msg.payload, B, T, sink)
 
 
-def decode(msg: pb.TensorPayload, state: TransformState | None, *, expect_shape: tuple[int, ...], sink: int, boundary: int, step: int, micro_batch: int, device: torch.device | str = "cpu") -> torch.Tensor:
+def decode(msg: pb.TensorPayload, state: TransformState | None, *, expect_shape: tuple[int, ...], sink: int, boundary: int, step: int, micro_batch: int, device: torch.device | str = "cpu",
+           dither: bool = False) -> torch.Tensor:
     """The float32 tensor a payload carries, on `device`, after `check`'s checks (the coder's
-    products run on `device`)."""
+    products run on `device`); `dither`: the sender dithered (the run's mask.grad_rounding)."""
     shape = _checked(msg, state, expect_shape, sink, boundary, step, micro_batch)
     if msg.compression.kind == pb.Compression.NONE:
         return _dense(msg, shape).to(device).float()
     B, T, _ = shape
-    return state.decode(msg.payload, B, T, sink, device=device)
+    return state.decode(msg.payload, B, T, sink, device=device, dither_seed=_rounding_seed(boundary, step, micro_batch) if dither else None)

@@ -48,6 +48,11 @@ class TransformLinks:
         (every row is coded: its own gain takes a large one)."""
         return self.mask.sink if channel == "forward" else 0
 
+    def dithers(self, channel: str) -> bool:
+        """Whether `channel`'s values round with subtractive dither (the run's gradients, with
+        mask.grad_rounding "dither"): both ends read it from the run's config."""
+        return channel == "backward" and self.mask.grad_rounding == "dither"
+
     def max_bits(self, channel: str) -> int:
         """The run's bits per coded row on `channel`: the most a received coder may allocate."""
         return row_budget(self.mask.bits if channel == "forward" else self.mask.grad_bits, self.hidden_size)
@@ -64,7 +69,7 @@ class TransformLinks:
         if state is not None and self.sent.get((channel, dst)) != state.version:
             coder = tw.coder_to_proto(state)
             self.sent[(channel, dst)] = state.version
-        payload = tw.encode(state, x, sink=self.sink(channel), stochastic=channel == "backward", boundary=boundary, step=step, micro_batch=micro_batch)
+        payload = tw.encode(state, x, sink=self.sink(channel), stochastic=channel == "backward", boundary=boundary, step=step, micro_batch=micro_batch, dither=self.dithers(channel))
         return payload, coder
 
     def forget_sent(self) -> None:
@@ -103,4 +108,5 @@ class TransformLinks:
     def decode(self, msg: pb.ActivationChunk | pb.GradientChunk, *, expect_shape: tuple[int, ...], boundary: int, step: int, micro_batch: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """The float32 tensor an activation or gradient carries, decoded on `device`."""
         channel, payload, state = self._state(msg)
-        return tw.decode(payload, state, expect_shape=expect_shape, sink=self.sink(channel), boundary=boundary, step=step, micro_batch=micro_batch, device=device)
+        return tw.decode(payload, state, expect_shape=expect_shape, sink=self.sink(channel), boundary=boundary, step=step, micro_batch=micro_batch, device=device,
+                         dither=self.dithers(channel))
