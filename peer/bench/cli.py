@@ -27,6 +27,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--corpus-b", help="domain corpus (file or folder of text); default: found on this machine")
     q.add_argument("--rows", help="comma-separated rows to run, or all; default: all, and with --quick the seven the issue asks for and the default run's (peer/bench/quality.py QUICK_ROWS)")
     q.add_argument("--model", default=None, help="adapt this pretrained model (hub id, folder, .gguf file, smollm2-135m) instead of the toy pretrained here")
+    q.add_argument("--seed", type=int, default=0, help="data order (and the toy's pretraining): another seed is a replicate of the same rows (default 0)")
     q.add_argument("--json", required=True, type=Path, help="write the result here")
     t = bsub.add_parser("throughput", help="tokens/s of dense vs masked vs masked+DP vs compute-bound on shaped links (network namespaces; root)")
     t.add_argument("--quick", action="store_true", help="short runs that end within 8 minutes on 2 CPU cores")
@@ -91,7 +92,7 @@ def run_bench(args: argparse.Namespace) -> None:
         from peer.bench.quality import run_quality
 
         only = [r.strip() for r in args.rows.split(",")] if args.rows else None
-        result = run_quality(args.quick, args.corpus_a, args.corpus_b, only, model=args.model)
+        result = run_quality(args.quick, args.corpus_a, args.corpus_b, only, model=args.model, seed=args.seed)
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))
         print(f"wrote {args.json}")

@@ -271,8 +271,10 @@ def chosen_rows(quick: bool, only: list[str] | None) -> list[str] | None:
     return only if only is not None else list(QUICK_ROWS)
 
 
-def run_quality(quick: bool, corpus_a: str | None, corpus_b: str | None, only: list[str] | None = None, model: str | None = None) -> dict:
-    setup = setup_for(quick, model)
+def run_quality(quick: bool, corpus_a: str | None, corpus_b: str | None, only: list[str] | None = None, model: str | None = None, seed: int = 0) -> dict:
+    """The rows' JSON. `seed`: another data order (and, for the toy, another pretraining): a
+    replicate of the same comparison, since one run's rows differ by about its own noise."""
+    setup = replace(setup_for(quick, model), seed=seed)
     table, only = rows(setup), chosen_rows(quick, only)
     unknown = sorted(set(only or ()) - set(table))
     if unknown:  # before the model loads
