@@ -96,10 +96,17 @@ def _lowbias32_(x: torch.Tensor) -> torch.Tensor:
 
 def mask_hash(key: int, numel: int, device: torch.device | str | None = None, *, start: int = 0) -> torch.Tensor:
     """The PRF's 32-bit words (int64 in [0, 2**32)) for flat indices start..start+numel-1 under `key`."""
+    return hash_words(key, torch.arange(start, start + numel, dtype=torch.int64, device=device), wide=start + numel > (1 << 32))
+
+
+def hash_words(key: int, index: torch.Tensor, *, wide: bool = True) -> torch.Tensor:
+    """The PRF's 32-bit words for any int64 indices >= 0 (consumed: hashed in place). `wide`:
+    some index may reach 2**32 (its high word then enters round two; without it, such an index
+    would wrap)."""
     k0, k1 = key & U32, (key >> 32) & U32
-    x = torch.arange(start, start + numel, dtype=torch.int64, device=device)
+    x = index
     hi = None
-    if start + numel > (1 << 32):  # indices beyond 2**32: the high index word enters round two
+    if wide:
         hi = ((x >> 32) * _GOLDEN).bitwise_and_(U32)
         x.bitwise_and_(U32)
     x ^= k0

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from peer.codec.mask import hash_words
 from peer.errors import ConfigError, WireError
 
 # Uniform quantiser of a unit Gaussian with 2**b levels (mid-rise): MSE-optimal step and its MSE.
@@ -122,23 +123,13 @@ def packed_bytes(count: int, width: int) -> int:
     return (count * width + 7) // 8
 
 
-M32 = 0xFFFFFFFF
-
-
 def dither(seed: int, rows: int, cols: Tensor, hidden: int) -> Tensor:
-    """Offsets in [0, 1) for rows x `cols` of a message, the same on every device: a 32-bit
-    integer hash of (seed, row * hidden + column) in int64 arithmetic that never overflows (every
-    product stays below 2**59), then its top 24 bits as a float32 fraction (exact). Why not
-    torch's generator: its streams differ between CPU and CUDA, and sender and receiver of a
-    gradient may sit on either."""
-    mult = 0x45D9F3B
-    r = torch.arange(rows, device=cols.device, dtype=torch.int64).unsqueeze(1)
-    x = (r * hidden + cols.to(torch.int64).unsqueeze(0) + (seed & M32)) & M32
-    x = x ^ ((seed >> 32) & M32)
-    for _ in range(2):
-        x = (((x >> 16) ^ x) * mult) & M32
-    x = (x >> 16) ^ x
-    return (x >> 8).to(torch.float32) / float(1 << 24)
+    """Offsets in [0, 1) for rows x `cols` of a message, the same on every device: the mask's
+    integer PRF (peer/codec/mask.py: hash_words) of (seed, row * hidden + column), its top 24
+    bits as a float32 fraction (exact). Why not torch's generator: its streams differ between
+    CPU and CUDA, and sender and receiver of a gradient may sit on either."""
+    index = torch.arange(rows, device=cols.device, dtype=torch.int64).unsqueeze(1) * hidden + cols.to(torch.int64).unsqueeze(0)
+    return (hash_words(seed, index, wide=rows * hidden >= 1 << 32) >> 8).to(torch.float32) / float(1 << 24)
 
 
 @dataclass
