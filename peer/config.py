@@ -512,10 +512,11 @@ class TrainConfig:
         _positive("token_budget", self.token_budget, allow_zero=True)
         if self.pipeline.seq_len > self.model.max_seq_len:
             raise ConfigError("pipeline.seq_len", self.pipeline.seq_len, f"exceeds model.max_seq_len={self.model.max_seq_len}")
-        if self.spectral.mode in ("ef", "paper_ef") and self.anchor.enabled and not self.anchor.with_masked:
-            raise ConfigError("anchor.with_masked", False, f"spectral.mode={self.spectral.mode!r} needs the masked anchor gradient")
-        if self.spectral.mode in ("ef", "paper_ef") and self.anchor.enabled and self.mask.scheme != "mask":
-            raise ConfigError("spectral.mode", self.spectral.mode, f'needs the anchor batch\'s masked twin pass, which only the element mask has (mask.scheme="{self.mask.scheme}"); use "paper" or "off"')
+        if self.spectral.mode in ("ef", "paper_ef") and self.anchor.enabled:  # error feedback: the anchor batch's masked twin pass
+            if not self.anchor.with_masked:
+                raise ConfigError("anchor.with_masked", False, f"spectral.mode={self.spectral.mode!r} needs the masked anchor gradient")
+            if self.mask.scheme != "mask":
+                raise ConfigError("spectral.mode", self.spectral.mode, f'needs the anchor batch\'s masked twin pass, which only the element mask has (mask.scheme="{self.mask.scheme}"); use "paper" or "off"')
         if self.data.tokenizer == "auto":
             self.data.tokenizer = "bytes" if self.model.name.startswith(TINY_MODEL_PREFIX) else "model"
         self.check_model_dims()

@@ -75,6 +75,7 @@ tasks and prediction, and the CLI's checks and run.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -235,6 +236,7 @@ def project_mode(c: Costs, mode: str, bandwidth_mbit: float | None, burst_bytes:
     bound_s = max(compute_s, link_s + dp_s)
     bound = "compute" if compute_s >= link_s + dp_s else ("dp" if dp_s > link_s else "link")
 
+    @functools.lru_cache(maxsize=None)  # the DP models ask for the whole link and half of it more than once
     def run(rate_pp: float | None) -> Schedule:
         return simulate(tasks, K, R, M, c.shape.tokens, rate_pp, burst_bytes, shared_cores, queue_s, staleness=c.shape.max_staleness)
 

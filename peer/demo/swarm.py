@@ -71,9 +71,8 @@ def stop_processes(procs: list[subprocess.Popen], grace_s: float = 20.0) -> None
 def model_run_toml(model: str) -> str:
     """The demo's run for a pretrained model: 2 stages cut at its middle layer, the transform
     coder at 2 bits per value each way and stage 0 one step ahead (what `bench quality --model`
-    runs as its default row),
-    the adaptation lr of `bench quality`, the built-in Python corpus through the model's
-    tokenizer. The model is resolved first, so a model that is not installed fails here, before
+    runs as its default row), the adaptation lr of `bench quality`, the built-in Python corpus
+    through the model's tokenizer. The model is resolved first, so a model that is not installed fails here, before
     any process."""
     from peer.model.loading import resolve_dims
 
