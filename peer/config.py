@@ -65,6 +65,7 @@ VALUE_DTYPES = ("fp32", "fp16", "bf16", "int8")
 
 GRAD_ROUNDINGS = ("stochastic", "dither")
 MASK_SCHEMES = ("mask", "lowrank", "transform")
+LR_SCHEDULES = ("constant", "cosine", "linear")
 
 
 @dataclass
@@ -296,7 +297,19 @@ class SpectralConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW after the correction."""
+    """AdamW after the correction, with an lr schedule (peer/optim/schedule.py).
+
+    Args:
+        lr: the peak learning rate.
+        schedule: "constant", or "cosine" / "linear" decay from `lr` to `min_lr_ratio * lr` over
+            `decay_steps` steps (held there after). Why: adaptation runs of a known length end on
+            a decayed lr in practice, and a decayed lr also shrinks what noisy (compressed)
+            gradients add to the final loss.
+        warmup_steps: linear warmup from lr / warmup_steps to `lr` over the first steps.
+        decay_steps: the horizon of a decaying schedule, counted from step 0 (warmup included); a
+            swarm runs until stopped, so a decaying schedule needs it said.
+        min_lr_ratio: where the decay ends, as a fraction of `lr`.
+    """
 
     lr: float = 3e-4
     weight_decay: float = 0.0
@@ -304,9 +317,20 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0
+    schedule: str = "constant"
+    warmup_steps: int = 0
+    decay_steps: int = 0
+    min_lr_ratio: float = 0.1
 
     def __post_init__(self) -> None:
         _positive("optim.lr", self.lr)
+        _choice("optim.schedule", self.schedule, LR_SCHEDULES)
+        _positive("optim.warmup_steps", self.warmup_steps, allow_zero=True)
+        _positive("optim.decay_steps", self.decay_steps, allow_zero=True)
+        if not (0.0 <= self.min_lr_ratio <= 1.0):
+            raise ConfigError("optim.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
+        if self.schedule != "constant" and self.decay_steps <= self.warmup_steps:
+            raise ConfigError("optim.decay_steps", self.decay_steps, f"must exceed optim.warmup_steps ({self.warmup_steps}) with optim.schedule={self.schedule!r}: the steps over which lr falls to min_lr_ratio * lr (a swarm runs until stopped, so its horizon must be said)")
         _positive("optim.weight_decay", self.weight_decay, allow_zero=True)
         _positive("optim.grad_clip", self.grad_clip, allow_zero=True)
         for name in ("beta1", "beta2"):

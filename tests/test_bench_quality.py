@@ -12,6 +12,7 @@ import torch
 
 from peer.bench import quality
 from peer.config import ModelConfig
+from peer.errors import ConfigError
 
 
 @pytest.fixture(scope="module")
@@ -60,3 +61,15 @@ def test_quick_runs_the_issue_rows_and_rows_are_checked_before_any_model_loads()
     assert quality.chosen_rows(True, ["dense"]) == ["dense"]
     with pytest.raises(quality.ConfigError, match="unknown row.*dense_sync"):
         quality.run_quality(True, None, None, only=["dense", "dense_sync"])  # the toy, before its pretraining
+
+
+def test_a_schedule_applies_to_every_row_and_is_stated() -> None:
+    setup = replace(quality.setup_for(True), schedule="cosine", adapt_lr=2e-4)
+    table = quality.rows(setup)
+    assert {cfg.optim.schedule for cfg in table.values()} == {"cosine"}
+    o = table["transform"].optim
+    assert (o.lr, o.warmup_steps, o.decay_steps) == (2e-4, setup.adapt_steps // 10, setup.adapt_steps)
+    assert "cosine to 0.1 x lr at step 120, warmup 12 steps" in quality._describe(o)
+    assert quality.rows(quality.setup_for(True))["dense"].optim.schedule == "constant"
+    with pytest.raises(ConfigError, match="optim.lr"):
+        quality.run_quality(True, None, None, only=["dense"], lr=-1.0)

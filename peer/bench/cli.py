@@ -8,6 +8,7 @@ import argparse
 import json
 from pathlib import Path
 
+from peer.config import LR_SCHEDULES
 from peer.errors import ConfigError
 
 
@@ -28,6 +29,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--rows", help="comma-separated rows to run, or all; default: all, and with --quick the seven the issue asks for and the default run's (peer/bench/quality.py QUICK_ROWS)")
     q.add_argument("--model", default=None, help="adapt this pretrained model (hub id, folder, .gguf file, smollm2-135m) instead of the toy pretrained here")
     q.add_argument("--seed", type=int, default=0, help="data order (and the toy's pretraining): another seed is a replicate of the same rows (default 0)")
+    q.add_argument("--lr", type=float, default=None, help="peak adaptation lr of every row (default: the setup's, 1e-4 for a pretrained model)")
+    q.add_argument("--schedule", choices=LR_SCHEDULES, default=None, help="lr schedule of every row: constant, or warmup over a tenth of the steps then cosine/linear decay to 0.1 x lr (default: the setup's)")
     q.add_argument("--json", required=True, type=Path, help="write the result here")
     t = bsub.add_parser("throughput", help="tokens/s of dense vs masked vs masked+DP vs compute-bound on shaped links (network namespaces; root)")
     t.add_argument("--quick", action="store_true", help="short runs that end within 8 minutes on 2 CPU cores")
@@ -92,7 +95,7 @@ def run_bench(args: argparse.Namespace) -> None:
         from peer.bench.quality import run_quality
 
         only = [r.strip() for r in args.rows.split(",")] if args.rows else None
-        result = run_quality(args.quick, args.corpus_a, args.corpus_b, only, model=args.model, seed=args.seed)
+        result = run_quality(args.quick, args.corpus_a, args.corpus_b, only, model=args.model, seed=args.seed, lr=args.lr, schedule=args.schedule)
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))
         print(f"wrote {args.json}")

@@ -56,6 +56,13 @@ class QualitySetup:
     anchor_every: int = 20
     lowrank_rank: int = 20
     seed: int = 0
+    schedule: str = "constant"  # optim.schedule of the adaptation; a decaying one warms up over a tenth of the steps, decays to 0.1 x lr at the last
+
+    def optim(self) -> OptimConfig:
+        """The adaptation's AdamW and lr schedule, the same for every row."""
+        if self.schedule == "constant":
+            return OptimConfig(lr=self.adapt_lr)
+        return OptimConfig(lr=self.adapt_lr, schedule=self.schedule, warmup_steps=max(1, self.adapt_steps // 10), decay_steps=self.adapt_steps)
 
 
 def setup_for(quick: bool, model: str | None = None) -> QualitySetup:
@@ -81,7 +88,7 @@ def rows(setup: QualitySetup) -> dict[str, TrainConfig]:
     m = setup.micro_batches
     pipe = PipelineConfig(micro_batch_size=setup.micro_batch_size, micro_batches=m, seq_len=setup.seq_len)
     pipe_dp = replace(pipe, micro_batches=max(1, m // 2))
-    optim = OptimConfig(lr=setup.adapt_lr)
+    optim = setup.optim()
     anchor = AnchorConfig(every=setup.anchor_every, micro_batches=max(1, m // 2))
     mask = MaskConfig(drop=setup.drop)
     # DiLoCo H=10 with int8 deltas. Outer step = plain averaging (lr 1, no momentum): with only
@@ -124,6 +131,12 @@ def rows(setup: QualitySetup) -> dict[str, TrainConfig]:
         "lowrank_dp": cfg(mask=lowrank, dp=dp, pipeline=pipe_dp),
         "transform_dp": cfg(mask=transform, dp=dp, pipeline=pipe_dp),
     }
+
+
+def _describe(o: OptimConfig) -> str:
+    """The adaptation's optimizer in words, for OUT's setup."""
+    sched = "constant" if o.schedule == "constant" else f"{o.schedule} to {o.min_lr_ratio:g} x lr at step {o.decay_steps}, warmup {o.warmup_steps} steps"
+    return f"AdamW lr {o.lr:g} {sched} (betas {o.beta1:g}/{o.beta2:g}, clip {o.grad_clip:g}, no weight decay)"
 
 
 def _windows(stream: TokenStream, seed: int) -> Callable[[int, int, int], torch.Tensor]:
@@ -271,10 +284,13 @@ def chosen_rows(quick: bool, only: list[str] | None) -> list[str] | None:
     return only if only is not None else list(QUICK_ROWS)
 
 
-def run_quality(quick: bool, corpus_a: str | None, corpus_b: str | None, only: list[str] | None = None, model: str | None = None, seed: int = 0) -> dict:
+def run_quality(quick: bool, corpus_a: str | None, corpus_b: str | None, only: list[str] | None = None, model: str | None = None, seed: int = 0, lr: float | None = None, schedule: str | None = None) -> dict:
     """The rows' JSON. `seed`: another data order (and, for the toy, another pretraining): a
-    replicate of the same comparison, since one run's rows differ by about its own noise."""
+    replicate of the same comparison, since one run's rows differ by about its own noise.
+    `lr`, `schedule`: the adaptation's peak lr and lr schedule instead of the setup's."""
     setup = replace(setup_for(quick, model), seed=seed)
+    setup = replace(setup, adapt_lr=setup.adapt_lr if lr is None else lr, schedule=schedule or setup.schedule)
+    setup.optim()  # a bad --lr or --schedule exits here, before the model loads
     table, only = rows(setup), chosen_rows(quick, only)
     unknown = sorted(set(only or ()) - set(table))
     if unknown:  # before the model loads
@@ -297,7 +313,7 @@ def run_quality(quick: bool, corpus_a: str | None, corpus_b: str | None, only: l
     base_stages = split_model(base, setup.model.num_stages)
     out = {
         "setup": {**asdict(setup), **corpora, "pretrain_seconds": pretrain_s, "eval": "dense forward of the trained stages on held-out windows", "threads": torch.get_num_threads(),
-                  "optimizer": f"AdamW lr {setup.adapt_lr:g} constant (betas 0.9/0.95, clip 1.0, no weight decay)",
+                  "optimizer": _describe(setup.optim()),
                   "tokens_per_step": setup.micro_batch_size * setup.micro_batches * setup.seq_len},
         "pretrained": {"eval_loss": evaluate_stages(base_stages, eval_b), "eval_loss_a": evaluate_stages(base_stages, eval_a)},
         "default_row": DEFAULT_ROW,

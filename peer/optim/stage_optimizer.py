@@ -14,6 +14,7 @@ from torch import Tensor
 
 from peer.config import OptimConfig, SpectralConfig
 from peer.errors import ConfigError, TensorError, check_finite
+from peer.optim.schedule import lr_at
 from peer.optim.spectral import SpectralCorrection, _all_finite
 
 
@@ -83,8 +84,9 @@ class StageOptimizer:
         self.spectral.observe_anchor(step, pick(dense), None if masked is None else pick(masked))
 
     # ------------------------------------------------------------------ step
-    def step(self) -> dict:
-        """Correct, clip, AdamW.
+    def step(self, step: int | None = None) -> dict:
+        """Correct, clip, AdamW; with `step` (this optimizer step's index), at the schedule's lr
+        for it (`optim.schedule`); without, at the lr last set.
 
         Returns {"grad_norm": total norm after the correction, before the clip,
         "corrected": how many target gradients the correction changed (0 before any anchor)}.
@@ -108,6 +110,8 @@ class StageOptimizer:
                     [torch.linalg.vector_norm(g.detach(), 2, dtype=torch.float32).to(grads[0].device) for g in grads]
                 )
             )
+        if step is not None:
+            self.lr = lr_at(self.optim_cfg, step)
         self.opt.step()
         return {"grad_norm": float(total), "corrected": corrected}
 

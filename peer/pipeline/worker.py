@@ -363,7 +363,7 @@ class StageWorker:
         before = None
         if self.cfg.pipeline.max_staleness > 0:
             before = {n: p.detach().clone() for n, p in self.stage.named_parameters()}
-        self.optimizer.step()
+        self.optimizer.step(self.version)
         self.optimizer.zero_grad()
         self.compute.step()
         if before is not None:
