@@ -64,6 +64,7 @@ VALUE_DTYPES = ("fp32", "fp16", "bf16", "int8")
 
 
 GRAD_ROUNDINGS = ("stochastic", "dither")
+ACT_ROUNDINGS = ("nearest", "dither")
 MASK_SCHEMES = ("mask", "lowrank", "transform")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 
@@ -100,6 +101,10 @@ class MaskConfig:
             the sender adds a pseudo-random offset before rounding and the receiver, which
             draws the same offset from the message's key, subtracts it: the error is uniform
             and independent of the value, half of stochastic rounding's mean square).
+        act_rounding: scheme "transform": how activations round: "nearest" (to the nearest level)
+            or "dither" (subtractive dither, as above: the same mean square, but an error
+            independent of the value, so the next stage trains on the value plus noise rather
+            than on a staircase of it).
         prior_rows: scheme "lowrank": most rows of the token prior that travel per refresh; a
             larger vocabulary sends its most frequent tokens' rows and one shared row.
         adapt: each sender sends per link as much of the configured payload as the link's
@@ -125,6 +130,7 @@ class MaskConfig:
     grad_bits: float = 2.0
     sink: int = 1
     grad_rounding: str = "stochastic"
+    act_rounding: str = "nearest"
     adapt: bool = True
     min_keep: float = 0.25
     link_target: float = 0.8
@@ -145,6 +151,7 @@ class MaskConfig:
         if self.sink < 0:
             raise ConfigError("mask.sink", self.sink, "must be >= 0 positions")
         _choice("mask.grad_rounding", self.grad_rounding, GRAD_ROUNDINGS)
+        _choice("mask.act_rounding", self.act_rounding, ACT_ROUNDINGS)
         _positive("mask.rank", self.rank)
         _positive("mask.basis_refresh", self.basis_refresh)
         if not (0.0 <= self.drop < 1.0):

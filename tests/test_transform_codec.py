@@ -184,6 +184,32 @@ def test_both_ends_of_a_link_dither_by_the_run_s_config_and_a_run_trains() -> No
     assert losses["dither"][0] == pytest.approx(losses["stochastic"][0])  # the first forward is the same: only gradients differ
 
 
+def test_activations_dither_by_mask_act_rounding_with_their_own_offsets() -> None:
+    """mask.act_rounding "dither": an activation's error has nearest rounding's size but averages
+    out over messages (nearest rounding's is the same every time: a staircase the next stage
+    trains on); the offsets are the forward direction's own, so the backward's seed decodes wrong."""
+    from peer.pipeline.transform_link import TransformLinks
+
+    state = learner_state(2.0)
+    x = correlated(2, seq=20, seed=7)
+    rel = lambda y: float(((y - x)[:, 1:] ** 2).mean() / (x[:, 1:] ** 2).mean())  # noqa: E731  (position 0: the sink, dense)
+
+    def roundtrip(step: int, dither: bool, decode_as: str = "forward") -> torch.Tensor:
+        key = dict(sink=1, boundary=0, step=step, micro_batch=1)
+        msg = tw.encode(state, x, stochastic=False, dither=dither, channel="forward", **key)
+        return tw.decode(msg, state, expect_shape=(2, 20, H), dither=dither, channel=decode_as, **key)
+
+    nearest, dithered = rel(roundtrip(3, False)), rel(roundtrip(3, True))
+    assert 0.6 < dithered / nearest < 1.6, (dithered, nearest)
+    assert rel(roundtrip(3, True, decode_as="backward")) > 1.5 * dithered
+    mean = torch.stack([roundtrip(step, True) for step in range(100)]).mean(0)
+    assert rel(mean) < 0.5 * nearest  # unbiased inside the range (what is left: clipped values); nearest rounding's error never averages out
+    links = TransformLinks(MaskConfig(scheme="transform", act_rounding="dither"), H, True, True)
+    assert links.dithers("forward") and not links.dithers("backward")
+    with pytest.raises(ConfigError, match="mask.act_rounding"):
+        MaskConfig(scheme="transform", act_rounding="stochastic")
+
+
 def _coder(**override) -> pb.TransformCoder:
     msg = tw.coder_to_proto(learner_state())
     for key, value in override.items():

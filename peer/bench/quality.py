@@ -118,6 +118,12 @@ def rows(setup: QualitySetup) -> dict[str, TrainConfig]:
         # gradients with subtractive dither (mask.grad_rounding): half the mean square error of stochastic rounding
         "transform_dither": cfg(mask=replace(transform, grad_rounding="dither")),
         "transform_grad1_dither": cfg(mask=replace(transform, grad_bits=1.0, grad_rounding="dither")),
+        # and the activations with subtractive dither too (mask.act_rounding): an error independent of the value
+        "transform_grad1_dither_both": cfg(mask=replace(transform, grad_bits=1.0, grad_rounding="dither", act_rounding="dither")),
+        # probes: each direction alone at the 1-bit-dither point (the other at 8 bits), and the codec's path at 8 bits both ways
+        "probe_act2_only": cfg(mask=replace(transform, grad_bits=8.0)),
+        "probe_grad1_dither_only": cfg(mask=replace(transform, bits=8.0, grad_bits=1.0, grad_rounding="dither")),
+        "probe_8bit_both": cfg(mask=replace(transform, bits=8.0, grad_bits=8.0)),
         "transform_anchor": cfg(mask=transform, anchor=anchor, spectral=SpectralConfig(mode="paper")),
         # the anchors' filter truncated to its top directions (the control variate, spectral "ef", needs
         # a compressed twin of the anchor pass, which only the element mask has: masked_anchor_ef)

@@ -62,18 +62,22 @@ def coder_from_proto(msg: pb.TransformCoder, hidden_size: int, max_bits: int) ->
     return TransformState(msg.version, mean, rotation_q, scale, std, bits)
 
 
-def _rounding_seed(boundary: int, step: int, micro_batch: int) -> int:
-    """Seed of a gradient's stochastic rounding: reproducible runs, independent draws per message."""
-    digest = hashlib.blake2b(f"anchormesh.transform.v1|{boundary}|{step}|{micro_batch}".encode(), digest_size=8).digest()
+def _rounding_seed(boundary: int, step: int, micro_batch: int, channel: str = "backward") -> int:
+    """Seed of a message's random rounding (a gradient's stochastic rounding or dither, an
+    activation's dither): reproducible runs, independent draws per message and direction."""
+    tail = "|forward" if channel == "forward" else ""  # the gradients' seeds as they always were
+    digest = hashlib.blake2b(f"anchormesh.transform.v1|{boundary}|{step}|{micro_batch}{tail}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & 0x7FFFFFFFFFFFFFFF
 
 
-def encode(state: TransformState | None, x: torch.Tensor, *, sink: int, stochastic: bool, boundary: int, step: int, micro_batch: int, dither: bool = False) -> pb.TensorPayload:
+def encode(state: TransformState | None, x: torch.Tensor, *, sink: int, stochastic: bool, boundary: int, step: int, micro_batch: int, dither: bool = False,
+           channel: str = "backward") -> pb.TensorPayload:
     """`x` [B, T, H] as a payload: coded with `state`, or dense bf16 while there is none.
-    `dither`: subtractive dither seeded by the message's key (the receiver's `decode` needs it too)."""
+    `dither`: subtractive dither seeded by the message's key and `channel` (the receiver's
+    `decode` needs both too)."""
     if state is None:
         return pb.TensorPayload(dtype=pb.BFLOAT16, shape=list(x.shape), payload=to_le_bytes(x.detach().to(torch.bfloat16).cpu()))
-    seed = _rounding_seed(boundary, step, micro_batch)
+    seed = _rounding_seed(boundary, step, micro_batch, channel)
     gen = torch.Generator(device=x.device).manual_seed(seed) if stochastic and not dither else None
     msg = pb.TensorPayload(dtype=pb.FLOAT32, shape=list(x.shape), payload=state.encode(x, sink, generator=gen, stochastic=stochastic, dither_seed=seed if dither else None))
     c = msg.compression
@@ -132,11 +136,12 @@ def check(msg: pb.TensorPayload, state: TransformState | None, *, expect_shape: 
 
 
 def decode(msg: pb.TensorPayload, state: TransformState | None, *, expect_shape: tuple[int, ...], sink: int, boundary: int, step: int, micro_batch: int, device: torch.device | str = "cpu",
-           dither: bool = False) -> torch.Tensor:
+           dither: bool = False, channel: str = "backward") -> torch.Tensor:
     """The float32 tensor a payload carries, on `device`, after `check`'s checks (the coder's
-    products run on `device`); `dither`: the sender dithered (the run's mask.grad_rounding)."""
+    products run on `device`); `dither`: the sender dithered `channel`'s values (the run's
+    mask.grad_rounding, mask.act_rounding)."""
     shape = _checked(msg, state, expect_shape, sink, boundary, step, micro_batch)
     if msg.compression.kind == pb.Compression.NONE:
         return _dense(msg, shape).to(device).float()
     B, T, _ = shape
-    return state.decode(msg.payload, B, T, sink, device=device, dither_seed=_rounding_seed(boundary, step, micro_batch) if dither else None)
+    return state.decode(msg.payload, B, T, sink, device=device, dither_seed=_rounding_seed(boundary, step, micro_batch, channel) if dither else None)

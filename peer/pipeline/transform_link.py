@@ -49,9 +49,9 @@ class TransformLinks:
         return self.mask.sink if channel == "forward" else 0
 
     def dithers(self, channel: str) -> bool:
-        """Whether `channel`'s values round with subtractive dither (the run's gradients, with
-        mask.grad_rounding "dither"): both ends read it from the run's config."""
-        return channel == "backward" and self.mask.grad_rounding == "dither"
+        """Whether `channel`'s values round with subtractive dither (mask.grad_rounding for the
+        gradients, mask.act_rounding for the activations): both ends read it from the run's config."""
+        return (self.mask.grad_rounding if channel == "backward" else self.mask.act_rounding) == "dither"
 
     def max_bits(self, channel: str) -> int:
         """The run's bits per coded row on `channel`: the most a received coder may allocate."""
@@ -69,7 +69,7 @@ class TransformLinks:
         if state is not None and self.sent.get((channel, dst)) != state.version:
             coder = tw.coder_to_proto(state)
             self.sent[(channel, dst)] = state.version
-        payload = tw.encode(state, x, sink=self.sink(channel), stochastic=channel == "backward", boundary=boundary, step=step, micro_batch=micro_batch, dither=self.dithers(channel))
+        payload = tw.encode(state, x, sink=self.sink(channel), stochastic=channel == "backward", boundary=boundary, step=step, micro_batch=micro_batch, dither=self.dithers(channel), channel=channel)
         return payload, coder
 
     def forget_sent(self) -> None:
@@ -109,4 +109,4 @@ class TransformLinks:
         """The float32 tensor an activation or gradient carries, decoded on `device`."""
         channel, payload, state = self._state(msg)
         return tw.decode(payload, state, expect_shape=expect_shape, sink=self.sink(channel), boundary=boundary, step=step, micro_batch=micro_batch, device=device,
-                         dither=self.dithers(channel))
+                         dither=self.dithers(channel), channel=channel)
