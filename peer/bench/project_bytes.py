@@ -121,7 +121,7 @@ def transform_coders(mask, hidden: int, version: int = 1):
     coder's bits are spread unevenly, which moves each bit width's padding by under a byte)."""
     from peer.codec.transform import FixedCoder, random_coder, row_budget
 
-    return random_coder(hidden, row_budget(mask.bits, hidden), seed=mask.seed, version=version), FixedCoder(hidden, mask.grad_bits, seed=mask.seed).current
+    return random_coder(hidden, row_budget(mask.bits, hidden), seed=mask.seed, version=version), FixedCoder(hidden, mask.grad_bits, seed=mask.seed, step_scale=mask.grad_step_scale).current
 
 
 def _transform_bytes(mask, dims: ModelDims, shape: Shape, boundary: int, names: Names) -> MessageBytes:

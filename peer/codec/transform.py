@@ -277,17 +277,18 @@ def fit(rows: Tensor, budget: int, version: int) -> TransformState:
     return _state(version, mean, vecs, var.sqrt(), allocate(var, max(budget, H), min_bits=1))
 
 
-def random_coder(hidden_size: int, budget: int, seed: int, version: int = 1) -> TransformState:
+def random_coder(hidden_size: int, budget: int, seed: int, version: int = 1, step_scale: float = GRAD_STEP_SCALE) -> TransformState:
     """The gradients' coder: a random orthogonal rotation (QR of a seeded Gaussian matrix), no
     mean, `budget` bits spread evenly (the first components take the remainder). Its stds are
-    GRAD_STEP_SCALE for components of about unit variance: the steps widen by that much."""
+    `step_scale` for components of about unit variance: the steps widen by that much (the stds
+    travel with the coder, so a receiver needs no setting of its own)."""
     H = hidden_size
     g = torch.Generator().manual_seed(seed)
     q, r = torch.linalg.qr(torch.randn(H, H, generator=g, dtype=torch.float64))
     rotation = q * torch.sign(torch.diagonal(r))  # the Haar-distributed orthogonal matrix
     bits = torch.full((H,), max(1, budget // H), dtype=torch.long)
     bits[: max(0, budget - int(bits.sum()))] += 1
-    return _state(version, torch.zeros(H), rotation, torch.full((H,), GRAD_STEP_SCALE), bits.clamp(max=MAX_BITS))
+    return _state(version, torch.zeros(H), rotation, torch.full((H,), float(step_scale)), bits.clamp(max=MAX_BITS))
 
 
 class TransformLearner:
@@ -334,9 +335,9 @@ class FixedCoder:
     """The gradients' producer: one `random_coder`, made at once and never refitted (nothing
     about it depends on the data), with the learner's interface."""
 
-    def __init__(self, hidden_size: int, bits_per_value: float, seed: int) -> None:
+    def __init__(self, hidden_size: int, bits_per_value: float, seed: int, step_scale: float = GRAD_STEP_SCALE) -> None:
         self.budget = row_budget(bits_per_value, hidden_size)
-        self.current = random_coder(hidden_size, self.budget, seed)
+        self.current = random_coder(hidden_size, self.budget, seed, step_scale=step_scale)
 
     def observe(self, x: Tensor, sink: int) -> None:
         pass

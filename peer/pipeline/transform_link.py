@@ -41,7 +41,7 @@ class TransformLinks:
         if self.produces_forward:
             self.learners["forward"] = TransformLearner(H, m.bits, m.basis_refresh)
         if self.produces_backward:
-            self.learners["backward"] = FixedCoder(H, m.grad_bits, seed=m.seed)
+            self.learners["backward"] = FixedCoder(H, m.grad_bits, seed=m.seed, step_scale=m.grad_step_scale)
 
     def sink(self, channel: str) -> int:
         """Leading positions sent dense: the activations' attention sink; gradients have none
