@@ -28,7 +28,11 @@ Two coders, measured on SmolLM2-135M and the toy (docs/benchmarks.md):
   than a noisy one (rows dropped to save bits: +3.7 % on SmolLM2); a random rotation makes every
   component of a row about Gaussian with the row's own gain, whatever the gradient does. With
   `mask.grad_rounding = "dither"` they round with subtractive dither instead (`dither`: an
-  offset both ends draw from the message's key): uniform error, half the mean square.
+  offset both ends draw from the message's key): uniform error, half the mean square; and
+  dither needs no wide steps (its error does not grow where few values clip), so
+  `mask.grad_step_scale` may narrow them (1: half the error again at 1 bit). The activations
+  may dither too (`mask.act_rounding`): the same error's size as nearest rounding, but
+  independent of the value.
 The gradient crosses the activations' quantiser as if it were the identity (straight-through).
 
 Payload of one tensor [B, T, H]: the sink rows (bf16, B * sink * H * 2 bytes), the gains (bf16,
