@@ -121,6 +121,7 @@ def rows(setup: QualitySetup) -> dict[str, TrainConfig]:
         # and the activations with subtractive dither too (mask.act_rounding): an error independent of the value
         # dither's steps at the Gaussian-optimal width (mask.grad_step_scale 1): half the noise of the default 2x width
         "transform_grad1_dither_s1": cfg(mask=replace(transform, grad_bits=1.0, grad_rounding="dither", grad_step_scale=1.0)),
+        "transform_b15_g15_s1": cfg(mask=replace(transform, bits=1.5, grad_bits=1.5, grad_rounding="dither", grad_step_scale=1.0)),  # the same bytes as 2 + 1, split evenly
         "transform_dither_s1": cfg(mask=replace(transform, grad_rounding="dither", grad_step_scale=1.0)),
         "transform_grad1_dither_both": cfg(mask=replace(transform, grad_bits=1.0, grad_rounding="dither", act_rounding="dither")),
         # probes: each direction alone at the 1-bit-dither point (the other at 8 bits), and the codec's path at 8 bits both ways
