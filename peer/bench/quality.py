@@ -126,6 +126,7 @@ def rows(setup: QualitySetup) -> dict[str, TrainConfig]:
         "transform_grad1_dither_both": cfg(mask=replace(transform, grad_bits=1.0, grad_rounding="dither", act_rounding="dither")),
         # probes: each direction alone at the 1-bit-dither point (the other at 8 bits), and the codec's path at 8 bits both ways
         "probe_act2_only": cfg(mask=replace(transform, grad_bits=8.0)),
+        "probe_act2_refresh2": cfg(mask=replace(transform, grad_bits=8.0, basis_refresh=2)),  # the activations' coder refitted every 2 steps instead of 20
         "probe_grad1_dither_only": cfg(mask=replace(transform, bits=8.0, grad_bits=1.0, grad_rounding="dither")),
         "probe_8bit_both": cfg(mask=replace(transform, bits=8.0, grad_bits=8.0)),
         "transform_anchor": cfg(mask=transform, anchor=anchor, spectral=SpectralConfig(mode="paper")),
