@@ -49,8 +49,8 @@ DHT_TTL_S = 60.0
 
 
 def default_run() -> TrainConfig:
-    """The tiny default run: 2 stages of the tiny model, the transform PP codec (2 bits per value
-    each way) and stage 0 one step ahead: `bench quality`'s default row (docs/benchmarks.md)."""
+    """The tiny default run: 2 stages of the tiny model, the transform PP codec (2-bit activations,
+    1-bit dithered gradients) and stage 0 one step ahead: `bench quality`'s default row (docs/benchmarks.md)."""
     return TrainConfig(
         model=ModelConfig(name="tiny-llama", num_stages=2, hidden_size=128, num_layers=4, num_heads=4, max_seq_len=128),
         mask=MaskConfig(scheme="transform"),

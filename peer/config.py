@@ -104,8 +104,10 @@ class MaskConfig:
         grad_step_scale: scheme "transform": the gradients' quantiser steps, in Gaussian-optimal
             steps: wider ones clip fewer values (a clipped value is a biased one), narrower ones
             add less noise. Measured on Gaussian values (relative mean square error, 1 bit):
-            stochastic rounding needs the width (its error grows where few values clip),
-            dither 0.88 at 2, 0.44 at 1.
+            stochastic rounding needs the width (its error grows where few values clip: 2 was
+            its best on the toy), dither 0.88 at 2, 0.44 at 1. The default (1-bit gradients,
+            dither, width 1) has less error than 2-bit stochastic rounding at width 2 (0.66) at
+            half the gradient's bytes (docs/benchmarks.md).
         act_rounding: scheme "transform": how activations round: "nearest" (to the nearest level)
             or "dither" (subtractive dither, as above: the same mean square, but an error
             independent of the value, so the next stage trains on the value plus noise rather
@@ -132,11 +134,11 @@ class MaskConfig:
     basis_refresh: int = 20
     prior_rows: int = 8192
     bits: float = 2.0
-    grad_bits: float = 2.0
+    grad_bits: float = 1.0
     sink: int = 1
-    grad_rounding: str = "stochastic"
+    grad_rounding: str = "dither"
     act_rounding: str = "nearest"
-    grad_step_scale: float = 2.0
+    grad_step_scale: float = 1.0
     adapt: bool = True
     min_keep: float = 0.25
     link_target: float = 0.8

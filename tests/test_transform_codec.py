@@ -161,7 +161,7 @@ def test_both_ends_of_a_link_dither_by_the_run_s_config_and_a_run_trains() -> No
     x = torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(2))
     err = {}
     for rounding in ("stochastic", "dither"):
-        mask = MaskConfig(scheme="transform", grad_rounding=rounding)
+        mask = MaskConfig(scheme="transform", grad_bits=2.0, grad_rounding=rounding, grad_step_scale=2.0)
         producer, consumer = TransformLinks(mask, 32, False, True), TransformLinks(mask, 32, True, False)
         payload, coder = producer.encode("backward", x, "stage0.r0", boundary=0, step=3, micro_batch=1)
         msg = pb.GradientChunk(header=pb.MicroBatchHeader(sender="stage1.r0", step=3, micro_batch_id=1, boundary=0), grad=payload, coder=coder)
@@ -225,7 +225,7 @@ def test_activations_dither_by_mask_act_rounding_with_their_own_offsets() -> Non
     assert rel(roundtrip(3, True, decode_as="backward")) > 1.5 * dithered
     mean = torch.stack([roundtrip(step, True) for step in range(100)]).mean(0)
     assert rel(mean) < 0.5 * nearest  # unbiased inside the range (what is left: clipped values); nearest rounding's error never averages out
-    links = TransformLinks(MaskConfig(scheme="transform", act_rounding="dither"), H, True, True)
+    links = TransformLinks(MaskConfig(scheme="transform", act_rounding="dither", grad_rounding="stochastic"), H, True, True)
     assert links.dithers("forward") and not links.dithers("backward")
     with pytest.raises(ConfigError, match="mask.act_rounding"):
         MaskConfig(scheme="transform", act_rounding="stochastic")

@@ -101,7 +101,8 @@ def rows(setup: QualitySetup) -> dict[str, TrainConfig]:
         return TrainConfig(**base)
 
     lowrank = MaskConfig(scheme="lowrank", rank=setup.lowrank_rank, values="int8")
-    transform = MaskConfig(scheme="transform")  # the swarm's defaults: bits per value both ways, the sink position dense
+    transform = MaskConfig(scheme="transform")  # the swarm's defaults: 2-bit activations, 1-bit dithered gradients, the sink position dense
+    two_bit = replace(transform, grad_bits=2.0, grad_rounding="stochastic", grad_step_scale=2.0)  # the default until 2026-12-06 (then the "transform" row)
     return {
         # the paper's method, as DESIGN.md §4 states it
         "dense": cfg(),
@@ -112,23 +113,25 @@ def rows(setup: QualitySetup) -> dict[str, TrainConfig]:
         "masked_prior_rescale": cfg(mask=replace(mask, fill="prior_rescale")),
         "lowrank": cfg(mask=lowrank),
         "lowrank_anchor": cfg(mask=lowrank, anchor=anchor, spectral=SpectralConfig(mode="paper")),
-        # a transform coder made for real boundaries (peer/codec/transform.py)
+        # a transform coder made for real boundaries (peer/codec/transform.py), with the swarm's defaults
         "transform": cfg(mask=transform),
-        "transform_grad1": cfg(mask=replace(transform, grad_bits=1.0)),  # half the gradient's bytes
+        # the former default, 2-bit gradients rounded stochastically at twice the Gaussian-optimal step, and variants of it
+        "transform_2bit": cfg(mask=two_bit),
+        "transform_grad1": cfg(mask=replace(two_bit, grad_bits=1.0)),  # half the gradient's bytes
         # gradients with subtractive dither (mask.grad_rounding): half the mean square error of stochastic rounding
-        "transform_dither": cfg(mask=replace(transform, grad_rounding="dither")),
-        "transform_grad1_dither": cfg(mask=replace(transform, grad_bits=1.0, grad_rounding="dither")),
+        "transform_dither": cfg(mask=replace(two_bit, grad_rounding="dither")),
+        "transform_grad1_dither": cfg(mask=replace(two_bit, grad_bits=1.0, grad_rounding="dither")),
+        # dither's steps at the Gaussian-optimal width (mask.grad_step_scale 1): half the noise again
+        "transform_grad1_dither_s1": cfg(mask=replace(two_bit, grad_bits=1.0, grad_rounding="dither", grad_step_scale=1.0)),  # the default since 2026-12-06
+        "transform_dither_s1": cfg(mask=replace(two_bit, grad_rounding="dither", grad_step_scale=1.0)),
+        "transform_b15_g15_s1": cfg(mask=replace(transform, bits=1.5, grad_bits=1.5)),  # the default's bytes, split evenly between the directions
         # and the activations with subtractive dither too (mask.act_rounding): an error independent of the value
-        # dither's steps at the Gaussian-optimal width (mask.grad_step_scale 1): half the noise of the default 2x width
-        "transform_grad1_dither_s1": cfg(mask=replace(transform, grad_bits=1.0, grad_rounding="dither", grad_step_scale=1.0)),
-        "transform_b15_g15_s1": cfg(mask=replace(transform, bits=1.5, grad_bits=1.5, grad_rounding="dither", grad_step_scale=1.0)),  # the same bytes as 2 + 1, split evenly
-        "transform_dither_s1": cfg(mask=replace(transform, grad_rounding="dither", grad_step_scale=1.0)),
-        "transform_grad1_dither_both": cfg(mask=replace(transform, grad_bits=1.0, grad_rounding="dither", act_rounding="dither")),
-        # probes: each direction alone at the 1-bit-dither point (the other at 8 bits), and the codec's path at 8 bits both ways
-        "probe_act2_only": cfg(mask=replace(transform, grad_bits=8.0)),
-        "probe_act2_refresh2": cfg(mask=replace(transform, grad_bits=8.0, basis_refresh=2)),  # the activations' coder refitted every 2 steps instead of 20
-        "probe_grad1_dither_only": cfg(mask=replace(transform, bits=8.0, grad_bits=1.0, grad_rounding="dither")),
-        "probe_8bit_both": cfg(mask=replace(transform, bits=8.0, grad_bits=8.0)),
+        "transform_grad1_dither_both": cfg(mask=replace(two_bit, grad_bits=1.0, grad_rounding="dither", act_rounding="dither")),
+        # probes: each direction alone (the other at 8 bits), and the codec's path at 8 bits both ways
+        "probe_act2_only": cfg(mask=replace(two_bit, grad_bits=8.0)),
+        "probe_act2_refresh2": cfg(mask=replace(two_bit, grad_bits=8.0, basis_refresh=2)),  # the activations' coder refitted every 2 steps instead of 20
+        "probe_grad1_dither_only": cfg(mask=replace(two_bit, bits=8.0, grad_bits=1.0, grad_rounding="dither")),
+        "probe_8bit_both": cfg(mask=replace(two_bit, bits=8.0, grad_bits=8.0)),
         "transform_anchor": cfg(mask=transform, anchor=anchor, spectral=SpectralConfig(mode="paper")),
         # the anchors' filter truncated to its top directions (the control variate, spectral "ef", needs
         # a compressed twin of the anchor pass, which only the element mask has: masked_anchor_ef)
@@ -265,8 +268,8 @@ def release_memory() -> None:
 # default run's row. The other rows are explorations; with a pretrained model every row takes
 # 2.5-6 minutes on 2 cores; the first seven took 26.5 minutes (docs/benchmarks.md).
 QUICK_ROWS = ("dense", "masked", "masked_anchor", "lowrank", "transform", "transform_anchor", "transform_dp", "transform_stale1_stash")
-# the swarm's default run (bootstrap/node.py default_run, the demo): transform coder at 2 bits per
-# value each way, no anchor, stage 0 one step ahead on stashed weights (pipeline.max_staleness 1)
+# the swarm's default run (bootstrap/node.py default_run, the demo): transform coder (2-bit activations,
+# 1-bit dithered gradients), no anchor, stage 0 one step ahead on stashed weights (pipeline.max_staleness 1)
 DEFAULT_ROW = "transform_stale1_stash"
 TOKENIZE_BYTES = 1_000_000  # corpus bytes a pretrained model's tokenizer reads per corpus (~300 k tokens of Python)
 

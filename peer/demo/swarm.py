@@ -70,7 +70,7 @@ def stop_processes(procs: list[subprocess.Popen], grace_s: float = 20.0) -> None
 
 def model_run_toml(model: str) -> str:
     """The demo's run for a pretrained model: 2 stages cut at its middle layer, the transform
-    coder at 2 bits per value each way and stage 0 one step ahead (what `bench quality --model`
+    coder (2-bit activations, 1-bit dithered gradients) and stage 0 one step ahead (what `bench quality --model`
     runs as its default row), the adaptation lr of `bench quality`, the built-in Python corpus
     through the model's tokenizer. The model is resolved first, so a model that is not installed fails here, before
     any process."""
@@ -85,7 +85,9 @@ max_seq_len = 128
 [mask]
 scheme = "transform"
 bits = 2.0
-grad_bits = 2.0
+grad_bits = 1.0
+grad_rounding = "dither"
+grad_step_scale = 1.0
 [optim]
 lr = 1e-4
 [pipeline]
