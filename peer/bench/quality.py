@@ -123,6 +123,7 @@ def rows(setup: QualitySetup) -> dict[str, TrainConfig]:
         "transform_grad1_dither": cfg(mask=replace(two_bit, grad_bits=1.0, grad_rounding="dither")),
         # dither's steps at the Gaussian-optimal width (mask.grad_step_scale 1): half the noise again
         "transform_grad1_dither_s1": cfg(mask=replace(two_bit, grad_bits=1.0, grad_rounding="dither", grad_step_scale=1.0)),  # the default since 2026-12-06
+        "transform_grad1_dither_s15": cfg(mask=replace(two_bit, grad_bits=1.0, grad_rounding="dither", grad_step_scale=1.5)),
         "transform_dither_s1": cfg(mask=replace(two_bit, grad_rounding="dither", grad_step_scale=1.0)),
         "transform_b15_g15_s1": cfg(mask=replace(transform, bits=1.5, grad_bits=1.5)),  # the default's bytes, split evenly between the directions
         # and the activations with subtractive dither too (mask.act_rounding): an error independent of the value
