@@ -31,7 +31,7 @@ from bootstrap.roster import Banned, JoinRefused
 from bootstrap.tracker import Tracker
 from peer.address import announce_maddr, free_port
 from peer.atomic import write_atomic
-from peer.config import AnchorConfig, DPConfig, MaskConfig, ModelConfig, OptimConfig, PipelineConfig, TrainConfig, check_swarm
+from peer.config import AnchorConfig, DPConfig, ModelConfig, OptimConfig, PipelineConfig, TrainConfig, check_swarm, transform_mask
 from peer.errors import AnchormeshError, ConfigError
 from peer.logs import setup_logging
 from peer.model.loading import resolve_dims
@@ -49,11 +49,11 @@ DHT_TTL_S = 60.0
 
 
 def default_run() -> TrainConfig:
-    """The tiny default run: 2 stages of the tiny model, the transform PP codec (2-bit activations,
-    1-bit dithered gradients) and stage 0 one step ahead: `bench quality`'s default row (docs/benchmarks.md)."""
+    """The tiny default run: 2 stages of the tiny model, the transform PP codec as the tiny models
+    use it (2 bits per value each way, peer/config.py transform_mask) and stage 0 one step ahead: `bench quality`'s default row (docs/benchmarks.md)."""
     return TrainConfig(
         model=ModelConfig(name="tiny-llama", num_stages=2, hidden_size=128, num_layers=4, num_heads=4, max_seq_len=128),
-        mask=MaskConfig(scheme="transform"),
+        mask=transform_mask("tiny-llama"),  # on the toy: 2-bit gradients (see transform_mask)
         anchor=AnchorConfig(every=0),
         # fp32 parameters every 10 steps: the 8-bit deltas showed a +9% eval-loss gap at a
         # 5-step cadence in the throughput bench (docs/benchmarks.md), not yet explained

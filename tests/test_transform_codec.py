@@ -404,3 +404,20 @@ def test_decode_runs_its_products_on_the_requested_device_and_the_inbound_check_
     assert seen.devices == []
     with pytest.raises(WireError, match="bytes, expected"):
         state.check(payload[:-1], 2, 17, 1)
+
+
+def test_built_in_runs_use_the_codec_measured_for_their_model() -> None:
+    """transform_mask: MaskConfig's defaults (chosen on SmolLM2) for real models; the tiny models
+    keep 2-bit gradients (1-bit ones cost the byte-level toy +7.8 %); the default run, the demo
+    and bench quality's rows take it from there."""
+    from bootstrap.node import default_run
+    from peer.bench import quality
+    from peer.config import transform_mask
+    from peer.demo.local import demo_config
+
+    real = transform_mask("smollm2-135m")
+    assert real == MaskConfig(scheme="transform") and (real.bits, real.grad_bits, real.grad_rounding, real.grad_step_scale) == (2.0, 1.0, "dither", 1.0)
+    tiny = transform_mask("tiny-llama")
+    assert (tiny.grad_bits, tiny.grad_rounding, tiny.grad_step_scale) == (2.0, "stochastic", 2.0)
+    assert default_run().mask == tiny and demo_config(2, "transform", 0.95, 20).mask == tiny
+    assert quality.rows(quality.setup_for(True))[quality.DEFAULT_ROW].mask == tiny

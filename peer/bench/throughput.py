@@ -3,7 +3,7 @@
 Modes (the same tiny model, stages x replicas, batches and seed; only the wire differs):
   dense          no PP compression (fp16 activations and gradients), DP = fp32 parameter
                  averaging as often as the averager manages (every step at most)
-  masked         PP compressed (the run's default codec: transform, 2-bit activations, 1-bit dithered gradients), DP as dense
+  masked         PP compressed (MaskConfig's transform defaults: 2-bit activations, 1-bit dithered gradients), DP as dense
   masked_dp      PP compressed, DP = 8-bit deltas every `dp_every` steps
   compute_bound  masked_dp on unshaped links: what the same swarm does when the link is free
   dense_sync     not the swarm: what a user would run instead, stock GPipe + a synchronous fp32
@@ -90,7 +90,7 @@ def mode_config(mode: str, stages: int, steps: int, dp_every: int, seed: int = 0
     default, drains the pipeline every step)."""
     if mode not in MODES:
         raise ConfigError("mode", mode, f"must be one of {', '.join(MODES)}")
-    compressed_pp = {"scheme": "transform", "adapt": False}  # the default run's codec: 2-bit activations, 1-bit dithered gradients
+    compressed_pp = {"scheme": "transform", "adapt": False}  # MaskConfig's transform defaults (the codec chosen on SmolLM2: 2-bit activations, 1-bit dithered gradients)
     dense_pp = {"scheme": "mask", "drop": 0.0, "values": "fp16", "adapt": False}
     dense_dp = {"inner_steps": 1, "outer_compression": "none", "link_share": 0.0, "min_period_s": 1.0}  # every step, as far as hivemind allows
     compressed_dp = {"inner_steps": dp_every, "outer_compression": "int8", "link_share": 0.0}

@@ -13,7 +13,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from peer.config import AnchorConfig, MaskConfig, ModelConfig, OptimConfig, PipelineConfig, SpectralConfig, TrainConfig
+from peer.config import AnchorConfig, MaskConfig, ModelConfig, OptimConfig, PipelineConfig, SpectralConfig, TrainConfig, transform_mask
 from peer.data import TokenStream, default_corpus
 from peer.model.loading import load_causal_lm
 from peer.pipeline.local import LocalPipelineRunner, evaluate_stages
@@ -22,7 +22,7 @@ from peer.pipeline.local import LocalPipelineRunner, evaluate_stages
 def demo_config(stages: int, codec: str, drop: float, rank: int) -> TrainConfig:
     """The demo's run: the transform coder by default (the swarm's default), the low-rank codec,
     or the paper's element mask."""
-    masks = {"transform": lambda: MaskConfig(scheme="transform"), "lowrank": lambda: MaskConfig(scheme="lowrank", rank=rank, values="int8"), "mask": lambda: MaskConfig(drop=drop, fill="prior_rescale")}
+    masks = {"transform": lambda: transform_mask("tiny-llama"), "lowrank": lambda: MaskConfig(scheme="lowrank", rank=rank, values="int8"), "mask": lambda: MaskConfig(drop=drop, fill="prior_rescale")}
     mask = masks[codec]()
     return TrainConfig(
         model=ModelConfig(name="tiny-llama", num_stages=stages, hidden_size=128, num_layers=4, num_heads=4, max_seq_len=128),
