@@ -29,9 +29,11 @@ class CodecCost:
     device_s: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
     device_flops: float = 0.0
     device_values: int = 0
+    device_passes: tuple[int, int, int, int] = (0, 0, 0, 0)  # per cost: DEVICE_PASSES, plus DITHER_PASSES where that direction dithers
 
 
 DEVICE_PASSES = 24  # elementwise passes of 4 bytes per value in a transform encode or decode (quantise, round, clamp, pack's shifts; unpack's)
+DITHER_PASSES = 48  # and a dithered direction's offsets: the index, two rounds of the integer hash, the fraction (int64: 8 bytes a pass)
 
 
 MEASURE_MAX_ELEMENTS = 1 << 21
@@ -224,20 +226,29 @@ def measure_transform_codec(mask, dims: ModelDims, shape: Shape, names: Names = 
                 tw.coder_from_proto(parse_message(pb.ActivationChunk, raw, MAX_MESSAGE_BYTES).coder, H, sender.max_bits("forward"))
 
         act_state, grad_state = learner.current, receiver.learners["backward"].current
-        act_payload = act_state.encode(out, mask.sink)
-        grad_payload = grad_state.encode(g_out, 0, stochastic=True, generator=torch.Generator().manual_seed(0))
+        # the device's share rounds as the link does (a dither's offsets are device work too)
+        act_seed = 1 if sender.dithers("forward") else None
+        grad_seed = 1 if receiver.dithers("backward") else None
 
-        def expand(state, payload, sink: int) -> float:  # decode less its host parse: the device's share
-            return max(0.0, time_call(lambda: state.decode(payload, b, T, sink)) - time_call(lambda: state.check(payload, b, T, sink)))
+        def act_encode() -> bytes:
+            return act_state.encode(out, mask.sink, dither_seed=act_seed)
 
-        device = (time_call(lambda: act_state.encode(out, mask.sink)), expand(act_state, act_payload, mask.sink),
-                  time_call(lambda: grad_state.encode(g_out, 0, stochastic=True, generator=torch.Generator().manual_seed(0))), expand(grad_state, grad_payload, 0))
+        def grad_encode() -> bytes:
+            return grad_state.encode(g_out, 0, stochastic=True, generator=torch.Generator().manual_seed(0), dither_seed=grad_seed)
+
+        act_payload, grad_payload = act_encode(), grad_encode()
+
+        def expand(state, payload, sink: int, seed: int | None) -> float:  # decode less its host parse: the device's share
+            return max(0.0, time_call(lambda: state.decode(payload, b, T, sink, dither_seed=seed)) - time_call(lambda: state.check(payload, b, T, sink)))
+
+        device = (time_call(act_encode), expand(act_state, act_payload, mask.sink, act_seed), time_call(grad_encode), expand(grad_state, grad_payload, 0, grad_seed))
         costs = [time_call(f) for f in (send_fwd, recv_fwd, send_bwd, recv_bwd)]
         shipping = time_call(ship, min_s=0.0, max_reps=3)
     # each cost is its host part (messages, bytes, parses, checks) plus its device part; the host
     # part is the difference, floored at 0 (both are timed: at small shapes it is within noise)
     return CodecCost(*(c * scale for c in costs), refresh, shipping, scale,
-                     device_s=tuple(min(d, c) * scale for d, c in zip(device, costs)), device_flops=2.0 * B * T * H * H, device_values=B * T * H)
+                     device_s=tuple(min(d, c) * scale for d, c in zip(device, costs)), device_flops=2.0 * B * T * H * H, device_values=B * T * H,
+                     device_passes=tuple(DEVICE_PASSES + (DITHER_PASSES if seed is not None else 0) for seed in (act_seed, act_seed, grad_seed, grad_seed)))
 
 
 def on_device(cost: CodecCost, device) -> CodecCost:
@@ -248,6 +259,6 @@ def on_device(cost: CodecCost, device) -> CodecCost:
 
     if device is None or not cost.device_values:
         return cost
-    on = cost.device_flops / device.flops_per_s + DEVICE_PASSES * 4 * cost.device_values / (device.mem_gbps * 1e9)
-    four = [c - d + on for c, d in zip((cost.send_fwd, cost.recv_fwd, cost.send_bwd, cost.recv_bwd), cost.device_s)]
-    return replace(cost, send_fwd=four[0], recv_fwd=four[1], send_bwd=four[2], recv_bwd=four[3], device_s=(on,) * 4)
+    on = [cost.device_flops / device.flops_per_s + passes * 4 * cost.device_values / (device.mem_gbps * 1e9) for passes in cost.device_passes]
+    four = [c - d + o for c, d, o in zip((cost.send_fwd, cost.recv_fwd, cost.send_bwd, cost.recv_bwd), cost.device_s, on)]
+    return replace(cost, send_fwd=four[0], recv_fwd=four[1], send_bwd=four[2], recv_bwd=four[3], device_s=tuple(on))
