@@ -60,7 +60,8 @@ class TransformLinks:
     # ---- producing ------------------------------------------------------------------------
     def encode(self, channel: str, x: torch.Tensor, dst: object, *, boundary: int, step: int, micro_batch: int) -> tuple[pb.TensorPayload, pb.TransformCoder | None]:
         """`x` [B, T, H] coded for `dst`, and the coder to ship with it when `dst` lacks it.
-        Gradients round stochastically (unbiased), activations to the nearest level."""
+        Gradients round stochastically or with dither (both unbiased), activations to the
+        nearest level or with dither: as the run's mask.grad_rounding / act_rounding say."""
         learner = self.learners[channel]
         learner.observe(x, self.sink(channel))
         learner.maybe_refresh(step)
