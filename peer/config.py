@@ -330,9 +330,9 @@ class OptimConfig:
     Args:
         lr: the peak learning rate.
         schedule: "constant", or "cosine" / "linear" decay from `lr` to `min_lr_ratio * lr` over
-            `decay_steps` steps (held there after). Why: adaptation runs of a known length end on
-            a decayed lr in practice, and a decayed lr also shrinks what noisy (compressed)
-            gradients add to the final loss.
+            `decay_steps` steps (held there after). Why: adaptation runs of a known length
+            usually end on a decayed lr. (On `bench quality --quick`'s 40 steps it neither helped
+            dense nor shrank the compressed rows' gap: docs/benchmarks.md, 2026-12-06.)
         warmup_steps: linear warmup from lr / warmup_steps to `lr` over the first steps.
         decay_steps: the horizon of a decaying schedule, counted from step 0 (warmup included); a
             swarm runs until stopped, so a decaying schedule needs it said.

@@ -125,7 +125,7 @@ def rows(setup: QualitySetup) -> dict[str, TrainConfig]:
         "transform_grad1_dither_s1": cfg(mask=replace(two_bit, grad_bits=1.0, grad_rounding="dither", grad_step_scale=1.0)),  # the default since 2026-12-06
         "transform_grad1_dither_s15": cfg(mask=replace(two_bit, grad_bits=1.0, grad_rounding="dither", grad_step_scale=1.5)),
         "transform_dither_s1": cfg(mask=replace(two_bit, grad_rounding="dither", grad_step_scale=1.0)),
-        "transform_b15_g15_s1": cfg(mask=replace(transform, bits=1.5, grad_bits=1.5)),  # the default's bytes, split evenly between the directions
+        "transform_b15_g15_s1": cfg(mask=replace(two_bit, bits=1.5, grad_bits=1.5, grad_rounding="dither", grad_step_scale=1.0)),  # 2 + 1 bits' bytes, split evenly
         # and the activations with subtractive dither too (mask.act_rounding): an error independent of the value
         "transform_grad1_dither_both": cfg(mask=replace(two_bit, grad_bits=1.0, grad_rounding="dither", act_rounding="dither")),
         # probes: each direction alone (the other at 8 bits), and the codec's path at 8 bits both ways
@@ -270,7 +270,7 @@ def release_memory() -> None:
 # 2.5-6 minutes on 2 cores; the first seven took 26.5 minutes (docs/benchmarks.md).
 QUICK_ROWS = ("dense", "masked", "masked_anchor", "lowrank", "transform", "transform_anchor", "transform_dp", "transform_stale1_stash")
 # the swarm's default run (bootstrap/node.py default_run, the demo): transform coder (2-bit activations,
-# 1-bit dithered gradients), no anchor, stage 0 one step ahead on stashed weights (pipeline.max_staleness 1)
+# 1-bit dithered gradients; the tiny models 2-bit ones, peer/config.py transform_mask), no anchor, stage 0 one step ahead on stashed weights (pipeline.max_staleness 1)
 DEFAULT_ROW = "transform_stale1_stash"
 TOKENIZE_BYTES = 1_000_000  # corpus bytes a pretrained model's tokenizer reads per corpus (~300 k tokens of Python)
 

@@ -58,6 +58,8 @@ MAX_BITS = 8
 # is unbiased only inside the quantiser's range, and at 1-2 bits the optimal step clips 14-42 % of
 # the values. Measured on the toy (2-bit activations; eval loss vs dense 1.678): 2-bit gradients
 # 1.720 at 1x, 1.705 at 1.5x, 1.699 at 2x, 1.711 at 3x; 1-bit ones 1.730 at 2x, 1.727 at 3x, 1.765 at 4x.
+# The width for stochastic rounding (and the tiny models' runs); the swarm's default, dither, takes
+# mask.grad_step_scale = 1 (its error does not grow where values clip; SmolLM2: docs/benchmarks.md).
 GRAD_STEP_SCALE = 2.0
 DECODE_LIMIT = 1e38  # below float32's largest value (3.4e38): what a decoded value may reach
 BUFFER_ROWS_PER_H = 4  # a learner keeps its newest 4 H rows: a covariance of H dimensions wants several times H samples

@@ -1,8 +1,8 @@
 """The learning rate of each step: warmup, then constant or a cosine / linear decay.
 
-Why a schedule: an adaptation run of known length ends on a decayed lr in practice, and the
-loss a run ends at depends on it: at a constant lr the last steps' gradient noise (the batch's,
-and what a compressed stage boundary adds) stays in the weights; a decayed lr averages it out.
+Why a schedule: an adaptation run of known length usually ends on a decayed lr, which averages
+out the last steps' gradient noise instead of leaving it in the weights. Measured on the quick
+quality bench (40 steps, docs/benchmarks.md 2026-12-06) it did not help: too short a run.
 """
 
 from __future__ import annotations
