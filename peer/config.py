@@ -65,6 +65,7 @@ VALUE_DTYPES = ("fp32", "fp16", "bf16", "int8")
 
 GRAD_ROUNDINGS = ("stochastic", "dither")
 ACT_ROUNDINGS = ("nearest", "dither")
+ACT_STATS = ("coder", "message")
 MASK_SCHEMES = ("mask", "lowrank", "transform")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 
@@ -112,6 +113,10 @@ class MaskConfig:
             or "dither" (subtractive dither, as above: the same mean square, but an error
             independent of the value, so the next stage trains on the value plus noise rather
             than on a staircase of it).
+        act_stats: scheme "transform": whose statistics centre and scale the activations'
+            rotated components: "coder" (the fitted coder's, refitted every `basis_refresh` steps)
+            or "message" (each message's own mean and std per component, 4 * hidden bytes per
+            message: they cannot go stale while the sender's weights move between refits).
         prior_rows: scheme "lowrank": most rows of the token prior that travel per refresh; a
             larger vocabulary sends its most frequent tokens' rows and one shared row.
         adapt: each sender sends per link as much of the configured payload as the link's
@@ -139,6 +144,7 @@ class MaskConfig:
     grad_rounding: str = "dither"
     act_rounding: str = "nearest"
     grad_step_scale: float = 1.0
+    act_stats: str = "coder"
     adapt: bool = True
     min_keep: float = 0.25
     link_target: float = 0.8
@@ -160,6 +166,7 @@ class MaskConfig:
             raise ConfigError("mask.sink", self.sink, "must be >= 0 positions")
         _choice("mask.grad_rounding", self.grad_rounding, GRAD_ROUNDINGS)
         _choice("mask.act_rounding", self.act_rounding, ACT_ROUNDINGS)
+        _choice("mask.act_stats", self.act_stats, ACT_STATS)
         if not (0.25 <= self.grad_step_scale <= 8.0):
             raise ConfigError("mask.grad_step_scale", self.grad_step_scale, "must be in [0.25, 8] Gaussian-optimal steps")
         _positive("mask.rank", self.rank)

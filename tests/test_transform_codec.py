@@ -421,3 +421,32 @@ def test_built_in_runs_use_the_codec_measured_for_their_model() -> None:
     assert (tiny.grad_bits, tiny.grad_rounding, tiny.grad_step_scale) == (2.0, "stochastic", 2.0)
     assert default_run().mask == tiny and demo_config(2, "transform", 0.95, 20).mask == tiny
     assert quality.rows(quality.setup_for(True))[quality.DEFAULT_ROW].mask == tiny
+
+
+def test_activations_may_carry_their_own_statistics() -> None:
+    """mask.act_stats "message": each message's own component means and stds (4 H bytes) instead
+    of the coder's, so a coder fitted on other data (stale) loses little; the receiver checks
+    them (finite, stds > 0) before decoding, and a link pair decodes by the run's config."""
+    from peer.pipeline.transform_link import TransformLinks
+
+    state = learner_state(2.0)
+    x = correlated(3, seq=20, seed=8) * 2.5 + 4  # drifted: another scale and offset than the coder saw
+    rel = lambda y: float(((y - x)[:, 1:] ** 2).mean() / ((x[:, 1:] - x[:, 1:].mean((0, 1))) ** 2).mean())  # noqa: E731
+    coder_err = rel(state.decode(state.encode(x, 1), 3, 20, 1))
+    payload = state.encode(x, 1, msg_stats=True)
+    assert len(payload) == state.payload_bytes(3, 20, 1, msg_stats=True) == state.payload_bytes(3, 20, 1) + 4 * H
+    assert rel(state.decode(payload, 3, 20, 1, msg_stats=True)) < 0.5 * coder_err
+    n_head, rows = 3 * 1 * H * 2, 3 * 19
+    bad = bytearray(payload)
+    bad[n_head + 2 * rows + 2 * H : n_head + 2 * rows + 2 * H + 2] = torch.tensor([-1.0], dtype=torch.bfloat16).view(torch.int16).numpy().tobytes()
+    with pytest.raises(WireError, match="stds"):
+        state.check(bytes(bad), 3, 20, 1, msg_stats=True)
+    mask = MaskConfig(scheme="transform", act_stats="message")
+    producer, consumer = TransformLinks(mask, H, True, False), TransformLinks(mask, H, False, True)
+    producer.learners["forward"].current = state
+    msg, coder = producer.encode("forward", x, "stage1.r0", boundary=0, step=1, micro_batch=0)
+    chunk = pb.ActivationChunk(header=pb.MicroBatchHeader(sender="stage0.r0", step=1, micro_batch_id=0, boundary=0), hidden=msg, coder=coder)
+    got = consumer.decode(chunk, expect_shape=(3, 20, H), boundary=0, step=1, micro_batch=0)
+    assert rel(got) < 0.5 * coder_err and producer.msg_stats("forward") and not producer.msg_stats("backward")
+    with pytest.raises(ConfigError, match="mask.act_stats"):
+        MaskConfig(scheme="transform", act_stats="batch")

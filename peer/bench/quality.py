@@ -130,6 +130,8 @@ def rows(setup: QualitySetup) -> dict[str, TrainConfig]:
         "transform_grad1_dither_both": cfg(mask=replace(two_bit, grad_bits=1.0, grad_rounding="dither", act_rounding="dither")),
         # probes: each direction alone (the other at 8 bits), and the codec's path at 8 bits both ways
         "probe_act2_only": cfg(mask=replace(two_bit, grad_bits=8.0)),
+        "probe_act2_msgstats": cfg(mask=replace(two_bit, grad_bits=8.0, act_stats="message")),  # each message's own component statistics (mask.act_stats)
+        "transform_msgstats": cfg(mask=replace(transform, act_stats="message")),
         "probe_act2_refresh2": cfg(mask=replace(two_bit, grad_bits=8.0, basis_refresh=2)),  # the activations' coder refitted every 2 steps instead of 20
         "probe_grad1_dither_only": cfg(mask=replace(two_bit, bits=8.0, grad_bits=1.0, grad_rounding="dither")),
         "probe_8bit_both": cfg(mask=replace(two_bit, bits=8.0, grad_bits=8.0)),

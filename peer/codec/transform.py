@@ -156,8 +156,9 @@ class TransformState:
         self._placed: dict[str, tuple[Tensor, Tensor, Tensor, list[Tensor]]] = {}
         # every decoded value is at most _reach + gain * _spread in size: the largest code per
         # component times its std, the rotation's longest row, and the mean (see _parse)
-        top = torch.tensor([2 ** (b - 1) * STEP[b] for b in self.bits.tolist()], dtype=torch.float64) * self.std.double().cpu()
-        self._spread = float(top.norm()) * float(self.rotation.double().norm(dim=1).max())
+        self._top = torch.tensor([2 ** (b - 1) * STEP[b] for b in self.bits.tolist()], dtype=torch.float64)  # the largest level per component
+        self._rownorm = float(self.rotation.double().norm(dim=1).max())
+        self._spread = float((self._top * self.std.double().cpu()).norm()) * self._rownorm
         self._reach = float(self.mean.abs().max()) if len(self.mean) else 0.0
 
     def _on(self, device: torch.device) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
@@ -172,18 +173,22 @@ class TransformState:
     def hidden_size(self) -> int:
         return len(self.mean)
 
-    def payload_bytes(self, batch: int, seq: int, sink: int) -> int:
-        """Exact payload bytes of a [batch, seq, H] tensor."""
+    def payload_bytes(self, batch: int, seq: int, sink: int, msg_stats: bool = False) -> int:
+        """Exact payload bytes of a [batch, seq, H] tensor (`msg_stats`: see `encode`)."""
         head = min(sink, seq)
         rows = batch * (seq - head)
-        return batch * head * self.hidden_size * 2 + 2 * rows + sum(packed_bytes(rows * len(cols), b) for b, cols in self._groups)
+        stats = 4 * self.hidden_size if msg_stats and rows else 0
+        return batch * head * self.hidden_size * 2 + 2 * rows + stats + sum(packed_bytes(rows * len(cols), b) for b, cols in self._groups)
 
-    def encode(self, x: Tensor, sink: int, stochastic: bool = False, generator: torch.Generator | None = None, dither_seed: int | None = None) -> bytes:
+    def encode(self, x: Tensor, sink: int, stochastic: bool = False, generator: torch.Generator | None = None, dither_seed: int | None = None,
+               msg_stats: bool = False) -> bytes:
         """The payload of `x` [B, T, H] (any float dtype; coded in float32). `stochastic`: round
         to one of the two nearest levels at random (drawn from `generator`), unbiased inside the
         quantiser's range. `dither_seed`: subtractive dither instead (`dither`'s offset added
         before rounding down; `decode` with the same seed subtracts it): the error is uniform in
-        half a step either way, whatever the value."""
+        half a step either way, whatever the value. `msg_stats`: each rotated component is
+        centred and scaled by this message's own mean and std (sent in bf16, 4 H bytes), not the
+        coder's: the coder's go stale between refits while the sender's weights move."""
         x = x.detach().float()
         head = min(sink, x.shape[1])
         parts = [x[:, :head].to(torch.bfloat16).contiguous().view(torch.int16).cpu().numpy().tobytes()]
@@ -194,7 +199,14 @@ class TransformState:
         gain = resid.pow(2).mean(1, keepdim=True).sqrt().to(torch.bfloat16)  # bf16: gradients' gains lie below fp16's range
         parts.append(gain.view(torch.int16).cpu().numpy().tobytes())
         gain = gain.float().clamp(min=1e-30)
-        z = (resid / gain) @ rotation / std
+        z = (resid / gain) @ rotation
+        if msg_stats and len(z):
+            m = z.mean(0).to(torch.bfloat16)
+            s = z.std(0, correction=0).clamp(min=1e-6).to(torch.bfloat16)
+            parts.append(torch.cat([m, s]).view(torch.int16).cpu().numpy().tobytes())
+            z = (z - m.float()) / s.float()
+        else:
+            z = z / std
         for (b, _), cols in zip(self._groups, placed_cols):
             half = 2 ** (b - 1)
             t = z[:, cols] / STEP[b]
@@ -209,13 +221,14 @@ class TransformState:
             parts.append(pack(q.clamp_(-half, half - 1).to(torch.int64) + half, b))
         return b"".join(parts)
 
-    def _parse(self, payload: bytes, batch: int, seq: int, sink: int) -> tuple[Tensor, Tensor, Tensor]:
-        """(sink rows [batch, head, H] bf16, gains [rows, 1] bf16, packed codes uint8), host views of
-        `payload`, checked without expanding a code: its length, finite sink rows, finite
-        non-negative gains, and gains small enough that no decoded value can overflow (the
-        largest code times the coder's stds and rotation, times the gain, bounds every value)."""
+    def _parse(self, payload: bytes, batch: int, seq: int, sink: int, msg_stats: bool = False) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+        """(sink rows [batch, head, H] bf16, gains [rows, 1] bf16, the message's (mean, std) [2, H]
+        or None, packed codes uint8), host views of `payload`, checked without expanding a code:
+        its length, finite sink rows, finite non-negative gains, finite stats with positive stds,
+        and gains small enough that no decoded value can overflow (the largest code times the
+        stds, plus the mean, through the rotation, times the gain, bounds every value)."""
         H = self.hidden_size
-        want = self.payload_bytes(batch, seq, sink)
+        want = self.payload_bytes(batch, seq, sink, msg_stats)
         if len(payload) != want:
             raise WireError(f"TensorPayload.payload: {len(payload)} bytes, expected {want} (transform coder v{self.version}, {int(self.bits.sum())} bits per row, shape [{batch}, {seq}, {H}])")
         head = min(sink, seq)
@@ -225,23 +238,31 @@ class TransformState:
         gain = raw[n_head : n_head + 2 * rows].view(torch.bfloat16).reshape(rows, 1)
         if not bool(torch.isfinite(sink_rows).all()) or not bool(torch.isfinite(gain).all()) or bool((gain < 0).any()):
             raise WireError("TensorPayload.payload: NaN/Inf in the sink rows or a gain that is not a finite non-negative number")
+        at, stats, spread = n_head + 2 * rows, None, self._spread
+        if msg_stats and rows:
+            stats = raw[at : at + 4 * H].view(torch.bfloat16).reshape(2, H)
+            at += 4 * H
+            if not bool(torch.isfinite(stats).all()) or not bool((stats[1] > 0).all()):
+                raise WireError("TensorPayload.payload: the message's component means and stds must be finite, the stds > 0")
+            spread = float((self._top * stats[1].double() + stats[0].double().abs()).norm()) * self._rownorm
         top = float(gain.max()) if rows else 0.0
-        if top * self._spread + self._reach > DECODE_LIMIT:
-            raise WireError(f"TensorPayload.payload: a gain of {top:.3g} would decode to values that are not finite (at most {(DECODE_LIMIT - self._reach) / self._spread:.3g} for coder v{self.version})")
-        return sink_rows, gain, raw[n_head + 2 * rows :]
+        if top * spread + self._reach > DECODE_LIMIT:
+            raise WireError(f"TensorPayload.payload: a gain of {top:.3g} would decode to values that are not finite (at most {(DECODE_LIMIT - self._reach) / spread:.3g} for coder v{self.version})")
+        return sink_rows, gain, stats, raw[at:]
 
-    def check(self, payload: bytes, batch: int, seq: int, sink: int) -> None:
+    def check(self, payload: bytes, batch: int, seq: int, sink: int, msg_stats: bool = False) -> None:
         """What `decode` refuses, found without decoding (a receiver's inbound check, on the host:
         the rotation of every row is the costly part, and it runs once, in `decode`)."""
-        self._parse(payload, batch, seq, sink)
+        self._parse(payload, batch, seq, sink, msg_stats)
 
-    def decode(self, payload: bytes, batch: int, seq: int, sink: int, device: torch.device | str = "cpu", dither_seed: int | None = None) -> Tensor:
+    def decode(self, payload: bytes, batch: int, seq: int, sink: int, device: torch.device | str = "cpu", dither_seed: int | None = None,
+               msg_stats: bool = False) -> Tensor:
         """[batch, seq, H] float32 on `device` from a payload of exactly `payload_bytes`; WireError
         otherwise. The bytes are checked on the host; the codes cross to `device` still packed and
         are expanded and rotated there (an H x H product per row: a GPU's work, not the host's).
         `dither_seed`: the encoder's, whose offsets are subtracted."""
         H = self.hidden_size
-        sink_rows, gain, codes = self._parse(payload, batch, seq, sink)
+        sink_rows, gain, stats, codes = self._parse(payload, batch, seq, sink, msg_stats)
         head, rows = sink_rows.shape[1], gain.shape[0]
         dev = torch.device(device)
         mean, rotation, std, placed_cols = self._on(dev)
@@ -258,7 +279,8 @@ class TransformState:
             at += size
         out = torch.empty(batch, seq, H, device=dev)
         out[:, :head] = sink_rows.to(dev).float()
-        out[:, head:] = (mean + gain.to(dev).float() * ((z * std) @ rotation.T)).reshape(batch, seq - head, H)
+        z = z * std if stats is None else z * stats[1].to(dev).float() + stats[0].to(dev).float()
+        out[:, head:] = (mean + gain.to(dev).float() * (z @ rotation.T)).reshape(batch, seq - head, H)
         return out
 
 

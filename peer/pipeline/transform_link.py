@@ -53,6 +53,11 @@ class TransformLinks:
         gradients, mask.act_rounding for the activations): both ends read it from the run's config."""
         return (self.mask.grad_rounding if channel == "backward" else self.mask.act_rounding) == "dither"
 
+    def msg_stats(self, channel: str) -> bool:
+        """Whether `channel`'s messages carry their own component statistics (the activations,
+        with mask.act_stats "message"): both ends read it from the run's config."""
+        return channel == "forward" and self.mask.act_stats == "message"
+
     def max_bits(self, channel: str) -> int:
         """The run's bits per coded row on `channel`: the most a received coder may allocate."""
         return row_budget(self.mask.bits if channel == "forward" else self.mask.grad_bits, self.hidden_size)
@@ -70,7 +75,8 @@ class TransformLinks:
         if state is not None and self.sent.get((channel, dst)) != state.version:
             coder = tw.coder_to_proto(state)
             self.sent[(channel, dst)] = state.version
-        payload = tw.encode(state, x, sink=self.sink(channel), stochastic=channel == "backward", boundary=boundary, step=step, micro_batch=micro_batch, dither=self.dithers(channel), channel=channel)
+        payload = tw.encode(state, x, sink=self.sink(channel), stochastic=channel == "backward", boundary=boundary, step=step, micro_batch=micro_batch, dither=self.dithers(channel), channel=channel,
+                           msg_stats=self.msg_stats(channel))
         return payload, coder
 
     def forget_sent(self) -> None:
@@ -104,10 +110,10 @@ class TransformLinks:
     def check(self, msg: pb.ActivationChunk | pb.GradientChunk, *, expect_shape: tuple[int, ...], boundary: int, step: int, micro_batch: int) -> None:
         """The inbound check of an activation or gradient, on the host, without decoding it."""
         channel, payload, state = self._state(msg)
-        tw.check(payload, state, expect_shape=expect_shape, sink=self.sink(channel), boundary=boundary, step=step, micro_batch=micro_batch)
+        tw.check(payload, state, expect_shape=expect_shape, sink=self.sink(channel), boundary=boundary, step=step, micro_batch=micro_batch, msg_stats=self.msg_stats(channel))
 
     def decode(self, msg: pb.ActivationChunk | pb.GradientChunk, *, expect_shape: tuple[int, ...], boundary: int, step: int, micro_batch: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """The float32 tensor an activation or gradient carries, decoded on `device`."""
         channel, payload, state = self._state(msg)
         return tw.decode(payload, state, expect_shape=expect_shape, sink=self.sink(channel), boundary=boundary, step=step, micro_batch=micro_batch, device=device,
-                         dither=self.dithers(channel), channel=channel)
+                         dither=self.dithers(channel), channel=channel, msg_stats=self.msg_stats(channel))
