@@ -144,7 +144,7 @@ class MaskConfig:
     grad_rounding: str = "dither"
     act_rounding: str = "nearest"
     grad_step_scale: float = 1.0
-    act_stats: str = "coder"
+    act_stats: str = "message"
     adapt: bool = True
     min_keep: float = 0.25
     link_target: float = 0.8
@@ -194,11 +194,13 @@ DILOCO_COMPRESSIONS = ("none", "powersgd", "int8")
 def transform_mask(model_name: str) -> MaskConfig:
     """The transform codec as the built-in runs use it (the default run, the demo, `bench
     quality`'s transform rows): MaskConfig's defaults, chosen on SmolLM2-135M (1-bit dithered
-    gradients), except on the tiny models built from a config, which keep 2-bit gradients rounded
-    stochastically at twice the step: on the byte-level toy 1-bit gradients cost +7.8 % against
-    +1.8 % (docs/benchmarks.md, 2026-12-06). A figure from either is no evidence for the other."""
+    gradients, each message's own activation statistics), except on the tiny models built from a
+    config, which keep what was measured on them (2-bit gradients rounded stochastically at
+    twice the step: on the byte-level toy 1-bit gradients cost +7.8 % against +1.8 %; the
+    coder's statistics; docs/benchmarks.md, 2026-12-06). A figure from either is no evidence for
+    the other."""
     if model_name.startswith(TINY_MODEL_PREFIX):
-        return MaskConfig(scheme="transform", grad_bits=2.0, grad_rounding="stochastic", grad_step_scale=2.0)
+        return MaskConfig(scheme="transform", grad_bits=2.0, grad_rounding="stochastic", grad_step_scale=2.0, act_stats="coder")
     return MaskConfig(scheme="transform")
 
 

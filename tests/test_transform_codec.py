@@ -416,9 +416,9 @@ def test_built_in_runs_use_the_codec_measured_for_their_model() -> None:
     from peer.demo.local import demo_config
 
     real = transform_mask("smollm2-135m")
-    assert real == MaskConfig(scheme="transform") and (real.bits, real.grad_bits, real.grad_rounding, real.grad_step_scale) == (2.0, 1.0, "dither", 1.0)
+    assert real == MaskConfig(scheme="transform") and (real.bits, real.grad_bits, real.grad_rounding, real.grad_step_scale, real.act_stats) == (2.0, 1.0, "dither", 1.0, "message")
     tiny = transform_mask("tiny-llama")
-    assert (tiny.grad_bits, tiny.grad_rounding, tiny.grad_step_scale) == (2.0, "stochastic", 2.0)
+    assert (tiny.grad_bits, tiny.grad_rounding, tiny.grad_step_scale, tiny.act_stats) == (2.0, "stochastic", 2.0, "coder")
     assert default_run().mask == tiny and demo_config(2, "transform", 0.95, 20).mask == tiny
     assert quality.rows(quality.setup_for(True))[quality.DEFAULT_ROW].mask == tiny
 

@@ -101,8 +101,8 @@ def rows(setup: QualitySetup) -> dict[str, TrainConfig]:
         return TrainConfig(**base)
 
     lowrank = MaskConfig(scheme="lowrank", rank=setup.lowrank_rank, values="int8")
-    transform = transform_mask(setup.model.name)  # the built-in runs' codec: 2-bit activations, 1-bit dithered gradients (the toy: 2-bit), the sink position dense
-    two_bit = replace(transform, grad_bits=2.0, grad_rounding="stochastic", grad_step_scale=2.0)  # the default until 2026-12-06 (then the "transform" row)
+    transform = transform_mask(setup.model.name)  # the built-in runs' codec: 2-bit activations with each message's statistics, 1-bit dithered gradients (the toy: 2-bit, the coder's statistics), the sink position dense
+    two_bit = replace(transform, grad_bits=2.0, grad_rounding="stochastic", grad_step_scale=2.0, act_stats="coder")  # the default until 2026-12-06 (then the "transform" row)
     return {
         # the paper's method, as DESIGN.md §4 states it
         "dense": cfg(),
@@ -122,7 +122,7 @@ def rows(setup: QualitySetup) -> dict[str, TrainConfig]:
         "transform_dither": cfg(mask=replace(two_bit, grad_rounding="dither")),
         "transform_grad1_dither": cfg(mask=replace(two_bit, grad_bits=1.0, grad_rounding="dither")),
         # dither's steps at the Gaussian-optimal width (mask.grad_step_scale 1): half the noise again
-        "transform_grad1_dither_s1": cfg(mask=replace(two_bit, grad_bits=1.0, grad_rounding="dither", grad_step_scale=1.0)),  # the default since 2026-12-06
+        "transform_grad1_dither_s1": cfg(mask=replace(two_bit, grad_bits=1.0, grad_rounding="dither", grad_step_scale=1.0)),  # the default's gradients, the coder's statistics
         "transform_grad1_dither_s15": cfg(mask=replace(two_bit, grad_bits=1.0, grad_rounding="dither", grad_step_scale=1.5)),
         "transform_dither_s1": cfg(mask=replace(two_bit, grad_rounding="dither", grad_step_scale=1.0)),
         "transform_b15_g15_s1": cfg(mask=replace(two_bit, bits=1.5, grad_bits=1.5, grad_rounding="dither", grad_step_scale=1.0)),  # 2 + 1 bits' bytes, split evenly
@@ -131,7 +131,7 @@ def rows(setup: QualitySetup) -> dict[str, TrainConfig]:
         # probes: each direction alone (the other at 8 bits), and the codec's path at 8 bits both ways
         "probe_act2_only": cfg(mask=replace(two_bit, grad_bits=8.0)),
         "probe_act2_msgstats": cfg(mask=replace(two_bit, grad_bits=8.0, act_stats="message")),  # each message's own component statistics (mask.act_stats)
-        "transform_msgstats": cfg(mask=replace(transform, act_stats="message")),
+        "transform_msgstats": cfg(mask=replace(transform, act_stats="message")),  # on a real model: the default
         "probe_act2_refresh2": cfg(mask=replace(two_bit, grad_bits=8.0, basis_refresh=2)),  # the activations' coder refitted every 2 steps instead of 20
         "probe_grad1_dither_only": cfg(mask=replace(two_bit, bits=8.0, grad_bits=1.0, grad_rounding="dither")),
         "probe_8bit_both": cfg(mask=replace(two_bit, bits=8.0, grad_bits=8.0)),
@@ -272,7 +272,8 @@ def release_memory() -> None:
 # 2.5-6 minutes on 2 cores; the first seven took 26.5 minutes (docs/benchmarks.md).
 QUICK_ROWS = ("dense", "masked", "masked_anchor", "lowrank", "transform", "transform_anchor", "transform_dp", "transform_stale1_stash")
 # the swarm's default run (bootstrap/node.py default_run, the demo): transform coder (2-bit activations,
-# 1-bit dithered gradients; the tiny models 2-bit ones, peer/config.py transform_mask), no anchor, stage 0 one step ahead on stashed weights (pipeline.max_staleness 1)
+# each message's own statistics, 1-bit dithered gradients; the tiny models: 2-bit gradients, the coder's
+# statistics, peer/config.py transform_mask), no anchor, stage 0 one step ahead on stashed weights (pipeline.max_staleness 1)
 DEFAULT_ROW = "transform_stale1_stash"
 TOKENIZE_BYTES = 1_000_000  # corpus bytes a pretrained model's tokenizer reads per corpus (~300 k tokens of Python)
 

@@ -88,6 +88,7 @@ bits = 2.0
 grad_bits = 1.0
 grad_rounding = "dither"
 grad_step_scale = 1.0
+act_stats = "message"
 [optim]
 lr = 1e-4
 [pipeline]
