@@ -199,9 +199,14 @@ def transform_mask(model_name: str) -> MaskConfig:
     twice the step: on the byte-level toy 1-bit gradients cost +7.8 % against +1.8 %; the
     coder's statistics; docs/benchmarks.md, 2026-12-06). A figure from either is no evidence for
     the other."""
-    if model_name.startswith(TINY_MODEL_PREFIX):
-        return MaskConfig(scheme="transform", grad_bits=2.0, grad_rounding="stochastic", grad_step_scale=2.0, act_stats="coder")
-    return MaskConfig(scheme="transform")
+    return two_bit_transform_mask() if model_name.startswith(TINY_MODEL_PREFIX) else MaskConfig(scheme="transform")
+
+
+def two_bit_transform_mask() -> MaskConfig:
+    """The transform codec as it was the default until 2026-12-06, and stays for the tiny models:
+    2-bit gradients rounded stochastically at twice the Gaussian-optimal step, the activations
+    centred and scaled by the coder's statistics."""
+    return MaskConfig(scheme="transform", grad_bits=2.0, grad_rounding="stochastic", grad_step_scale=2.0, act_stats="coder")
 
 
 @dataclass

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from peer.bench.project_model import Shape
 from peer.bench.quality_clock import equal_wall_clock, model_dims
-from peer.config import TINY_MODEL_PREFIX, AnchorConfig, DPConfig, MaskConfig, ModelConfig, OptimConfig, PipelineConfig, SpectralConfig, TrainConfig, transform_mask
+from peer.config import TINY_MODEL_PREFIX, AnchorConfig, DPConfig, MaskConfig, ModelConfig, OptimConfig, PipelineConfig, SpectralConfig, TrainConfig, transform_mask, two_bit_transform_mask
 from peer.data import TokenStream, default_corpus, read_path
 from peer.errors import ConfigError
 from peer.model.loading import load_causal_lm, resolve_dims
@@ -102,7 +102,7 @@ def rows(setup: QualitySetup) -> dict[str, TrainConfig]:
 
     lowrank = MaskConfig(scheme="lowrank", rank=setup.lowrank_rank, values="int8")
     transform = transform_mask(setup.model.name)  # the built-in runs' codec: 2-bit activations with each message's statistics, 1-bit dithered gradients (the toy: 2-bit, the coder's statistics), the sink position dense
-    two_bit = replace(transform, grad_bits=2.0, grad_rounding="stochastic", grad_step_scale=2.0, act_stats="coder")  # the default until 2026-12-06 (then the "transform" row)
+    two_bit = two_bit_transform_mask()  # the default until 2026-12-06 (then the "transform" row)
     return {
         # the paper's method, as DESIGN.md §4 states it
         "dense": cfg(),
