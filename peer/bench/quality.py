@@ -142,7 +142,8 @@ def rows(setup: QualitySetup) -> dict[str, TrainConfig]:
         # stage 0 one step ahead of its applied gradients (pipeline.max_staleness 1): the pipeline no longer drains every step
         "transform_stale1": cfg(mask=transform, pipeline=replace(pipe, max_staleness=1)),
         "transform_stale1_stash": cfg(mask=transform, pipeline=replace(pipe, max_staleness=1, staleness_correction="none")),  # plain stashing, as the swarm's stage 0
-        "dense_stale1_stash": cfg(pipeline=replace(pipe, max_staleness=1, staleness_correction="none")),  # what the staleness alone costs
+        "dense_stale1": cfg(pipeline=replace(pipe, max_staleness=1)),  # what the staleness alone costs, with the look-ahead
+        "dense_stale1_stash": cfg(pipeline=replace(pipe, max_staleness=1, staleness_correction="none")),  # and with plain stashing
         # data parallel, same token budget: 2 replicas x half the micro-batches
         "dense_dp": cfg(dp=DPConfig(replicas=2, scheme="dense"), pipeline=pipe_dp),
         "masked_anchor_dp": cfg(mask=mask, anchor=anchor, spectral=SpectralConfig(mode="paper"), dp=dp, pipeline=pipe_dp),
