@@ -198,10 +198,12 @@ def test_plan_table_for_a_llama_1b_shape(tmp_path: Path) -> None:
 
 def test_a_swarm_stage_that_stashes_plans_two_copies_of_its_forward_weights() -> None:
     """In the swarm a middle stage runs its forwards on stashed weights, and so does stage 0 when
-    it runs ahead (pipeline.max_staleness > 0): two versions can be alive at once."""
+    it runs ahead (pipeline.max_staleness > 0): two versions can be alive at once. With the
+    look-ahead (the default correction), one stash per delay at the current version plus the last
+    version's, and the last update: 1 + 2 + 1 copies at max_staleness 1 (FP32: all 4 bytes)."""
     model = ModelConfig(name="tiny-llama", num_stages=3, hidden_size=32, num_layers=3, num_heads=2, max_seq_len=16)
-    for staleness, copies in ((0, [0, 2, 0]), (1, [2, 2, 0])):
-        cfg = TrainConfig(model=model, pipeline=PipelineConfig(micro_batch_size=2, micro_batches=2, seq_len=8, max_staleness=staleness))
+    for staleness, fix, copies in ((0, "lookahead", [0, 2, 0]), (1, "none", [2, 2, 0]), (1, "lookahead", [4, 4, 0])):
+        cfg = TrainConfig(model=model, pipeline=PipelineConfig(micro_batch_size=2, micro_batches=2, seq_len=8, max_staleness=staleness, staleness_correction=fix))
         plans = plan_stages(cfg, FP32, dp_group=True)
-        assert [p.working_copy for p in plans] == [c * p.weights for c, p in zip(copies, plans)], staleness
+        assert [p.working_copy for p in plans] == [c * p.weights for c, p in zip(copies, plans)], (staleness, fix)
     assert all(p.working_copy == 0 for p in plan_stages(cfg, FP32))  # the local runner: no swarm stashes

@@ -79,3 +79,44 @@ def test_stage_0_one_step_ahead_takes_its_backward_on_the_weights_its_forward_sa
     assert a.backward_one()  # step 1's micro-batch: exact for the weights it saw
     grads = a.grad_buf[-1]
     assert set(grads) == set(before) and all(torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads.values() if g.dim() > 1)
+
+
+@pytest.mark.parametrize("correction", ["lookahead", "none"])
+def test_stage_0_one_step_ahead_runs_on_weights_extrapolated_by_the_last_update(correction: str) -> None:
+    """The look-ahead in the swarm (pipeline.staleness_correction, the default): after a step, a
+    forward one step ahead runs on w + (w - w_before), so its gradient is taken near the weights
+    it will be applied to (on SmolLM2 it cut what stage 0 running ahead costs from +0.47 % to
+    +0.10 %); a forward of the current step runs on w; "none" stashes w for both."""
+    cfg = TrainConfig(model=CFG.model, pipeline=PipelineConfig(micro_batch_size=2, micro_batches=2, seq_len=8, max_staleness=1, staleness_correction=correction))
+    stages = split_model(load_causal_lm(cfg.model, seed=0), 2)
+    t = LocalTransport()
+    a = StageWorker(stages[0], 0, cfg, MaskCodec(cfg.mask), t, "run", peer_id="a", next_hop=lambda: "b", resolve=lambda s: s, local_steps=True)
+    b = StageWorker(stages[1], 0, cfg, MaskCodec(cfg.mask), t, "run", peer_id="b", next_hop=lambda: None, resolve=lambda s: s, local_steps=True)
+    windows = [torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    a.inject(windows[0], 0, 0)
+    a.inject(windows[1], 0, 1)
+    w0 = {n: p.detach().clone() for n, p in a.stage.named_parameters()}
+    b.drain()
+    while b.forward_one():
+        pass
+    a.drain()
+    assert a.backward_one() and a.backward_one() and a.ready(0)
+    a.gradients()
+    a.apply_step()
+    w1 = {n: p.detach().clone() for n, p in a.stage.named_parameters()}
+    a.inject(windows[2], 1, 0)  # the current step: delay 0
+    a.inject(windows[3], 2, 0)  # one step ahead of version 1
+    now, ahead = a.inflight[(1, 0)].stash, a.inflight[(2, 0)].stash
+    assert now is not None and ahead is not None and (now is not ahead) == (correction == "lookahead")  # "none": one stash for both
+    assert all(torch.equal(now[n], w1[n]) for n in w1)
+    moved = [n for n in w1 if not torch.equal(w1[n], w0[n])]
+    assert moved, "the step moved no weight"
+    for n in w1:
+        want = w1[n] + (w1[n] - w0[n]) if correction == "lookahead" else w1[n]
+        torch.testing.assert_close(ahead[n], want, rtol=0, atol=1e-6)
+    assert a.forwards_ahead == 1
+    before_buffer = a.weights.last_delta
+    a.apply_step()  # the last update is kept in one buffer, reused step after step
+    assert (a.weights.last_delta is None) == (correction == "none")
+    if correction == "lookahead":
+        assert a.weights.last_delta is before_buffer

@@ -37,7 +37,8 @@ class MemoryPlan:
 
     weights: master weights (master dtype). working_copy: the compute-dtype copy of mixed
     precision, and in the swarm the stashed copies forwards run on (two versions alive at once: a
-    middle stage, and stage 0 with pipeline.max_staleness > 0; peer/pipeline/weights.py).
+    middle stage, and stage 0 with pipeline.max_staleness > 0; with the look-ahead one more per
+    delay, and the last update in the master dtype; peer/pipeline/weights.py).
     grads: master dtype. optimizer: AdamW's exp_avg + exp_avg_sq (fp32).
     dp_copies: the stage-group averager's fp32 base copy. anchor_snapshot: one compute-dtype copy of the
     weights. activations: saved tensors of every micro-batch in flight. logits: last stage, one
@@ -133,13 +134,19 @@ def _plan(cfg: TrainConfig, placement: Placement, stage: StageModule, dp_group: 
     # checkpointing keeps each layer's input; the backward recomputes one layer's saved tensors at a time
     checkpointed = outside + layer_inputs + max(per_layer, default=0)
     tokens = pipe.micro_batch_size * pipe.seq_len
-    stashes = 2 if dp_group and swarm_stashes(stage, pipe.max_staleness) else 0  # two versions alive at once
+    stashes, delta = 0, 0
+    if dp_group and swarm_stashes(stage, pipe.max_staleness):
+        look = pipe.max_staleness > 0 and pipe.staleness_correction == "lookahead"
+        # two versions alive at once; with the look-ahead one stash per delay at the current
+        # version (0..max_staleness) plus the last version's, and the last update (master dtype)
+        stashes = pipe.max_staleness + 2 if look else 2
+        delta = n * master if look else 0
     return MemoryPlan(
         stage=stage.index,
         layers=stage.end - stage.start,
         device=str(placement.device),
         weights=n * master,
-        working_copy=(n * compute if placement.mixed else 0) + stashes * n * compute,
+        working_copy=(n * compute if placement.mixed else 0) + stashes * n * compute + delta,
         grads=n * master + (n * compute if placement.mixed else 0),  # mixed: the working copy's gradients live until summed into fp32
         optimizer=2 * n * 4,
         dp_copies=n * 4 if dp_group else 0,

@@ -360,14 +360,11 @@ class StageWorker:
         return out
 
     def apply_step(self) -> None:
-        before = None
-        if self.cfg.pipeline.max_staleness > 0:
-            before = {n: p.detach().clone() for n, p in self.stage.named_parameters()}
+        self.weights.before_step()
         self.optimizer.step(self.version)
         self.optimizer.zero_grad()
         self.compute.step()
-        if before is not None:
-            self.weights.last_delta = {n: p.detach() - before[n] for n, p in self.stage.named_parameters()}
+        self.weights.after_step()
         if self.local_steps:
             self.done.clear()
         else:
