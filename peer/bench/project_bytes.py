@@ -84,12 +84,16 @@ class MessageBytes:
 
 def message_bytes(mode: str, dims: ModelDims, shape: Shape, boundary: int = 0, names: Names = SWARM_NAMES) -> MessageBytes:
     """Sizes of the ActivationChunk and GradientChunk one micro-batch sends over `boundary`."""
+    return mask_message_bytes(mode_mask(mode), dims, shape, boundary, names)
+
+
+def mask_message_bytes(mask, dims: ModelDims, shape: Shape, boundary: int = 0, names: Names = SWARM_NAMES) -> MessageBytes:
+    """`message_bytes` for any drop-0 MaskConfig (`bench quality` sizes its rows' codecs with it)."""
     import torch
 
     from peer.wire import anchormesh_pb2 as pb
     from peer.wire.tensors import tensor_to_proto, token_dtype
 
-    mask = mode_mask(mode)
     if mask.scheme == "transform":
         return _transform_bytes(mask, dims, shape, boundary, names)
     codec = link_codec(mask)

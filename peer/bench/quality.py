@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from peer.bench.project_bytes import mask_message_bytes
 from peer.bench.project_model import Shape
 from peer.bench.quality_clock import equal_wall_clock, model_dims
 from peer.config import TINY_MODEL_PREFIX, AnchorConfig, DPConfig, MaskConfig, ModelConfig, OptimConfig, PipelineConfig, SpectralConfig, TrainConfig, transform_mask, two_bit_transform_mask
@@ -152,6 +153,14 @@ def rows(setup: QualitySetup) -> dict[str, TrainConfig]:
     }
 
 
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _fmt_bytes(b: float | None) -> str:
+    return "-" if b is None else f"{b:.1f}"
+
+
 def _describe(o: OptimConfig) -> str:
     """The adaptation's optimizer in words, for OUT's setup."""
     sched = "constant" if o.schedule == "constant" else f"{o.schedule} to {o.min_lr_ratio:g} x lr at step {o.decay_steps}, warmup {o.warmup_steps} steps"
@@ -196,9 +205,25 @@ def pretrain(setup: QualitySetup, corpus_a: TokenStream, key: str) -> dict[str, 
     return state
 
 
+LONG_SEQ = 2048  # a practitioner's sequence length, for the bytes a row's codec sends per token
+
+
+def long_sequence_bytes(cfg: TrainConfig, dims) -> float | None:
+    """Stream bytes per token of the row's codec on one micro-batch of one LONG_SEQ-token
+    sequence (activation + gradient, built by the app's encoder as `bench project` sizes them).
+    Why: a codec's fixed costs per sequence (the dense sink position) and per message (each
+    message's statistics) weigh on the quick run's 64-token sequences and not at a real length.
+    Not measured in the run; None for the element mask at drop > 0 (its bytes depend on the draw)."""
+    if cfg.mask.scheme == "mask" and cfg.mask.drop:
+        return None
+    b = mask_message_bytes(cfg.mask, dims, Shape(1, LONG_SEQ, 1))
+    return (b.activation + b.gradient) / LONG_SEQ
+
+
 def run_row(name: str, cfg: TrainConfig, fresh_model: Callable[[], torch.nn.Module], setup: QualitySetup, corpus_b: TokenStream, eval_b: list, eval_a: list, curve_steps: tuple[int, ...] = ()) -> dict:
     """Train one row and evaluate it; `curve_steps`: also evaluate on held-out B after those steps."""
     model = fresh_model()
+    long_bytes = long_sequence_bytes(cfg, model_dims(model.config))
     batch = _windows(corpus_b, setup.seed)
     bs, T = cfg.pipeline.micro_batch_size, cfg.pipeline.seq_len
     m_dense = setup.micro_batches  # anchor batches use the dense row's micro-batch numbering space
@@ -229,6 +254,7 @@ def run_row(name: str, cfg: TrainConfig, fresh_model: Callable[[], torch.nn.Modu
     state = sum(w.state_bytes_sent for row in runner.workers for w in row)
     dp = sum(r.dp_bytes for r in reports)
     return {
+        "pp_stream_bytes_per_token_long": long_bytes,
         "eval_loss": evaluate_stages(runner.stages(0), eval_b),
         "eval_loss_a": evaluate_stages(runner.stages(0), eval_a),
         "pp_bytes_per_token": pp / tokens,
@@ -351,7 +377,7 @@ def run_quality(quick: bool, corpus_a: str | None, corpus_b: str | None, only: l
         release_memory()
         result["rss_gb_after"] = rss_gb()
         out["runs"][name] = result
-        print(f"{name:>24}: eval_loss {result['eval_loss']:.4f}  eval_loss_a {result['eval_loss_a']:.4f}  pp B/token {result['pp_bytes_per_token']:.1f} (stream {result['pp_stream_bytes_per_token']:.1f})  dp B/step {result['dp_bytes_per_step']:.0f}  {result['seconds']:.1f}s", flush=True)
+        print(f"{name:>24}: eval_loss {result['eval_loss']:.4f}  eval_loss_a {result['eval_loss_a']:.4f}  pp B/token {result['pp_bytes_per_token']:.1f} (stream {result['pp_stream_bytes_per_token']:.1f}; at {LONG_SEQ} tokens {_fmt_bytes(result['pp_stream_bytes_per_token_long'])})  dp B/step {result['dp_bytes_per_step']:.0f}  {result['seconds']:.1f}s", flush=True)
     dense = out["runs"].get("dense")
     if dense:
         shape = Shape(setup.micro_batch_size, setup.seq_len, setup.micro_batches)
@@ -361,6 +387,7 @@ def run_quality(quick: bool, corpus_a: str | None, corpus_b: str | None, only: l
                 "eval_loss_ratio": r["eval_loss"] / dense["eval_loss"],
                 "pp_bytes_reduction": dense["pp_bytes_per_token"] / r["pp_bytes_per_token"],
                 "pp_stream_bytes_reduction": dense["pp_stream_bytes_per_token"] / r["pp_stream_bytes_per_token"],
+                "pp_stream_bytes_reduction_long": _ratio(dense["pp_stream_bytes_per_token_long"], r["pp_stream_bytes_per_token_long"]),
             }
             for name, r in out["runs"].items()
         }
