@@ -420,7 +420,11 @@ def test_built_in_runs_use_the_codec_measured_for_their_model() -> None:
     tiny = transform_mask("tiny-llama")
     assert (tiny.grad_bits, tiny.grad_rounding, tiny.grad_step_scale, tiny.act_stats) == (2.0, "stochastic", 2.0, "coder")
     assert default_run().mask == tiny and demo_config(2, "transform", 0.95, 20).mask == tiny
-    assert quality.rows(quality.setup_for(True))[quality.DEFAULT_ROW].mask == tiny
+    row = quality.rows(quality.setup_for(True))[quality.DEFAULT_ROW]
+    assert row.mask == tiny
+    # and the default row runs ahead as the default run does, with the swarm's staleness correction
+    run = default_run().pipeline
+    assert (row.pipeline.max_staleness, row.pipeline.staleness_correction) == (run.max_staleness, run.staleness_correction) == (1, "lookahead")
 
 
 def test_activations_may_carry_their_own_statistics() -> None:

@@ -142,7 +142,7 @@ def rows(setup: QualitySetup) -> dict[str, TrainConfig]:
         "transform_anchor_r8": cfg(mask=transform, anchor=anchor, spectral=SpectralConfig(mode="paper", rank=8)),
         # stage 0 one step ahead of its applied gradients (pipeline.max_staleness 1): the pipeline no longer drains every step
         "transform_stale1": cfg(mask=transform, pipeline=replace(pipe, max_staleness=1)),
-        "transform_stale1_stash": cfg(mask=transform, pipeline=replace(pipe, max_staleness=1, staleness_correction="none")),  # plain stashing, as the swarm's stage 0
+        "transform_stale1_stash": cfg(mask=transform, pipeline=replace(pipe, max_staleness=1, staleness_correction="none")),  # plain stashing, as the swarm's stage 0 did before 2026-12-06
         "dense_stale1": cfg(pipeline=replace(pipe, max_staleness=1)),  # what the staleness alone costs, with the look-ahead
         "dense_stale1_stash": cfg(pipeline=replace(pipe, max_staleness=1, staleness_correction="none")),  # and with plain stashing
         # data parallel, same token budget: 2 replicas x half the micro-batches
@@ -298,11 +298,13 @@ def release_memory() -> None:
 # rows, the former codec, the default codec with and without anchors, compressed DP) and the
 # default run's row. The other rows are explorations; with a pretrained model every row takes
 # 2.5-6 minutes on 2 cores; the first seven took 26.5 minutes (docs/benchmarks.md).
-QUICK_ROWS = ("dense", "masked", "masked_anchor", "lowrank", "transform", "transform_anchor", "transform_dp", "transform_stale1_stash")
+QUICK_ROWS = ("dense", "masked", "masked_anchor", "lowrank", "transform", "transform_anchor", "transform_dp", "transform_stale1")
 # the swarm's default run (bootstrap/node.py default_run, the demo): transform coder (2-bit activations,
 # each message's own statistics, 1-bit dithered gradients; the tiny models: 2-bit gradients, the coder's
-# statistics, peer/config.py transform_mask), no anchor, stage 0 one step ahead on stashed weights (pipeline.max_staleness 1)
-DEFAULT_ROW = "transform_stale1_stash"
+# statistics, peer/config.py transform_mask), no anchor, stage 0 one step ahead on stashed weights
+# extrapolated by its last update (pipeline.max_staleness 1, staleness_correction "lookahead": the
+# swarm's stage 0 takes the look-ahead since 2026-12-06; before, it stashed plainly: transform_stale1_stash)
+DEFAULT_ROW = "transform_stale1"
 TOKENIZE_BYTES = 1_000_000  # corpus bytes a pretrained model's tokenizer reads per corpus (~300 k tokens of Python)
 
 
