@@ -49,27 +49,37 @@ def test_a_retried_micro_batch_gets_its_gradient_again_and_counts_once() -> None
     assert all(torch.equal(g, p.grad) for g, p in zip(grads, [p for p in a.stage.parameters() if p.grad is not None]))
 
 
+def _swarm_pair(correction: str) -> tuple[StageWorker, StageWorker, list[torch.Tensor]]:
+    """Stage 0 and stage 1 as swarm workers (local steps) at max_staleness 1, and four windows."""
+    cfg = TrainConfig(model=CFG.model, pipeline=PipelineConfig(micro_batch_size=2, micro_batches=2, seq_len=8, max_staleness=1, staleness_correction=correction))
+    stages = split_model(load_causal_lm(cfg.model, seed=0), 2)
+    t = LocalTransport()
+    a = StageWorker(stages[0], 0, cfg, MaskCodec(cfg.mask), t, "run", peer_id="a", next_hop=lambda: "b", resolve=lambda s: s, local_steps=True)
+    b = StageWorker(stages[1], 0, cfg, MaskCodec(cfg.mask), t, "run", peer_id="b", next_hop=lambda: None, resolve=lambda s: s, local_steps=True)
+    return a, b, [torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(i)) for i in range(4)]
+
+
+def _step_0_back(a: StageWorker, b: StageWorker) -> None:
+    """Stage 1 takes what stage 0 sent; stage 0 takes step 0's two gradients back."""
+    b.drain()
+    while b.forward_one():
+        pass
+    a.drain()
+    assert a.backward_one() and a.backward_one() and a.ready(0)
+
+
 def test_stage_0_one_step_ahead_takes_its_backward_on_the_weights_its_forward_saw() -> None:
     """pipeline.max_staleness 1 in the swarm: stage 0 starts step 1's micro-batches before it
     applies step 0, so its optimizer step lands between such a forward and its backward. The
     forward ran on a stash of the weights (as a middle stage's does), so the backward is exact
     for the weights it saw; on the live weights it failed ("modified by an inplace operation")
     and the peer died (seen on the bed)."""
-    cfg = TrainConfig(model=CFG.model, pipeline=PipelineConfig(micro_batch_size=2, micro_batches=2, seq_len=8, max_staleness=1))
-    stages = split_model(load_causal_lm(cfg.model, seed=0), 2)
-    t = LocalTransport()
-    a = StageWorker(stages[0], 0, cfg, MaskCodec(cfg.mask), t, "run", peer_id="a", next_hop=lambda: "b", resolve=lambda s: s, local_steps=True)
-    b = StageWorker(stages[1], 0, cfg, MaskCodec(cfg.mask), t, "run", peer_id="b", next_hop=lambda: None, resolve=lambda s: s, local_steps=True)
-    windows = [torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    a, b, windows = _swarm_pair("lookahead")  # at version 0 there is no update yet: a plain stash
     for i, (step, j) in enumerate(((0, 0), (0, 1), (1, 0))):  # the third runs ahead, at version 0
         assert a.can_forward(step)
         a.inject(windows[i], step, j)
     before = {n: p.detach().clone() for n, p in a.stage.named_parameters()}
-    b.drain()
-    while b.forward_one():
-        pass
-    a.drain()
-    assert a.backward_one() and a.backward_one() and a.ready(0)
+    _step_0_back(a, b)
     [ahead] = [job for (step, _), job in a.inflight.items() if step == 1]
     a.gradients()
     a.apply_step()
@@ -87,20 +97,11 @@ def test_stage_0_one_step_ahead_runs_on_weights_extrapolated_by_the_last_update(
     forward one step ahead runs on w + (w - w_before), so its gradient is taken near the weights
     it will be applied to (on SmolLM2 it cut what stage 0 running ahead costs from +0.47 % to
     +0.10 %); a forward of the current step runs on w; "none" stashes w for both."""
-    cfg = TrainConfig(model=CFG.model, pipeline=PipelineConfig(micro_batch_size=2, micro_batches=2, seq_len=8, max_staleness=1, staleness_correction=correction))
-    stages = split_model(load_causal_lm(cfg.model, seed=0), 2)
-    t = LocalTransport()
-    a = StageWorker(stages[0], 0, cfg, MaskCodec(cfg.mask), t, "run", peer_id="a", next_hop=lambda: "b", resolve=lambda s: s, local_steps=True)
-    b = StageWorker(stages[1], 0, cfg, MaskCodec(cfg.mask), t, "run", peer_id="b", next_hop=lambda: None, resolve=lambda s: s, local_steps=True)
-    windows = [torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    a, b, windows = _swarm_pair(correction)
     a.inject(windows[0], 0, 0)
     a.inject(windows[1], 0, 1)
     w0 = {n: p.detach().clone() for n, p in a.stage.named_parameters()}
-    b.drain()
-    while b.forward_one():
-        pass
-    a.drain()
-    assert a.backward_one() and a.backward_one() and a.ready(0)
+    _step_0_back(a, b)
     a.gradients()
     a.apply_step()
     w1 = {n: p.detach().clone() for n, p in a.stage.named_parameters()}
