@@ -361,10 +361,12 @@ class StageWorker:
 
     def apply_step(self) -> None:
         self.weights.before_step()
-        self.optimizer.step(self.version)
+        try:
+            self.optimizer.step(self.version)
+        finally:  # the buffer holds the old weights until after_step makes them the update: never leave it so
+            self.weights.after_step()
         self.optimizer.zero_grad()
         self.compute.step()
-        self.weights.after_step()
         if self.local_steps:
             self.done.clear()
         else:
