@@ -35,6 +35,7 @@ def test_a_pretrained_model_is_the_base_of_every_row(pretrained: Path, monkeypat
     setup = out["setup"]
     assert setup["pretrain_steps"] == 0 and setup["tokenizer"] == "model" and setup["model"]["hidden_size"] == 64
     assert setup["lowrank_rank"] == 32 and "lr 0.0001 constant" in setup["optimizer"]
+    assert (setup["device"], setup["compute_dtype"]) == ("cpu", "fp32")
     assert out["default_row"] == quality.DEFAULT_ROW and set(out["runs"]) == {"dense", "lowrank", "transform"}
     dense, lowrank, transform = out["runs"]["dense"], out["runs"]["lowrank"], out["runs"]["transform"]
     assert dense["eval_loss"] != out["pretrained"]["eval_loss"]  # the rows train the base
@@ -79,3 +80,12 @@ def test_a_schedule_applies_to_every_row_and_is_stated() -> None:
     assert quality.rows(quality.setup_for(True))["dense"].optim.schedule == "constant"
     with pytest.raises(ConfigError, match="optim.lr"):
         quality.run_quality(True, None, None, only=["dense"], lr=-1.0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_a_device_that_is_not_here_is_refused_before_any_model_loads() -> None:
+    """`--device cuda` without a GPU: the reason and the fix, before the toy pretrains."""
+    with pytest.raises(ConfigError, match="no CUDA device is visible"):
+        quality.run_quality(True, None, None, only=["dense"], device="cuda")
+    with pytest.raises(ConfigError, match="must be auto, cpu, cuda"):
+        quality.run_quality(True, None, None, only=["dense"], device="tpu")

@@ -26,13 +26,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from peer.bench.project_bytes import mask_message_bytes
 from peer.bench.project_model import Shape
-from peer.bench.quality_clock import equal_wall_clock, model_dims
-from peer.config import TINY_MODEL_PREFIX, AnchorConfig, DPConfig, MaskConfig, ModelConfig, OptimConfig, PipelineConfig, SpectralConfig, TrainConfig, transform_mask, two_bit_transform_mask
+from peer.bench.quality_clock import LONG_SEQ, equal_wall_clock, long_sequence_bytes, model_dims
+from peer.config import TINY_MODEL_PREFIX, AnchorConfig, ComputeConfig, DPConfig, MaskConfig, ModelConfig, OptimConfig, PipelineConfig, SpectralConfig, TrainConfig, transform_mask, two_bit_transform_mask
 from peer.data import TokenStream, default_corpus, read_path
 from peer.errors import ConfigError
 from peer.model.loading import load_causal_lm, resolve_dims
+from peer.model.placement import CPU_FP32, DTYPE_NAMES, Placement, resolve_placement
 from peer.model.source import load_tokenizer
 from peer.model.stages import lm_loss
 from peer.pipeline.local import LocalPipelineRunner, evaluate_stages
@@ -205,23 +205,10 @@ def pretrain(setup: QualitySetup, corpus_a: TokenStream, key: str) -> dict[str, 
     return state
 
 
-LONG_SEQ = 2048  # a practitioner's sequence length, for the bytes a row's codec sends per token
-
-
-def long_sequence_bytes(cfg: TrainConfig, dims) -> float | None:
-    """Stream bytes per token of the row's codec on one micro-batch of one LONG_SEQ-token
-    sequence (activation + gradient, built by the app's encoder as `bench project` sizes them).
-    Why: a codec's fixed costs per sequence (the dense sink position) and per message (each
-    message's statistics) weigh on the quick run's 64-token sequences and not at a real length.
-    Not measured in the run; None for the element mask at drop > 0 (its bytes depend on the draw)."""
-    if cfg.mask.scheme == "mask" and cfg.mask.drop:
-        return None
-    b = mask_message_bytes(cfg.mask, dims, Shape(1, LONG_SEQ, 1))
-    return (b.activation + b.gradient) / LONG_SEQ
-
-
-def run_row(name: str, cfg: TrainConfig, fresh_model: Callable[[], torch.nn.Module], setup: QualitySetup, corpus_b: TokenStream, eval_b: list, eval_a: list, curve_steps: tuple[int, ...] = ()) -> dict:
-    """Train one row and evaluate it; `curve_steps`: also evaluate on held-out B after those steps."""
+def run_row(name: str, cfg: TrainConfig, fresh_model: Callable[[], torch.nn.Module], setup: QualitySetup, corpus_b: TokenStream, eval_b: list, eval_a: list, curve_steps: tuple[int, ...] = (),
+            placement: Placement = CPU_FP32) -> dict:
+    """Train one row and evaluate it; `curve_steps`: also evaluate on held-out B after those
+    steps; `placement`: where the stages train (the GPU of `--device`)."""
     model = fresh_model()
     long_bytes = long_sequence_bytes(cfg, model_dims(model.config))
     batch = _windows(corpus_b, setup.seed)
@@ -232,6 +219,7 @@ def run_row(name: str, cfg: TrainConfig, fresh_model: Callable[[], torch.nn.Modu
         model,
         lambda step, r, j: batch(step, r, j, bs=bs, T=T) if cfg.dp.replicas == 1 else batch(step, 0, r * cfg.pipeline.micro_batches + j, bs=bs, T=T),
         anchor_batch_fn=lambda step, j: batch(step, 99, m_dense + j, bs=bs, T=T),
+        placement=placement,
     )
     t0 = time.perf_counter()
     bar = tqdm(total=cfg.steps, desc=f"{name:>24}", unit="step", leave=False)
@@ -332,10 +320,14 @@ def chosen_rows(quick: bool, only: list[str] | None) -> list[str] | None:
     return only if only is not None else list(QUICK_ROWS)
 
 
-def run_quality(quick: bool, corpus_a: str | None, corpus_b: str | None, only: list[str] | None = None, model: str | None = None, seed: int = 0, lr: float | None = None, schedule: str | None = None) -> dict:
+def run_quality(quick: bool, corpus_a: str | None, corpus_b: str | None, only: list[str] | None = None, model: str | None = None, seed: int = 0, lr: float | None = None, schedule: str | None = None,
+                device: str = "cpu") -> dict:
     """The rows' JSON. `seed`: another data order (and, for the toy, another pretraining): a
     replicate of the same comparison, since one run's rows differ by about its own noise.
-    `lr`, `schedule`: the adaptation's peak lr and lr schedule instead of the setup's."""
+    `lr`, `schedule`: the adaptation's peak lr and lr schedule instead of the setup's.
+    `device`: where the rows train (`--device`: auto takes a visible GPU, in bf16 as a peer's
+    `compute.dtype = "auto"` does; the toy's pretraining stays on the CPU)."""
+    placement = resolve_placement(device, ComputeConfig())  # a bad --device exits here, before the model loads
     setup = replace(setup_for(quick, model), seed=seed)
     setup = replace(setup, adapt_lr=setup.adapt_lr if lr is None else lr, schedule=schedule or setup.schedule)
     setup.optim()  # a bad --lr or --schedule exits here, before the model loads
@@ -361,7 +353,7 @@ def run_quality(quick: bool, corpus_a: str | None, corpus_b: str | None, only: l
     base_stages = split_model(base, setup.model.num_stages)
     out = {
         "setup": {**asdict(setup), **corpora, "pretrain_seconds": pretrain_s, "eval": "dense forward of the trained stages on held-out windows", "threads": torch.get_num_threads(),
-                  "optimizer": _describe(setup.optim()),
+                  "optimizer": _describe(setup.optim()), "device": str(placement.device), "compute_dtype": DTYPE_NAMES[placement.compute_dtype],
                   "tokens_per_step": setup.micro_batch_size * setup.micro_batches * setup.seq_len},
         "pretrained": {"eval_loss": evaluate_stages(base_stages, eval_b), "eval_loss_a": evaluate_stages(base_stages, eval_a)},
         "default_row": DEFAULT_ROW,
@@ -373,7 +365,7 @@ def run_quality(quick: bool, corpus_a: str | None, corpus_b: str | None, only: l
         if only and name not in only:
             continue
         curve_steps = tuple(setup.adapt_steps * k // 8 for k in (1, 2, 4, 6)) if name == "dense" else ()
-        result = run_row(name, cfg, lambda: copy.deepcopy(base), setup, stream_b, eval_b, eval_a, curve_steps)
+        result = run_row(name, cfg, lambda: copy.deepcopy(base), setup, stream_b, eval_b, eval_a, curve_steps, placement)
         if name == "dense":
             result["eval_curve"] = {0: out["pretrained"]["eval_loss"], **result["eval_curve"], setup.adapt_steps: result["eval_loss"]}
         release_memory()

@@ -1,5 +1,6 @@
-"""Equal-wall-clock quality for `bench quality`: what each row's eval loss is worth against
-dense training given the same time, on a GPU whose stage link runs at 200 Mbit/s.
+"""Modelled figures for `bench quality`: equal-wall-clock quality (what each row's eval loss is
+worth against dense training given the same time, on a GPU whose stage link runs at 200
+Mbit/s), and each row's bytes per token at a practitioner's sequence length.
 
 A step's time is modelled, not measured here (these rows run on a CPU): compute from FLOPs at
 the device's peak x MFU (`peer/bench/project_compute.gpu_compute`, the slowest stage's M
@@ -12,6 +13,7 @@ curve (linear between the checkpoints the benchmark evaluated, step 0 = the base
 
 from __future__ import annotations
 
+from peer.bench.project_bytes import mask_message_bytes
 from peer.bench.project_compute import gpu_compute
 from peer.bench.project_model import DEFAULT_MFU, DEVICES, ModelDims, Shape, dims_of_config
 
@@ -62,3 +64,18 @@ def equal_wall_clock(runs: dict[str, dict], dims: ModelDims, shape: Shape, stage
         dense_loss = curve_value(curve, dense_steps)
         out["rows"][name] = {"link_s_per_step": link, "step_s": t, "dense_steps_in_same_time": dense_steps, "dense_eval_loss_then": dense_loss, "vs_dense_same_time": r["eval_loss"] / dense_loss}
     return out
+
+
+LONG_SEQ = 2048  # a practitioner's sequence length, for the bytes a row's codec sends per token
+
+
+def long_sequence_bytes(cfg, dims: ModelDims) -> float | None:
+    """Stream bytes per token of the row's codec on one micro-batch of one LONG_SEQ-token
+    sequence (activation + gradient, built by the app's encoder as `bench project` sizes them).
+    Why: a codec's fixed costs per sequence (the dense sink position) and per message (each
+    message's statistics) weigh on the quick run's 64-token sequences and not at a real length.
+    Not measured in the run; None for the element mask at drop > 0 (its bytes depend on the draw)."""
+    if cfg.mask.scheme == "mask" and cfg.mask.drop:
+        return None
+    b = mask_message_bytes(cfg.mask, dims, Shape(1, LONG_SEQ, 1))
+    return (b.activation + b.gradient) / LONG_SEQ
