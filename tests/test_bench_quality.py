@@ -89,3 +89,21 @@ def test_a_device_that_is_not_here_is_refused_before_any_model_loads() -> None:
         quality.run_quality(True, None, None, only=["dense"], device="cuda")
     with pytest.raises(ConfigError, match="must be auto, cpu, cuda"):
         quality.run_quality(True, None, None, only=["dense"], device="tpu")
+
+
+def test_continual_pretraining_trains_on_the_general_text(pretrained: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--task continual: the corpora swap roles (the rows train on the general text, eval on its
+    held-out part; the domain text is the other eval); the toy is refused before anything loads."""
+    real = quality.setup_for
+    monkeypatch.setattr(quality, "setup_for", lambda quick, model=None: replace(real(quick, model), adapt_steps=2, eval_batches=1))
+    general, domain = quality.default_corpus("a")[1], quality.default_corpus("b")[1]
+    adapt = quality.run_quality(True, None, None, only=["dense"], model=str(pretrained))
+    cont = quality.run_quality(True, None, None, only=["dense"], model=str(pretrained), task="continual")
+    assert (adapt["setup"]["task"], adapt["setup"]["corpus_b"], adapt["setup"]["corpus_a"]) == ("adapt", domain, general)
+    assert (cont["setup"]["task"], cont["setup"]["corpus_b"], cont["setup"]["corpus_a"]) == ("continual", general, domain)
+    # the same base evaluated on swapped held-out sets
+    assert cont["pretrained"]["eval_loss"] == pytest.approx(adapt["pretrained"]["eval_loss_a"])
+    with pytest.raises(ConfigError, match="needs a pretrained model"):
+        quality.run_quality(True, None, None, only=["dense"], task="continual")
+    with pytest.raises(ConfigError, match="--task"):
+        quality.run_quality(True, None, None, only=["dense"], model=str(pretrained), task="pretrain")

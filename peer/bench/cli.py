@@ -31,6 +31,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--seed", type=int, default=0, help="data order (and the toy's pretraining): another seed is a replicate of the same rows (default 0)")
     q.add_argument("--lr", type=float, default=None, help="peak adaptation lr of every row (default: the setup's, 1e-4 for a pretrained model)")
     q.add_argument("--schedule", choices=LR_SCHEDULES, default=None, help="lr schedule of every row: constant, or warmup over a tenth of the steps then cosine/linear decay to 0.1 x lr (default: the setup's)")
+    q.add_argument("--task", default="adapt", choices=("adapt", "continual"), help="adapt: domain adaptation (train on corpus B, forgetting measured on A); continual: continual pretraining on the general text (the corpora swap roles; needs --model) (default adapt)")
     q.add_argument("--device", default="auto", help="where the rows train: auto (a visible GPU in bf16, else the CPU in fp32), cpu, cuda or cuda:N (default auto)")
     q.add_argument("--json", required=True, type=Path, help="write the result here")
     t = bsub.add_parser("throughput", help="tokens/s of dense vs masked vs masked+DP vs compute-bound on shaped links (network namespaces; root)")
@@ -96,7 +97,7 @@ def run_bench(args: argparse.Namespace) -> None:
         from peer.bench.quality import run_quality
 
         only = [r.strip() for r in args.rows.split(",")] if args.rows else None
-        result = run_quality(args.quick, args.corpus_a, args.corpus_b, only, model=args.model, seed=args.seed, lr=args.lr, schedule=args.schedule, device=args.device)
+        result = run_quality(args.quick, args.corpus_a, args.corpus_b, only, model=args.model, seed=args.seed, lr=args.lr, schedule=args.schedule, device=args.device, task=args.task)
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))
         print(f"wrote {args.json}")

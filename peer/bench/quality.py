@@ -293,14 +293,17 @@ QUICK_ROWS = ("dense", "masked", "masked_anchor", "lowrank", "transform", "trans
 # extrapolated by its last update (pipeline.max_staleness 1, staleness_correction "lookahead": the
 # swarm's stage 0 takes the look-ahead since 2026-12-06; before, it stashed plainly: transform_stale1_stash)
 DEFAULT_ROW = "transform_stale1"
+TASKS = ("adapt", "continual")  # domain adaptation (train on corpus B), continual pretraining (on the general text)
 TOKENIZE_BYTES = 1_000_000  # corpus bytes a pretrained model's tokenizer reads per corpus (~300 k tokens of Python)
 
 
-def _corpora(setup: QualitySetup, corpus_a: str | None, corpus_b: str | None) -> tuple[TokenStream, TokenStream, dict]:
-    """Corpus A (general) and B (domain) as token streams: bytes for the toy, the model's own
-    tokenizer for a pretrained model."""
-    data_a, src_a = (read_path(corpus_a), corpus_a) if corpus_a else default_corpus("a")
-    data_b, src_b = (read_path(corpus_b), corpus_b) if corpus_b else default_corpus("b")
+def _corpora(setup: QualitySetup, corpus_a: str | None, corpus_b: str | None, swap: bool = False) -> tuple[TokenStream, TokenStream, dict]:
+    """Corpus A (the other text) and B (what the rows train on) as token streams: bytes for the
+    toy, the model's own tokenizer for a pretrained model. Adaptation: A general, B the domain;
+    `swap` (continual pretraining): A the domain, B the general text."""
+    kind_a, kind_b = ("b", "a") if swap else ("a", "b")
+    data_a, src_a = (read_path(corpus_a), corpus_a) if corpus_a else default_corpus(kind_a)
+    data_b, src_b = (read_path(corpus_b), corpus_b) if corpus_b else default_corpus(kind_b)
     info = {"corpus_a": src_a, "corpus_b": src_b, "corpus_a_bytes": len(data_a), "corpus_b_bytes": len(data_b)}
     if setup.model.name.startswith(TINY_MODEL_PREFIX):
         return TokenStream(data_a), TokenStream(data_b), {**info, "tokenizer": "bytes"}
@@ -321,12 +324,21 @@ def chosen_rows(quick: bool, only: list[str] | None) -> list[str] | None:
 
 
 def run_quality(quick: bool, corpus_a: str | None, corpus_b: str | None, only: list[str] | None = None, model: str | None = None, seed: int = 0, lr: float | None = None, schedule: str | None = None,
-                device: str = "cpu") -> dict:
+                device: str = "cpu", task: str = "adapt") -> dict:
     """The rows' JSON. `seed`: another data order (and, for the toy, another pretraining): a
     replicate of the same comparison, since one run's rows differ by about its own noise.
     `lr`, `schedule`: the adaptation's peak lr and lr schedule instead of the setup's.
     `device`: where the rows train (`--device`: auto takes a visible GPU, in bf16 as a peer's
-    `compute.dtype = "auto"` does; the toy's pretraining stays on the CPU)."""
+    `compute.dtype = "auto"` does; the toy's pretraining stays on the CPU).
+    `task`: "adapt" (train on corpus B, the domain; held-out A, general text, measures
+    forgetting) or "continual" (continual pretraining: the corpora swap roles, so the rows train
+    on the general text, `eval_loss` is its held-out part and `eval_loss_a` the domain's)."""
+    if task not in TASKS:
+        raise ConfigError("--task", task, f"must be one of {', '.join(TASKS)}")
+    if task == "continual":
+        if not model or model.startswith(TINY_MODEL_PREFIX):
+            raise ConfigError("--task", task, "continual pretraining needs a pretrained model (--model NAME): the toy is pretrained here on the general text itself")
+        corpus_a, corpus_b = corpus_b, corpus_a
     placement = resolve_placement(device, ComputeConfig())  # a bad --device exits here, before the model loads
     setup = replace(setup_for(quick, model), seed=seed)
     setup = replace(setup, adapt_lr=setup.adapt_lr if lr is None else lr, schedule=schedule or setup.schedule)
@@ -335,7 +347,7 @@ def run_quality(quick: bool, corpus_a: str | None, corpus_b: str | None, only: l
     unknown = sorted(set(only or ()) - set(table))
     if unknown:  # before the model loads
         raise ConfigError("--rows", ",".join(only or ()), f"unknown row(s) {', '.join(unknown)}; the rows are {', '.join(table)} (or all)")
-    stream_a, stream_b, corpora = _corpora(setup, corpus_a, corpus_b)
+    stream_a, stream_b, corpora = _corpora(setup, corpus_a, corpus_b, swap=task == "continual")
     t0 = time.perf_counter()
     if setup.pretrain_steps:  # the toy: pretrained here on corpus A, cached
         pre = {k: v for k, v in asdict(setup).items() if k in ("model", "pretrain_steps", "micro_batch_size", "micro_batches", "seq_len", "pretrain_lr", "seed")}
@@ -353,7 +365,7 @@ def run_quality(quick: bool, corpus_a: str | None, corpus_b: str | None, only: l
     base_stages = split_model(base, setup.model.num_stages)
     out = {
         "setup": {**asdict(setup), **corpora, "pretrain_seconds": pretrain_s, "eval": "dense forward of the trained stages on held-out windows", "threads": torch.get_num_threads(),
-                  "optimizer": _describe(setup.optim()), "device": str(placement.device), "compute_dtype": DTYPE_NAMES[placement.compute_dtype],
+                  "optimizer": _describe(setup.optim()), "task": task, "device": str(placement.device), "compute_dtype": DTYPE_NAMES[placement.compute_dtype],
                   "tokens_per_step": setup.micro_batch_size * setup.micro_batches * setup.seq_len},
         "pretrained": {"eval_loss": evaluate_stages(base_stages, eval_b), "eval_loss_a": evaluate_stages(base_stages, eval_a)},
         "default_row": DEFAULT_ROW,
