@@ -133,6 +133,7 @@ def _transform_bytes(mask, dims: ModelDims, shape: Shape, boundary: int, names: 
     import torch
 
     from peer.codec import transform_wire as tw
+    from peer.pipeline.transform_link import TransformLinks
     from peer.wire import anchormesh_pb2 as pb
     from peer.wire.tensors import tensor_to_proto, token_dtype
 
@@ -142,7 +143,7 @@ def _transform_bytes(mask, dims: ModelDims, shape: Shape, boundary: int, names: 
     header = pb.MicroBatchHeader(run_id=names.run_id, micro_batch_id=names.micro_batch_id, step=names.step, sender=names.sender, boundary=boundary)
     ids = tensor_to_proto(torch.zeros(B, T + 1, dtype=token_dtype(dims.vocab)))
     row = torch.zeros(1, T, H)  # payloads grow by whole sequences: one is encoded, the rest sized
-    stats = mask.act_stats == "message"
+    stats = TransformLinks(mask, H, produces_forward=False, produces_backward=False).msg_stats("forward")  # the link's own rule
     act = pb.ActivationChunk(header=header, token_ids=ids, hidden=_batched(tw.encode(act_coder, row, sink=mask.sink, stochastic=False, msg_stats=stats, **key), act_coder, B, T, mask.sink, stats))
     grad = pb.GradientChunk(header=header, grad=_batched(tw.encode(grad_coder, row, sink=0, stochastic=True, **key), grad_coder, B, T, 0))
     coder_act = pb.ActivationChunk(coder=tw.coder_to_proto(act_coder)).ByteSize()
