@@ -22,7 +22,7 @@ from peer.errors import ConfigError
 from peer.model.loading import meta_stages
 from peer.model.placement import DTYPE_NAMES, Placement
 from peer.model.stages import StageModule
-from peer.pipeline.weights import swarm_stashes
+from peer.pipeline.weights import keeps_last_update, swarm_stashes
 
 GIB = 2**30
 MAX_SNAPSHOT_SLOTS = 8
@@ -136,7 +136,7 @@ def _plan(cfg: TrainConfig, placement: Placement, stage: StageModule, dp_group: 
     tokens = pipe.micro_batch_size * pipe.seq_len
     stashes, delta = 0, 0
     if dp_group and swarm_stashes(stage, pipe.max_staleness):
-        look = pipe.max_staleness > 0 and pipe.staleness_correction == "lookahead"
+        look = keeps_last_update(stage, pipe.max_staleness, pipe.staleness_correction == "lookahead", swarm=True)
         # two versions alive at once; with the look-ahead one stash per delay at the current
         # version (0..max_staleness) plus the last version's, and the last update (master dtype)
         stashes = pipe.max_staleness + 2 if look else 2

@@ -24,6 +24,13 @@ def swarm_stashes(stage: StageModule, max_staleness: int) -> bool:
     return not stage.is_last and (not stage.is_first or max_staleness > 0)
 
 
+def keeps_last_update(stage: StageModule, max_staleness: int, lookahead: bool, swarm: bool) -> bool:
+    """Whether a worker keeps its last optimizer update for the look-ahead: it may run ahead
+    (`max_staleness` > 0) with the correction on, and in the swarm only a stage that stashes
+    (`swarm_stashes`). One fp32 copy of the stage's weights; the memory plan counts it."""
+    return lookahead and max_staleness > 0 and (not swarm or swarm_stashes(stage, max_staleness))
+
+
 class ForwardWeights:
     """The weights of one worker's forwards, in the compute dtype (the masters stay float32).
 
@@ -40,7 +47,7 @@ class ForwardWeights:
         self.stage, self.placement, self.local_steps, self.lookahead = stage, placement, local_steps, lookahead
         self.stashes = local_steps and swarm_stashes(stage, max_staleness)
         self.max_staleness = max_staleness
-        self._pending = False  # before_step took the weights; after_step turns them into the update
+        self.keeps_update = keeps_last_update(stage, max_staleness, lookahead, local_steps)
         self.last_delta: dict[str, torch.Tensor] | None = None  # the last optimizer step's update
         self.forwards_ahead = 0  # forwards that ran on stashed weights (staleness > 0)
         self._stash: tuple[int, dict[int, dict[str, torch.Tensor]]] | None = None  # swarm: (version, delay -> stash)
@@ -93,8 +100,8 @@ class ForwardWeights:
     def before_step(self) -> None:
         """Called before an optimizer step: keep the weights, so `after_step` can take the update
         (in one persistent buffer in the master dtype, no transient copy; the memory plan counts it)."""
-        if not self.lookahead or self.max_staleness == 0 or (self.local_steps and not self.stashes):
-            return  # nothing here ever runs ahead
+        if not self.keeps_update:
+            return
         params = list(self.stage.named_parameters())
         if self.last_delta is None:
             self.last_delta = {n: p.detach().clone() for n, p in params}
@@ -102,16 +109,14 @@ class ForwardWeights:
             with torch.no_grad():
                 for n, p in params:
                     self.last_delta[n].copy_(p)
-        self._pending = True
 
     def after_step(self) -> None:
         """The update the optimizer just applied (new - old), the look-ahead's extrapolation."""
-        if not self._pending:
+        if not self.keeps_update:
             return
         with torch.no_grad():
             for n, p in self.stage.named_parameters():
                 self.last_delta[n].sub_(p).neg_()
-        self._pending = False
 
     def working(self) -> dict[str, torch.Tensor] | None:
         """Mixed precision: one persistent low-precision copy of the master weights, refreshed in
