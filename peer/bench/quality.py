@@ -299,11 +299,12 @@ TOKENIZE_BYTES = 1_000_000  # corpus bytes a pretrained model's tokenizer reads 
 
 def _corpora(setup: QualitySetup, corpus_a: str | None, corpus_b: str | None, swap: bool = False) -> tuple[TokenStream, TokenStream, dict]:
     """Corpus A (the other text) and B (what the rows train on) as token streams: bytes for the
-    toy, the model's own tokenizer for a pretrained model. Adaptation: A general, B the domain;
-    `swap` (continual pretraining): A the domain, B the general text."""
-    kind_a, kind_b = ("b", "a") if swap else ("a", "b")
-    data_a, src_a = (read_path(corpus_a), corpus_a) if corpus_a else default_corpus(kind_a)
-    data_b, src_b = (read_path(corpus_b), corpus_b) if corpus_b else default_corpus(kind_b)
+    toy, the model's own tokenizer for a pretrained model. `corpus_a` / `corpus_b` are the
+    general and the domain text as the user names them; adaptation trains on the domain text,
+    `swap` (continual pretraining) on the general one."""
+    general = (read_path(corpus_a), corpus_a) if corpus_a else default_corpus("a")
+    domain = (read_path(corpus_b), corpus_b) if corpus_b else default_corpus("b")
+    (data_a, src_a), (data_b, src_b) = (domain, general) if swap else (general, domain)
     info = {"corpus_a": src_a, "corpus_b": src_b, "corpus_a_bytes": len(data_a), "corpus_b_bytes": len(data_b)}
     if setup.model.name.startswith(TINY_MODEL_PREFIX):
         return TokenStream(data_a), TokenStream(data_b), {**info, "tokenizer": "bytes"}
@@ -335,10 +336,8 @@ def run_quality(quick: bool, corpus_a: str | None, corpus_b: str | None, only: l
     on the general text, `eval_loss` is its held-out part and `eval_loss_a` the domain's)."""
     if task not in TASKS:
         raise ConfigError("--task", task, f"must be one of {', '.join(TASKS)}")
-    if task == "continual":
-        if not model or model.startswith(TINY_MODEL_PREFIX):
-            raise ConfigError("--task", task, "continual pretraining needs a pretrained model (--model NAME): the toy is pretrained here on the general text itself")
-        corpus_a, corpus_b = corpus_b, corpus_a
+    if task == "continual" and (not model or model.startswith(TINY_MODEL_PREFIX)):
+        raise ConfigError("--task", task, "continual pretraining needs a pretrained model (--model NAME): the toy is pretrained here on the general text itself")
     placement = resolve_placement(device, ComputeConfig())  # a bad --device exits here, before the model loads
     setup = replace(setup_for(quick, model), seed=seed)
     setup = replace(setup, adapt_lr=setup.adapt_lr if lr is None else lr, schedule=schedule or setup.schedule)
