@@ -135,6 +135,7 @@ def rows(setup: QualitySetup) -> dict[str, TrainConfig]:
         "transform_msgstats": cfg(mask=replace(transform, act_stats="message")),  # on a real model: the default
         "probe_act2_refresh2": cfg(mask=replace(two_bit, grad_bits=8.0, basis_refresh=2)),  # the activations' coder refitted every 2 steps instead of 20
         "probe_grad1_dither_only": cfg(mask=replace(two_bit, bits=8.0, grad_bits=1.0, grad_rounding="dither")),
+        "probe_grad1_only": cfg(mask=replace(transform, bits=8.0)),  # the default's gradients alone (8-bit activations)
         "probe_8bit_both": cfg(mask=replace(two_bit, bits=8.0, grad_bits=8.0)),
         "transform_anchor": cfg(mask=transform, anchor=anchor, spectral=SpectralConfig(mode="paper")),
         # the anchors' filter truncated to its top directions (the control variate, spectral "ef", needs
