@@ -66,6 +66,7 @@ VALUE_DTYPES = ("fp32", "fp16", "bf16", "int8")
 GRAD_ROUNDINGS = ("stochastic", "dither")
 ACT_ROUNDINGS = ("nearest", "dither")
 ACT_STATS = ("coder", "message")
+GRAD_RATES = ("even", "row")
 MASK_SCHEMES = ("mask", "lowrank", "transform")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 
@@ -109,6 +110,13 @@ class MaskConfig:
             its best on the toy), dither 0.88 at 2, 0.44 at 1. The default (1-bit gradients,
             dither, width 1) has less error than 2-bit stochastic rounding at width 2 (0.66) at
             half the gradient's bytes (docs/benchmarks.md).
+        grad_rates: scheme "transform": how the gradients' bits spread over a message's rows:
+            "even" (grad_bits on each) or "row" (each row its own rate, from a random eighth of
+            its components at 1 bit to all of them at 5 bits, grad_bits per row on average,
+            where the row's squared norm makes its error cost most: peer/codec/row_rates.py;
+            SmolLM2's gradient rows are uneven enough that this cuts their squared error by a
+            quarter). "row" needs grad_rounding "dither" (the components a row keeps are drawn
+            from the same key as its offsets).
         act_rounding: scheme "transform": how activations round: "nearest" (to the nearest level)
             or "dither" (subtractive dither, as above: the same mean square, but an error
             independent of the value, so the next stage trains on the value plus noise rather
@@ -144,6 +152,7 @@ class MaskConfig:
     grad_rounding: str = "dither"
     act_rounding: str = "nearest"
     grad_step_scale: float = 1.0
+    grad_rates: str = "even"
     act_stats: str = "message"
     adapt: bool = True
     min_keep: float = 0.25
@@ -167,6 +176,9 @@ class MaskConfig:
         _choice("mask.grad_rounding", self.grad_rounding, GRAD_ROUNDINGS)
         _choice("mask.act_rounding", self.act_rounding, ACT_ROUNDINGS)
         _choice("mask.act_stats", self.act_stats, ACT_STATS)
+        _choice("mask.grad_rates", self.grad_rates, GRAD_RATES)
+        if self.grad_rates == "row" and self.grad_rounding != "dither":
+            raise ConfigError("mask.grad_rates", self.grad_rates, f'"row" needs mask.grad_rounding = "dither" (got "{self.grad_rounding}"): a row\'s kept components are drawn from the dither\'s key')
         if not (0.25 <= self.grad_step_scale <= 8.0):
             raise ConfigError("mask.grad_step_scale", self.grad_step_scale, "must be in [0.25, 8] Gaussian-optimal steps")
         _positive("mask.rank", self.rank)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from peer.codec import transform_wire as tw
-from peer.codec.transform import MSE, FixedCoder, TransformLearner, allocate, pack, packed_bytes, random_coder, row_budget, unpack
+from peer.codec.bitpack import pack, packed_bytes, unpack
+from peer.codec.transform import MSE, FixedCoder, TransformLearner, allocate, random_coder, row_budget
 from peer.config import MaskConfig, ModelConfig, OptimConfig, PipelineConfig, TrainConfig
 from peer.errors import ConfigError, WireError
 from peer.model.loading import load_causal_lm
@@ -143,7 +144,7 @@ def test_subtractive_dither_halves_stochastic_rounding_s_error_and_stays_unbiase
 
 def test_dither_offsets_are_uniform_and_fixed_by_seed_row_and_column() -> None:
     """The offsets are a hash of (seed, row, column), so any device draws the same; roughly uniform."""
-    from peer.codec.transform import dither
+    from peer.codec.bitpack import dither
 
     cols = torch.tensor([3, 7, 40])
     u = dither(2**40 + 5, 5000, cols, H)

@@ -143,18 +143,20 @@ def _transform_bytes(mask, dims: ModelDims, shape: Shape, boundary: int, names: 
     header = pb.MicroBatchHeader(run_id=names.run_id, micro_batch_id=names.micro_batch_id, step=names.step, sender=names.sender, boundary=boundary)
     ids = tensor_to_proto(torch.zeros(B, T + 1, dtype=token_dtype(dims.vocab)))
     row = torch.zeros(1, T, H)  # payloads grow by whole sequences: one is encoded, the rest sized
-    stats = TransformLinks(mask, H, produces_forward=False, produces_backward=False).msg_stats("forward")  # the link's own rule
+    links = TransformLinks(mask, H, produces_forward=False, produces_backward=False)  # the link's own rules
+    stats, rates = links.msg_stats("forward"), links.row_rates("backward")
     act = pb.ActivationChunk(header=header, token_ids=ids, hidden=_batched(tw.encode(act_coder, row, sink=mask.sink, stochastic=False, msg_stats=stats, **key), act_coder, B, T, mask.sink, stats))
-    grad = pb.GradientChunk(header=header, grad=_batched(tw.encode(grad_coder, row, sink=0, stochastic=True, **key), grad_coder, B, T, 0))
+    grad = pb.GradientChunk(header=header, grad=_batched(tw.encode(grad_coder, row, sink=0, stochastic=True, dither=rates, row_rates=rates, **key), grad_coder, B, T, 0, row_rates=rates))
     coder_act = pb.ActivationChunk(coder=tw.coder_to_proto(act_coder)).ByteSize()
     coder_grad = pb.GradientChunk(coder=tw.coder_to_proto(grad_coder)).ByteSize()
     return MessageBytes(act.ByteSize(), grad.ByteSize(), coder_act, coder_grad)
 
 
-def _batched(one, state, B: int, T: int, sink: int, msg_stats: bool = False):
-    """`one` (a payload of one sequence) as the payload of B sequences: the exact length."""
+def _batched(one, state, B: int, T: int, sink: int, msg_stats: bool = False, row_rates: bool = False):
+    """`one` (a payload of one sequence) as the payload of B sequences: the exact length (with
+    rates per row, the most it may take)."""
     one.shape[0] = B
-    one.payload = b"\0" * state.payload_bytes(B, T, sink, msg_stats)
+    one.payload = b"\0" * state.payload_bytes(B, T, sink, msg_stats, row_rates)
     return one
 
 

@@ -229,20 +229,21 @@ def measure_transform_codec(mask, dims: ModelDims, shape: Shape, names: Names = 
         # the device's share rounds as the link does (a dither's offsets are device work too)
         act_seed = 1 if sender.dithers("forward") else None
         grad_seed = 1 if receiver.dithers("backward") else None
-        stats = sender.msg_stats("forward")
+        stats, rates = sender.msg_stats("forward"), receiver.row_rates("backward")
 
         def act_encode() -> bytes:
             return act_state.encode(out, mask.sink, dither_seed=act_seed, msg_stats=stats)
 
         def grad_encode() -> bytes:
-            return grad_state.encode(g_out, 0, stochastic=True, generator=torch.Generator().manual_seed(0), dither_seed=grad_seed)
+            return grad_state.encode(g_out, 0, stochastic=True, generator=torch.Generator().manual_seed(0), dither_seed=grad_seed, row_rates=rates)
 
         act_payload, grad_payload = act_encode(), grad_encode()
 
-        def expand(state, payload, sink: int, seed: int | None, msg_stats: bool = False) -> float:  # decode less its host parse: the device's share
-            return max(0.0, time_call(lambda: state.decode(payload, b, T, sink, dither_seed=seed, msg_stats=msg_stats)) - time_call(lambda: state.check(payload, b, T, sink, msg_stats)))
+        def expand(state, payload, sink: int, seed: int | None, msg_stats: bool = False, row_rates: bool = False) -> float:  # decode less its host parse: the device's share
+            return max(0.0, time_call(lambda: state.decode(payload, b, T, sink, dither_seed=seed, msg_stats=msg_stats, row_rates=row_rates))
+                       - time_call(lambda: state.check(payload, b, T, sink, msg_stats, row_rates)))
 
-        device = (time_call(act_encode), expand(act_state, act_payload, mask.sink, act_seed, stats), time_call(grad_encode), expand(grad_state, grad_payload, 0, grad_seed))
+        device = (time_call(act_encode), expand(act_state, act_payload, mask.sink, act_seed, stats), time_call(grad_encode), expand(grad_state, grad_payload, 0, grad_seed, row_rates=rates))
         costs = [time_call(f) for f in (send_fwd, recv_fwd, send_bwd, recv_bwd)]
         shipping = time_call(ship, min_s=0.0, max_reps=3)
     # each cost is its host part (messages, bytes, parses, checks) plus its device part; the host

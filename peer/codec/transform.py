@@ -47,7 +47,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from peer.codec.mask import hash_words
+from peer.codec import row_rates as rr
+from peer.codec.bitpack import dither, pack, packed_bytes, unpack_codes
 from peer.errors import ConfigError, WireError
 
 # Uniform quantiser of a unit Gaussian with 2**b levels (mid-rise): MSE-optimal step and its MSE.
@@ -90,54 +91,6 @@ def row_budget(bits_per_value: float, hidden_size: int) -> int:
     return round(bits_per_value * hidden_size)
 
 
-def pack(codes: Tensor, width: int) -> bytes:
-    """Unsigned `codes` (< 2**width), `width` bits each, MSB first, padded to a byte. Eight codes
-    make one 8*width-bit word (at most 56 bits below width 8), cut into `width` bytes."""
-    codes = codes.reshape(-1).to(torch.int64)
-    if width == 8:
-        return codes.to(torch.uint8).cpu().numpy().tobytes()
-    n = len(codes)
-    pad = (-n) % 8
-    if pad:
-        codes = torch.cat([codes, codes.new_zeros(pad)])
-    words = (codes.reshape(-1, 8) << (width * torch.arange(7, -1, -1, device=codes.device))).sum(1)
-    out = ((words[:, None] >> (8 * torch.arange(width - 1, -1, -1, device=codes.device))) & 255).to(torch.uint8)
-    return out.reshape(-1)[: packed_bytes(n, width)].cpu().numpy().tobytes()
-
-
-def unpack(data: bytes, width: int, count: int) -> Tensor:
-    """Inverse of `pack`: `count` codes of `width` bits (int64)."""
-    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
-    return unpack_codes(raw, width, count)
-
-
-def unpack_codes(raw: Tensor, width: int, count: int) -> Tensor:
-    """`unpack` of packed bytes already in a uint8 tensor, on that tensor's device (int64)."""
-    dev = raw.device
-    raw = raw.to(torch.int64)
-    if width == 8:
-        return raw[:count]
-    words_n = -(-count // 8)
-    full = torch.zeros(words_n * width, dtype=torch.int64, device=dev)
-    full[: len(raw)] = raw
-    words = (full.reshape(-1, width) << (8 * torch.arange(width - 1, -1, -1, device=dev))).sum(1)
-    codes = (words[:, None] >> (width * torch.arange(7, -1, -1, device=dev))) & ((1 << width) - 1)
-    return codes.reshape(-1)[:count]
-
-
-def packed_bytes(count: int, width: int) -> int:
-    return (count * width + 7) // 8
-
-
-def dither(seed: int, rows: int, cols: Tensor, hidden: int) -> Tensor:
-    """Offsets in [0, 1) for rows x `cols` of a message, the same on every device: the mask's
-    integer PRF (peer/codec/mask.py: hash_words) of (seed, row * hidden + column), its top 24
-    bits as a float32 fraction (exact). Why not torch's generator: its streams differ between
-    CPU and CUDA, and sender and receiver of a gradient may sit on either."""
-    index = torch.arange(rows, device=cols.device, dtype=torch.int64).unsqueeze(1) * hidden + cols.to(torch.int64).unsqueeze(0)
-    return (hash_words(seed, index, wide=rows * hidden >= 1 << 32) >> 8).to(torch.float32) / float(1 << 24)
-
-
 @dataclass
 class TransformState:
     """What both ends hold for one version of a producer's coder (see the module docstring).
@@ -173,22 +126,37 @@ class TransformState:
     def hidden_size(self) -> int:
         return len(self.mean)
 
-    def payload_bytes(self, batch: int, seq: int, sink: int, msg_stats: bool = False) -> int:
-        """Exact payload bytes of a [batch, seq, H] tensor (`msg_stats`: see `encode`)."""
+    def payload_bytes(self, batch: int, seq: int, sink: int, msg_stats: bool = False, row_rates: bool = False) -> int:
+        """Exact payload bytes of a [batch, seq, H] tensor (`msg_stats`, `row_rates`: see
+        `encode`); with `row_rates` the most it may take (its classes decide its size)."""
+        head = min(sink, seq)
+        rows = batch * (seq - head)
+        fixed = self._fixed_bytes(batch, seq, sink, msg_stats, row_rates)
+        if row_rates:
+            return fixed + (rows * int(self.bits.sum()) + 7) // 8 + len(rr.CLASSES)  # each class pads to a byte
+        return fixed + sum(packed_bytes(rows * len(cols), b) for b, cols in self._groups)
+
+    def _fixed_bytes(self, batch: int, seq: int, sink: int, msg_stats: bool, row_rates: bool) -> int:
+        """Bytes before the codes: sink rows, gains, message statistics, row classes."""
         head = min(sink, seq)
         rows = batch * (seq - head)
         stats = 4 * self.hidden_size if msg_stats and rows else 0
-        return batch * head * self.hidden_size * 2 + 2 * rows + stats + sum(packed_bytes(rows * len(cols), b) for b, cols in self._groups)
+        classes = packed_bytes(rows, rr.CLASS_BITS) if row_rates else 0
+        return batch * head * self.hidden_size * 2 + 2 * rows + stats + classes
 
     def encode(self, x: Tensor, sink: int, stochastic: bool = False, generator: torch.Generator | None = None, dither_seed: int | None = None,
-               msg_stats: bool = False) -> bytes:
+               msg_stats: bool = False, row_rates: bool = False) -> bytes:
         """The payload of `x` [B, T, H] (any float dtype; coded in float32). `stochastic`: round
         to one of the two nearest levels at random (drawn from `generator`), unbiased inside the
         quantiser's range. `dither_seed`: subtractive dither instead (`dither`'s offset added
         before rounding down; `decode` with the same seed subtracts it): the error is uniform in
         half a step either way, whatever the value. `msg_stats`: each rotated component is
         centred and scaled by this message's own mean and std (sent in bf16, 4 H bytes), not the
-        coder's: the coder's go stale between refits while the sender's weights move."""
+        coder's: the coder's go stale between refits while the sender's weights move. `row_rates`:
+        each row gets its own rate at the coder's bits per row on average (peer/codec/row_rates.py;
+        with dither only: the components a row keeps come from the same seed)."""
+        if row_rates and dither_seed is None:
+            raise ValueError("row_rates: needs a dither_seed (the kept components are drawn from it)")
         x = x.detach().float()
         head = min(sink, x.shape[1])
         parts = [x[:, :head].to(torch.bfloat16).contiguous().view(torch.int16).cpu().numpy().tobytes()]
@@ -207,6 +175,9 @@ class TransformState:
             z = (z - m.float()) / s.float()
         else:
             z = z / std
+        if row_rates:
+            parts += rr.encode(z, gain.squeeze(1).pow(2), dither_seed, int(self.bits.sum()), STEP)
+            return b"".join(parts)
         for (b, _), cols in zip(self._groups, placed_cols):
             half = 2 ** (b - 1)
             t = z[:, cols] / STEP[b]
@@ -221,55 +192,68 @@ class TransformState:
             parts.append(pack(q.clamp_(-half, half - 1).to(torch.int64) + half, b))
         return b"".join(parts)
 
-    def _parse(self, payload: bytes, batch: int, seq: int, sink: int, msg_stats: bool = False) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+    def _parse(self, payload: bytes, batch: int, seq: int, sink: int, msg_stats: bool = False, row_rates: bool = False) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor]:
         """(sink rows [batch, head, H] bf16, gains [rows, 1] bf16, the message's (mean, std) [2, H]
-        or None, packed codes uint8), host views of `payload`, checked without expanding a code:
-        its length, finite sink rows, finite non-negative gains, finite stats with positive stds,
-        and gains small enough that no decoded value can overflow (the largest code times the
-        stds, plus the mean, through the rotation, times the gain, bounds every value)."""
+        or None, the rows' rate classes or None, packed codes uint8), host views of `payload`,
+        checked without expanding a code: its length, finite sink rows, finite non-negative gains,
+        finite stats with positive stds, classes within the coder's bits per row on average, and
+        gains small enough that no decoded value can overflow (the largest code times the stds,
+        plus the mean, through the rotation, times the gain, bounds every value)."""
         H = self.hidden_size
-        want = self.payload_bytes(batch, seq, sink, msg_stats)
-        if len(payload) != want:
-            raise WireError(f"TensorPayload.payload: {len(payload)} bytes, expected {want} (transform coder v{self.version}, {int(self.bits.sum())} bits per row, shape [{batch}, {seq}, {H}])")
         head = min(sink, seq)
         n_head, rows = batch * head * H * 2, batch * (seq - head)
+        fixed, classes, top_code = self._fixed_bytes(batch, seq, sink, msg_stats, row_rates), None, self._top
         raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.zeros(0, dtype=torch.uint8)
+        if row_rates and len(payload) >= fixed:
+            classes, _ = rr.parse_classes(raw[fixed - packed_bytes(rows, rr.CLASS_BITS) :], rows)
+            if rr.code_bits(classes, H) > rows * int(self.bits.sum()):
+                raise WireError(f"TensorPayload.payload: the rows' rate classes spend {rr.code_bits(classes, H)} bits, more than {int(self.bits.sum())} per row on average (coder v{self.version})")
+            top_code = torch.full((H,), rr.reach(H, STEP), dtype=torch.float64)
+        if not row_rates:
+            want = self.payload_bytes(batch, seq, sink, msg_stats)
+        else:  # too short to hold the classes: it must at least reach past them
+            want = fixed + (rr.code_bytes(classes, H) if classes is not None else 0)
+        if len(payload) != want:
+            raise WireError(f"TensorPayload.payload: {len(payload)} bytes, expected {want} (transform coder v{self.version}, {int(self.bits.sum())} bits per row{', rates per row' if row_rates else ''}, shape [{batch}, {seq}, {H}])")
         sink_rows = raw[:n_head].view(torch.bfloat16).reshape(batch, head, H)
         gain = raw[n_head : n_head + 2 * rows].view(torch.bfloat16).reshape(rows, 1)
         if not bool(torch.isfinite(sink_rows).all()) or not bool(torch.isfinite(gain).all()) or bool((gain < 0).any()):
             raise WireError("TensorPayload.payload: NaN/Inf in the sink rows or a gain that is not a finite non-negative number")
-        at, stats, spread = n_head + 2 * rows, None, self._spread
+        at, stats = n_head + 2 * rows, None
+        spread = self._spread if classes is None else float((top_code * self.std.double().cpu()).norm()) * self._rownorm
         if msg_stats and rows:
             stats = raw[at : at + 4 * H].view(torch.bfloat16).reshape(2, H)
             at += 4 * H
             if not bool(torch.isfinite(stats).all()) or not bool((stats[1] > 0).all()):
                 raise WireError("TensorPayload.payload: the message's component means and stds must be finite, the stds > 0")
-            spread = float((self._top * stats[1].double() + stats[0].double().abs()).norm()) * self._rownorm
+            spread = float((top_code * stats[1].double() + stats[0].double().abs()).norm()) * self._rownorm
         top = float(gain.max()) if rows else 0.0
         if top * spread + self._reach > DECODE_LIMIT:
             raise WireError(f"TensorPayload.payload: a gain of {top:.3g} would decode to values that are not finite (at most {(DECODE_LIMIT - self._reach) / spread:.3g} for coder v{self.version})")
-        return sink_rows, gain, stats, raw[at:]
+        return sink_rows, gain, stats, classes, raw[fixed:]
 
-    def check(self, payload: bytes, batch: int, seq: int, sink: int, msg_stats: bool = False) -> None:
+    def check(self, payload: bytes, batch: int, seq: int, sink: int, msg_stats: bool = False, row_rates: bool = False) -> None:
         """What `decode` refuses, found without decoding (a receiver's inbound check, on the host:
         the rotation of every row is the costly part, and it runs once, in `decode`)."""
-        self._parse(payload, batch, seq, sink, msg_stats)
+        self._parse(payload, batch, seq, sink, msg_stats, row_rates)
 
     def decode(self, payload: bytes, batch: int, seq: int, sink: int, device: torch.device | str = "cpu", dither_seed: int | None = None,
-               msg_stats: bool = False) -> Tensor:
+               msg_stats: bool = False, row_rates: bool = False) -> Tensor:
         """[batch, seq, H] float32 on `device` from a payload of exactly `payload_bytes`; WireError
         otherwise. The bytes are checked on the host; the codes cross to `device` still packed and
         are expanded and rotated there (an H x H product per row: a GPU's work, not the host's).
         `dither_seed`: the encoder's, whose offsets are subtracted."""
         H = self.hidden_size
-        sink_rows, gain, stats, codes = self._parse(payload, batch, seq, sink, msg_stats)
+        if row_rates and dither_seed is None:
+            raise ValueError("row_rates: needs the encoder's dither_seed")
+        sink_rows, gain, stats, classes, codes = self._parse(payload, batch, seq, sink, msg_stats, row_rates)
         head, rows = sink_rows.shape[1], gain.shape[0]
         dev = torch.device(device)
         mean, rotation, std, placed_cols = self._on(dev)
         codes = codes.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else codes.to(dev)
-        z = torch.zeros(rows, H, device=dev)
+        z = torch.zeros(rows, H, device=dev) if classes is None else rr.decode(codes, classes, H, dither_seed, STEP)
         at = 0
-        for (b, cols), dcols in zip(self._groups, placed_cols):
+        for (b, cols), dcols in zip(self._groups if classes is None else [], placed_cols):
             n = rows * len(cols)
             size = packed_bytes(n, b)
             q = unpack_codes(codes[at : at + size], b, n).reshape(rows, len(cols))

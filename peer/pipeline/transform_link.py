@@ -58,6 +58,11 @@ class TransformLinks:
         with mask.act_stats "message"): both ends read it from the run's config."""
         return channel == "forward" and self.mask.act_stats == "message"
 
+    def row_rates(self, channel: str) -> bool:
+        """Whether `channel`'s rows each take their own rate (the gradients, with mask.grad_rates
+        "row"): both ends read it from the run's config."""
+        return channel == "backward" and self.mask.grad_rates == "row"
+
     def max_bits(self, channel: str) -> int:
         """The run's bits per coded row on `channel`: the most a received coder may allocate."""
         return row_budget(self.mask.bits if channel == "forward" else self.mask.grad_bits, self.hidden_size)
@@ -76,7 +81,7 @@ class TransformLinks:
             coder = tw.coder_to_proto(state)
             self.sent[(channel, dst)] = state.version
         payload = tw.encode(state, x, sink=self.sink(channel), stochastic=channel == "backward", boundary=boundary, step=step, micro_batch=micro_batch, dither=self.dithers(channel), channel=channel,
-                           msg_stats=self.msg_stats(channel))
+                           msg_stats=self.msg_stats(channel), row_rates=self.row_rates(channel))
         return payload, coder
 
     def forget_sent(self) -> None:
@@ -110,10 +115,11 @@ class TransformLinks:
     def check(self, msg: pb.ActivationChunk | pb.GradientChunk, *, expect_shape: tuple[int, ...], boundary: int, step: int, micro_batch: int) -> None:
         """The inbound check of an activation or gradient, on the host, without decoding it."""
         channel, payload, state = self._state(msg)
-        tw.check(payload, state, expect_shape=expect_shape, sink=self.sink(channel), boundary=boundary, step=step, micro_batch=micro_batch, msg_stats=self.msg_stats(channel))
+        tw.check(payload, state, expect_shape=expect_shape, sink=self.sink(channel), boundary=boundary, step=step, micro_batch=micro_batch, msg_stats=self.msg_stats(channel),
+                 row_rates=self.row_rates(channel))
 
     def decode(self, msg: pb.ActivationChunk | pb.GradientChunk, *, expect_shape: tuple[int, ...], boundary: int, step: int, micro_batch: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """The float32 tensor an activation or gradient carries, decoded on `device`."""
         channel, payload, state = self._state(msg)
         return tw.decode(payload, state, expect_shape=expect_shape, sink=self.sink(channel), boundary=boundary, step=step, micro_batch=micro_batch, device=device,
-                         dither=self.dithers(channel), channel=channel, msg_stats=self.msg_stats(channel))
+                         dither=self.dithers(channel), channel=channel, msg_stats=self.msg_stats(channel), row_rates=self.row_rates(channel))

@@ -1,0 +1,86 @@
+"""The rows `anchormesh bench quality` compares: one TrainConfig each, the same model, data,
+token budget and seed, differing only in how the pipeline's links (and DP's rounds) carry data."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from peer.config import AnchorConfig, DPConfig, MaskConfig, PipelineConfig, SpectralConfig, TrainConfig, transform_mask, two_bit_transform_mask
+
+if TYPE_CHECKING:
+    from peer.bench.quality import QualitySetup
+
+
+def rows(setup: QualitySetup) -> dict[str, TrainConfig]:
+    """The compared runs. DP rows keep the token budget: 2 replicas x half the micro-batches."""
+    m = setup.micro_batches
+    pipe = PipelineConfig(micro_batch_size=setup.micro_batch_size, micro_batches=m, seq_len=setup.seq_len)
+    pipe_dp = replace(pipe, micro_batches=max(1, m // 2))
+    optim = setup.optim()
+    anchor = AnchorConfig(every=setup.anchor_every, micro_batches=max(1, m // 2))
+    mask = MaskConfig(drop=setup.drop)
+    # DiLoCo H=10 with int8 deltas. Outer step = plain averaging (lr 1, no momentum): with only
+    # ~adapt_steps/10 outer steps, Nesterov (0.7, 0.9) measured worse here (1.89 vs 1.76 on lowrank_dp).
+    dp = DPConfig(replicas=2, scheme="diloco", inner_steps=10, outer_lr=1.0, outer_momentum=0.0, outer_compression="int8")
+
+    def cfg(**kw) -> TrainConfig:
+        base = dict(model=setup.model, pipeline=pipe, optim=optim, steps=setup.adapt_steps, seed=setup.seed)
+        base.update(kw)
+        return TrainConfig(**base)
+
+    lowrank = MaskConfig(scheme="lowrank", rank=setup.lowrank_rank, values="int8")
+    transform = transform_mask(setup.model.name)  # the built-in runs' codec: 2-bit activations with each message's statistics, 1-bit dithered gradients (the toy: 2-bit, the coder's statistics), the sink position dense
+    rows_mask = replace(transform, grad_rates="row", grad_rounding="dither")
+    two_bit = two_bit_transform_mask()  # the default until 2026-12-06 (then the "transform" row)
+    return {
+        # the paper's method, as DESIGN.md §4 states it
+        "dense": cfg(),
+        "masked": cfg(mask=mask),
+        "masked_anchor": cfg(mask=mask, anchor=anchor, spectral=SpectralConfig(mode="paper")),
+        "masked_anchor_ef": cfg(mask=mask, anchor=anchor, spectral=SpectralConfig(mode="ef")),
+        # our variants: unbiased fill around a learned token prior; low-rank basis + token prior
+        "masked_prior_rescale": cfg(mask=replace(mask, fill="prior_rescale")),
+        "lowrank": cfg(mask=lowrank),
+        "lowrank_anchor": cfg(mask=lowrank, anchor=anchor, spectral=SpectralConfig(mode="paper")),
+        # a transform coder made for real boundaries (peer/codec/transform.py), with the swarm's defaults
+        "transform": cfg(mask=transform),
+        # the former default, 2-bit gradients rounded stochastically at twice the Gaussian-optimal step, and variants of it
+        "transform_2bit": cfg(mask=two_bit),
+        "transform_grad1": cfg(mask=replace(two_bit, grad_bits=1.0)),  # half the gradient's bytes
+        # gradients with subtractive dither (mask.grad_rounding): half the mean square error of stochastic rounding
+        "transform_dither": cfg(mask=replace(two_bit, grad_rounding="dither")),
+        "transform_grad1_dither": cfg(mask=replace(two_bit, grad_bits=1.0, grad_rounding="dither")),
+        # dither's steps at the Gaussian-optimal width (mask.grad_step_scale 1): half the noise again
+        "transform_grad1_dither_s1": cfg(mask=replace(two_bit, grad_bits=1.0, grad_rounding="dither", grad_step_scale=1.0)),  # the default's gradients, the coder's statistics
+        "transform_grad1_dither_s15": cfg(mask=replace(two_bit, grad_bits=1.0, grad_rounding="dither", grad_step_scale=1.5)),
+        "transform_dither_s1": cfg(mask=replace(two_bit, grad_rounding="dither", grad_step_scale=1.0)),
+        "transform_b15_g15_s1": cfg(mask=replace(two_bit, bits=1.5, grad_bits=1.5, grad_rounding="dither", grad_step_scale=1.0)),  # 2 + 1 bits' bytes, split evenly
+        # and the activations with subtractive dither too (mask.act_rounding): an error independent of the value
+        "transform_grad1_dither_both": cfg(mask=replace(two_bit, grad_bits=1.0, grad_rounding="dither", act_rounding="dither")),
+        # probes: each direction alone (the other at 8 bits), and the codec's path at 8 bits both ways
+        "probe_act2_only": cfg(mask=replace(two_bit, grad_bits=8.0)),
+        "probe_act2_msgstats": cfg(mask=replace(two_bit, grad_bits=8.0, act_stats="message")),  # each message's own component statistics (mask.act_stats)
+        "transform_msgstats": cfg(mask=replace(transform, act_stats="message")),  # on a real model: the default
+        "probe_act2_refresh2": cfg(mask=replace(two_bit, grad_bits=8.0, basis_refresh=2)),  # the activations' coder refitted every 2 steps instead of 20
+        "probe_grad1_dither_only": cfg(mask=replace(two_bit, bits=8.0, grad_bits=1.0, grad_rounding="dither")),
+        "probe_grad1_only": cfg(mask=replace(transform, bits=8.0)),  # the default's gradients alone (8-bit activations)
+        "probe_8bit_both": cfg(mask=replace(two_bit, bits=8.0, grad_bits=8.0)),
+        "transform_anchor": cfg(mask=transform, anchor=anchor, spectral=SpectralConfig(mode="paper")),
+        # the anchors' filter truncated to its top directions (the control variate, spectral "ef", needs
+        # a compressed twin of the anchor pass, which only the element mask has: masked_anchor_ef)
+        "transform_anchor_r8": cfg(mask=transform, anchor=anchor, spectral=SpectralConfig(mode="paper", rank=8)),
+        # stage 0 one step ahead of its applied gradients (pipeline.max_staleness 1): the pipeline no longer drains every step
+        "transform_stale1": cfg(mask=transform, pipeline=replace(pipe, max_staleness=1)),
+        # each gradient row its own rate (mask.grad_rates "row", dithered), the same bits per message
+        "transform_rows": cfg(mask=rows_mask),
+        "transform_rows_stale1": cfg(mask=rows_mask, pipeline=replace(pipe, max_staleness=1)),
+        "transform_stale1_stash": cfg(mask=transform, pipeline=replace(pipe, max_staleness=1, staleness_correction="none")),  # plain stashing, as the swarm's stage 0 did before 2026-12-06
+        "dense_stale1": cfg(pipeline=replace(pipe, max_staleness=1)),  # what the staleness alone costs, with the look-ahead
+        "dense_stale1_stash": cfg(pipeline=replace(pipe, max_staleness=1, staleness_correction="none")),  # and with plain stashing
+        # data parallel, same token budget: 2 replicas x half the micro-batches
+        "dense_dp": cfg(dp=DPConfig(replicas=2, scheme="dense"), pipeline=pipe_dp),
+        "masked_anchor_dp": cfg(mask=mask, anchor=anchor, spectral=SpectralConfig(mode="paper"), dp=dp, pipeline=pipe_dp),
+        "lowrank_dp": cfg(mask=lowrank, dp=dp, pipeline=pipe_dp),
+        "transform_dp": cfg(mask=transform, dp=dp, pipeline=pipe_dp),
+    }
