@@ -5,7 +5,8 @@ tenth of the rows holds 35-38 % of the squared norm, the median row 0.6 times th
 the even coder spends the same bits on each. Here the producer gives each row one of eight rate
 classes, at the same bits per message on average (the run's `mask.grad_bits`), choosing them to
 minimise the expected squared error of the whole message (a Lagrangian over the rows: a row of
-energy e in class c costs e * DISTORTION[c] + lambda * bits[c]). Every class is unbiased:
+energy e in class c costs e * distortion[c] + lambda * bits[c]). Every class is unbiased inside
+its quantiser's range, as the even coder is (a value beyond it is clipped):
 
     classes 0-2: a random eighth, quarter or half of the row's rotated components at 1 bit,
                  scaled by H / kept (random sparsification: the rest read as 0)
