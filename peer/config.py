@@ -117,6 +117,11 @@ class MaskConfig:
             SmolLM2's gradient rows are uneven enough that this cuts their squared error by a
             quarter). "row" needs grad_rounding "dither" (the components a row keeps are drawn
             from the same key as its offsets).
+        grad_outliers: scheme "transform": gradient rows whose activation's RMS is above this many
+            times the message's median travel dense in bf16 (0: none). SmolLM2's massive
+            activations (the first position, 11,000x the median value, and a few tokens) make
+            their rows' tiny gradients dominate the sender's weight gradients: coded at 1 bit
+            they biased them (relative error 0.4-1.3 against 0.2 sent dense: docs/benchmarks.md).
         act_rounding: scheme "transform": how activations round: "nearest" (to the nearest level)
             or "dither" (subtractive dither, as above: the same mean square, but an error
             independent of the value, so the next stage trains on the value plus noise rather
@@ -153,6 +158,7 @@ class MaskConfig:
     act_rounding: str = "nearest"
     grad_step_scale: float = 1.0
     grad_rates: str = "even"
+    grad_outliers: float = 20.0
     act_stats: str = "message"
     adapt: bool = True
     min_keep: float = 0.25
@@ -177,6 +183,8 @@ class MaskConfig:
         _choice("mask.act_rounding", self.act_rounding, ACT_ROUNDINGS)
         _choice("mask.act_stats", self.act_stats, ACT_STATS)
         _choice("mask.grad_rates", self.grad_rates, GRAD_RATES)
+        if self.grad_outliers != 0 and not (1.0 < self.grad_outliers <= 1e6):
+            raise ConfigError("mask.grad_outliers", self.grad_outliers, "must be 0 (off) or in (1, 1e6] times the median row RMS")
         if self.grad_rates == "row" and self.grad_rounding != "dither":
             raise ConfigError("mask.grad_rates", self.grad_rates, f'"row" needs mask.grad_rounding = "dither" (got "{self.grad_rounding}"): a row\'s kept components are drawn from the dither\'s key')
         if not (0.25 <= self.grad_step_scale <= 8.0):

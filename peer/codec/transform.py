@@ -126,12 +126,12 @@ class TransformState:
     def hidden_size(self) -> int:
         return len(self.mean)
 
-    def payload_bytes(self, batch: int, seq: int, sink: int, msg_stats: bool = False, row_rates: bool = False) -> int:
-        """Exact payload bytes of a [batch, seq, H] tensor (`msg_stats`, `row_rates`: see
-        `encode`); with `row_rates` the most it may take (its classes decide its size)."""
+    def payload_bytes(self, batch: int, seq: int, sink: int, msg_stats: bool = False, row_rates: bool = False, dense: int = 0) -> int:
+        """Exact payload bytes of a [batch, seq, H] tensor (`msg_stats`, `row_rates`, `dense` rows:
+        see `encode`); with `row_rates` the most it may take (its classes decide its size)."""
         head = min(sink, seq)
         rows = batch * (seq - head)
-        fixed = self._fixed_bytes(batch, seq, sink, msg_stats, row_rates)
+        fixed = self._fixed_bytes(batch, seq, sink, msg_stats, row_rates) + 2 * self.hidden_size * dense
         if row_rates:
             return fixed + (rows * int(self.bits.sum()) + 7) // 8 + len(rr.CLASSES)  # each class pads to a byte
         return fixed + sum(packed_bytes(rows * len(cols), b) for b, cols in self._groups)
@@ -145,7 +145,7 @@ class TransformState:
         return batch * head * self.hidden_size * 2 + 2 * rows + stats + classes
 
     def encode(self, x: Tensor, sink: int, stochastic: bool = False, generator: torch.Generator | None = None, dither_seed: int | None = None,
-               msg_stats: bool = False, row_rates: bool = False) -> bytes:
+               msg_stats: bool = False, row_rates: bool = False, dense_rows: Tensor | None = None) -> bytes:
         """The payload of `x` [B, T, H] (any float dtype; coded in float32). `stochastic`: round
         to one of the two nearest levels at random (drawn from `generator`), unbiased inside the
         quantiser's range. `dither_seed`: subtractive dither instead (`dither`'s offset added
@@ -154,7 +154,10 @@ class TransformState:
         centred and scaled by this message's own mean and std (sent in bf16, 4 H bytes), not the
         coder's: the coder's go stale between refits while the sender's weights move. `row_rates`:
         each row gets its own rate at the coder's bits per row on average (peer/codec/row_rates.py;
-        with dither only: the components a row keeps come from the same seed)."""
+        with dither only: the components a row keeps come from the same seed). `dense_rows`: rows
+        (flat indices over the non-sink rows) also sent in bf16 after the codes, which the
+        receiver puts in place of their decoded values (with `row_rates` their codes take the
+        fewest bits)."""
         if row_rates and dither_seed is None:
             raise ValueError("row_rates: needs a dither_seed (the kept components are drawn from it)")
         x = x.detach().float()
@@ -175,9 +178,13 @@ class TransformState:
             z = (z - m.float()) / s.float()
         else:
             z = z / std
+        tail = b"" if dense_rows is None else rows[dense_rows.to(dev)].to(torch.bfloat16).contiguous().view(torch.int16).cpu().numpy().tobytes()
         if row_rates:
-            parts += rr.encode(z, gain.squeeze(1).pow(2), dither_seed, int(self.bits.sum()), STEP)
-            return b"".join(parts)
+            energy = gain.squeeze(1).pow(2)
+            if dense_rows is not None:
+                energy = energy.index_fill(0, dense_rows.to(dev), 0.0)
+            parts += rr.encode(z, energy, dither_seed, int(self.bits.sum()), STEP)
+            return b"".join(parts) + tail
         for (b, _), cols in zip(self._groups, placed_cols):
             half = 2 ** (b - 1)
             t = z[:, cols] / STEP[b]
@@ -190,11 +197,13 @@ class TransformState:
             else:
                 q = torch.floor(t)
             parts.append(pack(q.clamp_(-half, half - 1).to(torch.int64) + half, b))
-        return b"".join(parts)
+        return b"".join(parts) + tail
 
-    def _parse(self, payload: bytes, batch: int, seq: int, sink: int, msg_stats: bool = False, row_rates: bool = False) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor]:
+    def _parse(self, payload: bytes, batch: int, seq: int, sink: int, msg_stats: bool = False, row_rates: bool = False,
+               dense: int = 0) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor, Tensor]:
         """(sink rows [batch, head, H] bf16, gains [rows, 1] bf16, the message's (mean, std) [2, H]
-        or None, the rows' rate classes or None, packed codes uint8), host views of `payload`,
+        or None, the rows' rate classes or None, packed codes uint8, the `dense` rows [dense, H]
+        bf16), host views of `payload`,
         checked without expanding a code: its length, finite sink rows, finite non-negative gains,
         finite stats with positive stds, classes within the coder's bits per row on average, and
         gains small enough that no decoded value can overflow (the largest code times the stds,
@@ -204,21 +213,23 @@ class TransformState:
         n_head, rows = batch * head * H * 2, batch * (seq - head)
         fixed, classes, top_code = self._fixed_bytes(batch, seq, sink, msg_stats, row_rates), None, self._top
         raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.zeros(0, dtype=torch.uint8)
-        if row_rates and len(payload) >= fixed:
+        tail = 2 * H * dense
+        if row_rates and len(payload) >= fixed + tail:
             classes, _ = rr.parse_classes(raw[fixed - packed_bytes(rows, rr.CLASS_BITS) :], rows)
             if rr.code_bits(classes, H) > rows * int(self.bits.sum()):
                 raise WireError(f"TensorPayload.payload: the rows' rate classes spend {rr.code_bits(classes, H)} bits, more than {int(self.bits.sum())} per row on average (coder v{self.version})")
             top_code = torch.full((H,), rr.reach(H, STEP), dtype=torch.float64)
         if not row_rates:
-            want = self.payload_bytes(batch, seq, sink, msg_stats)
+            want = self.payload_bytes(batch, seq, sink, msg_stats, dense=dense)
         else:  # too short to hold the classes: it must at least reach past them
-            want = fixed + (rr.code_bytes(classes, H) if classes is not None else 0)
+            want = fixed + tail + (rr.code_bytes(classes, H) if classes is not None else 0)
         if len(payload) != want:
             raise WireError(f"TensorPayload.payload: {len(payload)} bytes, expected {want} (transform coder v{self.version}, {int(self.bits.sum())} bits per row{', rates per row' if row_rates else ''}, shape [{batch}, {seq}, {H}])")
         sink_rows = raw[:n_head].view(torch.bfloat16).reshape(batch, head, H)
         gain = raw[n_head : n_head + 2 * rows].view(torch.bfloat16).reshape(rows, 1)
-        if not bool(torch.isfinite(sink_rows).all()) or not bool(torch.isfinite(gain).all()) or bool((gain < 0).any()):
-            raise WireError("TensorPayload.payload: NaN/Inf in the sink rows or a gain that is not a finite non-negative number")
+        dense_rows = raw[len(payload) - tail :].clone().view(torch.bfloat16).reshape(dense, H)  # a copy: the codes may end at an odd offset
+        if not bool(torch.isfinite(sink_rows).all()) or not bool(torch.isfinite(dense_rows).all()) or not bool(torch.isfinite(gain).all()) or bool((gain < 0).any()):
+            raise WireError("TensorPayload.payload: NaN/Inf in the sink or dense rows or a gain that is not a finite non-negative number")
         at, stats = n_head + 2 * rows, None
         spread = self._spread if classes is None else float((top_code * self.std.double().cpu()).norm()) * self._rownorm
         if msg_stats and rows:
@@ -230,15 +241,15 @@ class TransformState:
         top = float(gain.max()) if rows else 0.0
         if top * spread + self._reach > DECODE_LIMIT:
             raise WireError(f"TensorPayload.payload: a gain of {top:.3g} would decode to values that are not finite (at most {(DECODE_LIMIT - self._reach) / spread:.3g} for coder v{self.version})")
-        return sink_rows, gain, stats, classes, raw[fixed:]
+        return sink_rows, gain, stats, classes, raw[fixed : len(payload) - tail], dense_rows
 
-    def check(self, payload: bytes, batch: int, seq: int, sink: int, msg_stats: bool = False, row_rates: bool = False) -> None:
+    def check(self, payload: bytes, batch: int, seq: int, sink: int, msg_stats: bool = False, row_rates: bool = False, dense: int = 0) -> None:
         """What `decode` refuses, found without decoding (a receiver's inbound check, on the host:
         the rotation of every row is the costly part, and it runs once, in `decode`)."""
-        self._parse(payload, batch, seq, sink, msg_stats, row_rates)
+        self._parse(payload, batch, seq, sink, msg_stats, row_rates, dense)
 
     def decode(self, payload: bytes, batch: int, seq: int, sink: int, device: torch.device | str = "cpu", dither_seed: int | None = None,
-               msg_stats: bool = False, row_rates: bool = False) -> Tensor:
+               msg_stats: bool = False, row_rates: bool = False, dense_rows: Tensor | None = None) -> Tensor:
         """[batch, seq, H] float32 on `device` from a payload of exactly `payload_bytes`; WireError
         otherwise. The bytes are checked on the host; the codes cross to `device` still packed and
         are expanded and rotated there (an H x H product per row: a GPU's work, not the host's).
@@ -246,7 +257,8 @@ class TransformState:
         H = self.hidden_size
         if row_rates and dither_seed is None:
             raise ValueError("row_rates: needs the encoder's dither_seed")
-        sink_rows, gain, stats, classes, codes = self._parse(payload, batch, seq, sink, msg_stats, row_rates)
+        n_dense = 0 if dense_rows is None else len(dense_rows)
+        sink_rows, gain, stats, classes, codes, dense_vals = self._parse(payload, batch, seq, sink, msg_stats, row_rates, n_dense)
         head, rows = sink_rows.shape[1], gain.shape[0]
         dev = torch.device(device)
         mean, rotation, std, placed_cols = self._on(dev)
@@ -264,7 +276,10 @@ class TransformState:
         out = torch.empty(batch, seq, H, device=dev)
         out[:, :head] = sink_rows.to(dev).float()
         z = z * std if stats is None else z * stats[1].to(dev).float() + stats[0].to(dev).float()
-        out[:, head:] = (mean + gain.to(dev).float() * (z @ rotation.T)).reshape(batch, seq - head, H)
+        coded = mean + gain.to(dev).float() * (z @ rotation.T)
+        if n_dense:
+            coded[dense_rows.to(dev)] = dense_vals.to(dev).float()
+        out[:, head:] = coded.reshape(batch, seq - head, H)
         return out
 
 

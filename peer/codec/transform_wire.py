@@ -71,20 +71,23 @@ def _rounding_seed(boundary: int, step: int, micro_batch: int, channel: str = "b
 
 
 def encode(state: TransformState | None, x: torch.Tensor, *, sink: int, stochastic: bool, boundary: int, step: int, micro_batch: int, dither: bool = False,
-           channel: str = "backward", msg_stats: bool = False, row_rates: bool = False) -> pb.TensorPayload:
+           channel: str = "backward", msg_stats: bool = False, row_rates: bool = False, dense_rows: torch.Tensor | None = None) -> pb.TensorPayload:
     """`x` [B, T, H] as a payload: coded with `state`, or dense bf16 while there is none.
     `dither`: subtractive dither seeded by the message's key and `channel` (the receiver's
     `decode` needs both too); `msg_stats`: the message carries its own component statistics
-    (TransformState.encode); `row_rates`: each row its own rate (needs `dither`)."""
+    (TransformState.encode); `row_rates`: each row its own rate (needs `dither`); `dense_rows`:
+    ascending flat indices of non-sink rows also sent in bf16 (named in Compression.dense_rows)."""
     if state is None:
         return pb.TensorPayload(dtype=pb.BFLOAT16, shape=list(x.shape), payload=to_le_bytes(x.detach().to(torch.bfloat16).cpu()))
     seed = _rounding_seed(boundary, step, micro_batch, channel)
     gen = torch.Generator(device=x.device).manual_seed(seed) if stochastic and not dither else None
     msg = pb.TensorPayload(dtype=pb.FLOAT32, shape=list(x.shape), payload=state.encode(x, sink, generator=gen, stochastic=stochastic, dither_seed=seed if dither else None, msg_stats=msg_stats,
-                                                                                    row_rates=row_rates))
+                                                                                    row_rates=row_rates, dense_rows=dense_rows))
     c = msg.compression
     c.kind, c.coder_version, c.sink = pb.Compression.TRANSFORM, state.version, sink
     c.boundary, c.step, c.micro_batch = boundary, step, micro_batch
+    if dense_rows is not None:
+        c.dense_rows.extend(dense_rows.tolist())
     return msg
 
 
@@ -117,7 +120,17 @@ def _checked(msg: pb.TensorPayload, state: TransformState | None, expect_shape: 
         raise WireError(f"Compression.coder_version={c.coder_version}: unknown here (have {have}); send the coder again")
     if shape[-1] != state.hidden_size:
         raise WireError(f"TensorPayload.shape={list(shape)}: the coder is for hidden size {state.hidden_size}")
+    rows = shape[0] * (shape[1] - min(sink, shape[1]))
+    dense = list(c.dense_rows)
+    if dense and (dense[-1] >= rows or any(b <= a for a, b in zip(dense, dense[1:]))):
+        raise WireError(f"Compression.dense_rows: must be ascending, without repeats, and below {rows} (the message's non-sink rows)")
     return shape
+
+
+def _dense_rows(msg: pb.TensorPayload) -> torch.Tensor | None:
+    """The rows a payload also carries in bf16 (Compression.dense_rows), or None."""
+    rows = msg.compression.dense_rows
+    return torch.tensor(list(rows), dtype=torch.int64) if len(rows) else None
 
 
 def _dense(msg: pb.TensorPayload, shape: tuple[int, ...]) -> torch.Tensor:
@@ -135,7 +148,7 @@ def check(msg: pb.TensorPayload, state: TransformState | None, *, expect_shape: 
         _dense(msg, shape)
     else:
         B, T, _ = shape
-        state.check(msg.payload, B, T, sink, msg_stats, row_rates)
+        state.check(msg.payload, B, T, sink, msg_stats, row_rates, len(msg.compression.dense_rows))
 
 
 def decode(msg: pb.TensorPayload, state: TransformState | None, *, expect_shape: tuple[int, ...], sink: int, boundary: int, step: int, micro_batch: int, device: torch.device | str = "cpu",
@@ -148,4 +161,4 @@ def decode(msg: pb.TensorPayload, state: TransformState | None, *, expect_shape:
         return _dense(msg, shape).to(device).float()
     B, T, _ = shape
     return state.decode(msg.payload, B, T, sink, device=device, dither_seed=_rounding_seed(boundary, step, micro_batch, channel) if dither else None, msg_stats=msg_stats,
-                        row_rates=row_rates)
+                        row_rates=row_rates, dense_rows=_dense_rows(msg))

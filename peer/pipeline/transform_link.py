@@ -68,10 +68,26 @@ class TransformLinks:
         return row_budget(self.mask.bits if channel == "forward" else self.mask.grad_bits, self.hidden_size)
 
     # ---- producing ------------------------------------------------------------------------
-    def encode(self, channel: str, x: torch.Tensor, dst: object, *, boundary: int, step: int, micro_batch: int) -> tuple[pb.TensorPayload, pb.TransformCoder | None]:
+    def dense_rows(self, channel: str, ref: torch.Tensor | None) -> torch.Tensor | None:
+        """Gradient rows to send dense: those whose activation `ref` [B, T, H] (what this stage
+        received) has an RMS above mask.grad_outliers times the message's median (SmolLM2's
+        massive activations: the first position and a few tokens, 100x+ the median). Why: such a
+        row's tiny gradient multiplies a huge activation in the sender's weight gradients (on
+        SmolLM2 it alone can outweigh the rest), so its coding error, a clipped 1-bit value,
+        would bias them; sent in bf16 it costs 2 H bytes a row."""
+        ratio = self.mask.grad_outliers
+        if channel != "backward" or not ratio or ref is None or not ref.numel():
+            return None
+        rms = ref.detach().float().pow(2).mean(-1).sqrt().reshape(-1)
+        rows = (rms > ratio * rms.median()).nonzero().flatten()
+        return rows.cpu() if len(rows) else None
+
+    def encode(self, channel: str, x: torch.Tensor, dst: object, *, boundary: int, step: int, micro_batch: int,
+               ref: torch.Tensor | None = None) -> tuple[pb.TensorPayload, pb.TransformCoder | None]:
         """`x` [B, T, H] coded for `dst`, and the coder to ship with it when `dst` lacks it.
         Gradients round stochastically or with dither (both unbiased), activations to the
-        nearest level or with dither: as the run's mask.grad_rounding / act_rounding say."""
+        nearest level or with dither: as the run's mask.grad_rounding / act_rounding say.
+        `ref`: for a gradient, the activation it is the gradient of (`dense_rows`)."""
         learner = self.learners[channel]
         learner.observe(x, self.sink(channel))
         learner.maybe_refresh(step)
@@ -81,7 +97,7 @@ class TransformLinks:
             coder = tw.coder_to_proto(state)
             self.sent[(channel, dst)] = state.version
         payload = tw.encode(state, x, sink=self.sink(channel), stochastic=channel == "backward", boundary=boundary, step=step, micro_batch=micro_batch, dither=self.dithers(channel), channel=channel,
-                           msg_stats=self.msg_stats(channel), row_rates=self.row_rates(channel))
+                           msg_stats=self.msg_stats(channel), row_rates=self.row_rates(channel), dense_rows=self.dense_rows(channel, ref) if state is not None else None)
         return payload, coder
 
     def forget_sent(self) -> None:

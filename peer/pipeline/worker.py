@@ -328,7 +328,7 @@ class StageWorker:
             dst = self.resolve(job.sender) if self.resolve else (b, self.replica)
             msg = pb.GradientChunk(header=self._header(job.step, mb, b))
             if self.transform is not None:
-                payload, coder = self.transform.encode("backward", job.x.grad, dst, boundary=b, step=job.step, micro_batch=mb)
+                payload, coder = self.transform.encode("backward", job.x.grad, dst, boundary=b, step=job.step, micro_batch=mb, ref=job.x)
                 msg.grad.CopyFrom(payload)
                 self._ship_coder(msg, coder)
             else:
