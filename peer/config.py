@@ -225,8 +225,9 @@ def transform_mask(model_name: str) -> MaskConfig:
 def two_bit_transform_mask() -> MaskConfig:
     """The transform codec as it was the default until 2026-12-06, and stays for the tiny models:
     2-bit gradients rounded stochastically at twice the Gaussian-optimal step, the activations
-    centred and scaled by the coder's statistics."""
-    return MaskConfig(scheme="transform", grad_bits=2.0, grad_rounding="stochastic", grad_step_scale=2.0, act_stats="coder")
+    centred and scaled by the coder's statistics, every gradient row coded (no massive activations
+    to send dense: mask.grad_outliers 0)."""
+    return MaskConfig(scheme="transform", grad_bits=2.0, grad_rounding="stochastic", grad_step_scale=2.0, act_stats="coder", grad_outliers=0.0)
 
 
 @dataclass
