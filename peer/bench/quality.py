@@ -20,7 +20,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from peer.bench.project_model import Shape
 from peer.bench.quality_clock import LONG_SEQ, equal_wall_clock, long_sequence_bytes, model_dims
-from peer.bench.quality_rows import rows
+from peer.bench.quality_rows import QualitySetup, rows
 from peer.config import TINY_MODEL_PREFIX, ComputeConfig, ModelConfig, OptimConfig, TrainConfig
 from peer.data import TokenStream, default_corpus, read_path
 from peer.errors import ConfigError
@@ -39,32 +39,6 @@ from peer.model.stages import lm_loss
 from peer.pipeline.local import LocalPipelineRunner, evaluate_stages
 
 CACHE_DIR = Path(os.environ.get("ANCHORMESH_CACHE", ".anchormesh-cache"))
-
-
-@dataclass
-class QualitySetup:
-    """Sizes of one benchmark run; `quick` fits in 5 minutes on 2 CPU cores."""
-
-    model: ModelConfig
-    pretrain_steps: int
-    adapt_steps: int
-    micro_batch_size: int
-    micro_batches: int
-    seq_len: int
-    pretrain_lr: float
-    adapt_lr: float
-    eval_batches: int
-    drop: float = 0.95
-    anchor_every: int = 20
-    lowrank_rank: int = 20
-    seed: int = 0
-    schedule: str = "constant"  # optim.schedule of the adaptation; a decaying one warms up over a tenth of the steps, decays to 0.1 x lr at the last
-
-    def optim(self) -> OptimConfig:
-        """The adaptation's AdamW and lr schedule, the same for every row."""
-        if self.schedule == "constant":
-            return OptimConfig(lr=self.adapt_lr)
-        return OptimConfig(lr=self.adapt_lr, schedule=self.schedule, warmup_steps=max(1, self.adapt_steps // 10), decay_steps=self.adapt_steps)
 
 
 def setup_for(quick: bool, model: str | None = None) -> QualitySetup:

@@ -1,15 +1,37 @@
-"""The rows `anchormesh bench quality` compares: one TrainConfig each, the same model, data,
+"""The sizes of an `anchormesh bench quality` run and the rows it compares: one TrainConfig each, the same model, data,
 token budget and seed, differing only in how the pipeline's links (and DP's rounds) carry data."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
 
-from peer.config import AnchorConfig, DPConfig, MaskConfig, PipelineConfig, SpectralConfig, TrainConfig, transform_mask, two_bit_transform_mask
+from peer.config import AnchorConfig, DPConfig, MaskConfig, ModelConfig, OptimConfig, PipelineConfig, SpectralConfig, TrainConfig, transform_mask, two_bit_transform_mask
 
-if TYPE_CHECKING:
-    from peer.bench.quality import QualitySetup
+
+@dataclass
+class QualitySetup:
+    """Sizes of one benchmark run; `quick` fits in 5 minutes on 2 CPU cores."""
+
+    model: ModelConfig
+    pretrain_steps: int
+    adapt_steps: int
+    micro_batch_size: int
+    micro_batches: int
+    seq_len: int
+    pretrain_lr: float
+    adapt_lr: float
+    eval_batches: int
+    drop: float = 0.95
+    anchor_every: int = 20
+    lowrank_rank: int = 20
+    seed: int = 0
+    schedule: str = "constant"  # optim.schedule of the adaptation; a decaying one warms up over a tenth of the steps, decays to 0.1 x lr at the last
+
+    def optim(self) -> OptimConfig:
+        """The adaptation's AdamW and lr schedule, the same for every row."""
+        if self.schedule == "constant":
+            return OptimConfig(lr=self.adapt_lr)
+        return OptimConfig(lr=self.adapt_lr, schedule=self.schedule, warmup_steps=max(1, self.adapt_steps // 10), decay_steps=self.adapt_steps)
 
 
 def rows(setup: QualitySetup) -> dict[str, TrainConfig]:
