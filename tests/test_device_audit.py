@@ -29,7 +29,7 @@ PEER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 # host-side by design: the wire's bytes, the codec's encode/decode and mask PRF, host token checks
 # (the transform coder's modules turn tensors into bytes and back; where its decode's products run
 # is tested in tests/test_transform_codec.py)
-HOST_SIDE = {("wire", "tensors.py"), ("codec", "mask.py"), ("codec", "transform.py"), ("codec", "transform_wire.py")}
+HOST_SIDE = {("wire", "tensors.py"), ("codec", "mask.py"), ("codec", "transform.py"), ("codec", "transform_wire.py"), ("codec", "bitpack.py"), ("codec", "row_rates.py")}
 HOST_FUNCS = {"check_token_window", "_check_tokens", "to_host", "coef_shape", "check_input"}  # check_input reads only host ids
 GENERIC = {("errors.py",)}  # helpers judged by who calls them
 
@@ -105,6 +105,7 @@ def _audited_run(mask: MaskConfig, steps: int = 3) -> list[tuple[str, str]]:
     ("lowrank", MaskConfig(scheme="lowrank", rank=8, values="int8", basis_refresh=100)),
     ("dense", MaskConfig(values="fp16")),
     ("transform", MaskConfig(scheme="transform", basis_refresh=2)),  # refits inside the audited steps
+    ("transform_rows", MaskConfig(scheme="transform", grad_rates="row")),  # a rate per gradient row
 ])
 def test_fast_path_makes_no_host_sync_and_no_deviceless_tensor(name: str, mask: MaskConfig) -> None:
     found = _audited_run(mask)

@@ -53,11 +53,11 @@ def dither(seed: int, rows: int, cols: Tensor, hidden: int) -> Tensor:
     integer PRF (peer/codec/mask.py: hash_words) of (seed, row * hidden + column), its top 24
     bits as a float32 fraction (exact). Why not torch's generator: its streams differ between
     CPU and CUDA, and sender and receiver of a gradient may sit on either."""
-    return dither_at(seed, torch.arange(rows, device=cols.device, dtype=torch.int64).unsqueeze(1), cols.to(torch.int64).unsqueeze(0), hidden)
+    return dither_at(seed, torch.arange(rows, device=cols.device, dtype=torch.int64).unsqueeze(1), cols.to(torch.int64).unsqueeze(0), hidden, wide=rows * hidden >= 1 << 32)
 
 
-def dither_at(seed: int, rows: Tensor, cols: Tensor, hidden: int) -> Tensor:
-    """`dither`'s offsets at any (row, column) pairs: `rows` and `cols` broadcast together."""
-    index = rows * hidden + cols
-    wide = bool(index.numel()) and int(index.max()) >= 1 << 32
-    return (hash_words(seed, index, wide=wide) >> 8).to(torch.float32) / float(1 << 24)
+def dither_at(seed: int, rows: Tensor, cols: Tensor, hidden: int, *, wide: bool) -> Tensor:
+    """`dither`'s offsets at any (row, column) pairs: `rows` and `cols` broadcast together.
+    `wide`: the message has rows * hidden >= 2**32 (the caller knows its size: reading the
+    largest index here would wait for the device)."""
+    return (hash_words(seed, rows * hidden + cols, wide=wide) >> 8).to(torch.float32) / float(1 << 24)

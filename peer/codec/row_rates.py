@@ -78,12 +78,12 @@ def allocate_rows(energy: Tensor, hidden: int, row_budget: int) -> Tensor:
     return choose(scale * 10.0**hi)
 
 
-def _columns(seed: int, rows: Tensor, hidden: int, k: int) -> Tensor:
+def _columns(seed: int, rows: Tensor, hidden: int, k: int, wide: bool = False) -> Tensor:
     """The `k` components each of `rows` keeps [n, k], ascending: the k smallest PRF words of
-    (row, column), the column breaking ties (the same set and order on every device)."""
+    (row, column), the column breaking ties (the same set and order on every device). `wide`:
+    as for bitpack.dither_at."""
     cols = torch.arange(hidden, device=rows.device, dtype=torch.int64)
     index = rows.unsqueeze(1) * hidden + cols.unsqueeze(0)
-    wide = bool(index.numel()) and int(index.max()) >= 1 << 32
     key = (hash_words(seed ^ SUBSET_SALT, index, wide=wide) << 16) | cols  # hidden < 2**16
     return key.topk(k, dim=1, largest=False).indices.sort(dim=1).values
 
@@ -105,6 +105,7 @@ def encode(z: Tensor, energy: Tensor, seed: int, row_budget: int, step: dict[int
     values in steps `step[bits]`, rounded with subtractive dither (the offsets of
     bitpack.dither_at for the message's `seed`), clipped to the class's levels."""
     rows, H = z.shape
+    wide = rows * H >= 1 << 32
     classes = allocate_rows(energy, H, row_budget)
     parts = [pack(classes, CLASS_BITS)]
     on = classes.to(z.device)
@@ -113,10 +114,10 @@ def encode(z: Tensor, energy: Tensor, seed: int, row_budget: int, step: dict[int
         if not len(idx):
             continue
         k = kept(H, c)
-        cols = torch.arange(H, device=z.device).expand(len(idx), H) if k == H else _columns(seed, idx, H, k)
+        cols = torch.arange(H, device=z.device).expand(len(idx), H) if k == H else _columns(seed, idx, H, k, wide)
         t = z[idx.unsqueeze(1), cols] / step[b]
         half = 2 ** (b - 1)
-        q = torch.floor(t - 0.5 + dither_at(seed, idx.unsqueeze(1), cols, H))
+        q = torch.floor(t - 0.5 + dither_at(seed, idx.unsqueeze(1), cols, H, wide=wide))
         parts.append(pack(q.clamp_(-half, half - 1).to(torch.int64) + half, b))
     return parts
 
@@ -132,6 +133,7 @@ def decode(codes: Tensor, classes: Tensor, hidden: int, seed: int, step: dict[in
     the kept ones scaled by H / kept: unbiased)."""
     dev = codes.device
     rows = len(classes)
+    wide = rows * hidden >= 1 << 32
     z = torch.zeros(rows, hidden, device=dev)
     on = classes.to(dev)
     at = 0
@@ -144,8 +146,8 @@ def decode(codes: Tensor, classes: Tensor, hidden: int, seed: int, step: dict[in
         size = packed_bytes(n, b)
         q = unpack_codes(codes[at : at + size], b, n).reshape(len(idx), k)
         at += size
-        cols = torch.arange(hidden, device=dev).expand(len(idx), hidden) if k == hidden else _columns(seed, idx, hidden, k)
-        level = (q - 2 ** (b - 1)).float().add_(1.0).sub_(dither_at(seed, idx.unsqueeze(1), cols, hidden))
+        cols = torch.arange(hidden, device=dev).expand(len(idx), hidden) if k == hidden else _columns(seed, idx, hidden, k, wide)
+        level = (q - 2 ** (b - 1)).float().add_(1.0).sub_(dither_at(seed, idx.unsqueeze(1), cols, hidden, wide=wide))
         z[idx.unsqueeze(1), cols] = level.mul_(step[b] * hidden / k)
     return z
 
