@@ -115,8 +115,9 @@ class MaskConfig:
             its components at 1 bit to all of them at 5 bits, grad_bits per row on average,
             where the row's squared norm makes its error cost most: peer/codec/row_rates.py;
             SmolLM2's gradient rows are uneven enough that this cuts their squared error by a
-            quarter). "row" needs grad_rounding "dither" (the components a row keeps are drawn
-            from the same key as its offsets).
+            quarter, yet trained it ended worse: docs/benchmarks.md, so "even" stays the default).
+            "row" needs grad_rounding "dither" (the components a row keeps are drawn from the same
+            key as its offsets).
         grad_outliers: scheme "transform": gradient rows whose activation's RMS is above this many
             times the message's median travel dense in bf16 (0: none). SmolLM2's massive
             activations (the first position, 11,000x the median value, and a few tokens) make
