@@ -61,3 +61,22 @@ def dither_at(seed: int, rows: Tensor, cols: Tensor, hidden: int, *, wide: bool)
     `wide`: the message has rows * hidden >= 2**32 (the caller knows its size: reading the
     largest index here would wait for the device)."""
     return (hash_words(seed, rows * hidden + cols, wide=wide) >> 8).to(torch.float32) / float(1 << 24)
+
+
+def pack_levels(q: Tensor, width: int) -> bytes:
+    """Signed levels `q` (steps below / above zero, clipped to the `width`-bit range
+    [-2**(width-1), 2**(width-1) - 1]) packed as unsigned codes."""
+    half = 2 ** (width - 1)
+    return pack(q.clamp_(-half, half - 1).to(torch.int64) + half, width)
+
+
+def dithered(t: Tensor, offsets: Tensor) -> Tensor:
+    """The level of `t` (values in steps) with subtractive dither: `t - 0.5 + offset` rounded
+    down; `undithered` with the same offsets gives back t within half a step."""
+    return torch.floor(t - 0.5 + offsets)
+
+
+def undithered(codes: Tensor, width: int, offsets: Tensor) -> Tensor:
+    """Values in steps of unsigned `codes` that `dithered` and `pack_levels` made: the level,
+    plus 1, less the offset the sender added (error uniform in half a step)."""
+    return (codes - 2 ** (width - 1)).float().add_(1.0).sub_(offsets)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from peer.codec.bitpack import dither_at, pack, packed_bytes, unpack_codes
+from peer.codec.bitpack import dither_at, dithered, pack, pack_levels, packed_bytes, undithered, unpack_codes
 from peer.codec.mask import hash_words
 
 CLASS_BITS = 3
@@ -116,16 +116,13 @@ def encode(z: Tensor, energy: Tensor, seed: int, row_budget: int, step: dict[int
         k = kept(H, c)
         cols = torch.arange(H, device=z.device).expand(len(idx), H) if k == H else _columns(seed, idx, H, k, wide)
         t = z[idx.unsqueeze(1), cols] / step[b]
-        half = 2 ** (b - 1)
-        q = torch.floor(t - 0.5 + dither_at(seed, idx.unsqueeze(1), cols, H, wide=wide))
-        parts.append(pack(q.clamp_(-half, half - 1).to(torch.int64) + half, b))
+        parts.append(pack_levels(dithered(t, dither_at(seed, idx.unsqueeze(1), cols, H, wide=wide)), b))
     return parts
 
 
-def parse_classes(raw: Tensor, rows: int) -> tuple[Tensor, int]:
-    """(classes [rows], bytes they took) from the head of `raw` (uint8); every 3-bit value is a class."""
-    size = packed_bytes(rows, CLASS_BITS)
-    return unpack_codes(raw[:size], CLASS_BITS, rows), size
+def parse_classes(raw: Tensor, rows: int) -> Tensor:
+    """The classes [rows] at the head of `raw` (uint8); every 3-bit value is a class."""
+    return unpack_codes(raw[: packed_bytes(rows, CLASS_BITS)], CLASS_BITS, rows)
 
 
 def decode(codes: Tensor, classes: Tensor, hidden: int, seed: int, step: dict[int, float]) -> Tensor:
@@ -147,8 +144,7 @@ def decode(codes: Tensor, classes: Tensor, hidden: int, seed: int, step: dict[in
         q = unpack_codes(codes[at : at + size], b, n).reshape(len(idx), k)
         at += size
         cols = torch.arange(hidden, device=dev).expand(len(idx), hidden) if k == hidden else _columns(seed, idx, hidden, k, wide)
-        level = (q - 2 ** (b - 1)).float().add_(1.0).sub_(dither_at(seed, idx.unsqueeze(1), cols, hidden, wide=wide))
-        z[idx.unsqueeze(1), cols] = level.mul_(step[b] * hidden / k)
+        z[idx.unsqueeze(1), cols] = undithered(q, b, dither_at(seed, idx.unsqueeze(1), cols, hidden, wide=wide)).mul_(step[b] * hidden / k)
     return z
 
 

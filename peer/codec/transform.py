@@ -48,7 +48,7 @@ import torch
 from torch import Tensor
 
 from peer.codec import row_rates as rr
-from peer.codec.bitpack import dither, pack, packed_bytes, unpack_codes
+from peer.codec.bitpack import dither, dithered, pack_levels, packed_bytes, undithered, unpack_codes
 from peer.errors import ConfigError, WireError
 
 # Uniform quantiser of a unit Gaussian with 2**b levels (mid-rise): MSE-optimal step and its MSE.
@@ -186,17 +186,16 @@ class TransformState:
             parts += rr.encode(z, energy, dither_seed, int(self.bits.sum()), STEP)
             return b"".join(parts) + tail
         for (b, _), cols in zip(self._groups, placed_cols):
-            half = 2 ** (b - 1)
             t = z[:, cols] / STEP[b]
             if dither_seed is not None:  # decoded as (q + 1 - u) * step: error 0.5 - frac(t - 0.5 + u)
-                q = torch.floor(t - 0.5 + dither(dither_seed, t.shape[0], cols, self.hidden_size))
+                q = dithered(t, dither(dither_seed, t.shape[0], cols, self.hidden_size))
             elif stochastic:  # between the two nearest levels (q + 0.5) * step
                 t = t - 0.5
                 lo = torch.floor(t)
                 q = lo + (torch.rand(t.shape, generator=generator, device=t.device) < (t - lo)).float()
             else:
                 q = torch.floor(t)
-            parts.append(pack(q.clamp_(-half, half - 1).to(torch.int64) + half, b))
+            parts.append(pack_levels(q, b))
         return b"".join(parts) + tail
 
     def _parse(self, payload: bytes, batch: int, seq: int, sink: int, msg_stats: bool = False, row_rates: bool = False,
@@ -215,7 +214,7 @@ class TransformState:
         raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.zeros(0, dtype=torch.uint8)
         tail = 2 * H * dense
         if row_rates and len(payload) >= fixed + tail:
-            classes, _ = rr.parse_classes(raw[fixed - packed_bytes(rows, rr.CLASS_BITS) :], rows)
+            classes = rr.parse_classes(raw[fixed - packed_bytes(rows, rr.CLASS_BITS) :], rows)
             if rr.code_bits(classes, H) > rows * int(self.bits.sum()):
                 raise WireError(f"TensorPayload.payload: the rows' rate classes spend {rr.code_bits(classes, H)} bits, more than {int(self.bits.sum())} per row on average (coder v{self.version})")
             top_code = torch.full((H,), rr.reach(H, STEP), dtype=torch.float64)
@@ -263,16 +262,17 @@ class TransformState:
         dev = torch.device(device)
         mean, rotation, std, placed_cols = self._on(dev)
         codes = codes.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else codes.to(dev)
-        z = torch.zeros(rows, H, device=dev) if classes is None else rr.decode(codes, classes, H, dither_seed, STEP)
-        at = 0
-        for (b, cols), dcols in zip(self._groups if classes is None else [], placed_cols):
-            n = rows * len(cols)
-            size = packed_bytes(n, b)
-            q = unpack_codes(codes[at : at + size], b, n).reshape(rows, len(cols))
-            level = (q - 2 ** (b - 1)).float()
-            level = level.add_(0.5) if dither_seed is None else level.add_(1.0).sub_(dither(dither_seed, rows, dcols, H))
-            z[:, dcols] = level.mul_(STEP[b])
-            at += size
+        if classes is not None:
+            z = rr.decode(codes, classes, H, dither_seed, STEP)
+        else:
+            z, at = torch.zeros(rows, H, device=dev), 0
+            for (b, cols), dcols in zip(self._groups, placed_cols):
+                n = rows * len(cols)
+                size = packed_bytes(n, b)
+                q = unpack_codes(codes[at : at + size], b, n).reshape(rows, len(cols))
+                level = (q - 2 ** (b - 1)).float().add_(0.5) if dither_seed is None else undithered(q, b, dither(dither_seed, rows, dcols, H))
+                z[:, dcols] = level.mul_(STEP[b])
+                at += size
         out = torch.empty(batch, seq, H, device=dev)
         out[:, :head] = sink_rows.to(dev).float()
         z = z * std if stats is None else z * stats[1].to(dev).float() + stats[0].to(dev).float()
