@@ -20,16 +20,17 @@ from peer.pipeline.worker import StageWorker
 log = logging.getLogger("anchormesh.peer")
 
 
-def start_averaging(dht, worker: StageWorker, prefix: str, every: int, compression: str, link_share: float, peer_id: str, link_bps: Callable[[], float | None], signer: ClaimSigner | None = None, min_period_s: float = MIN_PERIOD_S) -> GroupAverager | None:
+def start_averaging(dht, worker: StageWorker, prefix: str, every: int, compression: str, link_share: float, peer_id: str, link_bps: Callable[[], float | None], signer: ClaimSigner | None = None, min_period_s: float = MIN_PERIOD_S, on_stuck: Callable[[], None] | None = None) -> GroupAverager | None:
     """Join the stage group's averaging; without a DHT the peer trains alone (None). Rounds are
     spaced so they take at most `link_share` of the uplink this peer measures (`link_bps`).
-    hivemind forks here: the caller starts it while no gRPC call runs."""
+    hivemind forks here: the caller starts it while no gRPC call runs; `on_stuck` is called if the
+    fork itself never returns (GroupAverager)."""
     if dht is None:
         log.warning("no DHT: this peer will not average with its stage group")
         return None
     averager = GroupAverager(
         dht, list(worker.stage.parameters()), prefix, every=every, compression=compression,
-        peer_id=peer_id, link_bps=link_bps, link_share=link_share, signer=signer, min_period_s=min_period_s,
+        peer_id=peer_id, link_bps=link_bps, link_share=link_share, signer=signer, min_period_s=min_period_s, on_stuck=on_stuck,
     )
     log.info("stage-group averaging every %d steps at least, %s on the wire, at most %.0f%% of the uplink (group key %s)", every, compression, 100 * link_share, prefix)
     return averager

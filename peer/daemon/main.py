@@ -35,7 +35,6 @@ import logging
 import math
 import os
 import signal
-import sys
 import threading
 import time
 import uuid
@@ -53,10 +52,11 @@ from peer.daemon.checkpointing import Checkpointer
 from peer.daemon.membership import TRACKER_CHANNEL_OPTIONS, Membership, dht_maddrs_from_tracker, find_tracker, leave, start_dht
 from peer.daemon.memory import anchor_snapshot_slots, check_fits, free_bytes, plan_stages
 from peer.daemon.replicas import Replicas, own_state_bytes
+from peer.daemon.restart import PEER_ID_ENV, exec_again
 from peer.daemon.routing import Router
 from peer.daemon.runlog import MetricsLog
 from peer.daemon.serving import Serving
-from peer.daemon.startup import STARTED_ENV, StartupClock, process_age_s
+from peer.daemon.startup import StartupClock, process_age_s
 from peer.daemon.state_sync import StateSync
 from peer.data import TokenStream, load_training_data
 from peer.dp.group import GroupAverager
@@ -70,12 +70,11 @@ from peer.pipeline.grpc_transport import STAGE_POLICY, GrpcTransport
 from peer.pipeline.swarm_anchor import SwarmAnchor
 from peer.pipeline.worker import StageWorker, mean_loss
 from peer.security import auth
-from peer.security.identity import IDENTITY_ENV, Identity
+from peer.security.identity import Identity
 from peer.store.checkpoint import ShardCheckpoints
 from peer.wire import anchormesh_pb2_grpc as pbg
 
 log = logging.getLogger("anchormesh.peer")
-PEER_ID_ENV = "ANCHORMESH_PEER_ID"  # set by a MOVE's exec so the peer keeps its id
 
 
 class PeerDaemon:
@@ -200,6 +199,7 @@ class PeerDaemon:
             self.dht, self.worker, f"{a.run_id}_stage{a.stage}", cfg.dp.inner_steps, cfg.dp.outer_compression, cfg.dp.link_share,
             peer_id=self.peer_id, link_bps=self.router.uplink_bps,
             signer=ClaimSigner(self.identity, a.run_id, a.certificate, a.tracker_key) if a.certificate else None, min_period_s=cfg.dp.min_period_s,
+            on_stuck=lambda: exec_again(self.peer_id, self.identity_to_keep()),
         )
         channel = auth.tracker_channel(self.tracker, self.creds, TRACKER_CHANNEL_OPTIONS, self.tls_ca)
         stub = pbg.TrackerStub(channel)
@@ -276,6 +276,10 @@ class PeerDaemon:
                 self.resumed_from = f"replica step {self.state_step} from {holder.peer_id}"
         lost = max(a.start_step - max(self.state_step, 0), 0)
         log.warning("stage %d had no live peer: resumed from %s (%d steps of its training lost)", a.stage, self.resumed_from, lost)
+
+    def identity_to_keep(self) -> str | None:
+        """The key an exec must carry in its environment (with a state dir it is on disk)."""
+        return self.identity.private_bytes().hex() if self.state_dir is None else None
 
     def _refuse_config(self, run_id: str, exc: ConfigError) -> None:
         """This peer cannot serve the stage it was given (its device, its memory): it tells the
@@ -392,9 +396,4 @@ def run_peer(initial_peers: list[str], tracker: str | None, host: str, grpc_port
     if daemon.move_reason and not daemon.terminated:
         # start again from a clean process (hivemind forks; a fork beside live gRPC threads can hang)
         log.info("%s starts again to join the stage that needs it", daemon.peer_id)
-        os.environ.update({PEER_ID_ENV: daemon.peer_id, STARTED_ENV: repr(time.time())})  # its startup counts from the exec
-        if state_dir is None:  # the same identity after the exec (with a state dir it is on disk)
-            os.environ[IDENTITY_ENV] = daemon.identity.private_bytes().hex()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.execv(sys.executable, [sys.executable, "-m", "peer.cli", *sys.argv[1:]])
+        exec_again(daemon.peer_id, daemon.identity_to_keep())

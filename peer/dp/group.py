@@ -49,6 +49,7 @@ from peer.dp.hivemind_averager import RoundResult, absmax_8bit, averager_class, 
 from peer.dp.schedule import MIN_PERIOD_S, WIRE_BYTES, RoundSchedule, round_bytes
 from peer.dp.signed_claims import ClaimSigner
 from peer.errors import AnchormeshError
+from peer.stall import stall_watch
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ log = logging.getLogger(__name__)
 STUCK_ROUND_FACTOR = 3.0  # a round pending this many times its timeout (plus its transfer time, below) is cancelled
 SLOWEST_LINK_BPS = 1.25e6  # 10 Mbit/s: the slowest link a round's bytes are allowed to take before it counts as stuck
 START_TIMEOUT_S, START_TRIES = 30.0, 3  # the averaging process normally starts in 1-3 s
+FORK_STALL_S = 15.0  # a parent still inside run_in_background this long after its wait ended is stuck in the fork
 # hivemind matchmaking: the leader forms the group when its declared window ends (it cannot know
 # the group's size), polling the DHT without pause until then: a round costs at least
 # MIN_MATCHMAKING_S of that. 1 s, not 2: members now arrive within about a step of each other, and
@@ -91,6 +93,8 @@ class GroupAverager:
             signed (in the averaging process, where the root is made), and a round whose claims
             are not all members' untouched ones is refused. None: claims go unsigned and
             unchecked (tests of the averaging alone).
+        on_stuck: called (from a watchdog thread) if starting the averaging process never comes
+            back from its fork; None: the stacks are written and the process stays stuck.
 
     Public state: `rounds`, `failures`, `rejected`, `bytes_out`, `period_s` and `period_reason`
     (the slot length and why, e.g. "8 s: 10 steps x 0.61 s"), `step_s`, `measured_bps`.
@@ -100,6 +104,7 @@ class GroupAverager:
         self, dht, params: list[torch.nn.Parameter], prefix: str, every: int = 10, timeout: float = 30.0,
         compression: str = "int8", peer_id: str = "", link_bps: Callable[[], float | None] | None = None, link_share: float = 0.0,
         clock: Callable[[], float] = time.time, signer: ClaimSigner | None = None, min_period_s: float = MIN_PERIOD_S,
+        on_stuck: Callable[[], None] | None = None,
     ) -> None:
         from hivemind.compression import NoCompression
 
@@ -150,8 +155,11 @@ class GroupAverager:
             try:
                 # hivemind forks its averaging process; a fork beside live threads (gRPC's, the DHT
                 # client's) now and then leaves the child stuck before it is ready, and hivemind
-                # would wait for it forever: wait a bounded time, then kill it and fork again
-                self.averager.run_in_background(await_ready=True, timeout=START_TIMEOUT_S)
+                # would wait for it forever: wait a bounded time, then kill it and fork again.
+                # Rarer, the parent never returns from the fork itself: `on_stuck` (the daemon
+                # starts its process again) is called from a watchdog
+                with stall_watch(START_TIMEOUT_S + FORK_STALL_S, "forking the stage-group averaging process", on_stuck or (lambda: None)):
+                    self.averager.run_in_background(await_ready=True, timeout=START_TIMEOUT_S)
                 break
             except TimeoutError:
                 log.warning("the stage-group averaging process did not start within %.0fs (try %d of %d); starting it again", START_TIMEOUT_S, attempt, START_TRIES)

@@ -1,0 +1,37 @@
+"""A watchdog for a block that may never return (a fork beside live threads): it writes every
+thread's stack and calls for help instead of leaving the process hung in silence."""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+
+def _say(text: str) -> None:
+    """Straight to fd 2: the stuck thread may hold the logging module's lock (logging takes it
+    before every fork), so the watchdog must not go through `logging`."""
+    os.write(2, text.encode("utf-8", "replace"))
+
+
+@contextmanager
+def stall_watch(limit_s: float, what: str, on_stall: Callable[[], None]) -> Iterator[None]:
+    """Run the block; if it has not finished after `limit_s`, write every thread's stack to stderr
+    (so the cause can be found) and call `on_stall` from the watchdog thread."""
+    done = threading.Event()
+
+    def watch() -> None:
+        if done.wait(limit_s):
+            return
+        _say(f"anchormesh: {what} has not finished after {limit_s:.0f}s; every thread's stack follows\n")
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        on_stall()
+
+    threading.Thread(target=watch, name=f"stall-watch {what}", daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
