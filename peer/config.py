@@ -63,7 +63,8 @@ MASK_FILLS = ("zero", "token_prior", "rescale", "prior_rescale")
 VALUE_DTYPES = ("fp32", "fp16", "bf16", "int8")
 
 
-GRAD_ROUNDINGS = ("stochastic", "dither")
+GRAD_ROUNDINGS = ("stochastic", "dither", "nearest")
+GRAD_ROTATIONS = ("fixed", "message")
 ACT_ROUNDINGS = ("nearest", "dither")
 ACT_STATS = ("coder", "message")
 GRAD_RATES = ("even", "row")
@@ -98,11 +99,17 @@ class MaskConfig:
         grad_bits: scheme "transform": bits per value of the gradients (backward), in [1, 8].
         sink: scheme "transform": leading positions of each sequence sent dense in bf16 (the
             attention sink carries massive activations that no few-bit code survives).
-        grad_rounding: scheme "transform": how gradients round to their levels, both unbiased:
-            "stochastic" (to one of the two nearest at random) or "dither" (subtractive dither:
-            the sender adds a pseudo-random offset before rounding and the receiver, which
-            draws the same offset from the message's key, subtracts it: the error is uniform
-            and independent of the value, half of stochastic rounding's mean square).
+        grad_rounding: scheme "transform": how gradients round to their levels: "stochastic"
+            (to one of the two nearest at random) or "dither" (subtractive dither: the sender
+            adds a pseudo-random offset before rounding and the receiver, which draws the same
+            offset from the message's key, subtracts it: the error is uniform and independent of
+            the value, half of stochastic rounding's mean square), both unbiased inside the
+            quantiser's range; or "nearest" (the least error, but the same for the same value:
+            meant with grad_rotation "message", which makes it differ from message to message).
+        grad_rotation: scheme "transform": "fixed" (one random rotation for the run) or "message"
+            (each message's rows signed and permuted by its key before it, so a value-dependent
+            error, a clip or a nearest rounding, does not repeat in every message and add up
+            over steps). Neither it nor "nearest" trained better on SmolLM2 (docs/benchmarks.md).
         grad_step_scale: scheme "transform": the gradients' quantiser steps, in Gaussian-optimal
             steps: wider ones clip fewer values (a clipped value is a biased one), narrower ones
             add less noise. Measured on Gaussian values (relative mean square error, 1 bit):
@@ -160,6 +167,7 @@ class MaskConfig:
     grad_step_scale: float = 1.0
     grad_rates: str = "even"
     grad_outliers: float = 20.0
+    grad_rotation: str = "fixed"
     act_stats: str = "message"
     adapt: bool = True
     min_keep: float = 0.25
@@ -188,6 +196,7 @@ class MaskConfig:
             raise ConfigError("mask.grad_outliers", self.grad_outliers, "must be 0 (off) or in (1, 1e6] times the median row RMS")
         if self.grad_rates == "row" and self.grad_rounding != "dither":
             raise ConfigError("mask.grad_rates", self.grad_rates, f'"row" needs mask.grad_rounding = "dither" (got "{self.grad_rounding}"): a row\'s kept components are drawn from the dither\'s key')
+        _choice("mask.grad_rotation", self.grad_rotation, GRAD_ROTATIONS)
         if not (0.25 <= self.grad_step_scale <= 8.0):
             raise ConfigError("mask.grad_step_scale", self.grad_step_scale, "must be in [0.25, 8] Gaussian-optimal steps")
         _positive("mask.rank", self.rank)

@@ -106,6 +106,7 @@ def _audited_run(mask: MaskConfig, steps: int = 3) -> list[tuple[str, str]]:
     ("dense", MaskConfig(values="fp16")),
     ("transform", MaskConfig(scheme="transform", basis_refresh=2)),  # refits inside the audited steps
     ("transform_rows", MaskConfig(scheme="transform", grad_rates="row")),  # a rate per gradient row
+    ("transform_message_rotation", MaskConfig(scheme="transform", grad_rounding="nearest", grad_rotation="message")),  # a signed permutation per gradient message
 ])
 def test_fast_path_makes_no_host_sync_and_no_deviceless_tensor(name: str, mask: MaskConfig) -> None:
     found = _audited_run(mask)

@@ -100,6 +100,16 @@ def rows(setup: QualitySetup) -> dict[str, TrainConfig]:
         # every gradient row coded, the massive activations' rows too (mask.grad_outliers 0: the default until 2026-12-06)
         "transform_all_coded": cfg(mask=replace(transform, grad_outliers=0.0)),
         "transform_rows_all_coded": cfg(mask=replace(rows_mask, grad_outliers=0.0)),
+        # the gradients' dither steps wider than Gaussian-optimal (mask.grad_step_scale): less clipping bias, more noise
+        "transform_stale1_gs15": cfg(mask=replace(transform, grad_step_scale=1.5), pipeline=replace(pipe, max_staleness=1)),
+        "transform_stale1_gs075": cfg(mask=replace(transform, grad_step_scale=0.75), pipeline=replace(pipe, max_staleness=1)),
+        "transform_stale1_b15_g15": cfg(mask=replace(transform, bits=1.5, grad_bits=1.5), pipeline=replace(pipe, max_staleness=1)),  # the same bytes, split evenly
+        "transform_stale1_gs2": cfg(mask=replace(transform, grad_step_scale=2.0), pipeline=replace(pipe, max_staleness=1)),
+        "probe_grad1_s2_only": cfg(mask=replace(transform, bits=8.0, grad_step_scale=2.0)),
+        # the gradients' rotation drawn per message (a signed permutation before the fixed one: mask.grad_rotation),
+        # and nearest rounding instead of dither (less noise; its bias is the one the rotation turns into noise)
+        "transform_stale1_near_msg": cfg(mask=replace(transform, grad_rounding="nearest", grad_rotation="message"), pipeline=replace(pipe, max_staleness=1)),
+        "transform_stale1_msg": cfg(mask=replace(transform, grad_rotation="message"), pipeline=replace(pipe, max_staleness=1)),
         "transform_stale1_stash": cfg(mask=transform, pipeline=replace(pipe, max_staleness=1, staleness_correction="none")),  # plain stashing, as the swarm's stage 0 did before 2026-12-06
         "dense_stale1": cfg(pipeline=replace(pipe, max_staleness=1)),  # what the staleness alone costs, with the look-ahead
         "dense_stale1_stash": cfg(pipeline=replace(pipe, max_staleness=1, staleness_correction="none")),  # and with plain stashing

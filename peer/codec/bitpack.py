@@ -1,5 +1,6 @@
 """Bits on the wire for the transform coder (peer/codec/transform.py): codes packed at any
-width from 1 to 8 bits, and the dither offsets both ends of a message derive from its key."""
+width from 1 to 8 bits, and what both ends of a message derive from its key: the dither offsets
+and the signed permutation of a gradient's coordinates (mask.grad_rotation "message")."""
 
 from __future__ import annotations
 
@@ -61,6 +62,20 @@ def dither_at(seed: int, rows: Tensor, cols: Tensor, hidden: int, *, wide: bool)
     `wide`: the message has rows * hidden >= 2**32 (the caller knows its size: reading the
     largest index here would wait for the device)."""
     return (hash_words(seed, rows * hidden + cols, wide=wide) >> 8).to(torch.float32) / float(1 << 24)
+
+
+SHUFFLE_SALT = 0x5EED_5A17  # the signed permutation's key differs from the dither's
+
+def signed_permutation(seed: int, hidden: int, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
+    """(signs [H] of +-1.0, perm [H]) for a message's key, the same on every device (the mask's
+    PRF, on the host). A row r enters the fixed rotation as (r * signs)[perm]. Why: with one
+    fixed rotation a coding error that depends on the value (clipping, nearest rounding) is the
+    same in every message and adds up over steps into a bias; a fresh signed permutation per
+    message turns it into noise that averages out."""
+    h = hash_words(seed ^ SHUFFLE_SALT, torch.arange(hidden, dtype=torch.int64), wide=False)
+    signs = (h & 1).to(torch.float32).mul_(2.0).sub_(1.0)
+    perm = torch.argsort(h >> 1, stable=True)
+    return signs.to(device), perm.to(device)
 
 
 def pack_levels(q: Tensor, width: int) -> bytes:

@@ -48,7 +48,7 @@ import torch
 from torch import Tensor
 
 from peer.codec import row_rates as rr
-from peer.codec.bitpack import dither, dithered, pack_levels, packed_bytes, undithered, unpack_codes
+from peer.codec.bitpack import dither, dithered, pack_levels, packed_bytes, signed_permutation, undithered, unpack_codes
 from peer.errors import ConfigError, WireError
 
 # Uniform quantiser of a unit Gaussian with 2**b levels (mid-rise): MSE-optimal step and its MSE.
@@ -145,7 +145,7 @@ class TransformState:
         return batch * head * self.hidden_size * 2 + 2 * rows + stats + classes
 
     def encode(self, x: Tensor, sink: int, stochastic: bool = False, generator: torch.Generator | None = None, dither_seed: int | None = None,
-               msg_stats: bool = False, row_rates: bool = False, dense_rows: Tensor | None = None) -> bytes:
+               msg_stats: bool = False, row_rates: bool = False, dense_rows: Tensor | None = None, shuffle_seed: int | None = None) -> bytes:
         """The payload of `x` [B, T, H] (any float dtype; coded in float32). `stochastic`: round
         to one of the two nearest levels at random (drawn from `generator`), unbiased inside the
         quantiser's range. `dither_seed`: subtractive dither instead (`dither`'s offset added
@@ -157,7 +157,8 @@ class TransformState:
         with dither only: the components a row keeps come from the same seed). `dense_rows`: rows
         (flat indices over the non-sink rows) also sent in bf16 after the codes, which the
         receiver puts in place of their decoded values (with `row_rates` their codes take the
-        fewest bits)."""
+        fewest bits). `shuffle_seed`: the rows' coordinates are signed and permuted by the
+        message's own `signed_permutation` before the rotation (`decode` undoes it)."""
         if row_rates and dither_seed is None:
             raise ValueError("row_rates: needs a dither_seed (the kept components are drawn from it)")
         x = x.detach().float()
@@ -167,6 +168,9 @@ class TransformState:
         dev = rows.device
         mean, rotation, std, placed_cols = self._on(dev)
         resid = rows - mean
+        if shuffle_seed is not None:
+            signs, perm = signed_permutation(shuffle_seed, self.hidden_size, dev)
+            resid = (resid * signs)[:, perm]
         gain = resid.pow(2).mean(1, keepdim=True).sqrt().to(torch.bfloat16)  # bf16: gradients' gains lie below fp16's range
         parts.append(gain.view(torch.int16).cpu().numpy().tobytes())
         gain = gain.float().clamp(min=1e-30)
@@ -248,11 +252,12 @@ class TransformState:
         self._parse(payload, batch, seq, sink, msg_stats, row_rates, dense)
 
     def decode(self, payload: bytes, batch: int, seq: int, sink: int, device: torch.device | str = "cpu", dither_seed: int | None = None,
-               msg_stats: bool = False, row_rates: bool = False, dense_rows: Tensor | None = None) -> Tensor:
+               msg_stats: bool = False, row_rates: bool = False, dense_rows: Tensor | None = None, shuffle_seed: int | None = None) -> Tensor:
         """[batch, seq, H] float32 on `device` from a payload of exactly `payload_bytes`; WireError
         otherwise. The bytes are checked on the host; the codes cross to `device` still packed and
         are expanded and rotated there (an H x H product per row: a GPU's work, not the host's).
-        `dither_seed`: the encoder's, whose offsets are subtracted."""
+        `dither_seed`: the encoder's, whose offsets are subtracted; `shuffle_seed`: the
+        encoder's, whose signed permutation is undone."""
         H = self.hidden_size
         if row_rates and dither_seed is None:
             raise ValueError("row_rates: needs the encoder's dither_seed")
@@ -276,7 +281,11 @@ class TransformState:
         out = torch.empty(batch, seq, H, device=dev)
         out[:, :head] = sink_rows.to(dev).float()
         z = z * std if stats is None else z * stats[1].to(dev).float() + stats[0].to(dev).float()
-        coded = mean + gain.to(dev).float() * (z @ rotation.T)
+        back = z @ rotation.T
+        if shuffle_seed is not None:
+            signs, perm = signed_permutation(shuffle_seed, H, dev)
+            back = back[:, torch.argsort(perm)] * signs
+        coded = mean + gain.to(dev).float() * back
         if n_dense:
             coded[dense_rows.to(dev)] = dense_vals.to(dev).float()
         out[:, head:] = coded.reshape(batch, seq - head, H)

@@ -71,18 +71,19 @@ def _rounding_seed(boundary: int, step: int, micro_batch: int, channel: str = "b
 
 
 def encode(state: TransformState | None, x: torch.Tensor, *, sink: int, stochastic: bool, boundary: int, step: int, micro_batch: int, dither: bool = False,
-           channel: str = "backward", msg_stats: bool = False, row_rates: bool = False, dense_rows: torch.Tensor | None = None) -> pb.TensorPayload:
+           channel: str = "backward", msg_stats: bool = False, row_rates: bool = False, dense_rows: torch.Tensor | None = None, shuffle: bool = False) -> pb.TensorPayload:
     """`x` [B, T, H] as a payload: coded with `state`, or dense bf16 while there is none.
     `dither`: subtractive dither seeded by the message's key and `channel` (the receiver's
     `decode` needs both too); `msg_stats`: the message carries its own component statistics
     (TransformState.encode); `row_rates`: each row its own rate (needs `dither`); `dense_rows`:
-    ascending flat indices of non-sink rows also sent in bf16 (named in Compression.dense_rows)."""
+    ascending flat indices of non-sink rows also sent in bf16 (named in Compression.dense_rows);
+    `shuffle`: the rows' coordinates signed and permuted by the message's key first."""
     if state is None:
         return pb.TensorPayload(dtype=pb.BFLOAT16, shape=list(x.shape), payload=to_le_bytes(x.detach().to(torch.bfloat16).cpu()))
     seed = _rounding_seed(boundary, step, micro_batch, channel)
     gen = torch.Generator(device=x.device).manual_seed(seed) if stochastic and not dither else None
     msg = pb.TensorPayload(dtype=pb.FLOAT32, shape=list(x.shape), payload=state.encode(x, sink, generator=gen, stochastic=stochastic, dither_seed=seed if dither else None, msg_stats=msg_stats,
-                                                                                    row_rates=row_rates, dense_rows=dense_rows))
+                                                                                    row_rates=row_rates, dense_rows=dense_rows, shuffle_seed=seed if shuffle else None))
     c = msg.compression
     c.kind, c.coder_version, c.sink = pb.Compression.TRANSFORM, state.version, sink
     c.boundary, c.step, c.micro_batch = boundary, step, micro_batch
@@ -152,13 +153,15 @@ def check(msg: pb.TensorPayload, state: TransformState | None, *, expect_shape: 
 
 
 def decode(msg: pb.TensorPayload, state: TransformState | None, *, expect_shape: tuple[int, ...], sink: int, boundary: int, step: int, micro_batch: int, device: torch.device | str = "cpu",
-           dither: bool = False, channel: str = "backward", msg_stats: bool = False, row_rates: bool = False) -> torch.Tensor:
+           dither: bool = False, channel: str = "backward", msg_stats: bool = False, row_rates: bool = False, shuffle: bool = False) -> torch.Tensor:
     """The float32 tensor a payload carries, on `device`, after `check`'s checks (the coder's
     products run on `device`); `dither`: the sender dithered `channel`'s values (the run's
-    mask.grad_rounding, mask.act_rounding)."""
+    mask.grad_rounding, mask.act_rounding); `shuffle`: the sender signed and permuted the rows
+    by the message's key (mask.grad_rotation "message")."""
     shape = _checked(msg, state, expect_shape, sink, boundary, step, micro_batch)
     if msg.compression.kind == pb.Compression.NONE:
         return _dense(msg, shape).to(device).float()
     B, T, _ = shape
-    return state.decode(msg.payload, B, T, sink, device=device, dither_seed=_rounding_seed(boundary, step, micro_batch, channel) if dither else None, msg_stats=msg_stats,
-                        row_rates=row_rates, dense_rows=_dense_rows(msg))
+    seed = _rounding_seed(boundary, step, micro_batch, channel)
+    return state.decode(msg.payload, B, T, sink, device=device, dither_seed=seed if dither else None, msg_stats=msg_stats,
+                        row_rates=row_rates, dense_rows=_dense_rows(msg), shuffle_seed=seed if shuffle else None)

@@ -53,6 +53,11 @@ class TransformLinks:
         gradients, mask.act_rounding for the activations): both ends read it from the run's config."""
         return (self.mask.grad_rounding if channel == "backward" else self.mask.act_rounding) == "dither"
 
+    def shuffles(self, channel: str) -> bool:
+        """Whether `channel`'s rows are signed and permuted per message before the rotation (the
+        gradients, with mask.grad_rotation "message"): both ends read it from the run's config."""
+        return channel == "backward" and self.mask.grad_rotation == "message"
+
     def msg_stats(self, channel: str) -> bool:
         """Whether `channel`'s messages carry their own component statistics (the activations,
         with mask.act_stats "message"): both ends read it from the run's config."""
@@ -96,8 +101,9 @@ class TransformLinks:
         if state is not None and self.sent.get((channel, dst)) != state.version:
             coder = tw.coder_to_proto(state)
             self.sent[(channel, dst)] = state.version
-        payload = tw.encode(state, x, sink=self.sink(channel), stochastic=channel == "backward", boundary=boundary, step=step, micro_batch=micro_batch, dither=self.dithers(channel), channel=channel,
-                           msg_stats=self.msg_stats(channel), row_rates=self.row_rates(channel), dense_rows=self.dense_rows(channel, ref) if state is not None else None)
+        payload = tw.encode(state, x, sink=self.sink(channel), stochastic=channel == "backward" and self.mask.grad_rounding == "stochastic", boundary=boundary, step=step, micro_batch=micro_batch, dither=self.dithers(channel), channel=channel,
+                           msg_stats=self.msg_stats(channel), row_rates=self.row_rates(channel), dense_rows=self.dense_rows(channel, ref) if state is not None else None,
+                           shuffle=self.shuffles(channel))
         return payload, coder
 
     def forget_sent(self) -> None:
@@ -138,4 +144,5 @@ class TransformLinks:
         """The float32 tensor an activation or gradient carries, decoded on `device`."""
         channel, payload, state = self._state(msg)
         return tw.decode(payload, state, expect_shape=expect_shape, sink=self.sink(channel), boundary=boundary, step=step, micro_batch=micro_batch, device=device,
-                         dither=self.dithers(channel), channel=channel, msg_stats=self.msg_stats(channel), row_rates=self.row_rates(channel))
+                         dither=self.dithers(channel), channel=channel, msg_stats=self.msg_stats(channel), row_rates=self.row_rates(channel),
+                         shuffle=self.shuffles(channel))
