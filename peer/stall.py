@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import faulthandler
 import os
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -27,7 +26,7 @@ def stall_watch(limit_s: float, what: str, on_stall: Callable[[], None]) -> Iter
         if done.wait(limit_s):
             return
         _say(f"anchormesh: {what} has not finished after {limit_s:.0f}s; every thread's stack follows\n")
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        faulthandler.dump_traceback(file=2, all_threads=True)  # fd 2 too: sys.stderr may be a wrapper without a file number
         on_stall()
 
     threading.Thread(target=watch, name=f"stall-watch {what}", daemon=True).start()

@@ -66,6 +66,7 @@ def dither_at(seed: int, rows: Tensor, cols: Tensor, hidden: int, *, wide: bool)
 
 SHUFFLE_SALT = 0x5EED_5A17  # the signed permutation's key differs from the dither's
 
+
 def signed_permutation(seed: int, hidden: int, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
     """(signs [H] of +-1.0, perm [H]) for a message's key, the same on every device (the mask's
     PRF, on the host). A row r enters the fixed rotation as (r * signs)[perm]. Why: with one

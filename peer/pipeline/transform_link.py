@@ -90,8 +90,9 @@ class TransformLinks:
     def encode(self, channel: str, x: torch.Tensor, dst: object, *, boundary: int, step: int, micro_batch: int,
                ref: torch.Tensor | None = None) -> tuple[pb.TensorPayload, pb.TransformCoder | None]:
         """`x` [B, T, H] coded for `dst`, and the coder to ship with it when `dst` lacks it.
-        Gradients round stochastically or with dither (both unbiased), activations to the
-        nearest level or with dither: as the run's mask.grad_rounding / act_rounding say.
+        Gradients round stochastically, with dither or to the nearest level, through a fixed
+        rotation or one signed and permuted per message; activations to the nearest level or
+        with dither: as the run's mask.grad_rounding / grad_rotation / act_rounding say.
         `ref`: for a gradient, the activation it is the gradient of (`dense_rows`)."""
         learner = self.learners[channel]
         learner.observe(x, self.sink(channel))
