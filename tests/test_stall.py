@@ -51,8 +51,9 @@ def test_exec_again_keeps_the_peer_s_id_and_key_and_runs_the_same_command(monkey
     from peer.daemon.startup import STARTED_ENV
     from peer.security.identity import IDENTITY_ENV
 
-    for name in (restart.PEER_ID_ENV, STARTED_ENV, IDENTITY_ENV):
-        monkeypatch.delenv(name, raising=False)
+    # exec_again writes os.environ: a copy stands in for it, so nothing leaks into later tests'
+    # subprocesses (every peer they start would take this id and key)
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in (restart.PEER_ID_ENV, STARTED_ENV, IDENTITY_ENV)})
     monkeypatch.setattr(sys, "argv", ["anchormesh", "peer", "--tracker", "198.18.0.1:7000"])
     seen: list[tuple] = []
 
@@ -71,7 +72,7 @@ def test_exec_again_keeps_the_peer_s_id_and_key_and_runs_the_same_command(monkey
     assert env[restart.PEER_ID_ENV] == "peer-7" and env[IDENTITY_ENV] == "ab" * 32
     assert abs(float(env[STARTED_ENV]) - time.time()) < 60
     seen.clear()
-    monkeypatch.delenv(IDENTITY_ENV)
+    del os.environ[IDENTITY_ENV]
     with pytest.raises(Execed):
         restart.exec_again("peer-7", None)  # a state dir holds the key: none in the environment
     assert IDENTITY_ENV not in seen[0][2]
