@@ -39,6 +39,7 @@ def rows(setup: QualitySetup) -> dict[str, TrainConfig]:
     m = setup.micro_batches
     pipe = PipelineConfig(micro_batch_size=setup.micro_batch_size, micro_batches=m, seq_len=setup.seq_len)
     pipe_dp = replace(pipe, micro_batches=max(1, m // 2))
+    stale1 = replace(pipe, max_staleness=1)  # stage 0 one step ahead, as the swarm's default run
     optim = setup.optim()
     anchor = AnchorConfig(every=setup.anchor_every, micro_batches=max(1, m // 2))
     mask = MaskConfig(drop=setup.drop)
@@ -93,25 +94,24 @@ def rows(setup: QualitySetup) -> dict[str, TrainConfig]:
         # a compressed twin of the anchor pass, which only the element mask has: masked_anchor_ef)
         "transform_anchor_r8": cfg(mask=transform, anchor=anchor, spectral=SpectralConfig(mode="paper", rank=8)),
         # stage 0 one step ahead of its applied gradients (pipeline.max_staleness 1): the pipeline no longer drains every step
-        "transform_stale1": cfg(mask=transform, pipeline=replace(pipe, max_staleness=1)),
+        "transform_stale1": cfg(mask=transform, pipeline=stale1),
         # each gradient row its own rate (mask.grad_rates "row", dithered), the same bits per message
         "transform_rows": cfg(mask=rows_mask),
-        "transform_rows_stale1": cfg(mask=rows_mask, pipeline=replace(pipe, max_staleness=1)),
+        "transform_rows_stale1": cfg(mask=rows_mask, pipeline=stale1),
         # every gradient row coded, the massive activations' rows too (mask.grad_outliers 0: the default until 2026-12-06)
         "transform_all_coded": cfg(mask=replace(transform, grad_outliers=0.0)),
         "transform_rows_all_coded": cfg(mask=replace(rows_mask, grad_outliers=0.0)),
-        # the gradients' dither steps wider than Gaussian-optimal (mask.grad_step_scale): less clipping bias, more noise
-        "transform_stale1_gs15": cfg(mask=replace(transform, grad_step_scale=1.5), pipeline=replace(pipe, max_staleness=1)),
-        "transform_stale1_gs075": cfg(mask=replace(transform, grad_step_scale=0.75), pipeline=replace(pipe, max_staleness=1)),
-        "transform_stale1_b15_g15": cfg(mask=replace(transform, bits=1.5, grad_bits=1.5), pipeline=replace(pipe, max_staleness=1)),  # the same bytes, split evenly
-        "transform_stale1_gs2": cfg(mask=replace(transform, grad_step_scale=2.0), pipeline=replace(pipe, max_staleness=1)),
-        "probe_grad1_s2_only": cfg(mask=replace(transform, bits=8.0, grad_step_scale=2.0)),
+        # the gradients' dither steps other than Gaussian-optimal (mask.grad_step_scale): wider clip less and add more noise, narrower the reverse
+        "transform_stale1_gs075": cfg(mask=replace(transform, grad_step_scale=0.75), pipeline=stale1),
+        "transform_stale1_gs15": cfg(mask=replace(transform, grad_step_scale=1.5), pipeline=stale1),
+        "transform_stale1_gs2": cfg(mask=replace(transform, grad_step_scale=2.0), pipeline=stale1),
+        "transform_stale1_b15_g15": cfg(mask=replace(transform, bits=1.5, grad_bits=1.5), pipeline=stale1),  # the same bytes, split evenly
         # the gradients' rotation drawn per message (a signed permutation before the fixed one: mask.grad_rotation),
         # and nearest rounding instead of dither (less noise; its bias is the one the rotation turns into noise)
-        "transform_stale1_near_msg": cfg(mask=replace(transform, grad_rounding="nearest", grad_rotation="message"), pipeline=replace(pipe, max_staleness=1)),
-        "transform_stale1_msg": cfg(mask=replace(transform, grad_rotation="message"), pipeline=replace(pipe, max_staleness=1)),
+        "transform_stale1_near_msg": cfg(mask=replace(transform, grad_rounding="nearest", grad_rotation="message"), pipeline=stale1),
+        "transform_stale1_msg": cfg(mask=replace(transform, grad_rotation="message"), pipeline=stale1),
         "transform_stale1_stash": cfg(mask=transform, pipeline=replace(pipe, max_staleness=1, staleness_correction="none")),  # plain stashing, as the swarm's stage 0 did before 2026-12-06
-        "dense_stale1": cfg(pipeline=replace(pipe, max_staleness=1)),  # what the staleness alone costs, with the look-ahead
+        "dense_stale1": cfg(pipeline=stale1),  # what the staleness alone costs, with the look-ahead
         "dense_stale1_stash": cfg(pipeline=replace(pipe, max_staleness=1, staleness_correction="none")),  # and with plain stashing
         # data parallel, same token budget: 2 replicas x half the micro-batches
         "dense_dp": cfg(dp=DPConfig(replicas=2, scheme="dense"), pipeline=pipe_dp),
