@@ -42,6 +42,7 @@ by row, b bits each, most significant bit first, the group padded to a byte).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -55,12 +56,12 @@ from peer.errors import ConfigError, WireError
 STEP = {1: 1.596, 2: 0.9957, 3: 0.5860, 4: 0.3352, 5: 0.1881, 6: 0.1041, 7: 0.0568, 8: 0.0307}
 MSE = {0: 1.0, 1: 0.3634, 2: 0.1188, 3: 0.03744, 4: 0.01154, 5: 0.00349, 6: 0.001035, 7: 0.000306, 8: 0.0000876}
 MAX_BITS = 8
+BITS_GRID = 8  # an adapting sender's row budgets (mask.adapt): multiples of 1/8 bit per value
 # The gradients' quantiser steps are this many times the Gaussian-optimal ones: stochastic rounding
 # is unbiased only inside the quantiser's range, and at 1-2 bits the optimal step clips 14-42 % of
 # the values. Measured on the toy (2-bit activations; eval loss vs dense 1.678): 2-bit gradients
 # 1.720 at 1x, 1.705 at 1.5x, 1.699 at 2x, 1.711 at 3x; 1-bit ones 1.730 at 2x, 1.727 at 3x, 1.765 at 4x.
-# The width for stochastic rounding (and the tiny models' runs); the swarm's default, dither, takes
-# mask.grad_step_scale = 1 (its error does not grow where values clip; SmolLM2: docs/benchmarks.md).
+# The width for stochastic rounding (the tiny models' runs); dither takes mask.grad_step_scale = 1.
 GRAD_STEP_SCALE = 2.0
 DECODE_LIMIT = 1e38  # below float32's largest value (3.4e38): what a decoded value may reach
 BUFFER_ROWS_PER_H = 4  # a learner keeps its newest 4 H rows: a covariance of H dimensions wants several times H samples
@@ -78,7 +79,7 @@ def allocate(var: Tensor, budget: int, max_bits: int = MAX_BITS, min_bits: int =
     gains = (v[:, None] * drops[None]).clone()
     gains[:, :min_bits] = float("inf")
     gains = gains.reshape(-1)
-    take = gains.topk(min(budget, len(gains))).indices
+    take = torch.sort(gains, descending=True, stable=True).indices[:budget]  # ties by index: both ends of a link pick alike
     take = take[gains[take] > 0]
     return torch.bincount(take // max_bits, minlength=len(v))
 
@@ -89,6 +90,11 @@ def row_budget(bits_per_value: float, hidden_size: int) -> int:
     if not 1 <= bits_per_value <= MAX_BITS:
         raise ConfigError("bits_per_value", bits_per_value, f"must be in [1, {MAX_BITS}]: every component gets a bit")
     return round(bits_per_value * hidden_size)
+
+
+def grid_bits(row_bits: float, hidden_size: int) -> int:
+    """The largest row budget on the adapting grid (1/BITS_GRID bit per value) at most `row_bits`."""
+    return round(math.floor(row_bits * BITS_GRID / hidden_size + 1e-9) * hidden_size / BITS_GRID)
 
 
 @dataclass
@@ -113,6 +119,18 @@ class TransformState:
         self._rownorm = float(self.rotation.double().norm(dim=1).max())
         self._spread = float((self._top * self.std.double().cpu()).norm()) * self._rownorm
         self._reach = float(self.mean.abs().max()) if len(self.mean) else 0.0
+        self._budgets: dict[int, TransformState] = {}
+
+    def at_budget(self, row_bits: int) -> TransformState:
+        """This coder at `row_bits` bits per row (a slow link, mask.adapt): the bits spread again by
+        `allocate` over the stds as they travel, so the receiver derives the same split from the
+        number alone and no coder ships again. Kept per budget."""
+        if row_bits == int(self.bits.sum()):
+            return self
+        if row_bits not in self._budgets:
+            bits = allocate(self.std.double().pow(2), row_bits, min_bits=1)
+            self._budgets[row_bits] = TransformState(self.version, self.mean, self.rotation_q, self.rotation_scale, self.std, bits)
+        return self._budgets[row_bits]
 
     def _on(self, device: torch.device) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
         """(mean, rotation, std, each width's columns) on `device`, copied there once (an H x H

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from peer.codec.transform import MAX_BITS, TransformState
+from peer.codec.transform import BITS_GRID, MAX_BITS, TransformState, grid_bits
 from peer.errors import WireError
 from peer.wire import anchormesh_pb2 as pb
 from peer.wire.tensors import check_expected, check_shape, dtype_name, from_le_bytes, proto_to_tensor, tensor_to_proto, to_le_bytes
@@ -71,15 +71,20 @@ def _rounding_seed(boundary: int, step: int, micro_batch: int, channel: str = "b
 
 
 def encode(state: TransformState | None, x: torch.Tensor, *, sink: int, stochastic: bool, boundary: int, step: int, micro_batch: int, dither: bool = False,
-           channel: str = "backward", msg_stats: bool = False, row_rates: bool = False, dense_rows: torch.Tensor | None = None, shuffle: bool = False) -> pb.TensorPayload:
+           channel: str = "backward", msg_stats: bool = False, row_rates: bool = False, dense_rows: torch.Tensor | None = None, shuffle: bool = False,
+           row_bits: int | None = None) -> pb.TensorPayload:
     """`x` [B, T, H] as a payload: coded with `state`, or dense bf16 while there is none.
     `dither`: subtractive dither seeded by the message's key and `channel` (the receiver's
     `decode` needs both too); `msg_stats`: the message carries its own component statistics
     (TransformState.encode); `row_rates`: each row its own rate (needs `dither`); `dense_rows`:
     ascending flat indices of non-sink rows also sent in bf16 (named in Compression.dense_rows);
-    `shuffle`: the rows' coordinates signed and permuted by the message's key first."""
+    `shuffle`: the rows' coordinates signed and permuted by the message's key first; `row_bits`:
+    fewer bits per row than the coder's (an adapting sender's slow link; Compression.row_bits)."""
     if state is None:
         return pb.TensorPayload(dtype=pb.BFLOAT16, shape=list(x.shape), payload=to_le_bytes(x.detach().to(torch.bfloat16).cpu()))
+    adapted = row_bits is not None and row_bits < int(state.bits.sum())
+    if adapted:
+        state = state.at_budget(row_bits)
     seed = _rounding_seed(boundary, step, micro_batch, channel)
     gen = torch.Generator(device=x.device).manual_seed(seed) if stochastic and not dither else None
     msg = pb.TensorPayload(dtype=pb.FLOAT32, shape=list(x.shape), payload=state.encode(x, sink, generator=gen, stochastic=stochastic, dither_seed=seed if dither else None, msg_stats=msg_stats,
@@ -87,14 +92,18 @@ def encode(state: TransformState | None, x: torch.Tensor, *, sink: int, stochast
     c = msg.compression
     c.kind, c.coder_version, c.sink = pb.Compression.TRANSFORM, state.version, sink
     c.boundary, c.step, c.micro_batch = boundary, step, micro_batch
+    c.row_bits = row_bits if adapted else 0
     if dense_rows is not None:
         c.dense_rows.extend(dense_rows.tolist())
     return msg
 
 
-def _checked(msg: pb.TensorPayload, state: TransformState | None, expect_shape: tuple[int, ...], sink: int, boundary: int, step: int, micro_batch: int) -> tuple[int, ...]:
-    """The payload's shape, after every check of its header against the expected shape, the run's
-    sink, the message's key and the coder it names (`state`: the producer's newest this end holds)."""
+def _checked(msg: pb.TensorPayload, state: TransformState | None, expect_shape: tuple[int, ...], sink: int, boundary: int, step: int, micro_batch: int,
+             min_row_bits: int | None = None) -> tuple[tuple[int, ...], TransformState | None]:
+    """(the payload's shape, the coder to decode it with), after every check of its header against
+    the expected shape, the run's sink, the message's key and the coder it names (`state`: the
+    producer's newest this end holds). `min_row_bits`: the fewest bits per row an adapting sender
+    may send (Compression.row_bits, on the grid_bits grid, below the coder's); None: only the coder's."""
     if not isinstance(msg, pb.TensorPayload):
         raise WireError(f"expected a TensorPayload, got {type(msg).__name__}")
     shape = check_shape(msg.shape)
@@ -105,7 +114,7 @@ def _checked(msg: pb.TensorPayload, state: TransformState | None, expect_shape: 
         check_expected(shape, torch.bfloat16, expect_shape=expect_shape, expect_dtype=None)
         if len(msg.payload) != 2 * math.prod(shape):
             raise WireError(f"TensorPayload.payload: {len(msg.payload)} bytes, expected {2 * math.prod(shape)} (dense BFLOAT16, shape {list(shape)})")
-        return shape
+        return shape, None
     if c.kind != pb.Compression.TRANSFORM:
         raise WireError(f"TensorPayload.compression.kind={c.kind}: this link is transform-coded (TRANSFORM, or NONE while warming up)")
     if msg.dtype != pb.FLOAT32:
@@ -125,7 +134,19 @@ def _checked(msg: pb.TensorPayload, state: TransformState | None, expect_shape: 
     dense = list(c.dense_rows)
     if dense and (dense[-1] >= rows or any(b <= a for a, b in zip(dense, dense[1:]))):
         raise WireError(f"Compression.dense_rows: must be ascending, without repeats, and below {rows} (the message's non-sink rows)")
-    return shape
+    return shape, _at_row_bits(c.row_bits, state, min_row_bits)
+
+
+def _at_row_bits(row_bits: int, state: TransformState, floor: int | None) -> TransformState:
+    """The coder at the message's bits per row (0: its own); WireError for a budget this end does
+    not accept: not adapting, above the coder's, below the floor or off the grid."""
+    full, H = int(state.bits.sum()), state.hidden_size
+    if not row_bits or row_bits == full:
+        return state
+    if floor is None or not floor <= row_bits < full or grid_bits(row_bits, H) != row_bits:
+        allowed = "none (this run does not adapt: mask.adapt or bits at their floor)" if floor is None else f"multiples of {H}/{BITS_GRID} in [{floor}, {full})"
+        raise WireError(f"Compression.row_bits={row_bits}: bits per row an adapting sender may send here: {allowed}")
+    return state.at_budget(row_bits)
 
 
 def _dense_rows(msg: pb.TensorPayload) -> torch.Tensor | None:
@@ -142,9 +163,9 @@ def _dense(msg: pb.TensorPayload, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def check(msg: pb.TensorPayload, state: TransformState | None, *, expect_shape: tuple[int, ...], sink: int, boundary: int, step: int, micro_batch: int,
-          msg_stats: bool = False, row_rates: bool = False) -> None:
+          msg_stats: bool = False, row_rates: bool = False, min_row_bits: int | None = None) -> None:
     """What `decode` refuses, found on the host without decoding (the receiver's inbound check)."""
-    shape = _checked(msg, state, expect_shape, sink, boundary, step, micro_batch)
+    shape, state = _checked(msg, state, expect_shape, sink, boundary, step, micro_batch, min_row_bits)
     if msg.compression.kind == pb.Compression.NONE:
         _dense(msg, shape)
     else:
@@ -153,12 +174,12 @@ def check(msg: pb.TensorPayload, state: TransformState | None, *, expect_shape: 
 
 
 def decode(msg: pb.TensorPayload, state: TransformState | None, *, expect_shape: tuple[int, ...], sink: int, boundary: int, step: int, micro_batch: int, device: torch.device | str = "cpu",
-           dither: bool = False, channel: str = "backward", msg_stats: bool = False, row_rates: bool = False, shuffle: bool = False) -> torch.Tensor:
+           dither: bool = False, channel: str = "backward", msg_stats: bool = False, row_rates: bool = False, shuffle: bool = False, min_row_bits: int | None = None) -> torch.Tensor:
     """The float32 tensor a payload carries, on `device`, after `check`'s checks (the coder's
     products run on `device`); `dither`: the sender dithered `channel`'s values (the run's
     mask.grad_rounding, mask.act_rounding); `shuffle`: the sender signed and permuted the rows
-    by the message's key (mask.grad_rotation "message")."""
-    shape = _checked(msg, state, expect_shape, sink, boundary, step, micro_batch)
+    by the message's key (mask.grad_rotation "message"); `min_row_bits`: as `_checked`."""
+    shape, state = _checked(msg, state, expect_shape, sink, boundary, step, micro_batch, min_row_bits)
     if msg.compression.kind == pb.Compression.NONE:
         return _dense(msg, shape).to(device).float()
     B, T, _ = shape

@@ -3,7 +3,8 @@
 With `mask.adapt`, a sender whose link's measured bandwidth cannot carry the configured payload
 within `mask.link_target` of its compute time per micro-batch sends less on that link
 (peer/pipeline/linktune.py): the low-rank codec fewer coefficients per token, the mask scheme a
-higher drop on a grid of 1/KEEP_GRID. The receiving end accepts only choices within those
+higher drop on a grid of 1/KEEP_GRID, the transform coder fewer bits per row (either direction;
+peer/pipeline/transform_link.py checks them on arrival). The receiving end accepts only choices within those
 bounds, and checks the low-rank basis a message carries against the stage's sizes.
 """
 
@@ -17,9 +18,11 @@ import torch
 
 from peer.codec.basis import BasisState
 from peer.codec.mask import MaskCodec, as_f32
+from peer.codec.transform import grid_bits
 from peer.config import MaskConfig
 from peer.errors import WireError
 from peer.pipeline.linktune import ComputeClock, coefficients, keep_fraction
+from peer.pipeline.transform_link import TransformLinks
 from peer.pipeline.transport import Address, Transport
 from peer.wire import anchormesh_pb2 as pb
 from peer.wire.tensors import proto_to_tensor
@@ -72,6 +75,21 @@ class LinkCodecs:
         k = coefficients(m.rank, f, m.min_keep)
         self.keep_sent[dst] = k / m.rank
         return k
+
+    def row_bits_for(self, dst: Address, channel: str, links: TransformLinks, shape: tuple[int, ...], fixed: int) -> int:
+        """Transform scheme: bits per coded row for `dst` on `channel`: the run's unless the
+        link's measured bandwidth cannot carry them within `mask.link_target` of this stage's
+        compute time per micro-batch; then the most on the 1/8-bit grid that fits, down to
+        `links.min_row_bits`. `fixed`: the message's bytes besides the tensor (header, token ids)."""
+        full, floor = links.max_bits(channel), links.min_row_bits(channel)
+        if floor is None:
+            self.keep_sent[dst] = 1.0
+            return full
+        codes, besides = links.code_bytes(channel, shape)
+        f = keep_fraction(codes, fixed + besides, self.transport.link_bps(dst, channel), self.compute.per_micro_batch, self.mask.link_target, floor / full)
+        bits = max(floor, grid_bits(f * full, links.hidden_size))
+        self.keep_sent[dst] = bits / full
+        return bits
 
     def mask_codec_for(self, dst: Address, elements: int, fixed: int) -> MaskCodec:
         """Mask scheme: the codec for `dst`: the config's drop unless the link's measured

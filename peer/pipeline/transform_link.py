@@ -11,12 +11,13 @@ decode share that store (dict operations only).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from peer.codec import transform_wire as tw
-from peer.codec.transform import FixedCoder, TransformLearner, TransformState, row_budget
+from peer.codec.transform import BITS_GRID, FixedCoder, TransformLearner, TransformState, row_budget
 from peer.config import MaskConfig
 from peer.errors import WireError
 from peer.wire import anchormesh_pb2 as pb
@@ -72,6 +73,26 @@ class TransformLinks:
         """The run's bits per coded row on `channel`: the most a received coder may allocate."""
         return row_budget(self.mask.bits if channel == "forward" else self.mask.grad_bits, self.hidden_size)
 
+    def min_row_bits(self, channel: str) -> int | None:
+        """The fewest bits per row an adapting sender sends on `channel` (mask.adapt): `min_keep`
+        of the run's, rounded up to the grid, at least one per value; None when it cannot adapt
+        (adapt off, or already one bit per value, as the gradients' default)."""
+        full, H = self.max_bits(channel), self.hidden_size
+        if not self.mask.adapt:
+            return None
+        floor = max(H, round(math.ceil(self.mask.min_keep * full * BITS_GRID / H - 1e-9) * H / BITS_GRID))  # up to the grid
+        return floor if floor < full else None
+
+    def code_bytes(self, channel: str, shape: tuple[int, ...]) -> tuple[float, float]:
+        """(bytes of the codes at the run's bits, bytes besides them: sink rows, gains, message
+        statistics, dense rows) of a [B, T, H] tensor on `channel`: what a link must carry."""
+        B, T, H = shape
+        head = min(self.sink(channel), T)
+        rows = B * (T - head)
+        outliers = 2 * H * B if self.mask.grad_outliers and channel == "backward" else 0  # about one massive row a sequence
+        besides = 2 * H * B * head + 2 * rows + (4 * H if self.msg_stats(channel) else 0) + outliers
+        return rows * self.max_bits(channel) / 8, besides
+
     # ---- producing ------------------------------------------------------------------------
     def dense_rows(self, channel: str, ref: torch.Tensor | None) -> torch.Tensor | None:
         """Gradient rows to send dense: those whose activation `ref` [B, T, H] (what this stage
@@ -88,12 +109,13 @@ class TransformLinks:
         return rows.cpu() if len(rows) else None
 
     def encode(self, channel: str, x: torch.Tensor, dst: object, *, boundary: int, step: int, micro_batch: int,
-               ref: torch.Tensor | None = None) -> tuple[pb.TensorPayload, pb.TransformCoder | None]:
+               ref: torch.Tensor | None = None, row_bits: int | None = None) -> tuple[pb.TensorPayload, pb.TransformCoder | None]:
         """`x` [B, T, H] coded for `dst`, and the coder to ship with it when `dst` lacks it.
         Gradients round stochastically, with dither or to the nearest level, through a fixed
         rotation or one signed and permuted per message; activations to the nearest level or
         with dither: as the run's mask.grad_rounding / grad_rotation / act_rounding say.
-        `ref`: for a gradient, the activation it is the gradient of (`dense_rows`)."""
+        `ref`: for a gradient, the activation it is the gradient of (`dense_rows`); `row_bits`:
+        fewer bits per row for a slow link (mask.adapt: at least `min_row_bits`)."""
         learner = self.learners[channel]
         learner.observe(x, self.sink(channel))
         learner.maybe_refresh(step)
@@ -104,7 +126,7 @@ class TransformLinks:
             self.sent[(channel, dst)] = state.version
         payload = tw.encode(state, x, sink=self.sink(channel), stochastic=channel == "backward" and self.mask.grad_rounding == "stochastic", boundary=boundary, step=step, micro_batch=micro_batch, dither=self.dithers(channel), channel=channel,
                            msg_stats=self.msg_stats(channel), row_rates=self.row_rates(channel), dense_rows=self.dense_rows(channel, ref) if state is not None else None,
-                           shuffle=self.shuffles(channel))
+                           shuffle=self.shuffles(channel), row_bits=row_bits)
         return payload, coder
 
     def forget_sent(self) -> None:
@@ -139,11 +161,11 @@ class TransformLinks:
         """The inbound check of an activation or gradient, on the host, without decoding it."""
         channel, payload, state = self._state(msg)
         tw.check(payload, state, expect_shape=expect_shape, sink=self.sink(channel), boundary=boundary, step=step, micro_batch=micro_batch, msg_stats=self.msg_stats(channel),
-                 row_rates=self.row_rates(channel))
+                 row_rates=self.row_rates(channel), min_row_bits=self.min_row_bits(channel))
 
     def decode(self, msg: pb.ActivationChunk | pb.GradientChunk, *, expect_shape: tuple[int, ...], boundary: int, step: int, micro_batch: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """The float32 tensor an activation or gradient carries, decoded on `device`."""
         channel, payload, state = self._state(msg)
         return tw.decode(payload, state, expect_shape=expect_shape, sink=self.sink(channel), boundary=boundary, step=step, micro_batch=micro_batch, device=device,
                          dither=self.dithers(channel), channel=channel, msg_stats=self.msg_stats(channel), row_rates=self.row_rates(channel),
-                         shuffle=self.shuffles(channel))
+                         shuffle=self.shuffles(channel), min_row_bits=self.min_row_bits(channel))

@@ -206,8 +206,8 @@ class StageWorker:
             k = self.coefs_for(dst, ids.numel(), msg.header.ByteSize() + msg.token_ids.ByteSize() + 16)
             h = state.project(h.float(), ids, k)
         elif self.transform is not None:
-            self.links.keep_sent[dst] = 1.0  # the transform coder sends its configured bits on every link (no mask.adapt yet)
-            payload, coder = self.transform.encode("forward", h, dst, boundary=b, step=step, micro_batch=mb)
+            row_bits = self.links.row_bits_for(dst, "forward", self.transform, tuple(h.shape), msg.header.ByteSize() + msg.token_ids.ByteSize() + 16)
+            payload, coder = self.transform.encode("forward", h, dst, boundary=b, step=step, micro_batch=mb, row_bits=row_bits)
             msg.hidden.CopyFrom(payload)
             self._ship_coder(msg, coder)
             self.transport.send(self.addr, dst, "forward", msg.SerializeToString())
@@ -328,7 +328,8 @@ class StageWorker:
             dst = self.resolve(job.sender) if self.resolve else (b, self.replica)
             msg = pb.GradientChunk(header=self._header(job.step, mb, b))
             if self.transform is not None:
-                payload, coder = self.transform.encode("backward", job.x.grad, dst, boundary=b, step=job.step, micro_batch=mb, ref=job.x)
+                row_bits = self.links.row_bits_for(dst, "backward", self.transform, tuple(job.x.grad.shape), msg.header.ByteSize() + 16)
+                payload, coder = self.transform.encode("backward", job.x.grad, dst, boundary=b, step=job.step, micro_batch=mb, ref=job.x, row_bits=row_bits)
                 msg.grad.CopyFrom(payload)
                 self._ship_coder(msg, coder)
             else:

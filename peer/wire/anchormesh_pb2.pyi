@@ -29,7 +29,7 @@ UINT8: DType
 INT16: DType
 
 class Compression(_message.Message):
-    __slots__ = ("kind", "drop", "mask_seed", "boundary", "step", "micro_batch", "values", "block_size", "coder_version", "sink", "dense_rows")
+    __slots__ = ("kind", "drop", "mask_seed", "boundary", "step", "micro_batch", "values", "block_size", "coder_version", "sink", "dense_rows", "row_bits")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         NONE: _ClassVar[Compression.Kind]
@@ -49,6 +49,7 @@ class Compression(_message.Message):
     CODER_VERSION_FIELD_NUMBER: _ClassVar[int]
     SINK_FIELD_NUMBER: _ClassVar[int]
     DENSE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    ROW_BITS_FIELD_NUMBER: _ClassVar[int]
     kind: Compression.Kind
     drop: float
     mask_seed: int
@@ -60,7 +61,8 @@ class Compression(_message.Message):
     coder_version: int
     sink: int
     dense_rows: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, kind: _Optional[_Union[Compression.Kind, str]] = ..., drop: _Optional[float] = ..., mask_seed: _Optional[int] = ..., boundary: _Optional[int] = ..., step: _Optional[int] = ..., micro_batch: _Optional[int] = ..., values: _Optional[_Union[DType, str]] = ..., block_size: _Optional[int] = ..., coder_version: _Optional[int] = ..., sink: _Optional[int] = ..., dense_rows: _Optional[_Iterable[int]] = ...) -> None: ...
+    row_bits: int
+    def __init__(self, kind: _Optional[_Union[Compression.Kind, str]] = ..., drop: _Optional[float] = ..., mask_seed: _Optional[int] = ..., boundary: _Optional[int] = ..., step: _Optional[int] = ..., micro_batch: _Optional[int] = ..., values: _Optional[_Union[DType, str]] = ..., block_size: _Optional[int] = ..., coder_version: _Optional[int] = ..., sink: _Optional[int] = ..., dense_rows: _Optional[_Iterable[int]] = ..., row_bits: _Optional[int] = ...) -> None: ...
 
 class TransformCoder(_message.Message):
     __slots__ = ("version", "mean", "rotation", "std", "bits", "rotation_scale")

@@ -1,0 +1,117 @@
+"""mask.adapt with the transform coder: a slow link gets fewer bits per row, the receiver derives
+their split from the number alone, and refuses any budget it would not send itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from peer.codec import transform_wire as tw
+from peer.codec.transform import grid_bits, row_budget
+from peer.config import MaskConfig, OptimConfig, TrainConfig
+from peer.errors import WireError
+from peer.model.loading import load_causal_lm
+from peer.pipeline.local import LocalPipelineRunner
+from peer.pipeline.transform_link import TransformLinks
+from peer.pipeline.transport import LocalTransport
+from peer.wire import anchormesh_pb2 as pb
+from tests.test_runner import MODEL, PIPE, windows
+from tests.test_transform_codec import H, correlated, learner_state
+
+H_TOY = MODEL.hidden_size  # one bit per value: a slow link's floor
+KEY = dict(boundary=0, step=3, micro_batch=1)
+
+
+class SlowLinks(LocalTransport):
+    """In-process queues that report a measured link rate (bytes/s) per (destination stage, channel)."""
+
+    def __init__(self, bps: dict[tuple[int, str], float]) -> None:
+        super().__init__()
+        self.bps = bps
+        self.row_bits: dict[tuple[int, str], set[int]] = {}  # what the coded messages carried
+
+    def link_bps(self, dst, channel):
+        return self.bps.get((dst[0], channel))
+
+    def send(self, src, dst, channel, data) -> None:
+        msg = (pb.ActivationChunk if channel == "forward" else pb.GradientChunk).FromString(data)
+        payload = msg.hidden if channel == "forward" else msg.grad
+        if payload.compression.kind == pb.Compression.TRANSFORM:
+            self.row_bits.setdefault((dst[0], channel), set()).add(payload.compression.row_bits)
+        super().send(src, dst, channel, data)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).pow(2).sum() / b.pow(2).sum())
+
+
+def test_a_smaller_budget_keeps_the_coder_and_both_ends_split_it_alike() -> None:
+    state = learner_state(bits=2.0)
+    received = tw.coder_from_proto(tw.coder_to_proto(state), H, row_budget(2.0, H))
+    for row_bits in (H, grid_bits(1.5 * H, H), grid_bits(1.875 * H, H)):
+        mine, theirs = state.at_budget(row_bits), received.at_budget(row_bits)
+        assert int(mine.bits.sum()) == row_bits and int(mine.bits.min()) >= 1
+        assert torch.equal(mine.bits, theirs.bits)  # from the stds as they travel: no coder ships again
+        assert torch.equal(mine.rotation_q, state.rotation_q) and mine.version == state.version
+        assert mine is state.at_budget(row_bits)  # kept per budget
+    assert state.at_budget(2 * H) is state
+    assert grid_bits(1.5 * H - 1, H) == grid_bits(1.375 * H, H) < 1.5 * H  # down to the grid
+
+
+def test_fewer_bits_cost_fewer_bytes_and_more_error_and_decode_where_the_receiver_accepts_them() -> None:
+    state = learner_state(bits=2.0)
+    x = correlated(6, seed=5)
+    errors, sizes = [], []
+    for row_bits in (2 * H, grid_bits(1.5 * H, H), H):
+        msg = tw.encode(state, x, sink=1, stochastic=False, row_bits=row_bits, **KEY)
+        assert msg.compression.row_bits == (0 if row_bits == 2 * H else row_bits)
+        out = tw.decode(msg, state, expect_shape=tuple(x.shape), sink=1, min_row_bits=H, **KEY)
+        errors.append(_rel(out[:, 1:], x[:, 1:]))
+        sizes.append(len(msg.payload))
+    assert sizes[0] > sizes[1] > sizes[2]
+    assert errors[0] < errors[1] < errors[2] < 0.5, errors
+
+
+@pytest.mark.parametrize("row_bits, floor, match", [
+    (72, None, r"row_bits=72: .*none \(this run does not adapt"),  # the receiver does not adapt
+    (48, 60, r"row_bits=48: .*in \[60, 96\)"),  # below its floor
+    (73, 48, r"row_bits=73: .*multiples of 48/8"),  # off the grid
+    (102, 48, r"row_bits=102: .*in \[48, 96\)"),  # above the coder's own bits
+])
+def test_a_budget_the_receiver_would_not_send_is_refused(row_bits: int, floor: int | None, match: str) -> None:
+    state = learner_state(bits=2.0)
+    x = correlated(2, seed=6)
+    msg = tw.encode(state, x, sink=1, stochastic=False, **KEY)
+    msg.compression.row_bits = row_bits
+    with pytest.raises(WireError, match=match):
+        tw.check(msg, state, expect_shape=tuple(x.shape), sink=1, min_row_bits=floor, **KEY)
+    with pytest.raises(WireError, match=match):
+        tw.decode(msg, state, expect_shape=tuple(x.shape), sink=1, min_row_bits=floor, **KEY)
+
+
+def test_the_floor_is_min_keep_on_the_grid_and_one_bit_per_value() -> None:
+    links = TransformLinks(MaskConfig(scheme="transform", bits=3.0, grad_bits=1.0, min_keep=0.6), H, True, True)
+    assert links.min_row_bits("forward") == 90  # 0.6 of 144 bits is 86.4: up to the grid of H/8 = 6 bits
+    assert links.min_row_bits("backward") is None  # 1-bit gradients cannot send fewer
+    assert TransformLinks(MaskConfig(scheme="transform", bits=2.0, min_keep=0.25), H, True, False).min_row_bits("forward") == H
+    assert TransformLinks(MaskConfig(scheme="transform", bits=2.0, adapt=False), H, True, False).min_row_bits("forward") is None
+
+
+def test_a_slow_link_sends_fewer_bits_both_ways_and_the_pipeline_still_learns() -> None:
+    """Three stages, 2-bit activations and gradients: the links into stage 1 (forward) and into
+    stage 0 (backward) are slow, the one into stage 2 fast. The slow ones drop to one bit per
+    value, the fast one keeps two, every message decodes, and the loss falls."""
+    model = MODEL.__class__(**{**MODEL.__dict__, "num_stages": 3, "num_layers": 3})
+    mask = MaskConfig(scheme="transform", bits=2.0, grad_bits=2.0, grad_outliers=0.0, basis_refresh=4, min_keep=0.25)
+    cfg = TrainConfig(model=model, pipeline=PIPE, steps=12, optim=OptimConfig(lr=3e-3), mask=mask)
+    links = SlowLinks({(1, "forward"): 1.0, (0, "backward"): 1.0, (2, "forward"): 1e12, (1, "backward"): 1e12})
+    runner = LocalPipelineRunner(cfg, load_causal_lm(model, seed=3), windows, transport=links)
+    losses = [r.loss for r in runner.run(12)]
+    runner.close()
+    s0, s1, s2 = (runner.workers[k][0] for k in range(3))
+    assert s0.keep_sent == {(1, 0): 0.5}  # 1 of 2 bits per value: the floor (min_keep 0.25 is below a bit)
+    assert s1.keep_sent == {(2, 0): 1.0, (0, 0): 0.5}  # forward fast, backward slow
+    assert s2.keep_sent == {(1, 0): 1.0}  # its gradients into stage 1: a fast link
+    # what the receivers decoded: the run's bits (0) until the first step timed the compute, then the floor
+    assert links.row_bits == {(1, "forward"): {0, H_TOY}, (0, "backward"): {0, H_TOY}, (2, "forward"): {0}, (1, "backward"): {0}}
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3, losses
