@@ -6,11 +6,15 @@ boundary has a fast and a slow end, the same in every mode. Modes
 (the same tiny model, batches and seed as `bench throughput`):
 
   compute_bound  the swarm on unshaped links (also sets the GPU-equivalent fast link, as there)
-  fixed          low-rank PP at rank 64 (the config's most), int8 DP deltas every `dp_every`
+  fixed          the PP codec at its configured payload, int8 DP deltas every `dp_every`
                  steps: hand-tuned for the fast links, and the slow ones hold everyone back
-  adaptive       the same bounds, but each sender picks per link how many of the 64 coefficients
-                 fit its measured bandwidth (mask.adapt, floor mask.min_keep), and each peer
-                 spaces its averaging rounds to take at most dp.link_share of its uplink
+  adaptive       the same bounds, but each sender picks per link how much of that payload fits
+                 its measured bandwidth (mask.adapt, floor mask.min_keep), and each peer spaces
+                 its averaging rounds to take at most dp.link_share of its uplink
+
+The PP codec (`--codec`): "transform", the swarm's (2-bit activations, 1-bit gradients; adapting,
+the activations go down to 1 bit per value, the gradients cannot), or "lowrank" at rank 64 (the
+config's most; adapting, down to 8 coefficients), the codec of the first runs.
 
 The question it answers: does a swarm on mixed links stay near compute-bound without hand tuning?
 Reported per mode: tokens/s, its ratio to compute_bound, wire bytes/token, eval loss at the same
@@ -27,16 +31,21 @@ from peer.bench.throughput import GpuScenario, check_bed_args, equivalent_mbit, 
 from peer.errors import ConfigError
 
 MIXED_MODES = ("compute_bound", "fixed", "adaptive")
+MIXED_CODECS = ("transform", "lowrank")
 MAX_RANK = 64
+MIN_KEEP = 0.125
 
 
-def mixed_config(mode: str, stages: int, steps: int, dp_every: int) -> dict:
+def mixed_config(mode: str, stages: int, steps: int, dp_every: int, codec: str = "transform") -> dict:
     """run.toml content of one mode (see the module docstring)."""
     if mode not in MIXED_MODES:
         raise ConfigError("mode", mode, f"must be one of {', '.join(MIXED_MODES)}")
+    if codec not in MIXED_CODECS:
+        raise ConfigError("--codec", codec, f"must be one of {', '.join(MIXED_CODECS)}")
     cfg = mode_config("masked_dp", stages, steps, dp_every)
     adapt = mode == "adaptive"
-    cfg["mask"] = {"scheme": "lowrank", "rank": MAX_RANK, "values": "int8", "adapt": adapt, "min_keep": 0.125}
+    pp = {"scheme": "transform"} if codec == "transform" else {"scheme": "lowrank", "rank": MAX_RANK, "values": "int8"}
+    cfg["mask"] = {**pp, "adapt": adapt, "min_keep": MIN_KEEP}
     cfg["dp"] = {"inner_steps": dp_every, "outer_compression": "int8", "link_share": 0.2 if adapt else 0.0}
     return cfg
 
@@ -50,13 +59,14 @@ def slow_hosts(status: dict) -> list[int]:
     return sorted(int(ids[1].removeprefix("bed-peer")) for ids in (sorted(v) for v in by_stage.values()) if len(ids) > 1)
 
 
-def run_mixed(quick: bool, bandwidth_mbit: float | None, slow_factor: float, stages: int, replicas: int, workdir: Path | None = None) -> dict:
+def run_mixed(quick: bool, bandwidth_mbit: float | None, slow_factor: float, stages: int, replicas: int, workdir: Path | None = None, codec: str = "transform") -> dict:
     """compute_bound, then fixed and adaptive on mixed links; returns the JSON."""
     if replicas < 2:
         raise ConfigError("--replicas", replicas, "must be >= 2 (the second peer of each stage group gets the slow link)")
     if not slow_factor > 1:
         raise ConfigError("--slow-factor", slow_factor, "must be > 1 (how many times slower the slow links are)")
     check_bed_args("bench mixed", stages, bandwidth_mbit)
+    mixed_config("adaptive", stages, 1, 1, codec)  # a bad --codec fails before any namespace exists
     # longer than bench throughput's quick run: a self-tuned swarm does 30 steps in ~8 s, too
     # short a window for 1 s status lines and for its (rarer) averaging rounds
     warmup, steps, dp_every = (10, 70, 5) if quick else (10, 150, 10)
@@ -74,7 +84,7 @@ def run_mixed(quick: bool, bandwidth_mbit: float | None, slow_factor: float, sta
                 bed.set_rate(i, fast / slow_factor)
 
         return measure_mode(mode, [fast] * (1 + n), stages, replicas, warmup, steps, dp_every, workdir, subnet, timeout_s,
-                            config=mixed_config(mode, stages, steps, dp_every), reshape=reshape if fast is not None else None)
+                            config=mixed_config(mode, stages, steps, dp_every, codec), reshape=reshape if fast is not None else None)
 
     out["modes"]["compute_bound"] = cb = measure("compute_bound", None, 20)
     fast = bandwidth_mbit or equivalent_mbit(GpuScenario(), stages, cb["peer_capacity_tokens_per_s"] or cb["tokens_per_s"] / replicas)
@@ -91,7 +101,7 @@ def run_mixed(quick: bool, bandwidth_mbit: float | None, slow_factor: float, sta
     out["setup"] = {
         "quick": quick, "stages": stages, "replicas": replicas, "hosts": 1 + n, "warmup_steps": warmup, "steps": steps, "dp_every": dp_every,
         "fast_mbit": fast, "slow_mbit": fast / slow_factor, "slow_factor": slow_factor, "bandwidth_given": bandwidth_mbit is not None,
-        "slowed_hosts": slowed, "max_rank": MAX_RANK, "min_keep": 0.125, "link_share": 0.2,
+        "slowed_hosts": slowed, "codec": codec, "max_rank": MAX_RANK if codec == "lowrank" else None, "min_keep": MIN_KEEP, "link_share": 0.2,
         "scaling_rule": "fast link = bench throughput's GPU-equivalent of 200 Mbit/s (see its setup.scaling_rule) unless --bandwidth-mbit",
         "workdir": str(workdir),
     }
