@@ -115,3 +115,19 @@ def test_a_slow_link_sends_fewer_bits_both_ways_and_the_pipeline_still_learns() 
     # what the receivers decoded: the run's bits (0) until the first step timed the compute, then the floor
     assert links.row_bits == {(1, "forward"): {0, H_TOY}, (0, "backward"): {0, H_TOY}, (2, "forward"): {0}, (1, "backward"): {0}}
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3, losses
+
+
+def test_a_fast_link_sends_the_run_s_bits_even_off_the_grid() -> None:
+    """mask.bits 2.3 (110 bits a row at H=48, not a multiple of 6): a link that carries it all
+    sends all of it, one that does not takes the grid below."""
+    from peer.pipeline.link_codec import LinkCodecs
+    from peer.pipeline.linktune import ComputeClock
+
+    mask = MaskConfig(scheme="transform", bits=2.3, min_keep=0.25)
+    links = TransformLinks(mask, H, True, False)
+    clock = ComputeClock()
+    clock.per_micro_batch = 1.0
+    codecs = LinkCodecs(mask, None, None, SlowLinks({(1, "forward"): 1e12, (2, "forward"): 20.0}), clock, H, 256, "cpu")
+    assert codecs.row_bits_for((1, 0), "forward", links, (2, 9, H), 0) == 110
+    assert codecs.row_bits_for((2, 0), "forward", links, (2, 9, H), 0) == H  # 20 B/s carries nothing: the floor
+    assert codecs.keep_sent == {(1, 0): 1.0, (2, 0): H / 110}

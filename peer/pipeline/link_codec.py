@@ -87,7 +87,7 @@ class LinkCodecs:
             return full
         codes, besides = links.code_bytes(channel, shape)
         f = keep_fraction(codes, fixed + besides, self.transport.link_bps(dst, channel), self.compute.per_micro_batch, self.mask.link_target, floor / full)
-        bits = max(floor, grid_bits(f * full, links.hidden_size))
+        bits = full if f >= 1 else max(floor, grid_bits(f * full, links.hidden_size))  # full may lie off the grid (mask.bits 2.3)
         self.keep_sent[dst] = bits / full
         return bits
 
