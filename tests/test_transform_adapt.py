@@ -131,3 +131,15 @@ def test_a_fast_link_sends_the_run_s_bits_even_off_the_grid() -> None:
     assert codecs.row_bits_for((1, 0), "forward", links, (2, 9, H), 0) == 110
     assert codecs.row_bits_for((2, 0), "forward", links, (2, 9, H), 0) == H  # 20 B/s carries nothing: the floor
     assert codecs.keep_sent == {(1, 0): 1.0, (2, 0): H / 110}
+
+
+def test_gradients_that_cannot_adapt_leave_the_keep_alone() -> None:
+    """1-bit gradients (the default) have nothing to give: status's pp_keep of the last stage
+    stays null rather than a 1 that no link could lower."""
+    from peer.pipeline.link_codec import LinkCodecs
+    from peer.pipeline.linktune import ComputeClock
+
+    mask = MaskConfig(scheme="transform", min_keep=0.25)
+    codecs = LinkCodecs(mask, None, None, SlowLinks({(0, "backward"): 20.0}), ComputeClock(), H, 256, "cpu")
+    assert codecs.row_bits_for((0, 0), "backward", TransformLinks(mask, H, False, True), (2, 9, H), 0) == H
+    assert codecs.keep_sent == {}

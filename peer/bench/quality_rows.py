@@ -113,6 +113,7 @@ def rows(setup: QualitySetup) -> dict[str, TrainConfig]:
         # one more bit on one side (~8x instead of 10x at 2,048 tokens): what continual pretraining's gap costs in bytes
         "transform_stale1_b3": cfg(mask=replace(transform, bits=3.0), pipeline=stale1),
         "transform_stale1_g2": cfg(mask=replace(transform, grad_bits=2.0), pipeline=stale1),
+        "transform_stale1_8bit": cfg(mask=replace(transform, bits=8.0, grad_bits=8.0), pipeline=stale1),  # the default row's path with bits to spare: what its structure costs
         "transform_stale1_stash": cfg(mask=transform, pipeline=replace(pipe, max_staleness=1, staleness_correction="none")),  # plain stashing, as the swarm's stage 0 did before 2026-12-06
         "dense_stale1": cfg(pipeline=stale1),  # what the staleness alone costs, with the look-ahead
         "dense_stale1_stash": cfg(pipeline=replace(pipe, max_staleness=1, staleness_correction="none")),  # and with plain stashing
