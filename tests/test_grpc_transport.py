@@ -33,7 +33,7 @@ def _runner(mask: MaskConfig, transport=None) -> LocalPipelineRunner:
     "mask",
     # adapt off: the link tuning would read loopback round trips against millisecond micro-batches
     [MaskConfig(drop=0.9, adapt=False), MaskConfig(scheme="lowrank", rank=4, values="int8", basis_refresh=2, adapt=False), MaskConfig(scheme="lowrank", rank=4, basis_refresh=2, prior_rows=16, adapt=False),
-     MaskConfig(scheme="transform", bits=2.0, grad_bits=1.0, basis_refresh=1)],
+     MaskConfig(scheme="transform", bits=2.0, grad_bits=1.0, basis_refresh=1, adapt=False)],
     ids=["mask", "lowrank", "lowrank_top_rows", "transform"],
 )
 def test_grpc_transport_gives_the_same_training_as_in_process(mask: MaskConfig) -> None:
