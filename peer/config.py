@@ -145,8 +145,9 @@ class MaskConfig:
             (peer/pipeline/linktune.py): "lowrank" between `min_keep * rank` and `rank`
             coefficients; "mask" a keep fraction between `min_keep * (1 - drop)` and `1 - drop`
             (on a 1/256 grid; drop = 0 stays dense); "transform" bits per row, per link and
-            direction, between `min_keep` of the configured (at least 1 bit per value: 1-bit
-            gradients do not adapt) and the configured, on a 1/8-bit-per-value grid. Off:
+            direction, between `min_keep` of the configured and the configured, on a
+            1/8-bit-per-value grid (gradients keep at least 1 bit per value, so 1-bit gradients
+            do not adapt; activations below it leave their weakest KLT components unsent). Off:
             always the configured payload.
         min_keep: the least fraction of the configured payload an adapting link sends, in (0, 1].
         link_target: the share of a micro-batch's compute time its bytes may take on the link,

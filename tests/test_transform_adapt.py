@@ -18,7 +18,7 @@ from peer.wire import anchormesh_pb2 as pb
 from tests.test_runner import MODEL, PIPE, windows
 from tests.test_transform_codec import H, correlated, learner_state
 
-H_TOY = MODEL.hidden_size  # one bit per value: a slow link's floor
+H_TOY = MODEL.hidden_size  # one bit per value: the gradients' floor
 KEY = dict(boundary=0, step=3, micro_batch=1)
 
 
@@ -89,18 +89,38 @@ def test_a_budget_the_receiver_would_not_send_is_refused(row_bits: int, floor: i
         tw.decode(msg, state, expect_shape=tuple(x.shape), sink=1, min_row_bits=floor, **KEY)
 
 
-def test_the_floor_is_min_keep_on_the_grid_and_one_bit_per_value() -> None:
+def test_the_floor_is_min_keep_on_the_grid_and_one_bit_per_value_for_gradients() -> None:
     links = TransformLinks(MaskConfig(scheme="transform", bits=3.0, grad_bits=1.0, min_keep=0.6), H, True, True)
     assert links.min_row_bits("forward") == 90  # 0.6 of 144 bits is 86.4: up to the grid of H/8 = 6 bits
     assert links.min_row_bits("backward") is None  # 1-bit gradients cannot send fewer
-    assert TransformLinks(MaskConfig(scheme="transform", bits=2.0, min_keep=0.25), H, True, False).min_row_bits("forward") == H
+    both = TransformLinks(MaskConfig(scheme="transform", bits=2.0, grad_bits=2.0, min_keep=0.25), H, True, True)
+    assert (both.min_row_bits("forward"), both.min_row_bits("backward")) == (H // 2, H)  # activations to half a bit per value, gradients to one
+    assert TransformLinks(MaskConfig(scheme="transform", bits=2.0, min_keep=0.01), H, True, False).min_row_bits("forward") == H // 8  # one grid step
     assert TransformLinks(MaskConfig(scheme="transform", bits=2.0, adapt=False), H, True, False).min_row_bits("forward") is None
+
+
+def test_below_a_bit_per_value_the_weakest_components_go_unsent_and_decode_to_their_mean() -> None:
+    state = learner_state(bits=2.0)
+    half = state.at_budget(H // 2)
+    assert int(half.bits.sum()) == H // 2 and int((half.bits == 0).sum()) > 0
+    assert float(state.std[half.bits == 0].max()) <= float(state.std[half.bits > 0].min())  # the weakest ones
+    x = correlated(6, seed=7)
+    msg = tw.encode(state, x, sink=1, stochastic=False, row_bits=H // 2, msg_stats=True, **KEY)
+    out = tw.decode(msg, state, expect_shape=tuple(x.shape), sink=1, min_row_bits=H // 2, msg_stats=True, **KEY)
+    full = tw.decode(tw.encode(state, x, sink=1, stochastic=False, msg_stats=True, **KEY), state, expect_shape=tuple(x.shape), sink=1, msg_stats=True, **KEY)
+    assert _rel(full[:, 1:], x[:, 1:]) < _rel(out[:, 1:], x[:, 1:]) < 0.5
+    # an unsent component decodes to the message's own mean of it
+    rows = out[:, 1:].reshape(-1, H) - state.mean
+    z = (rows / rows.pow(2).mean(1, keepdim=True).sqrt()) @ state.rotation
+    gone = (half.bits == 0).nonzero().flatten()
+    assert float(z[:, gone].std(0).max()) < 0.05 * float(z[:, half.bits > 0].std(0).min())
 
 
 def test_a_slow_link_sends_fewer_bits_both_ways_and_the_pipeline_still_learns() -> None:
     """Three stages, 2-bit activations and gradients: the links into stage 1 (forward) and into
-    stage 0 (backward) are slow, the one into stage 2 fast. The slow ones drop to one bit per
-    value, the fast one keeps two, every message decodes, and the loss falls."""
+    stage 0 (backward) are slow, the one into stage 2 fast. The slow ones drop to their floors
+    (activations half a bit per value, gradients one), the fast one keeps two, every message
+    decodes, and the loss falls."""
     model = MODEL.__class__(**{**MODEL.__dict__, "num_stages": 3, "num_layers": 3})
     mask = MaskConfig(scheme="transform", bits=2.0, grad_bits=2.0, grad_outliers=0.0, basis_refresh=4, min_keep=0.25)
     cfg = TrainConfig(model=model, pipeline=PIPE, steps=12, optim=OptimConfig(lr=3e-3), mask=mask)
@@ -109,11 +129,11 @@ def test_a_slow_link_sends_fewer_bits_both_ways_and_the_pipeline_still_learns() 
     losses = [r.loss for r in runner.run(12)]
     runner.close()
     s0, s1, s2 = (runner.workers[k][0] for k in range(3))
-    assert s0.keep_sent == {(1, 0): 0.5}  # 1 of 2 bits per value: the floor (min_keep 0.25 is below a bit)
-    assert s1.keep_sent == {(2, 0): 1.0, (0, 0): 0.5}  # forward fast, backward slow
+    assert s0.keep_sent == {(1, 0): 0.25}  # min_keep of 2 bits per value: the activations' floor
+    assert s1.keep_sent == {(2, 0): 1.0, (0, 0): 0.5}  # forward fast, backward slow: the gradients' floor is 1 bit per value
     assert s2.keep_sent == {(1, 0): 1.0}  # its gradients into stage 1: a fast link
     # what the receivers decoded: the run's bits (0) until the first step timed the compute, then the floor
-    assert links.row_bits == {(1, "forward"): {0, H_TOY}, (0, "backward"): {0, H_TOY}, (2, "forward"): {0}, (1, "backward"): {0}}
+    assert links.row_bits == {(1, "forward"): {0, H_TOY // 2}, (0, "backward"): {0, H_TOY}, (2, "forward"): {0}, (1, "backward"): {0}}
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3, losses
 
 
@@ -129,8 +149,8 @@ def test_a_fast_link_sends_the_run_s_bits_even_off_the_grid() -> None:
     clock.per_micro_batch = 1.0
     codecs = LinkCodecs(mask, None, None, SlowLinks({(1, "forward"): 1e12, (2, "forward"): 20.0}), clock, H, 256, "cpu")
     assert codecs.row_bits_for((1, 0), "forward", links, (2, 9, H), 0) == 110
-    assert codecs.row_bits_for((2, 0), "forward", links, (2, 9, H), 0) == H  # 20 B/s carries nothing: the floor
-    assert codecs.keep_sent == {(1, 0): 1.0, (2, 0): H / 110}
+    assert codecs.row_bits_for((2, 0), "forward", links, (2, 9, H), 0) == 30  # 20 B/s carries nothing: the floor, 0.25 of 110 up to the grid
+    assert codecs.keep_sent == {(1, 0): 1.0, (2, 0): 30 / 110}
 
 
 def test_gradients_that_cannot_adapt_leave_the_keep_alone() -> None:

@@ -13,8 +13,8 @@ boundary has a fast and a slow end, the same in every mode. Modes
                  its averaging rounds to take at most dp.link_share of its uplink
 
 The PP codec (`--codec`): "transform", the swarm's (2-bit activations, 1-bit gradients; adapting,
-the activations go down to 1 bit per value, the gradients cannot), or "lowrank" at rank 64 (the
-config's most; adapting, down to 8 coefficients), the codec of the first runs.
+the activations go down to min_keep of their bits, the 1-bit gradients cannot adapt), or
+"lowrank" at rank 64 (the config's most; adapting, down to 8 coefficients), the first runs' codec.
 
 The question it answers: does a swarm on mixed links stay near compute-bound without hand tuning?
 Reported per mode: tokens/s, its ratio to compute_bound, wire bytes/token, eval loss at the same

@@ -115,7 +115,7 @@ class TransformState:
         self._placed: dict[str, tuple[Tensor, Tensor, Tensor, list[Tensor]]] = {}
         # every decoded value is at most _reach + gain * _spread in size: the largest code per
         # component times its std, the rotation's longest row, and the mean (see _parse)
-        self._top = torch.tensor([2 ** (b - 1) * STEP[b] for b in self.bits.tolist()], dtype=torch.float64)  # the largest level per component
+        self._top = torch.tensor([2 ** (b - 1) * STEP[b] if b else 0.0 for b in self.bits.tolist()], dtype=torch.float64)  # the largest level per component
         self._rownorm = float(self.rotation.double().norm(dim=1).max())
         self._spread = float((self._top * self.std.double().cpu()).norm()) * self._rownorm
         self._reach = float(self.mean.abs().max()) if len(self.mean) else 0.0
@@ -124,11 +124,11 @@ class TransformState:
     def at_budget(self, row_bits: int) -> TransformState:
         """This coder at `row_bits` bits per row (a slow link, mask.adapt): the bits spread again by
         `allocate` over the stds as they travel, so the receiver derives the same split from the
-        number alone and no coder ships again. Kept per budget."""
+        number alone and no coder ships again; below a bit per value the weakest get none. Kept per budget."""
         if row_bits == int(self.bits.sum()):
             return self
         if row_bits not in self._budgets:
-            bits = allocate(self.std.double().pow(2), row_bits, min_bits=1)
+            bits = allocate(self.std.double().pow(2), row_bits, min_bits=1 if row_bits >= self.hidden_size else 0)
             self._budgets[row_bits] = TransformState(self.version, self.mean, self.rotation_q, self.rotation_scale, self.std, bits)
         return self._budgets[row_bits]
 

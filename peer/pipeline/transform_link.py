@@ -75,12 +75,15 @@ class TransformLinks:
 
     def min_row_bits(self, channel: str) -> int | None:
         """The fewest bits per row an adapting sender sends on `channel` (mask.adapt): `min_keep`
-        of the run's, rounded up to the grid, at least one per value; None when it cannot adapt
-        (adapt off, or already one bit per value, as the gradients' default)."""
+        of the run's, rounded up to the grid (at least one step); for gradients at least one bit
+        per value (a fixed random rotation's components left out would bias them: the same ones
+        every time), for activations below it the KLT's weakest components go unsent. None when
+        it cannot adapt (adapt off, or gradients at one bit per value, the default)."""
         full, H = self.max_bits(channel), self.hidden_size
         if not self.mask.adapt:
             return None
-        floor = max(H, round(math.ceil(self.mask.min_keep * full * BITS_GRID / H - 1e-9) * H / BITS_GRID))  # up to the grid
+        floor = max(round(H / BITS_GRID), round(math.ceil(self.mask.min_keep * full * BITS_GRID / H - 1e-9) * H / BITS_GRID))  # up to the grid
+        floor = max(floor, H) if channel == "backward" else floor
         return floor if floor < full else None
 
     def code_bytes(self, channel: str, shape: tuple[int, ...]) -> tuple[float, float]:
