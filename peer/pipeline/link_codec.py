@@ -3,9 +3,10 @@
 With `mask.adapt`, a sender whose link's measured bandwidth cannot carry the configured payload
 within `mask.link_target` of its compute time per micro-batch sends less on that link
 (peer/pipeline/linktune.py): the low-rank codec fewer coefficients per token, the mask scheme a
-higher drop on a grid of 1/KEEP_GRID, the transform coder fewer bits per row (either direction;
-peer/pipeline/transform_link.py checks them on arrival). The receiving end accepts only choices within those
-bounds, and checks the low-rank basis a message carries against the stage's sizes.
+higher drop on a grid of 1/KEEP_GRID, the transform coder fewer bits per row (either direction).
+The receiving end accepts only choices within those bounds (the transform coder's:
+peer/pipeline/transform_link.py), and checks the low-rank basis a message carries against the
+stage's sizes.
 """
 
 from __future__ import annotations
