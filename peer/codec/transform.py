@@ -57,12 +57,10 @@ STEP = {1: 1.596, 2: 0.9957, 3: 0.5860, 4: 0.3352, 5: 0.1881, 6: 0.1041, 7: 0.05
 MSE = {0: 1.0, 1: 0.3634, 2: 0.1188, 3: 0.03744, 4: 0.01154, 5: 0.00349, 6: 0.001035, 7: 0.000306, 8: 0.0000876}
 MAX_BITS = 8
 BITS_GRID = 8  # an adapting sender's row budgets (mask.adapt): multiples of 1/8 bit per value
-# The gradients' quantiser steps are this many times the Gaussian-optimal ones: stochastic rounding
-# is unbiased only inside the quantiser's range, and at 1-2 bits the optimal step clips 14-42 % of
-# the values. Measured on the toy (2-bit activations; eval loss vs dense 1.678): 2-bit gradients
-# 1.720 at 1x, 1.705 at 1.5x, 1.699 at 2x, 1.711 at 3x; 1-bit ones 1.730 at 2x, 1.727 at 3x, 1.765 at 4x.
-# The width for stochastic rounding (the tiny models' runs); dither takes mask.grad_step_scale = 1.
-GRAD_STEP_SCALE = 2.0
+# The gradients' quantiser steps are this many times the Gaussian-optimal ones: stochastic rounding is unbiased only inside
+# the quantiser's range, and at 1-2 bits the optimal step clips 14-42 % of the values. Toy, 2-bit activations, dense 1.678:
+# 2-bit gradients 1.720 at 1x, 1.705 at 1.5x, 1.699 at 2x, 1.711 at 3x; 1-bit ones 1.730 at 2x, 1.727 at 3x, 1.765 at 4x.
+GRAD_STEP_SCALE = 2.0  # the width for stochastic rounding (the tiny models' runs); dither takes mask.grad_step_scale = 1
 DECODE_LIMIT = 1e38  # below float32's largest value (3.4e38): what a decoded value may reach
 BUFFER_ROWS_PER_H = 4  # a learner keeps its newest 4 H rows: a covariance of H dimensions wants several times H samples
 _MSE = torch.tensor([MSE[b] for b in range(MAX_BITS + 1)] + [MSE[MAX_BITS]], dtype=torch.float64)
@@ -92,9 +90,19 @@ def row_budget(bits_per_value: float, hidden_size: int) -> int:
     return round(bits_per_value * hidden_size)
 
 
-def grid_bits(row_bits: float, hidden_size: int) -> int:
-    """The largest row budget on the adapting grid (1/BITS_GRID bit per value) at most `row_bits`."""
-    return round(math.floor(row_bits * BITS_GRID / hidden_size + 1e-9) * hidden_size / BITS_GRID)
+def grid_bits(row_bits: float, hidden_size: int, up: bool = False) -> int:
+    """The largest row budget on the adapting grid (1/BITS_GRID bit per value) <= `row_bits` (`up`: smallest >=)."""
+    steps = row_bits * BITS_GRID / hidden_size
+    return round((math.ceil(steps - 1e-9) if up else math.floor(steps + 1e-9)) * hidden_size / BITS_GRID)
+
+
+def fixed_bytes(hidden_size: int, batch: int, seq: int, sink: int, msg_stats: bool, row_rates: bool) -> int:
+    """A [batch, seq, H] payload's bytes before the codes: sink rows, gains, message statistics, row classes."""
+    head = min(sink, seq)
+    rows = batch * (seq - head)
+    stats = 4 * hidden_size if msg_stats and rows else 0
+    classes = packed_bytes(rows, rr.CLASS_BITS) if row_rates else 0
+    return batch * head * hidden_size * 2 + 2 * rows + stats + classes
 
 
 @dataclass
@@ -149,18 +157,10 @@ class TransformState:
         see `encode`); with `row_rates` the most it may take (its classes decide its size)."""
         head = min(sink, seq)
         rows = batch * (seq - head)
-        fixed = self._fixed_bytes(batch, seq, sink, msg_stats, row_rates) + 2 * self.hidden_size * dense
+        fixed = fixed_bytes(self.hidden_size, batch, seq, sink, msg_stats, row_rates) + 2 * self.hidden_size * dense
         if row_rates:
             return fixed + (rows * int(self.bits.sum()) + 7) // 8 + len(rr.CLASSES)  # each class pads to a byte
         return fixed + sum(packed_bytes(rows * len(cols), b) for b, cols in self._groups)
-
-    def _fixed_bytes(self, batch: int, seq: int, sink: int, msg_stats: bool, row_rates: bool) -> int:
-        """Bytes before the codes: sink rows, gains, message statistics, row classes."""
-        head = min(sink, seq)
-        rows = batch * (seq - head)
-        stats = 4 * self.hidden_size if msg_stats and rows else 0
-        classes = packed_bytes(rows, rr.CLASS_BITS) if row_rates else 0
-        return batch * head * self.hidden_size * 2 + 2 * rows + stats + classes
 
     def encode(self, x: Tensor, sink: int, stochastic: bool = False, generator: torch.Generator | None = None, dither_seed: int | None = None,
                msg_stats: bool = False, row_rates: bool = False, dense_rows: Tensor | None = None, shuffle_seed: int | None = None) -> bytes:
@@ -232,7 +232,7 @@ class TransformState:
         H = self.hidden_size
         head = min(sink, seq)
         n_head, rows = batch * head * H * 2, batch * (seq - head)
-        fixed, classes, top_code = self._fixed_bytes(batch, seq, sink, msg_stats, row_rates), None, self._top
+        fixed, classes, top_code = fixed_bytes(H, batch, seq, sink, msg_stats, row_rates), None, self._top
         raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.zeros(0, dtype=torch.uint8)
         tail = 2 * H * dense
         if row_rates and len(payload) >= fixed + tail:

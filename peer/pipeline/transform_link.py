@@ -11,13 +11,12 @@ decode share that store (dict operations only).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 
 from peer.codec import transform_wire as tw
-from peer.codec.transform import BITS_GRID, FixedCoder, TransformLearner, TransformState, row_budget
+from peer.codec.transform import BITS_GRID, FixedCoder, TransformLearner, TransformState, fixed_bytes, grid_bits, row_budget
 from peer.config import MaskConfig
 from peer.errors import WireError
 from peer.wire import anchormesh_pb2 as pb
@@ -82,7 +81,7 @@ class TransformLinks:
         full, H = self.max_bits(channel), self.hidden_size
         if not self.mask.adapt:
             return None
-        floor = max(round(H / BITS_GRID), round(math.ceil(self.mask.min_keep * full * BITS_GRID / H - 1e-9) * H / BITS_GRID))  # up to the grid
+        floor = max(round(H / BITS_GRID), grid_bits(self.mask.min_keep * full, H, up=True))
         floor = max(floor, H) if channel == "backward" else floor
         return floor if floor < full else None
 
@@ -90,11 +89,9 @@ class TransformLinks:
         """(bytes of the codes at the run's bits, bytes besides them: sink rows, gains, message
         statistics, dense rows) of a [B, T, H] tensor on `channel`: what a link must carry."""
         B, T, H = shape
-        head = min(self.sink(channel), T)
-        rows = B * (T - head)
+        rows = B * (T - min(self.sink(channel), T))
         outliers = 2 * H * B if self.mask.grad_outliers and channel == "backward" else 0  # about one massive row a sequence
-        besides = 2 * H * B * head + 2 * rows + (4 * H if self.msg_stats(channel) else 0) + outliers
-        return rows * self.max_bits(channel) / 8, besides
+        return rows * self.max_bits(channel) / 8, fixed_bytes(H, B, T, self.sink(channel), self.msg_stats(channel), self.row_rates(channel)) + outliers
 
     # ---- producing ------------------------------------------------------------------------
     def dense_rows(self, channel: str, ref: torch.Tensor | None) -> torch.Tensor | None:
