@@ -1,5 +1,11 @@
 """A watchdog for a block that may never return (a fork beside live threads): it writes every
-thread's stack and calls for help instead of leaving the process hung in silence."""
+thread's stack and calls for help instead of leaving the process hung in silence.
+
+Limit: it is a Python thread, so it runs only while the stuck thread has let go of the GIL.
+CPython calls fork() holding the GIL: a parent stuck inside fork itself (seen 2026-12-06: the
+main thread in popen_fork._launch for minutes, this watchdog still waiting) is not caught here.
+That needs a watchdog without the GIL (faulthandler's, which can only exit) or no fork beside
+live threads."""
 
 from __future__ import annotations
 
