@@ -1,11 +1,12 @@
 """A watchdog for a block that may never return (a fork beside live threads): it writes every
 thread's stack and calls for help instead of leaving the process hung in silence.
 
-Limit: it is a Python thread, so it runs only while the stuck thread has let go of the GIL.
-CPython calls fork() holding the GIL: a parent stuck inside fork itself (seen 2026-12-06: the
-main thread in popen_fork._launch for minutes, this watchdog still waiting) is not caught here.
-That needs a watchdog without the GIL (faulthandler's, which can only exit) or no fork beside
-live threads."""
+Two watchdogs, because a Python thread runs only while the stuck thread has let go of the GIL:
+CPython calls fork() holding it, so a parent stuck inside fork itself (seen 2026-12-06: the main
+thread in popen_fork._launch for minutes, the Python watchdog still waiting) is caught only by
+the second, faulthandler's C thread, which needs no GIL but can only write the stacks and exit
+(status 1): a dead peer is one the tracker routes around and a supervisor (docker's
+`restart: on-failure`) starts again, where a hung one holds its stage and answers nobody."""
 
 from __future__ import annotations
 
@@ -23,9 +24,12 @@ def _say(text: str) -> None:
 
 
 @contextmanager
-def stall_watch(limit_s: float, what: str, on_stall: Callable[[], None]) -> Iterator[None]:
+def stall_watch(limit_s: float, what: str, on_stall: Callable[[], None], exit_after_s: float | None = None) -> Iterator[None]:
     """Run the block; if it has not finished after `limit_s`, write every thread's stack to stderr
-    (so the cause can be found) and call `on_stall` from the watchdog thread."""
+    (so the cause can be found) and call `on_stall` from the watchdog thread. With
+    `exit_after_s`, a block still running then (with the GIL held, `on_stall` could not run) gets
+    the stacks written from C and the process ended with status 1. faulthandler keeps one such
+    timer per process: this one replaces any other while the block runs."""
     done = threading.Event()
 
     def watch() -> None:
@@ -36,7 +40,11 @@ def stall_watch(limit_s: float, what: str, on_stall: Callable[[], None]) -> Iter
         on_stall()
 
     threading.Thread(target=watch, name=f"stall-watch {what}", daemon=True).start()
+    if exit_after_s is not None:
+        faulthandler.dump_traceback_later(exit_after_s, exit=True, file=2)
     try:
         yield
     finally:
         done.set()
+        if exit_after_s is not None:
+            faulthandler.cancel_dump_traceback_later()

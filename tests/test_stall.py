@@ -111,3 +111,50 @@ def test_a_group_averager_whose_fork_never_returns_calls_for_help(monkeypatch) -
         avg.shutdown()
     finally:
         dht.shutdown()
+
+
+def test_a_block_that_holds_the_gil_ends_the_process_with_every_stack_written() -> None:
+    """The case the Python watchdog cannot catch (a parent stuck inside fork holds the GIL): a
+    libc sleep called through ctypes.PyDLL keeps the GIL for its whole length."""
+    import subprocess
+
+    code = (
+        "import ctypes, time\n"
+        "from peer.stall import stall_watch\n"
+        "called = []\n"
+        "with stall_watch(0.3, 'holding the GIL', lambda: called.append(1), exit_after_s=1.0):\n"
+        "    ctypes.PyDLL(None).sleep(20)\n"
+        "print('returned', called)\n"
+    )
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert done.returncode == 1 and time.monotonic() - t0 < 15, (done.returncode, done.stderr[-2000:])
+    assert "returned" not in done.stdout
+    assert "Timeout" in done.stderr and "<module>" in done.stderr  # faulthandler's dump, from C, of the stuck main thread
+
+
+def test_a_block_that_finishes_disarms_the_exit() -> None:
+    import subprocess
+
+    code = (
+        "import time\n"
+        "from peer.stall import stall_watch\n"
+        "with stall_watch(5.0, 'a quick thing', lambda: None, exit_after_s=0.5):\n"
+        "    pass\n"
+        "time.sleep(1.5)\n"  # past exit_after_s
+        "print('still here')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert done.returncode == 0 and done.stdout.strip() == "still here", done.stderr[-2000:]
+
+
+def test_peers_leave_grpc_s_fork_handlers_off() -> None:
+    """gRPC's prepare-fork handler waits on gRPC's threads with the GIL held (see peer/__init__.py)."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_ENABLE_FORK_SUPPORT"}
+    out = subprocess.run([sys.executable, "-c", "import bootstrap, os; print(os.environ['GRPC_ENABLE_FORK_SUPPORT'])"], capture_output=True, text=True, env=env, timeout=60, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.stdout.strip() == "0", out.stderr
+    env["GRPC_ENABLE_FORK_SUPPORT"] = "1"
+    out = subprocess.run([sys.executable, "-c", "import peer, os; print(os.environ['GRPC_ENABLE_FORK_SUPPORT'])"], capture_output=True, text=True, env=env, timeout=60, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.stdout.strip() == "1", out.stderr

@@ -94,7 +94,8 @@ class GroupAverager:
             are not all members' untouched ones is refused. None: claims go unsigned and
             unchecked (tests of the averaging alone).
         on_stuck: called (from a watchdog thread) if starting the averaging process never comes
-            back from its fork; None: the stacks are written and the process stays stuck.
+            back from its fork; with it, a fork that holds the GIL past that ends the process
+            (status 1). None: the stacks are written and the process stays stuck (tests).
 
     Public state: `rounds`, `failures`, `rejected`, `bytes_out`, `period_s` and `period_reason`
     (the slot length and why, e.g. "8 s: 10 steps x 0.61 s"), `step_s`, `measured_bps`.
@@ -157,8 +158,12 @@ class GroupAverager:
                 # client's) now and then leaves the child stuck before it is ready, and hivemind
                 # would wait for it forever: wait a bounded time, then kill it and fork again.
                 # Rarer, the parent never returns from the fork itself: `on_stuck` (the daemon
-                # starts its process again) is called from a watchdog
-                with stall_watch(START_TIMEOUT_S + FORK_STALL_S, "forking the stage-group averaging process", on_stuck or (lambda: None)):
+                # starts its process again) is called from a watchdog, and where that cannot run
+                # (the GIL held inside fork) the daemon's process ends itself (see peer/stall.py)
+                with stall_watch(
+                    START_TIMEOUT_S + FORK_STALL_S, "forking the stage-group averaging process", on_stuck or (lambda: None),
+                    exit_after_s=START_TIMEOUT_S + 2 * FORK_STALL_S if on_stuck else None,
+                ):
                     self.averager.run_in_background(await_ready=True, timeout=START_TIMEOUT_S)
                 break
             except TimeoutError:
