@@ -146,9 +146,10 @@ class MaskConfig:
             coefficients; "mask" a keep fraction between `min_keep * (1 - drop)` and `1 - drop`
             (on a 1/256 grid; drop = 0 stays dense); "transform" bits per row, per link and
             direction, between `min_keep` of the configured and the configured, on a
-            1/8-bit-per-value grid (gradients keep at least 1 bit per value, so 1-bit gradients
-            do not adapt; activations below it leave their weakest KLT components unsent). Off:
-            always the configured payload.
+            1/8-bit-per-value grid (below 1 bit per value activations leave their weakest KLT
+            components unsent, gradients other components of their rotation each message;
+            gradients with `grad_rates = "row"` keep 1 bit per value). Off: always the
+            configured payload.
         min_keep: the least fraction of the configured payload an adapting link sends, in (0, 1].
         link_target: the share of a micro-batch's compute time its bytes may take on the link,
             in (0, 1]; below 1 leaves headroom for DP rounds and bursts.

@@ -89,12 +89,14 @@ def test_a_budget_the_receiver_would_not_send_is_refused(row_bits: int, floor: i
         tw.decode(msg, state, expect_shape=tuple(x.shape), sink=1, min_row_bits=floor, **KEY)
 
 
-def test_the_floor_is_min_keep_on_the_grid_and_one_bit_per_value_for_gradients() -> None:
+def test_the_floor_is_min_keep_on_the_grid_both_ways() -> None:
     links = TransformLinks(MaskConfig(scheme="transform", bits=3.0, grad_bits=1.0, min_keep=0.6), H, True, True)
     assert links.min_row_bits("forward") == 90  # 0.6 of 144 bits is 86.4: up to the grid of H/8 = 6 bits
-    assert links.min_row_bits("backward") is None  # 1-bit gradients cannot send fewer
+    assert links.min_row_bits("backward") == 30  # 0.6 of 48 is 28.8: 1-bit gradients send fewer too
     both = TransformLinks(MaskConfig(scheme="transform", bits=2.0, grad_bits=2.0, min_keep=0.25), H, True, True)
-    assert (both.min_row_bits("forward"), both.min_row_bits("backward")) == (H // 2, H)  # activations to half a bit per value, gradients to one
+    assert (both.min_row_bits("forward"), both.min_row_bits("backward")) == (H // 2, H // 2)  # half a bit per value each way
+    rows = TransformLinks(MaskConfig(scheme="transform", grad_rates="row", grad_rounding="dither", min_keep=0.25), H, False, True)
+    assert rows.min_row_bits("backward") is None  # a rate per row keeps one bit per value: 1-bit gradients cannot adapt
     assert TransformLinks(MaskConfig(scheme="transform", bits=2.0, min_keep=0.01), H, True, False).min_row_bits("forward") == H // 8  # one grid step
     assert TransformLinks(MaskConfig(scheme="transform", bits=2.0, adapt=False), H, True, False).min_row_bits("forward") is None
 
@@ -105,9 +107,10 @@ def test_below_a_bit_per_value_the_weakest_components_go_unsent_and_decode_to_th
     assert int(half.bits.sum()) == H // 2 and int((half.bits == 0).sum()) > 0
     assert float(state.std[half.bits == 0].max()) <= float(state.std[half.bits > 0].min())  # the weakest ones
     x = correlated(6, seed=7)
-    msg = tw.encode(state, x, sink=1, stochastic=False, row_bits=H // 2, msg_stats=True, **KEY)
-    out = tw.decode(msg, state, expect_shape=tuple(x.shape), sink=1, min_row_bits=H // 2, msg_stats=True, **KEY)
-    full = tw.decode(tw.encode(state, x, sink=1, stochastic=False, msg_stats=True, **KEY), state, expect_shape=tuple(x.shape), sink=1, msg_stats=True, **KEY)
+    fwd = dict(KEY, channel="forward", msg_stats=True)  # activations: below a bit per value the same weakest components every message
+    msg = tw.encode(state, x, sink=1, stochastic=False, row_bits=H // 2, **fwd)
+    out = tw.decode(msg, state, expect_shape=tuple(x.shape), sink=1, min_row_bits=H // 2, **fwd)
+    full = tw.decode(tw.encode(state, x, sink=1, stochastic=False, **fwd), state, expect_shape=tuple(x.shape), sink=1, **fwd)
     assert _rel(full[:, 1:], x[:, 1:]) < _rel(out[:, 1:], x[:, 1:]) < 0.5
     # an unsent component decodes to the message's own mean of it
     rows = out[:, 1:].reshape(-1, H) - state.mean
@@ -119,8 +122,7 @@ def test_below_a_bit_per_value_the_weakest_components_go_unsent_and_decode_to_th
 def test_a_slow_link_sends_fewer_bits_both_ways_and_the_pipeline_still_learns() -> None:
     """Three stages, 2-bit activations and gradients: the links into stage 1 (forward) and into
     stage 0 (backward) are slow, the one into stage 2 fast. The slow ones drop to their floors
-    (activations half a bit per value, gradients one), the fast one keeps two, every message
-    decodes, and the loss falls."""
+    (half a bit per value each way), the fast one keeps two, every message decodes, and the loss falls."""
     model = MODEL.__class__(**{**MODEL.__dict__, "num_stages": 3, "num_layers": 3})
     mask = MaskConfig(scheme="transform", bits=2.0, grad_bits=2.0, grad_outliers=0.0, basis_refresh=4, min_keep=0.25)
     cfg = TrainConfig(model=model, pipeline=PIPE, steps=12, optim=OptimConfig(lr=3e-3), mask=mask)
@@ -130,10 +132,10 @@ def test_a_slow_link_sends_fewer_bits_both_ways_and_the_pipeline_still_learns() 
     runner.close()
     s0, s1, s2 = (runner.workers[k][0] for k in range(3))
     assert s0.keep_sent == {(1, 0): 0.25}  # min_keep of 2 bits per value: the activations' floor
-    assert s1.keep_sent == {(2, 0): 1.0, (0, 0): 0.5}  # forward fast, backward slow: the gradients' floor is 1 bit per value
+    assert s1.keep_sent == {(2, 0): 1.0, (0, 0): 0.25}  # forward fast, backward slow: at the floor
     assert s2.keep_sent == {(1, 0): 1.0}  # its gradients into stage 1: a fast link
     # what the receivers decoded: the run's bits (0) until the first step timed the compute, then the floor
-    assert links.row_bits == {(1, "forward"): {0, H_TOY // 2}, (0, "backward"): {0, H_TOY}, (2, "forward"): {0}, (1, "backward"): {0}}
+    assert links.row_bits == {(1, "forward"): {0, H_TOY // 2}, (0, "backward"): {0, H_TOY // 2}, (2, "forward"): {0}, (1, "backward"): {0}}
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3, losses
 
 
@@ -154,12 +156,38 @@ def test_a_fast_link_sends_the_run_s_bits_even_off_the_grid() -> None:
 
 
 def test_gradients_that_cannot_adapt_leave_the_keep_alone() -> None:
-    """1-bit gradients (the default) have nothing to give: status's pp_keep of the last stage
-    stays null rather than a 1 that no link could lower."""
+    """1-bit gradients with a rate per row have nothing to give: status's pp_keep of the last
+    stage stays null rather than a 1 that no link could lower."""
     from peer.pipeline.link_codec import LinkCodecs
     from peer.pipeline.linktune import ComputeClock
 
-    mask = MaskConfig(scheme="transform", min_keep=0.25)
+    mask = MaskConfig(scheme="transform", grad_rates="row", grad_rounding="dither", min_keep=0.25)
     codecs = LinkCodecs(mask, None, None, SlowLinks({(0, "backward"): 20.0}), ComputeClock(), H, 256, "cpu")
     assert codecs.row_bits_for((0, 0), "backward", TransformLinks(mask, H, False, True), (2, 9, H), 0) == H
     assert codecs.keep_sent == {}
+
+
+def test_a_gradient_below_a_bit_per_value_leaves_out_other_directions_every_message() -> None:
+    """1-bit gradients at a quarter of a bit per value: each message keeps a quarter of the
+    rotation's components, but of its own signed permutation of the coordinates, so over many
+    messages no direction is always missing (the fixed rotation alone would drop the same
+    three quarters every time: a bias no number of steps averages out)."""
+    from peer.codec.transform import random_coder
+
+    state = random_coder(H, H, seed=5)
+    x = correlated(4, seed=3)
+    quarter = H // 4
+    sums = {"shuffled": torch.zeros_like(x), "fixed": torch.zeros_like(x)}
+    for mb in range(300):
+        key = dict(boundary=0, step=1, micro_batch=mb)
+        msg = tw.encode(state, x, sink=0, stochastic=False, dither=True, row_bits=quarter, **key)
+        sums["shuffled"] += tw.decode(msg, state, expect_shape=tuple(x.shape), sink=0, dither=True, min_row_bits=quarter, **key)
+        seed = tw._rounding_seed(0, 1, mb)  # the same budget without the permutation: TransformState's own path
+        low = state.at_budget(quarter)
+        sums["fixed"] += low.decode(low.encode(x, 0, dither_seed=seed), *x.shape[:2], 0, dither_seed=seed)
+    cos = {k: float(torch.nn.functional.cosine_similarity(v.reshape(-1, H), x.reshape(-1, H)).min()) for k, v in sums.items()}
+    assert cos["shuffled"] > 0.97 and cos["fixed"] < 0.7, cos  # sqrt(1/4) of a row's energy survives a fixed projection
+    # and the receiver refuses a gradient budget below the floor, as for activations
+    msg = tw.encode(state, x, sink=0, stochastic=False, dither=True, row_bits=H // 8, boundary=0, step=1, micro_batch=0)
+    with pytest.raises(WireError, match="Compression.row_bits"):
+        tw.decode(msg, state, expect_shape=tuple(x.shape), sink=0, dither=True, min_row_bits=quarter, boundary=0, step=1, micro_batch=0)

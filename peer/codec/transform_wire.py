@@ -70,6 +70,14 @@ def _rounding_seed(boundary: int, step: int, micro_batch: int, channel: str = "b
     return int.from_bytes(digest, "little") & 0x7FFFFFFFFFFFFFFF
 
 
+def _shuffled(shuffle: bool, channel: str, row_bits: int, hidden_size: int) -> bool:
+    """Whether a message's rows are signed and permuted by its key before the rotation: with
+    mask.grad_rotation "message", and always for a gradient below one bit per value (a slow
+    link, mask.adapt): the components it leaves out are then other directions every message, not
+    the same ones of the fixed rotation (which would bias every step alike)."""
+    return shuffle or (channel == "backward" and 0 < row_bits < hidden_size)
+
+
 def encode(state: TransformState | None, x: torch.Tensor, *, sink: int, stochastic: bool, boundary: int, step: int, micro_batch: int, dither: bool = False,
            channel: str = "backward", msg_stats: bool = False, row_rates: bool = False, dense_rows: torch.Tensor | None = None, shuffle: bool = False,
            row_bits: int | None = None) -> pb.TensorPayload:
@@ -79,12 +87,14 @@ def encode(state: TransformState | None, x: torch.Tensor, *, sink: int, stochast
     (TransformState.encode); `row_rates`: each row its own rate (needs `dither`); `dense_rows`:
     ascending flat indices of non-sink rows also sent in bf16 (named in Compression.dense_rows);
     `shuffle`: the rows' coordinates signed and permuted by the message's key first; `row_bits`:
-    fewer bits per row than the coder's (an adapting sender's slow link; Compression.row_bits)."""
+    fewer bits per row than the coder's (an adapting sender's slow link; Compression.row_bits;
+    a gradient below a bit per value is shuffled whatever `shuffle` says: `_shuffled`)."""
     if state is None:
         return pb.TensorPayload(dtype=pb.BFLOAT16, shape=list(x.shape), payload=to_le_bytes(x.detach().to(torch.bfloat16).cpu()))
     adapted = row_bits is not None and row_bits < int(state.bits.sum())
     if adapted:
         state = state.at_budget(row_bits)
+    shuffle = _shuffled(shuffle, channel, row_bits if adapted else 0, state.hidden_size)
     seed = _rounding_seed(boundary, step, micro_batch, channel)
     gen = torch.Generator(device=x.device).manual_seed(seed) if stochastic and not dither else None
     msg = pb.TensorPayload(dtype=pb.FLOAT32, shape=list(x.shape), payload=state.encode(x, sink, generator=gen, stochastic=stochastic, dither_seed=seed if dither else None, msg_stats=msg_stats,
@@ -184,5 +194,6 @@ def decode(msg: pb.TensorPayload, state: TransformState | None, *, expect_shape:
         return _dense(msg, shape).to(device).float()
     B, T, _ = shape
     seed = _rounding_seed(boundary, step, micro_batch, channel)
+    shuffle = _shuffled(shuffle, channel, msg.compression.row_bits, state.hidden_size)
     return state.decode(msg.payload, B, T, sink, device=device, dither_seed=seed if dither else None, msg_stats=msg_stats,
                         row_rates=row_rates, dense_rows=_dense_rows(msg), shuffle_seed=seed if shuffle else None)
