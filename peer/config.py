@@ -147,9 +147,14 @@ class MaskConfig:
             (on a 1/256 grid; drop = 0 stays dense); "transform" bits per row, per link and
             direction, between `min_keep` of the configured and the configured, on a
             1/8-bit-per-value grid (below 1 bit per value activations leave their weakest KLT
-            components unsent, gradients other components of their rotation each message;
-            gradients with `grad_rates = "row"` keep 1 bit per value). Off: always the
-            configured payload.
+            components unsent; gradients stop at `grad_min_bits`). Off: always the configured
+            payload.
+        grad_min_bits: scheme "transform" with `adapt`: the fewest bits per value an adapting
+            link sends gradients with, in [1/8, 8]. Below 1 a message keeps other components of
+            the rotation each time (its rows signed and permuted by its key). Default 1: a
+            link's meter counts the round trip, so on a link slow to answer rather than to
+            carry, fewer bytes measure slower still and the bits run down to the floor (seen on
+            the 2-core demo); gradients below a bit per value cost too much quality for that.
         min_keep: the least fraction of the configured payload an adapting link sends, in (0, 1].
         link_target: the share of a micro-batch's compute time its bytes may take on the link,
             in (0, 1]; below 1 leaves headroom for DP rounds and bursts.
@@ -173,6 +178,7 @@ class MaskConfig:
     grad_rates: str = "even"
     grad_outliers: float = 20.0
     grad_rotation: str = "fixed"
+    grad_min_bits: float = 1.0
     act_stats: str = "message"
     adapt: bool = True
     min_keep: float = 0.25
@@ -191,6 +197,10 @@ class MaskConfig:
         for name in ("bits", "grad_bits"):
             if not (1.0 <= getattr(self, name) <= 8.0):
                 raise ConfigError(f"mask.{name}", getattr(self, name), "must be in [1, 8] bits per value: every component of a row gets at least one")
+        if not (0.125 <= self.grad_min_bits <= 8.0):
+            raise ConfigError("mask.grad_min_bits", self.grad_min_bits, "must be in [0.125, 8] bits per value (the adapting grid's step is 1/8)")
+        if self.grad_min_bits < 1.0 and self.grad_rates == "row":
+            raise ConfigError("mask.grad_min_bits", self.grad_min_bits, 'must be >= 1 with mask.grad_rates = "row" (each row\'s rate class needs a bit per value on average)')
         if self.sink < 0:
             raise ConfigError("mask.sink", self.sink, "must be >= 0 positions")
         _choice("mask.grad_rounding", self.grad_rounding, GRAD_ROUNDINGS)

@@ -89,14 +89,15 @@ def test_a_budget_the_receiver_would_not_send_is_refused(row_bits: int, floor: i
         tw.decode(msg, state, expect_shape=tuple(x.shape), sink=1, min_row_bits=floor, **KEY)
 
 
-def test_the_floor_is_min_keep_on_the_grid_both_ways() -> None:
+def test_the_floor_is_min_keep_on_the_grid_and_grad_min_bits_for_gradients() -> None:
     links = TransformLinks(MaskConfig(scheme="transform", bits=3.0, grad_bits=1.0, min_keep=0.6), H, True, True)
     assert links.min_row_bits("forward") == 90  # 0.6 of 144 bits is 86.4: up to the grid of H/8 = 6 bits
-    assert links.min_row_bits("backward") == 30  # 0.6 of 48 is 28.8: 1-bit gradients send fewer too
+    assert links.min_row_bits("backward") is None  # 1-bit gradients at the default floor (grad_min_bits 1) cannot send fewer
+    low = TransformLinks(MaskConfig(scheme="transform", bits=3.0, grad_bits=1.0, min_keep=0.6, grad_min_bits=0.125), H, True, True)
+    assert low.min_row_bits("backward") == 30  # 0.6 of 48 is 28.8: min_keep rules once grad_min_bits allows it
     both = TransformLinks(MaskConfig(scheme="transform", bits=2.0, grad_bits=2.0, min_keep=0.25), H, True, True)
-    assert (both.min_row_bits("forward"), both.min_row_bits("backward")) == (H // 2, H // 2)  # half a bit per value each way
-    rows = TransformLinks(MaskConfig(scheme="transform", grad_rates="row", grad_rounding="dither", min_keep=0.25), H, False, True)
-    assert rows.min_row_bits("backward") is None  # a rate per row keeps one bit per value: 1-bit gradients cannot adapt
+    assert (both.min_row_bits("forward"), both.min_row_bits("backward")) == (H // 2, H)  # activations to half a bit per value, gradients to one
+    assert TransformLinks(MaskConfig(scheme="transform", bits=2.0, grad_bits=2.0, min_keep=0.1, grad_min_bits=0.3), H, True, True).min_row_bits("backward") == 18  # 0.3 up to the grid (0.375) above min_keep's 0.2 (0.25)
     assert TransformLinks(MaskConfig(scheme="transform", bits=2.0, min_keep=0.01), H, True, False).min_row_bits("forward") == H // 8  # one grid step
     assert TransformLinks(MaskConfig(scheme="transform", bits=2.0, adapt=False), H, True, False).min_row_bits("forward") is None
 
@@ -124,7 +125,7 @@ def test_a_slow_link_sends_fewer_bits_both_ways_and_the_pipeline_still_learns() 
     stage 0 (backward) are slow, the one into stage 2 fast. The slow ones drop to their floors
     (half a bit per value each way), the fast one keeps two, every message decodes, and the loss falls."""
     model = MODEL.__class__(**{**MODEL.__dict__, "num_stages": 3, "num_layers": 3})
-    mask = MaskConfig(scheme="transform", bits=2.0, grad_bits=2.0, grad_outliers=0.0, basis_refresh=4, min_keep=0.25)
+    mask = MaskConfig(scheme="transform", bits=2.0, grad_bits=2.0, grad_outliers=0.0, basis_refresh=4, min_keep=0.25, grad_min_bits=0.5)
     cfg = TrainConfig(model=model, pipeline=PIPE, steps=12, optim=OptimConfig(lr=3e-3), mask=mask)
     links = SlowLinks({(1, "forward"): 1.0, (0, "backward"): 1.0, (2, "forward"): 1e12, (1, "backward"): 1e12})
     runner = LocalPipelineRunner(cfg, load_causal_lm(model, seed=3), windows, transport=links)
@@ -156,15 +157,25 @@ def test_a_fast_link_sends_the_run_s_bits_even_off_the_grid() -> None:
 
 
 def test_gradients_that_cannot_adapt_leave_the_keep_alone() -> None:
-    """1-bit gradients with a rate per row have nothing to give: status's pp_keep of the last
+    """1-bit gradients at the default floor have nothing to give: status's pp_keep of the last
     stage stays null rather than a 1 that no link could lower."""
     from peer.pipeline.link_codec import LinkCodecs
     from peer.pipeline.linktune import ComputeClock
 
-    mask = MaskConfig(scheme="transform", grad_rates="row", grad_rounding="dither", min_keep=0.25)
+    mask = MaskConfig(scheme="transform", min_keep=0.25)
     codecs = LinkCodecs(mask, None, None, SlowLinks({(0, "backward"): 20.0}), ComputeClock(), H, 256, "cpu")
     assert codecs.row_bits_for((0, 0), "backward", TransformLinks(mask, H, False, True), (2, 9, H), 0) == H
     assert codecs.keep_sent == {}
+
+
+def test_a_gradient_floor_off_the_grid_or_below_a_bit_with_row_rates_is_refused() -> None:
+    from peer.errors import ConfigError
+
+    for bad in (0.1, 9.0):
+        with pytest.raises(ConfigError, match="mask.grad_min_bits"):
+            MaskConfig(scheme="transform", grad_min_bits=bad)
+    with pytest.raises(ConfigError, match='grad_rates = "row"'):
+        MaskConfig(scheme="transform", grad_rates="row", grad_min_bits=0.5)
 
 
 def test_a_gradient_below_a_bit_per_value_leaves_out_other_directions_every_message() -> None:

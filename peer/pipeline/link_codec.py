@@ -83,7 +83,7 @@ class LinkCodecs:
         compute time per micro-batch; then the most on the 1/8-bit grid that fits, down to
         `links.min_row_bits`. `fixed`: the message's bytes besides the tensor (header, token ids)."""
         full, floor = links.max_bits(channel), links.min_row_bits(channel)
-        if floor is None:  # keep_sent (status's pp_keep) names only what can adapt (not: adapt off, per-row gradient rates at 1 bit)
+        if floor is None:  # keep_sent (status's pp_keep) names what can adapt: activations, and gradients above their floor
             if channel == "forward":
                 self.keep_sent[dst] = 1.0
             return full

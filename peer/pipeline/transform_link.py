@@ -74,15 +74,16 @@ class TransformLinks:
 
     def min_row_bits(self, channel: str) -> int | None:
         """The fewest bits per row an adapting sender sends on `channel` (mask.adapt): `min_keep`
-        of the run's, rounded up to the grid (at least one step). Below a bit per value the
-        activations leave the KLT's weakest components unsent, the gradients other components
-        of their rotation every message (transform_wire._shuffled); gradients with a rate per
-        row (mask.grad_rates "row") keep at least one bit per value. None when it cannot adapt."""
+        of the run's, rounded up to the grid (at least one step); gradients at least
+        `mask.grad_min_bits` per value (below one, other components of their rotation every
+        message: transform_wire._shuffled), activations below a bit per value leave the KLT's
+        weakest components unsent. None when it cannot adapt (adapt off, or 1-bit gradients at
+        the default floor)."""
         full, H = self.max_bits(channel), self.hidden_size
         if not self.mask.adapt:
             return None
         floor = max(round(H / BITS_GRID), grid_bits(self.mask.min_keep * full, H, up=True))
-        floor = max(floor, H) if self.row_rates(channel) else floor
+        floor = max(floor, grid_bits(self.mask.grad_min_bits * H, H, up=True)) if channel == "backward" else floor
         return floor if floor < full else None
 
     def code_bytes(self, channel: str, shape: tuple[int, ...]) -> tuple[float, float]:
