@@ -130,6 +130,7 @@ def test_a_block_that_holds_the_gil_ends_the_process_with_every_stack_written() 
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert done.returncode == 1 and time.monotonic() - t0 < 15, (done.returncode, done.stderr[-2000:])
     assert "returned" not in done.stdout
+    assert "has not finished after" not in done.stderr  # the Python watchdog never got the GIL: only the C timer could act
     assert "Timeout" in done.stderr and "<module>" in done.stderr  # faulthandler's dump, from C, of the stuck main thread
 
 
