@@ -191,3 +191,5 @@ def test_the_mixed_bench_runs_the_swarm_s_codec_or_the_low_rank_one_fixed_or_ada
     assert mixed_config("adaptive", 2, 70, 5, codec="lowrank")["mask"] == {"scheme": "lowrank", "rank": 64, "values": "int8", "adapt": True, "min_keep": 0.125}
     with pytest.raises(ConfigError, match="--codec"):
         mixed_config("fixed", 2, 70, 5, codec="mask")
+    low = TransformLinks(MaskConfig(**mixed_config("adaptive", 2, 70, 5, grad_min_bits=0.125)["mask"]), 128, True, True)
+    assert low.min_row_bits("backward") == 16  # --grad-min-bits 0.125: the 1-bit gradients down to min_keep's eighth

@@ -48,6 +48,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     mx.add_argument("--bandwidth-mbit", type=float, default=None, help="the fast links' speed (default: the GPU-equivalent of 200 Mbit/s)")
     mx.add_argument("--slow-factor", type=float, default=8.0, help="how many times slower the second peer of each stage group is linked (default 8)")
     mx.add_argument("--codec", default="transform", help="the PP codec: transform (the swarm's, default) or lowrank (rank 64, the first runs')")
+    mx.add_argument("--grad-min-bits", type=float, default=1.0, help="transform: the fewest bits per value an adapting link sends gradients with (mask.grad_min_bits; default 1: they do not adapt)")
     _swarm_shape(mx)
     mx.add_argument("--json", required=True, type=Path, help="write the result here")
     pr = bsub.add_parser("project", help="predicted tokens/s of the throughput bench's four modes and of dense_sync (stock pipeline + data parallelism) for a model on a device at a link speed (see peer/bench/project.py)")
@@ -111,7 +112,7 @@ def run_bench(args: argparse.Namespace) -> None:
     elif args.bench == "mixed":
         from peer.bench.mixed import main_json as mixed_json
 
-        mixed_json(args.json, quick=args.quick, bandwidth_mbit=args.bandwidth_mbit, slow_factor=args.slow_factor, stages=args.stages, replicas=args.replicas, codec=args.codec)
+        mixed_json(args.json, quick=args.quick, bandwidth_mbit=args.bandwidth_mbit, slow_factor=args.slow_factor, stages=args.stages, replicas=args.replicas, codec=args.codec, grad_min_bits=args.grad_min_bits)
         print(f"wrote {args.json}")
     elif args.bench == "project":
         from peer.bench.project import main_json as project_json

@@ -13,7 +13,8 @@ boundary has a fast and a slow end, the same in every mode. Modes
                  its averaging rounds to take at most dp.link_share of its uplink
 
 The PP codec (`--codec`): "transform", the swarm's (2-bit activations, 1-bit gradients; adapting,
-the activations go down to min_keep of their bits, the 1-bit gradients cannot adapt), or
+the activations go down to min_keep of their bits, the gradients to `--grad-min-bits` per value,
+default 1: the 1-bit gradients do not adapt), or
 "lowrank" at rank 64 (the config's most; adapting, down to 8 coefficients), the first runs' codec.
 
 The question it answers: does a swarm on mixed links stay near compute-bound without hand tuning?
@@ -28,6 +29,7 @@ import tempfile
 from pathlib import Path
 
 from peer.bench.throughput import GpuScenario, check_bed_args, equivalent_mbit, measure_mode, mode_config
+from peer.config import MaskConfig
 from peer.errors import ConfigError
 
 MIXED_MODES = ("compute_bound", "fixed", "adaptive")
@@ -36,7 +38,7 @@ MAX_RANK = 64
 MIN_KEEP = 0.125
 
 
-def mixed_config(mode: str, stages: int, steps: int, dp_every: int, codec: str = "transform") -> dict:
+def mixed_config(mode: str, stages: int, steps: int, dp_every: int, codec: str = "transform", grad_min_bits: float = 1.0) -> dict:
     """run.toml content of one mode (see the module docstring)."""
     if mode not in MIXED_MODES:
         raise ConfigError("mode", mode, f"must be one of {', '.join(MIXED_MODES)}")
@@ -45,7 +47,7 @@ def mixed_config(mode: str, stages: int, steps: int, dp_every: int, codec: str =
     cfg = mode_config("masked_dp", stages, steps, dp_every)
     adapt = mode == "adaptive"
     pp = {"scheme": "transform"} if codec == "transform" else {"scheme": "lowrank", "rank": MAX_RANK, "values": "int8"}
-    cfg["mask"] = {**pp, "adapt": adapt, "min_keep": MIN_KEEP}
+    cfg["mask"] = {**pp, "adapt": adapt, "min_keep": MIN_KEEP, **({"grad_min_bits": grad_min_bits} if grad_min_bits != 1.0 else {})}
     cfg["dp"] = {"inner_steps": dp_every, "outer_compression": "int8", "link_share": 0.2 if adapt else 0.0}
     return cfg
 
@@ -59,14 +61,15 @@ def slow_hosts(status: dict) -> list[int]:
     return sorted(int(ids[1].removeprefix("bed-peer")) for ids in (sorted(v) for v in by_stage.values()) if len(ids) > 1)
 
 
-def run_mixed(quick: bool, bandwidth_mbit: float | None, slow_factor: float, stages: int, replicas: int, workdir: Path | None = None, codec: str = "transform") -> dict:
+def run_mixed(quick: bool, bandwidth_mbit: float | None, slow_factor: float, stages: int, replicas: int, workdir: Path | None = None, codec: str = "transform",
+              grad_min_bits: float = 1.0) -> dict:
     """compute_bound, then fixed and adaptive on mixed links; returns the JSON."""
     if replicas < 2:
         raise ConfigError("--replicas", replicas, "must be >= 2 (the second peer of each stage group gets the slow link)")
     if not slow_factor > 1:
         raise ConfigError("--slow-factor", slow_factor, "must be > 1 (how many times slower the slow links are)")
     check_bed_args("bench mixed", stages, bandwidth_mbit)
-    mixed_config("adaptive", stages, 1, 1, codec)  # a bad --codec fails before any namespace exists
+    MaskConfig(**mixed_config("adaptive", stages, 1, 1, codec, grad_min_bits)["mask"])  # a bad --codec or --grad-min-bits fails before any namespace exists
     # longer than bench throughput's quick run: a self-tuned swarm does 30 steps in ~8 s, too
     # short a window for 1 s status lines and for its (rarer) averaging rounds
     warmup, steps, dp_every = (10, 70, 5) if quick else (10, 150, 10)
@@ -84,7 +87,7 @@ def run_mixed(quick: bool, bandwidth_mbit: float | None, slow_factor: float, sta
                 bed.set_rate(i, fast / slow_factor)
 
         return measure_mode(mode, [fast] * (1 + n), stages, replicas, warmup, steps, dp_every, workdir, subnet, timeout_s,
-                            config=mixed_config(mode, stages, steps, dp_every, codec), reshape=reshape if fast is not None else None)
+                            config=mixed_config(mode, stages, steps, dp_every, codec, grad_min_bits), reshape=reshape if fast is not None else None)
 
     out["modes"]["compute_bound"] = cb = measure("compute_bound", None, 20)
     fast = bandwidth_mbit or equivalent_mbit(GpuScenario(), stages, cb["peer_capacity_tokens_per_s"] or cb["tokens_per_s"] / replicas)
@@ -101,7 +104,7 @@ def run_mixed(quick: bool, bandwidth_mbit: float | None, slow_factor: float, sta
     out["setup"] = {
         "quick": quick, "stages": stages, "replicas": replicas, "hosts": 1 + n, "warmup_steps": warmup, "steps": steps, "dp_every": dp_every,
         "fast_mbit": fast, "slow_mbit": fast / slow_factor, "slow_factor": slow_factor, "bandwidth_given": bandwidth_mbit is not None,
-        "slowed_hosts": slowed, "codec": codec, "max_rank": MAX_RANK if codec == "lowrank" else None, "min_keep": MIN_KEEP, "link_share": 0.2,
+        "slowed_hosts": slowed, "codec": codec, "max_rank": MAX_RANK if codec == "lowrank" else None, "min_keep": MIN_KEEP, "grad_min_bits": grad_min_bits, "link_share": 0.2,
         "scaling_rule": "fast link = bench throughput's GPU-equivalent of 200 Mbit/s (see its setup.scaling_rule) unless --bandwidth-mbit",
         "workdir": str(workdir),
     }
