@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -113,11 +115,17 @@ def test_a_group_averager_whose_fork_never_returns_calls_for_help(monkeypatch) -
         dht.shutdown()
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _python(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`code` run by a fresh interpreter from the repository root (a watchdog may end it)."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60, cwd=ROOT)
+
+
 def test_a_block_that_holds_the_gil_ends_the_process_with_every_stack_written() -> None:
     """The case the Python watchdog cannot catch (a parent stuck inside fork holds the GIL): a
     libc sleep called through ctypes.PyDLL keeps the GIL for its whole length."""
-    import subprocess
-
     code = (
         "import ctypes, time\n"
         "from peer.stall import stall_watch\n"
@@ -127,7 +135,7 @@ def test_a_block_that_holds_the_gil_ends_the_process_with_every_stack_written() 
         "print('returned', called)\n"
     )
     t0 = time.monotonic()
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=os.path.dirname(os.path.dirname(__file__)))
+    done = _python(code)
     assert done.returncode == 1 and time.monotonic() - t0 < 15, (done.returncode, done.stderr[-2000:])
     assert "returned" not in done.stdout
     assert "has not finished after" not in done.stderr  # the Python watchdog never got the GIL: only the C timer could act
@@ -135,8 +143,6 @@ def test_a_block_that_holds_the_gil_ends_the_process_with_every_stack_written() 
 
 
 def test_a_block_that_finishes_disarms_the_exit() -> None:
-    import subprocess
-
     code = (
         "import time\n"
         "from peer.stall import stall_watch\n"
@@ -145,17 +151,15 @@ def test_a_block_that_finishes_disarms_the_exit() -> None:
         "time.sleep(1.5)\n"  # past exit_after_s
         "print('still here')\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=os.path.dirname(os.path.dirname(__file__)))
+    done = _python(code)
     assert done.returncode == 0 and done.stdout.strip() == "still here", done.stderr[-2000:]
 
 
 def test_peers_leave_grpc_s_fork_handlers_off() -> None:
     """gRPC's prepare-fork handler waits on gRPC's threads with the GIL held (see peer/__init__.py)."""
-    import subprocess
-
     env = {k: v for k, v in os.environ.items() if k != "GRPC_ENABLE_FORK_SUPPORT"}
-    out = subprocess.run([sys.executable, "-c", "import bootstrap, os; print(os.environ['GRPC_ENABLE_FORK_SUPPORT'])"], capture_output=True, text=True, env=env, timeout=60, cwd=os.path.dirname(os.path.dirname(__file__)))
+    out = _python("import bootstrap, os; print(os.environ['GRPC_ENABLE_FORK_SUPPORT'])", env)
     assert out.stdout.strip() == "0", out.stderr
     env["GRPC_ENABLE_FORK_SUPPORT"] = "1"
-    out = subprocess.run([sys.executable, "-c", "import peer, os; print(os.environ['GRPC_ENABLE_FORK_SUPPORT'])"], capture_output=True, text=True, env=env, timeout=60, cwd=os.path.dirname(os.path.dirname(__file__)))
+    out = _python("import peer, os; print(os.environ['GRPC_ENABLE_FORK_SUPPORT'])", env)
     assert out.stdout.strip() == "1", out.stderr
