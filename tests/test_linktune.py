@@ -193,3 +193,5 @@ def test_the_mixed_bench_runs_the_swarm_s_codec_or_the_low_rank_one_fixed_or_ada
         mixed_config("fixed", 2, 70, 5, codec="mask")
     low = TransformLinks(MaskConfig(**mixed_config("adaptive", 2, 70, 5, grad_min_bits=0.125)["mask"]), 128, True, True)
     assert low.min_row_bits("backward") == 16  # --grad-min-bits 0.125: the 1-bit gradients down to min_keep's eighth
+    with pytest.raises(ConfigError, match="--grad-min-bits"):
+        mixed_config("adaptive", 2, 70, 5, codec="lowrank", grad_min_bits=0.5)

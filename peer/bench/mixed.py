@@ -44,6 +44,8 @@ def mixed_config(mode: str, stages: int, steps: int, dp_every: int, codec: str =
         raise ConfigError("mode", mode, f"must be one of {', '.join(MIXED_MODES)}")
     if codec not in MIXED_CODECS:
         raise ConfigError("--codec", codec, f"must be one of {', '.join(MIXED_CODECS)}")
+    if grad_min_bits != 1.0 and codec != "transform":
+        raise ConfigError("--grad-min-bits", grad_min_bits, "applies to --codec transform only (the low-rank codec's gradients adapt with min_keep)")
     cfg = mode_config("masked_dp", stages, steps, dp_every)
     adapt = mode == "adaptive"
     pp = {"scheme": "transform"} if codec == "transform" else {"scheme": "lowrank", "rank": MAX_RANK, "values": "int8"}
