@@ -27,16 +27,16 @@ from pathlib import Path
 import grpc
 
 from bootstrap import keys, persist
+from bootstrap.prepare import prepare_run
 from bootstrap.roster import Banned, JoinRefused
 from bootstrap.tracker import Tracker
 from peer.address import announce_maddr, free_port
 from peer.atomic import write_atomic
-from peer.config import AnchorConfig, DPConfig, ModelConfig, OptimConfig, PipelineConfig, TrainConfig, check_swarm, transform_mask
+from peer.config import TrainConfig
 from peer.errors import AnchormeshError, ConfigError
 from peer.logs import setup_logging
 from peer.model.loading import resolve_dims
-from peer.model.stages import layer_ranges
-from peer.runtoml import config_from_dict
+from peer.runtoml import config_digest, config_from_dict, resolve_run
 from peer.security import auth, dht_auth
 from peer.security.identity import Identity, certificate_bytes
 from peer.wire import anchormesh_pb2 as pb
@@ -49,21 +49,9 @@ DHT_TTL_S = 60.0
 
 
 def default_run() -> TrainConfig:
-    """The tiny default run: 2 stages of the tiny model, the transform PP codec as the tiny models
-    use it (2 bits per value each way, peer/config.py transform_mask) and stage 0 one step ahead: `bench quality`'s default row (docs/benchmarks.md)."""
-    return TrainConfig(
-        model=ModelConfig(name="tiny-llama", num_stages=2, hidden_size=128, num_layers=4, num_heads=4, max_seq_len=128),
-        mask=transform_mask("tiny-llama"),  # on the toy: 2-bit gradients (see transform_mask)
-        anchor=AnchorConfig(every=0),
-        # fp32 parameters every 10 steps: the 8-bit deltas showed a +9% eval-loss gap at a
-        # 5-step cadence in the throughput bench (docs/benchmarks.md), not yet explained
-        dp=DPConfig(inner_steps=10, outer_compression="none"),
-        optim=OptimConfig(lr=2e-3),
-        # stage 0 one step ahead: the pipeline no longer drains every step (docs/benchmarks.md: on
-        # the bed masked 10.3x dense_sync instead of 4.6x; +0.2 % eval loss on SmolLM2)
-        pipeline=PipelineConfig(micro_batch_size=8, micro_batches=2, seq_len=128, max_staleness=1),
-        steps=10**9,
-    )
+    """The run of a bootstrap started without --config: the recommended run on the tiny model
+    (its departures are `TINY_RUN` in peer/config.py), 2 stages."""
+    return resolve_run().config
 
 
 def tracker_policy(config: TrainConfig) -> dict[str, frozenset[str]]:
@@ -272,11 +260,7 @@ def run_bootstrap(config: TrainConfig | None, host: str, port: int, dht_port: in
         config = config_from_dict(saved["config"])
         port = port or saved.get("ports", {}).get("tracker", 0)  # the same address, so peers reconnect
         dht_port = dht_port or saved.get("ports", {}).get("dht", 0)
-    config = config or default_run()
-    check_swarm(config)  # before anything starts
-    config.model = resolve_dims(config.model)
-    config.check_model_dims()  # now against the pretrained model's real sizes
-    layer_ranges(config.model.num_layers, config.model.num_stages)  # a bad stage count fails here, not after the DHT is up
+    config = prepare_run(config or default_run())  # before anything starts: a bad config fails here, not after the DHT is up
     state_dir.mkdir(parents=True, exist_ok=True)
     if saved is None:
         keys.forget(state_dir)  # a new run: the old run's certificates must not admit anyone
@@ -335,6 +319,7 @@ def run_bootstrap(config: TrainConfig | None, host: str, port: int, dht_port: in
     write_atomic(state_dir / "bootstrap.json", json.dumps({**info, "token": secrets.token, "operator": secrets.operator}).encode(), mode=0o600)
     print(json.dumps({k: v for k, v in info.items() if k != "tls_ca"}), flush=True)  # no secrets on stdout: logs get shared
     log.info("tracker for %s on %s%s; DHT %s; the run token is in %s", run_id, address, " (TLS)" if ca else "", maddrs[0] if maddrs else "?", state_dir / "bootstrap.json")
+    log.info("run config %s (model %s, %d stages, codec %s): `anchormesh config show` prints a run.toml's settings", config_digest(tracker.config), tracker.config.model.name, tracker.config.model.num_stages, tracker.config.mask.scheme)
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     stop.wait()

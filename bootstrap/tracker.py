@@ -27,8 +27,10 @@ from peer.capacity import step_ceiling
 from peer.config import TrainConfig
 from peer.daemon.startup import MAX_PHASES
 from peer.model.stages import layer_ranges
+from peer.runtoml import config_digest
 from peer.security.identity import fingerprint
 from peer.wire import anchormesh_pb2 as pb
+from peer.wire.version import wire_version
 
 MAX_MADDRS_PER_PEER = 4  # a peer's DHT addresses kept for its stage mates (bounded: the peer declares them)
 REPLICA_HOLDERS = 2  # peers of a stage that keep a copy of the next stage's state
@@ -81,6 +83,7 @@ class Tracker:
     def __post_init__(self) -> None:
         self.started = self.clock()
         self.ranges = layer_ranges(self.config.model.num_layers, self.config.model.num_stages)
+        self.digest = config_digest(self.config)
         self.anchors = Cadence(self.config.anchor.every)
         self.evals = Cadence(self.config.pipeline.eval_every)
         self.balance = StageBalance([max(end - start, 1) for start, end in self.ranges], self.move_cooldown_s, self.clock, next_move_at=self.started)
@@ -110,8 +113,11 @@ class Tracker:
         the lowest-scoring one (bootstrap/balance.py)."""
         if req.run_id and req.run_id != self.run_id:
             raise JoinRefused(f"run_id={req.run_id!r}: this tracker serves run {self.run_id!r}")
-        if req.code_version != __version__:
-            raise JoinRefused(f"code_version={req.code_version!r}: the run needs anchormesh {__version__}")
+        if req.wire_version != wire_version():
+            theirs = req.wire_version or f"none (anchormesh {req.code_version or '?'} predates wire versions)"
+            raise JoinRefused(f"wire_version={theirs}: this run's peers speak wire version {wire_version()} (anchormesh {__version__}); run a build with that wire version")
+        if self.config.mask.scheme not in req.codecs:
+            raise JoinRefused(f"codecs={list(req.codecs)}: this run's PP codec is mask.scheme={self.config.mask.scheme!r}, which this peer's build does not have")
         if not req.peer_id or not req.grpc_address:
             raise JoinRefused("peer_id and grpc_address are required")
         if key and fingerprint(key) in self.banned:
@@ -160,7 +166,7 @@ class Tracker:
 
     def run_config(self) -> pb.RunConfig:
         """The run's config for an observer that does not join (anchormesh export)."""
-        return pb.RunConfig(run_id=self.run_id, run_config_json=json.dumps(asdict(self.config)), code_version=__version__)
+        return pb.RunConfig(run_id=self.run_id, run_config_json=json.dumps(asdict(self.config)), code_version=__version__, wire_version=wire_version())
 
     def report(self, rep: pb.PeerReport) -> pb.Directive:
         """Record a heartbeat; answer with the live peers of the adjacent stages and of the peer's
@@ -356,6 +362,8 @@ class Tracker:
                 eval_loss=newest_eval.eval_loss if newest_eval else math.nan,
                 eval_step=self.evals.launched_at.get(newest_eval.eval_id, -1) if newest_eval else -1,
                 banned=len(self.banned),
+                config_digest=self.digest,
+                wire_version=wire_version(),
                 unfit=list(self.unfit),
                 model=pb.ModelInfo(name=self.config.model.name, num_layers=self.config.model.num_layers, hidden_size=self.config.model.hidden_size,
                                    num_stages=K, tokenizer=self.config.data.tokenizer),

@@ -1,4 +1,4 @@
-"""`anchormesh` console entry point: `bootstrap`, `peer`, `status`, `health`, `demo`, `export`, `bench quality|boundary|throughput|mixed|project|profile|gpu|plot`.
+"""`anchormesh` console entry point: `bootstrap`, `peer`, `config`, `status`, `health`, `demo`, `export`, `bench quality|boundary|throughput|mixed|project|profile|gpu|plot`.
 
 Bad flags exit with code 2 and one line naming the flag.
 """
@@ -29,7 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--threads", type=int, default=0, help="with --local: torch threads (0 = torch default)")
 
     boot = sub.add_parser("bootstrap", help="start a run: first DHT node, tracker and status service")
-    boot.add_argument("--config", help="run.toml (default: the tiny default run, 2 stages)")
+    boot.add_argument("--config", help="run.toml (default: the recommended run on the tiny model, 2 stages); `anchormesh config show` prints what it runs")
+    boot.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override one run.toml setting (repeatable), e.g. --set optim.lr=1e-4")
     boot.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1)")
     boot.add_argument("--announce-host", default=None, help="address peers dial to reach the bootstrap (default: --host); replaces the host in the published tracker address and the DHT's multiaddrs (a name becomes /dns4/NAME)")
     boot.add_argument("--port", type=int, default=0, help="tracker gRPC port (0 = any free)")
@@ -39,6 +40,12 @@ def _parser() -> argparse.ArgumentParser:
     boot.add_argument("--peer-timeout", type=float, default=10.0, help="seconds without heartbeat before a peer is dead")
     boot.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics at http://HOST:PORT/metrics (0 = any free port; default: off)")
     boot.add_argument("--token", default=os.environ.get("ANCHORMESH_TOKEN") or None, help="set the run token (or @FILE; at least 16 characters; default: $ANCHORMESH_TOKEN, else the one in --state-dir, else a new random one); a new one replaces the old for new joiners")
+
+    config = sub.add_parser("config", help="the run a run.toml (plus --set) makes, before anything starts: show it, or check it")
+    config.add_argument("action", choices=("show", "check"), help="show: print the effective run.toml, each value with its source (default, tiny model, run.toml, --set); check: validate it as the bootstrap would, start nothing")
+    config.add_argument("--config", help="run.toml (default: none: the recommended run on the tiny model)")
+    config.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override one setting (repeatable), e.g. --set model.name=smollm2-135m")
+    config.add_argument("--json", action="store_true", help="show: one JSON object {digest, config, sources} instead of TOML")
 
     peer = sub.add_parser("peer", help="join a run and serve a stage")
     env = os.environ.get
@@ -114,11 +121,22 @@ def main(argv: list[str] | None = None) -> None:
             from peer.demo.local import run_demo
 
             run_demo(seconds=args.seconds or 60.0, stages=args.stages, codec=args.codec, drop=args.drop, rank=args.rank, threads=args.threads)
+        elif args.command == "config":
+            from bootstrap.prepare import prepare_run
+            from peer.client.run_config import render_json, render_toml
+            from peer.runtoml import load_run
+
+            resolved = load_run(args.config, args.set)
+            if args.action == "show":
+                print(render_json(resolved) if args.json else render_toml(resolved), end="" if not args.json else "\n")
+            else:
+                cfg = prepare_run(resolved.config)
+                print(f"ok: run config {resolved.digest}: model {cfg.model.name} ({cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}), {cfg.model.num_stages} stages, codec {cfg.mask.scheme}")
         elif args.command == "bootstrap":
             from bootstrap.node import run_bootstrap
-            from peer.runtoml import load_run_toml
+            from peer.runtoml import load_run
 
-            config = load_run_toml(args.config) if args.config else None
+            config = load_run(args.config, args.set).config if (args.config or args.set) else None
             run_bootstrap(config, args.host, args.port, args.dht_port, args.state_dir, args.peer_timeout, metrics_port=args.metrics_port, announce_host=args.announce_host, new_run=args.new_run, token=read_token(args.token))
         elif args.command == "peer":
             import faulthandler

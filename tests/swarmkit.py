@@ -30,6 +30,7 @@ max_seq_len = 32
 scheme = "lowrank"
 rank = 8
 [pipeline]
+max_staleness = 0
 micro_batch_size = 4
 micro_batches = 2
 seq_len = 32

@@ -62,7 +62,7 @@ def test_json_logs_are_one_object_per_line_and_a_bad_format_exits_2(tmp_path) ->
 
     out = cli("bootstrap", "--config", str(tmp_path / "missing.toml"), ANCHORMESH_LOG_FORMAT="yaml")
     assert out.returncode == 2  # the config is read first: it names --config
-    (tmp_path / "run.toml").write_text("steps = 5\n")
+    (tmp_path / "run.toml").write_text("seed = 5\n")
     out = cli("bootstrap", "--config", str(tmp_path / "run.toml"), "--state-dir", str(tmp_path / "b"), ANCHORMESH_LOG_FORMAT="yaml")
     assert out.returncode == 2 and "anchormesh: error: ANCHORMESH_LOG_FORMAT='yaml': must be text or json" in out.stderr
     import logging

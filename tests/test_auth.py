@@ -180,10 +180,10 @@ def test_join_issues_a_certificate_that_other_peers_accept_and_a_ban_revokes(tmp
     from bootstrap import keys
     from bootstrap.node import default_run, serve_tracker
     from bootstrap.tracker import Tracker
-    from peer import __version__
     from peer.pipeline.grpc_transport import STAGE_POLICY
     from peer.wire import anchormesh_pb2 as pb
     from peer.wire import anchormesh_pb2_grpc as pbg
+    from peer.wire.version import build_fields
 
     secrets = keys.load_or_create(tmp_path, TOKEN)
     assert (tmp_path / keys.FILE).stat().st_mode & 0o777 == 0o600
@@ -195,13 +195,13 @@ def test_join_issues_a_certificate_that_other_peers_accept_and_a_ban_revokes(tmp
         with auth.open_channel(address, creds) as ch:
             stub = pbg.TrackerStub(ch)
             with pytest.raises(grpc.RpcError) as exc:  # speaking for another peer
-                stub.Join(pb.JoinRequest(peer_id="peer-other", grpc_address="127.0.0.1:1", code_version=__version__), timeout=5)
+                stub.Join(pb.JoinRequest(peer_id="peer-other", grpc_address="127.0.0.1:1", **build_fields()), timeout=5)
             assert exc.value.code() == grpc.StatusCode.PERMISSION_DENIED and "speaks only for itself" in exc.value.details()
-            a = stub.Join(pb.JoinRequest(peer_id=me.peer_id, grpc_address="127.0.0.1:1", code_version=__version__), timeout=5)
+            a = stub.Join(pb.JoinRequest(peer_id=me.peer_id, grpc_address="127.0.0.1:1", **build_fields()), timeout=5)
         assert a.tracker_key == secrets.tracker.public and a.certificate
         with auth.open_channel(address, None) as ch:  # no token: refused
             with pytest.raises(grpc.RpcError) as exc:
-                pbg.TrackerStub(ch).Join(pb.JoinRequest(peer_id="x", grpc_address="127.0.0.1:1", code_version=__version__), timeout=5)
+                pbg.TrackerStub(ch).Join(pb.JoinRequest(peer_id="x", grpc_address="127.0.0.1:1", **build_fields()), timeout=5)
             assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
             assert pbg.StatusStub(ch).GetStatus(pb.StatusRequest(), timeout=5).run_id == RUN  # status stays open
         # another peer's gate, configured from its own Assignment, accepts the certificate

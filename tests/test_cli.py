@@ -68,9 +68,9 @@ def test_run_toml_round_trips_into_the_config(tmp_path) -> None:
     from peer.runtoml import load_run_toml
 
     path = tmp_path / "run.toml"
-    path.write_text('steps = 50\n[model]\nnum_stages = 3\n[mask]\nscheme = "lowrank"\nrank = 12\n[dp]\ninner_steps = 20\n')
+    path.write_text('seed = 50\n[model]\nnum_stages = 3\n[mask]\nscheme = "lowrank"\nrank = 12\n[dp]\ninner_steps = 20\n')
     cfg = load_run_toml(str(path))
-    assert (cfg.steps, cfg.model.num_stages, cfg.mask.scheme, cfg.mask.rank, cfg.dp.inner_steps) == (50, 3, "lowrank", 12, 20)
+    assert (cfg.seed, cfg.model.num_stages, cfg.mask.scheme, cfg.mask.rank, cfg.dp.inner_steps) == (50, 3, "lowrank", 12, 20)
 
 
 def test_bootstrap_refuses_a_config_the_swarm_cannot_run(tmp_path) -> None:

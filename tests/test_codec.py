@@ -22,7 +22,7 @@ KEY = dict(boundary=1, step=7, micro_batch=3)
 
 
 def codec(drop: float = 0.9, values: str = "fp32", seed: int = 0) -> MaskCodec:
-    return MaskCodec(MaskConfig(drop=drop, values=values, seed=seed))
+    return MaskCodec(MaskConfig(scheme="mask", drop=drop, values=values, seed=seed))
 
 
 # ---- an independent pure-Python reference of the mask PRF (the spec in peer/codec/mask.py) ----
@@ -201,7 +201,7 @@ def test_round_trip_property(shape: list[int], values: str, drop: float, in_dtyp
 
 # ---- both link ends agree; the backward lands on the forward's kept set ---------------------------
 def test_sender_receiver_same_mask_and_gradient_path() -> None:
-    cfg = dict(drop=0.9, values="fp32", seed=1234)
+    cfg = dict(scheme="mask", drop=0.9, values="fp32", seed=1234)
     sender, receiver = MaskCodec(MaskConfig(**cfg)), MaskCodec(MaskConfig(**cfg))
     h = torch.randn(2, 8, 64)
     wire = receiver.decode(pb.TensorPayload.FromString(sender.encode(h, **KEY).SerializeToString()))

@@ -69,7 +69,7 @@ class DeviceAudit(TorchFunctionMode):
 
 
 MODEL = ModelConfig(name="tiny-llama", hidden_size=64, num_layers=6, num_heads=4, max_seq_len=64)
-PIPE = PipelineConfig(micro_batch_size=2, micro_batches=2, seq_len=16)
+PIPE = PipelineConfig(micro_batch_size=2, micro_batches=2, seq_len=16, max_staleness=0)
 
 
 def _windows(step: int, replica: int, j: int) -> torch.Tensor:
@@ -101,9 +101,9 @@ def _audited_run(mask: MaskConfig, steps: int = 3) -> list[tuple[str, str]]:
 
 
 @pytest.mark.parametrize("name,mask", [
-    ("mask_prior", MaskConfig(drop=0.9, fill="prior_rescale", values="int8")),
+    ("mask_prior", MaskConfig(scheme="mask", drop=0.9, fill="prior_rescale", values="int8")),
     ("lowrank", MaskConfig(scheme="lowrank", rank=8, values="int8", basis_refresh=100)),
-    ("dense", MaskConfig(values="fp16")),
+    ("dense", MaskConfig(scheme="mask", values="fp16")),
     ("transform", MaskConfig(scheme="transform", basis_refresh=2)),  # refits inside the audited steps
     ("transform_rows", MaskConfig(scheme="transform", grad_rates="row")),  # a rate per gradient row
     ("transform_message_rotation", MaskConfig(scheme="transform", grad_rounding="nearest", grad_rotation="message")),  # a signed permutation per gradient message

@@ -17,17 +17,16 @@ import grpc
 import pytest
 import torch
 
-from peer import __version__
 from peer.client.export import ExportError, export, gather
 from peer.demo.swarm import start_process, stop_processes, wait_for_bootstrap
 from peer.security.auth import read_token
 from peer.wire import anchormesh_pb2 as pb
 from peer.wire import anchormesh_pb2_grpc as pbg
+from peer.wire.version import build_fields
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 MIN_STEPS = 3
 RUN_TOML = """
-steps = 100000
 seed = 5
 [model]
 name = "tiny-llama"
@@ -36,9 +35,12 @@ hidden_size = 64
 num_layers = 2
 num_heads = 4
 max_seq_len = 64
+[mask]
+scheme = "mask"
 [optim]
 lr = 3e-3
 [pipeline]
+max_staleness = 0
 micro_batch_size = 4
 micro_batches = 2
 seq_len = 32
@@ -101,7 +103,7 @@ def test_no_token_or_a_wrong_one_is_one_error_line_and_exit_1(tracker, tmp_path:
 
 
 def add_peer(t, peer_id: str, address: str, step: int, stage: int | None = None) -> None:
-    t.join(pb.JoinRequest(peer_id=peer_id, grpc_address=address, code_version=__version__))
+    t.join(pb.JoinRequest(peer_id=peer_id, grpc_address=address, **build_fields()))
     if stage is not None:
         t.peers[peer_id].stage = stage
     t.report(pb.PeerReport(run_id=t.run_id, peer=pb.PeerInfo(peer_id=peer_id, state="idle", step=step)))

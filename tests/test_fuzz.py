@@ -38,7 +38,7 @@ RUN = "run-fuzz"
 CFG = TrainConfig(
     model=ModelConfig(name="tiny-llama", num_stages=2, hidden_size=32, num_layers=2, num_heads=2, max_seq_len=16),
     mask=MaskConfig(scheme="lowrank", rank=4, values="fp16"),
-    pipeline=PipelineConfig(micro_batch_size=2, micro_batches=2, seq_len=8),
+    pipeline=PipelineConfig(micro_batch_size=2, micro_batches=2, seq_len=8, max_staleness=0),
 )
 B, T, H, R, V = CFG.pipeline.micro_batch_size, CFG.pipeline.seq_len, CFG.model.hidden_size, CFG.mask.rank, 256
 FUZZ = settings(deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, database=None)

@@ -17,7 +17,7 @@ from peer.wire import anchormesh_pb2 as pb
 from peer.wire.tensors import tensor_to_proto
 
 MODEL = ModelConfig(name="tiny-llama", hidden_size=32, num_layers=2, num_heads=2, max_seq_len=32)
-PIPE = PipelineConfig(micro_batch_size=2, micro_batches=2, seq_len=16)
+PIPE = PipelineConfig(micro_batch_size=2, micro_batches=2, seq_len=16, max_staleness=0)
 
 
 def windows(step: int, replica: int, j: int) -> torch.Tensor:
@@ -32,7 +32,7 @@ def _runner(mask: MaskConfig, transport=None) -> LocalPipelineRunner:
 @pytest.mark.parametrize(
     "mask",
     # adapt off: the link tuning would read loopback round trips against millisecond micro-batches
-    [MaskConfig(drop=0.9, adapt=False), MaskConfig(scheme="lowrank", rank=4, values="int8", basis_refresh=2, adapt=False), MaskConfig(scheme="lowrank", rank=4, basis_refresh=2, prior_rows=16, adapt=False),
+    [MaskConfig(scheme="mask", drop=0.9, adapt=False), MaskConfig(scheme="lowrank", rank=4, values="int8", basis_refresh=2, adapt=False), MaskConfig(scheme="lowrank", rank=4, basis_refresh=2, prior_rows=16, adapt=False),
      MaskConfig(scheme="transform", bits=2.0, grad_bits=1.0, basis_refresh=1, adapt=False)],
     ids=["mask", "lowrank", "lowrank_top_rows", "transform"],
 )
@@ -54,7 +54,7 @@ def test_grpc_transport_gives_the_same_training_as_in_process(mask: MaskConfig) 
 @pytest.fixture
 def served():
     transport = GrpcTransport("run-a", max_message_bytes=1 << 20)
-    runner = _runner(MaskConfig(drop=0.9), transport)
+    runner = _runner(MaskConfig(scheme="mask", drop=0.9), transport)
     yield runner, transport
     runner.close()
 

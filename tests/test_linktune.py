@@ -140,7 +140,7 @@ def test_the_mask_scheme_adapts_its_keep_fraction_per_link() -> None:
     to min_keep of the configured keep), the fast link keeps the config's drop, the receiver
     rebuilds and masks the gradient back with the message's drop, and the loss falls."""
     cfg = TrainConfig(model=MODEL.__class__(**{**MODEL.__dict__, "num_stages": 3, "num_layers": 3}), pipeline=PIPE, steps=12, optim=OptimConfig(lr=3e-3),
-                      mask=MaskConfig(drop=0.5, fill="prior_rescale", min_keep=0.25))
+                      mask=MaskConfig(scheme="mask", drop=0.5, fill="prior_rescale", min_keep=0.25))
     runner = LocalPipelineRunner(cfg, load_causal_lm(cfg.model, seed=3), windows, transport=SlowLinks({1: 1.0, 2: 1e12}))
     losses = [r.loss for r in runner.run(12)]
     runner.close()
@@ -153,7 +153,7 @@ def test_the_mask_scheme_adapts_its_keep_fraction_per_link() -> None:
 
 
 def test_a_drop_off_the_grid_or_below_the_floor_is_refused() -> None:
-    cfg = TrainConfig(model=MODEL, pipeline=PIPE, mask=MaskConfig(drop=0.5, min_keep=0.25))
+    cfg = TrainConfig(model=MODEL, pipeline=PIPE, mask=MaskConfig(scheme="mask", drop=0.5, min_keep=0.25))
     runner = LocalPipelineRunner(cfg, load_causal_lm(MODEL, seed=3), windows)
     w = runner.workers[1][0]
 
@@ -184,7 +184,8 @@ def test_the_mixed_bench_runs_the_swarm_s_codec_or_the_low_rank_one_fixed_or_ada
     from peer.pipeline.transform_link import TransformLinks
 
     fixed, adaptive = (mixed_config(mode, 2, 70, 5)["mask"] for mode in ("fixed", "adaptive"))
-    assert fixed == {"scheme": "transform", "adapt": False, "min_keep": 0.125}
+    assert fixed["scheme"] == "transform" and not fixed["adapt"] and fixed["min_keep"] == 0.125
+    assert MaskConfig(**fixed).grad_bits == MaskConfig().grad_bits == 1.0  # the recommended run's codec, not the tiny model's profile
     links = TransformLinks(MaskConfig(**adaptive), 128, True, True)
     assert links.min_row_bits("forward") == 32 and links.min_row_bits("backward") is None  # 2 bits down to a quarter bit per value; 1-bit gradients stay
     assert TransformLinks(MaskConfig(**fixed), 128, True, True).min_row_bits("forward") is None

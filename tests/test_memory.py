@@ -23,7 +23,7 @@ CKPT = Placement(checkpointing=True)
 
 def _cfg(name: str = "tiny-llama", stages: int = 2, layers: int = 6, **pipe) -> TrainConfig:
     model = ModelConfig(name=name, num_stages=stages, hidden_size=64, num_layers=layers, num_heads=4, max_seq_len=4096)
-    return TrainConfig(model=model, pipeline=PipelineConfig(**{"micro_batch_size": 2, "seq_len": 32, "micro_batches": 1} | pipe))
+    return TrainConfig(model=model, mask=MaskConfig(scheme="mask"), pipeline=PipelineConfig(**{"micro_batch_size": 2, "seq_len": 32, "micro_batches": 1, "max_staleness": 0} | pipe))
 
 
 def _nbytes(tensors) -> int:
@@ -97,7 +97,7 @@ def test_bf16_halves_working_copy_and_activations() -> None:
 def test_dp_group_anchor_and_codec_components() -> None:
     cfg = _cfg()
     cfg.anchor = AnchorConfig(every=10)
-    cfg.mask = MaskConfig(drop=0.9, fill="token_prior")
+    cfg.mask = MaskConfig(scheme="mask", drop=0.9, fill="token_prior")
     first, last = plan_stage(cfg, FP32, 0, dp_group=True), plan_stage(cfg, FP32, 1, dp_group=True)
     assert first.dp_copies == first.weights and first.host == 2 * first.weights  # the shared copy and the commitment's
     assert first.anchor_snapshot == first.weights  # a snapshot in the compute dtype: fp32 here
@@ -136,7 +136,7 @@ def _config_dir(tmp_path: Path, **kw) -> str:
 def test_8b_plan_on_meta_is_fast_and_allocates_nothing(tmp_path: Path) -> None:
     H, I, L, V, KV = 4096, 14336, 32, 128256, 1024
     name = _config_dir(tmp_path, hidden_size=H, num_hidden_layers=L, intermediate_size=I)
-    cfg = TrainConfig(model=ModelConfig(name=name, num_stages=4, max_seq_len=4096), pipeline=PipelineConfig(micro_batch_size=1, seq_len=2048))
+    cfg = TrainConfig(model=ModelConfig(name=name, num_stages=4, max_seq_len=4096), mask=MaskConfig(scheme="mask"), pipeline=PipelineConfig(micro_batch_size=1, seq_len=2048, max_staleness=0))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     t0 = time.monotonic()
     plans = [plan_stage(cfg, BF16, i) for i in range(4)]
@@ -187,7 +187,7 @@ def test_free_bytes_on_the_host() -> None:
 def test_plan_table_for_a_llama_1b_shape(tmp_path: Path) -> None:
     H, V = 2048, 128256
     name = _config_dir(tmp_path, hidden_size=H, num_hidden_layers=16, intermediate_size=8192, tie_word_embeddings=True)
-    cfg = TrainConfig(model=ModelConfig(name=name, num_stages=2, max_seq_len=4096), pipeline=PipelineConfig(micro_batch_size=1, seq_len=1024))
+    cfg = TrainConfig(model=ModelConfig(name=name, num_stages=2, max_seq_len=4096), mask=MaskConfig(scheme="mask"), pipeline=PipelineConfig(micro_batch_size=1, seq_len=1024, max_staleness=0))
     rows = plan_table(cfg, BF16, dp_group=True)
     assert [r["stage"] for r in rows] == [0, 1] and [r["layers"] for r in rows] == [8, 8]
     full = 16 * (2 * H * H + 2 * H * 512 + 3 * H * 8192 + 2 * H) + V * H + H
@@ -203,7 +203,7 @@ def test_a_swarm_stage_that_stashes_plans_two_copies_of_its_forward_weights() ->
     version's, and the last update: 1 + 2 + 1 copies at max_staleness 1 (FP32: all 4 bytes)."""
     model = ModelConfig(name="tiny-llama", num_stages=3, hidden_size=32, num_layers=3, num_heads=2, max_seq_len=16)
     for staleness, fix, copies in ((0, "lookahead", [0, 2, 0]), (1, "none", [2, 2, 0]), (1, "lookahead", [4, 4, 0])):
-        cfg = TrainConfig(model=model, pipeline=PipelineConfig(micro_batch_size=2, micro_batches=2, seq_len=8, max_staleness=staleness, staleness_correction=fix))
+        cfg = TrainConfig(model=model, mask=MaskConfig(scheme="mask"), pipeline=PipelineConfig(micro_batch_size=2, micro_batches=2, seq_len=8, max_staleness=staleness, staleness_correction=fix))
         plans = plan_stages(cfg, FP32, dp_group=True)
         assert [p.working_copy for p in plans] == [c * p.weights for c, p in zip(copies, plans)], (staleness, fix)
     assert all(p.working_copy == 0 for p in plan_stages(cfg, FP32))  # the local runner: no swarm stashes

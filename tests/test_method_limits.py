@@ -16,6 +16,7 @@ from peer.security.identity import Identity
 from peer.security.limits import KIB, METHOD_LIMITS
 from peer.wire import anchormesh_pb2 as pb
 from peer.wire import anchormesh_pb2_grpc as pbg
+from peer.wire.version import build_fields
 
 RUN = "run-0123abcd"
 TOKEN = "limits-test-token-0123456789"
@@ -76,7 +77,8 @@ def _largest_join() -> pb.JoinRequest:
 
     maddr = "/ip6/2001:db8:85a3:1234:5678:8a2e:370:7334/tcp/31337/p2p/12D3KooWQYhTNQdmr3ArTeUHRYzFg94BKyTkoWBDWez9kSCVe2Xo"
     return pb.JoinRequest(run_id=RUN, peer_id=Identity.generate().peer_id, grpc_address="a-long-dns-name-of-a-volunteer-machine.some-university.example.org:31337",
-                          code_version="0.99.123.dev45+g0123abcd", dht_maddrs=[maddr] * 32, tls_public_key=public_der(new_key()),
+                          code_version="0.99.123.dev45+g0123abcd", wire_version="w999-0123456789", codecs=["mask", "lowrank", "transform", "a-future-codec-name"],
+                          dht_maddrs=[maddr] * 32, tls_public_key=public_der(new_key()),
                           device="cuda:0 NVIDIA GeForce RTX 4090 Laptop GPU with a long marketing name bf16", memory_bytes=BIG, stage_memory_bytes=[BIG] * 256)
 
 
@@ -180,7 +182,6 @@ def test_the_tracker_refuses_oversized_joins_status_calls_and_heartbeat_reports_
     from bootstrap import keys
     from bootstrap.node import default_run, serve_tracker
     from bootstrap.tracker import Tracker
-    from peer import __version__
 
     secrets = keys.load_or_create(tmp_path, TOKEN)
     t = Tracker(RUN, default_run())
@@ -201,10 +202,10 @@ def test_the_tracker_refuses_oversized_joins_status_calls_and_heartbeat_reports_
         creds = auth.Credentials(token=TOKEN, identity=me)
         with auth.open_channel(address, creds) as ch:
             stub = pbg.TrackerStub(ch)
-            fat = pb.JoinRequest(peer_id=me.peer_id, grpc_address="127.0.0.1:1", code_version=__version__, device="d" * 100_000)
+            fat = pb.JoinRequest(peer_id=me.peer_id, grpc_address="127.0.0.1:1", **build_fields(), device="d" * 100_000)
             e = _refused(lambda: stub.Join(fat, timeout=5))
             assert e.details() == f"Join request is {fat.ByteSize()} bytes; this method takes at most 65536"
-            a = stub.Join(pb.JoinRequest(peer_id=me.peer_id, grpc_address="127.0.0.1:1", code_version=__version__), timeout=5)
+            a = stub.Join(pb.JoinRequest(peer_id=me.peer_id, grpc_address="127.0.0.1:1", **build_fields()), timeout=5)
         assert a.certificate and me.peer_id in t.peers
 
         creds.certificate = a.certificate

@@ -94,14 +94,14 @@ def test_a_peer_serves_its_own_figures(tmp_path: Path) -> None:
     import math
 
     from peer.codec.mask import MaskCodec
-    from peer.config import ModelConfig, PipelineConfig, TrainConfig
+    from peer.config import MaskConfig, ModelConfig, PipelineConfig, TrainConfig
     from peer.daemon.main import PeerDaemon
     from peer.metrics import peer_exposition
     from peer.model.loading import load_causal_lm
     from peer.model.stages import split_model
     from peer.pipeline.worker import StageWorker
 
-    cfg = TrainConfig(model=ModelConfig(name="tiny-llama", num_stages=2, hidden_size=32, num_layers=2, num_heads=2, max_seq_len=16), pipeline=PipelineConfig(micro_batch_size=2, seq_len=8))
+    cfg = TrainConfig(model=ModelConfig(name="tiny-llama", num_stages=2, hidden_size=32, num_layers=2, num_heads=2, max_seq_len=16), mask=MaskConfig(scheme="mask"), pipeline=PipelineConfig(micro_batch_size=2, seq_len=8, max_staleness=0))
     d = PeerDaemon("127.0.0.1:9", state_dir=tmp_path)
     server = serve_metrics(0, d.metrics, host="127.0.0.1", render=peer_exposition)
     try:

@@ -28,7 +28,7 @@ def _run(cfg: TrainConfig, placement: Placement, steps: int):
 
 
 def test_bf16_with_fp32_masters_tracks_fp32_training() -> None:
-    cfg = TrainConfig(model=MODEL, pipeline=PIPE, optim=OptimConfig(lr=3e-3), mask=MaskConfig(values="fp32"), steps=8)
+    cfg = TrainConfig(model=MODEL, pipeline=PIPE, optim=OptimConfig(lr=3e-3), mask=MaskConfig(scheme="mask", values="fp32"), steps=8)
     fp32, _ = _run(cfg, CPU_FP32, 8)
     bf16, runner = _run(cfg, BF16, 8)
     assert all(abs(a - b) < 0.05 * a for a, b in zip(fp32, bf16)), (fp32, bf16)
@@ -43,7 +43,7 @@ def test_bf16_with_fp32_masters_tracks_fp32_training() -> None:
 def test_working_copy_is_persistent_and_follows_the_masters() -> None:
     """One low-precision copy per parameter for the whole run, refreshed in place after each
     step: never a new one per micro-batch or per step."""
-    cfg = TrainConfig(model=MODEL, pipeline=PIPE, optim=OptimConfig(lr=3e-3), steps=3)
+    cfg = TrainConfig(model=MODEL, mask=MaskConfig(scheme="mask"), pipeline=PIPE, optim=OptimConfig(lr=3e-3), steps=3)
     from peer.pipeline.local import LocalPipelineRunner
 
     runner = LocalPipelineRunner(cfg, load_causal_lm(MODEL, seed=3), windows, placement=BF16)
@@ -61,16 +61,16 @@ def test_working_copy_is_persistent_and_follows_the_masters() -> None:
 @pytest.mark.parametrize(
     "name,kw",
     [
-        ("masked_prior", dict(mask=MaskConfig(drop=0.9, fill="prior_rescale"))),
+        ("masked_prior", dict(mask=MaskConfig(scheme="mask", drop=0.9, fill="prior_rescale"))),
         ("lowrank_int8", dict(mask=MaskConfig(scheme="lowrank", rank=8, values="int8", basis_refresh=4))),
         ("transform", dict(mask=MaskConfig(scheme="transform", bits=2.0, grad_bits=1.0, basis_refresh=4))),
-        ("anchor_paper", dict(mask=MaskConfig(drop=0.9), anchor=AnchorConfig(every=3), spectral=SpectralConfig(mode="paper"))),
-        ("stale_lookahead", dict(mask=MaskConfig(drop=0.9), pipeline=PipelineConfig(micro_batch_size=4, micro_batches=2, seq_len=32, max_staleness=2))),
-        ("dp_diloco", dict(mask=MaskConfig(drop=0.9), dp=DPConfig(replicas=2, scheme="diloco", inner_steps=4), pipeline=PipelineConfig(micro_batch_size=4, micro_batches=1, seq_len=32))),
+        ("anchor_paper", dict(mask=MaskConfig(scheme="mask", drop=0.9), anchor=AnchorConfig(every=3), spectral=SpectralConfig(mode="paper"))),
+        ("stale_lookahead", dict(mask=MaskConfig(scheme="mask", drop=0.9), pipeline=PipelineConfig(micro_batch_size=4, micro_batches=2, seq_len=32, max_staleness=2))),
+        ("dp_diloco", dict(mask=MaskConfig(scheme="mask", drop=0.9), dp=DPConfig(replicas=2, scheme="diloco", inner_steps=4), pipeline=PipelineConfig(micro_batch_size=4, micro_batches=1, seq_len=32, max_staleness=0))),
     ],
 )
 def test_bf16_variants_train(name: str, kw: dict) -> None:
-    cfg = TrainConfig(**{"model": MODEL, "optim": OptimConfig(lr=3e-3), "pipeline": PIPE, "steps": 12, **kw})
+    cfg = TrainConfig(**{"model": MODEL, "mask": MaskConfig(scheme="mask"), "optim": OptimConfig(lr=3e-3), "pipeline": PIPE, "steps": 12, **kw})
     losses, _ = _run(cfg, BF16, 12)
     assert all(torch.isfinite(torch.tensor(losses)))
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3, f"{name}: loss did not fall: {losses}"
@@ -120,7 +120,7 @@ def test_placement_on_this_machine() -> None:
 def test_bf16_with_activation_checkpointing_trains_like_without() -> None:
     """Checkpointing recomputes each layer on the weights the forward saw: the bf16 working copy
     (functional_call), not the fp32 masters; both runs step identically."""
-    cfg = TrainConfig(model=MODEL, pipeline=PIPE, optim=OptimConfig(lr=3e-3), mask=MaskConfig(values="fp32"), steps=4)
+    cfg = TrainConfig(model=MODEL, pipeline=PIPE, optim=OptimConfig(lr=3e-3), mask=MaskConfig(scheme="mask", values="fp32"), steps=4)
     plain, _ = _run(cfg, BF16, 4)
     ckpt, runner = _run(cfg, Placement(compute_dtype=torch.bfloat16, checkpointing=True), 4)
     assert all(w.stage.checkpointing for row in runner.workers for w in row)

@@ -129,7 +129,6 @@ def test_a_rank_above_the_hidden_size_is_refused() -> None:
 
 # -- a live swarm ---------------------------------------------------------------------------------
 RUN_TOML = f"""
-steps = 100000
 [model]
 name = "{MODEL}"
 num_stages = 2
@@ -140,6 +139,7 @@ rank = 64
 [optim]
 lr = 1e-4
 [pipeline]
+max_staleness = 0
 micro_batch_size = 1
 micro_batches = 2
 seq_len = 32

@@ -103,7 +103,7 @@ def test_both_ends_read_the_row_rates_from_the_run_and_a_run_trains() -> None:
         start = torch.randint(0, 256, (4, 1), generator=torch.Generator().manual_seed(10 * step + j))
         return (start + torch.arange(17)) % 256
 
-    cfg = TrainConfig(model=model, pipeline=PipelineConfig(micro_batch_size=4, micro_batches=2, seq_len=16), optim=OptimConfig(lr=1e-2), steps=8, mask=mask)
+    cfg = TrainConfig(model=model, pipeline=PipelineConfig(micro_batch_size=4, micro_batches=2, seq_len=16, max_staleness=0), optim=OptimConfig(lr=1e-2), steps=8, mask=mask)
     runner = LocalPipelineRunner(cfg, load_causal_lm(model, seed=0), windows)
     losses = [r.loss for r in runner.run(8)]
     runner.close()

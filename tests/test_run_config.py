@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from bootstrap.tracker import Tracker
-from peer import __version__
 from peer.config import ConfigError, DataConfig, ModelConfig, TrainConfig, check_swarm
 from peer.data import load_training_data
 from peer.model.loading import load_causal_lm, resolve_dims
 from peer.model.tokenizer import hf_byte_tokenizer
 from peer.runtoml import config_from_dict, load_run_toml
 from peer.wire import anchormesh_pb2 as pb
+from peer.wire.version import build_fields
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog, said peer {i % 7}.\n" for i in range(600))
@@ -137,7 +137,7 @@ def test_the_models_own_tokenizer_and_real_dimensions(tmp_path: Path) -> None:
 def test_the_tracker_ends_the_run_at_its_token_budget() -> None:
     t = Tracker("run-x", TrainConfig(model=ModelConfig(num_stages=2, num_layers=4), token_budget=1000))
     for pid in ("a", "b"):
-        t.join(pb.JoinRequest(peer_id=pid, grpc_address=f"h:{len(t.peers)}", code_version=__version__))
+        t.join(pb.JoinRequest(peer_id=pid, grpc_address=f"h:{len(t.peers)}", **build_fields()))
 
     def beat(pid: str, tokens: int) -> pb.Directive:
         p = t.peers[pid]

@@ -13,7 +13,7 @@ from peer.model.stages import lm_loss, merged_state_dict
 from peer.pipeline.local import LocalPipelineRunner
 
 MODEL = ModelConfig(name="tiny-llama", hidden_size=64, num_layers=4, num_heads=4, max_seq_len=64)
-PIPE = PipelineConfig(micro_batch_size=4, micro_batches=2, seq_len=32)
+PIPE = PipelineConfig(micro_batch_size=4, micro_batches=2, seq_len=32, max_staleness=0)
 
 
 def windows(step: int, replica: int, j: int) -> torch.Tensor:
@@ -49,10 +49,10 @@ def reference_steps(model, steps: int, optim: OptimConfig, micro_batches: int, r
 @pytest.mark.parametrize("num_stages,replicas", [(2, 1), (3, 1), (2, 2)])
 def test_step_equals_single_process_step_with_masking_and_compression_off(num_stages: int, replicas: int) -> None:
     optim = OptimConfig(lr=1e-3, grad_clip=0.0)
-    pipe = PipelineConfig(micro_batch_size=4, micro_batches=2 // replicas, seq_len=32)
+    pipe = PipelineConfig(micro_batch_size=4, micro_batches=2 // replicas, seq_len=32, max_staleness=0)
     cfg = TrainConfig(
         model=MODEL.__class__(**{**MODEL.__dict__, "num_stages": num_stages}),
-        mask=MaskConfig(drop=0.0, values="fp32"),
+        mask=MaskConfig(scheme="mask", drop=0.0, values="fp32"),
         dp=DPConfig(replicas=replicas, scheme="dense"),
         optim=optim,
         pipeline=pipe,
@@ -81,21 +81,21 @@ def _train(cfg: TrainConfig, steps: int) -> tuple[list[float], LocalPipelineRunn
 @pytest.mark.parametrize(
     "name,kw",
     [
-        ("masked", dict(mask=MaskConfig(drop=0.95))),
-        ("masked_prior_int8", dict(mask=MaskConfig(drop=0.9, fill="token_prior", values="int8"))),
-        ("masked_prior_rescale", dict(mask=MaskConfig(drop=0.95, fill="prior_rescale"))),
+        ("masked", dict(mask=MaskConfig(scheme="mask", drop=0.95))),
+        ("masked_prior_int8", dict(mask=MaskConfig(scheme="mask", drop=0.9, fill="token_prior", values="int8"))),
+        ("masked_prior_rescale", dict(mask=MaskConfig(scheme="mask", drop=0.95, fill="prior_rescale"))),
         ("lowrank_int8", dict(mask=MaskConfig(scheme="lowrank", rank=8, values="int8", basis_refresh=4))),
         ("lowrank_top_rows", dict(mask=MaskConfig(scheme="lowrank", rank=8, values="int8", basis_refresh=4, prior_rows=24))),  # a "large vocabulary": 23 token rows + 1 shared
         ("transform", dict(mask=MaskConfig(scheme="transform", bits=2.0, grad_bits=1.0, basis_refresh=4))),  # refits every 4 steps after a dense warm-up
-        ("anchor_paper", dict(mask=MaskConfig(drop=0.95), anchor=AnchorConfig(every=3), spectral=SpectralConfig(mode="paper"))),
-        ("anchor_ef_thread", dict(mask=MaskConfig(drop=0.95), anchor=AnchorConfig(every=3, executor="thread"), spectral=SpectralConfig(mode="ef"))),
-        ("stale_lookahead", dict(mask=MaskConfig(drop=0.9), pipeline=PipelineConfig(micro_batch_size=4, micro_batches=2, seq_len=32, max_staleness=2))),
-        ("dp_powersgd", dict(mask=MaskConfig(drop=0.9), dp=DPConfig(replicas=2, scheme="powersgd", rank=4), pipeline=PipelineConfig(micro_batch_size=4, micro_batches=1, seq_len=32))),
-        ("dp_diloco", dict(mask=MaskConfig(drop=0.9), dp=DPConfig(replicas=2, scheme="diloco", inner_steps=4), pipeline=PipelineConfig(micro_batch_size=4, micro_batches=1, seq_len=32))),
+        ("anchor_paper", dict(mask=MaskConfig(scheme="mask", drop=0.95), anchor=AnchorConfig(every=3), spectral=SpectralConfig(mode="paper"))),
+        ("anchor_ef_thread", dict(mask=MaskConfig(scheme="mask", drop=0.95), anchor=AnchorConfig(every=3, executor="thread"), spectral=SpectralConfig(mode="ef"))),
+        ("stale_lookahead", dict(mask=MaskConfig(scheme="mask", drop=0.9), pipeline=PipelineConfig(micro_batch_size=4, micro_batches=2, seq_len=32, max_staleness=2))),
+        ("dp_powersgd", dict(mask=MaskConfig(scheme="mask", drop=0.9), dp=DPConfig(replicas=2, scheme="powersgd", rank=4), pipeline=PipelineConfig(micro_batch_size=4, micro_batches=1, seq_len=32, max_staleness=0))),
+        ("dp_diloco", dict(mask=MaskConfig(scheme="mask", drop=0.9), dp=DPConfig(replicas=2, scheme="diloco", inner_steps=4), pipeline=PipelineConfig(micro_batch_size=4, micro_batches=1, seq_len=32, max_staleness=0))),
     ],
 )
 def test_training_variants_reduce_the_loss(name: str, kw: dict) -> None:
-    cfg = TrainConfig(**{"model": MODEL, "optim": OptimConfig(lr=3e-3), "pipeline": PIPE, "steps": 12, **kw})
+    cfg = TrainConfig(**{"model": MODEL, "mask": MaskConfig(scheme="mask"), "optim": OptimConfig(lr=3e-3), "pipeline": PIPE, "steps": 12, **kw})
     losses, runner = _train(cfg, 12)
     assert all(torch.isfinite(torch.tensor(losses)))
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
@@ -113,8 +113,8 @@ def test_training_variants_reduce_the_loss(name: str, kw: dict) -> None:
 
 def test_masked_link_carries_about_keep_times_the_dense_bytes() -> None:
     """Bytes counted by the transport: masked (drop 0.95, fp16) is ~1/20 of dense plus the token ids."""
-    dense = _train(TrainConfig(model=MODEL, pipeline=PIPE, steps=2), 2)[1].transport.total_bytes()
-    masked = _train(TrainConfig(model=MODEL, pipeline=PIPE, steps=2, mask=MaskConfig(drop=0.95)), 2)[1].transport.total_bytes()
+    dense = _train(TrainConfig(model=MODEL, mask=MaskConfig(scheme="mask"), pipeline=PIPE, steps=2), 2)[1].transport.total_bytes()
+    masked = _train(TrainConfig(model=MODEL, pipeline=PIPE, steps=2, mask=MaskConfig(scheme="mask", drop=0.95)), 2)[1].transport.total_bytes()
     tokens = 2 * PIPE.micro_batches * PIPE.micro_batch_size * PIPE.seq_len
     hidden = 2 * 2 * tokens * MODEL.hidden_size  # fp16 values, forward + backward
     ids = 1 * 2 * PIPE.micro_batches * PIPE.micro_batch_size * (PIPE.seq_len + 1)  # uint8 token windows (byte vocabulary), forward only

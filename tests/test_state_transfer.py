@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from peer.codec.mask import MaskCodec
-from peer.config import ModelConfig, PipelineConfig, TrainConfig
+from peer.config import MaskConfig, ModelConfig, PipelineConfig, TrainConfig
 from peer.daemon.main import PeerDaemon
 from peer.model.loading import load_causal_lm
 from peer.model.stages import split_model
 from peer.pipeline.worker import StageWorker
 from peer.wire import anchormesh_pb2 as pb
 
-CFG = TrainConfig(model=ModelConfig(name="tiny-llama", num_stages=2, hidden_size=32, num_layers=2, num_heads=2, max_seq_len=16), pipeline=PipelineConfig(micro_batch_size=2, seq_len=8))
+CFG = TrainConfig(model=ModelConfig(name="tiny-llama", num_stages=2, hidden_size=32, num_layers=2, num_heads=2, max_seq_len=16), mask=MaskConfig(scheme="mask"), pipeline=PipelineConfig(micro_batch_size=2, seq_len=8, max_staleness=0))
 
 
 class FakeAverager:

@@ -23,10 +23,10 @@ from peer.wire.tensors import tensor_to_proto
 M = 2  # anchor micro-batches
 CFG = TrainConfig(
     model=ModelConfig(name="tiny-llama", num_stages=3, hidden_size=32, num_layers=3, num_heads=2, max_seq_len=16),
-    mask=MaskConfig(drop=0.9),
+    mask=MaskConfig(scheme="mask", drop=0.9),
     anchor=AnchorConfig(every=5, micro_batches=M, with_masked=False),
     spectral=SpectralConfig(mode="paper"),
-    pipeline=PipelineConfig(micro_batch_size=2, micro_batches=2, seq_len=8),
+    pipeline=PipelineConfig(micro_batch_size=2, micro_batches=2, seq_len=8, max_staleness=0),
 )
 
 

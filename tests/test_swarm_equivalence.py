@@ -23,7 +23,6 @@ from peer.runtoml import load_run_toml
 
 STEPS = 12
 RUN_TOML = """
-steps = 1000
 seed = 3
 [model]
 name = "tiny-llama"
@@ -33,6 +32,7 @@ num_layers = 2
 num_heads = 4
 max_seq_len = 64
 [mask]
+scheme = "mask"
 drop = 0.0
 values = "fp32"
 [optim]

@@ -70,7 +70,6 @@ def swarm(tmp_path: Path):
 
 
 RUN_TOML = """
-steps = 1000000000
 [model]
 name = "tiny-llama"
 num_stages = 2
@@ -91,6 +90,7 @@ mode = "paper"
 [optim]
 lr = 2e-3
 [pipeline]
+max_staleness = 0
 micro_batch_size = 8
 micro_batches = 2
 seq_len = 128

@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from peer.codec.mask import MaskCodec
-from peer.config import ModelConfig, PipelineConfig, TrainConfig
+from peer.config import MaskConfig, ModelConfig, PipelineConfig, TrainConfig
 from peer.errors import WireError
 from peer.model.loading import load_causal_lm
 from peer.model.stages import split_model
 from peer.pipeline.transport import LocalTransport
 from peer.pipeline.worker import StageWorker
 
-CFG = TrainConfig(model=ModelConfig(name="tiny-llama", num_stages=2, hidden_size=32, num_layers=2, num_heads=2, max_seq_len=16), pipeline=PipelineConfig(micro_batch_size=2, micro_batches=2, seq_len=8))
+CFG = TrainConfig(model=ModelConfig(name="tiny-llama", num_stages=2, hidden_size=32, num_layers=2, num_heads=2, max_seq_len=16), mask=MaskConfig(scheme="mask"), pipeline=PipelineConfig(micro_batch_size=2, micro_batches=2, seq_len=8, max_staleness=0))
 
 
 def test_a_retried_micro_batch_gets_its_gradient_again_and_counts_once() -> None:
@@ -51,7 +51,7 @@ def test_a_retried_micro_batch_gets_its_gradient_again_and_counts_once() -> None
 
 def _swarm_pair(correction: str) -> tuple[StageWorker, StageWorker, list[torch.Tensor]]:
     """Stage 0 and stage 1 as swarm workers (local steps) at max_staleness 1, and four windows."""
-    cfg = TrainConfig(model=CFG.model, pipeline=PipelineConfig(micro_batch_size=2, micro_batches=2, seq_len=8, max_staleness=1, staleness_correction=correction))
+    cfg = TrainConfig(model=CFG.model, mask=MaskConfig(scheme="mask"), pipeline=PipelineConfig(micro_batch_size=2, micro_batches=2, seq_len=8, max_staleness=1, staleness_correction=correction))
     stages = split_model(load_causal_lm(cfg.model, seed=0), 2)
     t = LocalTransport()
     a = StageWorker(stages[0], 0, cfg, MaskCodec(cfg.mask), t, "run", peer_id="a", next_hop=lambda: "b", resolve=lambda s: s, local_steps=True)

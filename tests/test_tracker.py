@@ -10,10 +10,10 @@ import pytest
 
 from bootstrap.roster import JoinRefused
 from bootstrap.tracker import Tracker
-from peer import __version__
 from peer.config import AnchorConfig, ConfigError, ModelConfig, SpectralConfig, TrainConfig, check_swarm
 from peer.runtoml import config_from_dict
 from peer.wire import anchormesh_pb2 as pb
+from peer.wire.version import build_fields, wire_version
 
 
 class Clock:
@@ -31,7 +31,7 @@ def make(anchor_every: int = 0, stages: int = 2, layers: int = 4) -> tuple[Track
 
 
 def join(t: Tracker, pid: str) -> pb.Assignment:
-    return t.join(pb.JoinRequest(peer_id=pid, grpc_address=f"127.0.0.1:{1000 + len(t.peers)}", code_version=__version__))
+    return t.join(pb.JoinRequest(peer_id=pid, grpc_address=f"127.0.0.1:{1000 + len(t.peers)}", **build_fields()))
 
 
 def beat(t: Tracker, pid: str, *, capacity: float = 0.0, step: int = 0, state: str = "active") -> pb.Directive:
@@ -42,10 +42,16 @@ def beat(t: Tracker, pid: str, *, capacity: float = 0.0, step: int = 0, state: s
 
 def test_join_checks_run_version_and_duplicates() -> None:
     t, _ = make()
-    with pytest.raises(JoinRefused, match="code_version"):
+    # another wire version, or none (a build older than wire versions): refused, both versions named
+    with pytest.raises(JoinRefused, match=rf"wire_version=w1-0123456789: .* {wire_version()}"):
+        t.join(pb.JoinRequest(peer_id="a", grpc_address="h:1", **{**build_fields(), "wire_version": "w1-0123456789"}))
+    with pytest.raises(JoinRefused, match=r"wire_version=none \(anchormesh 0.0.0 predates"):
         t.join(pb.JoinRequest(peer_id="a", grpc_address="h:1", code_version="0.0.0"))
+    # a build without the run's codec: refused, naming it
+    with pytest.raises(JoinRefused, match="mask.scheme='transform', which this peer's build does not have"):
+        t.join(pb.JoinRequest(peer_id="a", grpc_address="h:1", **{**build_fields(), "codecs": ["mask", "lowrank"]}))
     with pytest.raises(JoinRefused, match="run_id='other'"):
-        t.join(pb.JoinRequest(run_id="other", peer_id="a", grpc_address="h:1", code_version=__version__))
+        t.join(pb.JoinRequest(run_id="other", peer_id="a", grpc_address="h:1", **build_fields()))
     a = join(t, "a")
     assert a.run_id == "run-x" and (a.layer_start, a.layer_end) == (0, 2)
     assert config_from_dict(json.loads(a.run_config_json)) == t.config
@@ -53,10 +59,10 @@ def test_join_checks_run_version_and_duplicates() -> None:
         join(t, "a")
     # with identity keys: another key may not take a live id; the same key is the same peer, restarted
     k1, k2 = bytes(range(32)), bytes(range(1, 33))
-    t.join(pb.JoinRequest(peer_id="k", grpc_address="h:2", code_version=__version__), k1)
+    t.join(pb.JoinRequest(peer_id="k", grpc_address="h:2", **build_fields()), k1)
     with pytest.raises(JoinRefused, match="already in the run"):
-        t.join(pb.JoinRequest(peer_id="k", grpc_address="h:3", code_version=__version__), k2)
-    t.join(pb.JoinRequest(peer_id="k", grpc_address="h:4", code_version=__version__), k1)
+        t.join(pb.JoinRequest(peer_id="k", grpc_address="h:3", **build_fields()), k2)
+    t.join(pb.JoinRequest(peer_id="k", grpc_address="h:4", **build_fields()), k1)
     assert t.peers["k"].address == "h:4" and t.peers["k~1"].state == "left" and "restarted" in t.peers["k~1"].reason
 
 
@@ -240,7 +246,7 @@ def test_evaluation_passes_go_to_stage_zero_every_eval_every_steps() -> None:
 def test_averaging_suspects_are_named_by_run_peer_id_and_counted() -> None:
     t, _ = make()
     for pid, hid in (("a", "12D3KooWA"), ("b", "12D3KooWB")):
-        t.join(pb.JoinRequest(peer_id=pid, grpc_address="h:1", code_version=__version__, dht_maddrs=[f"/ip4/127.0.0.1/tcp/1/p2p/{hid}"]))
+        t.join(pb.JoinRequest(peer_id=pid, grpc_address="h:1", **build_fields(), dht_maddrs=[f"/ip4/127.0.0.1/tcp/1/p2p/{hid}"]))
     t.peers["b"].stage = 0  # one stage group
     info = pb.PeerInfo(peer_id="a", stage=0, state="active", dp_suspects=["12D3KooWB: its update points against the rest of the group (cosine -0.93)", "12D3KooWZ: sent NaN or Inf"])
     t.report(pb.PeerReport(run_id="run-x", peer=info))
@@ -260,7 +266,7 @@ def test_a_peer_gets_only_a_stage_its_memory_fits() -> None:
     gib = 2**30
 
     def ask(pid: str, memory_gib: float, needs_gib: list[float]) -> pb.Assignment:
-        return t.join(pb.JoinRequest(peer_id=pid, grpc_address=f"h:{len(t.peers)}", code_version=__version__, device="cuda:0 Test GPU bf16",
+        return t.join(pb.JoinRequest(peer_id=pid, grpc_address=f"h:{len(t.peers)}", **build_fields(), device="cuda:0 Test GPU bf16",
                                      memory_bytes=int(memory_gib * gib), stage_memory_bytes=[int(n * gib) for n in needs_gib]))
 
     needs = [9.0, 6.0, 12.0]  # the embeddings and the head make the ends heavier
@@ -359,7 +365,7 @@ def test_directives_and_join_replies_carry_the_newest_issued_anchor_id() -> None
 def test_directives_list_the_stage_groups_hivemind_ids() -> None:
     t, _ = make(stages=2)
     for pid, hid in (("a", "QmA"), ("b", "QmB"), ("c", "QmC")):
-        t.join(pb.JoinRequest(peer_id=pid, grpc_address=f"h:{pid}", code_version=__version__, dht_maddrs=[f"/ip4/1.2.3.4/tcp/1/p2p/{hid}"]))
+        t.join(pb.JoinRequest(peer_id=pid, grpc_address=f"h:{pid}", **build_fields(), dht_maddrs=[f"/ip4/1.2.3.4/tcp/1/p2p/{hid}"]))
     stage_of = {pid: t.peers[pid].stage for pid in "abc"}
     d = beat(t, "a")
     assert set(d.member_dht) == {f"Qm{p.upper()}" for p in "abc" if stage_of[p] == stage_of["a"]}

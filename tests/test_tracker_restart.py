@@ -19,10 +19,10 @@ from swarmkit import status_json, tiny_run_toml, wait_for_status
 
 from bootstrap import persist
 from bootstrap.tracker import Tracker
-from peer import __version__
 from peer.config import AnchorConfig, ConfigError, ModelConfig, TrainConfig
 from peer.demo.swarm import start_process, stop_processes, wait_for_bootstrap
 from peer.wire import anchormesh_pb2 as pb
+from peer.wire.version import build_fields
 
 
 class Clock:
@@ -38,7 +38,7 @@ def test_a_round_trip_keeps_the_run() -> None:
     cfg = TrainConfig(model=ModelConfig(num_stages=2, num_layers=4), anchor=AnchorConfig(every=5), token_budget=10**6)
     t = Tracker("run-x", cfg, peer_timeout_s=10.0, clock=clock)
     for pid in ("a", "b", "c"):
-        t.join(pb.JoinRequest(peer_id=pid, grpc_address=f"h:{len(t.peers)}", code_version=__version__, dht_maddrs=[f"/ip4/1.2.3.4/tcp/{len(t.peers)}"]))
+        t.join(pb.JoinRequest(peer_id=pid, grpc_address=f"h:{len(t.peers)}", **build_fields(), dht_maddrs=[f"/ip4/1.2.3.4/tcp/{len(t.peers)}"]))
     c = t.peers["c"]
     t.report(pb.PeerReport(run_id="run-x", peer=pb.PeerInfo(peer_id="c", stage=c.stage, address=c.address, state="active", loss=math.nan)))
     clock.t += 5
@@ -77,7 +77,7 @@ def test_steps_trained_while_the_tracker_was_down_are_taken_after_a_restore() ->
     clock = Clock(1000.0)
     cfg = TrainConfig(model=ModelConfig(num_stages=2, num_layers=4))
     t = Tracker("run-x", cfg, peer_timeout_s=10.0, clock=clock)
-    t.join(pb.JoinRequest(peer_id="a", grpc_address="h:1", code_version=__version__))
+    t.join(pb.JoinRequest(peer_id="a", grpc_address="h:1", **build_fields()))
     per_step = cfg.pipeline.micro_batches * cfg.pipeline.micro_batch_size * cfg.pipeline.seq_len
 
     def report(tr: Tracker, step: int) -> None:

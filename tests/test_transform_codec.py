@@ -319,7 +319,7 @@ def test_config_bounds() -> None:
 
 
 MODEL = ModelConfig(name="tiny-llama", hidden_size=32, num_layers=2, num_heads=2, max_seq_len=32)
-PIPE = PipelineConfig(micro_batch_size=4, micro_batches=2, seq_len=16)
+PIPE = PipelineConfig(micro_batch_size=4, micro_batches=2, seq_len=16, max_staleness=0)
 
 
 def test_the_link_warms_up_dense_then_codes_and_a_bad_coder_changes_nothing() -> None:
@@ -405,27 +405,6 @@ def test_decode_runs_its_products_on_the_requested_device_and_the_inbound_check_
     assert seen.devices == []
     with pytest.raises(WireError, match="bytes, expected"):
         state.check(payload[:-1], 2, 17, 1)
-
-
-def test_built_in_runs_use_the_codec_measured_for_their_model() -> None:
-    """transform_mask: MaskConfig's defaults (chosen on SmolLM2) for real models; the tiny models
-    keep 2-bit gradients (1-bit ones cost the byte-level toy +7.8 %); the default run, the demo
-    and bench quality's rows take it from there."""
-    from bootstrap.node import default_run
-    from peer.bench import quality
-    from peer.config import transform_mask
-    from peer.demo.local import demo_config
-
-    real = transform_mask("smollm2-135m")
-    assert real == MaskConfig(scheme="transform") and (real.bits, real.grad_bits, real.grad_rounding, real.grad_step_scale, real.act_stats) == (2.0, 1.0, "dither", 1.0, "message")
-    tiny = transform_mask("tiny-llama")
-    assert (tiny.grad_bits, tiny.grad_rounding, tiny.grad_step_scale, tiny.act_stats) == (2.0, "stochastic", 2.0, "coder")
-    assert default_run().mask == tiny and demo_config(2, "transform", 0.95, 20).mask == tiny
-    row = quality.rows(quality.setup_for(True))[quality.DEFAULT_ROW]
-    assert row.mask == tiny
-    # and the default row runs ahead as the default run does, with the swarm's staleness correction
-    run = default_run().pipeline
-    assert (row.pipeline.max_staleness, row.pipeline.staleness_correction) == (run.max_staleness, run.staleness_correction) == (1, "lookahead")
 
 
 def test_activations_may_carry_their_own_statistics() -> None:

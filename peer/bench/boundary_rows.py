@@ -24,7 +24,7 @@ class ProjectMask(Codec):
     the receiver-learned TokenPrior). Bytes: the MaskCodec payload."""
 
     def __init__(self, drop: float, fill: str = "zero", values: str = "fp16") -> None:
-        self.cfg = MaskConfig(drop=drop, fill=fill, values=values)
+        self.cfg = MaskConfig(scheme="mask", drop=drop, fill=fill, values=values)
         self.prior: TokenPrior | None = None
         self.vocab: int | None = None  # the model's vocabulary (the TokenPrior's table size)
 
@@ -50,7 +50,7 @@ class ProjectLowRank(Codec):
 
     def __init__(self, rank: int, center: str = "token", values: str = "fp16", prior_rows: int = 8192) -> None:
         self.rank, self.center, self.prior_rows = rank, center, prior_rows
-        self.coef_codec = MaskCodec(MaskConfig(values=values))
+        self.coef_codec = MaskCodec(MaskConfig(scheme="mask", values=values))
         self.vocab: int | None = None
 
     def fit(self, h: Tensor, ids: Tensor, grad: Tensor | None = None) -> None:

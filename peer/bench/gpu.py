@@ -90,8 +90,8 @@ def _shape_dir(shape: dict, root: Path) -> Path:
 
 def _pipeline(device: torch.device, quick: bool) -> PipelineConfig:
     if device.type == "cuda":
-        return PipelineConfig(micro_batch_size=4, micro_batches=4, seq_len=512, eval_every=0)
-    return PipelineConfig(micro_batch_size=2, micro_batches=2, seq_len=64 if quick else 128, eval_every=0)
+        return PipelineConfig(micro_batch_size=4, micro_batches=4, seq_len=512, eval_every=0, max_staleness=0)
+    return PipelineConfig(micro_batch_size=2, micro_batches=2, seq_len=64 if quick else 128, eval_every=0, max_staleness=0)
 
 
 def precision(device: torch.device, shape: dict, root: Path, steps: int, quick: bool) -> dict:

@@ -48,7 +48,7 @@ def mixed_config(mode: str, stages: int, steps: int, dp_every: int, codec: str =
         raise ConfigError("--grad-min-bits", grad_min_bits, "applies to --codec transform only (the low-rank codec's gradients adapt with min_keep)")
     cfg = mode_config("masked_dp", stages, steps, dp_every)
     adapt = mode == "adaptive"
-    pp = {"scheme": "transform"} if codec == "transform" else {"scheme": "lowrank", "rank": MAX_RANK, "values": "int8"}
+    pp = cfg["mask"] if codec == "transform" else {"scheme": "lowrank", "rank": MAX_RANK, "values": "int8"}  # transform: the recommended run's codec
     cfg["mask"] = {**pp, "adapt": adapt, "min_keep": MIN_KEEP, **({"grad_min_bits": grad_min_bits} if grad_min_bits != 1.0 else {})}
     cfg["dp"] = {"inner_steps": dp_every, "outer_compression": "int8", "link_share": 0.2 if adapt else 0.0}
     return cfg

@@ -38,7 +38,7 @@ def link_codec(mask):
     from peer.codec.mask import MaskCodec
     from peer.config import MaskConfig
 
-    return MaskCodec(MaskConfig(values=mask.values, seed=mask.seed)) if mask.scheme == "lowrank" else MaskCodec(mask)
+    return MaskCodec(MaskConfig(scheme="mask", values=mask.values, seed=mask.seed)) if mask.scheme == "lowrank" else MaskCodec(mask)
 
 
 def _payload(codec, shape: tuple[int, ...], boundary: int, names: Names, n_bytes: int):

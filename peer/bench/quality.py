@@ -27,7 +27,7 @@ import torch
 from tqdm import tqdm
 
 from peer.bench.project_model import Shape
-from peer.bench.quality_clock import LONG_SEQ, equal_wall_clock, long_sequence_bytes, model_dims
+from peer.bench.quality_clock import MODELLED_SEQ, equal_wall_clock, long_sequence_bytes, model_dims
 from peer.bench.quality_rows import QualitySetup, rows
 from peer.config import TINY_MODEL_PREFIX, ComputeConfig, ModelConfig, OptimConfig, TrainConfig
 from peer.data import TokenStream, default_corpus, read_path
@@ -148,14 +148,19 @@ def run_row(name: str, cfg: TrainConfig, fresh_model: Callable[[], torch.nn.Modu
     state = sum(w.state_bytes_sent for row in runner.workers for w in row)
     dp = sum(r.dp_bytes for r in reports)
     return {
-        "pp_stream_bytes_per_token_long": long_bytes,
         "eval_loss": evaluate_stages(runner.stages(0), eval_b),
         "eval_loss_a": evaluate_stages(runner.stages(0), eval_a),
+        # measured: every serialized message that crossed a stage link in this run, at its own
+        # sequence length (headers, token ids, codes, statistics, dense rows, coders and refits)
+        "seq_len": T,
         "pp_bytes_per_token": pp / tokens,
         # of which codec state shipped after each refit (a basis, a coder): a fixed cost per refit
         # that a run's length amortises; the rest is what every token costs on the link
         "pp_state_bytes_per_token": state / tokens,
         "pp_stream_bytes_per_token": (pp - state) / tokens,
+        # modelled, not measured: one message each way of one MODELLED_SEQ-token sequence, encoded
+        # by the row's codec (no coders, headers or token ids): what a real run's length costs
+        "pp_bytes_per_token_modelled": long_bytes,
         "anchor_pp_bytes_per_token": runner.anchor_bytes / tokens,
         "dp_bytes_per_step": dp / len(reports),
         "train_loss_last10": sum(losses[-10:]) / len(losses[-10:]),
@@ -193,11 +198,8 @@ def release_memory() -> None:
 # default run's row. The other rows are explorations; with a pretrained model every row takes
 # 2.5-6 minutes on 2 cores; the first seven took 26.5 minutes (docs/benchmarks.md).
 QUICK_ROWS = ("dense", "masked", "masked_anchor", "lowrank", "transform", "transform_anchor", "transform_dp", "transform_stale1")
-# the swarm's default run (bootstrap/node.py default_run, the demo): transform coder (2-bit activations,
-# each message's own statistics, 1-bit dithered gradients; the tiny models: 2-bit gradients, the coder's
-# statistics, peer/config.py transform_mask), no anchor, stage 0 one step ahead on stashed weights
-# extrapolated by its last update (pipeline.max_staleness 1, staleness_correction "lookahead": the
-# swarm's stage 0 takes the look-ahead since 2026-12-06; before, it stashed plainly: transform_stale1_stash)
+# the recommended run (peer/config.py's defaults: what a run.toml naming only its model runs, the
+# demo, the swarm without --config on the tiny model): built from those defaults in quality_rows.py
 DEFAULT_ROW = "transform_stale1"
 TASKS = ("adapt", "continual")  # domain adaptation (train on corpus B), continual pretraining (on the general text)
 TOKENIZE_BYTES = 1_000_000  # corpus bytes a pretrained model's tokenizer reads per corpus (~300 k tokens of Python)
@@ -288,7 +290,7 @@ def run_quality(quick: bool, corpus_a: str | None, corpus_b: str | None, only: l
         release_memory()
         result["rss_gb_after"] = rss_gb()
         out["runs"][name] = result
-        print(f"{name:>24}: eval_loss {result['eval_loss']:.4f}  eval_loss_a {result['eval_loss_a']:.4f}  pp B/token {result['pp_bytes_per_token']:.1f} (stream {result['pp_stream_bytes_per_token']:.1f}; at {LONG_SEQ} tokens {_fmt_bytes(result['pp_stream_bytes_per_token_long'])})  dp B/step {result['dp_bytes_per_step']:.0f}  {result['seconds']:.1f}s", flush=True)
+        print(f"{name:>24}: eval_loss {result['eval_loss']:.4f}  eval_loss_a {result['eval_loss_a']:.4f}  pp B/token measured {result['pp_bytes_per_token']:.1f} at {result['seq_len']} tokens (stream {result['pp_stream_bytes_per_token']:.1f}); at {MODELLED_SEQ} tokens {_fmt_bytes(result['pp_bytes_per_token_modelled'])} modelled)  dp B/step {result['dp_bytes_per_step']:.0f}  {result['seconds']:.1f}s", flush=True)
     dense = out["runs"].get("dense")
     if dense:
         shape = Shape(setup.micro_batch_size, setup.seq_len, setup.micro_batches)
@@ -296,9 +298,9 @@ def run_quality(quick: bool, corpus_a: str | None, corpus_b: str | None, only: l
         out["vs_dense"] = {
             name: {
                 "eval_loss_ratio": r["eval_loss"] / dense["eval_loss"],
-                "pp_bytes_reduction": dense["pp_bytes_per_token"] / r["pp_bytes_per_token"],
-                "pp_stream_bytes_reduction": dense["pp_stream_bytes_per_token"] / r["pp_stream_bytes_per_token"],
-                "pp_stream_bytes_reduction_long": _ratio(dense["pp_stream_bytes_per_token_long"], r["pp_stream_bytes_per_token_long"]),
+                "pp_bytes_reduction": dense["pp_bytes_per_token"] / r["pp_bytes_per_token"],  # measured, everything on the wire
+                "pp_stream_bytes_reduction": dense["pp_stream_bytes_per_token"] / r["pp_stream_bytes_per_token"],  # measured, coder refits left out
+                "pp_bytes_reduction_modelled": _ratio(dense["pp_bytes_per_token_modelled"], r["pp_bytes_per_token_modelled"]),  # at MODELLED_SEQ tokens
             }
             for name, r in out["runs"].items()
         }

@@ -66,16 +66,16 @@ def equal_wall_clock(runs: dict[str, dict], dims: ModelDims, shape: Shape, stage
     return out
 
 
-LONG_SEQ = 2048  # a practitioner's sequence length, for the bytes a row's codec sends per token
+MODELLED_SEQ = 2048  # a practitioner's sequence length, for the bytes a row's codec sends per token
 
 
 def long_sequence_bytes(cfg, dims: ModelDims) -> float | None:
-    """Stream bytes per token of the row's codec on one micro-batch of one LONG_SEQ-token
+    """Stream bytes per token of the row's codec on one micro-batch of one MODELLED_SEQ-token
     sequence (activation + gradient, built by the app's encoder as `bench project` sizes them).
     Why: a codec's fixed costs per sequence (the dense sink position) and per message (each
     message's statistics) weigh on the quick run's 64-token sequences and not at a real length.
     Not measured in the run; None for the element mask at drop > 0 (its bytes depend on the draw)."""
     if cfg.mask.scheme == "mask" and cfg.mask.drop:
         return None
-    b = mask_message_bytes(cfg.mask, dims, Shape(1, LONG_SEQ, 1))
-    return (b.activation + b.gradient) / LONG_SEQ
+    b = mask_message_bytes(cfg.mask, dims, Shape(1, MODELLED_SEQ, 1))
+    return (b.activation + b.gradient) / MODELLED_SEQ

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from peer.config import AnchorConfig, DPConfig, MaskConfig, ModelConfig, OptimConfig, PipelineConfig, SpectralConfig, TrainConfig, transform_mask, two_bit_transform_mask
+from peer.config import TINY_RUN, AnchorConfig, DPConfig, MaskConfig, ModelConfig, OptimConfig, PipelineConfig, SpectralConfig, TrainConfig, recommended_mask
 
 
 @dataclass
@@ -37,25 +37,28 @@ class QualitySetup:
 def rows(setup: QualitySetup) -> dict[str, TrainConfig]:
     """The compared runs. DP rows keep the token budget: 2 replicas x half the micro-batches."""
     m = setup.micro_batches
-    pipe = PipelineConfig(micro_batch_size=setup.micro_batch_size, micro_batches=m, seq_len=setup.seq_len)
+    # the rows' base is synchronous and dense; the default row takes the recommended run's settings
+    pipe = PipelineConfig(micro_batch_size=setup.micro_batch_size, micro_batches=m, seq_len=setup.seq_len, max_staleness=0)
     pipe_dp = replace(pipe, micro_batches=max(1, m // 2))
     stale1 = replace(pipe, max_staleness=1)  # stage 0 one step ahead, as the swarm's default run
+    recommended = PipelineConfig()
+    default_pipe = replace(pipe, max_staleness=recommended.max_staleness, staleness_correction=recommended.staleness_correction)
     optim = setup.optim()
     anchor = AnchorConfig(every=setup.anchor_every, micro_batches=max(1, m // 2))
-    mask = MaskConfig(drop=setup.drop)
+    mask = MaskConfig(scheme="mask", drop=setup.drop)
     # DiLoCo H=10 with int8 deltas. Outer step = plain averaging (lr 1, no momentum): with only
     # ~adapt_steps/10 outer steps, Nesterov (0.7, 0.9) measured worse here (1.89 vs 1.76 on lowrank_dp).
     dp = DPConfig(replicas=2, scheme="diloco", inner_steps=10, outer_lr=1.0, outer_momentum=0.0, outer_compression="int8")
 
     def cfg(**kw) -> TrainConfig:
-        base = dict(model=setup.model, pipeline=pipe, optim=optim, steps=setup.adapt_steps, seed=setup.seed)
+        base = dict(model=setup.model, mask=MaskConfig(scheme="mask"), pipeline=pipe, optim=optim, steps=setup.adapt_steps, seed=setup.seed)
         base.update(kw)
         return TrainConfig(**base)
 
     lowrank = MaskConfig(scheme="lowrank", rank=setup.lowrank_rank, values="int8")
-    transform = transform_mask(setup.model.name)  # the built-in runs' codec: 2-bit activations with each message's statistics, 1-bit dithered gradients (the toy: 2-bit, the coder's statistics), the sink position dense
+    transform = recommended_mask(setup.model.name)  # the recommended run's codec (the tiny models: TINY_RUN's)
     rows_mask = replace(transform, grad_rates="row", grad_rounding="dither")
-    two_bit = two_bit_transform_mask()  # the default until 2026-12-06 (then the "transform" row)
+    two_bit = MaskConfig(**TINY_RUN["mask"])  # the tiny models' codec: 2-bit stochastic gradients, the coder's statistics
     return {
         # the paper's method, as DESIGN.md §4 states it
         "dense": cfg(),
@@ -94,7 +97,8 @@ def rows(setup: QualitySetup) -> dict[str, TrainConfig]:
         # a compressed twin of the anchor pass, which only the element mask has: masked_anchor_ef)
         "transform_anchor_r8": cfg(mask=transform, anchor=anchor, spectral=SpectralConfig(mode="paper", rank=8)),
         # stage 0 one step ahead of its applied gradients (pipeline.max_staleness 1): the pipeline no longer drains every step
-        "transform_stale1": cfg(mask=transform, pipeline=stale1),
+        # the recommended run (peer/config.py defaults: bench quality's DEFAULT_ROW): its codec, staleness, no anchors
+        "transform_stale1": cfg(mask=transform, pipeline=default_pipe, anchor=AnchorConfig(), spectral=SpectralConfig()),
         # each gradient row its own rate (mask.grad_rates "row", dithered), the same bits per message
         "transform_rows": cfg(mask=rows_mask),
         "transform_rows_stale1": cfg(mask=rows_mask, pipeline=stale1),

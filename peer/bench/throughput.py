@@ -43,6 +43,7 @@ from pathlib import Path
 
 from peer.bench.bedswarm import BedSwarm, write_toml
 from peer.bench.netbed import NetBed, available
+from peer.config import TINY_RUN, MaskConfig
 from peer.errors import ConfigError
 
 MODES = ("compute_bound", "dense", "masked", "masked_dp")
@@ -90,7 +91,9 @@ def mode_config(mode: str, stages: int, steps: int, dp_every: int, seed: int = 0
     default, drains the pipeline every step)."""
     if mode not in MODES:
         raise ConfigError("mode", mode, f"must be one of {', '.join(MODES)}")
-    compressed_pp = {"scheme": "transform", "adapt": False}  # MaskConfig's transform defaults (the codec chosen on SmolLM2: 2-bit activations, 1-bit dithered gradients)
+    # the recommended run's codec (MaskConfig's defaults: 2-bit activations, 1-bit dithered gradients), its
+    # settings pinned against the tiny model's profile (TINY_RUN): the bed carries the bytes a real model's run sends
+    compressed_pp = {"scheme": "transform", "adapt": False, **{k: getattr(MaskConfig(), k) for k in TINY_RUN["mask"]}}
     dense_pp = {"scheme": "mask", "drop": 0.0, "values": "fp16", "adapt": False}
     dense_dp = {"inner_steps": 1, "outer_compression": "none", "link_share": 0.0, "min_period_s": 1.0}  # every step, as far as hivemind allows
     compressed_dp = {"inner_steps": dp_every, "outer_compression": "int8", "link_share": 0.0}
@@ -101,7 +104,6 @@ def mode_config(mode: str, stages: int, steps: int, dp_every: int, seed: int = 0
         "compute_bound": (compressed_pp, compressed_dp),
     }[mode]
     return {
-        "steps": 10**9,
         "seed": seed,
         "model": {"name": "tiny-llama", "num_stages": stages, "hidden_size": TINY_HIDDEN, "num_layers": 2 * stages, "num_heads": 4, "max_seq_len": 128},
         "mask": mask,

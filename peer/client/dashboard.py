@@ -240,7 +240,8 @@ class Dashboard:
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         s = self.status
         top = Group(_summary(s), Text(), Curves(self.history))
-        yield Panel(top, title=f"anchormesh run [bold]{escape(str(s.get('run_id', '?')))}[/bold]", title_align="left", border_style="blue")
+        config = f"  config {escape(str(s['config_digest']))}" if s.get("config_digest") else ""
+        yield Panel(top, title=f"anchormesh run [bold]{escape(str(s.get('run_id', '?')))}[/bold]{config}", title_align="left", border_style="blue")
         yield _stage_table(s)
         yield Text()
         yield _peer_table(s, with_address=options.max_width >= self.NARROW)

@@ -17,6 +17,8 @@ def status_dict(s: pb.RunStatus) -> dict:
     """The documented JSON schema (README, "Status JSON")."""
     return {
         "run_id": s.run_id,
+        "config_digest": s.config_digest,
+        "wire_version": s.wire_version,
         "state": s.state,
         "reason": s.reason,
         "step": s.step,

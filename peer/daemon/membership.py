@@ -25,7 +25,6 @@ from typing import Protocol
 import grpc
 import torch
 
-from peer import __version__
 from peer.address import announce_maddr, free_port
 from peer.config import TrainConfig
 from peer.daemon.anchors import AnchorJobs
@@ -44,6 +43,7 @@ from peer.security import auth
 from peer.security.identity import Identity
 from peer.wire import anchormesh_pb2 as pb
 from peer.wire import anchormesh_pb2_grpc as pbg
+from peer.wire.version import build_fields
 
 log = logging.getLogger("anchormesh.peer")
 
@@ -238,7 +238,7 @@ class Membership:
         d = self.peer
         with auth.tracker_channel(d.tracker, d.creds, tls_ca=d.tls_ca) as join_channel:
             own_maddrs = [str(m) for m in d.dht.get_visible_maddrs()] if d.dht is not None else []
-            req = pb.JoinRequest(peer_id=d.peer_id, grpc_address=d.address, code_version=__version__, dht_maddrs=own_maddrs)
+            req = pb.JoinRequest(peer_id=d.peer_id, grpc_address=d.address, **build_fields(), dht_maddrs=own_maddrs)
             try:
                 plans = plan_memory(pbg.TrackerStub(join_channel), req, d.device, replica_in_memory=d.state_dir is None)
             except ConfigError as exc:  # the run cannot run on this device: nothing to leave yet

@@ -1,9 +1,9 @@
-"""`anchormesh demo`: the tiny default model trained in local pipeline stages, with live progress.
+"""`anchormesh demo --local`: the tiny default run trained in local pipeline stages, with live progress.
 
-This is the training core on one machine (no network yet): stage workers exchange masked
-activations and gradients as serialized wire messages, anchor passes run every K steps, and the
-spectral-corrected optimizer steps each stage. The progress bar shows loss, tokens/s and the
-bytes per token that crossed the pipeline link, next to what dense fp16 transfer would cost.
+This is the training core on one machine (no network): stage workers exchange coded
+activations and gradients as serialized wire messages and each stage's optimizer steps, as in
+the swarm's default run. The progress bar shows loss, tokens/s and the bytes per token that
+crossed the pipeline link, next to what dense fp16 transfer would cost.
 """
 
 from __future__ import annotations
@@ -13,26 +13,24 @@ import time
 import torch
 from tqdm import tqdm
 
-from peer.config import AnchorConfig, MaskConfig, ModelConfig, OptimConfig, PipelineConfig, SpectralConfig, TrainConfig, transform_mask
+from peer.config import MaskConfig, TrainConfig
 from peer.data import TokenStream, default_corpus
 from peer.model.loading import load_causal_lm
 from peer.pipeline.local import LocalPipelineRunner, evaluate_stages
+from peer.runtoml import resolve_run
 
 
 def demo_config(stages: int, codec: str, drop: float, rank: int) -> TrainConfig:
-    """The demo's run: the transform coder by default (the swarm's default), the low-rank codec,
-    or the paper's element mask."""
-    masks = {"transform": lambda: transform_mask("tiny-llama"), "lowrank": lambda: MaskConfig(scheme="lowrank", rank=rank, values="int8"), "mask": lambda: MaskConfig(drop=drop, fill="prior_rescale")}
-    mask = masks[codec]()
-    return TrainConfig(
-        model=ModelConfig(name="tiny-llama", num_stages=stages, hidden_size=128, num_layers=4, num_heads=4, max_seq_len=128),
-        mask=mask,
-        anchor=AnchorConfig(every=20, micro_batches=1, executor="thread"),
-        spectral=SpectralConfig(mode="paper"),
-        optim=OptimConfig(lr=2e-3),
-        pipeline=PipelineConfig(micro_batch_size=8, micro_batches=2, seq_len=128, max_staleness=1),
-        steps=10**9,
-    )
+    """The demo's run: the recommended run on the tiny model (what `anchormesh bootstrap` runs
+    without --config), cut in `stages`, with the low-rank codec or the paper's element mask
+    instead of the transform codec when asked."""
+    cfg = resolve_run({"model": {"num_stages": stages}}).config
+    if codec == "lowrank":
+        cfg.mask = MaskConfig(scheme="lowrank", rank=rank, values="int8")
+    elif codec == "mask":
+        cfg.mask = MaskConfig(scheme="mask", drop=drop, fill="prior_rescale")
+    cfg.steps = 10**9  # until the clock runs out
+    return cfg
 
 
 def codec_label(cfg: TrainConfig) -> str:
@@ -51,7 +49,7 @@ def run_demo(seconds: float = 60.0, stages: int = 2, codec: str = "transform", d
     gen = torch.Generator().manual_seed(0)
     p = cfg.pipeline
     print(f"anchormesh demo: tiny-llama ({cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}) in {stages} pipeline stages, "
-          f"PP codec {codec_label(cfg)}, anchor every {cfg.anchor.every} steps; corpus: {source.split(',')[0]}… ({len(data) / 1e6:.1f} MB)")
+          f"PP codec {codec_label(cfg)}, {f'anchor every {cfg.anchor.every} steps' if cfg.anchor.every else 'anchors off'}; corpus: {source.split(',')[0]}… ({len(data) / 1e6:.1f} MB)")
     runner = LocalPipelineRunner(cfg, load_causal_lm(cfg.model), lambda step, r, j: stream.batch(p.micro_batch_size, p.seq_len, gen))
     eval_batches = stream.eval_batches(p.micro_batch_size, p.seq_len, 8)
     dense_bpt = 2 * 2 * cfg.model.hidden_size * (stages - 1)  # fp16 activations + gradients, every link

@@ -95,7 +95,7 @@ class StageWorker:
             self.prior = TokenPrior(s.vocab_size, s.hidden_size, self.cfg.mask.prior_momentum, device=pl.device)
         m = self.cfg.mask
         if m.scheme == "lowrank":
-            self.coef_codec = MaskCodec(MaskConfig(values=m.values, seed=m.seed))
+            self.coef_codec = MaskCodec(MaskConfig(scheme="mask", values=m.values, seed=m.seed))
             if not s.is_last:
                 self.basis_out = BasisLearner(s.vocab_size, s.hidden_size, m.rank, m.basis_refresh, max_rows=m.prior_rows, device=pl.device)
         elif m.scheme == "transform":
