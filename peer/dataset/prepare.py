@@ -132,7 +132,7 @@ def prepare(source: str, tokenizer: str, out: Path, *, shard_tokens: int = DEFAU
     The folder appears whole or not at all: shards go to a hidden `.NAME.partial` folder beside
     `out`, renamed into place after the manifest. A source too small for its held-out sets is
     refused (ConfigError naming SOURCE and the minimum) and leaves nothing behind."""
-    out = Path(out)
+    out = Path(os.path.abspath(out))  # `.` or `dir/` still name a folder beside which `.partial` goes
     if shard_tokens < 1:
         raise ConfigError("--shard-tokens", shard_tokens, "must be >= 1")
     for flag, value in (("--eval-fraction", eval_fraction), ("--confirm-fraction", confirm_fraction)):
