@@ -43,7 +43,7 @@ class TokenIds:
             try:
                 self._tok = load_tokenizer(name)
             except ConfigError as exc:
-                why = str(exc)[len(f"{exc.field}={exc.value!r}: ") :]
+                why = " ".join(str(exc)[len(f"{exc.field}={exc.value!r}: ") :].split())  # one line: the library's messages span several
                 raise ConfigError("--tokenizer", name, f"{why} (allowed: bytes, smollm2-135m, a Hugging Face model id or folder, a .gguf file)") from None
             self._tok.model_max_length = 1 << 62  # documents are longer than the model's context: no warning
             self.vocab_size = len(self._tok)
@@ -55,7 +55,7 @@ class TokenIds:
         ids = self._tok([d.decode("utf-8", errors="replace") for d in docs], add_special_tokens=False)["input_ids"]
         out = [np.asarray(x, dtype=np.int64) for x in ids]
         for a in out:
-            if len(a) and (int(a.max()) >= self.vocab_size or int(a.min()) < 0):
+            if len(a) and int(a.max()) >= self.vocab_size:
                 raise ConfigError("--tokenizer", self.name, f"gave id {int(a.max())}, outside its vocabulary of {self.vocab_size}")
         return [a.astype(self.dtype) for a in out]
 
