@@ -59,6 +59,12 @@ class TokenIds:
                 raise ConfigError("--tokenizer", self.name, f"gave id {int(a.max())}, outside its vocabulary of {self.vocab_size}")
         return [a.astype(self.dtype) for a in out]
 
+    def decode(self, ids: np.ndarray) -> bytes:
+        """The text of `ids` (UTF-8), for checks and debugging."""
+        if self._tok is None:
+            return np.asarray(ids).astype(np.uint8).tobytes()
+        return self._tok.decode(np.asarray(ids).tolist()).encode("utf-8")
+
 
 def split_of(doc: bytes, seed: int, eval_fraction: float, confirm_fraction: float) -> str:
     """`train`, `eval` or `confirm` for one document: the same bytes and seed always give the same
@@ -124,10 +130,11 @@ def check_out(out: Path, force: bool) -> None:
             raise ConfigError("--out", str(out), f"exists, is not empty and holds no {MANIFEST}; --force replaces only a folder written by `data prepare`")
 
 
-def prepare(source: str, tokenizer: str, out: Path, *, shard_tokens: int = DEFAULT_SHARD_TOKENS, eval_fraction: float = DEFAULT_HELDOUT_FRACTION,
+def prepare(source: str, tokenizer: str | TokenIds, out: Path, *, shard_tokens: int = DEFAULT_SHARD_TOKENS, eval_fraction: float = DEFAULT_HELDOUT_FRACTION,
             confirm_fraction: float = DEFAULT_HELDOUT_FRACTION, min_heldout_tokens: int = DEFAULT_MIN_HELDOUT_TOKENS, seed: int = 0, text_field: str = "text",
             force: bool = False, show_progress: bool | None = None) -> Manifest:
-    """Tokenize `source` into `out` (see the module docstring); returns the manifest written.
+    """Tokenize `source` into `out` (see the module docstring) with `tokenizer` (a name, or a
+    `TokenIds` already loaded); returns the manifest written.
 
     The folder appears whole or not at all: shards go to a hidden `.NAME.partial` folder beside
     `out`, renamed into place after the manifest. A source too small for its held-out sets is
@@ -144,7 +151,7 @@ def prepare(source: str, tokenizer: str, out: Path, *, shard_tokens: int = DEFAU
         raise ConfigError("--min-heldout-tokens", min_heldout_tokens, "must be >= 1")
     check_out(out, force)
     src = open_source(source, text_field)
-    tok = TokenIds(tokenizer)
+    tok = tokenizer if isinstance(tokenizer, TokenIds) else TokenIds(tokenizer)
     partial = out.parent / f".{out.name}.partial"
     shutil.rmtree(partial, ignore_errors=True)  # a leftover of a killed run
     partial.mkdir(parents=True)
