@@ -78,7 +78,9 @@ def test_a_folder_lands_whole_in_exactly_one_split_by_document(tmp_path: Path) -
     body = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert (body["format"], body["version"], body["dtype"], body["vocab_size"]) == ("anchormesh-tokens", 1, "uint16", 256)
     assert body["total"] == {"tokens": m.tokens, "documents": m.documents}
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(["manifest.json"] + [n for s in SPLITS for sh in m.splits[s].shards for n in (sh.name, sh.index)])
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
+        ["manifest.json"] + [n for s in SPLITS for sh in m.splits[s].shards for n in (sh.name, sh.index)]
+    )
     assert not list(tmp_path.glob(".*partial*"))
 
 
@@ -107,7 +109,9 @@ def test_a_local_datasets_dataset_is_streamed_record_by_record(tmp_path: Path) -
 
 
 def test_a_single_file_is_cut_into_paragraph_documents(tmp_path: Path) -> None:
-    text = _text(random.Random(5), 400_000).encode() + b"x" * (3 * MAX_DOC_BYTES) + "é".encode() * 40_000  # no blank line for a long stretch
+    text = (
+        _text(random.Random(5), 400_000).encode() + b"x" * (3 * MAX_DOC_BYTES) + "é".encode() * 40_000
+    )  # no blank line for a long stretch
     (tmp_path / "big.txt").write_bytes(text)
     pieces = list(paragraphs(text[i : i + 100_000] for i in range(0, len(text), 100_000)))
     assert b"".join(pieces) == text and max(map(len, pieces)) <= MAX_DOC_BYTES and len(pieces) > 50
@@ -124,8 +128,11 @@ def test_shards_are_checked_against_the_manifest(tmp_path: Path) -> None:
     good = shard.read_bytes()
     flipped = bytearray(good)
     flipped[1234] ^= 1
-    cases = [(bytes(flipped), r"^shard train-00001\.bin: content differs from the manifest"), (good[:-2], r"^shard train-00001\.bin: truncated: 9998 bytes, the manifest says 10000"),
-             (good + b"\x00", r"^shard train-00001\.bin: oversized: 10001 bytes")]
+    cases = [
+        (bytes(flipped), r"^shard train-00001\.bin: content differs from the manifest"),
+        (good[:-2], r"^shard train-00001\.bin: truncated: 9998 bytes, the manifest says 10000"),
+        (good + b"\x00", r"^shard train-00001\.bin: oversized: 10001 bytes"),
+    ]
     for content, match in cases:
         shard.write_bytes(content)
         with pytest.raises(ShardError, match=match) as err:
@@ -170,7 +177,9 @@ def test_windows_by_id_are_stable_and_do_not_overlap(tmp_path: Path) -> None:
 
 def test_bad_input_is_refused_naming_the_argument(tmp_path: Path) -> None:
     (tmp_path / "small.txt").write_text(_text(random.Random(1), 20_000))
-    with pytest.raises(ConfigError, match=r"^SOURCE=.*too little text for its eval and confirmation splits .* at least 4096 tokens .* about 409,600 tokens"):
+    with pytest.raises(
+        ConfigError, match=r"^SOURCE=.*too little text for its eval and confirmation splits .* at least 4096 tokens .* about 409,600 tokens"
+    ):
         prepare(str(tmp_path / "small.txt"), "bytes", tmp_path / "out", show_progress=False)
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".*partial*"))
     with pytest.raises(ConfigError, match=r"^SOURCE=.*no such file or folder"):
@@ -223,13 +232,36 @@ def test_memory_stays_bounded_whatever_the_source_size(tmp_path: Path) -> None:
 
 def test_the_cli_prepares_and_exits_2_on_bad_input(tmp_path: Path) -> None:
     folder, _ = _folder(tmp_path)
-    args = [sys.executable, "-m", "peer.cli", "data", "prepare", str(folder), "--tokenizer", "bytes", "--out", str(tmp_path / "out"), "--shard-tokens", "5000",
-            "--eval-fraction", "0.1", "--confirm-fraction", "0.1", "--min-heldout-tokens", "200"]
+    args = [
+        sys.executable,
+        "-m",
+        "peer.cli",
+        "data",
+        "prepare",
+        str(folder),
+        "--tokenizer",
+        "bytes",
+        "--out",
+        str(tmp_path / "out"),
+        "--shard-tokens",
+        "5000",
+        "--eval-fraction",
+        "0.1",
+        "--confirm-fraction",
+        "0.1",
+        "--min-heldout-tokens",
+        "200",
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     ok = subprocess.run(args, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     assert ok.returncode == 0 and "prepared " in ok.stderr and "tokens/s" in ok.stderr, ok.stderr[-2000:]
     again = subprocess.run(args, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
-    assert again.returncode == 2 and again.stderr.count("\n") == 1 and again.stderr.startswith("anchormesh: error: --out=") and "Traceback" not in again.stderr
+    assert (
+        again.returncode == 2
+        and again.stderr.count("\n") == 1
+        and again.stderr.startswith("anchormesh: error: --out=")
+        and "Traceback" not in again.stderr
+    )
 
 
 def test_smollm2_tokenizer(tmp_path: Path) -> None:

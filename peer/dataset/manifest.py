@@ -86,7 +86,10 @@ class Manifest:
     def to_json(self) -> bytes:
         body = {"format": self.format, "version": self.version, **asdict(self)}  # what it is, first
         body["total"] = {"tokens": self.tokens, "documents": self.documents}
-        body["split_method"] = "sha256(seed as 8 bytes little-endian + document bytes): eval below eval_fraction, confirm below eval_fraction + confirm_fraction"
+        body["split_method"] = (
+            "sha256(seed as 8 bytes little-endian + document bytes): "
+            "eval below eval_fraction, confirm below eval_fraction + confirm_fraction"
+        )
         return (json.dumps(body, indent=1) + "\n").encode()
 
 
@@ -105,8 +108,17 @@ def read_manifest(folder: Path) -> Manifest:
         raise ConfigError(f"{MANIFEST}: version", body.get("version"), f"this anchormesh reads version {VERSION}")
     try:
         splits = {name: _split(name, body["splits"][name]) for name in SPLITS}
-        m = Manifest(tokenizer=str(body["tokenizer"]), vocab_size=int(body["vocab_size"]), dtype=str(body["dtype"]), shard_tokens=int(body["shard_tokens"]), seed=int(body["seed"]),
-                     eval_fraction=float(body["eval_fraction"]), confirm_fraction=float(body["confirm_fraction"]), source=str(body["source"]), splits=splits)
+        m = Manifest(
+            tokenizer=str(body["tokenizer"]),
+            vocab_size=int(body["vocab_size"]),
+            dtype=str(body["dtype"]),
+            shard_tokens=int(body["shard_tokens"]),
+            seed=int(body["seed"]),
+            eval_fraction=float(body["eval_fraction"]),
+            confirm_fraction=float(body["confirm_fraction"]),
+            source=str(body["source"]),
+            splits=splits,
+        )
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, ConfigError):
             raise
@@ -121,14 +133,31 @@ def read_manifest(folder: Path) -> Manifest:
 
 
 def _split(name: str, body: dict) -> SplitInfo:
-    shards = tuple(ShardInfo(name=str(s["name"]), tokens=int(s["tokens"]), documents=int(s["documents"]), sha256=str(s["sha256"]), index=str(s["index"]), index_sha256=str(s["index_sha256"]))
-                   for s in body["shards"])
+    shards = tuple(
+        ShardInfo(
+            name=str(s["name"]),
+            tokens=int(s["tokens"]),
+            documents=int(s["documents"]),
+            sha256=str(s["sha256"]),
+            index=str(s["index"]),
+            index_sha256=str(s["index_sha256"]),
+        )
+        for s in body["shards"]
+    )
     for s in shards:
-        if not (s.name == Path(s.name).name and s.name.startswith(f"{name}-") and s.name.endswith(".bin") and s.index == s.name[:-4] + ".idx"):
-            raise ConfigError(f"{MANIFEST}: splits.{name}.shards.name", s.name, f"must be a plain file name {name}-NNNNN.bin with its index {name}-NNNNN.idx")
+        if not (
+            s.name == Path(s.name).name and s.name.startswith(f"{name}-") and s.name.endswith(".bin") and s.index == s.name[:-4] + ".idx"
+        ):
+            raise ConfigError(
+                f"{MANIFEST}: splits.{name}.shards.name",
+                s.name,
+                f"must be a plain file name {name}-NNNNN.bin with its index {name}-NNNNN.idx",
+            )
         if s.tokens < 0 or s.documents < 0:
             raise ConfigError(f"{MANIFEST}: splits.{name}.shards", s.name, "tokens and documents must be >= 0")
     split = SplitInfo(tokens=int(body["tokens"]), documents=int(body["documents"]), shards=shards)
     if split.tokens != sum(s.tokens for s in shards) or split.documents != sum(s.documents for s in shards):
-        raise ConfigError(f"{MANIFEST}: splits.{name}", f"{split.tokens} tokens, {split.documents} documents", "differ from the sums over its shards")
+        raise ConfigError(
+            f"{MANIFEST}: splits.{name}", f"{split.tokens} tokens, {split.documents} documents", "differ from the sums over its shards"
+        )
     return split

@@ -44,7 +44,9 @@ class TokenIds:
                 self._tok = load_tokenizer(name)
             except ConfigError as exc:
                 why = " ".join(str(exc)[len(f"{exc.field}={exc.value!r}: ") :].split())  # one line: the library's messages span several
-                raise ConfigError("--tokenizer", name, f"{why} (allowed: bytes, smollm2-135m, a Hugging Face model id or folder, a .gguf file)") from None
+                raise ConfigError(
+                    "--tokenizer", name, f"{why} (allowed: bytes, smollm2-135m, a Hugging Face model id or folder, a .gguf file)"
+                ) from None
             self._tok.model_max_length = 1 << 62  # documents are longer than the model's context: no warning
             self.vocab_size = len(self._tok)
         self.dtype = np.dtype("<u2" if self.vocab_size <= 1 << 16 else "<u4")
@@ -109,13 +111,23 @@ class ShardWriter:
         index = np.asarray(self.starts, dtype=INDEX_DTYPE).tobytes()
         write_atomic(self.folder / f"{stem}.bin", lambda f: f.write(tokens))
         write_atomic(self.folder / f"{stem}.idx", index)
-        self.shards.append(ShardInfo(name=f"{stem}.bin", tokens=self.fill, documents=len(self.starts), sha256=hashlib.sha256(tokens).hexdigest(),
-                                     index=f"{stem}.idx", index_sha256=hashlib.sha256(index).hexdigest()))
+        self.shards.append(
+            ShardInfo(
+                name=f"{stem}.bin",
+                tokens=self.fill,
+                documents=len(self.starts),
+                sha256=hashlib.sha256(tokens).hexdigest(),
+                index=f"{stem}.idx",
+                index_sha256=hashlib.sha256(index).hexdigest(),
+            )
+        )
         self.fill = 0
         self.starts = []
 
     def info(self) -> SplitInfo:
-        return SplitInfo(tokens=sum(s.tokens for s in self.shards), documents=sum(s.documents for s in self.shards), shards=tuple(self.shards))
+        return SplitInfo(
+            tokens=sum(s.tokens for s in self.shards), documents=sum(s.documents for s in self.shards), shards=tuple(self.shards)
+        )
 
 
 def check_out(out: Path, force: bool) -> None:
@@ -127,12 +139,25 @@ def check_out(out: Path, force: bool) -> None:
         if not force:
             raise ConfigError("--out", str(out), "exists and is not empty; name a new folder, or pass --force to replace a prepared one")
         if not (out / MANIFEST).is_file():
-            raise ConfigError("--out", str(out), f"exists, is not empty and holds no {MANIFEST}; --force replaces only a folder written by `data prepare`")
+            raise ConfigError(
+                "--out", str(out), f"exists, is not empty and holds no {MANIFEST}; --force replaces only a folder written by `data prepare`"
+            )
 
 
-def prepare(source: str, tokenizer: str | TokenIds, out: Path, *, shard_tokens: int = DEFAULT_SHARD_TOKENS, eval_fraction: float = DEFAULT_HELDOUT_FRACTION,
-            confirm_fraction: float = DEFAULT_HELDOUT_FRACTION, min_heldout_tokens: int = DEFAULT_MIN_HELDOUT_TOKENS, seed: int = 0, text_field: str = "text",
-            force: bool = False, show_progress: bool | None = None) -> Manifest:
+def prepare(
+    source: str,
+    tokenizer: str | TokenIds,
+    out: Path,
+    *,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    eval_fraction: float = DEFAULT_HELDOUT_FRACTION,
+    confirm_fraction: float = DEFAULT_HELDOUT_FRACTION,
+    min_heldout_tokens: int = DEFAULT_MIN_HELDOUT_TOKENS,
+    seed: int = 0,
+    text_field: str = "text",
+    force: bool = False,
+    show_progress: bool | None = None,
+) -> Manifest:
     """Tokenize `source` into `out` (see the module docstring) with `tokenizer` (a name, or a
     `TokenIds` already loaded); returns the manifest written.
 
@@ -146,7 +171,11 @@ def prepare(source: str, tokenizer: str | TokenIds, out: Path, *, shard_tokens: 
         if not 0 < value < 0.5:
             raise ConfigError(flag, value, "must be in (0, 0.5)")
     if eval_fraction + confirm_fraction >= 0.5:
-        raise ConfigError("--confirm-fraction", confirm_fraction, f"with --eval-fraction {eval_fraction} holds out half the documents or more; together they must stay below 0.5")
+        raise ConfigError(
+            "--confirm-fraction",
+            confirm_fraction,
+            f"with --eval-fraction {eval_fraction} holds out half the documents or more; together they must stay below 0.5",
+        )
     if min_heldout_tokens < 1:
         raise ConfigError("--min-heldout-tokens", min_heldout_tokens, "must be >= 1")
     check_out(out, force)
@@ -161,8 +190,17 @@ def prepare(source: str, tokenizer: str | TokenIds, out: Path, *, shard_tokens: 
         _tokenize_into(src.documents(), tok, writers, seed, eval_fraction, confirm_fraction, src.total_bytes, show_progress)
         for w in writers.values():
             w.flush()
-        manifest = Manifest(tokenizer=tok.name, vocab_size=tok.vocab_size, dtype=tok.dtype.name, shard_tokens=shard_tokens, seed=seed, eval_fraction=eval_fraction,
-                            confirm_fraction=confirm_fraction, source=source, splits={s: w.info() for s, w in writers.items()})
+        manifest = Manifest(
+            tokenizer=tok.name,
+            vocab_size=tok.vocab_size,
+            dtype=tok.dtype.name,
+            shard_tokens=shard_tokens,
+            seed=seed,
+            eval_fraction=eval_fraction,
+            confirm_fraction=confirm_fraction,
+            source=source,
+            splits={s: w.info() for s, w in writers.items()},
+        )
         _check_enough(manifest, min_heldout_tokens)
         write_atomic(partial / MANIFEST, manifest.to_json())
         fsync_dir(partial)
@@ -176,11 +214,21 @@ def prepare(source: str, tokenizer: str | TokenIds, out: Path, *, shard_tokens: 
         raise
     elapsed = max(time.monotonic() - started, 1e-9)
     counts = ", ".join(f"{s} {manifest.splits[s].tokens:,} tokens / {manifest.splits[s].documents:,} documents" for s in SPLITS)
-    print(f"prepared {out}: {counts}; {sum(len(v.shards) for v in manifest.splits.values())} shards; {elapsed:.1f} s ({manifest.tokens / elapsed:,.0f} tokens/s)", file=sys.stderr)
+    shards = sum(len(v.shards) for v in manifest.splits.values())
+    print(f"prepared {out}: {counts}; {shards} shards; {elapsed:.1f} s ({manifest.tokens / elapsed:,.0f} tokens/s)", file=sys.stderr)
     return manifest
 
 
-def _tokenize_into(docs, tok: TokenIds, writers: dict[str, ShardWriter], seed: int, eval_fraction: float, confirm_fraction: float, total: int | None, show: bool | None) -> None:
+def _tokenize_into(
+    docs,
+    tok: TokenIds,
+    writers: dict[str, ShardWriter],
+    seed: int,
+    eval_fraction: float,
+    confirm_fraction: float,
+    total: int | None,
+    show: bool | None,
+) -> None:
     """Batch documents, tokenize each batch in one call, hand each document to its split's writer."""
     batch: list[bytes] = []
     size = tokens = 0
@@ -210,7 +258,11 @@ def _check_enough(m: Manifest, min_tokens: int) -> None:
     if not short:
         return
     got = "; ".join(f"{s}: {m.splits[s].documents} documents, {m.splits[s].tokens} tokens" for s in SPLITS)
-    need = int(min_tokens / min(m.eval_fraction, m.confirm_fraction))
-    raise ConfigError("SOURCE", m.source, f"too little text for its eval and confirmation splits ({got}); each split needs at least {min_tokens} tokens (--min-heldout-tokens), "
-                      f"so about {need:,} tokens in at least {int(2 / min(m.eval_fraction, m.confirm_fraction))} documents at --eval-fraction {m.eval_fraction} "
-                      f"--confirm-fraction {m.confirm_fraction}")
+    share = min(m.eval_fraction, m.confirm_fraction)
+    raise ConfigError(
+        "SOURCE",
+        m.source,
+        f"too little text for its eval and confirmation splits ({got}); each split needs at least {min_tokens} tokens "
+        f"(--min-heldout-tokens), so about {int(min_tokens / share):,} tokens in at least {int(2 / share)} documents "
+        f"at --eval-fraction {m.eval_fraction} --confirm-fraction {m.confirm_fraction}",
+    )

@@ -35,7 +35,12 @@ class PreparedData:
         self.manifest: Manifest = read_manifest(self.folder)
         m = self.manifest
         if tokenizer is not None and tokenizer != m.tokenizer:
-            raise ConfigError("tokenizer", tokenizer, f"the data in {self.folder} was prepared with tokenizer {m.tokenizer!r} (vocabulary {m.vocab_size}); prepare it again with --tokenizer {tokenizer}")
+            raise ConfigError(
+                "tokenizer",
+                tokenizer,
+                f"the data in {self.folder} was prepared with tokenizer {m.tokenizer!r} (vocabulary {m.vocab_size}); "
+                f"prepare it again with --tokenizer {tokenizer}",
+            )
         self.dtype = np.dtype("<u2" if m.dtype == "uint16" else "<u4")
         self._maps: dict[str, np.memmap] = {}
         for split in SPLITS:
@@ -45,7 +50,10 @@ class PreparedData:
     def check_shard(self, shard: ShardInfo, full: bool = True) -> None:
         """Raise ShardError unless the shard and its index have the manifest's sizes and (with
         `full`) hashes, and the index is a valid list of document starts."""
-        for name, size, digest in ((shard.name, shard.tokens * self.dtype.itemsize, shard.sha256), (shard.index, shard.documents * 8, shard.index_sha256)):
+        for name, size, digest in (
+            (shard.name, shard.tokens * self.dtype.itemsize, shard.sha256),
+            (shard.index, shard.documents * 8, shard.index_sha256),
+        ):
             path = self.folder / name
             try:
                 got = path.stat().st_size
@@ -62,13 +70,21 @@ class PreparedData:
                     raise ShardError(name, f"content differs from the manifest: sha256 {h.hexdigest()[:16]}..., expected {digest[:16]}...")
         if full and shard.documents:
             starts = self.doc_starts(shard)
-            if starts[0] < 0 or (len(starts) > 1 and bool(np.any(np.diff(starts.astype(np.int64)) <= 0))) or int(starts[-1]) >= shard.tokens:
+            if (
+                starts[0] < 0
+                or (len(starts) > 1 and bool(np.any(np.diff(starts.astype(np.int64)) <= 0)))
+                or int(starts[-1]) >= shard.tokens
+            ):
                 raise ShardError(shard.index, f"is not an increasing list of offsets below {shard.tokens}")
 
     def tokens(self, shard: ShardInfo) -> np.ndarray:
         """The shard's token ids, memory-mapped read-only (opened once)."""
         if shard.name not in self._maps:
-            self._maps[shard.name] = np.memmap(self.folder / shard.name, dtype=self.dtype, mode="r", shape=(shard.tokens,)) if shard.tokens else np.zeros(0, self.dtype)
+            self._maps[shard.name] = (
+                np.memmap(self.folder / shard.name, dtype=self.dtype, mode="r", shape=(shard.tokens,))
+                if shard.tokens
+                else np.zeros(0, self.dtype)
+            )
         return self._maps[shard.name]
 
     def doc_starts(self, shard: ShardInfo) -> np.ndarray:
@@ -109,7 +125,12 @@ class Windows:
             self._ends.append(total)
         self.count = total
         if not self.count:
-            raise ConfigError("seq_len", seq_len, f"the {split} split ({data.manifest.splits[split].tokens} tokens, shards of at most {data.manifest.shard_tokens}) holds no window of {self.length} tokens")
+            raise ConfigError(
+                "seq_len",
+                seq_len,
+                f"the {split} split ({data.manifest.splits[split].tokens} tokens, shards of at most {data.manifest.shard_tokens}) "
+                f"holds no window of {self.length} tokens",
+            )
 
     def __len__(self) -> int:
         return self.count

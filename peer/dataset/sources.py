@@ -47,7 +47,9 @@ def open_source(spec: str, text_field: str = "text") -> Source:
         if not files:
             raise ConfigError("SOURCE", spec, f"holds no text files (suffixes read: {', '.join(repr(s) for s in sorted(TEXT_SUFFIXES))})")
         return Source(spec, sum(f.stat().st_size for f in files), lambda: _folder_documents(files))
-    raise ConfigError("SOURCE", spec, f"no such file or folder; give a text file, a folder of text files, or {HF_PREFIX}DATASET[:CONFIG[:SPLIT]]")
+    raise ConfigError(
+        "SOURCE", spec, f"no such file or folder; give a text file, a folder of text files, or {HF_PREFIX}DATASET[:CONFIG[:SPLIT]]"
+    )
 
 
 def _folder_documents(files: list[Path]) -> Iterator[bytes]:
