@@ -97,6 +97,9 @@ def _parser() -> argparse.ArgumentParser:
     from peer.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+    from peer.dataset.cli import add_data_parser
+
+    add_data_parser(sub)
     return p
 
 
@@ -191,6 +194,10 @@ def main(argv: list[str] | None = None) -> None:
             if not args.timeout > 0:
                 raise ConfigError("--timeout", args.timeout, "must be > 0")
             raise SystemExit(run_health(args.address, args.tracker, args.timeout, read_ca(args.tls_ca)))
+        elif args.command == "data":
+            from peer.dataset.cli import run_data
+
+            run_data(args)
         elif args.command == "bench":
             from peer.bench.cli import run_bench
 
