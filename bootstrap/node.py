@@ -233,15 +233,18 @@ def serve_tracker(tracker: Tracker, host: str, port: int, secrets: keys.RunSecre
     leave it out to drive the services bare). With `ca` (peer/tls.RunCA) it serves TLS and
     certifies joining peers' TLS keys."""
     gate = tracker_gate(tracker, secrets) if secrets is not None else None
+    if gate is not None:  # anonymous calls (the status: watchers and 16 more) take at most 48 of the 240: Join and heartbeats keep the rest
+        sec = tracker.config.security
+        gate.admission = auth.Admission(receive_deadline_s=sec.receive_deadline_s, open_calls=MAX_WATCHERS + 16, open_calls_per_host=sec.open_calls_per_host)
     # every peer holds a Heartbeat stream and every `status --watch` a WatchStatus stream: one thread each
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=256),
         maximum_concurrent_rpcs=240,
         interceptors=[gate] if gate is not None else None,
         # no SO_REUSEPORT: a second tracker on the port fails instead of sharing it; no compressed
-        # calls: gRPC would inflate them before any size check
+        # calls: gRPC would inflate them before any size check; a peer's channel multiplexes a few streams
         options=[("grpc.max_receive_message_length", 1 << 20), ("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000), ("grpc.so_reuseport", 0),
-                 ("grpc.compression_enabled_algorithms_bitset", 1)],
+                 ("grpc.compression_enabled_algorithms_bitset", 1), ("grpc.max_concurrent_streams", 100)],
     )
     server.add_generic_rpc_handlers(_handlers(tracker, secrets.tracker if secrets else None, gate, ca))
     try:
