@@ -242,9 +242,9 @@ def serve_tracker(tracker: Tracker, host: str, port: int, secrets: keys.RunSecre
         maximum_concurrent_rpcs=240,
         interceptors=[gate] if gate is not None else None,
         # no SO_REUSEPORT: a second tracker on the port fails instead of sharing it; no compressed
-        # calls: gRPC would inflate them before any size check; a peer's channel multiplexes a few streams
+        # calls: gRPC would inflate them before any size check
         options=[("grpc.max_receive_message_length", 1 << 20), ("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000), ("grpc.so_reuseport", 0),
-                 ("grpc.compression_enabled_algorithms_bitset", 1), ("grpc.max_concurrent_streams", 100)],
+                 ("grpc.compression_enabled_algorithms_bitset", 1)],
     )
     server.add_generic_rpc_handlers(_handlers(tracker, secrets.tracker if secrets else None, gate, ca))
     try:

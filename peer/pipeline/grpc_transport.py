@@ -145,7 +145,7 @@ class GrpcTransport(Transport):
         self._validators[addr] = validate or (lambda channel, msg: None)
         # no SO_REUSEPORT: a second process on a taken port must fail, not split the traffic
         # capped: a call over STAGE_CALLS is refused at once, not queued behind the streams (the gate keeps anonymous ones to a few)
-        options = [*self._options, ("grpc.so_reuseport", 0), ("grpc.max_concurrent_streams", 100)]
+        options = [*self._options, ("grpc.so_reuseport", 0)]
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=STAGE_CALLS), maximum_concurrent_rpcs=STAGE_CALLS, interceptors=[self.gate] if self.gate else None, options=options)
         handlers = {
             METHOD[ch]: grpc.stream_stream_rpc_method_handler(self._stream_handler(addr, ch), request_deserializer=None, response_serializer=pb.Ack.SerializeToString)
