@@ -550,7 +550,8 @@ class SecurityConfig:
             from one host; a dashboard holds one.
         link_rms_factor: an activation or gradient whose RMS exceeds this many times the running
             RMS of its link (after a warm-up of a few messages) is refused and counted against
-            its sender (peer/pipeline/bounds.py); honest messages stay within a few times it.
+            its sender (peer/pipeline/bounds.py); honest gradients grew 21x within a few steps
+            early in a swarm test, and a sender refused 8 times in a row has its new level taken.
         max_link_value: the largest magnitude a value crossing a stage link may have, from any
             sender at any time (hidden states of real models stay below ~1e4).
     """
@@ -561,7 +562,7 @@ class SecurityConfig:
     messages_per_s: float = 200.0
     receive_deadline_s: float = 10.0
     open_calls_per_host: int = 8
-    link_rms_factor: float = 16.0
+    link_rms_factor: float = 64.0
     max_link_value: float = 1e6
 
     def __post_init__(self) -> None:

@@ -54,6 +54,26 @@ def refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, text: str) ->
     return grpc.stream_unary_rpc_method_handler(abort)
 
 
+class RateLimit:
+    """Token buckets per key: `rate` per second, bursts of `burst_s` seconds' worth."""
+
+    def __init__(self, rate: float, burst_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate, self.burst_s, self.clock = rate, burst_s, clock
+        self._buckets: dict[str, tuple[float, float]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, key: str) -> bool:
+        """Spend one token of `key`'s bucket; False when it is empty."""
+        burst, now = self.rate * self.burst_s, self.clock()
+        with self._lock:
+            tokens, at = self._buckets.get(key, (burst, now))
+            tokens = min(burst, tokens + (now - at) * self.rate)
+            if len(self._buckets) > 4096:  # bounded: full buckets carry no state
+                self._buckets = {k: v for k, v in self._buckets.items() if v[0] < burst}
+            self._buckets[key] = (tokens - 1 if tokens >= 1 else tokens, now)
+            return tokens >= 1
+
+
 class Deadlines:
     """One thread that cancels calls whose request has not arrived in time (a timer thread per
     call would cost a thread per call of a flood)."""
@@ -117,8 +137,6 @@ class Admission:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
-        from peer.security.auth import RateLimit
-
         self._rate = RateLimit(self.open_calls_per_s)
 
     def _enter(self, context: grpc.ServicerContext, method: str, who: str | None, role: str, refuse: Refuse) -> None:

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from peer.security.admission import Admission, host_of, refusal
+from peer.security.admission import Admission, RateLimit, host_of, refusal  # noqa: F401  (RateLimit: auth.RateLimit for callers)
 from peer.security.identity import Identity, certificate_bytes, fingerprint, verify
 from peer.security.limits import METHOD_LIMITS, bound
 
@@ -163,26 +163,6 @@ class Refused(Exception):
     def __init__(self, code: grpc.StatusCode, text: str) -> None:
         super().__init__(text)
         self.code, self.text = code, text
-
-
-class RateLimit:
-    """Token buckets per key: `rate` per second, bursts of `burst_s` seconds' worth."""
-
-    def __init__(self, rate: float, burst_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
-        self.rate, self.burst_s, self.clock = rate, burst_s, clock
-        self._buckets: dict[str, tuple[float, float]] = {}
-        self._lock = threading.Lock()
-
-    def take(self, key: str) -> bool:
-        """Spend one token of `key`'s bucket; False when it is empty."""
-        burst, now = self.rate * self.burst_s, self.clock()
-        with self._lock:
-            tokens, at = self._buckets.get(key, (burst, now))
-            tokens = min(burst, tokens + (now - at) * self.rate)
-            if len(self._buckets) > 4096:  # bounded: full buckets carry no state
-                self._buckets = {k: v for k, v in self._buckets.items() if v[0] < burst}
-            self._buckets[key] = (tokens - 1 if tokens >= 1 else tokens, now)
-            return tokens >= 1
 
 
 @dataclass
