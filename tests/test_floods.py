@@ -27,7 +27,8 @@ TRACKER, STATUS, STAGE = "/anchormesh.v1.Tracker/", "/anchormesh.v1.Status/", "/
 
 def flood(target: str, calls: int, *methods: str) -> subprocess.Popen:
     """Start tests/headers_only.py against `target`; returns once its calls are open."""
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "headers_only.py"), target, str(calls), *methods], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    cmd = [sys.executable, str(ROOT / "tests" / "headers_only.py"), target, str(calls), *methods]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
     line = proc.stdout.readline()
     assert line.startswith("ready"), line
     return proc

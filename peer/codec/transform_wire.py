@@ -185,7 +185,8 @@ def check(msg: pb.TensorPayload, state: TransformState | None, *, expect_shape: 
     return magnitude(state, sink_rows, gain, stats, dense_rows, math.prod(shape))
 
 
-def magnitude(state: TransformState, sink_rows: torch.Tensor, gain: torch.Tensor, stats: torch.Tensor | None, dense_rows: torch.Tensor, numel: int) -> tuple[float, float]:
+def magnitude(state: TransformState, sink_rows: torch.Tensor, gain: torch.Tensor, stats: torch.Tensor | None, dense_rows: torch.Tensor,
+              numel: int) -> tuple[float, float]:
     """(RMS, largest magnitude) of what a coded payload decodes to, estimated from its parts on
     the host (peer/pipeline/bounds.py): the bf16 rows exactly; a coded row as its gain times the
     RMS of its normalised components (the message's statistics, else the coder's stds) plus the

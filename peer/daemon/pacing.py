@@ -19,7 +19,8 @@ FREE = 3  # errors in quick succession before the loop starts to wait
 class ErrorPacing:
     """Backoff for a loop's repeated errors: call `failed(exc)` from its except clause."""
 
-    def __init__(self, log: logging.Logger, first_s: float = 0.05, max_s: float = 2.0, sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, log: logging.Logger, first_s: float = 0.05, max_s: float = 2.0,
+                 sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic) -> None:
         self.log, self.first_s, self.max_s, self.sleep, self.clock = log, first_s, max_s, sleep, clock
         self.run = 0  # errors in the current run
         self._last = -1e9
@@ -33,7 +34,8 @@ class ErrorPacing:
         self._last = now
         self.run += 1
         if self.run <= 10 or self.run % 100 == 0:
-            self.log.warning("dropped a message: %s%s", exc, f" ({self.run} errors in a row; waiting {self.delay:.2f}s between them)" if self.run > FREE else "")
+            pace = f" ({self.run} errors in a row; waiting {self.delay:.2f}s between them)" if self.run > FREE else ""
+            self.log.warning("dropped a message: %s%s", exc, pace)
         if self.run > FREE:
             self.delay = min(self.max_s, max(self.first_s, 2 * self.delay))
             self.sleep(self.delay)

@@ -154,7 +154,8 @@ class SwarmAnchor:
             if pending is None:  # a pass that expired here: dropped in the loop, not refused (see the module doc)
                 proto_to_tensor(msg.grad, expect_dtype=torch.float16)
                 return
-            self.w.bounds.check(channel, msg.header.sender, *scale_of(proto_to_tensor(msg.grad, expect_shape=tuple(pending.out.shape), expect_dtype=torch.float16)))
+            grad = proto_to_tensor(msg.grad, expect_shape=tuple(pending.out.shape), expect_dtype=torch.float16)
+            self.w.bounds.check(channel, msg.header.sender, *scale_of(grad))
         elif channel == "prior":
             if msg.stage != s.index:
                 raise WireError(f"stage={msg.stage}: this peer serves stage {s.index}")

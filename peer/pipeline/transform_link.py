@@ -152,8 +152,10 @@ class TransformLinks:
             self.take_coder(channel, producer, msg.coder)
         state = None
         if payload.compression.kind == pb.Compression.NONE and (channel, producer) in self.coders:
-            # the dense warm-up format is for a producer without a coder: one that shipped a coder codes from then on (a restarted one is refused until it ships its new one)
-            raise WireError(f"Compression.kind=NONE: {producer!r} shipped a {channel} coder (v{max(self.coders[(channel, producer)])}); its {channel} messages must be coded from then on")
+            # the dense warm-up format is for a producer without a coder: one that shipped a coder codes
+            # from then on (a restarted one is refused until it ships its new one, a few micro-batches)
+            have = max(self.coders[(channel, producer)])
+            raise WireError(f"Compression.kind=NONE: {producer!r} shipped a {channel} coder (v{have}); its {channel} messages must be coded from then on")
         if payload.compression.kind == pb.Compression.TRANSFORM:
             state = self.coders.get((channel, producer), {}).get(payload.compression.coder_version)
             if state is None:
