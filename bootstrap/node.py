@@ -221,6 +221,9 @@ def serve_tracker(tracker: Tracker, host: str, port: int, secrets: keys.RunSecre
     leave it out to drive the services bare). With `ca` (peer/tls.RunCA) it serves TLS and
     certifies joining peers' TLS keys."""
     gate = tracker_gate(tracker, secrets) if secrets is not None else None
+    if gate is not None:  # anonymous calls (the status: watchers and 16 more) take at most 48 of the 240: Join and heartbeats keep the rest
+        sec = tracker.config.security
+        gate.admission = auth.Admission(receive_deadline_s=sec.receive_deadline_s, open_calls=MAX_WATCHERS + 16, open_calls_per_host=sec.open_calls_per_host)
     # every peer holds a Heartbeat stream and every `status --watch` a WatchStatus stream: one thread each
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=256),

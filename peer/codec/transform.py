@@ -264,10 +264,10 @@ class TransformState:
             raise WireError(f"TensorPayload.payload: a gain of {top:.3g} would decode to values that are not finite (at most {(DECODE_LIMIT - self._reach) / spread:.3g} for coder v{self.version})")
         return sink_rows, gain, stats, classes, raw[fixed : len(payload) - tail], dense_rows
 
-    def check(self, payload: bytes, batch: int, seq: int, sink: int, msg_stats: bool = False, row_rates: bool = False, dense: int = 0) -> None:
+    def check(self, payload: bytes, batch: int, seq: int, sink: int, msg_stats: bool = False, row_rates: bool = False, dense: int = 0) -> tuple:
         """What `decode` refuses, found without decoding (a receiver's inbound check, on the host:
-        the rotation of every row is the costly part, and it runs once, in `decode`)."""
-        self._parse(payload, batch, seq, sink, msg_stats, row_rates, dense)
+        the rotation of every row is the costly part, and it runs once, in `decode`); `_parse`'s parts."""
+        return self._parse(payload, batch, seq, sink, msg_stats, row_rates, dense)
 
     def decode(self, payload: bytes, batch: int, seq: int, sink: int, device: torch.device | str = "cpu", dither_seed: int | None = None,
                msg_stats: bool = False, row_rates: bool = False, dense_rows: Tensor | None = None, shuffle_seed: int | None = None) -> Tensor:

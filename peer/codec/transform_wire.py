@@ -173,14 +173,32 @@ def _dense(msg: pb.TensorPayload, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def check(msg: pb.TensorPayload, state: TransformState | None, *, expect_shape: tuple[int, ...], sink: int, boundary: int, step: int, micro_batch: int,
-          msg_stats: bool = False, row_rates: bool = False, min_row_bits: int | None = None) -> None:
-    """What `decode` refuses, found on the host without decoding (the receiver's inbound check)."""
+          msg_stats: bool = False, row_rates: bool = False, min_row_bits: int | None = None) -> tuple[float, float]:
+    """What `decode` refuses, found on the host without decoding (the receiver's inbound check);
+    returns the payload's `magnitude`."""
     shape, state = _checked(msg, state, expect_shape, sink, boundary, step, micro_batch, min_row_bits)
     if msg.compression.kind == pb.Compression.NONE:
-        _dense(msg, shape)
-    else:
-        B, T, _ = shape
-        state.check(msg.payload, B, T, sink, msg_stats, row_rates, len(msg.compression.dense_rows))
+        dense = _dense(msg, shape).float()
+        return (float(dense.pow(2).mean().sqrt()), float(dense.abs().max())) if dense.numel() else (0.0, 0.0)
+    B, T, _ = shape
+    sink_rows, gain, stats, _, _, dense_rows = state.check(msg.payload, B, T, sink, msg_stats, row_rates, len(msg.compression.dense_rows))
+    return magnitude(state, sink_rows, gain, stats, dense_rows, math.prod(shape))
+
+
+def magnitude(state: TransformState, sink_rows: torch.Tensor, gain: torch.Tensor, stats: torch.Tensor | None, dense_rows: torch.Tensor,
+              numel: int) -> tuple[float, float]:
+    """(RMS, largest magnitude) of what a coded payload decodes to, estimated from its parts on
+    the host (peer/pipeline/bounds.py): the bf16 rows exactly; a coded row as its gain times the
+    RMS of its normalised components (the message's statistics, else the coder's stds) plus the
+    coder's mean (the rotation keeps a row's norm). Honest payloads come within a few percent of
+    the decoded RMS; what matters is that a scaled-up payload scales the estimate alike."""
+    parts = [t.float().reshape(-1) for t in (sink_rows, dense_rows) if t.numel()]
+    comp = stats.float().pow(2).sum(0) if stats is not None else state.std.float().cpu().pow(2)  # E[z^2] per component
+    unit, mean = float(comp.mean().sqrt()), state.mean.float().cpu()
+    g = gain.float().reshape(-1)
+    sq = sum(float(p.pow(2).sum()) for p in parts) + float((g.pow(2) * unit**2 + mean.pow(2).mean()).sum()) * state.hidden_size
+    peak = max([float(p.abs().max()) for p in parts] + [float(g.max()) * unit + float(mean.abs().max()) if g.numel() else 0.0])
+    return math.sqrt(sq / max(numel, 1)), peak
 
 
 def decode(msg: pb.TensorPayload, state: TransformState | None, *, expect_shape: tuple[int, ...], sink: int, boundary: int, step: int, micro_batch: int, device: torch.device | str = "cpu",

@@ -51,6 +51,7 @@ from peer.daemon.averaging import apply_step, start_averaging, step_lock
 from peer.daemon.checkpointing import Checkpointer
 from peer.daemon.membership import TRACKER_CHANNEL_OPTIONS, Membership, dht_maddrs_from_tracker, find_tracker, leave, start_dht
 from peer.daemon.memory import anchor_snapshot_slots, check_fits, free_bytes, plan_stages
+from peer.daemon.pacing import ErrorPacing
 from peer.daemon.replicas import Replicas, own_state_bytes
 from peer.daemon.restart import PEER_ID_ENV, exec_again
 from peer.daemon.routing import Router
@@ -241,7 +242,7 @@ class PeerDaemon:
         if self.state_dir is not None and stage.is_last:  # its failures are logged and counted, never fatal
             metrics = self.metrics_log = MetricsLog(self.state_dir / "metrics.jsonl")
         try:
-            errors_seen = 0
+            errors_seen, pacing = 0, ErrorPacing(log)  # an error that repeats waits longer each time (peer/daemon/pacing.py)
             while not self.stop.is_set() and (max_steps is None or self.worker.version < max_steps):
                 self.transport.flush_parked()  # what waited for an address the last heartbeat brought
                 if self.transport.send_error_count != errors_seen:  # a lost message may have carried a basis
@@ -251,7 +252,7 @@ class PeerDaemon:
                     self._tick(stream, gen, cfg, metrics)
                 except AnchormeshError as exc:  # one bad or late message never ends the peer
                     self.dropped += 1
-                    log.warning("dropped a message: %s", exc)
+                    pacing.failed(exc)
         finally:
             self.state = "left"
             moving = bool(self.move_reason) and not self.terminated

@@ -11,10 +11,12 @@ before it has a stage (it answers Ping while joining) and gets one at its Join.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 from peer.daemon.replicas import Replicas
+from peer.daemon.routing import Router
 from peer.daemon.state_sync import StateSync
 from peer.errors import AnchormeshError, WireError
 from peer.pipeline.grpc_transport import GrpcTransport
@@ -33,6 +35,7 @@ class Served(Protocol):
     transport: GrpcTransport
     state_sync: StateSync
     replicas: Replicas
+    router: Router
 
     def step_lock(self) -> threading.Lock: ...
 
@@ -42,6 +45,7 @@ class Serving:
 
     def __init__(self, peer: Served) -> None:
         self.peer = peer
+        self.senders = AdjacentSenders()
 
     def ping_info(self, addr: object) -> pb.PingReply:
         """Ping's answer: who this peer is, which stage it serves, its step and state."""
@@ -71,7 +75,41 @@ class Serving:
         d = self.peer
         if d.worker is None or d.anchor is None:
             raise WireError("this peer has no stage yet")
+        if channel != "prior":  # a prior comes from a stage mate: SwarmAnchor checks that
+            self.senders.check(channel, msg.header.sender, d.worker.stage.index, d.router.neighbours)
         if channel in ANCHOR_CHANNELS:
             d.anchor.validate(channel, msg)
         else:
             d.worker.validate(channel, msg)
+
+
+GRACE_S = 10.0  # how long a sender the roster does not list at the adjacent stage is taken anyway
+
+
+class AdjacentSenders:
+    """Pipeline messages only from the peers the tracker lists for the adjacent stage: activations
+    from stage k-1, gradients from stage k+1 (the roster of the last heartbeat's directive).
+
+    Why a grace: this peer learns of a new or moved neighbour at its next heartbeat, which may
+    come after that neighbour learned of this peer and sent to it; refusing at once would lose
+    its first micro-batches (stage 0 retries them only after 5-60 s). A sender not listed there
+    is taken for GRACE_S from its first such message, then refused until the roster lists it.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._unlisted: dict[str, float] = {}  # sender -> when its first message not listed came
+
+    def check(self, channel: str, sender: str, stage: int, neighbours: dict[int, list[pb.PeerInfo]]) -> None:
+        want = stage - 1 if channel in ("forward", "anchor_forward") else stage + 1
+        if any(n.peer_id == sender for n in neighbours.get(want, [])):
+            self._unlisted.pop(sender, None)
+            return
+        now = self.clock()
+        if len(self._unlisted) > 1024:  # bounded: forget the oldest half
+            self._unlisted = dict(sorted(self._unlisted.items(), key=lambda kv: kv[1])[512:])
+        first = self._unlisted.setdefault(sender, now)
+        if now - first > GRACE_S:
+            listed = [n.stage for ns in neighbours.values() for n in ns if n.peer_id == sender]
+            where = f"lists it at stage {listed[0]}" if listed else "does not list it"
+            raise WireError(f"header.sender={sender!r}: stage {stage} takes {channel} messages from the peers of stage {want}, and the tracker {where}")

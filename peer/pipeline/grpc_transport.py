@@ -9,9 +9,9 @@ INVALID_ARGUMENT naming the problem; the server keeps serving and the sender ope
 Message sizes are set explicitly on both ends; flow control is gRPC's (HTTP/2 windows).
 
 In a swarm (`gate` and `creds` given) every call is authenticated (peer/security/auth.py): the gate checks
-the caller's certificate before a handler runs, a message's header.sender must be the caller,
-and each sender's messages are rate-limited. A local run's transport (one process, loopback)
-has neither.
+the caller's certificate before a handler runs and caps concurrent calls before any request is
+read (peer/security/admission.py), a message's header.sender must be the caller, and each sender's
+messages are rate-limited. A local run's transport (one process, loopback) has neither.
 """
 
 from __future__ import annotations
@@ -40,15 +40,13 @@ RECENT = 64  # refusals and send errors kept for inspection (counted beyond that
 # a destination whose stream holds this many unacknowledged messages, or whose oldest waited this
 # long, is stalled (a peer that accepts a stream and never reads it): its queue is dropped, the
 # stream cut, and sends to it refused for STALL_S so the caller routes around it
-MAX_UNACKED = 64
-MESSAGE_DEADLINE_S = 60.0
-STALL_S = 120.0
+MAX_UNACKED, MESSAGE_DEADLINE_S, STALL_S = 64, 60.0, 120.0
+STAGE_CALLS = 64  # concurrent calls of one Stage server: every neighbour's few streams, a state download, Pings
 MAX_INBOX = 512  # messages queued per (served address, channel) before senders are told to slow down
 
 
 def log_now(n: int) -> bool:
-    """Whether the n-th occurrence of a repeated event gets a log line: the first ten, then
-    every hundredth."""
+    """Whether the n-th occurrence of a repeated event gets a log line: the first ten, then every hundredth."""
     return n <= 10 or n % 100 == 0
 
 SERVICE = "anchormesh.v1.Stage"
@@ -146,7 +144,9 @@ class GrpcTransport(Transport):
         e.g. for hivemind, must not have gRPC calls running)."""
         self._validators[addr] = validate or (lambda channel, msg: None)
         # no SO_REUSEPORT: a second process on a taken port must fail, not split the traffic
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), interceptors=[self.gate] if self.gate else None, options=[*self._options, ("grpc.so_reuseport", 0)])
+        # capped: a call over STAGE_CALLS is refused at once, not queued behind the streams (the gate keeps anonymous ones to a few)
+        options = [*self._options, ("grpc.so_reuseport", 0)]
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=STAGE_CALLS), maximum_concurrent_rpcs=STAGE_CALLS, interceptors=[self.gate] if self.gate else None, options=options)
         handlers = {
             METHOD[ch]: grpc.stream_stream_rpc_method_handler(self._stream_handler(addr, ch), request_deserializer=None, response_serializer=pb.Ack.SerializeToString)
             for ch in CHANNELS

@@ -2,7 +2,8 @@
 
 The checks run on the transport's threads, before the message reaches the worker's inbox: each
 raises WireError / TensorError naming the field (wrong boundary, token ids out of range, shapes
-or dtypes that do not fit the stage, NaN/Inf values). They decode the tensors once here and the
+or dtypes that do not fit the stage, NaN/Inf values, values far above their link's running RMS
+or over the cap: peer/pipeline/bounds.py). They decode the tensors once here and the
 worker again when it uses them (a cost accepted for now).
 """
 
@@ -13,6 +14,7 @@ import torch
 from peer.config import PipelineConfig
 from peer.errors import WireError
 from peer.model.stages import StageModule
+from peer.pipeline.bounds import LinkBounds, scale_of
 from peer.pipeline.inflight import InFlight
 from peer.pipeline.link_codec import LinkCodecs
 from peer.pipeline.transform_link import TransformLinks
@@ -47,11 +49,13 @@ def check_token_window(payload: pb.TensorPayload, vocab_size: int, shape: tuple[
     return window
 
 
-def check_activation(msg: pb.ActivationChunk, s: StageModule, p: PipelineConfig, links: LinkCodecs, announced: dict[str, int], transform: TransformLinks | None = None) -> None:
+def check_activation(msg: pb.ActivationChunk, s: StageModule, p: PipelineConfig, links: LinkCodecs, announced: dict[str, int], transform: TransformLinks | None = None,
+                     bounds: LinkBounds | None = None) -> None:
     """An activation for stage `s`: on its inbound boundary, a token window of the run's
-    micro-batch shape `p`, hidden states (or low-rank coefficients) that fit it. A low-rank
-    message carries a basis or names one its sender shipped before (`announced`: sender ->
-    newest version it shipped, updated here)."""
+    micro-batch shape `p`, hidden states (or low-rank coefficients) that fit it and, with
+    `bounds`, values within its link's bounds (peer/pipeline/bounds.py). A low-rank message
+    carries a basis or names one its sender shipped before (`announced`: sender -> newest
+    version it shipped, updated here)."""
     b = msg.header.boundary
     if b != s.index - 1:
         raise WireError(f"header.boundary={b}: stage {s.index} receives activations on boundary {s.index - 1}")
@@ -59,21 +63,24 @@ def check_activation(msg: pb.ActivationChunk, s: StageModule, p: PipelineConfig,
     ids = check_token_window(msg.token_ids, s.vocab_size, (p.micro_batch_size, p.seq_len + 1))[:, :-1].long()
     key = {"boundary": b, "step": msg.header.step, "micro_batch": msg.header.micro_batch_id}
     if transform is not None:  # a coder shipped along is checked and kept here
-        transform.check(msg, expect_shape=(*ids.shape, s.hidden_size), **key)
+        scale = transform.check(msg, expect_shape=(*ids.shape, s.hidden_size), **key)
     elif links.coef_codec is not None:
-        links.coef_codec.decode(msg.hidden, expect_shape=links.coef_shape(msg.hidden, ids), expect_dtype=LINK_DTYPE, **key)
+        scale = scale_of(links.coef_codec.decode(msg.hidden, expect_shape=links.coef_shape(msg.hidden, ids), expect_dtype=LINK_DTYPE, **key))
         if msg.HasField("basis"):
             links.decode_basis(msg)
             announced[msg.header.sender] = msg.basis_version
         elif announced.get(msg.header.sender) != msg.basis_version:
             raise WireError(f"basis_version={msg.basis_version}: this peer has no such basis from {msg.header.sender!r}; send it again")
     else:
-        links.inbound_codec(msg.hidden).decode(msg.hidden, expect_shape=(*ids.shape, s.hidden_size), expect_dtype=LINK_DTYPE, **key)
+        scale = scale_of(links.inbound_codec(msg.hidden).decode(msg.hidden, expect_shape=(*ids.shape, s.hidden_size), expect_dtype=LINK_DTYPE, **key))
+    if bounds is not None:
+        bounds.check("forward", msg.header.sender, *scale)
 
 
-def check_gradient(msg: pb.GradientChunk, s: StageModule, inflight: dict[tuple[int, int], InFlight], links: LinkCodecs, transform: TransformLinks | None = None) -> None:
+def check_gradient(msg: pb.GradientChunk, s: StageModule, inflight: dict[tuple[int, int], InFlight], links: LinkCodecs, transform: TransformLinks | None = None,
+                   bounds: LinkBounds | None = None) -> None:
     """A gradient for stage `s`: on its outbound boundary, for a micro-batch in flight here, of
-    the shape (and codec) its output was sent with."""
+    the shape (and codec) its output was sent with and, with `bounds`, values within its link's bounds."""
     b = msg.header.boundary
     if b != s.index:
         raise WireError(f"header.boundary={b}: stage {s.index} receives gradients on boundary {s.index}")
@@ -82,7 +89,9 @@ def check_gradient(msg: pb.GradientChunk, s: StageModule, inflight: dict[tuple[i
         raise WireError(f"gradient for unknown micro-batch (step={msg.header.step}, micro_batch_id={msg.header.micro_batch_id})")
     key = {"boundary": b, "step": msg.header.step, "micro_batch": msg.header.micro_batch_id}
     if transform is not None:
-        transform.check(msg, expect_shape=tuple(job.out.shape), **key)
-        return
-    last = job.coefs if job.basis is not None else s.hidden_size
-    (job.codec_out or links.link).decode(msg.grad, expect_shape=(*job.out.shape[:-1], last), expect_dtype=LINK_DTYPE, boundary=b, step=msg.header.step, micro_batch=msg.header.micro_batch_id)
+        scale = transform.check(msg, expect_shape=tuple(job.out.shape), **key)
+    else:
+        last = job.coefs if job.basis is not None else s.hidden_size
+        scale = scale_of((job.codec_out or links.link).decode(msg.grad, expect_shape=(*job.out.shape[:-1], last), expect_dtype=LINK_DTYPE, **key))
+    if bounds is not None:
+        bounds.check("backward", msg.header.sender, *scale)

@@ -5,6 +5,7 @@ gradient it sent back, from a cache of the newest ones, rather than computing it
 from __future__ import annotations
 
 from peer.pipeline.transport import Address
+from peer.wire import anchormesh_pb2 as pb
 
 Key = tuple[str, int, int]  # (sender, step, micro-batch)
 
@@ -38,3 +39,12 @@ class Retries:
         self._grad_cache[key] = (dst, data)
         while len(self._grad_cache) > self._max_grads:
             self._grad_cache.pop(next(iter(self._grad_cache)))
+
+
+def retry_key(msg: pb.ActivationChunk) -> tuple:
+    """What makes two activations the same micro-batch for a sender's retries: its sender, step
+    and id, and how it was encoded (low-rank basis version and coefficient count, mask drop).
+    Why the encoding: a retry is encoded anew, and with `mask.adapt` or a refreshed basis it may
+    differ; the gradient cached for the first one would not fit it, and the sender would refuse
+    it on every retry for good (seen in the swarm checkpoint test: [4, 32, 4] vs [4, 32, 2])."""
+    return (msg.header.sender, msg.header.step, msg.header.micro_batch_id, msg.basis_version, tuple(msg.hidden.shape), msg.hidden.compression.drop)

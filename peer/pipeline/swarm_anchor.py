@@ -39,6 +39,7 @@ from torch.func import functional_call
 
 from peer.errors import WireError
 from peer.model.stages import lm_loss
+from peer.pipeline.bounds import scale_of
 from peer.pipeline.inbound import MAX_MESSAGE_BYTES, check_token_window
 from peer.pipeline.transport import Address
 from peer.pipeline.worker import StageWorker
@@ -143,7 +144,8 @@ class SwarmAnchor:
                 raise WireError(f"micro_batch_id={msg.header.micro_batch_id}: {what} pass has {limit} micro-batches")
             p = self.w.cfg.pipeline
             check_token_window(msg.token_ids, s.vocab_size, (p.micro_batch_size, p.seq_len + 1))
-            proto_to_tensor(msg.hidden, expect_shape=(p.micro_batch_size, p.seq_len, s.hidden_size), expect_dtype=torch.float16)
+            hidden = proto_to_tensor(msg.hidden, expect_shape=(p.micro_batch_size, p.seq_len, s.hidden_size), expect_dtype=torch.float16)
+            self.w.bounds.check(channel, msg.header.sender, *scale_of(hidden))  # its own link: dense, not the fast circuit's scale
         elif channel == "anchor_backward":
             if msg.header.boundary != s.index:
                 raise WireError(f"header.boundary={msg.header.boundary}: stage {s.index} receives gradients on boundary {s.index}")
@@ -152,7 +154,8 @@ class SwarmAnchor:
             if pending is None:  # a pass that expired here: dropped in the loop, not refused (see the module doc)
                 proto_to_tensor(msg.grad, expect_dtype=torch.float16)
                 return
-            proto_to_tensor(msg.grad, expect_shape=tuple(pending.out.shape), expect_dtype=torch.float16)
+            grad = proto_to_tensor(msg.grad, expect_shape=tuple(pending.out.shape), expect_dtype=torch.float16)
+            self.w.bounds.check(channel, msg.header.sender, *scale_of(grad))
         elif channel == "prior":
             if msg.stage != s.index:
                 raise WireError(f"stage={msg.stage}: this peer serves stage {s.index}")

@@ -151,6 +151,11 @@ class TransformLinks:
         if msg.HasField("coder"):
             self.take_coder(channel, producer, msg.coder)
         state = None
+        if payload.compression.kind == pb.Compression.NONE and (channel, producer) in self.coders:
+            # the dense warm-up format is for a producer without a coder: one that shipped a coder codes
+            # from then on (a restarted one is refused until it ships its new one, a few micro-batches)
+            have = max(self.coders[(channel, producer)])
+            raise WireError(f"Compression.kind=NONE: {producer!r} shipped a {channel} coder (v{have}); its {channel} messages must be coded from then on")
         if payload.compression.kind == pb.Compression.TRANSFORM:
             state = self.coders.get((channel, producer), {}).get(payload.compression.coder_version)
             if state is None:
@@ -158,10 +163,11 @@ class TransformLinks:
                 raise WireError(f"Compression.coder_version={payload.compression.coder_version}: no such {channel} coder from {producer!r} here (have {have}); send it again")
         return channel, payload, state
 
-    def check(self, msg: pb.ActivationChunk | pb.GradientChunk, *, expect_shape: tuple[int, ...], boundary: int, step: int, micro_batch: int) -> None:
-        """The inbound check of an activation or gradient, on the host, without decoding it."""
+    def check(self, msg: pb.ActivationChunk | pb.GradientChunk, *, expect_shape: tuple[int, ...], boundary: int, step: int, micro_batch: int) -> tuple[float, float]:
+        """The inbound check of an activation or gradient, on the host, without decoding it; returns
+        the (RMS, largest magnitude) it decodes to, estimated (transform_wire.magnitude)."""
         channel, payload, state = self._state(msg)
-        tw.check(payload, state, expect_shape=expect_shape, sink=self.sink(channel), boundary=boundary, step=step, micro_batch=micro_batch, msg_stats=self.msg_stats(channel),
+        return tw.check(payload, state, expect_shape=expect_shape, sink=self.sink(channel), boundary=boundary, step=step, micro_batch=micro_batch, msg_stats=self.msg_stats(channel),
                  row_rates=self.row_rates(channel), min_row_bits=self.min_row_bits(channel))
 
     def decode(self, msg: pb.ActivationChunk | pb.GradientChunk, *, expect_shape: tuple[int, ...], boundary: int, step: int, micro_batch: int, device: torch.device | str = "cpu") -> torch.Tensor:

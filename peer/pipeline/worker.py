@@ -12,11 +12,12 @@ saw); with `staleness_correction="lookahead"` those weights are extrapolated by 
 times the delay, so the stale gradient is taken near the point where it will be applied.
 
 The worker holds its parts: the weights its forwards run on (weights.py), the codec of each link
-(link_codec.py), the checks of inbound messages (inbound.py) and a sender's retries (retries.py).
+(link_codec.py), the checks of inbound messages (inbound.py, bounds.py) and a sender's retries (retries.py).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import Counter, defaultdict, deque
@@ -30,20 +31,23 @@ from peer.codec.fill import USES_PRIOR, reconstruct
 from peer.codec.mask import MaskCodec
 from peer.codec.prior import TokenPrior
 from peer.config import MaskConfig, TrainConfig
-from peer.errors import WireError
+from peer.errors import TensorError, WireError
 from peer.model.placement import CPU_FP32, Placement
 from peer.model.stages import StageModule, lm_loss
 from peer.optim.stage_optimizer import StageOptimizer
+from peer.pipeline.bounds import LinkBounds
 from peer.pipeline.inbound import check_activation, check_gradient, parse_inbound
 from peer.pipeline.inflight import InFlight
 from peer.pipeline.link_codec import LinkCodecs
 from peer.pipeline.linktune import ComputeClock
-from peer.pipeline.retries import Retries
+from peer.pipeline.retries import Retries, retry_key  # noqa: F401  (retry_key: read from here too)
 from peer.pipeline.transform_link import TransformLinks
 from peer.pipeline.transport import Address, Transport
 from peer.pipeline.weights import ForwardWeights
 from peer.wire import anchormesh_pb2 as pb
 from peer.wire.tensors import proto_to_tensor, tensor_to_proto, token_dtype
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -85,6 +89,9 @@ class StageWorker:
     weights: ForwardWeights = field(init=False)  # what the forwards run on (peer/pipeline/weights.py)
     transform: TransformLinks | None = field(init=False, default=None)  # transform coder ends (peer/pipeline/transform_link.py)
     state_bytes_sent: int = 0  # bytes of codec state (low-rank bases, transform coders) in the messages sent: amortised over a run
+    bounds: LinkBounds = field(init=False)  # inbound values against each link's running RMS (peer/pipeline/bounds.py)
+    senders: set[str] = field(default_factory=set)  # who sent this step's gradients and activations: named when it is dropped
+    dropped_steps: int = 0  # steps dropped for a non-finite gradient
 
     def __post_init__(self) -> None:
         s, pl = self.stage, self.placement
@@ -101,6 +108,7 @@ class StageWorker:
         elif m.scheme == "transform":
             self.transform = TransformLinks(m, s.hidden_size, produces_forward=not s.is_last, produces_backward=s.index > 0)
         self.weights = ForwardWeights(s, pl, self.local_steps, self.cfg.pipeline.staleness_correction == "lookahead", max_staleness=self.cfg.pipeline.max_staleness)
+        self.bounds = LinkBounds(self.cfg.security.link_rms_factor, self.cfg.security.max_link_value)
         self.links = LinkCodecs(m, self.codec, self.coef_codec, self.transport, self.compute, s.hidden_size, s.vocab_size, pl.device)
 
     @property
@@ -159,9 +167,9 @@ class StageWorker:
         """Vet an inbound message fully before it is queued (runs on the transport's threads;
         the checks: peer/pipeline/inbound.py). Raises WireError / TensorError naming the field."""
         if channel == "forward":
-            check_activation(msg, self.stage, self.cfg.pipeline, self.links, self.basis_announced, self.transform)
+            check_activation(msg, self.stage, self.cfg.pipeline, self.links, self.basis_announced, self.transform, self.bounds)
         else:
-            check_gradient(msg, self.stage, self.inflight, self.links, self.transform)
+            check_gradient(msg, self.stage, self.inflight, self.links, self.transform, self.bounds)
 
     def _mb_key(self, step: int, mb_in_step: int) -> int:
         return self.replica * self.cfg.pipeline.micro_batches + mb_in_step
@@ -310,12 +318,15 @@ class StageWorker:
         else:
             grad = pl.to_device((job.codec_out or self.codec).decode(msg.grad, expect_shape=tuple(job.out.shape), boundary=self.stage.index, step=job.step, micro_batch=mb))
         job.out.backward(grad.to(job.out.dtype))
+        self.senders.add(msg.header.sender)
         self._finish_backward(job, mb)
         self.compute.add(time.perf_counter() - t0)
         return True
 
     def _finish_backward(self, job: InFlight, mb: int) -> None:
         self.compute.micro_batch_done()
+        if job.sender:
+            self.senders.add(job.sender)
         if job.stash is not None:  # ran on stashed weights: its gradient belongs to step job.step
             buf = self.grad_buf[-1 if self.local_steps else job.step]
             master = self.placement.master_dtype
@@ -361,11 +372,17 @@ class StageWorker:
         return out
 
     def apply_step(self) -> None:
+        """The optimizer step; a non-finite gradient drops it instead (gradients, micro-batch count; weights and optimizer
+        state untouched) and names who sent its messages: left in place, it failed every later step, and the peer stopped."""
         self.weights.before_step()
         try:
             self.optimizer.step(self.version)
+        except TensorError as exc:  # raised before anything changed (StageOptimizer.step)
+            self.dropped_steps += 1
+            log.warning("%s: step %d dropped (%d so far): %s; its messages came from %s", self.name, self.version, self.dropped_steps, exc, ", ".join(sorted(self.senders)) or "no other peer")
         finally:  # the buffer holds the old weights until after_step makes them the update: never leave it so
             self.weights.after_step()
+        self.senders.clear()
         self.optimizer.zero_grad()
         self.compute.step()
         if self.local_steps:
@@ -373,15 +390,6 @@ class StageWorker:
         else:
             self.done.pop(self.version, None)
         self.version += 1
-
-
-def retry_key(msg: pb.ActivationChunk) -> tuple:
-    """What makes two activations the same micro-batch for a sender's retries: its sender, step
-    and id, and how it was encoded (low-rank basis version and coefficient count, mask drop).
-    Why the encoding: a retry is encoded anew, and with `mask.adapt` or a refreshed basis it may
-    differ; the gradient cached for the first one would not fit it, and the sender would refuse
-    it on every retry for good (seen in the swarm checkpoint test: [4, 32, 4] vs [4, 32, 2])."""
-    return (msg.header.sender, msg.header.step, msg.header.micro_batch_id, msg.basis_version, tuple(msg.hidden.shape), msg.hidden.compression.drop)
 
 
 def mean_loss(losses: list[torch.Tensor | float]) -> float:

@@ -13,9 +13,11 @@ Three kinds of credential, each for a reason (DESIGN §6):
 A server's `Gate` (a gRPC server interceptor) checks them before any handler runs. Calls without
 credentials, with a wrong token, a forged certificate, a bad signature, a stale time or a
 replayed nonce get UNAUTHENTICATED; a banned key, or a credential the method does not take,
-gets PERMISSION_DENIED; a caller over its call rate, or a request over its method's size
-(peer/security/limits.py), gets RESOURCE_EXHAUSTED. Every refusal is counted and logged (at most
-one line per caller and reason every 10 s; oversized requests: one per method every 10 s).
+gets PERMISSION_DENIED; a caller over its call rate or its concurrent calls
+(peer/security/admission.py), or a request over its method's size (peer/security/limits.py),
+gets RESOURCE_EXHAUSTED; a request that has not arrived within the receive deadline is
+cancelled. Every refusal is counted and logged (at most one line per caller and reason every
+10 s; oversized requests: one per method every 10 s).
 
 The credentials cover the call, not each message's bytes: with plain TCP an on-path attacker
 could splice a member's open stream. `[security] tls` closes that.
@@ -35,6 +37,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from peer.security.admission import Admission, RateLimit, host_of, refusal  # noqa: F401  (RateLimit: auth.RateLimit for callers)
 from peer.security.identity import Identity, certificate_bytes, fingerprint, verify
 from peer.security.limits import METHOD_LIMITS, bound
 
@@ -162,41 +165,6 @@ class Refused(Exception):
         self.code, self.text = code, text
 
 
-def _abort_like(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, text: str) -> grpc.RpcMethodHandler:
-    """A handler of the same streaming kind as `handler` that ends the call with `code`."""
-
-    def abort(_request, context: grpc.ServicerContext):
-        context.abort(code, text)
-
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(abort)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(abort)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(abort)
-    return grpc.unary_unary_rpc_method_handler(abort)
-
-
-class RateLimit:
-    """Token buckets per key: `rate` per second, bursts of `burst_s` seconds' worth."""
-
-    def __init__(self, rate: float, burst_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
-        self.rate, self.burst_s, self.clock = rate, burst_s, clock
-        self._buckets: dict[str, tuple[float, float]] = {}
-        self._lock = threading.Lock()
-
-    def take(self, key: str) -> bool:
-        """Spend one token of `key`'s bucket; False when it is empty."""
-        burst, now = self.rate * self.burst_s, self.clock()
-        with self._lock:
-            tokens, at = self._buckets.get(key, (burst, now))
-            tokens = min(burst, tokens + (now - at) * self.rate)
-            if len(self._buckets) > 4096:  # bounded: full buckets carry no state
-                self._buckets = {k: v for k, v in self._buckets.items() if v[0] < burst}
-            self._buckets[key] = (tokens - 1 if tokens >= 1 else tokens, now)
-            return tokens >= 1
-
-
 @dataclass
 class Gate(grpc.ServerInterceptor):
     """Checks every call against `policy` (method -> roles it takes; unlisted methods: member).
@@ -205,9 +173,11 @@ class Gate(grpc.ServerInterceptor):
     fingerprints to the reason. A peer's gate learns these after it joins (`configure`); until
     then it takes open methods only. `calls_per_s` bounds each caller's new calls (a burst of 10 s
     worth is allowed): streams are long-lived, so a normal peer opens few. Open methods (Ping,
-    a public status) have no verified caller: `open_calls_per_s` bounds them per network host
-    (2,000 anonymous Pings once cost 2,000 handler calls; a dashboard polls every 2 s). `limits`
-    bounds each method's request bytes before it is parsed (None or unlisted: the server's limit)."""
+    a public status) have no verified caller unless the call carries valid credentials:
+    `open_calls_per_s` bounds them per network host (2,000 anonymous Pings once cost 2,000
+    handler calls; a dashboard polls every 2 s). `admission` caps concurrent calls and sets the
+    receive deadline, before any request is read (peer/security/admission.py). `limits` bounds
+    each method's request bytes before it is parsed (None or unlisted: the server's limit)."""
 
     policy: dict[str, frozenset[str]]
     token: str | None = None
@@ -216,6 +186,7 @@ class Gate(grpc.ServerInterceptor):
     run_id: str = ""
     calls_per_s: float = 20.0
     open_calls_per_s: float = 20.0
+    admission: Admission | None = None
     banned: dict[str, str] = field(default_factory=dict)
     limits: dict[str, int | None] = field(default_factory=lambda: dict(METHOD_LIMITS))
     refused: collections.Counter = field(default_factory=collections.Counter)
@@ -226,7 +197,8 @@ class Gate(grpc.ServerInterceptor):
 
     def __post_init__(self) -> None:
         self._calls = RateLimit(self.calls_per_s)
-        self._open_calls = RateLimit(self.open_calls_per_s)
+        if self.admission is None:
+            self.admission = Admission(open_calls_per_s=self.open_calls_per_s)
 
     def configure(self, run_id: str, tracker_key: bytes, token: str | None, calls_per_s: float | None = None) -> None:
         self.run_id, self.tracker_key, self.token = run_id, tracker_key, token
@@ -235,21 +207,30 @@ class Gate(grpc.ServerInterceptor):
             self._calls = RateLimit(calls_per_s)
 
     def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        """Runs when a call's headers arrive, before its request is read (peer/security/admission.py):
+        checks the credentials, then hands out a handler that takes its place before it reads."""
         handler = continuation(details)
         if handler is None:  # unknown method: gRPC answers UNIMPLEMENTED
             return None
         method = details.method.decode() if isinstance(details.method, bytes) else details.method
         roles = self.policy.get(method, frozenset({MEMBER}))
-        if OPEN in roles:
-            return self._bounded(self._per_host(handler, method), method, None)
         md = {k: v for k, v in (details.invocation_metadata or ())}
+        caller = None
         try:
-            caller = self.check(method, md, roles)
-            self._rate(caller)
+            if OPEN not in roles or any(h in md for h in (H_CERT, H_MAC, H_OP)):
+                caller = self.check(method, md, roles | {TOKEN, MEMBER, OPERATOR} if OPEN in roles else roles)
+                self._rate(caller)
         except Refused as r:
-            self._refuse(method, md, r)
-            return _abort_like(handler, r.code, r.text)
-        return self._bounded(handler, method, caller.name)
+            if OPEN not in roles:
+                self._refuse(method, md, r)
+                return refusal(handler, r.code, r.text)
+            caller = None  # an open method: bad credentials make the call anonymous, not refused
+        who = caller.name if caller is not None else None
+
+        def refuse(name: str, code: grpc.StatusCode, text: str) -> None:
+            self._refuse(method, {H_PEER: name}, Refused(code, text))
+
+        return self.admission.admit(self._bounded(handler, method, who), method, who, caller.role if caller else OPEN, refuse)
 
     def _bounded(self, handler: grpc.RpcMethodHandler, method: str, who: str | None) -> grpc.RpcMethodHandler:
         """`handler` with its requests bounded by `limits[method]`; refusals name `who` (the verified
@@ -262,23 +243,6 @@ class Gate(grpc.ServerInterceptor):
             self._refuse(method, {H_PEER: who or _host(context.peer())}, Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, text), log_as="oversized")
 
         return bound(handler, method, limit, refuse)
-
-    def _per_host(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
-        """`handler` with its calls limited per caller host (`open_calls_per_s`)."""
-
-        def limited(behaviour: Callable) -> Callable:
-            def call(request, context: grpc.ServicerContext):
-                host = _host(context.peer())
-                if not self._open_calls.take(host):
-                    r = Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method} is called from {host} faster than {self.open_calls_per_s:g}/s; slow down")
-                    self._refuse(method, {H_PEER: host}, r)
-                    context.abort(r.code, r.text)
-                return behaviour(request, context)
-
-            return call
-
-        kinds = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
-        return handler._replace(**{k: limited(getattr(handler, k)) for k in kinds if getattr(handler, k) is not None})
 
     # -- the checks -------------------------------------------------------------------------
     def check(self, method: str, md: dict, roles: frozenset[str]) -> Caller:
@@ -363,12 +327,7 @@ class Gate(grpc.ServerInterceptor):
                 log.warning("refused %s from %s: %s %s", method, who, r.code.name, r.text)
 
 
-def _host(peer: str) -> str:
-    """The host of gRPC's `context.peer()` ("ipv4:1.2.3.4:5", "ipv6:[::1]:5", "unix:..."), port dropped."""
-    kind, _, rest = peer.partition(":")
-    if kind in ("ipv4", "ipv6"):
-        return rest.rsplit(":", 1)[0]
-    return peer
+_host = host_of  # the name the tests and older callers use
 
 
 def caller(context: grpc.ServicerContext) -> tuple[str, bytes]:

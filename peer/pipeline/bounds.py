@@ -1,0 +1,91 @@
+"""How large an inbound activation or gradient may be: against its link's running RMS, and a cap.
+
+Why: values that are finite but huge (3e38 fits in bf16) pass the wire checks, make the
+receiving stage's gradients non-finite, and, before the step dropped such gradients, stopped the
+peer for good. A message is refused (WireError naming its RMS and the bound) when
+- any value it carries is over `cap` (security.max_link_value), from any sender at any time; or
+- its RMS is over `factor` (security.link_rms_factor) times the running RMS of its link: the
+  sender's own messages on that channel once WARMUP of them were accepted, else the channel's
+  messages from every sender (a new sender is held to what its peers send), else nothing yet.
+Each refusal is counted against its sender (`refused`). Only accepted messages move the running
+RMS, and slowly (EMA). Why RECOVER: an honest link's level can jump past `factor` and stay there
+(gradients grew 21x within a few steps early in a swarm test's run); refusing it for good would
+stop the link, so after RECOVER refusals in a row the sender's new level is taken. A sender that
+keeps sending loud messages so gets them in after RECOVER refusals, all counted, never past the
+cap: the relative bound stops one-off spikes, the cap and the dropped step stop wedging.
+
+The RMS and peak come from what the checks already hold on the host: a decoded tensor (mask and
+low-rank codecs), or, for the transform codec, its dense rows and per-row gains
+(transform_wire.magnitude) without decoding.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+import torch
+
+from peer.errors import WireError
+
+WARMUP = 8  # accepted messages before a running RMS bounds anything
+RECOVER = 8  # messages of one sender refused in a row for their RMS, after which its level is taken as the new one
+EMA = 0.1  # weight of a new message in the running RMS
+
+
+def scale_of(t: torch.Tensor) -> tuple[float, float]:
+    """(RMS, largest magnitude) of a decoded tensor."""
+    if not t.numel():
+        return 0.0, 0.0
+    t = t.detach().float()
+    return float(t.pow(2).mean().sqrt()), float(t.abs().max())
+
+
+class LinkBounds:
+    """Running RMS per (channel, sender) and per channel; the checks of the transport's threads.
+
+    Args:
+        factor: how many times its link's running RMS a message's RMS may be.
+        cap: the largest magnitude any value may have.
+    """
+
+    def __init__(self, factor: float = 64.0, cap: float = 1e6) -> None:
+        self.factor, self.cap = factor, cap
+        self._rms: dict[tuple[str, str], tuple[float, int]] = {}  # (channel, sender or "") -> (running RMS, messages)
+        self.refused: collections.Counter = collections.Counter()  # sender -> messages refused
+        self._streak: dict[tuple[str, str], int] = {}  # (channel, sender) -> messages refused in a row for their RMS
+        self._lock = threading.Lock()
+
+    def reference(self, channel: str, sender: str) -> tuple[float, str] | None:
+        """(the running RMS a message is held to, whose it is), or None while warming up."""
+        for key, whose in (((channel, sender), f"{sender}'s {channel} messages"), ((channel, ""), f"this link's {channel} messages")):
+            rms, n = self._rms.get(key, (0.0, 0))
+            if n >= WARMUP and rms > 0:
+                return rms, whose
+        return None
+
+    def check(self, channel: str, sender: str, rms: float, peak: float) -> None:
+        """Accept a message of `rms` and `peak` from `sender` on `channel` (and let it move the
+        running RMS), or raise WireError naming the bound it broke."""
+        with self._lock:
+            why, own = None, (channel, sender)
+            if not peak <= self.cap:  # NaN too
+                why = f"a value of magnitude {peak:.3g} exceeds the cap {self.cap:.3g} (security.max_link_value)"
+            elif (ref := self.reference(channel, sender)) is not None and rms > self.factor * ref[0]:
+                if self._streak.get(own, 0) < RECOVER:
+                    why = f"its RMS {rms:.3g} is over {self.factor:g} times the running RMS {ref[0]:.3g} of {ref[1]} (security.link_rms_factor)"
+                else:  # RECOVER refused in a row: the link's level moved (or a persistent sender moved it; the cap still holds)
+                    self._rms[own] = (rms, WARMUP - 1)
+            if why is not None:
+                self.refused[sender] += 1
+                if why.startswith("its RMS"):
+                    self._streak[own] = self._streak.get(own, 0) + 1
+                raise WireError(f"{channel} message from {sender!r} refused ({self.refused[sender]} so far): {why}")
+            self._streak.pop(own, None)
+            for key in ((channel, sender), (channel, "")):
+                old, n = self._rms.get(key, (0.0, 0))
+                a = max(EMA, 1 / (n + 1))  # the plain mean while warming up
+                self._rms[key] = ((1 - a) * old + a * rms, n + 1)
+            if len(self._rms) > 4096:  # bounded: senders come and go
+                self._rms = {k: v for k, v in self._rms.items() if k[1] == "" or v[1] >= WARMUP}
+                self._streak.clear()
