@@ -56,14 +56,14 @@ def tracker(tmp_path):
 def test_a_headers_only_flood_leaves_a_valid_join_answered_within_a_second(tracker: str) -> None:
     """600 headers-only calls (more than the tracker's 240 concurrent calls) to Join without
     credentials, the open status methods and Heartbeat: a token holder's Join is answered in < 1 s."""
-    from peer import __version__
+    from peer.wire.version import build_fields
 
     attacker = flood(tracker, 600, TRACKER + "Join", STATUS + "GetStatus", STATUS + "WatchStatus", TRACKER + "Heartbeat", TRACKER + "GetConfig")
     try:
         me = Identity.generate()
         with auth.open_channel(tracker, auth.Credentials(token=TOKEN, identity=me)) as ch:
             t0 = time.monotonic()
-            a = pbg.TrackerStub(ch).Join(pb.JoinRequest(peer_id=me.peer_id, grpc_address="127.0.0.1:1", code_version=__version__), timeout=1.0)
+            a = pbg.TrackerStub(ch).Join(pb.JoinRequest(peer_id=me.peer_id, grpc_address="127.0.0.1:1", **build_fields()), timeout=1.0)
             took = time.monotonic() - t0
         assert a.run_id == RUN and a.certificate and took < 1.0
     finally:

@@ -22,7 +22,7 @@ from peer.wire import anchormesh_pb2 as pb
 from peer.wire.tensors import tensor_to_proto, to_le_bytes
 
 MODEL = ModelConfig(name="tiny-llama", hidden_size=32, num_layers=2, num_heads=2, max_seq_len=32)
-PIPE = PipelineConfig(micro_batch_size=2, micro_batches=2, seq_len=16)
+PIPE = PipelineConfig(micro_batch_size=2, micro_batches=2, seq_len=16, max_staleness=0)
 SHAPE = (PIPE.micro_batch_size, PIPE.seq_len, MODEL.hidden_size)
 
 
@@ -110,7 +110,7 @@ def test_a_new_sender_is_held_to_its_link_and_the_bound_follows_slow_drift() -> 
 
 
 def test_a_non_finite_gradient_drops_the_step_names_the_senders_and_the_next_step_trains(caplog: pytest.LogCaptureFixture) -> None:
-    r = runner(MaskConfig(drop=0.9, adapt=False))
+    r = runner(MaskConfig(scheme="mask", drop=0.9, adapt=False))
     try:
         r.run(1)
         w = r.workers[1][0]
