@@ -42,3 +42,29 @@ def test_encoded_messages_are_pinned_to_the_wire_version() -> None:
 def test_a_join_request_says_what_the_build_is_and_can_run() -> None:
     fields = build_fields()
     assert fields["wire_version"] == wire_version() and set(codecs()) == {"mask", "lowrank", "transform"} and fields["codecs"] == codecs()
+
+
+def test_a_member_of_another_wire_version_is_refused_on_every_call_naming_both() -> None:
+    """Join checks the wire version once; each later call (a stream's first headers included)
+    carries it too, so a peer that joined and then changed build cannot mis-decode silently."""
+    import grpc
+    import pytest
+
+    from peer.security import auth
+    from peer.security.identity import Identity, certificate_bytes
+
+    tracker, me = Identity.generate(), Identity.generate()
+    gate = auth.Gate({"/anchormesh.v1.Stage/Forward": frozenset({auth.MEMBER})})
+    gate.configure("run-w", tracker.public, "t" * 32)
+    creds = auth.Credentials(identity=me, certificate=tracker.sign(certificate_bytes("run-w", me.peer_id, me.public)))
+    md = dict(creds.metadata("/anchormesh.v1.Stage/Forward"))
+    assert gate.check("/anchormesh.v1.Stage/Forward", md, frozenset({auth.MEMBER})).peer_id == me.peer_id
+    for other, says in (("w1-0123456789", "w1-0123456789"), (None, "none")):
+        md = dict(creds.metadata("/anchormesh.v1.Stage/Forward"))
+        if other is None:
+            del md[auth.H_WIRE]
+        else:
+            md[auth.H_WIRE] = other
+        with pytest.raises(auth.Refused, match=f"speaks wire version {says}.*this peer {wire_version()}") as exc:
+            gate.check("/anchormesh.v1.Stage/Forward", md, frozenset({auth.MEMBER}))
+        assert exc.value.code == grpc.StatusCode.FAILED_PRECONDITION

@@ -40,12 +40,14 @@ import grpc
 from peer.security.admission import Admission, RateLimit, host_of, refusal  # noqa: F401  (RateLimit: auth.RateLimit for callers)
 from peer.security.identity import Identity, certificate_bytes, fingerprint, verify
 from peer.security.limits import METHOD_LIMITS, bound
+from peer.wire.version import wire_version
 
 log = logging.getLogger("anchormesh.auth")
 
 OPEN, TOKEN, MEMBER, OPERATOR = "open", "token", "member", "operator"
 H_PEER, H_KEY, H_CERT, H_SIG = "am-peer", "am-key-bin", "am-cert-bin", "am-sig-bin"
 H_TS, H_NONCE, H_MAC, H_OP = "am-ts", "am-nonce", "am-mac", "am-op"
+H_WIRE = "am-wire"  # the caller's wire version (peer/wire/version.py): a member of another one is refused
 MAX_SKEW_S = 300.0  # clocks of volunteers' machines may differ this much (NTP keeps them far closer)
 NO_TOKEN_HINT = "pass --token or set ANCHORMESH_TOKEN (the \"token\" in the bootstrap's bootstrap.json)"
 
@@ -89,7 +91,7 @@ class Credentials:
         ident = self.identity
         peer, key = (ident.peer_id, ident.public) if ident else ("", b"")
         data = _call_bytes(method, peer, ts, nonce, key)
-        md: list[tuple[str, str | bytes]] = [(H_TS, ts), (H_NONCE, nonce)]
+        md: list[tuple[str, str | bytes]] = [(H_TS, ts), (H_NONCE, nonce), (H_WIRE, wire_version())]
         if ident is not None:
             md += [(H_PEER, peer), (H_KEY, key)]
             if self.certificate:
@@ -281,6 +283,9 @@ class Gate(grpc.ServerInterceptor):
             raise Refused(denied, f"peer {peer or fingerprint(key)} is banned from this run: {self.banned[fingerprint(key)]}")
         if caller.role not in roles:
             raise Refused(denied, f"{method} takes {' or '.join(sorted(roles))} credentials; the caller has {caller.role} ones")
+        if caller.role == MEMBER and md.get(H_WIRE) != wire_version():  # every stream's first headers: never a silent mis-decode
+            theirs = md.get(H_WIRE) or "none (a build older than wire versions)"
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"peer {peer!r} speaks wire version {str(theirs)[:40]}, this peer {wire_version()}: both must run a build of the same wire version")
         self._fresh(nonce)
         return caller
 
