@@ -68,7 +68,7 @@ GRAD_ROTATIONS = ("fixed", "message")
 ACT_ROUNDINGS = ("nearest", "dither")
 ACT_STATS = ("coder", "message")
 GRAD_RATES = ("even", "row")
-MASK_SCHEMES = ("mask", "lowrank", "transform")
+MASK_SCHEMES = ["mask", "lowrank", "transform"]  # a list: peer/pipeline/codecs register() adds to it
 LR_SCHEDULES = ("constant", "cosine", "linear")
 
 

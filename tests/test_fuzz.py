@@ -55,7 +55,7 @@ def state_digest(d: PeerDaemon) -> str:
         h.update(name.encode() + p.detach().numpy().tobytes())
         for k, v in sorted(d.worker.optimizer.opt.state.get(p, {}).items()):
             h.update(k.encode() + v.detach().numpy().tobytes())
-    h.update(repr(sorted(d.worker.basis_in)).encode() + repr(sorted(d.worker.basis_announced.items())).encode())
+    h.update(repr(sorted(d.worker.link.basis_in)).encode() + repr(sorted(d.worker.link.announced.items())).encode())
     return h.hexdigest()
 
 

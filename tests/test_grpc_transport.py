@@ -147,7 +147,7 @@ def test_a_bad_partial_prior_is_refused_before_it_is_queued(ids: torch.Tensor, r
         worker = runner.workers[1][0]
         msg = pb.ActivationChunk(
             header=pb.MicroBatchHeader(run_id="run-a", micro_batch_id=7, step=0, sender="test", boundary=0),
-            hidden=worker.coef_codec.encode(torch.randn(PIPE.micro_batch_size, PIPE.seq_len, 4), boundary=0, step=0, micro_batch=7),
+            hidden=worker.link.coef_codec.encode(torch.randn(PIPE.micro_batch_size, PIPE.seq_len, 4), boundary=0, step=0, micro_batch=7),
             token_ids=tensor_to_proto(windows(0, 0, 0).to(torch.uint8)),
             basis_version=1,
             basis_prior=tensor_to_proto(torch.zeros(rows, MODEL.hidden_size, dtype=torch.float16)),
@@ -156,7 +156,7 @@ def test_a_bad_partial_prior_is_refused_before_it_is_queued(ids: torch.Tensor, r
         )
         with pytest.raises(AnchormeshError, match=match):
             worker.validate("forward", msg)
-        assert "test" not in worker.basis_announced
+        assert "test" not in worker.link.announced
     finally:
         runner.close()
 

@@ -126,11 +126,11 @@ def test_a_coefficient_count_outside_the_bounds_is_refused() -> None:
     ids = torch.zeros(PIPE.micro_batch_size, PIPE.seq_len, dtype=torch.long)
     for k in (3, 9):  # below ceil(0.5 * 8) = 4, above the rank
         with pytest.raises(WireError, match=r"k in \[4, 8\]"):
-            w.links.coef_shape(pb.TensorPayload(shape=[*ids.shape, k]), ids)
-    assert w.links.coef_shape(pb.TensorPayload(shape=[*ids.shape, 4]), ids) == (*ids.shape, 4)
+            w.link.coef_shape(pb.TensorPayload(shape=[*ids.shape, k]), ids)
+    assert w.link.coef_shape(pb.TensorPayload(shape=[*ids.shape, 4]), ids) == (*ids.shape, 4)
     fixed = LocalPipelineRunner(TrainConfig(model=MODEL, pipeline=PIPE, mask=MaskConfig(scheme="lowrank", rank=8, adapt=False)), load_causal_lm(MODEL, seed=3), windows)
     with pytest.raises(WireError, match=r"k in \[8, 8\]"):  # not adapting: only the full rank
-        fixed.workers[1][0].links.coef_shape(pb.TensorPayload(shape=[*ids.shape, 4]), ids)
+        fixed.workers[1][0].link.coef_shape(pb.TensorPayload(shape=[*ids.shape, 4]), ids)
     runner.close()
     fixed.close()
 
@@ -146,9 +146,9 @@ def test_the_mask_scheme_adapts_its_keep_fraction_per_link() -> None:
     runner.close()
     s0, s1 = runner.workers[0][0], runner.workers[1][0]
     assert s0.keep_sent == {(1, 0): 0.25}  # 0.25 of keep 0.5: drop 1 - 32/256
-    assert list(s0.links.mask_codecs) == [1 - 32 / 256]
+    assert list(s0.link.codecs) == [1 - 32 / 256]
     assert s1.keep_sent == {(2, 0): 1.0}
-    assert list(s1.links.mask_codecs) == [1 - 32 / 256]  # the codec it received with (and masks the gradient back with), none to send
+    assert list(s1.link.codecs) == [1 - 32 / 256]  # the codec it received with (and masks the gradient back with), none to send
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3, losses
 
 
@@ -160,11 +160,11 @@ def test_a_drop_off_the_grid_or_below_the_floor_is_refused() -> None:
     def payload(drop: float) -> pb.TensorPayload:
         return pb.TensorPayload(compression=pb.Compression(kind=pb.Compression.BERNOULLI_MASK, drop=drop))
 
-    assert w.links.inbound_codec(payload(0.5)) is w.codec
-    assert w.links.inbound_codec(payload(1 - 40 / 256)).cfg.drop == 1 - 40 / 256
+    assert w.link.inbound_codec(payload(0.5)) is w.link.codec
+    assert w.link.inbound_codec(payload(1 - 40 / 256)).cfg.drop == 1 - 40 / 256
     for drop in (1 - 31 / 256, 0.8001, 0.25):  # below the floor (keep 32/256), off the grid, under the config's drop
         with pytest.raises(WireError, match="Compression.drop"):
-            w.links.inbound_codec(payload(drop))
+            w.link.inbound_codec(payload(drop))
     runner.close()
 
 

@@ -3,6 +3,8 @@ their split from the number alone, and refuses any budget it would not send itse
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -143,29 +145,32 @@ def test_a_slow_link_sends_fewer_bits_both_ways_and_the_pipeline_still_learns() 
 def test_a_fast_link_sends_the_run_s_bits_even_off_the_grid() -> None:
     """mask.bits 2.3 (110 bits a row at H=48, not a multiple of 6): a link that carries it all
     sends all of it, one that does not takes the grid below."""
-    from peer.pipeline.link_codec import LinkCodecs
+    from peer.model.placement import CPU_FP32
+    from peer.pipeline.codecs.transform import TransformLink
     from peer.pipeline.linktune import ComputeClock
 
     mask = MaskConfig(scheme="transform", bits=2.3, min_keep=0.25)
-    links = TransformLinks(mask, H, True, False)
     clock = ComputeClock()
     clock.per_micro_batch = 1.0
-    codecs = LinkCodecs(mask, None, None, SlowLinks({(1, "forward"): 1e12, (2, "forward"): 20.0}), clock, H, 256, "cpu")
-    assert codecs.row_bits_for((1, 0), "forward", links, (2, 9, H), 0) == 110
-    assert codecs.row_bits_for((2, 0), "forward", links, (2, 9, H), 0) == 30  # 20 B/s carries nothing: the floor, 0.25 of 110 up to the grid
-    assert codecs.keep_sent == {(1, 0): 1.0, (2, 0): 30 / 110}
+    stage0 = SimpleNamespace(index=0, is_last=False, hidden_size=H, vocab_size=256)
+    link = TransformLink(mask, stage0, CPU_FP32, SlowLinks({(1, "forward"): 1e12, (2, "forward"): 20.0}), clock)
+    assert link.row_bits_for((1, 0), "forward", (2, 9, H), 0) == 110
+    assert link.row_bits_for((2, 0), "forward", (2, 9, H), 0) == 30  # 20 B/s carries nothing: the floor, 0.25 of 110 up to the grid
+    assert link.keep_sent == {(1, 0): 1.0, (2, 0): 30 / 110}
 
 
 def test_gradients_that_cannot_adapt_leave_the_keep_alone() -> None:
     """1-bit gradients at the default floor have nothing to give: status's pp_keep of the last
     stage stays null rather than a 1 that no link could lower."""
-    from peer.pipeline.link_codec import LinkCodecs
+    from peer.model.placement import CPU_FP32
+    from peer.pipeline.codecs.transform import TransformLink
     from peer.pipeline.linktune import ComputeClock
 
     mask = MaskConfig(scheme="transform", min_keep=0.25)
-    codecs = LinkCodecs(mask, None, None, SlowLinks({(0, "backward"): 20.0}), ComputeClock(), H, 256, "cpu")
-    assert codecs.row_bits_for((0, 0), "backward", TransformLinks(mask, H, False, True), (2, 9, H), 0) == H
-    assert codecs.keep_sent == {}
+    last = SimpleNamespace(index=1, is_last=True, hidden_size=H, vocab_size=256)
+    link = TransformLink(mask, last, CPU_FP32, SlowLinks({(0, "backward"): 20.0}), ComputeClock())
+    assert link.row_bits_for((0, 0), "backward", (2, 9, H), 0) == H
+    assert link.keep_sent == {}
 
 
 def test_a_gradient_floor_off_the_grid_or_below_a_bit_with_row_rates_is_refused() -> None:

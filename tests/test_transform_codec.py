@@ -351,9 +351,9 @@ def test_the_link_warms_up_dense_then_codes_and_a_bad_coder_changes_nothing() ->
     assert [v for c, _, v in seen if c == "backward" and v] == [1]  # the gradients' coder: made once, shipped once
 
     receiver = runner.workers[1][0]
-    before = {k: dict(v) for k, v in receiver.transform.coders.items()}
+    before = {k: dict(v) for k, v in receiver.link.links.coders.items()}
     weights = {n: p.detach().clone() for n, p in receiver.stage.named_parameters()}
-    sender = runner.workers[0][0].transform
+    sender = runner.workers[0][0].link.links
     state = sender.learners["forward"].current
     msg = pb.ActivationChunk(header=pb.MicroBatchHeader(run_id=receiver.run_id, step=6, micro_batch_id=0, sender="stage0.r0", boundary=0))
     msg.token_ids.CopyFrom(tw.tensor_to_proto(windows(6, 0, 0).to(torch.uint8)))
@@ -364,7 +364,7 @@ def test_the_link_warms_up_dense_then_codes_and_a_bad_coder_changes_nothing() ->
     msg.coder.CopyFrom(broken)
     with pytest.raises(WireError, match="TransformCoder.bits"):
         receiver.validate("forward", msg)
-    assert {k: dict(v) for k, v in receiver.transform.coders.items()} == before
+    assert {k: dict(v) for k, v in receiver.link.links.coders.items()} == before
     assert all(torch.equal(p, weights[n]) for n, p in receiver.stage.named_parameters())
     runner.close()
 

@@ -15,19 +15,17 @@ from dataclasses import dataclass
 import torch
 from torch.overrides import TorchFunctionMode
 
-from peer.codec.fill import USES_PRIOR
-from peer.codec.transform import BUFFER_ROWS_PER_H
 from peer.config import TrainConfig
 from peer.errors import ConfigError
 from peer.model.loading import meta_stages
 from peer.model.placement import DTYPE_NAMES, Placement
 from peer.model.stages import StageModule
+from peer.pipeline.codecs import codec_class
 from peer.pipeline.weights import keeps_last_update, swarm_stashes
 
 GIB = 2**30
 MAX_SNAPSHOT_SLOTS = 8
 REPLICA_BYTES_PER_PARAMETER = 12  # fp32 weights, exp_avg, exp_avg_sq (peer/daemon/replicas.py)
-LOWRANK_BUFFER_TOKENS = 4096  # BasisLearner's default residual buffer
 COMPONENTS = ("weights", "working_copy", "grads", "optimizer", "dp_copies", "anchor_snapshot", "activations", "logits", "codec")
 
 
@@ -167,30 +165,8 @@ def _plan(cfg: TrainConfig, placement: Placement, stage: StageModule, dp_group: 
 
 
 def _codec_bytes(cfg: TrainConfig, stage: StageModule) -> int:
-    """Link codec state on the device (peer/codec): the receiving end's token prior for a
-    prior fill; for the low-rank scheme the sender's per-token sums, counts and residual buffer
-    and both ends' (prior, basis) version with its token -> row table; for the transform scheme
-    each direction's learner and coders."""
-    m, V, H = cfg.mask, stage.vocab_size, stage.hidden_size
-    total = 0
-    receives, sends = not stage.is_first, not stage.is_last
-    if m.scheme == "mask" and m.enabled and m.fill in USES_PRIOR and receives:
-        total += 2 * (V * H + H) * 4  # TokenPrior: mean and count, [V, H] and [H]
-    if m.scheme == "lowrank":
-        version = (min(m.prior_rows, V) * H + H * m.rank) * 4 + V * 8
-        if sends:
-            total += (V * H + V + LOWRANK_BUFFER_TOKENS * (H + 1)) * 4 + version
-        if receives:
-            total += version
-    if m.scheme == "transform":
-        # per coder: mean, int8 rotation, its float32 copy, scales, stds, bits
-        coder = H * 4 + H * H * 5 + H * 20
-        # each producer (outputs if it sends, input gradients if it receives): its row buffer,
-        # the fit's float64 covariance and eigenvectors, its current coder; each consumer: the
-        # two newest coders of one peer (more peers: more, but a stage talks to few at a time)
-        learner = BUFFER_ROWS_PER_H * H * H * 4 + 2 * H * H * 8 + coder
-        total += (sends + receives) * (learner + 2 * coder)
-    return total
+    """Link codec state on the device: what the run's codec keeps (LinkCodec.state_bytes)."""
+    return codec_class(cfg.mask.scheme).state_bytes(cfg.mask, stage.vocab_size, stage.hidden_size, sends=not stage.is_last, receives=not stage.is_first)
 
 
 class _FusedAttention(torch.autograd.Function):

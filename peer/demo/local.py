@@ -16,6 +16,7 @@ from tqdm import tqdm
 from peer.config import MaskConfig, TrainConfig
 from peer.data import TokenStream, default_corpus
 from peer.model.loading import load_causal_lm
+from peer.pipeline.codecs import codec_class
 from peer.pipeline.local import LocalPipelineRunner, evaluate_stages
 from peer.runtoml import resolve_run
 
@@ -34,10 +35,7 @@ def demo_config(stages: int, codec: str, drop: float, rank: int) -> TrainConfig:
 
 
 def codec_label(cfg: TrainConfig) -> str:
-    m = cfg.mask
-    if m.scheme == "transform":
-        return f"transform {m.bits:g} bits/value forward, {m.grad_bits:g} backward"
-    return f"low-rank r={m.rank} {m.values}" if m.scheme == "lowrank" else f"mask drop={m.drop:.2f} fill={m.fill} {m.values}"
+    return codec_class(cfg.mask.scheme).label(cfg.mask)
 
 
 def run_demo(seconds: float = 60.0, stages: int = 2, codec: str = "transform", drop: float = 0.95, rank: int = 20, threads: int = 0) -> dict:

@@ -14,17 +14,13 @@ import torch
 from peer.config import PipelineConfig
 from peer.errors import WireError
 from peer.model.stages import StageModule
-from peer.pipeline.bounds import LinkBounds, scale_of
+from peer.pipeline.bounds import LinkBounds
+from peer.pipeline.codecs.base import LinkCodec
 from peer.pipeline.inflight import InFlight
-from peer.pipeline.link_codec import LinkCodecs
-from peer.pipeline.transform_link import TransformLinks
 from peer.wire import anchormesh_pb2 as pb
 from peer.wire.tensors import parse_message, proto_to_tensor
 
 MAX_MESSAGE_BYTES = 256 * 2**20
-# what every link tensor declares as its logical dtype, whatever its peers compute in: values
-# travel as `mask.values`, so a bf16 peer and an fp32 peer of one run talk to each other
-LINK_DTYPE = torch.float32
 
 
 def parse_inbound(channel: str, data: bytes, run_id: str, name: str) -> pb.ActivationChunk | pb.GradientChunk:
@@ -49,36 +45,21 @@ def check_token_window(payload: pb.TensorPayload, vocab_size: int, shape: tuple[
     return window
 
 
-def check_activation(msg: pb.ActivationChunk, s: StageModule, p: PipelineConfig, links: LinkCodecs, announced: dict[str, int], transform: TransformLinks | None = None,
-                     bounds: LinkBounds | None = None) -> None:
+def check_activation(msg: pb.ActivationChunk, s: StageModule, p: PipelineConfig, link: LinkCodec, bounds: LinkBounds | None = None) -> None:
     """An activation for stage `s`: on its inbound boundary, a token window of the run's
-    micro-batch shape `p`, hidden states (or low-rank coefficients) that fit it and, with
-    `bounds`, values within its link's bounds (peer/pipeline/bounds.py). A low-rank message
-    carries a basis or names one its sender shipped before (`announced`: sender -> newest
-    version it shipped, updated here)."""
+    micro-batch shape `p`, a payload its codec's receiving end (`link`) accepts for it and, with
+    `bounds`, values within its link's bounds (peer/pipeline/bounds.py)."""
     b = msg.header.boundary
     if b != s.index - 1:
         raise WireError(f"header.boundary={b}: stage {s.index} receives activations on boundary {s.index - 1}")
     # the run's micro-batch shape, pinned: a larger one would cost this stage more than its sender
     ids = check_token_window(msg.token_ids, s.vocab_size, (p.micro_batch_size, p.seq_len + 1))[:, :-1].long()
-    key = {"boundary": b, "step": msg.header.step, "micro_batch": msg.header.micro_batch_id}
-    if transform is not None:  # a coder shipped along is checked and kept here
-        scale = transform.check(msg, expect_shape=(*ids.shape, s.hidden_size), **key)
-    elif links.coef_codec is not None:
-        scale = scale_of(links.coef_codec.decode(msg.hidden, expect_shape=links.coef_shape(msg.hidden, ids), expect_dtype=LINK_DTYPE, **key))
-        if msg.HasField("basis"):
-            links.decode_basis(msg)
-            announced[msg.header.sender] = msg.basis_version
-        elif announced.get(msg.header.sender) != msg.basis_version:
-            raise WireError(f"basis_version={msg.basis_version}: this peer has no such basis from {msg.header.sender!r}; send it again")
-    else:
-        scale = scale_of(links.inbound_codec(msg.hidden).decode(msg.hidden, expect_shape=(*ids.shape, s.hidden_size), expect_dtype=LINK_DTYPE, **key))
+    scale = link.check_activation(msg, ids)
     if bounds is not None:
         bounds.check("forward", msg.header.sender, *scale)
 
 
-def check_gradient(msg: pb.GradientChunk, s: StageModule, inflight: dict[tuple[int, int], InFlight], links: LinkCodecs, transform: TransformLinks | None = None,
-                   bounds: LinkBounds | None = None) -> None:
+def check_gradient(msg: pb.GradientChunk, s: StageModule, inflight: dict[tuple[int, int], InFlight], link: LinkCodec, bounds: LinkBounds | None = None) -> None:
     """A gradient for stage `s`: on its outbound boundary, for a micro-batch in flight here, of
     the shape (and codec) its output was sent with and, with `bounds`, values within its link's bounds."""
     b = msg.header.boundary
@@ -87,11 +68,6 @@ def check_gradient(msg: pb.GradientChunk, s: StageModule, inflight: dict[tuple[i
     job = inflight.get((msg.header.step, msg.header.micro_batch_id))
     if job is None:
         raise WireError(f"gradient for unknown micro-batch (step={msg.header.step}, micro_batch_id={msg.header.micro_batch_id})")
-    key = {"boundary": b, "step": msg.header.step, "micro_batch": msg.header.micro_batch_id}
-    if transform is not None:
-        scale = transform.check(msg, expect_shape=tuple(job.out.shape), **key)
-    else:
-        last = job.coefs if job.basis is not None else s.hidden_size
-        scale = scale_of((job.codec_out or links.link).decode(msg.grad, expect_shape=(*job.out.shape[:-1], last), expect_dtype=LINK_DTYPE, **key))
+    scale = link.check_gradient(msg, job.sent, tuple(job.out.shape))
     if bounds is not None:
         bounds.check("backward", msg.header.sender, *scale)

@@ -7,9 +7,6 @@ from dataclasses import dataclass
 
 import torch
 
-from peer.codec.basis import BasisState
-from peer.codec.mask import MaskCodec
-
 
 @dataclass
 class InFlight:
@@ -18,9 +15,7 @@ class InFlight:
     out: torch.Tensor
     stash: dict[str, torch.Tensor] | None  # weights the forward ran on when not the live ones (ran ahead, or the low-precision working copy)
     window: torch.Tensor  # token windows [B, T+1], on the host
-    basis: BasisState | None = None  # low-rank codec: the (prior, basis) the output was encoded with
     sender: str = ""  # who sent the input (the gradient goes back there)
-    coefs: int = 0  # low-rank codec: coefficients per token the output was sent with
-    codec_in: MaskCodec | None = None  # mask scheme: the codec (drop) the input came with; None = the config's
-    codec_out: MaskCodec | None = None  # mask scheme: the codec (drop) the output was sent with; None = the config's
+    sent: object = None  # the codec's note on how the output was sent (LinkCodec.encode_activation): what the gradient's decode needs
+    received: object = None  # the codec's note on how the input came (LinkCodec.decode_activation): what the gradient sent back needs
     retry_key: tuple | None = None  # swarm: the input's identity for a sender's retries (StageWorker.retry_key)

@@ -105,8 +105,7 @@ class LocalPipelineRunner:
         self.stall_timeout = 60.0  # seconds without any message before the run is declared stalled
 
     def _anchor_fill(self, stage_index: int, window: torch.Tensor) -> torch.Tensor | None:
-        prior = self.workers[stage_index][0].prior
-        return prior.fill(window[:, :-1]) if prior is not None else None
+        return self.workers[stage_index][0].link.anchor_fill(window[:, :-1])
 
     def stages(self, replica: int = 0) -> list[StageModule]:
         return [row[replica].stage for row in self.workers]

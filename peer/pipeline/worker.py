@@ -11,8 +11,9 @@ on stashed weights (PipeDream-style weight stashing, so its backward is exact fo
 saw); with `staleness_correction="lookahead"` those weights are extrapolated by the last update
 times the delay, so the stale gradient is taken near the point where it will be applied.
 
-The worker holds its parts: the weights its forwards run on (weights.py), the codec of each link
-(link_codec.py), the checks of inbound messages (inbound.py, bounds.py) and a sender's retries (retries.py).
+The worker holds its parts: the weights its forwards run on (weights.py), its ends of its links
+(codecs/: one LinkCodec for the run's `mask.scheme`, which the worker never asks about), the checks
+of inbound messages (inbound.py, bounds.py) and a sender's retries (retries.py).
 """
 
 from __future__ import annotations
@@ -26,22 +27,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from peer.codec.basis import BasisLearner, BasisState
-from peer.codec.fill import USES_PRIOR, reconstruct
 from peer.codec.mask import MaskCodec
-from peer.codec.prior import TokenPrior
-from peer.config import MaskConfig, TrainConfig
+from peer.config import TrainConfig
 from peer.errors import TensorError, WireError
 from peer.model.placement import CPU_FP32, Placement
 from peer.model.stages import StageModule, lm_loss
 from peer.optim.stage_optimizer import StageOptimizer
 from peer.pipeline.bounds import LinkBounds
+from peer.pipeline.codecs import LinkCodec, make_link
 from peer.pipeline.inbound import check_activation, check_gradient, parse_inbound
 from peer.pipeline.inflight import InFlight
-from peer.pipeline.link_codec import LinkCodecs
 from peer.pipeline.linktune import ComputeClock
 from peer.pipeline.retries import Retries, retry_key  # noqa: F401  (retry_key: read from here too)
-from peer.pipeline.transform_link import TransformLinks
 from peer.pipeline.transport import Address, Transport
 from peer.pipeline.weights import ForwardWeights
 from peer.wire import anchormesh_pb2 as pb
@@ -68,14 +65,8 @@ class StageWorker:
     grad_buf: dict[int, dict[str, torch.Tensor]] = field(default_factory=lambda: defaultdict(dict))
     losses: dict[int, list[float]] = field(default_factory=lambda: defaultdict(list))
     next_mb: int = 0  # stage 0: next micro-batch to inject, counted over all steps
-    prior: TokenPrior | None = None
     optimizer: StageOptimizer = field(init=False)
-    basis_out: BasisLearner | None = None  # low-rank codec, sending end
-    basis_in: dict[str, BasisState] = field(default_factory=dict)  # low-rank codec, receiving end: per sender
-    basis_sent: dict = field(default_factory=dict)  # low-rank codec: destination -> version it holds
-    basis_announced: dict = field(default_factory=dict)  # low-rank codec: sender -> newest version it shipped us
     retries: Retries = field(default_factory=Retries)  # swarm: a sender's retries (peer/pipeline/retries.py)
-    coef_codec: MaskCodec | None = None
     # swarm routing (None: the local layout, replica r of stage s talks to replica r of s +- 1)
     peer_id: str | None = None
     next_hop: Callable[[], Address] | None = None  # the next-stage peer for a new activation
@@ -85,10 +76,8 @@ class StageWorker:
     resolve: Callable[[str], Address] | None = None  # sender name -> its address
     compute: ComputeClock = field(default_factory=ComputeClock)  # seconds of compute per micro-batch
     placement: Placement = CPU_FP32  # device and precision (peer/model/placement.py)
-    links: LinkCodecs = field(init=False)  # the codec of each link (peer/pipeline/link_codec.py)
+    link: LinkCodec = field(init=False)  # its ends of its links, for the run's codec (peer/pipeline/codecs/)
     weights: ForwardWeights = field(init=False)  # what the forwards run on (peer/pipeline/weights.py)
-    transform: TransformLinks | None = field(init=False, default=None)  # transform coder ends (peer/pipeline/transform_link.py)
-    state_bytes_sent: int = 0  # bytes of codec state (low-rank bases, transform coders) in the messages sent: amortised over a run
     bounds: LinkBounds = field(init=False)  # inbound values against each link's running RMS (peer/pipeline/bounds.py)
     senders: set[str] = field(default_factory=set)  # who sent this step's gradients and activations: named when it is dropped
     dropped_steps: int = 0  # steps dropped for a non-finite gradient
@@ -98,34 +87,25 @@ class StageWorker:
         s.to(device=pl.device, dtype=pl.master_dtype)  # fp32 master weights where they compute
         s.checkpointing = pl.checkpointing
         self.optimizer = StageOptimizer(list(s.named_parameters()), s.decoder_matrices(), self.cfg.spectral, self.cfg.optim)
-        if s.index > 0 and self.cfg.mask.enabled and self.cfg.mask.fill in USES_PRIOR:
-            self.prior = TokenPrior(s.vocab_size, s.hidden_size, self.cfg.mask.prior_momentum, device=pl.device)
-        m = self.cfg.mask
-        if m.scheme == "lowrank":
-            self.coef_codec = MaskCodec(MaskConfig(scheme="mask", values=m.values, seed=m.seed))
-            if not s.is_last:
-                self.basis_out = BasisLearner(s.vocab_size, s.hidden_size, m.rank, m.basis_refresh, max_rows=m.prior_rows, device=pl.device)
-        elif m.scheme == "transform":
-            self.transform = TransformLinks(m, s.hidden_size, produces_forward=not s.is_last, produces_backward=s.index > 0)
+        self.link = make_link(self.cfg.mask, s, pl, self.transport, self.compute)
         self.weights = ForwardWeights(s, pl, self.local_steps, self.cfg.pipeline.staleness_correction == "lookahead", max_staleness=self.cfg.pipeline.max_staleness)
         self.bounds = LinkBounds(self.cfg.security.link_rms_factor, self.cfg.security.max_link_value)
-        self.links = LinkCodecs(m, self.codec, self.coef_codec, self.transport, self.compute, s.hidden_size, s.vocab_size, pl.device)
 
     @property
     def compute_dtype(self) -> torch.dtype:
         """What the stage's layers compute in (the master weights are float32 regardless)."""
         return self.placement.compute_dtype
 
-    @property
-    def link_codec(self) -> MaskCodec:
-        """What encodes tensors on this worker's links: coefficients (low-rank) or hidden states."""
-        return self.links.link
-
     # -- what its parts hold, read on the worker (the daemon's status, tests) -------------
     @property
     def keep_sent(self) -> dict[Address, float]:
         """Destination -> fraction of the configured payload last sent (mask.adapt)."""
-        return self.links.keep_sent
+        return self.link.keep_sent
+
+    @property
+    def state_bytes_sent(self) -> int:
+        """Bytes of codec state (low-rank bases, transform coders) in the messages sent: amortised over a run."""
+        return self.link.state_bytes_sent
 
     @property
     def forwards_ahead(self) -> int:
@@ -134,17 +114,7 @@ class StageWorker:
 
     def forget_sent(self) -> None:
         """A message may have been lost with a basis or coder in it: ship them again."""
-        self.basis_sent.clear()
-        if self.transform is not None:
-            self.transform.forget_sent()
-
-    def coefs_for(self, dst: Address, tokens: int, fixed: int) -> int:
-        """Low-rank codec: coefficients per token for `dst` (peer/pipeline/link_codec.py)."""
-        return self.links.coefs_for(dst, tokens, fixed)
-
-    def mask_codec_for(self, dst: Address, elements: int, fixed: int) -> MaskCodec:
-        """Mask scheme: the codec for `dst` (peer/pipeline/link_codec.py)."""
-        return self.links.mask_codec_for(dst, elements, fixed)
+        self.link.forget_sent()
 
     @property
     def addr(self) -> Address:
@@ -167,9 +137,9 @@ class StageWorker:
         """Vet an inbound message fully before it is queued (runs on the transport's threads;
         the checks: peer/pipeline/inbound.py). Raises WireError / TensorError naming the field."""
         if channel == "forward":
-            check_activation(msg, self.stage, self.cfg.pipeline, self.links, self.basis_announced, self.transform, self.bounds)
+            check_activation(msg, self.stage, self.cfg.pipeline, self.link, self.bounds)
         else:
-            check_gradient(msg, self.stage, self.inflight, self.links, self.transform, self.bounds)
+            check_gradient(msg, self.stage, self.inflight, self.link, self.bounds)
 
     def _mb_key(self, step: int, mb_in_step: int) -> int:
         return self.replica * self.cfg.pipeline.micro_batches + mb_in_step
@@ -185,59 +155,29 @@ class StageWorker:
         t0 = time.perf_counter()
         self.stage.check_input(window[:, :-1])  # ids checked on the host: no device sync
         stash = self.weights.for_step(step, self.version)
-        out = self.weights.run(self.placement.to_device(window[:, :-1]), stash)
+        ids = self.placement.to_device(window[:, :-1])
+        out = self.weights.run(ids, stash)
         mb = self._mb_key(step, j)
-        basis, k, codec = self._send_forward(out, window, step, mb)
-        self.inflight[(step, mb)] = InFlight(step, None, out, stash, window, basis, coefs=k, codec_out=codec)
+        sent = self._send_forward(out, window, ids, step, mb)
+        self.inflight[(step, mb)] = InFlight(step, None, out, stash, window, sent=sent)
         self.compute.add(time.perf_counter() - t0)
 
-    def _send_forward(self, out: torch.Tensor, window: torch.Tensor, step: int, mb: int) -> tuple[BasisState | None, int, MaskCodec | None]:
-        """Encode and send this stage's output; returns the low-rank basis used, if any, the
-        coefficients per token sent and the mask codec that encoded them (None: transform-coded)."""
+    def _send_forward(self, out: torch.Tensor, window: torch.Tensor, ids: torch.Tensor, step: int, mb: int) -> object:
+        """Encode and send this stage's output (`ids`: its tokens, on the device); returns the
+        codec's note for the gradient that will come back."""
         b = self.stage.index
         msg = pb.ActivationChunk(header=self._header(step, mb, b), token_ids=tensor_to_proto(window.to(token_dtype(self.stage.vocab_size))))
         dst = self.next_hop() if self.next_hop else (b + 1, self.replica)
-        h, state, k, codec = out.detach(), None, 0, self.link_codec
-        if self.basis_out is not None:
-            ids = self.placement.to_device(window[:, :-1])
-            self.basis_out.observe(h, ids)
-            self.basis_out.maybe_refresh(step)
-            state = self.basis_out.current
-            if self.basis_sent.get(dst) != state.version:  # a receiver gets each version once (every basis_refresh steps)
-                msg.basis_prior.CopyFrom(tensor_to_proto(state.prior.half().cpu()))
-                msg.basis.CopyFrom(tensor_to_proto(state.basis.half().cpu()))
-                if state.row_ids is not None:
-                    msg.basis_prior_ids.CopyFrom(tensor_to_proto(state.row_ids.cpu()))
-                self.basis_sent[dst] = state.version
-                self.state_bytes_sent += msg.basis_prior.ByteSize() + msg.basis.ByteSize() + msg.basis_prior_ids.ByteSize()
-            msg.basis_version = state.version
-            k = self.coefs_for(dst, ids.numel(), msg.header.ByteSize() + msg.token_ids.ByteSize() + 16)
-            h = state.project(h.float(), ids, k)
-        elif self.transform is not None:
-            row_bits = self.links.row_bits_for(dst, "forward", self.transform, tuple(h.shape), msg.header.ByteSize() + msg.token_ids.ByteSize() + 16)
-            payload, coder = self.transform.encode("forward", h, dst, boundary=b, step=step, micro_batch=mb, row_bits=row_bits)
-            msg.hidden.CopyFrom(payload)
-            self._ship_coder(msg, coder)
-            self.transport.send(self.addr, dst, "forward", msg.SerializeToString())
-            return None, 0, None
-        else:
-            codec = self.mask_codec_for(dst, h.numel(), msg.header.ByteSize() + msg.token_ids.ByteSize() + 16)
-        msg.hidden.CopyFrom(codec.encode(self.placement.to_host(h), boundary=b, step=step, micro_batch=mb))
+        sent = self.link.encode_activation(msg, out.detach(), ids, dst)
         self.transport.send(self.addr, dst, "forward", msg.SerializeToString())
-        return state, k, codec
-
-    def _ship_coder(self, msg: pb.ActivationChunk | pb.GradientChunk, coder: pb.TransformCoder | None) -> None:
-        """Transform codec: put the coder the destination lacks into its message, and count it."""
-        if coder is not None:
-            msg.coder.CopyFrom(coder)
-            self.state_bytes_sent += coder.ByteSize()
+        return sent
 
     def forward_one(self) -> bool:
         """Process the oldest activation whose step is within the staleness bound."""
         if not self.inbox_fwd or not self.can_forward(self.inbox_fwd[0].header.step):
             return False
         msg = self.inbox_fwd.popleft()
-        step, mb, b = msg.header.step, msg.header.micro_batch_id, self.stage.index - 1
+        step, mb = msg.header.step, msg.header.micro_batch_id
         key = None
         if self.local_steps:  # a sender's retry may duplicate a micro-batch we already took
             key = retry_key(msg)
@@ -251,53 +191,20 @@ class StageWorker:
         t0 = time.perf_counter()
         pl = self.placement
         window = proto_to_tensor(msg.token_ids).to(torch.long)
-        ids = window[:, :-1]  # on the host (the prior's checks); ids_dev for what runs on the device
-        ids_dev = pl.to_device(ids)
-        shape = (*ids.shape, self.stage.hidden_size)
-        codec_in = None if self.transform else self.coef_codec or self.links.inbound_codec(msg.hidden)
-        if self.coef_codec is not None:
-            x, h = self._lift(msg, ids_dev, b, step, mb)
-        elif self.transform is not None:
-            x = self.transform.decode(msg, expect_shape=shape, boundary=b, step=step, micro_batch=mb, device=pl.device).to(self.compute_dtype)
-            x.requires_grad_(True)
-            h = x
-        else:
-            x = pl.to_device(codec_in.decode(msg.hidden, expect_shape=shape, boundary=b, step=step, micro_batch=mb), self.compute_dtype)
-            x.requires_grad_(True)  # the leaf whose gradient goes back: kept entries only
-            h = x
-        if self.cfg.mask.enabled:
-            keep = codec_in.keep_mask(shape, boundary=b, step=step, micro_batch=mb, device=pl.device)
-            prior = self.prior.fill(ids) if self.prior is not None else None
-            h = reconstruct(x, keep, codec_in.cfg.keep, self.cfg.mask.fill, prior)
-            if self.prior is not None:
-                self.prior.observe(ids, x.detach(), keep, checked=True)  # decoded values: already vetted as finite
+        ids = window[:, :-1]  # on the host
+        x, h, received = self.link.decode_activation(msg, ids)  # x: the leaf whose gradient goes back
         stash = self.weights.for_step(step, self.version)
         out = self.weights.run(h, stash)
         if self.stage.is_last:
             loss = lm_loss(out, pl.to_device(window[:, 1:]))
             (loss / self.cfg.pipeline.micro_batches).backward()
             self.losses[step].append(loss.detach())  # a device tensor: read in batches, never per micro-batch
-            self._finish_backward(InFlight(step, x, out, stash, window, sender=msg.header.sender, codec_in=codec_in, retry_key=key), mb)
+            self._finish_backward(InFlight(step, x, out, stash, window, sender=msg.header.sender, received=received, retry_key=key), mb)
         else:
-            basis, k, codec = self._send_forward(out, window, step, mb)
-            self.inflight[(step, mb)] = InFlight(step, x, out, stash, window, basis, msg.header.sender, k, codec_in, codec, retry_key=key)
+            sent = self._send_forward(out, window, pl.to_device(ids), step, mb)
+            self.inflight[(step, mb)] = InFlight(step, x, out, stash, window, sender=msg.header.sender, sent=sent, received=received, retry_key=key)
         self.compute.add(time.perf_counter() - t0)
         return True
-
-    def _lift(self, msg: pb.ActivationChunk, ids: torch.Tensor, b: int, step: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Low-rank codec, receiving end: (coefficient leaf, rebuilt hidden state), on the device;
-        `ids` on the device. The lift runs in float32 (the basis's precision), then the layers'
-        dtype."""
-        v, sender = msg.basis_version, msg.header.sender
-        if msg.HasField("basis"):
-            self.basis_in[sender] = self.links.decode_basis(msg)
-        state = self.basis_in.get(sender)
-        if state is None or state.version != v:
-            have = state.version if state else None
-            raise WireError(f"{self.name}: basis_version={v} from {sender!r} unknown (have {have})")
-        c = self.placement.to_device(self.coef_codec.decode(msg.hidden, expect_shape=self.links.coef_shape(msg.hidden, ids), boundary=b, step=step, micro_batch=mb))
-        c.requires_grad_(True)
-        return c, state.lift(c, ids).to(self.compute_dtype)
 
     # -- backward ---------------------------------------------------------------------------
     def backward_one(self) -> bool:
@@ -309,14 +216,7 @@ class StageWorker:
         if job is None:
             raise WireError(f"{self.name}: gradient for unknown micro-batch (step={msg.header.step}, micro_batch_id={mb})")
         t0 = time.perf_counter()
-        pl = self.placement
-        if job.basis is not None:  # dL/dh = dL/dc B^T
-            g = pl.to_device(self.link_codec.decode(msg.grad, expect_shape=(*job.out.shape[:-1], job.coefs), boundary=self.stage.index, step=job.step, micro_batch=mb))
-            grad = g @ job.basis.basis[:, : job.coefs].T
-        elif self.transform is not None:
-            grad = self.transform.decode(msg, expect_shape=tuple(job.out.shape), boundary=self.stage.index, step=job.step, micro_batch=mb, device=pl.device)
-        else:
-            grad = pl.to_device((job.codec_out or self.codec).decode(msg.grad, expect_shape=tuple(job.out.shape), boundary=self.stage.index, step=job.step, micro_batch=mb))
+        grad = self.link.decode_gradient(msg, job.sent, tuple(job.out.shape))
         job.out.backward(grad.to(job.out.dtype))
         self.senders.add(msg.header.sender)
         self._finish_backward(job, mb)
@@ -338,13 +238,7 @@ class StageWorker:
             b = self.stage.index - 1
             dst = self.resolve(job.sender) if self.resolve else (b, self.replica)
             msg = pb.GradientChunk(header=self._header(job.step, mb, b))
-            if self.transform is not None:
-                row_bits = self.links.row_bits_for(dst, "backward", self.transform, tuple(job.x.grad.shape), msg.header.ByteSize() + 16)
-                payload, coder = self.transform.encode("backward", job.x.grad, dst, boundary=b, step=job.step, micro_batch=mb, ref=job.x, row_bits=row_bits)
-                msg.grad.CopyFrom(payload)
-                self._ship_coder(msg, coder)
-            else:
-                msg.grad.CopyFrom((job.codec_in or self.link_codec).encode(self.placement.to_host(job.x.grad), boundary=b, step=job.step, micro_batch=mb))
+            self.link.encode_gradient(msg, job.x, job.received, dst)
             data = msg.SerializeToString()
             if self.local_steps:  # cached before sending: a send that fails (sender not known yet) is redone on its retry
                 self.retries.sent(job.retry_key, dst, data)
