@@ -117,7 +117,7 @@ class Tracker:
             theirs = req.wire_version or f"none (anchormesh {req.code_version or '?'} predates wire versions)"
             raise JoinRefused(f"wire_version={theirs}: this run's peers speak wire version {wire_version()} (anchormesh {__version__}); run a build with that wire version")
         if self.config.mask.scheme not in req.codecs:
-            raise JoinRefused(f"codecs={list(req.codecs)}: this run's PP codec is mask.scheme={self.config.mask.scheme!r}, which this peer's build does not have")
+            raise JoinRefused(f"codecs={list(req.codecs)}: this run's PP codec is codec.scheme={self.config.mask.scheme!r}, which this peer's build does not have")
         if not req.peer_id or not req.grpc_address:
             raise JoinRefused("peer_id and grpc_address are required")
         if key and fingerprint(key) in self.banned:

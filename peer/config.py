@@ -72,9 +72,33 @@ MASK_SCHEMES = ["mask", "lowrank", "transform"]  # a list: peer/pipeline/codecs 
 LR_SCHEDULES = ("constant", "cosine", "linear")
 
 
+# How the codec settings appear in a run.toml: `[codec]` holds the shared ones, `[codec.SCHEME]`
+# each codec's own (peer/runtoml.py maps them onto MaskConfig's fields; a setting of a codec the
+# run does not use is refused). A codec added from outside with settings of its own adds them here.
+CODEC_SHARED = ("scheme", "seed", "adapt", "min_keep", "link_target")
+CODEC_SETTINGS: dict[str, tuple[str, ...]] = {
+    "mask": ("drop", "fill", "values", "prior_momentum"),
+    "lowrank": ("rank", "basis_refresh", "prior_rows", "values"),
+    "transform": ("bits", "grad_bits", "sink", "basis_refresh", "grad_rounding", "act_rounding", "grad_step_scale", "grad_rates", "grad_outliers",
+                  "grad_rotation", "grad_min_bits", "act_stats"),
+}
+
+
+def codec_key(name: str, scheme: str) -> str:
+    """The run.toml name of MaskConfig's field `name` in a run of codec `scheme`."""
+    if name in CODEC_SHARED:
+        return f"codec.{name}"
+    owner = scheme if name in CODEC_SETTINGS.get(scheme, ()) else next((c for c, keys in CODEC_SETTINGS.items() if name in keys), scheme)
+    return f"codec.{owner}.{name}"
+
+
 @dataclass
 class MaskConfig:
-    """Activation masking on pipeline links (DESIGN.md §4, fast circuit).
+    """The pipeline-link codec (DESIGN.md §4, fast circuit): its scheme and every codec's settings.
+
+    In a run.toml these are `[codec]` (scheme, seed, adapt, min_keep, link_target) and each codec's
+    own table, `[codec.transform]`, `[codec.mask]`, `[codec.lowrank]` (CODEC_SETTINGS says which
+    setting is whose); errors name them so. Inside, one dataclass: `TrainConfig.mask`.
 
     Args:
         drop: P(drop) of each hidden-state element at a stage boundary; 0 sends everything
@@ -186,43 +210,47 @@ class MaskConfig:
     link_target: float = 0.8
 
     def __post_init__(self) -> None:
-        _choice("mask.scheme", self.scheme, MASK_SCHEMES)
+        _choice(self._key("scheme"), self.scheme, MASK_SCHEMES)
         if not (0.0 < self.min_keep <= 1.0):
-            raise ConfigError("mask.min_keep", self.min_keep, "must be in (0, 1]: the least fraction of mask.rank a link sends")
+            raise ConfigError(self._key("min_keep"), self.min_keep, "must be in (0, 1]: the least fraction of the configured payload a link sends")
         if not (0.0 < self.link_target <= 1.0):
-            raise ConfigError("mask.link_target", self.link_target, "must be in (0, 1]: the share of a micro-batch's compute time its bytes may take")
+            raise ConfigError(self._key("link_target"), self.link_target, "must be in (0, 1]: the share of a micro-batch's compute time its bytes may take")
         if self.prior_rows < 2:
-            raise ConfigError("mask.prior_rows", self.prior_rows, "must be >= 2 (token rows plus the shared row)")
+            raise ConfigError(self._key("prior_rows"), self.prior_rows, "must be >= 2 (token rows plus the shared row)")
         if self.scheme != "mask" and self.drop:
-            raise ConfigError("mask.drop", self.drop, f'must be 0 with mask.scheme="{self.scheme}" (its values are not masked)')
+            raise ConfigError(self._key("drop"), self.drop, f'must be 0 with codec.scheme="{self.scheme}" (its values are not masked)')
         for name in ("bits", "grad_bits"):
             if not (1.0 <= getattr(self, name) <= 8.0):
-                raise ConfigError(f"mask.{name}", getattr(self, name), "must be in [1, 8] bits per value: every component of a row gets at least one")
+                raise ConfigError(self._key(name), getattr(self, name), "must be in [1, 8] bits per value: every component of a row gets at least one")
         if not (0.125 <= self.grad_min_bits <= 8.0):
-            raise ConfigError("mask.grad_min_bits", self.grad_min_bits, "must be in [0.125, 8] bits per value (the adapting grid's step is 1/8)")
+            raise ConfigError(self._key("grad_min_bits"), self.grad_min_bits, "must be in [0.125, 8] bits per value (the adapting grid's step is 1/8)")
         if self.grad_min_bits < 1.0 and self.grad_rates == "row":
-            raise ConfigError("mask.grad_min_bits", self.grad_min_bits, 'must be >= 1 with mask.grad_rates = "row" (each row\'s rate class needs a bit per value on average)')
+            raise ConfigError(self._key("grad_min_bits"), self.grad_min_bits, 'must be >= 1 with codec.transform.grad_rates = "row" (each row\'s rate class needs a bit per value on average)')
         if self.sink < 0:
-            raise ConfigError("mask.sink", self.sink, "must be >= 0 positions")
-        _choice("mask.grad_rounding", self.grad_rounding, GRAD_ROUNDINGS)
-        _choice("mask.act_rounding", self.act_rounding, ACT_ROUNDINGS)
-        _choice("mask.act_stats", self.act_stats, ACT_STATS)
-        _choice("mask.grad_rates", self.grad_rates, GRAD_RATES)
+            raise ConfigError(self._key("sink"), self.sink, "must be >= 0 positions")
+        _choice(self._key("grad_rounding"), self.grad_rounding, GRAD_ROUNDINGS)
+        _choice(self._key("act_rounding"), self.act_rounding, ACT_ROUNDINGS)
+        _choice(self._key("act_stats"), self.act_stats, ACT_STATS)
+        _choice(self._key("grad_rates"), self.grad_rates, GRAD_RATES)
         if self.grad_outliers != 0 and not (1.0 < self.grad_outliers <= 1e6):
-            raise ConfigError("mask.grad_outliers", self.grad_outliers, "must be 0 (off) or in (1, 1e6] times the median row RMS")
+            raise ConfigError(self._key("grad_outliers"), self.grad_outliers, "must be 0 (off) or in (1, 1e6] times the median row RMS")
         if self.grad_rates == "row" and self.grad_rounding != "dither":
-            raise ConfigError("mask.grad_rates", self.grad_rates, f'"row" needs mask.grad_rounding = "dither" (got "{self.grad_rounding}"): a row\'s kept components are drawn from the dither\'s key')
-        _choice("mask.grad_rotation", self.grad_rotation, GRAD_ROTATIONS)
+            raise ConfigError(self._key("grad_rates"), self.grad_rates, f'"row" needs codec.transform.grad_rounding = "dither" (got "{self.grad_rounding}"): a row\'s kept components are drawn from the dither\'s key')
+        _choice(self._key("grad_rotation"), self.grad_rotation, GRAD_ROTATIONS)
         if not (0.25 <= self.grad_step_scale <= 8.0):
-            raise ConfigError("mask.grad_step_scale", self.grad_step_scale, "must be in [0.25, 8] Gaussian-optimal steps")
-        _positive("mask.rank", self.rank)
-        _positive("mask.basis_refresh", self.basis_refresh)
+            raise ConfigError(self._key("grad_step_scale"), self.grad_step_scale, "must be in [0.25, 8] Gaussian-optimal steps")
+        _positive(self._key("rank"), self.rank)
+        _positive(self._key("basis_refresh"), self.basis_refresh)
         if not (0.0 <= self.drop < 1.0):
-            raise ConfigError("mask.drop", self.drop, "keep fraction 1-drop must be in (0, 1]: need 0 <= drop < 1")
-        _choice("mask.fill", self.fill, MASK_FILLS)
-        _choice("mask.values", self.values, VALUE_DTYPES)
+            raise ConfigError(self._key("drop"), self.drop, "keep fraction 1-drop must be in (0, 1]: need 0 <= drop < 1")
+        _choice(self._key("fill"), self.fill, MASK_FILLS)
+        _choice(self._key("values"), self.values, VALUE_DTYPES)
         if not (0.0 <= self.prior_momentum < 1.0):
-            raise ConfigError("mask.prior_momentum", self.prior_momentum, "must be in [0, 1)")
+            raise ConfigError(self._key("prior_momentum"), self.prior_momentum, "must be in [0, 1)")
+
+    def _key(self, name: str) -> str:
+        """The run.toml name of setting `name` (`codec.X` or `codec.SCHEME.X`): what errors name."""
+        return codec_key(name, self.scheme)
 
     @property
     def keep(self) -> float:
@@ -665,7 +693,7 @@ class TrainConfig:
             if not self.anchor.with_masked:
                 raise ConfigError("anchor.with_masked", False, f"spectral.mode={self.spectral.mode!r} needs the masked anchor gradient")
             if self.mask.scheme != "mask":
-                raise ConfigError("spectral.mode", self.spectral.mode, f'needs the anchor batch\'s masked twin pass, which only the element mask has (mask.scheme="{self.mask.scheme}"); use "paper" or "off"')
+                raise ConfigError("spectral.mode", self.spectral.mode, f'needs the anchor batch\'s masked twin pass, which only the element mask has (codec.scheme="{self.mask.scheme}"); use "paper" or "off"')
         if self.data.tokenizer == "auto":
             self.data.tokenizer = "bytes" if self.model.name.startswith(TINY_MODEL_PREFIX) else "model"
         self.check_model_dims()
@@ -674,7 +702,7 @@ class TrainConfig:
         """Settings bounded by the model's sizes. Run again once a pretrained model's real sizes
         are known (bootstrap/node.py), since `model.hidden_size` is only a placeholder until then."""
         if self.mask.scheme == "lowrank" and self.mask.rank > self.model.hidden_size:
-            raise ConfigError("mask.rank", self.mask.rank, f"exceeds the model's hidden size {self.model.hidden_size} (a rank-r code of an {self.model.hidden_size}-wide activation needs r <= {self.model.hidden_size})")
+            raise ConfigError("codec.lowrank.rank", self.mask.rank, f"exceeds the model's hidden size {self.model.hidden_size} (a rank-r code of an {self.model.hidden_size}-wide activation needs r <= {self.model.hidden_size})")
 
 
 # Settings that only the local runner and the benchmarks read. A run.toml is a swarm's run, so

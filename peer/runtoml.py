@@ -9,6 +9,12 @@ A run's value for each setting comes from the first of these that gives it, last
 the dataclasses' defaults (the recommended run), the tiny models' profile (`TINY_RUN`, only for a
 model built from a config), the run.toml, the `--set` overrides. `resolve_run` keeps where each
 value came from, so `anchormesh config show` can say it.
+
+The codec's settings are `[codec]` (the shared ones: scheme, seed, adapt, min_keep, link_target)
+and `[codec.SCHEME]` (each codec's own, peer/config.py CODEC_SETTINGS) in a run.toml; inside,
+they are one dataclass, `TrainConfig.mask` (MaskConfig), so they map onto its fields here. A
+setting of a codec the run does not use is refused (it would be ignored), and so is the former
+`[mask]` table, naming each key's new home.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import tomllib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from peer.config import LOCAL_ONLY, ModelConfig, TrainConfig, is_tiny, run_profile
+from peer.config import CODEC_SETTINGS, CODEC_SHARED, LOCAL_ONLY, MaskConfig, ModelConfig, TrainConfig, codec_key, is_tiny, run_profile
 from peer.errors import ConfigError
 
 SCALARS = ("steps", "seed", "token_budget")  # top-level keys of a run.toml that are not sections
@@ -95,12 +101,50 @@ def parse_set(item: str) -> tuple[str, object]:
     return name, value
 
 
+def _codec_flat(value: object) -> dict[str, object]:
+    """A run.toml's `[codec]` table -> {"codec.scheme": ..., "codec.transform.bits": ...}."""
+    if not isinstance(value, dict):
+        raise ConfigError("codec", value, "must be a table of settings")
+    flat: dict[str, object] = {}
+    known = f"shared settings {', '.join(CODEC_SHARED)}; tables {', '.join(f'[codec.{c}]' for c in CODEC_SETTINGS)}"
+    for sub, v in value.items():
+        if sub in CODEC_SHARED:
+            flat[f"codec.{sub}"] = v
+        elif sub in CODEC_SETTINGS:
+            if not isinstance(v, dict):
+                raise ConfigError(f"codec.{sub}", v, f"must be a table of the {sub} codec's settings: {', '.join(CODEC_SETTINGS[sub])}")
+            for k, vv in v.items():
+                if k not in CODEC_SETTINGS[sub]:
+                    raise ConfigError(f"codec.{sub}.{k}", vv, f"not a setting of the {sub} codec; its settings: {', '.join(CODEC_SETTINGS[sub])}")
+                flat[f"codec.{sub}.{k}"] = vv
+        elif sub in {f.name for f in dataclasses.fields(MaskConfig)}:
+            raise ConfigError(f"codec.{sub}", v, f"a setting of one codec: put it under {_homes(sub)}")
+        else:
+            raise ConfigError(f"codec.{sub}", v, f"unknown; [codec] takes {known}")
+    return flat
+
+
+def _homes(name: str) -> str:
+    """Where a codec setting lives in a run.toml: `[codec]`, or the tables of the codecs that have it."""
+    if name in CODEC_SHARED:
+        return "[codec]"
+    return " or ".join(f"[codec.{c}]" for c, keys in CODEC_SETTINGS.items() if name in keys) or "no table (unknown setting)"
+
+
 def _flatten(data: dict) -> dict[str, object]:
-    """{"optim": {"lr": 1}, "seed": 3} -> {"optim.lr": 1, "seed": 3}; unknown names refused."""
+    """{"optim": {"lr": 1}, "seed": 3, "codec": {"transform": {"bits": 2}}} -> {"optim.lr": 1,
+    "seed": 3, "codec.transform.bits": 2}; unknown names refused, and the former [mask] table."""
     sections = _sections()
     flat: dict[str, object] = {}
     for key, value in data.items():
-        if key in sections and isinstance(value, dict):
+        if key == "codec":
+            flat.update(_codec_flat(value))
+        elif key == "mask":
+            first = next(iter(value.items()), None) if isinstance(value, dict) else None
+            if first is None:
+                raise ConfigError("mask", value, "[mask] is now [codec] (the shared settings) and [codec.SCHEME] (each codec's own)")
+            raise ConfigError(f"mask.{first[0]}", first[1], f"[mask] is now [codec]: {first[0]} goes under {_homes(first[0])}")
+        elif key in sections and isinstance(value, dict):
             known = {f.name for f in dataclasses.fields(sections[key])}
             for sub, v in value.items():
                 if sub not in known:
@@ -111,8 +155,28 @@ def _flatten(data: dict) -> dict[str, object]:
         elif key in sections:
             raise ConfigError(key, value, "must be a table of settings")
         else:
-            raise ConfigError(key, value, f"unknown section; known: {', '.join(sorted([*sections, *SCALARS]))}")
+            raise ConfigError(key, value, f"unknown section; known: {', '.join(sorted(_public_sections()))}")
     return flat
+
+
+def codec_table(mask: dict) -> dict:
+    """MaskConfig's fields as plain data ({"scheme": "lowrank", "rank": 8}) laid out as a
+    run.toml's `[codec]` table: the shared settings, the scheme's own in its sub-table."""
+    scheme = mask.get("scheme", MaskConfig().scheme)
+    table = {k: v for k, v in mask.items() if k in CODEC_SHARED}
+    own = {k: v for k, v in mask.items() if k not in CODEC_SHARED}
+    if own:
+        table[scheme] = own
+    return table
+
+
+def _public_sections() -> list[str]:
+    return [("codec" if name == "mask" else name) for name in _sections()] + list(SCALARS)
+
+
+def _internal(name: str) -> str:
+    """"codec.scheme" / "codec.transform.bits" -> "mask.scheme" / "mask.bits" (MaskConfig's fields)."""
+    return f"mask.{name.rsplit('.', 1)[1]}" if name.startswith("codec.") else name
 
 
 def _refuse_local_only(flat: dict[str, object], origin: str) -> None:
@@ -143,19 +207,48 @@ class ResolvedRun:
         return config_digest(self.config)
 
 
+def _nest(name: str, value: object) -> dict:
+    """"a.b.c" = v -> {"a": {"b": {"c": v}}}."""
+    out: object = value
+    for part in reversed(name.split(".")):
+        out = {part: out}
+    return out  # type: ignore[return-value]
+
+
+def _merge(into: dict, more: dict) -> dict:
+    for k, v in more.items():
+        if isinstance(v, dict) and isinstance(into.get(k), dict):
+            _merge(into[k], v)
+        else:
+            into[k] = v
+    return into
+
+
 def resolve_run(data: dict | None = None, sets: Sequence[str] = ()) -> ResolvedRun:
     """The run of a run.toml's data (None: no file) with `--set` overrides applied on top."""
     file_flat = _flatten(data or {})
     _refuse_local_only(file_flat, FILE)
-    set_flat: dict[str, object] = {}
+    set_data: dict = {}
     for item in sets:
-        name, value = parse_set(item)
-        set_flat.update(_flatten({name.split(".", 1)[0]: {name.split(".", 1)[1]: value}} if "." in name else {name: value}))
+        _merge(set_data, _nest(*parse_set(item)))
+    set_flat = _flatten(set_data)
     _refuse_local_only(set_flat, SET)
     model_name = set_flat.get("model.name", file_flat.get("model.name", ModelConfig().name))
     if not isinstance(model_name, str):
         raise ConfigError("model.name", model_name, "must be a string")
-    profile = {f"{sec}.{k}": v for sec, values in run_profile(model_name).items() for k, v in values.items()}
+    scheme = set_flat.get("codec.scheme", file_flat.get("codec.scheme", MaskConfig().scheme))
+    for origin, layer in ((FILE, file_flat), (SET, set_flat)):  # a setting of another codec would be ignored: say so
+        for name, value in layer.items():
+            parts = name.split(".")
+            if parts[0] == "codec" and len(parts) == 3 and parts[1] != scheme:
+                raise ConfigError(name, value, f"({origin}) a setting of the {parts[1]} codec, but codec.scheme = {scheme!r}: remove it, or set codec.scheme")
+    profile: dict[str, object] = {}
+    for section, values in run_profile(model_name).items():
+        for k, v in values.items():
+            if section != "mask":
+                profile[f"{section}.{k}"] = v
+            elif k in CODEC_SHARED or k in CODEC_SETTINGS.get(scheme, ()):  # the profile's settings of another codec do not apply
+                profile[codec_key(k, scheme)] = v
     merged: dict[str, object] = {}
     sources: dict[str, str] = {}
     for origin, layer in ((TINY, profile), (FILE, file_flat), (SET, set_flat)):
@@ -163,14 +256,30 @@ def resolve_run(data: dict | None = None, sets: Sequence[str] = ()) -> ResolvedR
             merged[name], sources[name] = value, origin
     nested: dict = {}
     for name, value in merged.items():
-        section, _, key = name.partition(".")
+        section, _, key = _internal(name).partition(".")
         if key:
             nested.setdefault(section, {})[key] = value
         else:
             nested[name] = value
-    config = config_from_dict(nested)
-    every = {f"{sec}.{f.name}" for sec, cls in _sections().items() for f in dataclasses.fields(cls)} | set(SCALARS)
-    return ResolvedRun(config, {name: sources.get(name, DEFAULT) for name in sorted(every)})
+    try:
+        config = config_from_dict(nested)
+    except ConfigError as exc:  # a type error on a codec setting names the field as written
+        if exc.field.startswith("mask."):
+            raise ConfigError(codec_key(exc.field.split(".", 1)[1], scheme if isinstance(scheme, str) else ""), exc.value, str(exc).split(": ", 1)[1]) from None
+        raise
+    return ResolvedRun(config, {name: sources.get(name, DEFAULT) for name in public_names(config)})
+
+
+def public_names(cfg: TrainConfig) -> list[str]:
+    """Every setting of a run as a run.toml names it (the codec's: [codec] and its own table)."""
+    names = list(SCALARS)
+    for section, cls in _sections().items():
+        if section == "mask":
+            scheme = cfg.mask.scheme
+            names += [f"codec.{k}" for k in CODEC_SHARED] + [f"codec.{scheme}.{k}" for k in CODEC_SETTINGS.get(scheme, ())]
+        else:
+            names += [f"{section}.{f.name}" for f in dataclasses.fields(cls)]
+    return names
 
 
 def read_toml(path: str) -> dict:

@@ -26,8 +26,9 @@ hidden_size = 32
 num_layers = 2
 num_heads = 2
 max_seq_len = 32
-[mask]
+[codec]
 scheme = "lowrank"
+[codec.lowrank]
 rank = 8
 [pipeline]
 max_staleness = 0

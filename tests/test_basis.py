@@ -70,7 +70,7 @@ def test_state_tensors_are_exactly_representable_in_fp16() -> None:
 
 
 def test_rank_out_of_range_is_refused() -> None:
-    with pytest.raises(ConfigError, match="mask.rank=40"):
+    with pytest.raises(ConfigError, match="codec.lowrank.rank=40"):
         BasisLearner(16, 32, rank=40)
     assert isinstance(BasisState(1, torch.zeros(2, 2), torch.zeros(2, 1)).version, int)
 

@@ -30,7 +30,7 @@ def test_demo_trains_and_prints_a_summary(codec: str) -> None:
     [
         (["demo", "--local", "--codec", "mask", "--drop", "1.5"], "mask.drop=1.5"),
         (["demo", "--local", "--stages", "9"], "model.num_stages=9"),
-        (["demo", "--local", "--codec", "lowrank", "--rank", "0"], "mask.rank=0"),
+        (["demo", "--local", "--codec", "lowrank", "--rank", "0"], "lowrank.rank=0"),
     ],
 )
 def test_bad_values_exit_2_naming_the_field(args: list[str], field: str) -> None:
@@ -58,9 +58,9 @@ def test_swarm_demo_trains_and_stops_every_process() -> None:
 
 def test_bootstrap_with_a_bad_run_toml_exits_2_naming_the_field(tmp_path) -> None:
     bad = tmp_path / "run.toml"
-    bad.write_text("[mask]\ndrop = 0.9\nkeep_ratio = 3\n")
+    bad.write_text('[codec]\nscheme = "mask"\n[codec.mask]\ndrop = 0.9\nkeep_ratio = 3\n')
     out = _cli("bootstrap", "--config", str(bad), "--state-dir", str(tmp_path / "boot"))
-    assert out.returncode == 2 and "mask.keep_ratio=3: unknown setting" in out.stderr
+    assert out.returncode == 2 and "codec.mask.keep_ratio=3: not a setting of the mask codec" in out.stderr
     assert not (tmp_path / "boot" / "bootstrap.json").exists()
 
 
@@ -68,7 +68,7 @@ def test_run_toml_round_trips_into_the_config(tmp_path) -> None:
     from peer.runtoml import load_run_toml
 
     path = tmp_path / "run.toml"
-    path.write_text('seed = 50\n[model]\nnum_stages = 3\n[mask]\nscheme = "lowrank"\nrank = 12\n[dp]\ninner_steps = 20\n')
+    path.write_text('seed = 50\n[model]\nnum_stages = 3\n[codec]\nscheme = "lowrank"\n[codec.lowrank]\nrank = 12\n[dp]\ninner_steps = 20\n')
     cfg = load_run_toml(str(path))
     assert (cfg.seed, cfg.model.num_stages, cfg.mask.scheme, cfg.mask.rank, cfg.dp.inner_steps) == (50, 3, "lowrank", 12, 20)
 

@@ -77,7 +77,7 @@ hidden_size = {MODEL.hidden_size}
 num_layers = 2
 num_heads = 2
 max_seq_len = 32
-[mask]
+[codec]
 scheme = "plain"
 [pipeline]
 micro_batch_size = 4

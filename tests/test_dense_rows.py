@@ -56,7 +56,7 @@ def test_which_rows_go_dense() -> None:
     assert links.dense_rows("forward", ref) is None  # the activations have their own sink
     assert links.dense_rows("backward", torch.randn(2, 16, H)) is None  # no outlier: nothing dense
     assert TransformLinks(MaskConfig(scheme="transform", grad_outliers=0.0), H, False, True).dense_rows("backward", ref) is None
-    with pytest.raises(ConfigError, match="mask.grad_outliers"):
+    with pytest.raises(ConfigError, match="codec.transform.grad_outliers"):
         MaskConfig(scheme="transform", grad_outliers=0.5)
 
 

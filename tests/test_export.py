@@ -35,7 +35,7 @@ hidden_size = 64
 num_layers = 2
 num_heads = 4
 max_seq_len = 64
-[mask]
+[codec]
 scheme = "mask"
 [optim]
 lr = 3e-3

@@ -68,8 +68,8 @@ def test_a_per_message_rotation_turns_the_coding_s_bias_into_noise_that_averages
 
 
 def test_the_new_gradient_settings_are_checked() -> None:
-    with pytest.raises(ConfigError, match="mask.grad_rotation"):
+    with pytest.raises(ConfigError, match="codec.transform.grad_rotation"):
         MaskConfig(scheme="transform", grad_rotation="random")
-    with pytest.raises(ConfigError, match="mask.grad_rounding"):
+    with pytest.raises(ConfigError, match="codec.transform.grad_rounding"):
         MaskConfig(scheme="transform", grad_rounding="floor")
     MaskConfig(scheme="transform", grad_rounding="nearest", grad_rotation="message")

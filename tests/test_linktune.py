@@ -89,7 +89,7 @@ def test_compute_clock_averages_seconds_per_micro_batch_over_steps() -> None:
 
 @pytest.mark.parametrize("field,value", [("min_keep", 0.0), ("min_keep", 1.5), ("link_target", 0.0), ("link_target", 2.0)])
 def test_bad_bounds_are_refused_naming_the_field(field: str, value: float) -> None:
-    with pytest.raises(ConfigError, match=f"mask.{field}"):
+    with pytest.raises(ConfigError, match=f"codec.{field}"):
         MaskConfig(scheme="lowrank", **{field: value})
 
 

@@ -133,8 +133,9 @@ RUN_TOML = f"""
 name = "{MODEL}"
 num_stages = 2
 max_seq_len = 64
-[mask]
+[codec]
 scheme = "lowrank"
+[codec.lowrank]
 rank = 64
 [optim]
 lr = 1e-4

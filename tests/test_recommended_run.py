@@ -6,12 +6,13 @@ bootstrap without --config, the benchmark's default row and the examples are bui
 from __future__ import annotations
 
 import dataclasses
+import re
 import tomllib
 from pathlib import Path
 
 import pytest
 
-from peer.config import LOCAL_ONLY, TINY_RUN, AnchorConfig, ConfigError, MaskConfig, ModelConfig, PipelineConfig, SpectralConfig, TrainConfig
+from peer.config import LOCAL_ONLY, TINY_RUN, AnchorConfig, ConfigError, MaskConfig, ModelConfig, PipelineConfig, SpectralConfig, TrainConfig, codec_key
 from peer.runtoml import DEFAULT, FILE, SET, TINY, config_digest, load_run, resolve_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,9 +41,12 @@ def test_the_tiny_run_departs_from_the_defaults_only_where_tiny_run_says() -> No
     tiny = resolve_run()
     declared = {f"{s}.{k}" for s, kv in TINY_RUN.items() for k in kv}
     changed = {k for k, v in _flat(tiny.config).items() if _flat(TrainConfig())[k] != v}
-    assert changed == declared and {k for k, v in tiny.sources.items() if v == TINY} == declared
-    # a run.toml's own value wins over the profile
-    assert resolve_run({"mask": {"grad_bits": 1.0}}).config.mask.grad_bits == 1.0
+    assert changed == declared
+    assert {k for k, v in tiny.sources.items() if v == TINY} == {codec_key(k.split(".")[1], "transform") if k.startswith("mask.") else k for k in declared}
+    # a run.toml's own value wins over the profile; the profile's codec settings apply to its codec only
+    assert resolve_run({"codec": {"transform": {"grad_bits": 1.0}}}).config.mask.grad_bits == 1.0
+    lowrank = resolve_run({"codec": {"scheme": "lowrank"}})
+    assert lowrank.config.mask.grad_bits == MaskConfig().grad_bits and "codec.transform.grad_bits" not in lowrank.sources
 
 
 def test_the_demo_the_bootstrap_and_the_bench_default_row_are_built_from_the_defaults() -> None:
@@ -73,8 +77,8 @@ def test_the_examples_run_the_recommended_codec_and_say_where_they_depart(path: 
     assert resolved.config.mask.scheme == rec.mask.scheme and resolved.config.anchor == AnchorConfig() and resolved.config.spectral == SpectralConfig()
     assert resolved.config.pipeline.max_staleness == rec.pipeline.max_staleness
     for name, source in resolved.sources.items():  # every codec, optimizer or DP departure carries its reason
-        if source == FILE and name.split(".")[0] in ("mask", "optim", "dp") and name not in ("optim.weight_decay",):
-            line = next(line for line in text.splitlines() if line.strip().startswith(name.split(".")[1] + " "))
+        if source == FILE and name.split(".")[0] in ("codec", "optim", "dp") and name not in ("optim.weight_decay",):
+            line = next(line for line in text.splitlines() if line.strip().startswith(name.rsplit(".", 1)[1] + " "))
             assert "departs from the default" in line, line
 
 
@@ -96,20 +100,22 @@ def test_settings_a_swarm_does_not_read_are_refused_with_what_it_reads() -> None
         (["colour.x=1"], "colour"),
         (["optim.lr"], "must be section.key=value"),
         (["=3"], "must be section.key=value"),
-        (["mask.scheme=zip"], "mask.scheme='zip': must be one of mask, lowrank, transform"),
+        (["codec.scheme=zip"], "codec.scheme='zip': must be one of mask, lowrank, transform"),
+        (["mask.bits=3"], "mask.bits=3: [mask] is now [codec]: bits goes under [codec.transform]"),
+        (["codec.lowrank.rank=4"], "codec.lowrank.rank=4: (--set) a setting of the lowrank codec, but codec.scheme = 'transform'"),
         (["pipeline.seq_len=2.5"], "pipeline.seq_len=2.5: must be an integer"),
     ],
 )
 def test_bad_set_overrides_name_the_key_and_what_is_allowed(sets: list[str], match: str) -> None:
-    with pytest.raises(ConfigError, match=match.replace("(", r"\(").replace("[", r"\[")):
+    with pytest.raises(ConfigError, match=re.escape(match)):
         resolve_run(sets=sets)
 
 
 def test_set_overrides_win_and_numbers_are_one_run_however_written() -> None:
-    resolved = resolve_run({"optim": {"lr": 3e-4}}, ["optim.lr=2e-4", "model.name=smollm2-135m", "mask.bits=3"])
+    resolved = resolve_run({"optim": {"lr": 3e-4}}, ["optim.lr=2e-4", "model.name=smollm2-135m", "codec.transform.bits=3"])
     assert resolved.config.optim.lr == 2e-4 and resolved.config.mask.bits == 3.0 and isinstance(resolved.config.mask.bits, float)
     assert resolved.sources["optim.lr"] == SET and resolved.sources["model.name"] == SET
-    assert config_digest(resolve_run({"mask": {"bits": 3}}).config) == config_digest(resolve_run({"mask": {"bits": 3.0}}).config)
+    assert config_digest(resolve_run({"codec": {"transform": {"bits": 3}}}).config) == config_digest(resolve_run({"codec": {"transform": {"bits": 3.0}}}).config)
     assert config_digest(resolve_run().config) != config_digest(resolve_run(sets=["seed=1"]).config)
 
 
@@ -130,7 +136,7 @@ def test_config_check_validates_as_the_bootstrap_does_and_bad_configs_exit_2(tmp
     main(["config", "check"])
     assert capsys.readouterr().out.startswith(f"ok: run config {config_digest(resolve_run().config)}")
     bad = tmp_path / "run.toml"
-    for text, named in (('[mask]\nscheme = "mask"\ndrop = 0.9\n[anchor]\nevery = 5\n[spectral]\nmode = "ef"\n', "spectral.mode"), ("[model]\nnum_stages = 9\n", "num_stages"), ("[dp]\nscheme = 'dense'\n", "dp.scheme")):
+    for text, named in (('[codec]\nscheme = "mask"\n[codec.mask]\ndrop = 0.9\n[anchor]\nevery = 5\n[spectral]\nmode = "ef"\n', "spectral.mode"), ("[model]\nnum_stages = 9\n", "num_stages"), ("[dp]\nscheme = 'dense'\n", "dp.scheme")):
         bad.write_text(text)
         for argv in (["config", "check", "--config", str(bad)], ["bootstrap", "--config", str(bad), "--state-dir", str(tmp_path / "boot")]):
             with pytest.raises(SystemExit) as exc:
@@ -156,7 +162,6 @@ def test_pipeline_defaults_match_the_tiny_run_sizes() -> None:
 
 
 def test_the_operator_guide_marks_exactly_the_settings_a_swarm_does_not_read() -> None:
-    import re
 
     text = (ROOT / "docs" / "operator.md").read_text()
     marked = set()

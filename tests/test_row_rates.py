@@ -133,7 +133,7 @@ def test_a_malformed_row_rate_payload_is_refused() -> None:
         state.decode(bytes(huge), 1, 40, 0, dither_seed=5, row_rates=True)
     with pytest.raises(ValueError, match="dither_seed"):
         state.encode(x, 0, row_rates=True)
-    with pytest.raises(ConfigError, match="mask.grad_rates"):
+    with pytest.raises(ConfigError, match="codec.transform.grad_rates"):
         MaskConfig(scheme="transform", grad_rates="row", grad_rounding="stochastic")
-    with pytest.raises(ConfigError, match="mask.grad_rates"):
+    with pytest.raises(ConfigError, match="codec.transform.grad_rates"):
         MaskConfig(scheme="transform", grad_rates="rows")

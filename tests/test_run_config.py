@@ -17,7 +17,7 @@ from peer.config import ConfigError, DataConfig, ModelConfig, TrainConfig, check
 from peer.data import load_training_data
 from peer.model.loading import load_causal_lm, resolve_dims
 from peer.model.tokenizer import hf_byte_tokenizer
-from peer.runtoml import config_from_dict, load_run_toml
+from peer.runtoml import config_from_dict, load_run_toml, resolve_run
 from peer.wire import anchormesh_pb2 as pb
 from peer.wire.version import build_fields
 
@@ -41,10 +41,13 @@ def test_there_are_examples_for_both_uses() -> None:
     ("data", "field"),
     [
         ({"optim": {"lr": "3e-4"}}, "optim.lr"),
-        ({"mask": {"rank": 2.5}}, "mask.rank"),
+        ({"codec": {"scheme": "lowrank", "lowrank": {"rank": 2.5}}}, "codec.lowrank.rank"),
         ({"anchor": {"with_masked": 1}}, "anchor.with_masked"),
-        ({"mask": {"scheme": "transform"}, "anchor": {"every": 5}, "spectral": {"mode": "ef"}}, "spectral.mode"),  # no masked twin pass for it
-        ({"mask": {"scheme": "transform", "grad_rounding": "round"}}, "mask.grad_rounding"),
+        ({"codec": {"scheme": "transform"}, "anchor": {"every": 5}, "spectral": {"mode": "ef"}}, "spectral.mode"),  # no masked twin pass for it
+        ({"codec": {"transform": {"grad_rounding": "round"}}}, "codec.transform.grad_rounding"),
+        ({"codec": {"scheme": "mask", "transform": {"bits": 3}}}, "codec.transform.bits"),  # a setting of a codec the run does not use
+        ({"codec": {"bits": 3}}, "codec.bits"),  # a codec's own setting outside its table
+        ({"mask": {"bits": 3}}, "mask.bits"),  # the former [mask] table, refused with the key's new home
         ({"data": {"path": "a", "dataset": "b"}}, "data.dataset"),
         ({"data": {"tokenizer": "bpe"}}, "data.tokenizer"),
         ({"data": {"heldout": 0.0}}, "data.heldout"),
@@ -60,7 +63,7 @@ def test_there_are_examples_for_both_uses() -> None:
 )
 def test_a_bad_setting_names_its_field(data: dict, field: str) -> None:
     with pytest.raises(ConfigError) as info:
-        config_from_dict(data)
+        resolve_run(data)
     assert str(info.value).startswith(f"{field}=")
 
 

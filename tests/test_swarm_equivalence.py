@@ -31,8 +31,9 @@ hidden_size = 64
 num_layers = 2
 num_heads = 4
 max_seq_len = 64
-[mask]
+[codec]
 scheme = "mask"
+[codec.mask]
 drop = 0.0
 values = "fp32"
 [optim]

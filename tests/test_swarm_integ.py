@@ -77,8 +77,9 @@ hidden_size = 128
 num_layers = 4
 num_heads = 4
 max_seq_len = 128
-[mask]
+[codec]
 scheme = "lowrank"
+[codec.lowrank]
 rank = 20
 values = "int8"
 [anchor]

@@ -48,7 +48,7 @@ def test_join_checks_run_version_and_duplicates() -> None:
     with pytest.raises(JoinRefused, match=r"wire_version=none \(anchormesh 0.0.0 predates"):
         t.join(pb.JoinRequest(peer_id="a", grpc_address="h:1", code_version="0.0.0"))
     # a build without the run's codec: refused, naming it
-    with pytest.raises(JoinRefused, match="mask.scheme='transform', which this peer's build does not have"):
+    with pytest.raises(JoinRefused, match="codec.scheme='transform', which this peer's build does not have"):
         t.join(pb.JoinRequest(peer_id="a", grpc_address="h:1", **{**build_fields(), "codecs": ["mask", "lowrank"]}))
     with pytest.raises(JoinRefused, match="run_id='other'"):
         t.join(pb.JoinRequest(run_id="other", peer_id="a", grpc_address="h:1", **build_fields()))

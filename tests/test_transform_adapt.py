@@ -177,7 +177,7 @@ def test_a_gradient_floor_off_the_grid_or_below_a_bit_with_row_rates_is_refused(
     from peer.errors import ConfigError
 
     for bad in (0.1, 9.0):
-        with pytest.raises(ConfigError, match="mask.grad_min_bits"):
+        with pytest.raises(ConfigError, match="codec.transform.grad_min_bits"):
             MaskConfig(scheme="transform", grad_min_bits=bad)
     with pytest.raises(ConfigError, match='grad_rates = "row"'):
         MaskConfig(scheme="transform", grad_rates="row", grad_min_bits=0.5)

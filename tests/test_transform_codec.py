@@ -202,7 +202,7 @@ def test_the_gradients_step_width_travels_with_their_coder() -> None:
         got = consumer.decode(msg, expect_shape=(4, 16, 32), boundary=0, step=2, micro_batch=0)
         err[scale] = float(((got - x) ** 2).mean() / (x**2).mean())
     assert 0.35 < err[1.0] / err[2.0] < 0.65, err
-    with pytest.raises(ConfigError, match="mask.grad_step_scale"):
+    with pytest.raises(ConfigError, match="codec.transform.grad_step_scale"):
         MaskConfig(scheme="transform", grad_step_scale=0.0)
 
 
@@ -228,7 +228,7 @@ def test_activations_dither_by_mask_act_rounding_with_their_own_offsets() -> Non
     assert rel(mean) < 0.5 * nearest  # unbiased inside the range (what is left: clipped values); nearest rounding's error never averages out
     links = TransformLinks(MaskConfig(scheme="transform", act_rounding="dither", grad_rounding="stochastic"), H, True, True)
     assert links.dithers("forward") and not links.dithers("backward")
-    with pytest.raises(ConfigError, match="mask.act_rounding"):
+    with pytest.raises(ConfigError, match="codec.transform.act_rounding"):
         MaskConfig(scheme="transform", act_rounding="stochastic")
 
 
@@ -306,15 +306,15 @@ def test_payload_checks() -> None:
 
 
 def test_config_bounds() -> None:
-    with pytest.raises(ConfigError, match="mask.bits"):
+    with pytest.raises(ConfigError, match="codec.transform.bits"):
         MaskConfig(scheme="transform", bits=0.0)
-    with pytest.raises(ConfigError, match="mask.grad_bits"):
+    with pytest.raises(ConfigError, match="codec.transform.grad_bits"):
         MaskConfig(scheme="transform", grad_bits=8.5)
-    with pytest.raises(ConfigError, match="mask.sink"):
+    with pytest.raises(ConfigError, match="codec.transform.sink"):
         MaskConfig(scheme="transform", sink=-1)
-    with pytest.raises(ConfigError, match="mask.grad_rounding"):
+    with pytest.raises(ConfigError, match="codec.transform.grad_rounding"):
         MaskConfig(scheme="transform", grad_rounding="round")
-    with pytest.raises(ConfigError, match="mask.drop"):
+    with pytest.raises(ConfigError, match="codec.mask.drop"):
         MaskConfig(scheme="transform", drop=0.5)
 
 
@@ -432,5 +432,5 @@ def test_activations_may_carry_their_own_statistics() -> None:
     chunk = pb.ActivationChunk(header=pb.MicroBatchHeader(sender="stage0.r0", step=1, micro_batch_id=0, boundary=0), hidden=msg, coder=coder)
     got = consumer.decode(chunk, expect_shape=(3, 20, H), boundary=0, step=1, micro_batch=0)
     assert rel(got) < 0.5 * coder_err and producer.msg_stats("forward") and not producer.msg_stats("backward")
-    with pytest.raises(ConfigError, match="mask.act_stats"):
+    with pytest.raises(ConfigError, match="codec.transform.act_stats"):
         MaskConfig(scheme="transform", act_stats="batch")

@@ -19,16 +19,28 @@ from peer.bench.netbed import NetBed
 
 
 def write_toml(data: dict, path: Path) -> None:
-    """A run.toml from {section: {key: scalar}} and top-level scalars (all this bench needs)."""
+    """A run.toml from {section: {key: scalar or sub-table}} and top-level scalars; a "mask" entry
+    (MaskConfig's fields, as the benches build them) becomes the run.toml's `[codec]` table."""
+    from peer.runtoml import codec_table
+
+    if "mask" in data:
+        data = {**{k: v for k, v in data.items() if k != "mask"}, "codec": codec_table(data["mask"])}
 
     def val(v) -> str:
         if isinstance(v, bool):
             return "true" if v else "false"
         return json.dumps(v)  # numbers and strings: the same spelling in TOML
 
+    def table(name: str, values: dict) -> list[str]:
+        out = [f"[{name}]", *(f"{k} = {val(v)}" for k, v in values.items() if not isinstance(v, dict)), ""]
+        for k, v in values.items():
+            if isinstance(v, dict):
+                out += table(f"{name}.{k}", v)
+        return out
+
     top = [f"{k} = {val(v)}" for k, v in data.items() if not isinstance(v, dict)]
-    sections = [f"[{k}]\n" + "\n".join(f"{kk} = {val(vv)}" for kk, vv in v.items()) for k, v in data.items() if isinstance(v, dict)]
-    path.write_text("\n".join(top) + "\n\n" + "\n\n".join(sections) + "\n")
+    sections = [line for k, v in data.items() if isinstance(v, dict) for line in table(k, v)]
+    path.write_text("\n".join(top) + "\n\n" + "\n".join(sections) + "\n")
 
 
 class BedSwarm:

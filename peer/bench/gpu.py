@@ -173,8 +173,9 @@ hidden_size = {hidden}
 num_layers = 4
 num_heads = 4
 max_seq_len = 128
-[mask]
+[codec]
 scheme = "lowrank"
+[codec.lowrank]
 rank = 32
 [dp]
 inner_steps = 5

@@ -58,7 +58,7 @@ def link_payload_bytes(mask, numel: int) -> int:
     from peer.wire import anchormesh_pb2 as pb
 
     if mask.scheme == "mask" and mask.drop:
-        raise ConfigError("mask.drop", mask.drop, "the projection sizes drop = 0 codecs only (the bench's modes)")
+        raise ConfigError("codec.mask.drop", mask.drop, "the projection sizes drop = 0 codecs only (the bench's modes)")
     values = VALUE_WIRE[mask.values]
     return numel * _VALUE_BYTES[values] + (_SCALE_BYTES * -(-numel // DEFAULT_BLOCK_SIZE) if values == pb.INT8 else 0)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from peer.config import LOCAL_ONLY, is_tiny
+from peer.config import CODEC_SETTINGS, CODEC_SHARED, LOCAL_ONLY, TrainConfig, is_tiny
 from peer.runtoml import DEFAULT, MODEL_DIMS, SCALARS, ResolvedRun, config_digest
 
 
@@ -22,10 +22,27 @@ def _toml_value(value: object) -> str:
     return repr(value)
 
 
+def public_tables(cfg: TrainConfig) -> dict:
+    """The run as a run.toml lays it out: top-level keys, sections, `[codec]` with the run's
+    codec's own table `[codec.SCHEME]`. Settings a swarm does not read (LOCAL_ONLY) are left out."""
+    data = dataclasses.asdict(cfg)
+    out: dict = {k: data[k] for k in SCALARS if k not in LOCAL_ONLY}
+    for section, values in data.items():
+        if not isinstance(values, dict):
+            continue
+        if section == "mask":
+            scheme = cfg.mask.scheme
+            out["codec"] = {k: values[k] for k in CODEC_SHARED}
+            own = CODEC_SETTINGS.get(scheme, ())
+            if own:
+                out["codec"][scheme] = {k: values[k] for k in own}
+        else:
+            out[section] = {k: v for k, v in values.items() if f"{section}.{k}" not in LOCAL_ONLY}
+    return out
+
+
 def render_toml(resolved: ResolvedRun) -> str:
-    """The run as a run.toml with a `# source` comment on every line that is not a default.
-    Settings a swarm does not read (LOCAL_ONLY) are left out: a run.toml may not set them."""
-    data = dataclasses.asdict(resolved.config)
+    """The run as a run.toml with a `# source` comment on every line that is not a default."""
     cfg = resolved.config
     lines = [f"# run config {config_digest(cfg)}: model {cfg.model.name}, {cfg.model.num_stages} stages, codec {cfg.mask.scheme}",
              "# each value's source: default (the recommended run) unless its comment says otherwise"]
@@ -37,16 +54,23 @@ def render_toml(resolved: ResolvedRun) -> str:
             return f"# {text:<38} # not used: read from the model when the run starts"
         return text if source == DEFAULT else f"{text:<40} # {source}"
 
-    lines += [line(k, k, data[k]) for k in SCALARS if k not in LOCAL_ONLY]
-    for section, values in data.items():
-        if not isinstance(values, dict):
-            continue
-        lines += ["", f"[{section}]"]
-        lines += [line(f"{section}.{k}", k, v) for k, v in values.items() if f"{section}.{k}" not in LOCAL_ONLY]
+    def table(path: str, values: dict) -> None:
+        lines.extend(["", f"[{path}]"])
+        lines.extend(line(f"{path}.{k}", k, v) for k, v in values.items() if not isinstance(v, dict))
+        for k, v in values.items():
+            if isinstance(v, dict):
+                table(f"{path}.{k}", v)
+
+    tables = public_tables(cfg)
+    lines += [line(k, k, v) for k, v in tables.items() if not isinstance(v, dict)]
+    for section, values in tables.items():
+        if isinstance(values, dict):
+            table(section, values)
     return "\n".join(lines) + "\n"
 
 
 def render_json(resolved: ResolvedRun) -> str:
-    """The same as one JSON object: {"digest", "config", "sources"} (sources of the non-defaults)."""
-    sources = {k: v for k, v in resolved.sources.items() if v != DEFAULT and k not in LOCAL_ONLY}
-    return json.dumps({"digest": config_digest(resolved.config), "config": dataclasses.asdict(resolved.config), "sources": sources}, indent=2)
+    """The same as one JSON object: {"digest", "config" (as a run.toml lays it out), "sources"
+    (of the values that are not defaults)}."""
+    sources = {k: v for k, v in resolved.sources.items() if v != DEFAULT}
+    return json.dumps({"digest": config_digest(resolved.config), "config": public_tables(resolved.config), "sources": sources}, indent=2)

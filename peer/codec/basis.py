@@ -80,7 +80,7 @@ class BasisLearner:
 
     def __init__(self, vocab_size: int, hidden_size: int, rank: int, refresh: int = 20, buffer_tokens: int = 4096, max_rows: int = 8192, device: torch.device | str = "cpu") -> None:
         if not (1 <= rank <= hidden_size):
-            raise ConfigError("mask.rank", rank, f"must be in [1, hidden_size={hidden_size}]")
+            raise ConfigError("codec.lowrank.rank", rank, f"must be in [1, hidden_size={hidden_size}]")
         self.rank, self.refresh, self.buffer_tokens, self.max_rows = rank, refresh, buffer_tokens, max_rows
         self.sums = torch.zeros(vocab_size, hidden_size, device=device)
         self.counts = torch.zeros(vocab_size, device=device)

@@ -29,10 +29,10 @@ def reconstruct(h: torch.Tensor, keep: torch.Tensor, keep_frac: float, mode: str
     if mode == "rescale":
         return h * m / keep_frac
     if prior is None:
-        raise ValueError(f"mask.fill={mode!r} needs a prior tensor")
+        raise ValueError(f"codec.mask.fill={mode!r} needs a prior tensor")
     p = prior.to(h.dtype)
     if mode == "token_prior":
         return h * m + p * (1 - m)
     if mode == "prior_rescale":
         return p + m * (h - p) / keep_frac
-    raise ValueError(f"mask.fill={mode!r}: must be one of {FILLS}")
+    raise ValueError(f"codec.mask.fill={mode!r}: must be one of {FILLS}")

@@ -154,7 +154,7 @@ def _at_row_bits(row_bits: int, state: TransformState, floor: int | None) -> Tra
     if not row_bits or row_bits == full:
         return state
     if floor is None or not floor <= row_bits < full or grid_bits(row_bits, H) != row_bits:
-        allowed = "none (this run does not adapt: mask.adapt or bits at their floor)" if floor is None else f"multiples of {H}/{BITS_GRID} in [{floor}, {full})"
+        allowed = "none (this run does not adapt: codec.adapt off, or bits at their floor)" if floor is None else f"multiples of {H}/{BITS_GRID} in [{floor}, {full})"
         raise WireError(f"Compression.row_bits={row_bits}: bits per row an adapting sender may send here: {allowed}")
     return state.at_budget(row_bits)
 

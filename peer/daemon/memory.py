@@ -269,7 +269,7 @@ def _fixes(plan: MemoryPlan, budget_gib: float | None) -> list[tuple[str, object
         "activations": [ckpt, batch, flight, bf16],
         "logits": [batch, bf16],
         "anchor_snapshot": [("anchor.every", plan.anchor_every, "no anchors (anchor.every = 0): no weight snapshot"), stages],
-        "codec": [("mask.prior_rows", plan.prior_rows, "a smaller mask.prior_rows, or a mask.fill without a token prior")],
+        "codec": [("codec.lowrank.prior_rows", plan.prior_rows, "a smaller codec.lowrank.prior_rows, or a codec.mask.fill without a token prior")],
     }
     out: list[tuple[str, object, str]] = []
     for component in sorted(COMPONENTS, key=lambda c: -getattr(plan, c)):

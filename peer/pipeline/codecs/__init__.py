@@ -33,7 +33,7 @@ def register(cls: type[LinkCodec]) -> type[LinkCodec]:
 
 def codec_class(scheme: str) -> type[LinkCodec]:
     if scheme not in CODECS:
-        raise ConfigError("mask.scheme", scheme, f"must be one of {', '.join(CODECS)}")
+        raise ConfigError("codec.scheme", scheme, f"must be one of {', '.join(CODECS)}")
     return CODECS[scheme]
 
 
