@@ -63,29 +63,37 @@ def test_meter_reads_the_link_not_the_answer_and_the_bits_do_not_run_down(receiv
 
 
 def test_meter_follows_a_link_that_slows_and_skips_one_that_keeps_up() -> None:
-    """Halfway the link halves: the messages back up again and the meter reads the new rate
-    within its window. A link that carries everything sent never backs up: no estimate, full payload."""
+    """At 20 s the link halves: the messages back up again and the meter reads the new rate
+    within two windows. A link that carries everything sent never backs up: no estimate, full payload."""
     out = drive(LinkMeter(), lambda k: BW if k < 40 else BW / 2, lambda k, delivered, last: delivered + 0.2, n=100)
     assert out[39][1] == pytest.approx(BW, rel=0.05)
-    assert out[-1][1] == pytest.approx(BW / 2, rel=0.1) and out[-1][0] == pytest.approx(FIT / 2, rel=0.1)
+    assert out[-1][1] == pytest.approx(BW / 2, rel=0.2) and out[-1][0] == pytest.approx(FIT / 2, rel=0.2)  # the round trip, learnt at the old rate, reads a little high
     idle = drive(LinkMeter(), BW, lambda k, delivered, last: delivered + 0.2, full=50_000, n=40)
     assert all(bps is None and f == 1.0 for f, bps in idle)
 
 
-def test_meter_measures_back_to_back_messages_whatever_the_round_trip() -> None:
+def test_back_to_back_messages_give_a_lower_bound_that_tightens_as_the_round_trip_is_learned() -> None:
+    """Four messages queued at once on a link that delivers 1000 bytes every 0.1 s, acked `late`
+    after: bytes over send-to-ack, less the round trip known so far, never more than the rate.
+    Each lone message after a burst measures the round trip (less the time its bytes took at the
+    estimate); from CONFIRM of them on, the next burst's bound is tighter."""
     for late in (0.0, 0.2, 1.0):
-        m = LinkMeter()
-        for i in range(4):  # queued together at t=0; the link delivers 1000 bytes every 0.1 s
-            m.sent(1000, now=0.0)
-        assert m.bps(now=0.0) is None  # nothing acked yet
-        for i in range(4):
-            m.acked(now=0.1 * (i + 1) + late)
-        assert m.bps(now=1.5) == pytest.approx(10_000)
-        assert m.backlog() == 0
-        m.sent(1000, now=2.0)  # alone on the stream: its send-to-ack time less 0.1 s on the link is the round trip
-        m.acked(now=2.1 + late)
-        assert m.rtt(now=2.1 + late) == pytest.approx(late, abs=1e-9)
-        assert m.pipe(now=2.2 + late) == 1 + math.ceil(10_000 * late / 1000)
+        m, t = LinkMeter(), 0.0
+        for burst in range(12):
+            for i in range(4):
+                m.sent(1000, now=t)
+            assert burst or m.bps(now=t) is None  # nothing acked yet
+            for i in range(4):
+                m.acked(now=t + 0.1 * (i + 1) + late)
+            assert burst or m.bps(now=t + 0.5 + late) == pytest.approx(4000 / (0.4 + late))  # round trip unknown
+            assert m.backlog() == 0
+            t += 1 + late
+            m.sent(1000, now=t)  # alone on the stream
+            m.acked(now=t + 0.1 + late)
+            t += 1 + late
+        assert 0.96 * 10_000 <= m.bps(now=t) <= 10_000 + 1e-6, late
+        assert m.rtt(now=t) == pytest.approx(late, abs=0.02), late
+        assert m.pipe(now=t) == 1 + math.ceil(m.bps(now=t) * m.rtt(now=t) / 1000 - 1e-9)
 
 
 def test_a_stalled_link_holds_its_estimate_and_says_why() -> None:
@@ -116,7 +124,7 @@ def test_acks_twice_or_out_of_order_give_no_sample() -> None:
     assert m.waiting(now=0.3)[0] == 3 and m.bps(now=0.3) is None
     for i, key in enumerate((1, 3, 4)):
         m.acked(now=0.4 + 0.1 * i, key=key)
-    assert m.held(now=0.6) == "" and m.bps(now=1.0) == pytest.approx(10_000)
+    assert m.held(now=0.6) == "" and m.bps(now=1.0) == pytest.approx(3000 / 0.6)  # 1, 3, 4: sent at 0, the link busy with 0 and 2 first
 
 
 def test_a_clock_that_steps_back_or_stands_still_gives_no_rate() -> None:
@@ -129,8 +137,8 @@ def test_a_clock_that_steps_back_or_stands_still_gives_no_rate() -> None:
     for i in range(4):
         m.sent(1000, now=20.0)
     for i in range(4):
-        m.acked(now=20.5)  # all at one instant
-    assert m.bps(now=20.5) is None and "at once" in m.held(now=20.5)
+        m.acked(now=20.0)  # at the instant they were sent
+    assert m.bps(now=20.0) is None and m.held(now=20.0) == "acks at their messages' send time: sample dropped"
     for i in range(4):
         m.sent(1000, now=30.0)
     for i in range(4):

@@ -17,17 +17,19 @@ receiver's time to answer), so a message sent onto an idle stream takes bytes / 
 to ack, and a slow answer would read as a slow link. The two are estimated apart:
 
     bw  delivery rate: over a run of messages each sent before the previous one was acked,
-        bytes(j+1..k) / (ack_k - ack_j), in which R cancels; the max over `bw_window_s`
+        bytes(j..k) / (ack_k - sent_j - R), a lower bound whatever the acks' timing; the max
+        over `bw_window_s`
     R   round trip: send-to-ack less bytes / bw of a message sent onto an idle stream; the min
         over `rtt_window_s` (what `pipe` keeps in flight: bw * R, and the stall rule allows)
 
 A run's sample measures the link only if the sender outran it: its acks came back spread wider
-(by BUSY) than it sent them. A run the sender paced (acks as far apart as its sends), or a lone
-message (bytes over send-to-ack, a lower bound), measures the sender, not the link (BBR calls
-it application-limited): such a sample may raise the estimate, never lower it. Once the tuner
-fits the payload to the link every run is paced, and the estimate holds; a link that slows makes
-the messages back up and measures again. A link that never backs up is not measured (None): it
-carries the full payload. Stalls, acks twice or out of order, a clock that steps back: no sample
+than it sent them (by BUSY, and by more than the answers' own jitter). A run the sender paced
+(acks as far apart as its sends) measures the sender, not the link (BBR calls it
+application-limited): its sample may raise the estimate, never lower it. A lone message gives
+no rate at all (a shaper's burst lets it through faster than the link's sustained rate). Once the
+tuner fits the payload to the link every run is paced, and the estimate holds; a link that slows
+makes the messages back up and measures again. A link that never backs up is not measured
+(None): it carries the full payload. Stalls, acks twice or out of order, a clock that steps back: no sample
 (never a division by zero or an infinite rate), the estimate holds, and `held` says why.
 """
 
@@ -40,6 +42,9 @@ from collections import deque
 
 # acks spread this much wider than the sends: the sender outran the link, which was busy throughout
 BUSY = 1.1
+# busy acks a window needs before its max may lower the estimate (a stray one, a sender that stalled
+# for a moment, does not); and round-trip samples before the least of them is trusted
+CONFIRM = 4
 
 
 class LinkMeter:
@@ -49,16 +54,17 @@ class LinkMeter:
     Args:
         bw_window_s: seconds a delivery-rate sample counts toward the estimate (max filter).
         rtt_window_s: seconds a round-trip sample counts toward the estimate (min filter).
-        run: most messages one delivery-rate sample spans.
+        run: most messages of a run one delivery-rate sample spans.
     """
 
-    def __init__(self, bw_window_s: float = 10.0, rtt_window_s: float = 10.0, run: int = 8) -> None:
+    def __init__(self, bw_window_s: float = 10.0, rtt_window_s: float = 10.0, run: int = 16) -> None:
         self._lock = threading.Lock()
         self.bw_window_s, self.rtt_window_s = bw_window_s, rtt_window_s
-        self._queued: deque[tuple[int, float, object]] = deque()  # (bytes, sent at, key), not yet acked, in order
-        self._run: deque[tuple[int, float, float]] = deque(maxlen=run + 1)  # (bytes, sent, acked): the latest of the current run
+        self._queued: deque[tuple[int, float, object, int]] = deque()  # (bytes, sent at, key, bytes ahead of it), not yet acked, in order
+        self._run: deque[tuple[int, float, float, int]] = deque(maxlen=run)  # (bytes, sent, acked, ahead): the current run's latest messages
         self._bw: deque[tuple[float, float]] = deque()  # (when, bytes/s) delivery-rate samples
         self._rtt: deque[tuple[float, float]] = deque()  # (when, seconds) round-trip samples
+        self._acks: deque[tuple[float, bool]] = deque()  # (when, whether it found the link busy) per ack
         self._bw_est: float | None = None  # the last estimate: held while no sample is in the window
         self._last_ack: float | None = None
         self._size = 0.0  # mean bytes of the messages acked lately (EMA)
@@ -67,7 +73,7 @@ class LinkMeter:
     def sent(self, nbytes: int, now: float | None = None, key: object = None) -> None:
         """A message of `nbytes` left for the link; `key` (optional) names it in its ack."""
         with self._lock:
-            self._queued.append((nbytes, time.monotonic() if now is None else now, key))
+            self._queued.append((nbytes, time.monotonic() if now is None else now, key, sum(q[0] for q in self._queued)))
 
     def acked(self, now: float | None = None, key: object = None) -> None:
         """A message arrived: the oldest queued one, or the one `key` names. An ack for no message
@@ -84,7 +90,7 @@ class LinkMeter:
             if not self._queued:
                 self.why = "an ack for no message in flight: ignored"
                 return
-            nbytes, sent, _ = self._queued.popleft()
+            nbytes, sent, _, ahead = self._queued.popleft()
             last, self._last_ack = self._last_ack, now
             if now < sent or (last is not None and now < last):
                 self._run.clear()
@@ -95,44 +101,48 @@ class LinkMeter:
             if not (self._run and last is not None and sent < last):  # sent onto an idle stream: a new run
                 self._run.clear()
                 self._lone(nbytes, now - sent, now)
-            self._run.append((nbytes, sent, now))
-            self._busy(now)
+            self._run.append((nbytes, sent, now, ahead))
+            self._acks.append((now, self._busy(now)))
 
     def _lone(self, nbytes: int, elapsed: float, now: float) -> None:
-        """A message that had the stream to itself: elapsed = nbytes / bw + R. nbytes / elapsed
-        is a lower bound of bw (it may raise the estimate: the link got faster); with bw known,
-        elapsed - nbytes / bw is a round-trip sample."""
+        """A message that had the stream to itself: elapsed = nbytes / bw + R, a round-trip
+        sample once bw is known. Not a rate sample: a shaper's token bucket lets a lone
+        message through faster than the link's sustained rate (tbf's burst read 1.5x on the bed)."""
         if elapsed <= 0:
-            self.why = "an ack at its message's send time: sample dropped"
-            return
-        self._add(nbytes / elapsed, now, busy=False)
-        if self._bw_est is not None:
+            self.why = "acks at their messages' send time: sample dropped"
+        elif self._bw_est is not None:
             self._rtt.append((now, max(0.0, elapsed - nbytes / self._bw_est)))
 
-    def _busy(self, now: float) -> None:
-        """A run: messages j..k, each sent before the previous one was acked. Its acks came
-        R after the link delivered each, so bytes(j+1..k) / (ack_k - ack_j) is the rate the link
-        delivered them at, whatever R is; never more than they were sent at (BBR's guard against
-        acks that bunch up). Taken once it spans two messages past the first; the link was busy
-        if the acks fell behind the sends by BUSY and by more than the answers' own jitter."""
+    def _busy(self, now: float) -> bool:
+        """A run: messages j..k each sent before the previous one was acked (j: the oldest the
+        window keeps). The link delivered their bytes between sent_j and ack_k - R, so
+        bytes(j..k) / (ack_k - sent_j - R) is a lower bound of its rate, and the rate itself if it
+        was busy from sent_j on: acks that bunch up (a receiver short of CPU answering several at
+        once) cannot raise it. The link was busy if the acks fell behind the sends by BUSY and by
+        more than the answers' own jitter, and (once the round trip is known) each message was sent
+        with more bytes in flight ahead of it than bw * (R + jitter), what late answers alone
+        keep unacknowledged. Taken once the run holds three messages."""
         if len(self._run) < 3:
-            return
-        _, sent_j, ack_j = self._run[0]
-        acked = sum(b for b, _, _ in list(self._run)[1:])
-        ack_span, send_span = now - ack_j, self._run[-1][1] - sent_j
-        if max(ack_span, send_span) <= 0:
-            self.why = "acks arrived all at once: sample dropped"
-            return
-        lo = self._min(self._rtt, now, self.rtt_window_s, min)
-        jitter = max(r for _, r in self._rtt) - lo if lo is not None else 0.0  # how much the answers alone vary
-        self._add(acked / max(ack_span, send_span), now, busy=ack_span >= BUSY * send_span + jitter)
+            return False
+        rtt = self._least_rtt(now)
+        jitter = max(r for _, r in self._rtt) - rtt if rtt is not None else 0.0  # how much the answers alone vary
+        _, sent_j, ack_j, _ = self._run[0]
+        elapsed = now - sent_j - (rtt or 0.0)
+        if elapsed <= 0:
+            self.why = "acks at their messages' send time: sample dropped"
+            return False
+        busy = now - ack_j >= BUSY * (self._run[-1][1] - sent_j) + jitter
+        if rtt is not None and self._bw_est is not None:  # and each message found more in flight than the answers' delay holds
+            busy = busy and min(a for _, _, _, a in list(self._run)[1:]) > self._bw_est * (rtt + jitter)
+        self._add(sum(b for b, _, _, _ in self._run) / elapsed, now, busy)
+        return busy
 
     def _add(self, bps: float, now: float, busy: bool) -> None:
         """Busy samples always count; others only raise the estimate (they measure the sender)."""
         est = self._estimate(now)
         if busy or (est is not None and bps > est):
             self._bw.append((now, bps))
-            self._bw_est = self._estimate(now)
+            self._estimate(now)
 
     @staticmethod
     def _min(xs, now, window, pick):
@@ -141,8 +151,13 @@ class LinkMeter:
         return pick(v for _, v in xs) if xs else None
 
     def _estimate(self, now: float) -> float | None:
+        """The max of the window's samples. It lowers the held estimate only if the link was seen
+        busy at CONFIRM acks of the window and at least half of them: answers that come late at
+        random make a paced run look busy now and then, a slower link makes it so at every ack."""
         best = self._min(self._bw, now, self.bw_window_s, max)
-        if best is not None:
+        self._min(self._acks, now, self.bw_window_s, max)
+        busy = sum(b for _, b in self._acks)
+        if best is not None and (self._bw_est is None or best >= self._bw_est or (busy >= CONFIRM and 2 * busy >= len(self._acks))):
             self._bw_est = best
         return self._bw_est
 
@@ -160,12 +175,16 @@ class LinkMeter:
         with self._lock:
             return self._estimate(now)
 
+    def _least_rtt(self, now: float) -> float | None:
+        least = self._min(self._rtt, now, self.rtt_window_s, min)
+        return least if len(self._rtt) >= CONFIRM else None
+
     def rtt(self, now: float | None = None) -> float | None:
-        """Seconds from a message's last byte on the link to its ack (the least of the window),
-        or None until measured."""
+        """Seconds from a message's last byte on the link to its ack (the least of the window,
+        once it holds CONFIRM samples), or None until measured."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            return self._min(self._rtt, now, self.rtt_window_s, min)
+            return self._least_rtt(now)
 
     def pipe(self, now: float | None = None) -> int:
         """Messages to keep in flight so the round trip costs the link no time: one more than fit
