@@ -60,7 +60,8 @@ def _stage(t, dst, bps: float, log: list) -> None:
         while t.meters[(dst, "forward")].waiting()[0] >= IN_FLIGHT:
             time.sleep(0.005)
         f = keep_fraction(full, 0, t.link_bps(dst, "forward"), T, TARGET, 0.125)
-        msg = pb.ActivationChunk(header=pb.MicroBatchHeader(run_id="lm", micro_batch_id=k), hidden=pb.TensorPayload(payload=bytes(int(f * full))))
+        header = pb.MicroBatchHeader(run_id="lm", micro_batch_id=k)
+        msg = pb.ActivationChunk(header=header, hidden=pb.TensorPayload(payload=bytes(int(f * full))))
         t.send((0, 0), dst, "forward", msg.SerializeToString())
         log.append((now, f, t.link_bps(dst, "forward")))
         k += 1
@@ -126,7 +127,7 @@ def test_meter_reads_the_shaped_rate_and_the_bits_hold_whatever_the_receiver(tmp
         tail = [(f, bps) for now, f, bps in runs[name] if now >= SECONDS / 2]
         read = [bps * 8 / 1e6 if bps else 0.0 for _, bps in tail]
         kept = [f for f, _ in tail]
-        print(f"{name}: shaped {mbit} Mbit/s, read {min(read):.2f}-{max(read):.2f} Mbit/s, kept {min(kept):.2f}-{max(kept):.2f} (fits: {TARGET / 2})")
+        print(f"{name}: shaped {mbit} Mbit/s, read {min(read):.2f}-{max(read):.2f}, kept {min(kept):.2f}-{max(kept):.2f} (fits {TARGET / 2})")
         if not all(abs(r / mbit - 1) <= 0.2 for r in read) or min(kept) < 0.85 * TARGET / 2:  # the payload starts at twice the link's
             bad.append(f"{name}: read {min(read):.2f}-{max(read):.2f} of {mbit} Mbit/s, kept {min(kept):.2f}")
     assert not bad, bad

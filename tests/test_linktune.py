@@ -18,7 +18,7 @@ from peer.wire import anchormesh_pb2 as pb
 from tests.test_runner import MODEL, PIPE, windows
 
 
-def drive(meter: LinkMeter, bw, answer, T: float = 0.5, full: float = 200_000, n: int = 80, in_flight: int = 4, target: float = 0.8) -> list[tuple[float, float | None]]:
+def drive(meter: LinkMeter, bw, answer, T: float = 0.5, full: float = 200_000, n: int = 80, in_flight: int = 4) -> list[tuple[float, float | None]]:
     """A stage on a fake clock: every T seconds it sends `keep_fraction` of `full` bytes (at most
     `in_flight` unacknowledged, as a pipeline's micro-batches) over a link of `bw` (or `bw(k)`) bytes/s, one
     message after another; `answer(k, delivered, last_ack)` is when message k's ack arrives.
@@ -32,7 +32,7 @@ def drive(meter: LinkMeter, bw, answer, T: float = 0.5, full: float = 200_000, n
             t = max(t, acks[-in_flight])
         while pending and pending[0] <= t:
             meter.acked(now=pending.pop(0))
-        f = keep_fraction(full, 0, meter.bps(now=t), T, target, 0.125)
+        f = keep_fraction(full, 0, meter.bps(now=t), T, 0.8, 0.125)
         meter.sent(int(f * full), now=t)
         drained = max(t, drained) + f * full / (bw(k) if callable(bw) else bw)
         acks.append(max(answer(k, drained, acks[-1] if acks else 0.0), acks[-1] if acks else 0.0))
@@ -49,7 +49,8 @@ FIT = 0.8 * BW * 0.5 / 200_000  # the fraction of the payload a 2 Mbit/s link ca
 @pytest.mark.parametrize("receiver,answer", [
     ("fast", lambda k, delivered, last: delivered + 0.002),
     ("acks 200 ms late", lambda k, delivered, last: delivered + 0.2),
-    ("slow to answer", lambda k, delivered, last: max(delivered, last) + 0.05 + 0.2 * random.Random(k).random()),  # one message at a time, 50-250 ms each
+    # one message at a time, 50-250 ms each
+    ("slow to answer", lambda k, delivered, last: max(delivered, last) + 0.05 + 0.2 * random.Random(k).random()),
 ])
 def test_meter_reads_the_link_not_the_answer_and_the_bits_do_not_run_down(receiver: str, answer) -> None:
     """The payload starts at twice what the link carries, so messages back up and the meter
@@ -67,7 +68,8 @@ def test_meter_follows_a_link_that_slows_and_skips_one_that_keeps_up() -> None:
     within two windows. A link that carries everything sent never backs up: no estimate, full payload."""
     out = drive(LinkMeter(), lambda k: BW if k < 40 else BW / 2, lambda k, delivered, last: delivered + 0.2, n=100)
     assert out[39][1] == pytest.approx(BW, rel=0.05)
-    assert out[-1][1] == pytest.approx(BW / 2, rel=0.2) and out[-1][0] == pytest.approx(FIT / 2, rel=0.2)  # the round trip, learnt at the old rate, reads a little high
+    # the round trip, learnt at the old rate, reads a little high
+    assert out[-1][1] == pytest.approx(BW / 2, rel=0.2) and out[-1][0] == pytest.approx(FIT / 2, rel=0.2)
     idle = drive(LinkMeter(), BW, lambda k, delivered, last: delivered + 0.2, full=50_000, n=40)
     assert all(bps is None and f == 1.0 for f, bps in idle)
 

@@ -60,8 +60,8 @@ class LinkMeter:
     def __init__(self, bw_window_s: float = 10.0, rtt_window_s: float = 10.0, run: int = 16) -> None:
         self._lock = threading.Lock()
         self.bw_window_s, self.rtt_window_s = bw_window_s, rtt_window_s
-        self._queued: deque[tuple[int, float, object, int]] = deque()  # (bytes, sent at, key, bytes ahead of it), not yet acked, in order
-        self._run: deque[tuple[int, float, float, int]] = deque(maxlen=run)  # (bytes, sent, acked, ahead): the current run's latest messages
+        self._queued: deque[tuple[int, float, object, int]] = deque()  # (bytes, sent at, key, bytes ahead), unacked, in order
+        self._run: deque[tuple[int, float, float, int]] = deque(maxlen=run)  # (bytes, sent, acked, ahead): the run's latest
         self._bw: deque[tuple[float, float]] = deque()  # (when, bytes/s) delivery-rate samples
         self._rtt: deque[tuple[float, float]] = deque()  # (when, seconds) round-trip samples
         self._acks: deque[tuple[float, bool]] = deque()  # (when, whether it found the link busy) per ack
@@ -145,7 +145,8 @@ class LinkMeter:
             self._estimate(now)
 
     @staticmethod
-    def _min(xs, now, window, pick):
+    def _windowed(xs: deque, now: float, window: float, pick):
+        """Drop the samples older than `window`; `pick` (min or max) of the rest, None if none."""
         while xs and now - xs[0][0] > window:
             xs.popleft()
         return pick(v for _, v in xs) if xs else None
@@ -154,8 +155,8 @@ class LinkMeter:
         """The max of the window's samples. It lowers the held estimate only if the link was seen
         busy at CONFIRM acks of the window and at least half of them: answers that come late at
         random make a paced run look busy now and then, a slower link makes it so at every ack."""
-        best = self._min(self._bw, now, self.bw_window_s, max)
-        self._min(self._acks, now, self.bw_window_s, max)
+        best = self._windowed(self._bw, now, self.bw_window_s, max)
+        self._windowed(self._acks, now, self.bw_window_s, max)
         busy = sum(b for _, b in self._acks)
         if best is not None and (self._bw_est is None or best >= self._bw_est or (busy >= CONFIRM and 2 * busy >= len(self._acks))):
             self._bw_est = best
@@ -176,7 +177,7 @@ class LinkMeter:
             return self._estimate(now)
 
     def _least_rtt(self, now: float) -> float | None:
-        least = self._min(self._rtt, now, self.rtt_window_s, min)
+        least = self._windowed(self._rtt, now, self.rtt_window_s, min)
         return least if len(self._rtt) >= CONFIRM else None
 
     def rtt(self, now: float | None = None) -> float | None:
