@@ -98,6 +98,19 @@ def test_back_to_back_messages_give_a_lower_bound_that_tightens_as_the_round_tri
         assert m.pipe(now=t) == 1 + math.ceil(m.bps(now=t) * m.rtt(now=t) / 1000 - 1e-9)
 
 
+def test_two_micro_batches_a_step_are_enough_to_measure_a_slow_link() -> None:
+    """A stage with `pipeline.micro_batches = 2` sends two messages, then waits for their
+    gradients: each step's pair is a run the link was busy for."""
+    m = LinkMeter()
+    for step in range(3):
+        t = 10.0 * step
+        m.sent(1000, now=t)
+        m.sent(1000, now=t + 0.01)
+        m.acked(now=t + 1.0)
+        m.acked(now=t + 2.0)  # 1000 bytes/s
+    assert m.bps(now=25.0) == pytest.approx(1000, rel=0.01)
+
+
 def test_a_stalled_link_holds_its_estimate_and_says_why() -> None:
     m = LinkMeter(bw_window_s=5.0)
     for i in range(4):

@@ -60,8 +60,8 @@ class LinkMeter:
     def __init__(self, bw_window_s: float = 10.0, rtt_window_s: float = 10.0, run: int = 16) -> None:
         self._lock = threading.Lock()
         self.bw_window_s, self.rtt_window_s = bw_window_s, rtt_window_s
-        self._queued: deque[tuple[int, float, object, int]] = deque()  # (bytes, sent at, key, bytes ahead), unacked, in order
-        self._run: deque[tuple[int, float, float, int]] = deque(maxlen=run)  # (bytes, sent, acked, ahead): the run's latest
+        self._queued: deque[tuple[int, float, object]] = deque()  # (bytes, sent at, key), not yet acked, in order
+        self._run: deque[tuple[int, float, float]] = deque(maxlen=run)  # (bytes, sent, acked): the current run's latest
         self._bw: deque[tuple[float, float]] = deque()  # (when, bytes/s) delivery-rate samples
         self._rtt: deque[tuple[float, float]] = deque()  # (when, seconds) round-trip samples
         self._acks: deque[tuple[float, bool]] = deque()  # (when, whether it found the link busy) per ack
@@ -73,7 +73,7 @@ class LinkMeter:
     def sent(self, nbytes: int, now: float | None = None, key: object = None) -> None:
         """A message of `nbytes` left for the link; `key` (optional) names it in its ack."""
         with self._lock:
-            self._queued.append((nbytes, time.monotonic() if now is None else now, key, sum(q[0] for q in self._queued)))
+            self._queued.append((nbytes, time.monotonic() if now is None else now, key))
 
     def acked(self, now: float | None = None, key: object = None) -> None:
         """A message arrived: the oldest queued one, or the one `key` names. An ack for no message
@@ -90,7 +90,7 @@ class LinkMeter:
             if not self._queued:
                 self.why = "an ack for no message in flight: ignored"
                 return
-            nbytes, sent, _, ahead = self._queued.popleft()
+            nbytes, sent, _ = self._queued.popleft()
             last, self._last_ack = self._last_ack, now
             if now < sent or (last is not None and now < last):
                 self._run.clear()
@@ -101,7 +101,7 @@ class LinkMeter:
             if not (self._run and last is not None and sent < last):  # sent onto an idle stream: a new run
                 self._run.clear()
                 self._lone(nbytes, now - sent, now)
-            self._run.append((nbytes, sent, now, ahead))
+            self._run.append((nbytes, sent, now))
             self._acks.append((now, self._busy(now)))
 
     def _lone(self, nbytes: int, elapsed: float, now: float) -> None:
@@ -119,26 +119,26 @@ class LinkMeter:
         bytes(j..k) / (ack_k - sent_j - R) is a lower bound of its rate, and the rate itself if it
         was busy from sent_j on: acks that bunch up (a receiver short of CPU answering several at
         once) cannot raise it. The link was busy if the acks fell behind the sends by BUSY and by
-        more than the answers' own jitter, and (once the round trip is known) each message was sent
-        with more bytes in flight ahead of it than bw * (R + jitter), what late answers alone
-        keep unacknowledged. Taken once the run holds three messages."""
-        if len(self._run) < 3:
+        more than the answers' own jitter; a run that was not is taken without R, a strict lower
+        bound. Taken from the second message of a run on (a pipeline stage may send only two
+        micro-batches a step)."""
+        if len(self._run) < 2:
             return False
         rtt = self._least_rtt(now)
         jitter = max(r for _, r in self._rtt) - rtt if rtt is not None else 0.0  # how much the answers alone vary
-        _, sent_j, ack_j, _ = self._run[0]
+        _, sent_j, ack_j = self._run[0]
         elapsed = now - sent_j - (rtt or 0.0)
         if elapsed <= 0:
             self.why = "acks at their messages' send time: sample dropped"
             return False
         busy = now - ack_j >= BUSY * (self._run[-1][1] - sent_j) + jitter
-        if rtt is not None and self._bw_est is not None:  # and each message found more in flight than the answers' delay holds
-            busy = busy and min(a for _, _, _, a in list(self._run)[1:]) > self._bw_est * (rtt + jitter)
-        self._add(sum(b for b, _, _, _ in self._run) / elapsed, now, busy)
+        nbytes = sum(b for b, _, _ in self._run)
+        self._add(nbytes / elapsed if busy else nbytes / (now - sent_j), now, busy)  # R's error may not raise it
         return busy
 
     def _add(self, bps: float, now: float, busy: bool) -> None:
-        """Busy samples always count; others only raise the estimate (they measure the sender)."""
+        """Busy samples always count; others only raise the estimate (they measure the sender,
+        and with R left in: a strict lower bound)."""
         est = self._estimate(now)
         if busy or (est is not None and bps > est):
             self._bw.append((now, bps))
