@@ -25,11 +25,13 @@ to ack, and a slow answer would read as a slow link. The two are estimated apart
 A run's sample measures the link only if the sender outran it: its acks came back spread wider
 than it sent them (by BUSY, and by more than the answers' own jitter). A run the sender paced
 (acks as far apart as its sends) measures the sender, not the link (BBR calls it
-application-limited): its sample may raise the estimate, never lower it. A lone message gives
-no rate at all (a shaper's burst lets it through faster than the link's sustained rate). Once the
-tuner fits the payload to the link every run is paced, and the estimate holds; a link that slows
-makes the messages back up and measures again. A link that never backs up is not measured
-(None): it carries the full payload. Stalls, acks twice or out of order, a clock that steps back: no sample
+application-limited): its sample, R left in, may raise the estimate, never lower it. Lowering
+takes busy acks at CONFIRM and at half of the window's acks (answers that come late at random make
+a paced run look busy now and then; a slower link, at every ack). A lone message gives no rate
+(a shaper's burst lets it through faster than the link's sustained rate). Once the tuner fits the
+payload to the link every run is paced and the estimate holds; a link that slows makes the
+messages back up and measures again. A link that never backs up is not measured (None): it
+carries the full payload. Stalls, acks twice or out of order, a clock that steps back: no sample
 (never a division by zero or an infinite rate), the estimate holds, and `held` says why.
 """
 
