@@ -2,8 +2,8 @@
 and a stage's send loop on each link (a micro-batch every 0.25 s, its payload tuned by
 `keep_fraction` from the meter, at most 4 unacknowledged). The payload starts at twice what the
 link carries, so the meter learns the link; then the tuner fits it and only the round trip is
-left to mislead. The meter must read the shaped rate within 20 % and the kept fraction must not
-run down, whether the receiver answers at once, 200 ms late, or is short of CPU on a fast link (a
+left to mislead. Over the second half the meter must read the shaped rate within 20 % and the
+kept fraction must not run down, whether the receiver answers at once, 200 ms late, or is short of CPU on a fast link (a
 thread spinning beside its server, both held to 10 % of a core in 0.5 s periods by a cgroup: its
 answers come up to 450 ms late, several at once). The three run at once, about 30 s."""
 
@@ -128,8 +128,10 @@ def test_meter_reads_the_shaped_rate_and_the_bits_hold_whatever_the_receiver(tmp
         read = [bps * 8 / 1e6 if bps else 0.0 for _, bps in tail]
         kept = [f for f, _ in tail]
         print(f"{name}: shaped {mbit} Mbit/s, read {min(read):.2f}-{max(read):.2f}, kept {min(kept):.2f}-{max(kept):.2f} (fits {TARGET / 2})")
-        if not all(abs(r / mbit - 1) <= 0.2 for r in read) or min(kept) < 0.85 * TARGET / 2:  # the payload starts at twice the link's
-            bad.append(f"{name}: read {min(read):.2f}-{max(read):.2f} of {mbit} Mbit/s, kept {min(kept):.2f}")
+        # within 20 % of the link; the kept fraction (fitting: TARGET / 2 of a payload twice the link's) not running down
+        ran_down = min(kept) < 0.95 * kept[0] or min(kept) < 0.75 * TARGET / 2
+        if ran_down or not all(abs(r / mbit - 1) <= 0.2 for r in read):
+            bad.append(f"{name}: read {min(read):.2f}-{max(read):.2f} of {mbit} Mbit/s, kept {kept[0]:.2f} down to {min(kept):.2f}")
     assert not bad, bad
 
 if __name__ == "__main__":
