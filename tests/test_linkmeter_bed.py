@@ -127,7 +127,7 @@ def test_meter_reads_the_shaped_rate_and_the_bits_hold_whatever_the_receiver(tmp
         tail = [(f, bps) for now, f, bps in runs[name] if now >= SECONDS / 2]
         read = [bps * 8 / 1e6 if bps else 0.0 for _, bps in tail]
         kept = [f for f, _ in tail]
-        print(f"{name}: shaped {mbit} Mbit/s, read {min(read):.2f}-{max(read):.2f}, kept {min(kept):.2f}-{max(kept):.2f} (fits {TARGET / 2})")
+        print(f"{name}: shaped {mbit} Mbit/s, read {min(read):.2f}-{max(read):.2f}, kept {min(kept):.2f}-{max(kept):.2f}")
         # within 20 % of the link; the kept fraction (fitting: TARGET / 2 of a payload twice the link's) not running down
         ran_down = min(kept) < 0.95 * kept[0] or min(kept) < 0.75 * TARGET / 2
         if ran_down or not all(abs(r / mbit - 1) <= 0.2 for r in read):
