@@ -97,6 +97,7 @@ eval_every = 0
             procs.append(start(f"peer{i}", "peer", "--tracker", info["tracker"], "--token", f"@{tmp_path}/boot/bootstrap.json"))
         s = wait_for_status(info["tracker"], lambda s: s["step"] >= 3 and s["pp_bytes_per_token"] > 0, tmp_path, procs, timeout=150)
         H = MODEL.hidden_size
-        assert 2 * 2 * H <= s["pp_bytes_per_token"] < 2 * 2 * H * 1.5, (s["pp_bytes_per_token"], logs(tmp_path))
+        # bf16 activations at least (the last stage's gradient bytes reach the tracker with its next heartbeat)
+        assert 2 * H <= s["pp_bytes_per_token"] < 2 * 2 * H * 1.5, (s["pp_bytes_per_token"], logs(tmp_path))
     finally:
         stop_processes(procs, grace_s=10)
