@@ -61,6 +61,7 @@ def tracker_policy(config: TrainConfig) -> dict[str, frozenset[str]]:
         "/anchormesh.v1.Tracker/Join": frozenset({auth.TOKEN, auth.MEMBER}),
         "/anchormesh.v1.Tracker/GetConfig": frozenset({auth.TOKEN, auth.MEMBER, auth.OPERATOR}),
         "/anchormesh.v1.Tracker/Heartbeat": frozenset({auth.MEMBER}),
+        "/anchormesh.v1.Tracker/GetData": frozenset({auth.MEMBER}),  # the run's data is for its members only
         "/anchormesh.v1.Tracker/Leave": frozenset({auth.MEMBER}),
         "/anchormesh.v1.Tracker/Ban": frozenset({auth.OPERATOR}),
         "/anchormesh.v1.Status/GetStatus": watch,
