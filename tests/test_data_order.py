@@ -111,3 +111,37 @@ def test_the_position_survives_a_round_trip_through_tracker_json() -> None:
     fresh = list(r.report(pb.PeerReport(run_id="run-x", peer=pb.PeerInfo(peer_id="a", stage=0, state="active"))).windows)
     ref = list(t.report(pb.PeerReport(run_id="run-x", peer=pb.PeerInfo(peer_id="a", stage=0, state="active"))).windows)
     assert fresh == ref  # the restored order continues where the saved one was
+
+
+def test_status_json_and_table_show_the_data_position() -> None:
+    from peer.client.status import render
+    from peer.client.view import status_dict
+
+    t = Tracker("run-x", TrainConfig(model=ModelConfig(num_stages=2, num_layers=4)), data=DataOrder(windows=200, seq_len=8, lease=4, source="corpus"), eval_windows=16)
+    t.join(pb.JoinRequest(peer_id="a", grpc_address="h:1", **build_fields()))
+    held = list(t.report(pb.PeerReport(run_id="run-x", peer=pb.PeerInfo(peer_id="a", stage=0, state="active"))).windows)
+    t.report(pb.PeerReport(run_id="run-x", peer=pb.PeerInfo(peer_id="a", stage=0, state="active"), windows_held=held[2:]))
+    s = t.status()
+    assert status_dict(s)["data"] == {"source": "corpus", "epoch": 0, "windows": 200, "position": 6, "done": 2, "tokens_seen": 16, "in_flight": 4,
+                                      "returned": 0, "eval_windows": 16}
+    assert "data epoch 0, window 6 of 200 (3.0 %), 16 tokens seen, 4 in flight" in render(s)
+    assert status_dict(Tracker("run-y", TrainConfig()).status())["data"] is None
+
+
+def test_a_restarted_bootstrap_refuses_data_that_changed_under_its_run(tmp_path) -> None:
+    import pytest
+
+    from bootstrap.node import attach_data
+    from bootstrap.run_data import open_run_data
+    from peer.config import DataConfig, PipelineConfig
+    from peer.errors import ConfigError
+
+    (tmp_path / "a.txt").write_text("\n\n".join(f"document {i} " + "words of text " * 60 for i in range(600)))
+    cfg = TrainConfig(model=ModelConfig(num_stages=2, num_layers=4), pipeline=PipelineConfig(seq_len=32), data=DataConfig(path=str(tmp_path / "a.txt")))
+    data = open_run_data(cfg, tmp_path / "boot")
+    t = Tracker("run-x", cfg)
+    attach_data(t, data)
+    assert t.data.windows == data.windows(32).count and t.data_manifest and t.eval_windows == 4 * 8
+    t.data.windows += 1  # the saved order was made over other data
+    with pytest.raises(ConfigError, match=r"^data=.*training windows; the saved run's order covers"):
+        attach_data(t, data)

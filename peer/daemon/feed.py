@@ -144,7 +144,14 @@ class WorkFeed:
                 return None
             ids = [self.ready.popleft() for _ in range(n)]
             self._check_hunger()
-        batch = torch.from_numpy(self.train.batch([i % self.windows for i in ids]))
+        try:
+            batch = torch.from_numpy(self.train.batch([i % self.windows for i in ids]))
+        except (ShardError, grpc.RpcError, OSError) as exc:  # its shard went and cannot be had again now: keep the work
+            log.warning("cannot read windows %s..: %s", ids[0], exc)
+            with self._lock:
+                self.ready.extendleft(reversed(ids))
+            self.waiting = "waiting for data (a shard is being fetched again)"
+            return None
         self.recent.append(batch)
         self.trained += n
         if self._log is not None:

@@ -72,6 +72,7 @@ class ShardStore:
         self._paths: OrderedDict[str, Path] = OrderedDict()  # shard name -> checked file, least recently used first
         self._maps: dict[str, np.ndarray] = {}
         self._lock = threading.RLock()
+        self._fetching = threading.Lock()
         self._local_checked: set[str] = set()
         self.downloaded = 0  # bytes fetched from the bootstrap
 
@@ -84,10 +85,14 @@ class ShardStore:
             if shard.name in self._paths:
                 self._paths.move_to_end(shard.name)
                 return self._paths[shard.name]
-        path = self._local(shard) or self._download(shard)
-        with self._lock:
-            self._paths[shard.name] = path
-            self._evict()
+        with self._fetching:  # one download at a time: the prefetch thread and the main loop may ask for the same shard
+            with self._lock:
+                if shard.name in self._paths:
+                    return self._paths[shard.name]
+            path = self._local(shard) or self._download(shard)
+            with self._lock:
+                self._paths[shard.name] = path
+                self._evict()
         return path
 
     def tokens(self, shard: ShardInfo) -> np.ndarray:
