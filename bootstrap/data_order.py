@@ -116,8 +116,17 @@ class DataOrder:
         return self.done * self.seq_len
 
     def status(self, eval_windows: int = 0) -> pb.DataStatus:
-        return pb.DataStatus(source=self.source[:300], epoch=self.epoch, windows=self.windows, position=self.cursor, done=self.done,
-                             tokens_seen=self.tokens_seen, in_flight=self.in_flight, returned=len(self.returned), eval_windows=eval_windows)
+        return pb.DataStatus(
+            source=self.source[:300],
+            epoch=self.epoch,
+            windows=self.windows,
+            position=self.cursor,
+            done=self.done,
+            tokens_seen=self.tokens_seen,
+            in_flight=self.in_flight,
+            returned=len(self.returned),
+            eval_windows=eval_windows,
+        )
 
     def to_dict(self) -> dict:
         keys = ("windows", "seq_len", "seed", "lease", "source", "epoch", "cursor", "done", "held", "returned", "refused", "version")

@@ -69,8 +69,18 @@ def open_run_data(config: TrainConfig, state_dir: Path) -> PreparedData:
         half = config.data.heldout / 2  # documents held out: half for the evaluation passes, half as the confirmation set
         p = config.pipeline  # each held-out split needs one evaluation pass's windows (at most the default minimum)
         least = min(DEFAULT_MIN_HELDOUT_TOKENS, p.eval_batches * p.micro_batch_size * (p.seq_len + 1))
-        prepare(source, tok, folder, force=True, max_bytes=config.data.max_bytes, show_progress=False, text_field=config.data.text_field,
-                eval_fraction=half, confirm_fraction=half, min_heldout_tokens=least)
+        prepare(
+            source,
+            tok,
+            folder,
+            force=True,
+            max_bytes=config.data.max_bytes,
+            show_progress=False,
+            text_field=config.data.text_field,
+            eval_fraction=half,
+            confirm_fraction=half,
+            min_heldout_tokens=least,
+        )
     except ConfigError as exc:
         raise ConfigError("data", source, f"the bootstrap cannot prepare the run's data: {exc}") from None
     finally:

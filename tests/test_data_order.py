@@ -66,7 +66,16 @@ def test_a_dead_peers_unstarted_work_goes_to_another_and_nothing_is_trained_twic
 
     def report(pid: str, held: list[int], returned: list[int] = ()) -> list[int]:
         p = t.peers[pid]
-        return list(t.report(pb.PeerReport(run_id="run-x", peer=pb.PeerInfo(peer_id=pid, stage=p.stage, state="active"), windows_held=held, windows_returned=returned)).windows)
+        return list(
+            t.report(
+                pb.PeerReport(
+                    run_id="run-x",
+                    peer=pb.PeerInfo(peer_id=pid, stage=p.stage, state="active"),
+                    windows_held=held,
+                    windows_returned=returned,
+                )
+            ).windows
+        )
 
     wx, wy = report(x, []), report(y, [])
     assert len(wx) == len(wy) == 8 and not set(wx) & set(wy)
@@ -117,13 +126,27 @@ def test_status_json_and_table_show_the_data_position() -> None:
     from peer.client.status import render
     from peer.client.view import status_dict
 
-    t = Tracker("run-x", TrainConfig(model=ModelConfig(num_stages=2, num_layers=4)), data=DataOrder(windows=200, seq_len=8, lease=4, source="corpus"), eval_windows=16)
+    t = Tracker(
+        "run-x",
+        TrainConfig(model=ModelConfig(num_stages=2, num_layers=4)),
+        data=DataOrder(windows=200, seq_len=8, lease=4, source="corpus"),
+        eval_windows=16,
+    )
     t.join(pb.JoinRequest(peer_id="a", grpc_address="h:1", **build_fields()))
     held = list(t.report(pb.PeerReport(run_id="run-x", peer=pb.PeerInfo(peer_id="a", stage=0, state="active"))).windows)
     t.report(pb.PeerReport(run_id="run-x", peer=pb.PeerInfo(peer_id="a", stage=0, state="active"), windows_held=held[2:]))
     s = t.status()
-    assert status_dict(s)["data"] == {"source": "corpus", "epoch": 0, "windows": 200, "position": 6, "done": 2, "tokens_seen": 16, "in_flight": 4,
-                                      "returned": 0, "eval_windows": 16}
+    assert status_dict(s)["data"] == {
+        "source": "corpus",
+        "epoch": 0,
+        "windows": 200,
+        "position": 6,
+        "done": 2,
+        "tokens_seen": 16,
+        "in_flight": 4,
+        "returned": 0,
+        "eval_windows": 16,
+    }
     assert "data epoch 0, window 6 of 200 (3.0 %), 16 tokens seen, 4 in flight" in render(s)
     assert status_dict(Tracker("run-y", TrainConfig()).status())["data"] is None
 
@@ -137,7 +160,9 @@ def test_a_restarted_bootstrap_refuses_data_that_changed_under_its_run(tmp_path)
     from peer.errors import ConfigError
 
     (tmp_path / "a.txt").write_text("\n\n".join(f"document {i} " + "words of text " * 60 for i in range(600)))
-    cfg = TrainConfig(model=ModelConfig(num_stages=2, num_layers=4), pipeline=PipelineConfig(seq_len=32), data=DataConfig(path=str(tmp_path / "a.txt")))
+    cfg = TrainConfig(
+        model=ModelConfig(num_stages=2, num_layers=4), pipeline=PipelineConfig(seq_len=32), data=DataConfig(path=str(tmp_path / "a.txt"))
+    )
     data = open_run_data(cfg, tmp_path / "boot")
     t = Tracker("run-x", cfg)
     attach_data(t, data)

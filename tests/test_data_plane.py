@@ -45,7 +45,9 @@ def test_two_stage0_peers_and_a_bootstrap_killed_and_restarted_train_no_window_t
 
         for i in range(4):
             start_peer(f"p{i}")
-        s = wait_for_status(tracker, lambda s: s["step"] >= 4 and sum(p["stage"] == 0 and p["state"] == "active" for p in s["peers"]) == 2, tmp_path, procs)
+        s = wait_for_status(
+            tracker, lambda s: s["step"] >= 4 and sum(p["stage"] == 0 and p["state"] == "active" for p in s["peers"]) == 2, tmp_path, procs
+        )
         assert s["data"]["windows"] > 1000 and s["data"]["source"].endswith("builtin-corpus.txt")
         victim = next(p["id"] for p in s["peers"] if p["stage"] == 0 and p["state"] == "active")
         name = next(n for n in peers if (tmp_path / n / "windows.log").exists() and victim in (tmp_path / f"{n}.log").read_text())
@@ -55,7 +57,11 @@ def test_two_stage0_peers_and_a_bootstrap_killed_and_restarted_train_no_window_t
 
         def rejoined(s: dict) -> bool:
             states = {p["id"]: p["state"] for p in s["peers"]}
-            return states.get(victim) == "active" and any(k.startswith(victim + "~") for k in states) and s["data"]["returned"] < s["data"]["done"]
+            return (
+                states.get(victim) == "active"
+                and any(k.startswith(victim + "~") for k in states)
+                and s["data"]["returned"] < s["data"]["done"]
+            )
 
         before = wait_for_status(tracker, rejoined, tmp_path, procs)["data"]
         time.sleep(persist.SAVE_EVERY_S)
@@ -64,7 +70,9 @@ def test_two_stage0_peers_and_a_bootstrap_killed_and_restarted_train_no_window_t
         time.sleep(2)  # the peers train on what they hold meanwhile
         procs[0] = start_process(boot_args, tmp_path / "boot2.log")
         wait_for_bootstrap(tmp_path / "boot", procs[0], tmp_path / "boot2.log")
-        after = wait_for_status(tracker, lambda s: s["data"]["done"] >= before["done"] + 4 * PER_STEP and rejoined(s), tmp_path, procs)["data"]
+        after = wait_for_status(tracker, lambda s: s["data"]["done"] >= before["done"] + 4 * PER_STEP and rejoined(s), tmp_path, procs)[
+            "data"
+        ]
         assert after["position"] >= before["position"] and after["epoch"] == before["epoch"]  # resumed, not started over
     finally:
         stop_processes(procs[1:], grace_s=10)  # the peers first: they give back what they hold

@@ -33,9 +33,20 @@ SEQ = 15  # windows of 16 tokens
 def prepared(tmp_path_factory) -> PreparedData:
     tmp = tmp_path_factory.mktemp("prepared")
     rng = random.Random(0)
-    text = "\n\n".join(" ".join(rng.choice("a swarm of peers trains one model".split()) for _ in range(rng.randint(20, 80))) for _ in range(300))
+    text = "\n\n".join(
+        " ".join(rng.choice("a swarm of peers trains one model".split()) for _ in range(rng.randint(20, 80))) for _ in range(300)
+    )
     (tmp / "corpus.txt").write_text(text)
-    prepare(str(tmp / "corpus.txt"), "bytes", tmp / "data", shard_tokens=4096, eval_fraction=0.1, confirm_fraction=0.1, min_heldout_tokens=200, show_progress=False)
+    prepare(
+        str(tmp / "corpus.txt"),
+        "bytes",
+        tmp / "data",
+        shard_tokens=4096,
+        eval_fraction=0.1,
+        confirm_fraction=0.1,
+        min_heldout_tokens=200,
+        show_progress=False,
+    )
     return PreparedData(tmp / "data")
 
 
@@ -55,7 +66,9 @@ def test_a_download_matching_the_manifest_is_used_and_the_disk_holds_a_bounded_n
     assert len(list((tmp_path / "cache").glob("*.bin"))) == 2 and store.downloaded == sum(s.tokens for s in shards[:4]) * 2
 
 
-@pytest.mark.parametrize("damage, why", [("flip", "content differs"), ("cut", "truncated"), ("extra", "oversized"), ("size", "the server says")])
+@pytest.mark.parametrize(
+    "damage, why", [("flip", "content differs"), ("cut", "truncated"), ("extra", "oversized"), ("size", "the server says")]
+)
 def test_a_bad_download_is_refused_and_leaves_nothing(prepared: PreparedData, tmp_path: Path, damage: str, why: str) -> None:
     good = serve(prepared)
 

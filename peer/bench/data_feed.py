@@ -47,15 +47,30 @@ def _corpus(path: Path, n_bytes: int) -> None:
 
 def measure(work: Path, mbytes: int, seq_len: int, micro_batch_size: int, micro_batches: int, seconds: float) -> dict:
     _corpus(work / "corpus.txt", mbytes << 20)
-    prepare(str(work / "corpus.txt"), "bytes", work / "data", shard_tokens=1 << 22, eval_fraction=0.01, confirm_fraction=0.01, show_progress=False)
+    prepare(
+        str(work / "corpus.txt"),
+        "bytes",
+        work / "data",
+        shard_tokens=1 << 22,
+        eval_fraction=0.01,
+        confirm_fraction=0.01,
+        show_progress=False,
+    )
     data = PreparedData(work / "data")
-    cfg = TrainConfig(model=ModelConfig(num_stages=2, num_layers=2, max_seq_len=max(seq_len, 256)), pipeline=PipelineConfig(seq_len=seq_len, micro_batch_size=micro_batch_size, micro_batches=micro_batches))
+    cfg = TrainConfig(
+        model=ModelConfig(num_stages=2, num_layers=2, max_seq_len=max(seq_len, 256)),
+        pipeline=PipelineConfig(seq_len=seq_len, micro_batch_size=micro_batch_size, micro_batches=micro_batches),
+    )
     tracker = Tracker("run-bench", cfg)
     tracker.data, tracker.eval_windows = data_order(data, cfg)
     tracker.data_manifest = data.manifest.to_json().decode()
     saver = StateSaver(tracker, work, {})
     server, address = serve_tracker(tracker, "127.0.0.1", 0, files=DataFiles(data), commit=saver.commit)
-    out: dict = {"seq_len": seq_len, "windows_per_step": micro_batches * micro_batch_size, "train_tokens": data.manifest.splits["train"].tokens}
+    out: dict = {
+        "seq_len": seq_len,
+        "windows_per_step": micro_batches * micro_batch_size,
+        "train_tokens": data.manifest.splits["train"].tokens,
+    }
     try:
         channel = auth.open_channel(address, None)
         stub = pbg.TrackerStub(channel)
@@ -75,7 +90,12 @@ def measure(work: Path, mbytes: int, seq_len: int, micro_batch_size: int, micro_
         def reports():
             while not stop.is_set():
                 held, returned = feed.for_report()
-                yield pb.PeerReport(run_id="run-bench", peer=pb.PeerInfo(peer_id="bench", stage=0, state="active"), windows_held=held, windows_returned=returned)
+                yield pb.PeerReport(
+                    run_id="run-bench",
+                    peer=pb.PeerInfo(peer_id="bench", stage=0, state="active"),
+                    windows_held=held,
+                    windows_returned=returned,
+                )
                 if feed.hungry.wait(1.0):
                     feed.hungry.clear()
 

@@ -38,7 +38,9 @@ FETCH_TIMEOUT_S = 600.0  # one shard's download (32 MiB at the default shard siz
 MIN_REPORT_GAP_S = 0.1  # a hungry feed asks for a report early, but not more often than this
 
 
-def open_feed(a: pb.Assignment, cfg: TrainConfig, channel: grpc.Channel, state_dir: Path | None, data_dir: Path | None, vocab_size: int) -> WorkFeed:
+def open_feed(
+    a: pb.Assignment, cfg: TrainConfig, channel: grpc.Channel, state_dir: Path | None, data_dir: Path | None, vocab_size: int
+) -> WorkFeed:
     """Stage 0's feed for the run the assignment `a` describes; shards come from the tracker over `channel`.
     ConfigError when this peer's model cannot read the run's data."""
     if not a.data_manifest:
@@ -74,7 +76,9 @@ class WorkFeed:
         self.store, self.windows, self.seq_len, self.ready_target = store, windows, seq_len, ready_target
         self.train = Windows(store, "train", seq_len)
         if self.train.count != windows:
-            raise ShardError("manifest.json", f"gives {self.train.count} training windows at seq_len {seq_len}; the tracker counts {windows}")
+            raise ShardError(
+                "manifest.json", f"gives {self.train.count} training windows at seq_len {seq_len}; the tracker counts {windows}"
+            )
         self.held: deque[int] = deque()
         self.ready: deque[int] = deque()
         self.returned: list[int] = []

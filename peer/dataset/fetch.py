@@ -100,7 +100,9 @@ class ShardStore:
         path = self.ensure(shard)
         with self._lock:
             if shard.name not in self._maps:
-                self._maps[shard.name] = np.memmap(path, dtype=self.dtype, mode="r", shape=(shard.tokens,)) if shard.tokens else np.zeros(0, self.dtype)
+                self._maps[shard.name] = (
+                    np.memmap(path, dtype=self.dtype, mode="r", shape=(shard.tokens,)) if shard.tokens else np.zeros(0, self.dtype)
+                )
             return self._maps[shard.name]
 
     def _size(self, shard: ShardInfo) -> int:
@@ -149,7 +151,9 @@ class ShardStore:
         if got < size:
             raise ShardError(shard.name, f"truncated: {got} bytes, the manifest says {size}")
         if h.hexdigest() != shard.sha256:
-            raise ShardError(shard.name, f"content differs from the manifest: sha256 {h.hexdigest()[:16]}..., expected {shard.sha256[:16]}...")
+            raise ShardError(
+                shard.name, f"content differs from the manifest: sha256 {h.hexdigest()[:16]}..., expected {shard.sha256[:16]}..."
+            )
 
     def _evict(self) -> None:
         """At most `keep` downloaded shards on disk (--data-dir's are the volunteer's: never deleted)."""
