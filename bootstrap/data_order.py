@@ -30,6 +30,7 @@ import numpy as np
 from peer.wire import anchormesh_pb2 as pb
 
 MAX_REFUSED = 4096  # work ids a peer gave back that it is not handed again (bounded memory)
+MAX_AHEAD_LEASES = 4  # windows a peer may have released beyond what its reported tokens trained, in leases
 
 
 @dataclass
@@ -53,6 +54,7 @@ class DataOrder:
     held: dict[str, list[int]] = field(default_factory=dict)  # peer id -> work ids it holds, oldest first
     returned: list[int] = field(default_factory=list)  # work ids given back, handed out before new ones
     refused: dict[str, list[int]] = field(default_factory=dict)  # peer id -> ids it could not train
+    released: dict[str, int] = field(default_factory=dict)  # peer id -> ids it released since it joined
     version: int = 0  # changes with every change of the above (the bootstrap saves before it answers)
 
     def __post_init__(self) -> None:
@@ -92,16 +94,24 @@ class DataOrder:
             self.returned.extend(given_back)
             self.refused[peer] = (self.refused.get(peer, []) + given_back)[-MAX_REFUSED:]
         self.done += len(released)
+        if released:
+            self.released[peer] = self.released.get(peer, 0) + len(released)
         new = [self._take(peer) for _ in range(self.lease - len(still))] if want else []
         if released or given_back or new or (peer not in self.held and want):
             self.version += 1
         self.held[peer] = still + new
         return new
 
+    def keeps_up(self, peer: str, tokens: int) -> bool:
+        """Whether `peer` may take more work: the windows it released are not far ahead of the
+        tokens it reports trained (a broken or lying peer would otherwise burn the epoch untrained)."""
+        return self.released.get(peer, 0) - tokens // self.seq_len <= MAX_AHEAD_LEASES * self.lease
+
     def release(self, peer: str) -> int:
         """The peer left or died: what it held goes back. Returns how many ids."""
         ids = self.held.pop(peer, [])
         self.refused.pop(peer, None)
+        self.released.pop(peer, None)
         if ids:
             self.returned.extend(ids)
             self.version += 1
@@ -129,7 +139,7 @@ class DataOrder:
         )
 
     def to_dict(self) -> dict:
-        keys = ("windows", "seq_len", "seed", "lease", "source", "epoch", "cursor", "done", "held", "returned", "refused", "version")
+        keys = ("windows", "seq_len", "seed", "lease", "source", "epoch", "cursor", "done", "held", "returned", "refused", "released", "version")
         return {k: getattr(self, k) for k in keys}
 
     @classmethod
@@ -139,5 +149,6 @@ class DataOrder:
         order.held = {str(k): [int(x) for x in v] for k, v in (d.get("held") or {}).items()}
         order.returned = [int(x) for x in d.get("returned") or []]
         order.refused = {str(k): [int(x) for x in v] for k, v in (d.get("refused") or {}).items()}
+        order.released = {str(k): int(v) for k, v in (d.get("released") or {}).items()}
         order.version = int(d.get("version", 0))
         return order

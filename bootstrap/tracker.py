@@ -257,7 +257,7 @@ class Tracker:
         (none once the budget is spent: the reply is STOP)."""
         if self.data is None or p.stage != 0:
             return []
-        want = p.state in LIVE and not self._budget_spent()
+        want = p.state in LIVE and not self._budget_spent() and self.data.keeps_up(p.peer_id, p.tokens)
         return self.data.report(p.peer_id, list(rep.windows_held[:MAX_HELD]), list(rep.windows_returned[:MAX_HELD]), want=want)
 
     def _serving(self, stage: int | None = None) -> list[PeerRecord]:

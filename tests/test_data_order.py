@@ -109,8 +109,9 @@ def test_the_position_survives_a_round_trip_through_tracker_json() -> None:
     cfg = TrainConfig(model=ModelConfig(num_stages=2, num_layers=4))
     t = Tracker("run-x", cfg, clock=clock, data=DataOrder(windows=30, seq_len=8, seed=5, lease=4, source="corpus"))
     t.join(pb.JoinRequest(peer_id="a", grpc_address="h:1", **build_fields()))
-    for _ in range(10):  # past an epoch
-        held = list(t.report(pb.PeerReport(run_id="run-x", peer=pb.PeerInfo(peer_id="a", stage=0, state="active"))).windows)
+    for _ in range(10):  # past an epoch; it reports the tokens of what it released
+        tokens = t.data.released.get("a", 0) * 8
+        held = list(t.report(pb.PeerReport(run_id="run-x", tokens=tokens, peer=pb.PeerInfo(peer_id="a", stage=0, state="active"))).windows)
     data = json.loads(json.dumps(persist.snapshot(t, {})))
     r = persist.restore(data, clock=Clock(5.0))
     assert r.data.to_dict() == t.data.to_dict() and r.status().data == t.status().data
@@ -170,3 +171,15 @@ def test_a_restarted_bootstrap_refuses_data_that_changed_under_its_run(tmp_path)
     t.data.windows += 1  # the saved order was made over other data
     with pytest.raises(ConfigError, match=r"^data=.*training windows; the saved run's order covers"):
         attach_data(t, data)
+
+
+def test_a_peer_that_releases_far_more_than_it_trains_gets_no_more_work() -> None:
+    t = Tracker("run-x", TrainConfig(model=ModelConfig(num_stages=2, num_layers=4)), data=DataOrder(windows=10_000, seq_len=8, lease=4))
+    t.join(pb.JoinRequest(peer_id="a", grpc_address="h:1", **build_fields()))
+
+    def report(tokens: int) -> list[int]:
+        return list(t.report(pb.PeerReport(run_id="run-x", tokens=tokens, peer=pb.PeerInfo(peer_id="a", stage=0, state="active"))).windows)
+
+    got = [report(0) for _ in range(7)]  # releases everything at once, trains nothing
+    assert [len(g) for g in got] == [4, 4, 4, 4, 4, 4, 0] and t.data.released["a"] == 24  # 4 leases ahead: no more
+    assert len(report(8 * 24)) == 4  # its tokens caught up: work again

@@ -70,10 +70,11 @@ def test_two_stage0_peers_and_a_bootstrap_killed_and_restarted_train_no_window_t
         time.sleep(2)  # the peers train on what they hold meanwhile
         procs[0] = start_process(boot_args, tmp_path / "boot2.log")
         wait_for_bootstrap(tmp_path / "boot", procs[0], tmp_path / "boot2.log")
-        after = wait_for_status(tracker, lambda s: s["data"]["done"] >= before["done"] + 4 * PER_STEP and rejoined(s), tmp_path, procs)[
-            "data"
-        ]
-        assert after["position"] >= before["position"] and after["epoch"] == before["epoch"]  # resumed, not started over
+        restored = wait_for_status(tracker, lambda s: True, tmp_path, procs)["data"]  # as saved before the kill
+        assert restored["position"] >= before["position"] and restored["epoch"] == before["epoch"]  # resumed, not started over
+        grown = restored["done"] + 4 * PER_STEP
+        after = wait_for_status(tracker, lambda s: s["data"]["done"] >= grown and rejoined(s), tmp_path, procs)["data"]
+        assert after["position"] > restored["position"]  # the peers train on after the restart
     finally:
         stop_processes(procs[1:], grace_s=10)  # the peers first: they give back what they hold
     final = status_json(tracker)["data"]
