@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import random
+import shutil
 import tempfile
 import threading
 from collections import deque
@@ -56,11 +57,14 @@ def open_feed(
     def fetch(name: str, offset: int):
         return stub.GetData(pb.DataRequest(name=name, offset=offset), timeout=FETCH_TIMEOUT_S)
 
+    temporary = state_dir is None  # no state dir: a temporary folder, removed when the peer stops
     cache = state_dir / "data" if state_dir is not None else Path(tempfile.mkdtemp(prefix="anchormesh-shards-"))
     p = cfg.pipeline
     store = ShardStore(manifest, cache, fetch, keep=KEEP_SHARDS, data_dir=data_dir)
     log_path = state_dir / "windows.log" if state_dir is not None else None
-    return WorkFeed(store, a.data_windows, p.seq_len, READY_STEPS * p.micro_batches * p.micro_batch_size, log_path)
+    feed = WorkFeed(store, a.data_windows, p.seq_len, READY_STEPS * p.micro_batches * p.micro_batch_size, log_path)
+    feed.temporary = temporary
+    return feed
 
 
 class WorkFeed:
@@ -90,6 +94,7 @@ class WorkFeed:
         self._wake = threading.Event()
         self.hungry = threading.Event()  # few windows ready or on their way: the heartbeat reports early
         self._log = log_path.open("a") if log_path is not None else None
+        self.temporary = False  # its shard cache is a temporary folder (removed by `close`)
         self.waiting = ""  # why no window is ready (for the peer's status): never a local path
 
     def _shard(self, work_id: int) -> str:
@@ -216,3 +221,5 @@ class WorkFeed:
     def close(self) -> None:
         if self._log is not None:
             self._log.close()
+        if self.temporary:
+            shutil.rmtree(self.store.cache, ignore_errors=True)
