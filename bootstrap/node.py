@@ -318,7 +318,8 @@ def run_bootstrap(config: TrainConfig | None, host: str, port: int, dht_port: in
     state_dir.mkdir(parents=True, exist_ok=True)
     if saved is None:
         keys.forget(state_dir)  # a new run: the old run's certificates must not admit anyone
-        drop_prepared(state_dir)  # ... and its prepared data may be another config's
+        if not config.data.prepared:  # ... and the data it prepared may be another config's (an operator's folder is never touched)
+            drop_prepared(state_dir)
     data = open_run_data(config, state_dir)  # before the DHT: preparing may take a while, and a bad source fails here
     secrets = keys.load_or_create(state_dir, token)
     ca = None
