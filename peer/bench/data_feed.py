@@ -90,9 +90,11 @@ def measure(work: Path, mbytes: int, seq_len: int, micro_batch_size: int, micro_
         def reports():
             while not stop.is_set():
                 held, returned = feed.for_report()
+                step = feed.trained // per_step  # what a stage-0 peer reports: its steps and their tokens
                 yield pb.PeerReport(
                     run_id="run-bench",
-                    peer=pb.PeerInfo(peer_id="bench", stage=0, state="active"),
+                    tokens=step * per_step * seq_len,
+                    peer=pb.PeerInfo(peer_id="bench", stage=0, state="active", step=step),
                     windows_held=held,
                     windows_returned=returned,
                 )
