@@ -19,7 +19,7 @@ import logging
 import signal
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -29,6 +29,7 @@ import grpc
 from bootstrap import keys, persist
 from bootstrap.prepare import prepare_run
 from bootstrap.roster import Banned, JoinRefused
+from bootstrap.run_data import DataFiles, data_order, drop_prepared, open_run_data
 from bootstrap.tracker import Tracker
 from peer.address import announce_maddr, free_port
 from peer.atomic import write_atomic
@@ -61,6 +62,7 @@ def tracker_policy(config: TrainConfig) -> dict[str, frozenset[str]]:
         "/anchormesh.v1.Tracker/Join": frozenset({auth.TOKEN, auth.MEMBER}),
         "/anchormesh.v1.Tracker/GetConfig": frozenset({auth.TOKEN, auth.MEMBER, auth.OPERATOR}),
         "/anchormesh.v1.Tracker/Heartbeat": frozenset({auth.MEMBER}),
+        "/anchormesh.v1.Tracker/GetData": frozenset({auth.MEMBER}),  # the run's data is for its members only
         "/anchormesh.v1.Tracker/Leave": frozenset({auth.MEMBER}),
         "/anchormesh.v1.Tracker/Ban": frozenset({auth.OPERATOR}),
         "/anchormesh.v1.Status/GetStatus": watch,
@@ -76,8 +78,8 @@ def _same_peer(context: grpc.ServicerContext, peer_id: str) -> None:
 
 
 class TrackerService(pbg.TrackerServicer):
-    def __init__(self, tracker: Tracker, identity: Identity | None = None, ca=None) -> None:
-        self.tracker, self.identity, self.ca = tracker, identity, ca
+    def __init__(self, tracker: Tracker, identity: Identity | None = None, ca=None, files: DataFiles | None = None, commit: Callable[[], None] | None = None) -> None:
+        self.tracker, self.identity, self.ca, self.files, self.commit = tracker, identity, ca, files, commit
 
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.Assignment:
         _, key = auth.caller(context)
@@ -113,11 +115,19 @@ class TrackerService(pbg.TrackerServicer):
             if self.identity is not None:
                 _same_peer(context, report.peer.peer_id)
             try:
-                yield self.tracker.report(report)
+                directive = self.tracker.report(report)
             except Banned as exc:  # banned while its stream was open
                 context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
             except JoinRefused as exc:
                 context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+            if self.commit is not None:  # work handed out or released is on disk before the peer may train it
+                self.commit()
+            yield directive
+
+    def GetData(self, request: pb.DataRequest, context: grpc.ServicerContext) -> Iterator[pb.DataChunk]:
+        if self.files is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this tracker serves no prepared data")
+        yield from self.files.GetData(request, context)
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
         if self.identity is not None:
@@ -185,15 +195,19 @@ def _unary(cls, method, reply_cls) -> grpc.RpcMethodHandler:
     return grpc.unary_unary_rpc_method_handler(lambda data, ctx: method(_parse(cls, data, ctx), ctx), request_deserializer=None, response_serializer=reply_cls.SerializeToString)
 
 
-def _handlers(tracker: Tracker, identity: Identity | None = None, gate: auth.Gate | None = None, ca=None) -> tuple[grpc.GenericRpcHandler, ...]:
+def _handlers(tracker: Tracker, identity: Identity | None = None, gate: auth.Gate | None = None, ca=None, files: DataFiles | None = None,
+              commit: Callable[[], None] | None = None) -> tuple[grpc.GenericRpcHandler, ...]:
     """The Tracker and Status services on raw bytes (see `_parse`)."""
-    t, st = TrackerService(tracker, identity, ca), StatusService(tracker, gate)
+    t, st = TrackerService(tracker, identity, ca, files, commit), StatusService(tracker, gate)
 
     def heartbeat(requests: Iterator[bytes], ctx: grpc.ServicerContext) -> Iterator[pb.Directive]:
         return t.Heartbeat((_parse(pb.PeerReport, data, ctx) for data in requests), ctx)
 
     def watch(data: bytes, ctx: grpc.ServicerContext) -> Iterator[pb.RunStatus]:
         return st.WatchStatus(_parse(pb.StatusRequest, data, ctx), ctx)
+
+    def get_data(data: bytes, ctx: grpc.ServicerContext) -> Iterator[pb.DataChunk]:
+        return t.GetData(_parse(pb.DataRequest, data, ctx), ctx)
 
     return (
         grpc.method_handlers_generic_handler("anchormesh.v1.Tracker", {
@@ -202,6 +216,7 @@ def _handlers(tracker: Tracker, identity: Identity | None = None, gate: auth.Gat
             "Leave": _unary(pb.LeaveRequest, t.Leave, pb.LeaveReply),
             "Ban": _unary(pb.BanRequest, t.Ban, pb.BanReply),
             "Heartbeat": grpc.stream_stream_rpc_method_handler(heartbeat, request_deserializer=None, response_serializer=pb.Directive.SerializeToString),
+            "GetData": grpc.unary_stream_rpc_method_handler(get_data, request_deserializer=None, response_serializer=pb.DataChunk.SerializeToString),
         }),
         grpc.method_handlers_generic_handler("anchormesh.v1.Status", {
             "GetStatus": _unary(pb.StatusRequest, st.GetStatus, pb.RunStatus),
@@ -216,10 +231,12 @@ def tracker_gate(tracker: Tracker, secrets: keys.RunSecrets) -> auth.Gate:
     return auth.Gate(tracker_policy(tracker.config), token=secrets.token, operator=secrets.operator, tracker_key=secrets.tracker.public, run_id=tracker.run_id, calls_per_s=sec.calls_per_s, banned=tracker.banned)
 
 
-def serve_tracker(tracker: Tracker, host: str, port: int, secrets: keys.RunSecrets | None = None, ca=None) -> tuple[grpc.Server, str]:
+def serve_tracker(tracker: Tracker, host: str, port: int, secrets: keys.RunSecrets | None = None, ca=None, files: DataFiles | None = None,
+                  commit: Callable[[], None] | None = None) -> tuple[grpc.Server, str]:
     """The Tracker and Status services; with `secrets` every call goes through a Gate (tests may
     leave it out to drive the services bare). With `ca` (peer/tls.RunCA) it serves TLS and
-    certifies joining peers' TLS keys."""
+    certifies joining peers' TLS keys. `files` serves the run's prepared data (GetData);
+    `commit` runs before each heartbeat reply (the bootstrap saves a changed data order)."""
     gate = tracker_gate(tracker, secrets) if secrets is not None else None
     if gate is not None:  # anonymous calls (the status: watchers and 16 more) take at most 48 of the 240: Join and heartbeats keep the rest
         sec = tracker.config.security
@@ -234,7 +251,7 @@ def serve_tracker(tracker: Tracker, host: str, port: int, secrets: keys.RunSecre
         options=[("grpc.max_receive_message_length", 1 << 20), ("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000), ("grpc.so_reuseport", 0),
                  ("grpc.compression_enabled_algorithms_bitset", 1)],
     )
-    server.add_generic_rpc_handlers(_handlers(tracker, secrets.tracker if secrets else None, gate, ca))
+    server.add_generic_rpc_handlers(_handlers(tracker, secrets.tracker if secrets else None, gate, ca, files, commit))
     try:
         if ca is not None:
             bound = server.add_secure_port(f"{host}:{port}", grpc.ssl_server_credentials([ca.server_pair()]))
@@ -246,6 +263,43 @@ def serve_tracker(tracker: Tracker, host: str, port: int, secrets: keys.RunSecre
         raise ConfigError("--port", port, f"cannot bind the tracker on {host}:{port}: the port is taken or the address is not local")
     server.start()
     return server, f"{host}:{bound}"
+
+
+def attach_data(tracker: Tracker, data) -> None:
+    """The run's prepared data on the tracker: a new run's order, or the saved one checked against the data."""
+    order, tracker.eval_windows = data_order(data, tracker.config)
+    if tracker.data is None:
+        tracker.data = order
+    elif tracker.data.windows != order.windows:
+        raise ConfigError("data", str(data.folder), f"holds {order.windows} training windows; the saved run's order covers {tracker.data.windows}: the data changed under the run (pass --new-run)")
+    tracker.data_manifest = data.manifest.to_json().decode()
+    log.info("data: %s, %d training windows of %d tokens, epoch %d at window %d; %d eval windows", data.manifest.source, order.windows, order.seq_len,
+             tracker.data.epoch, tracker.data.cursor, tracker.eval_windows)
+
+
+class StateSaver:
+    """Writes tracker.json. `commit` (before a heartbeat reply) writes only when the data order
+    changed since the last write; concurrent callers wait for one write that covers them all."""
+
+    def __init__(self, tracker: Tracker, state_dir: Path, ports: dict[str, int]) -> None:
+        self.tracker, self.state_dir, self.ports = tracker, state_dir, ports
+        self._lock = threading.Lock()
+        self.saved = -1
+
+    def save(self, only_if_changed: bool = False) -> None:
+        with self._lock:
+            data = self.tracker.data
+            if only_if_changed and (data is None or data.version == self.saved):
+                return  # another caller's write covered this change
+            snap = persist.snapshot(self.tracker, self.ports)
+            persist.save(self.state_dir, snap)
+            self.saved = snap["data"]["version"] if snap["data"] else 0
+
+    def commit(self) -> None:
+        try:
+            self.save(only_if_changed=True)
+        except OSError as exc:
+            log.error("cannot save the tracker state in %s: %s", self.state_dir, exc)
 
 
 def run_bootstrap(config: TrainConfig | None, host: str, port: int, dht_port: int, state_dir: Path, peer_timeout_s: float = 10.0, metrics_port: int | None = None, announce_host: str | None = None, new_run: bool = False, token: str | None = None) -> None:
@@ -267,6 +321,9 @@ def run_bootstrap(config: TrainConfig | None, host: str, port: int, dht_port: in
     state_dir.mkdir(parents=True, exist_ok=True)
     if saved is None:
         keys.forget(state_dir)  # a new run: the old run's certificates must not admit anyone
+        if not config.data.prepared:  # ... and the data it prepared may be another config's (an operator's folder is never touched)
+            drop_prepared(state_dir)
+    data = open_run_data(config, state_dir)  # before the DHT: preparing may take a while, and a bad source fails here
     secrets = keys.load_or_create(state_dir, token)
     ca = None
     if config.security.tls:
@@ -286,9 +343,12 @@ def run_bootstrap(config: TrainConfig | None, host: str, port: int, dht_port: in
         tracker = persist.restore(saved, peer_timeout_s=peer_timeout_s, dht_maddrs=maddrs)
     else:
         tracker = Tracker(f"run-{uuid.uuid4().hex[:8]}", config, peer_timeout_s=peer_timeout_s, dht_maddrs=maddrs)
+    attach_data(tracker, data)
     run_id = tracker.run_id
-    server, address = serve_tracker(tracker, host, port, secrets, ca)
-    ports = {"tracker": int(address.rsplit(":", 1)[1]), "dht": int(maddrs[0].split("/tcp/")[1].split("/")[0]) if maddrs else dht_port}
+    ports: dict[str, int] = {}
+    saver = StateSaver(tracker, state_dir, ports)
+    server, address = serve_tracker(tracker, host, port, secrets, ca, DataFiles(data), saver.commit)
+    ports |= {"tracker": int(address.rsplit(":", 1)[1]), "dht": int(maddrs[0].split("/tcp/")[1].split("/")[0]) if maddrs else dht_port}
     if announce_host:
         address = f"{announce_host}:{address.rsplit(':', 1)[1]}"
     metrics = None
@@ -310,11 +370,11 @@ def run_bootstrap(config: TrainConfig | None, host: str, port: int, dht_port: in
     def keep_state() -> None:  # the run state on disk, so a killed bootstrap resumes it
         while not stop.wait(persist.SAVE_EVERY_S):
             try:
-                persist.save(state_dir, persist.snapshot(tracker, ports))
+                saver.save()
             except OSError as exc:
                 log.error("cannot save the tracker state in %s: %s", state_dir, exc)
 
-    persist.save(state_dir, persist.snapshot(tracker, ports))
+    saver.save()
     threading.Thread(target=keep_state, name="tracker-state", daemon=True).start()
     info = {"run_id": run_id, "dht_maddrs": maddrs, "tracker": address, "tracker_key": secrets.tracker.public.hex()}  # public: peers check the tracker's DHT record with it
     if ca is not None:
@@ -327,7 +387,7 @@ def run_bootstrap(config: TrainConfig | None, host: str, port: int, dht_port: in
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     stop.wait()
     log.info("shutting down")
-    persist.save(state_dir, persist.snapshot(tracker, ports))
+    saver.save()
     server.stop(grace=1).wait()
     if metrics is not None:
         metrics.shutdown()

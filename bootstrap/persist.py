@@ -2,8 +2,11 @@
 
 `STATE_DIR/tracker.json` holds the run id, its config, the roster (every peer record, with its
 step and token counts), the anchor and evaluation cadences, the stage-move count, the run's
-uptime and the ports it served on. The bootstrap rewrites it every `SAVE_EVERY_S` and when it
-stops (temp file, fsync, rename: a kill mid-write leaves the previous copy). On restart the
+uptime, the ports it served on and the data order (bootstrap/data_order.py: epoch, position,
+the work each stage-0 peer holds). The bootstrap rewrites it every `SAVE_EVERY_S` and when it
+stops (temp file, fsync, rename: a kill mid-write leaves the previous copy), and before the
+tracker answers a heartbeat that changed the data order: work handed out or released is on disk
+before the peer can train it, so a restarted tracker never hands out a window twice. On restart the
 tracker is rebuilt from it: the run keeps its id and step numbering, and each peer that was live
 gets a fresh heartbeat deadline, so peers whose heartbeat streams reconnect carry on as if
 nothing happened, and those that are gone expire as usual.
@@ -20,6 +23,7 @@ import time
 from dataclasses import asdict, fields
 from pathlib import Path
 
+from bootstrap.data_order import DataOrder
 from bootstrap.roster import LIVE, PeerRecord
 from bootstrap.tracker import Tracker
 from peer import __version__
@@ -62,6 +66,7 @@ def snapshot(tracker: Tracker, ports: dict[str, int]) -> dict:
             "ports": ports,
             "peers": peers,
             "banned": dict(tracker.banned),
+            "data": tracker.data.to_dict() if tracker.data is not None else None,
         }
 
 
@@ -97,6 +102,8 @@ def restore(data: dict, **tracker_kwargs) -> Tracker:
     down_s = min(max(time.time() - float(data.get("saved_at_unix", time.time())), 0.0), MAX_DOWN_S)
     tracker.moves = int(data.get("moves", 0))
     tracker.banned.update({str(k): str(v) for k, v in (data.get("banned") or {}).items()})
+    if data.get("data"):
+        tracker.data = DataOrder.from_dict(data["data"])
     for name in ("anchors", "evals"):
         cad, saved = getattr(tracker, name), data.get(name) or {}
         cad.next_at, cad.launched = int(saved.get("next_at", cad.next_at)), int(saved.get("launched", 0))

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 
 from bootstrap.balance import StageBalance, fitting_stages
 from bootstrap.cadence import Cadence
+from bootstrap.data_order import DataOrder
 from bootstrap.peer_view import peer_info, suspects
 from bootstrap.report_bounds import implausible
 from bootstrap.roster import LIVE, Banned, JoinRefused, PeerRecord, live
@@ -38,6 +39,7 @@ MAX_DONORS = 4  # stage mates a joiner may ask for the stage's state, most-train
 MAX_SUSPECTS = 4  # averaging suspects (and excluded next hops) kept per peer report
 MAX_TEXT = 300  # characters kept of a text a peer reports (a reason, a suspect, an excluded hop)
 MAX_NAME = 32  # characters kept of a startup phase's name
+MAX_HELD = 512  # work ids read from each of a report's lists (a peer holds at most the data order's lease)
 log = logging.getLogger("anchormesh.tracker")
 
 
@@ -73,6 +75,9 @@ class Tracker:
     move_cooldown_s: float = 20.0
     dht_maddrs: list[str] = field(default_factory=list)
     clock: Callable[[], float] = time.monotonic
+    data: DataOrder | None = None  # the run's data order (None: no prepared data, stage 0 gets no work)
+    data_manifest: str = ""  # the prepared data's manifest.json, handed to every joiner
+    eval_windows: int = 0  # the fixed evaluation windows every peer uses (for the status)
     peers: dict[str, PeerRecord] = field(default_factory=dict)
     started: float = field(default=0.0)
     expire_after: float = 0.0  # clock time before which no peer is declared dead (set after a restart)
@@ -104,6 +109,14 @@ class Tracker:
             if p.state in LIVE and now - p.last_seen > timeout:
                 what = "heartbeat" if p.reported else "first heartbeat after joining (still loading its stage?)"
                 p.state, p.reason = "dead", f"no {what} for {now - p.last_seen:.1f}s (timeout {timeout:.0f}s)"
+            if p.state not in LIVE:
+                self._release(p.peer_id)
+
+    def _release(self, peer_id: str) -> None:
+        """A peer that is no longer live gives back the work it held (bootstrap/data_order.py)."""
+        if self.data is not None and peer_id in self.data.held:
+            n = self.data.release(peer_id)
+            log.info("%s left with %d windows of work not started: they go to the next stage-0 peer", peer_id, n)
 
     def live(self, stage: int | None = None) -> list[PeerRecord]:
         return live(self.peers.values(), stage)
@@ -130,6 +143,7 @@ class Tracker:
                 raise JoinRefused(f"peer_id={req.peer_id!r} is already in the run (state {old.state})")
             if restarted:  # the same key joins again before its old record expired: it was restarted
                 old.state, old.reason = "left", "restarted (joined again with the same key)"
+            self._release(req.peer_id)  # its old process's work, not started: another takes it
             if old is not None:  # a peer joining again (after a move or a restart): keep its past in the roster
                 n = sum(1 for k in self.peers if k.startswith(req.peer_id + "~"))
                 old.peer_id = f"{req.peer_id}~{n + 1}"
@@ -162,6 +176,8 @@ class Tracker:
             anchors_issued=self.anchors.launched,
             restore_from=restore,
             donors=donors,
+            data_manifest=self.data_manifest if stage == 0 else "",
+            data_windows=self.data.windows if self.data is not None else 0,
         )
 
     def run_config(self) -> pb.RunConfig:
@@ -206,6 +222,7 @@ class Tracker:
             p.replica_stage, p.replica_step = (info.replica_stage, info.replica_step) if ok else (0, 0)
             p.resumed_from = info.resumed_from[:200]
             self._expire()
+            new_work = self._settle_work(p, rep)
             if self._budget_spent():
                 return pb.Directive(kind=pb.Directive.STOP, reason=f"the run's token budget of {self.config.token_budget} tokens is spent")
             move = self.balance.move_target(self.peers.values(), p)
@@ -213,6 +230,7 @@ class Tracker:
                 target, speed = move
                 self.moves += 1
                 p.state, p.reason = "left", f"moved to stage {target}, which was starving"
+                self._release(p.peer_id)
                 self.balance.moved(p.peer_id, target, speed)
                 return pb.Directive(kind=pb.Directive.MOVE, reason=f"stage {target} needs a peer more than stage {p.stage}")
             # a joining peer may not serve yet (it may still be downloading its stage's state)
@@ -221,7 +239,7 @@ class Tracker:
             # libp2p authenticates hivemind peer ids, and each member declared its own at Join:
             # an averaging round with any other id has an outsider in it
             members = sorted({m.rsplit("/p2p/", 1)[1] for q in self.live(p.stage) for m in q.dht_maddrs if "/p2p/" in m})
-            directive = pb.Directive(kind=pb.Directive.CONTINUE, neighbours=neighbours, banned=sorted(self.banned), banned_dht=banned_dht, member_dht=members)
+            directive = pb.Directive(kind=pb.Directive.CONTINUE, neighbours=neighbours, banned=sorted(self.banned), banned_dht=banned_dht, member_dht=members, windows=new_work)
             # anchor and evaluation passes: to the next stage-0 peer to report once due, while every stage is served
             if p.stage == 0 and p.state in ("active", "idle") and all(self.live(s) for s in range(self.config.model.num_stages)):
                 step = self._run_step()
@@ -233,6 +251,14 @@ class Tracker:
             if source is not None:
                 directive.replicate.CopyFrom(peer_info(source, self.clock()))
         return directive
+
+    def _settle_work(self, p: PeerRecord, rep: pb.PeerReport) -> list[int]:
+        """Stage 0: count what the peer released or gave back, and the new work for its reply
+        (none once the budget is spent: the reply is STOP)."""
+        if self.data is None or p.stage != 0:
+            return []
+        want = p.state in LIVE and not self._budget_spent() and self.data.keeps_up(p.peer_id, p.tokens)
+        return self.data.report(p.peer_id, list(rep.windows_held[:MAX_HELD]), list(rep.windows_returned[:MAX_HELD]), want=want)
 
     def _serving(self, stage: int | None = None) -> list[PeerRecord]:
         """Live peers that serve (not joining) of `stage` (all stages: None), most-trained first:
@@ -281,6 +307,7 @@ class Tracker:
             p = self.peers.get(req.peer_id)
             if p is not None:
                 p.state, p.reason = "left", req.reason[:MAX_TEXT] or "left"
+                self._release(p.peer_id)
 
     def ban(self, who: str, reason: str, unban: bool = False) -> list[str]:
         """Ban (or readmit) the key of peer `who` (a peer id, or a key fingerprint): its calls are
@@ -303,6 +330,7 @@ class Tracker:
                     p.state, p.reason = "left", "unbanned; may join again"
                 elif not unban:
                     p.state, p.reason = "banned", reason or "banned by the operator"
+                    self._release(p.peer_id)
             return self._ban_list()
 
     def _ban_list(self) -> list[str]:
@@ -367,4 +395,5 @@ class Tracker:
                 unfit=list(self.unfit),
                 model=pb.ModelInfo(name=self.config.model.name, num_layers=self.config.model.num_layers, hidden_size=self.config.model.hidden_size,
                                    num_stages=K, tokenizer=self.config.data.tokenizer),
+                data=self.data.status(self.eval_windows) if self.data is not None else None,
             )

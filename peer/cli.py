@@ -57,7 +57,8 @@ def _parser() -> argparse.ArgumentParser:
     peer.add_argument("--dht-port", type=int, default=0, help="the peer's DHT node port (0 = any free; fix it to forward or publish it)")
     peer.add_argument("--metrics-port", type=int, default=None, help="serve this peer's Prometheus metrics at http://HOST:PORT/metrics (0 = any free port; default: off)")
     peer.add_argument("--device", default=os.environ.get("ANCHORMESH_DEVICE", "auto"), help="where the stage trains: auto (the GPU when one is visible, else the CPU), cpu, cuda or cuda:N (env ANCHORMESH_DEVICE)")
-    peer.add_argument("--state-dir", type=Path, default=None, help="where the peer keeps its files: shard checkpoints (checkpoints/RUN/stageK/, every checkpoint.every steps and when it leaves; resumed from on restart) and, on the last stage, metrics.jsonl (loss per step)")
+    peer.add_argument("--state-dir", type=Path, default=None, help="where the peer keeps its files: shard checkpoints (checkpoints/RUN/stageK/, every checkpoint.every steps and when it leaves; resumed from on restart), on the last stage metrics.jsonl (loss per step), on stage 0 the run's data shards it was given (data/, a few at a time) and windows.log (the window ids it trained)")
+    peer.add_argument("--data-dir", type=Path, default=None, help="stage 0: a folder of the run's prepared shards (from `anchormesh data prepare`) to use instead of downloading them; only files named in the run's manifest whose sha256 matches are read, and none whose real path leaves the folder")
     peer.add_argument("--max-steps", type=int, default=None, help="leave once the stage reaches this run step (the run's numbering, not steps since this peer started)")
     peer.add_argument("--threads", type=int, default=int(env("ANCHORMESH_THREADS", "1") or 1), help="torch CPU threads for this peer (default: $ANCHORMESH_THREADS, else 1, so many peers can share one machine; a dedicated CPU peer wants its core count)")
     peer.add_argument("--token", default=env("ANCHORMESH_TOKEN") or None, help="the run token (the \"token\" in the bootstrap's bootstrap.json), or @FILE to read it from a bootstrap.json or a file holding it; default: $ANCHORMESH_TOKEN")
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
                     raise ConfigError("--announce-host", AUTO, str(exc)) from None
                 print(f"anchormesh peer: --announce-host auto: {announce}", file=sys.stderr, flush=True)
             run_peer(args.initial_peers, args.tracker, args.host, args.grpc_port, args.device, args.max_steps, args.state_dir, announce, dht_port=args.dht_port, metrics_port=args.metrics_port, threads=args.threads,
-                     token=read_token(args.token), tls_ca=read_ca(args.tls_ca), tracker_key=read_tracker_key(args.tracker_key, args.token))
+                     token=read_token(args.token), tls_ca=read_ca(args.tls_ca), tracker_key=read_tracker_key(args.tracker_key, args.token), data_dir=args.data_dir)
         elif args.command == "export":
             from peer.client.export import run_export
 

@@ -508,14 +508,19 @@ DATA_TOKENIZERS = ("auto", "bytes", "model")
 
 @dataclass
 class DataConfig:
-    """What stage-0 peers train on. Each stage-0 peer reads the data itself (nothing is shipped
-    through the tracker), so `path` must exist on every machine that may serve stage 0.
+    """What the run trains on. The bootstrap alone reads it: it serves the run's prepared data
+    (token shards, bootstrap/run_data.py) and stage-0 peers fetch the shards they are given from
+    it, so no peer ever reads a path named here.
 
     Args:
-        path: a local text file or a folder of text files; "" (with no `dataset`) = the built-in
-            corpus (Python's standard library sources, or a generated stand-in).
-        dataset: a Hugging Face dataset id, streamed with the `datasets` library (which stage-0
-            peers must have installed); exclusive with `path`.
+        prepared: a folder written by `anchormesh data prepare` (on the bootstrap's machine); the
+            run trains on it. "" = the bootstrap prepares `path`, `dataset` or the built-in corpus
+            itself into its state dir at start (at most `max_bytes` of text).
+        path: a text file or a folder of text files on the bootstrap's machine; "" (with no
+            `dataset`) = the built-in corpus (Python's standard library sources, or a generated
+            stand-in).
+        dataset: a Hugging Face dataset id, streamed with the `datasets` library on the bootstrap;
+            exclusive with `path`.
         dataset_config: the dataset's config name, if it has several.
         split: the dataset split to stream.
         text_field: the column holding the text.
@@ -523,10 +528,13 @@ class DataConfig:
             "model" (the model's own tokenizer: `AutoTokenizer.from_pretrained(model.name)`, or
             the vocabulary stored in a GGUF file) or "auto" (bytes for the tiny models, the
             model's own for a pretrained one: a pretrained model fed byte ids learns nothing it knew).
-        heldout: the fraction at the end of the data kept out of training for evaluation passes.
-        max_bytes: bytes of text each stage-0 peer reads (streamed datasets stop there).
+        heldout: the fraction of documents the bootstrap keeps out of training when it prepares
+            the data: half for the evaluation passes, half as a confirmation set never evaluated
+            during the run (the local runner: the fraction at the end of its text).
+        max_bytes: bytes of text the bootstrap prepares from `path`, `dataset` or the built-in corpus.
     """
 
+    prepared: str = ""
     path: str = ""
     dataset: str = ""
     dataset_config: str = ""
@@ -539,6 +547,8 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.path and self.dataset:
             raise ConfigError("data.dataset", self.dataset, f"give data.path or data.dataset, not both (data.path={self.path!r})")
+        if self.prepared and (self.path or self.dataset):
+            raise ConfigError("data.prepared", self.prepared, "the run trains on the prepared folder: leave data.path and data.dataset out (they are what `data prepare` reads)")
         _choice("data.tokenizer", self.tokenizer, DATA_TOKENIZERS)
         if not (0.0 < self.heldout < 0.5):
             raise ConfigError("data.heldout", self.heldout, "must be in (0, 0.5)")

@@ -1,6 +1,7 @@
-"""Text corpora as token streams. The built-in ones are found on the machine or generated, never
-downloaded; a run's `[data]` may instead name a local path or a streamed Hugging Face dataset
-(`load_training_data`).
+"""Text corpora as token streams, for the local runner and the benchmarks, and the built-in corpus
+a bootstrap prepares when its run names no data (bootstrap/run_data.py). The built-in ones are
+found on the machine or generated, never downloaded. A swarm's stage-0 peers read none of this:
+they train on the windows the tracker hands them (peer/daemon/feed.py).
 
 Corpus A ("general"): English prose — the license texts every Debian-like system ships.
 Corpus B ("domain"): Python source — the standard library of the running interpreter.
@@ -13,15 +14,10 @@ from __future__ import annotations
 import random
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from peer.errors import ConfigError
-from peer.progress import byte_bar
-
-if TYPE_CHECKING:
-    from peer.config import DataConfig, TrainConfig
 
 TEXT_SUFFIXES = {"", ".txt", ".md", ".rst", ".py"}
 DEFAULT_MAX_BYTES = 2_000_000
@@ -120,70 +116,3 @@ class TokenStream:
         n = min(max_batches * batch_size, (len(self.heldout) - 1) // (seq_len + 1))
         windows = [self.heldout[i * (seq_len + 1) : (i + 1) * (seq_len + 1)] for i in range(n)]
         return [torch.stack(windows[i : i + batch_size]) for i in range(0, n, batch_size)]
-
-
-TOKENIZE_CHUNK = 1 << 20  # bytes per tokenizer call: bounded memory and a moving progress bar
-
-
-def _dataset_text(cfg: DataConfig) -> bytes:
-    """Stream `cfg.dataset` with the `datasets` library up to `max_bytes` of text (UTF-8)."""
-    try:
-        import datasets
-    except ImportError:
-        raise ConfigError("data.dataset", cfg.dataset, "needs the `datasets` package on stage-0 peers: pip install 'anchormesh[data]'") from None
-    try:
-        rows = datasets.load_dataset(cfg.dataset, cfg.dataset_config or None, split=cfg.split, streaming=True)
-    except Exception as exc:  # the library raises many kinds (not found, no network, bad config)
-        raise ConfigError("data.dataset", cfg.dataset, f"cannot load it: {type(exc).__name__}: {exc}") from None
-    out, total = [], 0
-    with byte_bar(f"streaming {cfg.dataset}", cfg.max_bytes) as bar:
-        for row in rows:
-            if cfg.text_field not in row:
-                raise ConfigError("data.text_field", cfg.text_field, f"not a column of {cfg.dataset}; columns: {', '.join(sorted(row))}")
-            text = str(row[cfg.text_field]).encode("utf-8")
-            out.append(text)
-            total += len(text) + 1
-            bar.update(len(text) + 1)
-            if total >= cfg.max_bytes:
-                break
-    data = b"\n".join(out)[: cfg.max_bytes]
-    if len(data) < 10_000:
-        raise ConfigError("data.dataset", cfg.dataset, f"gave only {len(data)} bytes of text; need at least 10000")
-    return data
-
-
-def _tokenize(data: bytes, cfg: TrainConfig, vocab_size: int) -> bytes | torch.Tensor:
-    """Byte ids as they are, or ids from the model's own tokenizer (checked against the model's vocabulary)."""
-    if cfg.data.tokenizer == "bytes":
-        if vocab_size < 256:
-            raise ConfigError("data.tokenizer", "bytes", f"byte ids need a vocabulary of 256; {cfg.model.name} has {vocab_size}")
-        return data
-    from peer.model.source import load_tokenizer
-
-    tok = load_tokenizer(cfg.model.name)
-    parts = []
-    with byte_bar(f"tokenizing with the tokenizer of {cfg.model.name}", len(data)) as bar:
-        start = 0
-        while start < len(data):  # chunks end at a newline, so no character or word is cut in two
-            cut = data.find(b"\n", start + TOKENIZE_CHUNK)
-            end = len(data) if cut < 0 else cut + 1
-            chunk, start = data[start:end], end
-            parts.append(torch.tensor(tok(chunk.decode("utf-8", errors="replace"), add_special_tokens=False)["input_ids"], dtype=torch.long))
-            bar.update(len(chunk))
-    ids = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
-    if len(ids) and int(ids.max()) >= vocab_size:
-        raise ConfigError("data.tokenizer", "model", f"the tokenizer of {cfg.model.name} gives id {int(ids.max())}, outside the model's vocabulary of {vocab_size}")
-    return ids
-
-
-def load_training_data(cfg: TrainConfig, vocab_size: int) -> tuple[TokenStream, str]:
-    """A stage-0 peer's data as `cfg.data` says: a local path, a streamed dataset, or the built-in
-    corpus; tokenized by bytes or by the model's tokenizer. Returns (stream, where it came from)."""
-    d = cfg.data
-    if d.path:
-        data, source = read_path(d.path, d.max_bytes, name="data.path"), d.path
-    elif d.dataset:
-        data, source = _dataset_text(d), f"dataset:{d.dataset}"
-    else:
-        data, source = default_corpus("b", d.max_bytes)
-    return TokenStream(_tokenize(data, cfg, vocab_size), heldout=d.heldout), source

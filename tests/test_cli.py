@@ -53,6 +53,8 @@ def test_swarm_demo_trains_and_stops_every_process() -> None:
     assert "every process stopped" in line and '"processes_left": []' in line
     summary = json.loads(line[len("summary: ") : line.index("; every")])
     assert summary["step"] > 0 and summary["loss"] is not None and 0 < summary["startup_s"] < 180
+    assert summary["data"]["position"] > 0 and summary["data"]["tokens_seen"] > 0  # the built-in corpus, prepared by the bootstrap
+    assert any(x.startswith("data epoch 0, window ") for x in out.stdout.splitlines())  # the status table shows the position
     assert any(x.startswith("first step ") and x.endswith(" s after launch") for x in out.stdout.splitlines())
 
 

@@ -201,7 +201,7 @@ def member() -> tuple[SimpleNamespace, Membership]:
         transport=transport, stop=threading.Event(), worker=worker, averager=None, anchor=None, state="active", reason="", tokens=4096,
         tokens_per_s=12.5, capacity=40.0, loss=2.5, steps_done=0, startup_s=0.0, move_reason="", refused="", resumed_from="group step 5",
         startup=StartupClock(lambda: clock[0]),
-        replicas=SimpleNamespace(stage=2, step=7, pulls_asked=[]),
+        replicas=SimpleNamespace(stage=2, step=7, pulls_asked=[]), feed=None,
     )
     d.replicas.maybe_pull = d.replicas.pulls_asked.append
     return d, Membership(d, Router(transport, "me", lambda: worker), AnchorJobs())
@@ -267,8 +267,11 @@ def test_anchor_jobs_become_passes_on_stage_zero() -> None:
     jobs.take(pb.Directive(anchors_issued=5, anchor_id=5, anchor_micro_batches=3, eval_id=2), anchor)
     assert anchor.issued == 5
     cfg = SimpleNamespace(seed=0, pipeline=SimpleNamespace(micro_batch_size=2, seq_len=8, eval_batches=4))
-    stream = SimpleNamespace(batch=lambda b, s, g: torch.zeros(b, s), eval_batches=lambda b, s, n: [torch.zeros(b, s)])
-    jobs.schedule(anchor, stream, cfg)
+    feed = SimpleNamespace(anchor_batches=lambda i, n: None, eval_batches=lambda b, n: None)
+    jobs.schedule(anchor, feed, cfg)  # nothing trained, no eval windows yet: the jobs wait
+    assert scheduled == [] and jobs.anchors and jobs.evals
+    feed = SimpleNamespace(anchor_batches=lambda i, n: [torch.zeros(2, 9)] * n, eval_batches=lambda b, n: [torch.zeros(b, 9)])
+    jobs.schedule(anchor, feed, cfg)
     assert scheduled == [("anchor", 5, 3), ("eval", 2, 4)] and not jobs.anchors and not jobs.evals
 
 

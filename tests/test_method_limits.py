@@ -68,7 +68,7 @@ def _largest_report() -> pb.PeerReport:
         key_fingerprint=ident.fingerprint, dp_suspects=[s300] * 4, link_mbit=1e4, pp_keep=0.5, dp_period_s=30.0, excluding=[s300] * 4, startup_s=1e6,
         replica_stage=U32, replica_step=BIG, resumed_from=f"replica step 123456789 from {ident.peer_id}",
         device="cuda:0 " + "d" * 120, memory_bytes=BIG, memory_plan_bytes=BIG, refused_reports=U32, dp_flagged=U32,  # status-only fields too
-    ))
+    ), windows_held=[BIG] * 256, windows_returned=[BIG] * 256)
 
 
 def _largest_join() -> pb.JoinRequest:
@@ -87,6 +87,7 @@ LARGEST = {
     "/anchormesh.v1.Stage/GetShard": lambda: pb.ShardRequest(run_id="r" * 64, sender="anchormesh-export", what=pb.ShardRequest.STATE, stage=U32),
     "/anchormesh.v1.Tracker/Join": _largest_join,
     "/anchormesh.v1.Tracker/GetConfig": pb.ConfigRequest,
+    "/anchormesh.v1.Tracker/GetData": lambda: pb.DataRequest(name="confirm-99999.idx", offset=BIG),
     "/anchormesh.v1.Tracker/Heartbeat": _largest_report,
     "/anchormesh.v1.Tracker/Leave": lambda: pb.LeaveRequest(run_id=RUN, peer_id="peer-01234567", reason="moving: " + "m" * 300),
     "/anchormesh.v1.Tracker/Ban": lambda: pb.BanRequest(peer_id="0123456789abcdef", reason="sign-flipped updates on stage 3 since step 1200, named by three stage mates " * 3, unban=True),
@@ -210,12 +211,12 @@ def test_the_tracker_refuses_oversized_joins_status_calls_and_heartbeat_reports_
 
         creds.certificate = a.certificate
         report = pb.PeerReport(run_id=RUN, peer=pb.PeerInfo(peer_id=me.peer_id, stage=a.stage, state="idle"))
-        huge = pb.PeerReport(run_id=RUN, peer=pb.PeerInfo(peer_id=me.peer_id, stage=a.stage, state="idle", reason="r" * 40_000, excluding=["x" * 10_000] * 4))
+        huge = pb.PeerReport(run_id=RUN, peer=pb.PeerInfo(peer_id=me.peer_id, stage=a.stage, state="idle", reason="r" * 40_000, excluding=["x" * 10_000] * 4), windows_held=[1] * 20_000)
         with auth.open_channel(address, creds) as ch:
             replies = pbg.TrackerStub(ch).Heartbeat(iter([report, huge, report]), timeout=5)
             assert next(replies).kind == pb.Directive.CONTINUE  # the report before the oversized one was served
             e = _refused(lambda: next(replies))
-            assert e.details() == f"Heartbeat request is {huge.ByteSize()} bytes; this method takes at most 32768"
+            assert e.details() == f"Heartbeat request is {huge.ByteSize()} bytes; this method takes at most 65536"
             assert "r" * 1000 not in t.peers[me.peer_id].reason  # never reached the tracker
             replies = pbg.TrackerStub(ch).Heartbeat(iter([report]), timeout=5)  # a new stream is served
             assert next(replies).kind == pb.Directive.CONTINUE

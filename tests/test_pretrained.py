@@ -146,7 +146,7 @@ micro_batches = 2
 seq_len = 32
 eval_every = 0
 [data]
-max_bytes = 200000
+max_bytes = 1000000  # the bootstrap prepares it: enough documents for the eval and confirmation splits
 """
 
 

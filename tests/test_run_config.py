@@ -9,12 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
-import torch
 
+from bootstrap.run_data import open_run_data
 from bootstrap.tracker import Tracker
 from peer.config import ConfigError, DataConfig, ModelConfig, TrainConfig, check_swarm
-from peer.data import load_training_data
 from peer.model.loading import load_causal_lm, resolve_dims
 from peer.model.tokenizer import hf_byte_tokenizer
 from peer.runtoml import config_from_dict, load_run_toml, resolve_run
@@ -78,41 +78,54 @@ def test_the_new_sections_round_trip_through_the_trackers_json() -> None:
     assert config_from_dict(json.loads(json.dumps(__import__("dataclasses").asdict(cfg)))) == cfg
 
 
-# -- reading a run's data ---------------------------------------------------------------------------
+# -- the run's data, prepared by the bootstrap ------------------------------------------------------
 SMALL = TrainConfig(model=ModelConfig(name="tiny-llama", hidden_size=32, num_layers=2, num_heads=2, max_seq_len=128))
+DOCS = "\n\n".join(f"document {i}: " + TEXT[(i * 97) % 4000 :][:600] for i in range(1500))  # paragraphs are documents
 
 
 def with_data(**kw) -> TrainConfig:
     return TrainConfig(model=SMALL.model, data=DataConfig(**kw))
 
 
-def test_a_local_folder_is_read_as_bytes(tmp_path: Path) -> None:
-    (tmp_path / "a.txt").write_text(TEXT)
-    (tmp_path / "b.md").write_text(TEXT.upper())
-    stream, source = load_training_data(with_data(path=str(tmp_path), heldout=0.2), vocab_size=256)
-    data = (TEXT + "\n" + TEXT.upper()).encode()
-    assert source == str(tmp_path)
-    assert torch.equal(torch.cat([stream.train, stream.heldout]), torch.tensor(list(data)))
-    assert len(stream.heldout) == len(data) - int(len(data) * 0.8)
+def test_the_bootstrap_prepares_a_local_file_once_into_its_state_dir(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text(DOCS)
+    data = open_run_data(with_data(path=str(tmp_path / "a.txt")), tmp_path / "boot")
+    assert data.folder == tmp_path / "boot" / "data" and data.manifest.tokenizer == "bytes" and data.manifest.source == str(tmp_path / "a.txt")
+    assert 0.99 * len(DOCS) < data.manifest.tokens <= len(DOCS)  # every byte but the blank lines between documents
+    (tmp_path / "a.txt").unlink()
+    assert open_run_data(with_data(path=str(tmp_path / "a.txt")), tmp_path / "boot").manifest == data.manifest  # a restart takes it again
 
 
-def test_a_missing_path_names_data_path(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"^data\.path=.*no such file"):
-        load_training_data(with_data(path=str(tmp_path / "nope")), vocab_size=256)
+def test_a_missing_or_too_small_source_is_refused_with_its_name(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^data=.*nope.*no such file"):
+        open_run_data(with_data(path=str(tmp_path / "nope")), tmp_path / "boot")
+    (tmp_path / "small.txt").write_text(TEXT[:3000])
+    with pytest.raises(ConfigError, match=r"^data=.*small\.txt.*cannot prepare"):
+        open_run_data(with_data(path=str(tmp_path / "small.txt")), tmp_path / "boot")
 
 
-def test_a_dataset_is_streamed_through_the_datasets_library(tmp_path: Path) -> None:
+def test_a_dataset_is_prepared_through_the_datasets_library(tmp_path: Path) -> None:
     pytest.importorskip("datasets")
     folder = tmp_path / "ds"
     folder.mkdir()
-    rows = [{"text": f"record {i}: " + TEXT[:200], "id": i} for i in range(200)]
+    rows = [{"text": f"record {i}: " + TEXT[:300], "id": i} for i in range(1500)]
     (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    stream, source = load_training_data(with_data(dataset=str(folder), max_bytes=20_000), vocab_size=256)
-    got = bytes(torch.cat([stream.train, stream.heldout]).to(torch.uint8).tolist())
-    assert source == f"dataset:{folder}" and len(got) == 20_000
-    assert got.startswith(b"record 0: line 0") and b"\nrecord 1: " in got
-    with pytest.raises(ConfigError, match=r"^data\.text_field='body'.*columns: id, text"):
-        load_training_data(with_data(dataset=str(folder), text_field="body"), vocab_size=256)
+    data = open_run_data(with_data(dataset=str(folder), max_bytes=200_000), tmp_path / "boot")
+    assert data.manifest.source == f"hf:{folder}::train" and 200_000 <= data.manifest.tokens < 200_000 + 400
+    with pytest.raises(ConfigError, match=r"text.field='body'.*columns: id, text"):
+        open_run_data(with_data(dataset=str(folder), text_field="body"), tmp_path / "boot2")
+
+
+def test_a_prepared_folder_is_taken_as_it_is_and_must_match_the_tokenizer(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text(DOCS)
+    made = open_run_data(with_data(path=str(tmp_path / "a.txt")), tmp_path / "boot")
+    data = open_run_data(with_data(prepared=str(made.folder)), tmp_path / "other")
+    assert data.folder == made.folder and not (tmp_path / "other" / "data").exists()
+    with pytest.raises(ConfigError, match=r"^data\.prepared=.*leave data\.path"):
+        with_data(prepared=str(made.folder), path=str(tmp_path))
+    other = TrainConfig(model=ModelConfig(name="smollm2-135m"), data=DataConfig(prepared=str(made.folder)))
+    with pytest.raises(ConfigError, match=r"tokenizer 'bytes'.*--tokenizer smollm2-135m"):
+        open_run_data(other, tmp_path / "x")
 
 
 def tiny_model_folder(tmp_path: Path, layers: int = 3) -> Path:
@@ -126,14 +139,14 @@ def tiny_model_folder(tmp_path: Path, layers: int = 3) -> Path:
 
 def test_the_models_own_tokenizer_and_real_dimensions(tmp_path: Path) -> None:
     folder = tiny_model_folder(tmp_path)
-    (tmp_path / "t.txt").write_text(TEXT)
+    (tmp_path / "t.txt").write_text(DOCS)
     cfg = TrainConfig(model=ModelConfig(name=str(folder), max_seq_len=128), data=DataConfig(path=str(tmp_path / "t.txt"), tokenizer="model"))
-    stream, _ = load_training_data(cfg, vocab_size=256)
-    assert torch.equal(torch.cat([stream.train, stream.heldout]), torch.tensor(list(TEXT.encode())))  # this tokenizer is bytes
+    data = open_run_data(cfg, tmp_path / "boot")
+    assert data.manifest.tokenizer == str(folder)
+    first = data.manifest.splits["train"].shards[0]
+    assert bytes(np.asarray(data.tokens(first)[:11]).astype(np.uint8)) == b"document 0:"  # this tokenizer is bytes
     dims = resolve_dims(cfg.model)
     assert (dims.num_layers, dims.hidden_size, dims.num_heads) == (3, 32, 2)
-    with pytest.raises(ConfigError, match=r"^data\.tokenizer='model'.*outside the model's vocabulary of 100"):
-        load_training_data(cfg, vocab_size=100)
 
 
 # -- the token budget ---------------------------------------------------------------------------------

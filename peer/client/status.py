@@ -10,7 +10,7 @@ import sys
 
 import grpc
 
-from peer.client.view import averaging_cell, dp_cell, link_cell, model_cell, status_dict
+from peer.client.view import averaging_cell, data_cell, dp_cell, link_cell, model_cell, status_dict
 from peer.wire import anchormesh_pb2 as pb
 from peer.wire import anchormesh_pb2_grpc as pbg
 
@@ -24,6 +24,7 @@ def render(s: pb.RunStatus) -> str:
         f"run {s.run_id}  {s.state.upper()}{'  (' + s.reason + ')' if s.reason else ''}  up {s.uptime_s:.0f}s",
         f"model {model_cell(s.model)}" + (f"  config {s.config_digest}" if s.config_digest else "") + (f"  wire {s.wire_version}" if s.wire_version else ""),
         f"step {s.step}  tokens {s.tokens:,}  train loss {loss}  eval loss {eval_loss}  {s.tokens_per_s:,.0f} tok/s",
+        f"data {data_cell(s.data)}" if s.HasField("data") else "data: no prepared data",
         f"PP {s.pp_bytes_per_token:.1f} B/token ({s.pp_compression:.1f}x vs dense fp16)  "
         f"DP {s.dp_bytes_per_token:.1f} B/token" + (f" ({s.dp_compression:.0f}x vs fp32 all-reduce every step)" if s.dp_compression else " (no round yet)"),
         f"anchor: {anchor} ({s.anchors_launched} launched, {s.anchor_bytes_per_token:.1f} B/token)  stage moves: {s.stage_moves}"

@@ -41,6 +41,7 @@ def status_dict(s: pb.RunStatus) -> dict:
         "refused_calls": s.refused_calls,
         "banned": s.banned,
         "unfit": list(s.unfit),
+        "data": data_dict(s.data) if s.HasField("data") else None,
         "model": {"name": s.model.name, "num_layers": s.model.num_layers, "hidden_size": s.model.hidden_size, "num_stages": s.model.num_stages, "tokenizer": s.model.tokenizer},
         "stages": [
             {"index": st.index, "peers": st.peers, "tokens_per_s": st.tokens_per_s, "queue_depth": st.queue_depth, "capacity_tokens_per_s": st.capacity_tokens_per_s,
@@ -67,6 +68,18 @@ def status_dict(s: pb.RunStatus) -> dict:
             for p in s.peers
         ],
     }
+
+
+def data_dict(d: pb.DataStatus) -> dict:
+    return {"source": d.source, "epoch": d.epoch, "windows": d.windows, "position": d.position, "done": d.done, "tokens_seen": d.tokens_seen,
+            "in_flight": d.in_flight, "returned": d.returned, "eval_windows": d.eval_windows}
+
+
+def data_cell(d: pb.DataStatus) -> str:
+    """"epoch 0, window 1,234 of 60,000 (2.1 %), 39,488 tokens seen, 64 in flight": where the run is in its data."""
+    share = 100.0 * d.position / d.windows if d.windows else 0.0
+    back = f", {d.returned:,} given back" if d.returned else ""
+    return f"epoch {d.epoch}, window {d.position:,} of {d.windows:,} ({share:.1f} %), {d.tokens_seen:,} tokens seen, {d.in_flight:,} in flight{back}"
 
 
 def model_cell(m: pb.ModelInfo) -> str:

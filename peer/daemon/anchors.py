@@ -2,18 +2,17 @@
 
 The heartbeat thread queues them (`take`); the main loop of a stage-0 peer turns them into
 passes of its anchor circuit (peer/pipeline/swarm_anchor.py) between two units of fast work
-(`schedule`). The batches come from this peer's data: an anchor job's are seeded by its id (so
-the pass is reproducible), an evaluation pass uses the same held-out windows every time.
+(`schedule`). An anchor job's batches are micro-batches this peer trained recently, picked by the
+job's id (an anchor pass spends no window of the run's data); an evaluation pass uses the run's
+fixed eval windows (peer/daemon/feed.py): the same on every peer and at every pass.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-import torch
-
 from peer.config import TrainConfig
-from peer.data import TokenStream
+from peer.daemon.feed import WorkFeed
 from peer.pipeline.swarm_anchor import SwarmAnchor
 from peer.wire import anchormesh_pb2 as pb
 
@@ -24,7 +23,6 @@ class AnchorJobs:
     def __init__(self) -> None:
         self.anchors: deque[tuple[int, int]] = deque()  # (anchor id, micro-batches) from the tracker
         self.evals: deque[int] = deque()  # evaluation pass ids from the tracker
-        self._eval_windows: list[torch.Tensor] | None = None  # stage 0: the held-out windows, the same every pass
 
     def take(self, directive: pb.Directive, anchor: SwarmAnchor | None) -> None:
         """From a heartbeat reply: the newest anchor id issued, and a job for this peer if any."""
@@ -35,16 +33,19 @@ class AnchorJobs:
         if directive.eval_id:
             self.evals.append(directive.eval_id)
 
-    def schedule(self, anchor: SwarmAnchor, stream: TokenStream, cfg: TrainConfig) -> None:
-        """Stage 0: every queued job becomes a pass of the anchor circuit."""
+    def schedule(self, anchor: SwarmAnchor, feed: WorkFeed, cfg: TrainConfig) -> None:
+        """Stage 0: every queued job becomes a pass of the anchor circuit (a job waits while
+        this peer has trained nothing yet, or its eval windows are not fetched yet)."""
         p = cfg.pipeline
         while self.anchors:
-            anchor_id, n = self.anchors.popleft()
-            # the anchor batch comes from this peer's data, seeded by the job id (reproducible)
-            agen = torch.Generator().manual_seed(cfg.seed * 7_919 + anchor_id)
-            anchor.schedule(anchor_id, [stream.batch(p.micro_batch_size, p.seq_len, agen) for _ in range(n)])
+            anchor_id, n = self.anchors[0]
+            batches = feed.anchor_batches(anchor_id, n)
+            if batches is None:
+                break
+            self.anchors.popleft()
+            anchor.schedule(anchor_id, batches)
         while self.evals:
-            if self._eval_windows is None:
-                held = stream.eval_batches(p.micro_batch_size, p.seq_len, p.eval_batches)
-                self._eval_windows = [held[i % len(held)] for i in range(p.eval_batches)]
-            anchor.schedule_eval(self.evals.popleft(), self._eval_windows)
+            held = feed.eval_batches(p.micro_batch_size, p.eval_batches * p.micro_batch_size)
+            if not held:
+                break
+            anchor.schedule_eval(self.evals.popleft(), [held[i % len(held)] for i in range(p.eval_batches)])

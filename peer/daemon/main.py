@@ -2,9 +2,9 @@
 
 It finds the tracker (given, or through the DHT from `--initial-peers`), joins and gets a stage,
 builds that stage's layers, serves the `Stage` gRPC service, heartbeats (learning its
-neighbours from the replies), and runs the stage: stage 0 feeds micro-batches from its data,
-the last stage computes the loss, every stage steps its own optimizer when a step's gradients
-are in. SIGTERM or SIGINT makes it leave cleanly.
+neighbours from the replies), and runs the stage: stage 0 feeds micro-batches of the windows the
+tracker hands it (feed.py), the last stage computes the loss, every stage steps its own optimizer
+when a step's gradients are in. SIGTERM or SIGINT makes it leave cleanly.
 
 Several peers may serve one stage: each steps on its own micro-batches (a step is any M of them)
 and the stage group averages parameters every `dp.inner_steps` steps in the background
@@ -38,7 +38,6 @@ import signal
 import threading
 import time
 import uuid
-import zlib
 from pathlib import Path
 
 import grpc
@@ -49,6 +48,7 @@ from peer.codec.mask import MaskCodec
 from peer.daemon.anchors import AnchorJobs
 from peer.daemon.averaging import apply_step, start_averaging, step_lock
 from peer.daemon.checkpointing import Checkpointer
+from peer.daemon.feed import WorkFeed, open_feed
 from peer.daemon.membership import TRACKER_CHANNEL_OPTIONS, Membership, dht_maddrs_from_tracker, find_tracker, leave, start_dht
 from peer.daemon.memory import anchor_snapshot_slots, check_fits, free_bytes, plan_stages
 from peer.daemon.pacing import ErrorPacing
@@ -59,7 +59,6 @@ from peer.daemon.runlog import MetricsLog
 from peer.daemon.serving import Serving
 from peer.daemon.startup import StartupClock, process_age_s
 from peer.daemon.state_sync import StateSync
-from peer.data import TokenStream, load_training_data
 from peer.dp.group import GroupAverager
 from peer.dp.hivemind_averager import connect_peers
 from peer.dp.signed_claims import ClaimSigner
@@ -81,7 +80,10 @@ log = logging.getLogger("anchormesh.peer")
 class PeerDaemon:
     """One peer: its stage worker, its gRPC server, its heartbeat and its main loop."""
 
-    def __init__(self, tracker: str, host: str = "127.0.0.1", grpc_port: int = 0, device: str = "cpu", dht=None, state_dir: Path | None = None, announce_host: str | None = None, token: str | None = None, tls_ca: bytes | None = None, startup: StartupClock | None = None) -> None:
+    def __init__(self, tracker: str, host: str = "127.0.0.1", grpc_port: int = 0, device: str = "cpu", dht=None, state_dir: Path | None = None, announce_host: str | None = None, token: str | None = None, tls_ca: bytes | None = None, startup: StartupClock | None = None,
+                 data_dir: Path | None = None) -> None:
+        self.data_dir = data_dir  # the volunteer's own prepared shards (--data-dir): used when their hashes match the run's
+        self.feed: WorkFeed | None = None  # stage 0: the windows the tracker hands out
         self.startup = startup or StartupClock(process_age_s)  # run_peer's clock: it timed the DHT's start too
         self.device = parse_device(device)  # the precision follows from the run's config at Join
         self.placement = CPU_FP32
@@ -204,8 +206,17 @@ class PeerDaemon:
         )
         channel = auth.tracker_channel(self.tracker, self.creds, TRACKER_CHANNEL_OPTIONS, self.tls_ca)
         stub = pbg.TrackerStub(channel)
-        # heartbeats start now, so a slow state download does not get this peer declared dead;
-        # while it reports "joining" nobody routes to it
+        if stage.is_first:  # before the heartbeat: its reports say which work this peer holds
+            try:
+                self.feed = open_feed(a, cfg, channel, self.state_dir, self.data_dir, vocab_size)
+            except AnchormeshError as exc:  # this peer cannot read the run's data: say so (not why: it may name a local file) and leave
+                log.error("cannot use the run's data: %s", exc)
+                self.stop.set()
+                leave(stub, a.run_id, self.peer_id, "cannot use the run's data (its log says why)")
+                self._shutdown(channel)
+                raise SystemExit(2) from None
+            threading.Thread(target=self.feed.prefetch, args=(self.stop,), name="data-prefetch", daemon=True).start()
+        # heartbeats start now, so a slow state download does not get this peer declared dead; while it reports "joining" nobody routes to it
         threading.Thread(target=self.membership.heartbeat, args=(stub, a.heartbeat_interval_s), name="heartbeat", daemon=True).start()
         if self.state_dir is not None:
             run_info = {"run_id": a.run_id, "code_version": __version__, "config": json.loads(a.run_config_json)}
@@ -220,26 +231,12 @@ class PeerDaemon:
             self.phase("state")
             names = [name for name, _ in stage.named_parameters()]
             self.state_sync.load_group_state(list(a.donors), lambda donor: self.replicas.download(donor, a.stage, names, self.state_sync.apply_state, f"a group member ({donor.peer_id})"))
-        stream = gen = None
-        if stage.is_first:
-            self.phase("data")
-            try:
-                stream, source = load_training_data(cfg, vocab_size)
-            except ConfigError as exc:  # this machine cannot serve stage 0 with the run's data: say so and leave
-                log.error("cannot read the run's data: %s", exc)
-                self.stop.set()
-                leave(stub, a.run_id, self.peer_id, f"cannot read the run's data: {exc}")
-                self._shutdown(channel)
-                raise SystemExit(2) from None
-            # each stage-0 peer draws its own batches (seeded by its id, so two peers never repeat each other)
-            gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + zlib.crc32(self.peer_id.encode()))
-            log.info("stage 0 reads %s (%d training tokens, %s tokenizer)", source.split(",")[0], len(stream.train), cfg.data.tokenizer)
         self.phase("first_step")
         self.transport.start()
         resumed = f" (resumed from {self.resumed_from})" if a.start_step > 0 or self.state_step >= 0 else ""
         self.state, self.reason = "idle", f"serving; waiting for work{resumed}"
-        metrics = None
-        if self.state_dir is not None and stage.is_last:  # its failures are logged and counted, never fatal
+        metrics = None  # last stage with a state dir: its failures are logged and counted, never fatal
+        if self.state_dir is not None and stage.is_last:
             metrics = self.metrics_log = MetricsLog(self.state_dir / "metrics.jsonl")
         try:
             errors_seen, pacing = 0, ErrorPacing(log)  # an error that repeats waits longer each time (peer/daemon/pacing.py)
@@ -249,7 +246,7 @@ class PeerDaemon:
                     errors_seen = self.transport.send_error_count
                     self.worker.forget_sent()
                 try:
-                    self._tick(stream, gen, cfg, metrics)
+                    self._tick(cfg, metrics)
                 except AnchormeshError as exc:  # one bad or late message never ends the peer
                     self.dropped += 1
                     pacing.failed(exc)
@@ -264,6 +261,8 @@ class PeerDaemon:
             self._shutdown(channel)
             if metrics is not None:
                 metrics.close()
+            if self.feed is not None:
+                self.feed.close()
             log.info("%s left after %d steps", self.peer_id, self.worker.version)
 
     def _restore(self, a) -> None:
@@ -302,7 +301,7 @@ class PeerDaemon:
         self.transport.close()
         channel.close()
 
-    def _tick(self, stream: TokenStream | None, gen: torch.Generator | None, cfg, metrics: MetricsLog | None) -> None:
+    def _tick(self, cfg, metrics: MetricsLog | None) -> None:
         """One unit of work: a step when its gradients are in, else fast work, else anchor work."""
         w, p = self.worker, cfg.pipeline
         t0 = time.perf_counter()
@@ -329,17 +328,18 @@ class PeerDaemon:
             return
         if w.stage.is_first:
             self.router.retry_stale(w)
-            self.jobs.schedule(self.anchor, stream, cfg)
+            self.jobs.schedule(self.anchor, self.feed, cfg)
         moved = w.backward_one() or (not w.stage.is_first and w.forward_one())
         if w.stage.is_first and not moved:
             step, j = divmod(w.next_mb, p.micro_batches)
             if w.can_forward(step) and len(w.inflight) < p.micro_batches * (p.max_staleness + 1):
-                if not self.router.neighbours.get(1):
-                    self.state, self.reason = "idle", "waiting for a peer of stage 1"
-                else:
-                    w.inject(stream.batch(p.micro_batch_size, p.seq_len, gen), step, j)
+                batch = None if not self.router.neighbours.get(1) else self.feed.take(p.micro_batch_size)
+                if batch is not None:
+                    w.inject(batch, step, j)
                     w.next_mb += 1
                     self.state, self.reason, moved = "active", "", True
+                else:
+                    self.state, self.reason = "idle", self.feed.waiting if self.router.neighbours.get(1) else "waiting for a peer of stage 1"
         elif moved:
             self.state, self.reason = "active", ""
         if moved:  # capacity counts fast-circuit work only
@@ -363,7 +363,8 @@ class PeerDaemon:
             self._rate, self._busy = (now, self.tokens), 0.0
 
 
-def run_peer(initial_peers: list[str], tracker: str | None, host: str, grpc_port: int, device: str, max_steps: int | None = None, state_dir: Path | None = None, announce_host: str | None = None, dht_port: int = 0, metrics_port: int | None = None, threads: int = 1, token: str | None = None, tls_ca: bytes | None = None, tracker_key: bytes | None = None) -> None:
+def run_peer(initial_peers: list[str], tracker: str | None, host: str, grpc_port: int, device: str, max_steps: int | None = None, state_dir: Path | None = None, announce_host: str | None = None, dht_port: int = 0, metrics_port: int | None = None, threads: int = 1, token: str | None = None, tls_ca: bytes | None = None, tracker_key: bytes | None = None,
+             data_dir: Path | None = None) -> None:
     """`tracker_key` (the bootstrap's public key, from bootstrap.json or --tracker-key) is what the
     tracker's DHT record must be signed with; the token admits this node to the run's DHT."""
     setup_logging()
@@ -385,7 +386,7 @@ def run_peer(initial_peers: list[str], tracker: str | None, host: str, grpc_port
         tracker = find_tracker(dht, stop, tracker_key)
         log.info("found the tracker at %s through the DHT", tracker)
     startup.begin("grpc")
-    daemon = PeerDaemon(tracker, host, grpc_port, device, dht=dht, state_dir=state_dir, announce_host=announce_host, token=token, tls_ca=tls_ca, startup=startup)
+    daemon = PeerDaemon(tracker, host, grpc_port, device, dht=dht, state_dir=state_dir, announce_host=announce_host, token=token, tls_ca=tls_ca, startup=startup, data_dir=data_dir)
     if metrics_port is not None:
         from peer.metrics import peer_exposition, serve_metrics
 

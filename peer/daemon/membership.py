@@ -28,6 +28,7 @@ import torch
 from peer.address import announce_maddr, free_port
 from peer.config import TrainConfig
 from peer.daemon.anchors import AnchorJobs
+from peer.daemon.feed import MIN_REPORT_GAP_S, WorkFeed
 from peer.daemon.memory import free_bytes, plan_stages
 from peer.daemon.replicas import Replicas
 from peer.daemon.routing import Router
@@ -222,6 +223,7 @@ class Member(Protocol):
     refused: str
     resumed_from: str
     replicas: Replicas
+    feed: WorkFeed | None
 
 
 class Membership:
@@ -272,9 +274,12 @@ class Membership:
         d = self.peer
         w, averager, anchor = d.worker, d.averager, d.anchor
         link_mbit, pp_keep = self.router.links()
+        held, returned = d.feed.for_report() if d.feed is not None else ([], [])
         return pb.PeerReport(
             run_id=d.transport.run_id,
             tokens=d.tokens,
+            windows_held=held,
+            windows_returned=returned,
             peer=pb.PeerInfo(
                 peer_id=d.peer_id, stage=w.stage.index, address=d.address, state=d.state, tokens_per_s=d.tokens_per_s,
                 bytes_in=d.transport.bytes_in, bytes_out=d.transport.total_bytes(), step=w.version, loss=d.loss,
@@ -308,10 +313,17 @@ class Membership:
             def requests() -> Iterator[pb.PeerReport]:
                 while not d.stop.is_set():
                     yield self.report()
-                    d.stop.wait(interval)
+                    if d.feed is None or not d.feed.hungry.wait(interval):  # a hungry stage 0 reports early
+                        d.stop.wait(interval if d.feed is None else 0)
+                    else:
+                        d.feed.hungry.clear()
+                        d.stop.wait(MIN_REPORT_GAP_S)
 
             try:
                 for directive in stub.Heartbeat(requests()):
+                    if d.feed is not None:  # the reply to the oldest report: what it released may train now
+                        d.feed.acked()
+                        d.feed.add(directive.windows)
                     if directive.kind == pb.Directive.MOVE:
                         log.info("the tracker moves this peer: %s", directive.reason)
                         d.move_reason = directive.reason
@@ -322,6 +334,8 @@ class Membership:
                         log.info("tracker says stop: %s", directive.reason)
                         d.stop.set()
             except grpc.RpcError as exc:
+                if d.feed is not None:
+                    d.feed.unacked()
                 if d.stop.is_set():
                     return
                 if exc.code() in REFUSALS:  # banned, or its credentials no longer pass: leave for good

@@ -32,7 +32,6 @@ DOING = {
     "checkpoint": "checking its checkpoints",
     "state": "downloading its stage's state from its group",
     "restore": "restoring its stage's state from a replica",
-    "data": "reading the run's data",
     "first_step": "serving, waiting for its first step's gradients",
 }
 MAX_PHASES = 16  # what a report may carry (the tracker keeps at most this many)

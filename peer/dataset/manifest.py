@@ -97,11 +97,20 @@ def read_manifest(folder: Path) -> Manifest:
     """The manifest of `folder`, checked for shape and consistency (not the shards themselves)."""
     path = Path(folder) / MANIFEST
     try:
-        body = json.loads(path.read_bytes())
+        text = path.read_bytes()
     except FileNotFoundError:
         raise ConfigError("data folder", str(folder), f"holds no {MANIFEST}: not a folder written by `anchormesh data prepare`") from None
-    except (OSError, ValueError) as exc:
-        raise ConfigError(MANIFEST, str(path), f"cannot be read as JSON: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(MANIFEST, str(path), f"cannot be read: {exc}") from None
+    return parse_manifest(text, str(path))
+
+
+def parse_manifest(text: bytes | str, path: str = MANIFEST) -> Manifest:
+    """A manifest from its JSON (a file's, or the one a tracker sends), checked as `read_manifest` does."""
+    try:
+        body = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(MANIFEST, path, f"cannot be read as JSON: {exc}") from None
     if not isinstance(body, dict) or body.get("format") != FORMAT:
         raise ConfigError(f"{MANIFEST}: format", body.get("format") if isinstance(body, dict) else None, f"must be {FORMAT!r}")
     if body.get("version") != VERSION:

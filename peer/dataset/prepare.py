@@ -157,13 +157,15 @@ def prepare(
     text_field: str = "text",
     force: bool = False,
     show_progress: bool | None = None,
+    max_bytes: int | None = None,
 ) -> Manifest:
     """Tokenize `source` into `out` (see the module docstring) with `tokenizer` (a name, or a
     `TokenIds` already loaded); returns the manifest written.
 
     The folder appears whole or not at all: shards go to a hidden `.NAME.partial` folder beside
     `out`, renamed into place after the manifest. A source too small for its held-out sets is
-    refused (ConfigError naming SOURCE and the minimum) and leaves nothing behind."""
+    refused (ConfigError naming SOURCE and the minimum) and leaves nothing behind. `max_bytes`:
+    stop after the document that reaches this much text (a bootstrap preparing a run's data)."""
     out = Path(os.path.abspath(out))  # `.` or `dir/` still name a folder beside which `.partial` goes
     if shard_tokens < 1:
         raise ConfigError("--shard-tokens", shard_tokens, "must be >= 1")
@@ -187,7 +189,9 @@ def prepare(
     try:
         writers = {s: ShardWriter(partial, s, tok.dtype, shard_tokens) for s in SPLITS}
         started = time.monotonic()
-        _tokenize_into(src.documents(), tok, writers, seed, eval_fraction, confirm_fraction, src.total_bytes, show_progress)
+        docs = src.documents() if max_bytes is None else _at_most(src.documents(), max_bytes)
+        total = src.total_bytes if max_bytes is None or src.total_bytes is None else min(src.total_bytes, max_bytes)
+        _tokenize_into(docs, tok, writers, seed, eval_fraction, confirm_fraction, total, show_progress)
         for w in writers.values():
             w.flush()
         manifest = Manifest(
@@ -217,6 +221,15 @@ def prepare(
     shards = sum(len(v.shards) for v in manifest.splits.values())
     print(f"prepared {out}: {counts}; {shards} shards; {elapsed:.1f} s ({manifest.tokens / elapsed:,.0f} tokens/s)", file=sys.stderr)
     return manifest
+
+
+def _at_most(docs, max_bytes: int):
+    seen = 0
+    for doc in docs:
+        yield doc
+        seen += len(doc)
+        if seen >= max_bytes:
+            return
 
 
 def _tokenize_into(

@@ -37,7 +37,7 @@ def open_source(spec: str, text_field: str = "text") -> Source:
     """SOURCE as the command line gives it: a file, a folder, or hf:DATASET[:CONFIG[:SPLIT]]."""
     if spec.startswith(HF_PREFIX):
         return _hf_source(spec, text_field)
-    from peer.data import TEXT_SUFFIXES  # the suffixes stage-0 peers read today; imported here: peer.data brings torch
+    from peer.data import TEXT_SUFFIXES  # the suffixes the benchmarks read too; imported here: peer.data brings torch
 
     path = Path(spec)
     if path.is_file():

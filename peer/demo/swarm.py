@@ -140,6 +140,7 @@ def run_swarm_demo(seconds: float = 90.0, peers: int = 4, model: str | None = No
     left = [p.pid for p in procs if p.poll() is None]
     summary = {"run_id": last.run_id if last else None, "step": last.step if last else 0, "tokens": last.tokens if last else 0,
                "loss": last.loss if last else None, "pp_bytes_per_token": last.pp_bytes_per_token if last else 0.0,
-               "startup_s": round(started - t0, 1) if started is not None else None, "processes_left": left}
+               "startup_s": round(started - t0, 1) if started is not None else None, "processes_left": left,
+               "data": {"epoch": last.data.epoch, "position": last.data.position, "tokens_seen": last.data.tokens_seen} if last and last.HasField("data") else None}
     print(f"summary: {json.dumps(summary)}; every process stopped" if not left else f"summary: {json.dumps(summary)}; STILL RUNNING: {left}")
     return summary

@@ -27,7 +27,10 @@ METHOD_LIMITS: dict[str, int | None] = {
     STAGE + "GetShard": 4 * KIB,  # two ids, two numbers: ~40 bytes
     TRACKER + "Join": 64 * KIB,  # ids, address, TLS key, DHT addresses, a per-stage plan: 6.2 KB with 32 addresses and 256 stages
     TRACKER + "GetConfig": 4 * KIB,  # empty
-    TRACKER + "Heartbeat": 32 * KIB,  # a PeerReport: 3.4 KB with every string at the tracker's 300-character cap and every counter at its max
+    # a PeerReport: 3.4 KB with every string at the tracker's 300-character cap and every counter at its max,
+    # plus 8.7 KB of work ids (stage 0 holds at most 256 and gives back at most 256)
+    TRACKER + "Heartbeat": 64 * KIB,
+    TRACKER + "GetData": 4 * KIB,  # a file name from the manifest and an offset: ~30 bytes
     TRACKER + "Leave": 4 * KIB,  # two ids and a reason: 340 bytes with a 300-character reason
     TRACKER + "Ban": 4 * KIB,  # an id and the operator's reason: ~100 bytes
     STATUS + "GetStatus": 4 * KIB,  # one double: 9 bytes

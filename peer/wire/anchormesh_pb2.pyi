@@ -263,7 +263,7 @@ class JoinRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., code_version: _Optional[str] = ..., dht_maddrs: _Optional[_Iterable[str]] = ..., tls_public_key: _Optional[bytes] = ..., device: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., stage_memory_bytes: _Optional[_Iterable[int]] = ..., wire_version: _Optional[str] = ..., codecs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("run_id", "stage", "num_stages", "layer_start", "layer_end", "run_config_json", "heartbeat_interval_s", "start_step", "dht_maddrs", "group_dht_maddrs", "certificate", "tracker_key", "calls_per_s", "messages_per_s", "tls_certificate", "anchors_issued", "restore_from", "donors")
+    __slots__ = ("run_id", "stage", "num_stages", "layer_start", "layer_end", "run_config_json", "heartbeat_interval_s", "start_step", "dht_maddrs", "group_dht_maddrs", "certificate", "tracker_key", "calls_per_s", "messages_per_s", "tls_certificate", "anchors_issued", "restore_from", "donors", "data_manifest", "data_windows")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
@@ -282,6 +282,8 @@ class Assignment(_message.Message):
     ANCHORS_ISSUED_FIELD_NUMBER: _ClassVar[int]
     RESTORE_FROM_FIELD_NUMBER: _ClassVar[int]
     DONORS_FIELD_NUMBER: _ClassVar[int]
+    DATA_MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    DATA_WINDOWS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     stage: int
     num_stages: int
@@ -300,7 +302,9 @@ class Assignment(_message.Message):
     anchors_issued: int
     restore_from: PeerInfo
     donors: _containers.RepeatedCompositeFieldContainer[PeerInfo]
-    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., run_config_json: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., start_step: _Optional[int] = ..., dht_maddrs: _Optional[_Iterable[str]] = ..., group_dht_maddrs: _Optional[_Iterable[str]] = ..., certificate: _Optional[bytes] = ..., tracker_key: _Optional[bytes] = ..., calls_per_s: _Optional[float] = ..., messages_per_s: _Optional[float] = ..., tls_certificate: _Optional[bytes] = ..., anchors_issued: _Optional[int] = ..., restore_from: _Optional[_Union[PeerInfo, _Mapping]] = ..., donors: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ...) -> None: ...
+    data_manifest: str
+    data_windows: int
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., run_config_json: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., start_step: _Optional[int] = ..., dht_maddrs: _Optional[_Iterable[str]] = ..., group_dht_maddrs: _Optional[_Iterable[str]] = ..., certificate: _Optional[bytes] = ..., tracker_key: _Optional[bytes] = ..., calls_per_s: _Optional[float] = ..., messages_per_s: _Optional[float] = ..., tls_certificate: _Optional[bytes] = ..., anchors_issued: _Optional[int] = ..., restore_from: _Optional[_Union[PeerInfo, _Mapping]] = ..., donors: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., data_manifest: _Optional[str] = ..., data_windows: _Optional[int] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
     __slots__ = ("peer_id", "stage", "address", "state", "last_seen_s", "tokens_per_s", "bytes_in", "bytes_out", "step", "loss", "queue_depth", "reason", "dp_rounds", "anchor_id", "anchor_bytes_out", "capacity_tokens_per_s", "dp_bytes_out", "dp_dense_bytes", "eval_id", "eval_loss", "dp_rejected", "refused_calls", "key_fingerprint", "dp_suspects", "dp_flagged", "link_mbit", "pp_keep", "dp_period_s", "device", "memory_bytes", "memory_plan_bytes", "refused_reports", "excluding", "startup_s", "replica_stage", "replica_step", "resumed_from", "startup_phases")
@@ -391,17 +395,21 @@ class StartupPhase(_message.Message):
     def __init__(self, name: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class PeerReport(_message.Message):
-    __slots__ = ("run_id", "peer", "tokens")
+    __slots__ = ("run_id", "peer", "tokens", "windows_held", "windows_returned")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WINDOWS_HELD_FIELD_NUMBER: _ClassVar[int]
+    WINDOWS_RETURNED_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     peer: PeerInfo
     tokens: int
-    def __init__(self, run_id: _Optional[str] = ..., peer: _Optional[_Union[PeerInfo, _Mapping]] = ..., tokens: _Optional[int] = ...) -> None: ...
+    windows_held: _containers.RepeatedScalarFieldContainer[int]
+    windows_returned: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, run_id: _Optional[str] = ..., peer: _Optional[_Union[PeerInfo, _Mapping]] = ..., tokens: _Optional[int] = ..., windows_held: _Optional[_Iterable[int]] = ..., windows_returned: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Directive(_message.Message):
-    __slots__ = ("kind", "reason", "neighbours", "anchor_id", "anchor_micro_batches", "eval_id", "banned", "banned_dht", "anchors_issued", "member_dht", "replicate")
+    __slots__ = ("kind", "reason", "neighbours", "anchor_id", "anchor_micro_batches", "eval_id", "banned", "banned_dht", "anchors_issued", "member_dht", "replicate", "windows")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         CONTINUE: _ClassVar[Directive.Kind]
@@ -421,6 +429,7 @@ class Directive(_message.Message):
     ANCHORS_ISSUED_FIELD_NUMBER: _ClassVar[int]
     MEMBER_DHT_FIELD_NUMBER: _ClassVar[int]
     REPLICATE_FIELD_NUMBER: _ClassVar[int]
+    WINDOWS_FIELD_NUMBER: _ClassVar[int]
     kind: Directive.Kind
     reason: str
     neighbours: _containers.RepeatedCompositeFieldContainer[PeerInfo]
@@ -432,7 +441,8 @@ class Directive(_message.Message):
     anchors_issued: int
     member_dht: _containers.RepeatedScalarFieldContainer[str]
     replicate: PeerInfo
-    def __init__(self, kind: _Optional[_Union[Directive.Kind, str]] = ..., reason: _Optional[str] = ..., neighbours: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., anchor_id: _Optional[int] = ..., anchor_micro_batches: _Optional[int] = ..., eval_id: _Optional[int] = ..., banned: _Optional[_Iterable[str]] = ..., banned_dht: _Optional[_Iterable[str]] = ..., anchors_issued: _Optional[int] = ..., member_dht: _Optional[_Iterable[str]] = ..., replicate: _Optional[_Union[PeerInfo, _Mapping]] = ...) -> None: ...
+    windows: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, kind: _Optional[_Union[Directive.Kind, str]] = ..., reason: _Optional[str] = ..., neighbours: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., anchor_id: _Optional[int] = ..., anchor_micro_batches: _Optional[int] = ..., eval_id: _Optional[int] = ..., banned: _Optional[_Iterable[str]] = ..., banned_dht: _Optional[_Iterable[str]] = ..., anchors_issued: _Optional[int] = ..., member_dht: _Optional[_Iterable[str]] = ..., replicate: _Optional[_Union[PeerInfo, _Mapping]] = ..., windows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("run_id", "peer_id", "reason")
@@ -463,6 +473,26 @@ class RunConfig(_message.Message):
     code_version: str
     wire_version: str
     def __init__(self, run_id: _Optional[str] = ..., run_config_json: _Optional[str] = ..., code_version: _Optional[str] = ..., wire_version: _Optional[str] = ...) -> None: ...
+
+class DataRequest(_message.Message):
+    __slots__ = ("name", "offset")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    offset: int
+    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class DataChunk(_message.Message):
+    __slots__ = ("name", "total_bytes", "offset", "data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    total_bytes: int
+    offset: int
+    data: bytes
+    def __init__(self, name: _Optional[str] = ..., total_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class BanRequest(_message.Message):
     __slots__ = ("peer_id", "reason", "unban")
@@ -501,7 +531,7 @@ class StageStatus(_message.Message):
     def __init__(self, index: _Optional[int] = ..., peers: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., queue_depth: _Optional[int] = ..., capacity_tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("run_id", "step", "tokens", "loss", "tokens_per_s", "pp_bytes_per_token", "pp_compression", "uptime_s", "state", "reason", "stages", "peers", "dht_maddrs", "anchor_step", "anchor_age_steps", "anchors_launched", "anchor_bytes_per_token", "stage_moves", "dp_bytes_per_token", "dp_compression", "eval_loss", "eval_step", "refused_calls", "banned", "unfit", "model", "config_digest", "wire_version")
+    __slots__ = ("run_id", "step", "tokens", "loss", "tokens_per_s", "pp_bytes_per_token", "pp_compression", "uptime_s", "state", "reason", "stages", "peers", "dht_maddrs", "anchor_step", "anchor_age_steps", "anchors_launched", "anchor_bytes_per_token", "stage_moves", "dp_bytes_per_token", "dp_compression", "eval_loss", "eval_step", "refused_calls", "banned", "unfit", "model", "config_digest", "wire_version", "data")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -530,6 +560,7 @@ class RunStatus(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CONFIG_DIGEST_FIELD_NUMBER: _ClassVar[int]
     WIRE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     tokens: int
@@ -558,7 +589,30 @@ class RunStatus(_message.Message):
     model: ModelInfo
     config_digest: str
     wire_version: str
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., tokens: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., pp_bytes_per_token: _Optional[float] = ..., pp_compression: _Optional[float] = ..., uptime_s: _Optional[float] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., dht_maddrs: _Optional[_Iterable[str]] = ..., anchor_step: _Optional[int] = ..., anchor_age_steps: _Optional[int] = ..., anchors_launched: _Optional[int] = ..., anchor_bytes_per_token: _Optional[float] = ..., stage_moves: _Optional[int] = ..., dp_bytes_per_token: _Optional[float] = ..., dp_compression: _Optional[float] = ..., eval_loss: _Optional[float] = ..., eval_step: _Optional[int] = ..., refused_calls: _Optional[int] = ..., banned: _Optional[int] = ..., unfit: _Optional[_Iterable[str]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., config_digest: _Optional[str] = ..., wire_version: _Optional[str] = ...) -> None: ...
+    data: DataStatus
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., tokens: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., pp_bytes_per_token: _Optional[float] = ..., pp_compression: _Optional[float] = ..., uptime_s: _Optional[float] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., dht_maddrs: _Optional[_Iterable[str]] = ..., anchor_step: _Optional[int] = ..., anchor_age_steps: _Optional[int] = ..., anchors_launched: _Optional[int] = ..., anchor_bytes_per_token: _Optional[float] = ..., stage_moves: _Optional[int] = ..., dp_bytes_per_token: _Optional[float] = ..., dp_compression: _Optional[float] = ..., eval_loss: _Optional[float] = ..., eval_step: _Optional[int] = ..., refused_calls: _Optional[int] = ..., banned: _Optional[int] = ..., unfit: _Optional[_Iterable[str]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., config_digest: _Optional[str] = ..., wire_version: _Optional[str] = ..., data: _Optional[_Union[DataStatus, _Mapping]] = ...) -> None: ...
+
+class DataStatus(_message.Message):
+    __slots__ = ("source", "epoch", "windows", "position", "done", "tokens_seen", "in_flight", "returned", "eval_windows")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_SEEN_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    RETURNED_FIELD_NUMBER: _ClassVar[int]
+    EVAL_WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    epoch: int
+    windows: int
+    position: int
+    done: int
+    tokens_seen: int
+    in_flight: int
+    returned: int
+    eval_windows: int
+    def __init__(self, source: _Optional[str] = ..., epoch: _Optional[int] = ..., windows: _Optional[int] = ..., position: _Optional[int] = ..., done: _Optional[int] = ..., tokens_seen: _Optional[int] = ..., in_flight: _Optional[int] = ..., returned: _Optional[int] = ..., eval_windows: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("name", "num_layers", "hidden_size", "num_stages", "tokenizer")

@@ -372,6 +372,11 @@ class TrackerStub:
                 request_serializer=peer_dot_wire_dot_anchormesh__pb2.JoinRequest.SerializeToString,
                 response_deserializer=peer_dot_wire_dot_anchormesh__pb2.Assignment.FromString,
                 _registered_method=True)
+        self.GetData = channel.unary_stream(
+                '/anchormesh.v1.Tracker/GetData',
+                request_serializer=peer_dot_wire_dot_anchormesh__pb2.DataRequest.SerializeToString,
+                response_deserializer=peer_dot_wire_dot_anchormesh__pb2.DataChunk.FromString,
+                _registered_method=True)
         self.GetConfig = channel.unary_unary(
                 '/anchormesh.v1.Tracker/GetConfig',
                 request_serializer=peer_dot_wire_dot_anchormesh__pb2.ConfigRequest.SerializeToString,
@@ -399,6 +404,13 @@ class TrackerServicer:
 
     def Join(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetData(self, request, context):
+        """a file of the run's prepared data (a shard named in Assignment.data_manifest), members only
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -435,6 +447,11 @@ def add_TrackerServicer_to_server(servicer, server):
                     servicer.Join,
                     request_deserializer=peer_dot_wire_dot_anchormesh__pb2.JoinRequest.FromString,
                     response_serializer=peer_dot_wire_dot_anchormesh__pb2.Assignment.SerializeToString,
+            ),
+            'GetData': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetData,
+                    request_deserializer=peer_dot_wire_dot_anchormesh__pb2.DataRequest.FromString,
+                    response_serializer=peer_dot_wire_dot_anchormesh__pb2.DataChunk.SerializeToString,
             ),
             'GetConfig': grpc.unary_unary_rpc_method_handler(
                     servicer.GetConfig,
@@ -484,6 +501,33 @@ class Tracker:
             '/anchormesh.v1.Tracker/Join',
             peer_dot_wire_dot_anchormesh__pb2.JoinRequest.SerializeToString,
             peer_dot_wire_dot_anchormesh__pb2.Assignment.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetData(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/anchormesh.v1.Tracker/GetData',
+            peer_dot_wire_dot_anchormesh__pb2.DataRequest.SerializeToString,
+            peer_dot_wire_dot_anchormesh__pb2.DataChunk.FromString,
             options,
             channel_credentials,
             insecure,
