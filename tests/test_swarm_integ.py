@@ -85,7 +85,6 @@ values = "int8"
 [anchor]
 every = 5
 micro_batches = 2
-with_masked = false
 [spectral]
 mode = "paper"
 [optim]

@@ -363,8 +363,7 @@ class PeerDaemon:
             self._rate, self._busy = (now, self.tokens), 0.0
 
 
-def run_peer(initial_peers: list[str], tracker: str | None, host: str, grpc_port: int, device: str, max_steps: int | None = None, state_dir: Path | None = None, announce_host: str | None = None, dht_port: int = 0, metrics_port: int | None = None, threads: int = 1, token: str | None = None, tls_ca: bytes | None = None, tracker_key: bytes | None = None,
-             data_dir: Path | None = None) -> None:
+def run_peer(initial_peers: list[str], tracker: str | None, host: str, grpc_port: int, device: str, max_steps: int | None = None, state_dir: Path | None = None, announce_host: str | None = None, dht_port: int = 0, metrics_port: int | None = None, threads: int = 1, token: str | None = None, tls_ca: bytes | None = None, tracker_key: bytes | None = None, data_dir: Path | None = None) -> None:
     """`tracker_key` (the bootstrap's public key, from bootstrap.json or --tracker-key) is what the
     tracker's DHT record must be signed with; the token admits this node to the run's DHT."""
     setup_logging()
