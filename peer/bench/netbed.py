@@ -68,18 +68,17 @@ class NetBed:
         rates_mbit: one entry per host: its link's bandwidth in Mbit/s each way, None = unshaped.
         subnet: third octet of the 198.18.<subnet>.0/24 segment (two beds at once need two).
         burst_kb: tbf bucket; small enough that the rate holds over a micro-batch.
-        prefix: starts every namespace and interface name (two test files' beds never collide).
     """
 
     latency_ms = 50  # tbf's queue bound: a full queue drains in this long at the rate
 
-    def __init__(self, rates_mbit: list[float | None], subnet: int = 0, burst_kb: int = 32, prefix: str = "am") -> None:
+    def __init__(self, rates_mbit: list[float | None], subnet: int = 0, burst_kb: int = 32) -> None:
         global _instances
         _instances += 1
-        self.tag = f"{prefix}{os.getpid() % 100000}{_instances}"
-        self.hub = f"{self.tag}hub"
+        self.tag = f"{os.getpid() % 100000}{_instances}"
+        self.hub = f"am{self.tag}hub"
         self.burst_kb = burst_kb
-        self.hosts = [Host(i, f"{self.tag}h{i}", f"198.18.{subnet}.{i + 1}", f"{self.tag}p{i}", r) for i, r in enumerate(rates_mbit)]
+        self.hosts = [Host(i, f"am{self.tag}h{i}", f"198.18.{subnet}.{i + 1}", f"am{self.tag}p{i}", r) for i, r in enumerate(rates_mbit)]
         self.procs: list[subprocess.Popen] = []
         self._up = False
 
@@ -113,7 +112,7 @@ class NetBed:
         self._ns(self.hub, "ip", "link", "set", "br0", "up")
         for h in self.hosts:
             _run("ip", "netns", "add", h.ns)
-            inner = f"{self.tag}v{h.index}"
+            inner = f"am{self.tag}v{h.index}"
             _run("ip", "link", "add", inner, "type", "veth", "peer", "name", h.port)
             _run("ip", "link", "set", inner, "netns", h.ns)
             _run("ip", "link", "set", h.port, "netns", self.hub)

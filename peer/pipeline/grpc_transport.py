@@ -37,8 +37,8 @@ from peer.wire.tensors import parse_message
 
 log = logging.getLogger(__name__)
 RECENT = 64  # refusals and send errors kept for inspection (counted beyond that)
-# a destination whose stream holds this many unacknowledged messages (or twice its bandwidth-delay product's), or whose oldest
-# waited this long, is stalled (a peer that accepts a stream and never reads it): its queue is dropped, the
+# a destination whose stream holds this many unacknowledged messages, or whose oldest waited this
+# long, is stalled (a peer that accepts a stream and never reads it): its queue is dropped, the
 # stream cut, and sends to it refused for STALL_S so the caller routes around it
 MAX_UNACKED, MESSAGE_DEADLINE_S, STALL_S = 64, 60.0, 120.0
 STAGE_CALLS = 64  # concurrent calls of one Stage server: every neighbour's few streams, a state download, Pings
@@ -323,7 +323,7 @@ class GrpcTransport(Transport):
         if meter is None:
             return
         n, age = meter.waiting(now)
-        if n >= max(MAX_UNACKED, 2 * meter.pipe(now)) or age > MESSAGE_DEADLINE_S:
+        if n >= MAX_UNACKED or age > MESSAGE_DEADLINE_S:
             why = f"its {channel} stream took {n} messages without acknowledging them, the oldest {age:.0f}s ago"
             self.stalled[dst] = (now + STALL_S, why)
             out = self._outgoing.get((dst, channel))
