@@ -123,7 +123,7 @@ def test_a_known_model_not_installed_says_how_to_install_it(monkeypatch: pytest.
 
 
 def test_a_rank_above_the_hidden_size_is_refused() -> None:
-    with pytest.raises(ConfigError, match=r"mask\.rank.*exceeds the model's hidden size 64"):
+    with pytest.raises(ConfigError, match=r"codec\.lowrank\.rank.*exceeds the model's hidden size 64"):
         TrainConfig(model=ModelConfig(hidden_size=64), mask=MaskConfig(scheme="lowrank", rank=65))
 
 

@@ -355,7 +355,7 @@ def test_run_toml_model(tmp_path: Path) -> None:
     toml = tmp_path / "run.toml"
     toml.write_text('[model]\nname = "tiny-llama"\nhidden_size = 64\nnum_layers = 6\nnum_heads = 4\nmax_seq_len = 64\n[pipeline]\nmicro_batch_size = 4\nseq_len = 64\nmicro_batches = 3\n')
     dims, shape, source = resolve_model(str(toml), 3)
-    assert (dims.hidden, dims.layers, shape) == (64, 6, Shape(4, 64, 3)) and "run.toml" in source
+    assert (dims.hidden, dims.layers, shape) == (64, 6, Shape(4, 64, 3, 1)) and "run.toml" in source  # the recommended run: stage 0 one step ahead
 
 
 # -- plot ---------------------------------------------------------------------------------------

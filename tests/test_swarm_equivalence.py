@@ -8,13 +8,13 @@ from __future__ import annotations
 import json
 import subprocess
 import time
-import zlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from peer.data import TokenStream, default_corpus
+from peer.dataset.shards import PreparedData
 from peer.demo.swarm import start_process, stop_processes, wait_for_bootstrap
 from peer.model.loading import load_causal_lm
 from peer.model.placement import resolve_placement
@@ -59,8 +59,9 @@ def swarm_losses(tmp: Path, dtype: str) -> list[float]:
         boot = start("bootstrap", "--config", str(tmp / "run.toml"), "--state-dir", str(tmp / "boot"), log="boot.log")
         tracker = wait_for_bootstrap(tmp / "boot", boot, tmp / "boot.log", timeout_s=90)["tracker"]
         deadline = time.monotonic() + 90
-        # the first peer to join gets stage 0; its id fixes its data order (see below)
-        p0 = start("peer", "--tracker", tracker, "--token", f"@{tmp}/boot/bootstrap.json", "--max-steps", str(STEPS), log="p0.log", ANCHORMESH_PEER_ID=STAGE0_ID)
+        # the first peer to join gets stage 0; its state dir keeps the ids of the windows it trains (windows.log)
+        p0 = start("peer", "--tracker", tracker, "--token", f"@{tmp}/boot/bootstrap.json", "--max-steps", str(STEPS), "--state-dir", str(tmp / "p0"), log="p0.log",
+                   ANCHORMESH_PEER_ID=STAGE0_ID)
         while "joined" not in (tmp / "p0.log").read_text():
             assert time.monotonic() < deadline and p0.poll() is None, (tmp / "p0.log").read_text()
             time.sleep(0.2)
@@ -81,19 +82,16 @@ def swarm_losses(tmp: Path, dtype: str) -> list[float]:
 
 
 def runner_losses(tmp: Path) -> list[float]:
+    """The local runner on the very windows the swarm's stage 0 trained, in its order: the ids it
+    logged (one micro-batch a line), read from the data the bootstrap prepared."""
     cfg = load_run_toml(str(tmp / "run.toml"))
-    data, _ = default_corpus("b")
-    stream = TokenStream(data)
-    # the daemon's stage 0 draws its micro-batches in order from this generator (peer/daemon/main.py)
-    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + zlib.crc32(STAGE0_ID.encode()))
     p = cfg.pipeline
-    batches: dict[tuple[int, int], torch.Tensor] = {}
+    windows = PreparedData(tmp / "boot" / "data").windows(p.seq_len)
+    logged = [[int(i) % len(windows) for i in line.split()] for line in (tmp / "p0" / "windows.log").read_text().splitlines()]
+    assert len(logged) >= STEPS * p.micro_batches and all(len(ids) == p.micro_batch_size for ids in logged), logged
 
     def batch_fn(step: int, replica: int, j: int) -> torch.Tensor:
-        key = (step, j)
-        if key not in batches:
-            batches[key] = stream.batch(p.micro_batch_size, p.seq_len, gen)
-        return batches[key]
+        return torch.from_numpy(windows.batch(logged[step * p.micro_batches + j]).astype(np.int64))
 
     runner = LocalPipelineRunner(cfg, load_causal_lm(cfg.model, seed=cfg.seed), batch_fn, placement=resolve_placement("cpu", cfg.compute))
     try:
