@@ -12,14 +12,7 @@ from bootstrap.tracker import Tracker
 from peer.config import ModelConfig, TrainConfig
 from peer.wire import anchormesh_pb2 as pb
 from peer.wire.version import build_fields
-
-
-class Clock:
-    def __init__(self, t: float) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
+from tests.test_tracker_restart import Clock  # a settable clock
 
 
 def test_each_window_once_per_epoch_across_peers_in_a_seeded_order() -> None:
