@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from peer.codec.mask import MaskCodec
 from peer.config import MaskConfig, ModelConfig, PipelineConfig, TrainConfig
 from peer.daemon.main import PeerDaemon
 from peer.model.loading import load_causal_lm
@@ -82,7 +81,7 @@ def test_a_half_written_temp_file_is_not_a_checkpoint(tmp_path: Path) -> None:
 def make_daemon(state_dir: Path) -> PeerDaemon:
     d = PeerDaemon("127.0.0.1:9", state_dir=state_dir)
     stage = split_model(load_causal_lm(CFG.model, seed=0), 2)[1]
-    d.worker = StageWorker(stage, 0, CFG, MaskCodec(CFG.mask), d.transport, "run", peer_id=d.peer_id, local_steps=True)
+    d.worker = StageWorker(stage, 0, CFG, d.transport, "run", peer_id=d.peer_id, local_steps=True)
     d.checkpoints = ShardCheckpoints(state_dir, "run", 1, keep=2)
     return d
 

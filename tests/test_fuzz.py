@@ -64,7 +64,7 @@ def peer():
     """A stage-1 (last-stage) peer, one real optimizer step behind it, serving its Stage service."""
     d = PeerDaemon("127.0.0.1:9")
     stage = split_model(load_causal_lm(CFG.model, seed=0), 2)[1]
-    d.worker = StageWorker(stage, 0, CFG, MaskCodec(CFG.mask), d.transport, RUN, peer_id=d.peer_id, local_steps=True)
+    d.worker = StageWorker(stage, 0, CFG, d.transport, RUN, peer_id=d.peer_id, local_steps=True)
     d.anchor = SwarmAnchor(d.worker, CFG.anchor.micro_batches, d.router.siblings, eval_batches=CFG.pipeline.eval_batches)
     for p in stage.parameters():  # one optimizer step, so AdamW moments exist and are checked too
         p.grad = torch.randn_like(p) * 1e-3

@@ -93,7 +93,6 @@ def test_a_peer_serves_its_own_figures(tmp_path: Path) -> None:
     only on the last stage and only once there is one; the checkpoint step once one is written."""
     import math
 
-    from peer.codec.mask import MaskCodec
     from peer.config import MaskConfig, ModelConfig, PipelineConfig, TrainConfig
     from peer.daemon.main import PeerDaemon
     from peer.metrics import peer_exposition
@@ -109,7 +108,7 @@ def test_a_peer_serves_its_own_figures(tmp_path: Path) -> None:
         code, ctype, body = _get(url)  # before it has a stage: no crash, its state
         assert code == 200 and ctype == CONTENT_TYPE and f'anchormesh_peer_state{{peer="{d.peer_id}",stage="",state="joining"}} 1' in body
         stage = split_model(load_causal_lm(cfg.model, seed=0), 2)[1]
-        d.worker = StageWorker(stage, 0, cfg, MaskCodec(cfg.mask), d.transport, "run", peer_id=d.peer_id, local_steps=True)
+        d.worker = StageWorker(stage, 0, cfg, d.transport, "run", peer_id=d.peer_id, local_steps=True)
         d.state, d.tokens, d.worker.version = "active", 4096, 12
         body = _get(url)[2]
         labels = f'peer="{d.peer_id}",stage="1"'

@@ -9,7 +9,6 @@ import threading
 import pytest
 import torch
 
-from peer.codec.mask import MaskCodec
 from peer.config import MaskConfig, ModelConfig, PipelineConfig, TrainConfig
 from peer.daemon.main import PeerDaemon
 from peer.model.loading import load_causal_lm
@@ -54,7 +53,7 @@ def donor_state(stage) -> tuple[dict, list[torch.Tensor]]:
 def daemon():
     d = PeerDaemon("127.0.0.1:9")
     stage = split_model(load_causal_lm(CFG.model, seed=0), 2)[1]
-    d.worker = StageWorker(stage, 0, CFG, MaskCodec(CFG.mask), d.transport, "run", peer_id=d.peer_id, local_steps=True)
+    d.worker = StageWorker(stage, 0, CFG, d.transport, "run", peer_id=d.peer_id, local_steps=True)
     yield d
     d.transport.close()
 

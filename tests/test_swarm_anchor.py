@@ -9,7 +9,6 @@ import copy
 import pytest
 import torch
 
-from peer.codec.mask import MaskCodec
 from peer.config import AnchorConfig, MaskConfig, ModelConfig, PipelineConfig, SpectralConfig, TrainConfig
 from peer.errors import AnchormeshError, WireError
 from peer.model.loading import load_causal_lm
@@ -37,7 +36,7 @@ def build():
     transport = LocalTransport()
     names = ["p0", "p1", "p1b", "p2"]
     stage_of = {"p0": 0, "p1": 1, "p1b": 1, "p2": 2}
-    workers = {n: StageWorker(copy.deepcopy(stages[stage_of[n]]), 0, CFG, MaskCodec(CFG.mask), transport, "run", peer_id=n, local_steps=True) for n in names}
+    workers = {n: StageWorker(copy.deepcopy(stages[stage_of[n]]), 0, CFG, transport, "run", peer_id=n, local_steps=True) for n in names}
     siblings = {"p0": [], "p1": ["p1b"], "p1b": ["p1"], "p2": []}
     anchors = {n: SwarmAnchor(w, M, lambda n=n: siblings[n]) for n, w in workers.items()}
     return model, transport, workers, anchors

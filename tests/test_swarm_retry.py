@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from peer.codec.mask import MaskCodec
 from peer.config import MaskConfig, ModelConfig, PipelineConfig, TrainConfig
 from peer.errors import WireError
 from peer.model.loading import load_causal_lm
@@ -22,8 +21,8 @@ CFG = TrainConfig(model=ModelConfig(name="tiny-llama", num_stages=2, hidden_size
 def test_a_retried_micro_batch_gets_its_gradient_again_and_counts_once() -> None:
     stages = split_model(load_causal_lm(CFG.model, seed=0), 2)
     t = LocalTransport()
-    a = StageWorker(stages[0], 0, CFG, MaskCodec(CFG.mask), t, "run", peer_id="a", next_hop=lambda: "b", resolve=lambda s: s, local_steps=True)
-    b = StageWorker(stages[1], 0, CFG, MaskCodec(CFG.mask), t, "run", peer_id="b", next_hop=lambda: None, resolve=lambda s: s, local_steps=True)
+    a = StageWorker(stages[0], 0, CFG, t, "run", peer_id="a", next_hop=lambda: "b", resolve=lambda s: s, local_steps=True)
+    b = StageWorker(stages[1], 0, CFG, t, "run", peer_id="b", next_hop=lambda: None, resolve=lambda s: s, local_steps=True)
     window = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
     a.inject(window, 0, 0)
     sent = t._queues[("b", "forward")][0]
@@ -54,8 +53,8 @@ def _swarm_pair(correction: str) -> tuple[StageWorker, StageWorker, list[torch.T
     cfg = TrainConfig(model=CFG.model, mask=MaskConfig(scheme="mask"), pipeline=PipelineConfig(micro_batch_size=2, micro_batches=2, seq_len=8, max_staleness=1, staleness_correction=correction))
     stages = split_model(load_causal_lm(cfg.model, seed=0), 2)
     t = LocalTransport()
-    a = StageWorker(stages[0], 0, cfg, MaskCodec(cfg.mask), t, "run", peer_id="a", next_hop=lambda: "b", resolve=lambda s: s, local_steps=True)
-    b = StageWorker(stages[1], 0, cfg, MaskCodec(cfg.mask), t, "run", peer_id="b", next_hop=lambda: None, resolve=lambda s: s, local_steps=True)
+    a = StageWorker(stages[0], 0, cfg, t, "run", peer_id="a", next_hop=lambda: "b", resolve=lambda s: s, local_steps=True)
+    b = StageWorker(stages[1], 0, cfg, t, "run", peer_id="b", next_hop=lambda: None, resolve=lambda s: s, local_steps=True)
     return a, b, [torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(i)) for i in range(4)]
 
 

@@ -44,7 +44,6 @@ import grpc
 import torch
 
 from peer import __version__
-from peer.codec.mask import MaskCodec
 from peer.daemon.anchors import AnchorJobs
 from peer.daemon.averaging import apply_step, start_averaging, step_lock
 from peer.daemon.checkpointing import Checkpointer
@@ -188,7 +187,7 @@ class PeerDaemon:
         vocab_size = stage.vocab_size
         stage.train()
         replica = uuid.uuid4().int % (1 << 20)  # makes this peer's micro-batch ids (and masks) its own
-        self.worker = StageWorker(stage, replica, cfg, MaskCodec(cfg.mask), self.transport, a.run_id, peer_id=self.peer_id, next_hop=self.router.next_hop, resolve=self.router.resolve, local_steps=True, placement=self.placement)
+        self.worker = StageWorker(stage, replica, cfg, self.transport, a.run_id, peer_id=self.peer_id, next_hop=self.router.next_hop, resolve=self.router.resolve, local_steps=True, placement=self.placement)
         self.worker.version = a.start_step  # continue the run's step numbering (the group's state may raise it)
         self.worker.next_mb = a.start_step * cfg.pipeline.micro_batches
         snapshot_bytes = plan.anchor_snapshot or sum(p.numel() for p in stage.parameters()) * self.placement.compute_dtype.itemsize

@@ -75,7 +75,7 @@ class LocalPipelineRunner:
             stage.train()
         R, K = cfg.dp.replicas, cfg.model.num_stages
         self.workers: list[list[StageWorker]] = [
-            [StageWorker(copy.deepcopy(base[s]) if r else base[s], r, cfg, self.codec, self.transport, run_id, placement=placement) for r in range(R)]
+            [StageWorker(copy.deepcopy(base[s]) if r else base[s], r, cfg, self.transport, run_id, placement=placement) for r in range(R)]
             for s in range(K)
         ]
         self.dp = [build_dp_sync(cfg.dp, [p.shape for p in base[s].parameters()]) if R > 1 else None for s in range(K)]

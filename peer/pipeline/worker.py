@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from peer.codec.mask import MaskCodec
 from peer.config import TrainConfig
 from peer.errors import TensorError, WireError
 from peer.model.placement import CPU_FP32, Placement
@@ -54,7 +53,6 @@ class StageWorker:
     stage: StageModule
     replica: int
     cfg: TrainConfig
-    codec: MaskCodec
     transport: Transport
     run_id: str
     version: int = 0
