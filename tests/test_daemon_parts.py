@@ -305,7 +305,7 @@ def test_serving_answers_before_and_after_the_stage() -> None:
 def test_a_retry_encoded_otherwise_is_a_new_micro_batch_for_the_receiver() -> None:
     """The receiver answers a retry of a micro-batch it took with the gradient it cached, unless
     the retry was encoded otherwise (mask.adapt, a new basis): that gradient would not fit."""
-    from peer.pipeline.worker import retry_key
+    from peer.pipeline.retries import retry_key
     from peer.wire import anchormesh_pb2 as pb
 
     def act(k: int, version: int = 3) -> pb.ActivationChunk:

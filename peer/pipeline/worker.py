@@ -37,7 +37,7 @@ from peer.pipeline.codecs import LinkCodec, make_link
 from peer.pipeline.inbound import check_activation, check_gradient, parse_inbound
 from peer.pipeline.inflight import InFlight
 from peer.pipeline.linktune import ComputeClock
-from peer.pipeline.retries import Retries, retry_key  # noqa: F401  (retry_key: read from here too)
+from peer.pipeline.retries import Retries, retry_key
 from peer.pipeline.transport import Address, Transport
 from peer.pipeline.weights import ForwardWeights
 from peer.wire import anchormesh_pb2 as pb
