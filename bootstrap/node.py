@@ -272,6 +272,7 @@ def attach_data(tracker: Tracker, data) -> None:
         tracker.data = order
     elif tracker.data.windows != order.windows:
         raise ConfigError("data", str(data.folder), f"holds {order.windows} training windows; the saved run's order covers {tracker.data.windows}: the data changed under the run (pass --new-run)")
+    tracker.data.budget = order.budget  # the run.toml's budget, also for a resumed order
     tracker.data_manifest = data.manifest.to_json().decode()
     log.info("data: %s, %d training windows of %d tokens, epoch %d at window %d; %d eval windows", data.manifest.source, order.windows, order.seq_len,
              tracker.data.epoch, tracker.data.cursor, tracker.eval_windows)

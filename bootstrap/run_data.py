@@ -94,7 +94,18 @@ def data_order(data: PreparedData, config: TrainConfig) -> tuple[DataOrder, int]
     p = config.pipeline
     windows = data.windows(p.seq_len).count
     lease = min(MAX_LEASE, max(LEASE_STEPS * p.micro_batches * p.micro_batch_size, p.micro_batch_size))
-    return DataOrder(windows, p.seq_len, seed=config.seed, lease=lease, source=data.manifest.source), eval_count(data, config)
+    order = DataOrder(windows, p.seq_len, seed=config.seed, lease=lease, source=data.manifest.source, budget=budget_windows(config))
+    return order, eval_count(data, config)
+
+
+def budget_windows(config: TrainConfig) -> int:
+    """The token budget in windows (0: none), rounded up to whole steps of one stage-0 peer, so
+    that the last windows handed out fill a step and the run can end."""
+    p = config.pipeline
+    if config.token_budget <= 0:
+        return 0
+    step = p.micro_batches * p.micro_batch_size
+    return -(-config.token_budget // (p.seq_len * step)) * step
 
 
 def eval_count(data: PreparedData, config: TrainConfig) -> int:
