@@ -115,8 +115,7 @@ class Tracker:
     def _release(self, peer_id: str) -> None:
         """A peer that is no longer live gives back the work it held (bootstrap/data_order.py)."""
         if self.data is not None and peer_id in self.data.held:
-            p = self.peers.get(peer_id)
-            n = self.data.release(peer_id, p.tokens if p is not None else None)
+            n = self.data.release(peer_id, self.peers[peer_id].tokens if peer_id in self.peers else None)
             log.info("%s left with %d windows of work not started: they go to the next stage-0 peer", peer_id, n)
 
     def live(self, stage: int | None = None) -> list[PeerRecord]:
@@ -297,9 +296,7 @@ class Tracker:
     def _tokens(self) -> int:
         return sum(p.tokens for p in self.peers.values() if p.stage == 0)  # stage 0 feeds every token once
 
-    def _budget_spent(self) -> bool:
-        """The budget's tokens trained, counting the windows of peers that left before training
-        them (else a run whose budget caps the windows handed out would wait for them forever)."""
+    def _budget_spent(self) -> bool:  # lost windows count: the budget caps what is handed out, so they never come
         lost = self.data.lost * self.data.seq_len if self.data is not None else 0
         return 0 < self.config.token_budget <= self._tokens() + lost
 
