@@ -128,7 +128,7 @@ class TrackerService(pbg.TrackerServicer):
 
     def GetData(self, request: pb.DataRequest, context: grpc.ServicerContext) -> Iterator[pb.DataChunk]:
         if self.files is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this tracker serves no prepared data")
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this tracker serves no prepared data (a run on hub data: its peers download the shards from the hub)")
         yield from self.files.GetData(request, context)
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:

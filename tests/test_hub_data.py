@@ -238,3 +238,16 @@ def test_a_peer_takes_hub_data_only_at_a_commit(prepared: PreparedData, tmp_path
     with pytest.raises(ConfigError, match="must name a commit"):
         open_feed(a, _config(""), None, tmp_path / "state", None, vocab_size=256)
     assert isinstance(ShardStore(prepared.manifest, tmp_path / "c", HubSource(HubRef(REPO, COMMIT), tmp_path / "c")).source, HubSource)
+
+
+def test_an_unreachable_hub_is_tried_again_later_not_refused(prepared: PreparedData, hub: FakeHub, tmp_path: Path) -> None:
+    """A network failure is no verdict on the shard: OSError (the prefetch retries), not ShardError (work given back)."""
+    from huggingface_hub import constants
+
+    hub.shutdown()
+    hub.server_close()
+    constants.HUGGINGFACE_CO_URL_TEMPLATE = hub.url + "/{repo_id}/resolve/{revision}/{filename}"  # the closed port
+    store = ShardStore(prepared.manifest, tmp_path / "cache", HubSource(HubRef(REPO, COMMIT), tmp_path / "cache"))
+    with pytest.raises(OSError) as e:
+        store.tokens(prepared.manifest.splits["train"].shards[0])
+    assert not isinstance(e.value, ShardError) and not list((tmp_path / "cache").iterdir())

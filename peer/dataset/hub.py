@@ -69,6 +69,18 @@ def parse_pinned(value: str) -> HubRef:
     return ref
 
 
+def _quiet_bar() -> type:
+    """A progress bar that draws nothing: a peer's log is not a terminal, and it logs what it fetches."""
+    from huggingface_hub.utils.tqdm import tqdm
+
+    class Quiet(tqdm):
+        def __init__(self, *args, **kwargs) -> None:
+            kwargs["disable"] = True
+            super().__init__(*args, **kwargs)
+
+    return Quiet
+
+
 def _reason(exc: BaseException) -> str:
     return str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
 
@@ -104,7 +116,7 @@ def pin(ref: HubRef) -> tuple[HubRef, bytes]:
             raise ConfigError("data.prepared", str(ref), f"the hub named no commit for it (got {commit[:60]!r}): is HF_ENDPOINT a Hugging Face hub?")
         pinned = HubRef(ref.repo, commit)
         with tempfile.TemporaryDirectory(prefix="anchormesh-hub-") as tmp:
-            text = Path(hf_hub_download(ref.repo, MANIFEST, repo_type=REPO_TYPE, revision=commit, local_dir=tmp)).read_bytes()
+            text = Path(hf_hub_download(ref.repo, MANIFEST, repo_type=REPO_TYPE, revision=commit, local_dir=tmp, tqdm_class=_quiet_bar())).read_bytes()
     except RepositoryNotFoundError:
         raise ConfigError("data.prepared", str(ref), "no such dataset repo on the hub (a private one needs HF_TOKEN)") from None
     except RevisionNotFoundError:
@@ -155,10 +167,10 @@ class HubSource:
         self.staging.mkdir(parents=True, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=".hub-", dir=self.staging)  # hf_hub_download's own files (metadata, partial download) go with it
         try:
-            meta = get_hf_file_metadata(hf_hub_url(self.ref.repo, name, repo_type=REPO_TYPE, revision=self.ref.revision), retry_on_errors=True)
+            meta = get_hf_file_metadata(hf_hub_url(self.ref.repo, name, repo_type=REPO_TYPE, revision=self.ref.revision))  # no retries here: the prefetch tries again
             if meta.size is not None and meta.size != size:
                 raise ShardError(name, f"{self.where} says {meta.size} bytes, the manifest says {size}")
-            path = hf_hub_download(self.ref.repo, name, repo_type=REPO_TYPE, revision=self.ref.revision, local_dir=tmp)
+            path = hf_hub_download(self.ref.repo, name, repo_type=REPO_TYPE, revision=self.ref.revision, local_dir=tmp, tqdm_class=_quiet_bar())
             os.replace(path, part)
         except (RemoteEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError) as exc:
             raise ShardError(name, f"{self.where} cannot give it: {_reason(exc)}") from None
