@@ -28,6 +28,7 @@ from peer.dataset.manifest import ShardError
 from peer.dataset.prepare import prepare
 from peer.dataset.shards import PreparedData
 from peer.errors import ConfigError
+from peer.runtoml import resolve_run
 from peer.wire import anchormesh_pb2 as pb
 from peer.wire.version import build_fields
 
@@ -136,6 +137,9 @@ def test_the_run_toml_names_a_dataset_repo_and_a_bad_name_is_refused() -> None:
             DataConfig(prepared=bad)
     with pytest.raises(ConfigError, match="leave data.path"):
         DataConfig(prepared="hf://my-org/run-data", path="corpus.txt")
+    assert resolve_run({"data": {"prepared": f"hf://{REPO}@v1"}}).config.data.prepared == f"hf://{REPO}@v1"  # as run.toml says it
+    with pytest.raises(ConfigError, match="data.prepared"):
+        resolve_run({}, [f"data.prepared=hf://{REPO}@bad revision"])
 
 
 def test_the_bootstrap_pins_the_commit_reads_only_the_manifest_and_keeps_the_pin(prepared: PreparedData, hub: FakeHub, tmp_path: Path) -> None:
