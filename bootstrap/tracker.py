@@ -77,6 +77,7 @@ class Tracker:
     clock: Callable[[], float] = time.monotonic
     data: DataOrder | None = None  # the run's data order (None: no prepared data, stage 0 gets no work)
     data_manifest: str = ""  # the prepared data's manifest.json, handed to every joiner
+    data_hub: str = ""  # OWNER/NAME@COMMIT when stage 0 downloads the shards from the hub, not from here
     eval_windows: int = 0  # the fixed evaluation windows every peer uses (for the status)
     peers: dict[str, PeerRecord] = field(default_factory=dict)
     started: float = field(default=0.0)
@@ -176,7 +177,7 @@ class Tracker:
             anchors_issued=self.anchors.launched,
             restore_from=restore,
             donors=donors,
-            data_manifest=self.data_manifest if stage == 0 else "",
+            data_manifest=self.data_manifest if stage == 0 else "", data_hub=self.data_hub if stage == 0 else "",
             data_windows=self.data.windows if self.data is not None else 0,
         )
 
