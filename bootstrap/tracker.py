@@ -298,8 +298,7 @@ class Tracker:
         return sum(p.tokens for p in self.peers.values() if p.stage == 0)  # stage 0 feeds every token once
 
     def _budget_spent(self) -> bool:  # lost windows count: the budget caps what is handed out, so they never come
-        lost = self.data.lost * self.data.seq_len if self.data is not None else 0
-        return 0 < self.config.token_budget <= self._tokens() + lost
+        return 0 < self.config.token_budget <= self._tokens() + (self.data.lost * self.data.seq_len if self.data is not None else 0)
 
     def _run_step(self) -> int:
         return max((q.step for q in self.peers.values() if q.stage == 0), default=0)  # stage 0 counts the run's steps
