@@ -5,6 +5,7 @@ that of its peers' exit checkpoints, and a small real run ends at exactly its to
 from __future__ import annotations
 
 import copy
+import json
 import random
 import tomllib
 from dataclasses import replace
@@ -91,3 +92,16 @@ def test_a_small_swarm_trains_exactly_its_budget_and_is_scored_from_its_checkpoi
     assert swarm["status"]["pp_bytes_per_token"] > 0 and len(swarm["eval_loss_chains"]) == 1
     assert swarm["eval_loss"] < out["pretrained"]["eval_loss"] and out["in_process"]["dense"]["eval_loss"] < out["pretrained"]["eval_loss"]
     assert out["summary"]["swarm_gap"] is None  # one swarm: nothing to compare
+
+
+def test_reuse_keeps_an_earlier_results_rows_only_for_the_same_setup(tmp_path: Path, monkeypatch) -> None:
+    setup = tiny_setup()
+    monkeypatch.setattr(sq, "setup_for", lambda quick, model=None: setup)
+    corpus = write_corpus(tmp_path / "corpus")
+    first = sq.run_swarm_quality(TINY, tmp_path / "a", corpus=corpus, eval_windows=8, in_process=(), swarms=())
+    first = json.loads(json.dumps(first))  # as --reuse reads it back
+    first["in_process"]["dense"] = {"eval_loss": 1.0, "pp_bytes_per_token": 2.0}
+    again = sq.run_swarm_quality(TINY, tmp_path / "b", corpus=corpus, eval_windows=8, in_process=("dense",), swarms=(), reuse=first)
+    assert again["in_process"]["dense"] == {"eval_loss": 1.0, "pp_bytes_per_token": 2.0}  # kept, not run again
+    with pytest.raises(ConfigError, match="--reuse"):
+        sq.run_swarm_quality(TINY, tmp_path / "c", corpus=corpus, eval_windows=4, in_process=(), swarms=(), reuse=first)

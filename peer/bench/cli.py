@@ -45,6 +45,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     sq.add_argument("--rows", default=None, help="comma-separated in-process rows (default dense,transform_stale1,dense_dp,transform_dp; empty: none)")
     sq.add_argument("--swarms", default="dense,recommended", help="comma-separated swarms to run: dense, recommended (default both)")
     sq.add_argument("--work", type=Path, default=None, help="folder for the prepared data and the swarms' logs and checkpoints (default: a new temporary folder, kept)")
+    sq.add_argument("--reuse", type=Path, default=None, help="an earlier result of the same setup: its rows and swarms are kept and only the missing ones run (the in-process rows can run beside other work, the swarms alone)")
     sq.add_argument("--timeout", type=float, default=3600.0, help="seconds one swarm may take from launch to its last peer's exit (default 3600)")
     sq.add_argument("--json", required=True, type=Path, help="write the result here")
     t = bsub.add_parser("throughput", help="tokens/s of dense vs masked vs masked+DP vs compute-bound on shaped links (network namespaces; root)")
@@ -127,7 +128,8 @@ def run_bench(args: argparse.Namespace) -> None:
         work = args.work or Path(tempfile.mkdtemp(prefix="anchormesh-swarm-quality-"))
         print(f"prepared data, logs and checkpoints in {work}", flush=True)
         result = run_swarm_quality(args.model, work, task=args.task, seed=args.seed, corpus=args.corpus, replicas=args.replicas, steps=args.steps, eval_windows=args.eval_windows,
-                                   swarms=names(args.swarms, ()), in_process=names(args.rows, IN_PROCESS_ROWS), timeout_s=args.timeout)
+                                   swarms=names(args.swarms, ()), in_process=names(args.rows, IN_PROCESS_ROWS), timeout_s=args.timeout,
+                                   reuse=json.loads(args.reuse.read_text()) if args.reuse else None)
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))
         print(f"wrote {args.json}")

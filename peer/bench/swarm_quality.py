@@ -163,7 +163,8 @@ def run_swarm(work: Path, toml: str, peers: int, timeout_s: float, budget: int =
                     shown = now
                     rate = last.tokens / (now - first_step) if first_step and now > first_step else 0.0
                     eta = f", ETA {(budget - last.tokens) / rate:.0f} s" if budget and rate else ""
-                    print(f"  step {last.step}, {last.tokens} tokens, loss {last.loss:.3f}, {rate:.0f} tokens/s{eta} ({now - t0:.0f} s)", flush=True)
+                    loss = f", loss {last.loss:.3f}" if last.loss == last.loss and last.step else ""
+                    print(f"  step {last.step}, {last.tokens} tokens{loss}, {rate:.0f} tokens/s{eta} ({now - t0:.0f} s since launch)", flush=True)
                 time.sleep(2.0)
     finally:
         stop_processes(procs)
@@ -224,9 +225,12 @@ def evaluate_swarm(base: torch.nn.Module, weights: dict[int, list[tuple[str, lis
 
 
 def run_swarm_quality(model: str, work: Path, task: str = "adapt", seed: int = 0, corpus: str | None = None, replicas: int = 2, steps: int | None = None,
-                      eval_windows: int = 128, swarms: tuple[str, ...] = SWARMS, in_process: tuple[str, ...] = IN_PROCESS_ROWS, timeout_s: float = 3600.0) -> dict:
+                      eval_windows: int = 128, swarms: tuple[str, ...] = SWARMS, in_process: tuple[str, ...] = IN_PROCESS_ROWS, timeout_s: float = 3600.0,
+                      reuse: dict | None = None) -> dict:
     """The result's JSON (see the module docstring). `steps`: the rows' steps (default: the quick
-    setup's 40); `eval_windows`: fixed eval windows of the prepared eval split every row is scored on."""
+    setup's 40); `eval_windows`: fixed eval windows of the prepared eval split every row is scored
+    on; `reuse`: an earlier result of the same setup whose rows and swarms are kept, not run again
+    (the in-process rows do not depend on the machine's load; the swarms are best run alone)."""
     from peer.model.loading import load_causal_lm
 
     setup = replace(setup_for(True, model), seed=seed)
@@ -249,8 +253,14 @@ def run_swarm_quality(model: str, work: Path, task: str = "adapt", seed: int = 0
         "swarm": {},
     }
     print(f"pretrained eval loss {out['pretrained']['eval_loss']:.4f} on {eval_tokens} held-out tokens", flush=True)
+    if reuse is not None:
+        mine = json.loads(json.dumps({k: v for k, v in out["setup"].items() if k != "threads"}))  # as the JSON holds it
+        same = mine == {k: v for k, v in reuse.get("setup", {}).items() if k != "threads"}
+        if not same or abs(reuse.get("pretrained", {}).get("eval_loss", 0.0) - out["pretrained"]["eval_loss"]) > 1e-5:
+            raise ConfigError("--reuse", "", "the earlier result was measured on another setup, corpus or eval set")
+        out["in_process"], out["swarm"] = dict(reuse.get("in_process", {})), dict(reuse.get("swarm", {}))
     batch = window_batches(data, setup)
-    for name in in_process:
+    for name in (r for r in in_process if r not in out["in_process"]):
         cfg = replace(table[name], mask=replace(table[name].mask, seed=setup.seed))  # the seed draws the codec's randomness too
         r = run_row(name, cfg, lambda: copy.deepcopy(base), setup, None, eval_b, eval_b[:1], batch_fn=batch)
         r.pop("eval_loss_a", None)
@@ -258,7 +268,7 @@ def run_swarm_quality(model: str, work: Path, task: str = "adapt", seed: int = 0
         r["rss_gb_after"] = rss_gb()
         out["in_process"][name] = r
         print(f"in-process {name:>18}: eval_loss {r['eval_loss']:.4f}  pp B/token {r['pp_bytes_per_token']:.1f}  {r['seconds']:.0f} s", flush=True)
-    for name in swarms:
+    for name in (r for r in swarms if r not in out["swarm"]):
         print(f"swarm {name}: {setup.model.num_stages} stages x {replicas} peers, budget {out['setup']['token_budget']} tokens", flush=True)
         r = run_swarm(work / f"swarm-{name}", swarm_toml(model, setup, data.folder, replicas, name), setup.model.num_stages * replicas, timeout_s, out["setup"]["token_budget"])
         r.update(evaluate_swarm(base, swarm_weights(work / f"swarm-{name}", setup.model.num_stages * replicas, setup.model.num_stages), eval_b))
