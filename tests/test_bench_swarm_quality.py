@@ -86,7 +86,7 @@ def test_a_swarm_is_scored_on_its_averaged_stages_and_every_chain() -> None:
 def test_a_small_swarm_trains_exactly_its_budget_and_is_scored_from_its_checkpoints(tmp_path: Path, monkeypatch) -> None:
     setup = replace(tiny_setup(), adapt_steps=4)
     monkeypatch.setattr(sq, "setup_for", lambda quick, model=None: setup)
-    out = sq.run_swarm_quality(TINY, tmp_path / "work", corpus=write_corpus(tmp_path / "corpus"), replicas=1, eval_windows=8, in_process=("dense",), swarms=("dense",), timeout_s=240)
+    out = sq.run_swarm_quality(TINY, tmp_path / "work", corpus=write_corpus(tmp_path / "corpus"), replicas=1, eval_windows=8, in_process=("dense",), swarms=("dense",), timeout_s=240, seq_len=None, chains=True)
     swarm = out["swarm"]["dense"]
     assert swarm["status"]["state"] == "done" and swarm["status"]["tokens"] == out["setup"]["token_budget"] == 4 * 2 * 2 * 32
     assert swarm["status"]["pp_bytes_per_token"] > 0 and len(swarm["eval_loss_chains"]) == 1
@@ -98,10 +98,10 @@ def test_reuse_keeps_an_earlier_results_rows_only_for_the_same_setup(tmp_path: P
     setup = tiny_setup()
     monkeypatch.setattr(sq, "setup_for", lambda quick, model=None: setup)
     corpus = write_corpus(tmp_path / "corpus")
-    first = sq.run_swarm_quality(TINY, tmp_path / "a", corpus=corpus, eval_windows=8, in_process=(), swarms=())
+    first = sq.run_swarm_quality(TINY, tmp_path / "a", corpus=corpus, eval_windows=8, in_process=(), swarms=(), seq_len=None)
     first = json.loads(json.dumps(first))  # as --reuse reads it back
     first["in_process"]["dense"] = {"eval_loss": 1.0, "pp_bytes_per_token": 2.0}
-    again = sq.run_swarm_quality(TINY, tmp_path / "b", corpus=corpus, eval_windows=8, in_process=("dense",), swarms=(), reuse=first)
+    again = sq.run_swarm_quality(TINY, tmp_path / "b", corpus=corpus, eval_windows=8, in_process=("dense",), swarms=(), reuse=first, seq_len=None)
     assert again["in_process"]["dense"] == {"eval_loss": 1.0, "pp_bytes_per_token": 2.0}  # kept, not run again
     with pytest.raises(ConfigError, match="--reuse"):
-        sq.run_swarm_quality(TINY, tmp_path / "c", corpus=corpus, eval_windows=4, in_process=(), swarms=(), reuse=first)
+        sq.run_swarm_quality(TINY, tmp_path / "c", corpus=corpus, eval_windows=4, in_process=(), swarms=(), reuse=first, seq_len=None)

@@ -40,8 +40,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     sq.add_argument("--corpus", default=None, help="text file or folder to prepare instead of the task's default")
     sq.add_argument("--seed", type=int, default=0, help="the run's seed: data order, codec draws, the swarm's run seed (default 0)")
     sq.add_argument("--steps", type=int, default=None, help="steps of the in-process rows; the swarms get the same token budget (default 40: 20,480 tokens)")
+    sq.add_argument("--seq-len", type=int, default=None, help="tokens per window, micro-batches keeping their tokens (default: the recommended run's pipeline.seq_len, where its bytes per token are measured)")
     sq.add_argument("--replicas", type=int, default=2, help="peers per stage in the swarms (default 2)")
-    sq.add_argument("--eval-windows", type=int, default=128, help="fixed eval windows of the prepared eval split every row is scored on (default 128: 8,192 tokens at 64 a window)")
+    sq.add_argument("--eval-windows", type=int, default=128, help="fixed eval windows of the prepared eval split every row is scored on (default 64: 8,192 tokens at 128 a window)")
+    sq.add_argument("--chains", action="store_true", help="also score each chain of one peer per stage (one eval pass each): how far the replicas drifted since their last averaging")
     sq.add_argument("--rows", default=None, help="comma-separated in-process rows (default dense,transform_stale1,dense_dp,transform_dp; empty: none)")
     sq.add_argument("--swarms", default="dense,recommended", help="comma-separated swarms to run: dense, recommended (default both)")
     sq.add_argument("--work", type=Path, default=None, help="folder for the prepared data and the swarms' logs and checkpoints (default: a new temporary folder, kept)")
@@ -128,8 +130,8 @@ def run_bench(args: argparse.Namespace) -> None:
         work = args.work or Path(tempfile.mkdtemp(prefix="anchormesh-swarm-quality-"))
         print(f"prepared data, logs and checkpoints in {work}", flush=True)
         result = run_swarm_quality(args.model, work, task=args.task, seed=args.seed, corpus=args.corpus, replicas=args.replicas, steps=args.steps, eval_windows=args.eval_windows,
-                                   swarms=names(args.swarms, ()), in_process=names(args.rows, IN_PROCESS_ROWS), timeout_s=args.timeout,
-                                   reuse=json.loads(args.reuse.read_text()) if args.reuse else None)
+                                   swarms=names(args.swarms, ()), in_process=names(args.rows, IN_PROCESS_ROWS), timeout_s=args.timeout, chains=args.chains,
+                                   reuse=json.loads(args.reuse.read_text()) if args.reuse else None, **({"seq_len": args.seq_len} if args.seq_len else {}))
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))
         print(f"wrote {args.json}")

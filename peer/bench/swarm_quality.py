@@ -33,7 +33,7 @@ import torch
 from bootstrap.data_order import DataOrder
 from peer.bench.quality import DEFAULT_ROW, release_memory, rss_gb, run_row, setup_for
 from peer.bench.quality_rows import QualitySetup, rows
-from peer.config import TINY_MODEL_PREFIX
+from peer.config import TINY_MODEL_PREFIX, PipelineConfig
 from peer.dataset.shards import PreparedData
 from peer.errors import ConfigError
 from peer.model.stages import StageModule, split_model
@@ -207,33 +207,38 @@ def swarm_weights(work: Path, peers: int, num_stages: int) -> dict[int, list[tup
     return out
 
 
-def evaluate_swarm(base: torch.nn.Module, weights: dict[int, list[tuple[str, list[torch.Tensor]]]], eval_b: list[torch.Tensor]) -> dict:
-    """Eval loss of the stage groups' averaged weights, and of every chain of one peer per stage."""
+def evaluate_swarm(base: torch.nn.Module, weights: dict[int, list[tuple[str, list[torch.Tensor]]]], eval_b: list[torch.Tensor], chains: bool = True) -> dict:
+    """Eval loss of the stage groups' averaged weights, and (with `chains`) of every chain of one
+    peer per stage: how far the replicas drifted since their last averaging round."""
     stages = split_model(copy.deepcopy(base), len(weights))
     for s, stage in enumerate(stages):
         got = weights[s]
         _load(stage, [torch.stack([w[k] for _, w in got]).mean(0) for k in range(len(got[0][1]))], f"stage {s} average")
     averaged = evaluate_stages(stages, eval_b)
-    chains = {}
-    if len(weights) == 2:
+    per_chain = {}
+    if chains and len(weights) == 2:
         for name0, w0 in weights[0]:
             for name1, w1 in weights[1]:
                 _load(stages[0], w0, name0)
                 _load(stages[1], w1, name1)
-                chains[f"{name0} + {name1}"] = evaluate_stages(stages, eval_b)
-    return {"eval_loss": averaged, "eval_loss_chains": chains, "peers_per_stage": {s: [n for n, _ in got] for s, got in weights.items()}}
+                per_chain[f"{name0} + {name1}"] = evaluate_stages(stages, eval_b)
+    return {"eval_loss": averaged, "eval_loss_chains": per_chain, "peers_per_stage": {s: [n for n, _ in got] for s, got in weights.items()}}
 
 
 def run_swarm_quality(model: str, work: Path, task: str = "adapt", seed: int = 0, corpus: str | None = None, replicas: int = 2, steps: int | None = None,
-                      eval_windows: int = 128, swarms: tuple[str, ...] = SWARMS, in_process: tuple[str, ...] = IN_PROCESS_ROWS, timeout_s: float = 3600.0,
-                      reuse: dict | None = None) -> dict:
+                      eval_windows: int = 64, swarms: tuple[str, ...] = SWARMS, in_process: tuple[str, ...] = IN_PROCESS_ROWS, timeout_s: float = 3600.0,
+                      reuse: dict | None = None, seq_len: int | None = PipelineConfig().seq_len, chains: bool = False) -> dict:
     """The result's JSON (see the module docstring). `steps`: the rows' steps (default: the quick
-    setup's 40); `eval_windows`: fixed eval windows of the prepared eval split every row is scored
-    on; `reuse`: an earlier result of the same setup whose rows and swarms are kept, not run again
+    setup's 40); `chains`: also score every chain of one peer per stage (a forward pass over the
+    eval set each); `eval_windows`: fixed eval windows of the prepared eval split every row is scored
+    on; `seq_len`: the windows' length (default: the recommended run's, so that the bytes per
+    token are measured at it; None: the quick setup's 64); `reuse`: an earlier result of the same setup whose rows and swarms are kept, not run again
     (the in-process rows do not depend on the machine's load; the swarms are best run alone)."""
     from peer.model.loading import load_causal_lm
 
     setup = replace(setup_for(True, model), seed=seed)
+    if seq_len is not None:  # the same tokens per micro-batch in windows of seq_len
+        setup = replace(setup, micro_batch_size=max(1, setup.micro_batch_size * setup.seq_len // seq_len), seq_len=seq_len)
     if steps is not None:
         setup = replace(setup, adapt_steps=steps)
     table = rows(setup)
@@ -271,7 +276,7 @@ def run_swarm_quality(model: str, work: Path, task: str = "adapt", seed: int = 0
     for name in (r for r in swarms if r not in out["swarm"]):
         print(f"swarm {name}: {setup.model.num_stages} stages x {replicas} peers, budget {out['setup']['token_budget']} tokens", flush=True)
         r = run_swarm(work / f"swarm-{name}", swarm_toml(model, setup, data.folder, replicas, name), setup.model.num_stages * replicas, timeout_s, out["setup"]["token_budget"])
-        r.update(evaluate_swarm(base, swarm_weights(work / f"swarm-{name}", setup.model.num_stages * replicas, setup.model.num_stages), eval_b))
+        r.update(evaluate_swarm(base, swarm_weights(work / f"swarm-{name}", setup.model.num_stages * replicas, setup.model.num_stages), eval_b, chains))
         release_memory()
         out["swarm"][name] = r
         print(f"swarm {name:>18}: eval_loss {r['eval_loss']:.4f}  pp B/token {r['status']['pp_bytes_per_token']:.1f}  {r['seconds']:.0f} s", flush=True)
