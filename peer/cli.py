@@ -89,7 +89,7 @@ def _parser() -> argparse.ArgumentParser:
 
     export = sub.add_parser("export", help="a run's newest weights (the live swarm, or peers' checkpoints) as a Hugging Face model folder (AutoModelForCausalLM.from_pretrained loads it)")
     source = export.add_mutually_exclusive_group(required=True)
-    source.add_argument("--tracker", help="tracker host:port: export the live swarm's newest weights")
+    source.add_argument("--tracker", help="tracker host:port, or the address line HOST:PORT#KEY: export the live swarm's newest weights")
     source.add_argument("--checkpoints", nargs="+", type=Path, metavar="DIR", help="export from shard checkpoints instead: peers' --state-dir folders (copied from the volunteers), newest valid checkpoint per stage; works after the run has ended")
     export.add_argument("--run", default=None, help="with --checkpoints: the run id, when the folders hold checkpoints of several runs")
     export.add_argument("--out", required=True, type=Path, help="folder to write config.json, model.safetensors and the tokenizer into")
@@ -186,7 +186,11 @@ def main(argv: list[str] | None = None) -> None:
                 raise ConfigError("--timeout", args.timeout, "must be > 0")
             if args.run and not args.checkpoints:
                 raise ConfigError("--run", args.run, "only goes with --checkpoints")
-            raise SystemExit(run_export(args.tracker, args.out, args.timeout, checkpoints=args.checkpoints, run_id=args.run, token=read_token(args.token), tls_ca=read_ca(args.tls_ca)))
+            from peer.security.exposure import client_ca, resolve_access
+
+            access = resolve_access(args.tracker, [], None, args.token, args.tls_ca, False) if args.tracker else None  # the address line works here too
+            tls_ca = client_ca(access) if access else read_ca(args.tls_ca)
+            raise SystemExit(run_export(access.tracker if access else None, args.out, args.timeout, checkpoints=args.checkpoints, run_id=args.run, token=read_token(args.token), tls_ca=tls_ca))
         elif args.command == "status":
             from peer.client.status import run_status
             from peer.security.exposure import client_ca, resolve_access

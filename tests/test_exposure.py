@@ -145,3 +145,17 @@ def test_a_members_certificate_carries_no_ca_to_fetch(tmp_path: Path) -> None:
     member = x509.load_pem_x509_certificate(ca.issue("peer-abc", public_der(new_key()))).public_bytes(serialization.Encoding.DER)
     with pytest.raises(ConfigError, match="carries no run CA"):
         vouched_ca(member, Identity.generate().public)
+
+
+def test_a_health_check_without_the_ca_sees_a_tls_tracker_up(tmp_path: Path, secrets: keys.RunSecrets) -> None:
+    """The containers' health checks carry no CA: a server that completes a TLS handshake is up."""
+    from peer.client.health import check
+
+    server, address = serve_tracker(Tracker(RUN, default_run()), "127.0.0.1", 0, secrets, RunCA.load_or_create(tmp_path), private_status=True)
+    try:
+        ok, line = check(address, tracker=True, timeout_s=5)
+        assert ok and "serving TLS" in line, line
+    finally:
+        server.stop(0)
+    ok, line = check(address, tracker=True, timeout_s=2)  # closed now
+    assert not ok and "UNAVAILABLE" in line, line
