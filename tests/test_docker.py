@@ -323,7 +323,7 @@ def docker_runs(doc: str) -> list[tuple[dict[str, list[str]], str, list[str]]]:
     out = []
     for block in re.findall(r"```(?:bash|sh|console)?\n(.*?)```", text, re.S):
         for line in block.replace("\\\n", " ").splitlines():
-            argv = shlex.split(line, comments=True)
+            argv = shlex.split(re.sub(r"(^|\s)#.*$", "", line))  # as bash: a '#' starts a comment only at a word's start (HOST:PORT#KEY is one word)
             if argv[:2] != ["docker", "run"]:
                 continue
             opts: dict[str, list[str]] = {}
