@@ -16,8 +16,8 @@ from bootstrap.node import default_run, run_protection, serve_tracker
 from bootstrap.tracker import Tracker
 from peer.errors import ConfigError
 from peer.runtoml import resolve_run
-from peer.security import auth
-from peer.security.exposure import address_line, exposed, is_loopback, resolve_access, split_address
+from peer.security import auth, exposure
+from peer.security.exposure import address_line, exposed, is_loopback, resolve_access, run_ca, split_address
 from peer.security.identity import Identity
 from peer.security.tls import PLAIN_HINT, RunCA, fetch_ca
 from peer.wire import anchormesh_pb2 as pb
@@ -115,7 +115,7 @@ def test_a_private_status_needs_the_token_and_public_status_opens_it(secrets: ke
         server.stop(0)
 
 
-def test_the_tracker_serves_its_ca_vouched_by_its_key(tmp_path: Path, secrets: keys.RunSecrets) -> None:
+def test_the_tracker_serves_its_ca_vouched_by_its_key(tmp_path: Path, secrets: keys.RunSecrets, monkeypatch: pytest.MonkeyPatch) -> None:
     ca = RunCA.load_or_create(tmp_path)
     server, address = serve_tracker(Tracker(RUN, default_run()), "127.0.0.1", 0, secrets, ca, private_status=True)
     plain, plain_address = serve_tracker(Tracker(RUN, default_run()), "127.0.0.1", 0, secrets)
@@ -128,6 +128,13 @@ def test_the_tracker_serves_its_ca_vouched_by_its_key(tmp_path: Path, secrets: k
         with pytest.raises(ConfigError, match="does not speak TLS"):
             fetch_ca(plain_address, secrets.tracker.public)
         assert "--insecure-plaintext" in PLAIN_HINT
+        # the address line of a loopback tracker: TLS when it speaks it, plain when not (only this machine is on the path)
+        assert resolve_access(address_line(address, secrets.tracker.public), [], None, TOKEN, None, False, require=True).fetch
+        assert run_ca(address, secrets.tracker.public) == ca.pem
+        assert run_ca(plain_address, secrets.tracker.public) is None
+        monkeypatch.setattr(exposure, "is_loopback", lambda host: False)  # as if the tracker were elsewhere
+        with pytest.raises(ConfigError, match="does not speak TLS"):  # off loopback a plain answer is refused
+            run_ca(plain_address, secrets.tracker.public)
     finally:
         server.stop(0)
         plain.stop(0)

@@ -131,18 +131,26 @@ def resolve_access(tracker_arg: str | None, initial_peers: Sequence[str], key_ar
     if require:
         require_key(hosts, key, "--tracker" if tracker else "--initial-peers", tracker or " ".join(initial_peers))
     ca = read_ca(tls_ca_arg) or _ca_in_json(token_arg)
-    return Access(tracker, key, ca, fetch=ca is None and key is not None and exposed(hosts) and not plaintext)
+    # with the key in the address line a loopback tracker is asked too: a run announced elsewhere uses TLS
+    return Access(tracker, key, ca, fetch=ca is None and key is not None and not plaintext and (exposed(hosts) or line_key is not None))
 
 
-def run_ca(tracker: str, key: bytes, stop: threading.Event | None = None) -> bytes:
+def run_ca(tracker: str, key: bytes, stop: threading.Event | None = None) -> bytes | None:
     """The run CA fetched from the tracker and checked with its key. With `stop` it retries while
-    the tracker does not answer (a peer started before its bootstrap); without, one try."""
-    from peer.security.tls import fetch_ca
+    the tracker does not answer (a peer started before its bootstrap); without, one try. A
+    tracker on loopback that speaks no TLS is dialled plain (None): only this machine is on that
+    path; anywhere else that is refused."""
+    from peer.address import host_of
+    from peer.security.tls import PlainTracker, fetch_ca
 
     delay = 0.5
     while True:
         try:
             return fetch_ca(tracker, key)
+        except PlainTracker:
+            if is_loopback(host_of(tracker)):
+                return None
+            raise
         except OSError as exc:
             if stop is None:
                 raise SystemExit(f"anchormesh: tracker {tracker} unreachable: {exc.strerror or exc}") from None

@@ -207,6 +207,10 @@ def leaf_certificate(address: str, timeout_s: float = 10.0) -> bytes:
     return der
 
 
+class PlainTracker(ConfigError):
+    """The tracker answered, but not with TLS."""
+
+
 PLAIN_HINT = "the tracker does not speak TLS: a run off loopback uses TLS unless its bootstrap runs with --insecure-plaintext (then pass --insecure-plaintext too)"
 
 
@@ -216,5 +220,5 @@ def fetch_ca(address: str, tracker_key: bytes, timeout_s: float = 10.0) -> bytes
     try:
         der = leaf_certificate(address, timeout_s)
     except ssl.SSLError as exc:
-        raise ConfigError("--tracker", address, f"{PLAIN_HINT} ({exc.reason or exc})") from None
+        raise PlainTracker("--tracker", address, f"{PLAIN_HINT} ({exc.reason or exc})") from None
     return vouched_ca(der, tracker_key)
