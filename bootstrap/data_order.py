@@ -18,7 +18,10 @@ The exchange, one heartbeat at a time:
   it before any token of it is trained.
 A peer that leaves or dies gives back what it still held: those ids go to the next peer asking
 for work. Released ids are never handed out again, so no window is trained twice in an epoch;
-what a dead peer had released but not finished is lost (its in-flight micro-batches).
+what a dead peer had released but not finished is lost (its in-flight micro-batches), and counted.
+
+With a token budget the tracker hands out no window past it: the run trains its budget, not the
+budget plus what the peers held when the tracker said stop (a few leases: 25 % more on a short run).
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ class DataOrder:
     seed: the run's seed; the permutation of epoch e is seeded by (seed, e).
     lease: work ids a peer holds at most (a few steps' worth).
     source: what the data is (the manifest's source), for the status.
+    budget: windows the run trains in all (its token budget; 0: no end). Not persisted: the
+        run.toml's budget holds, also after a restart.
     """
 
     windows: int
@@ -55,7 +60,9 @@ class DataOrder:
     returned: list[int] = field(default_factory=list)  # work ids given back, handed out before new ones
     refused: dict[str, list[int]] = field(default_factory=dict)  # peer id -> ids it could not train
     released: dict[str, int] = field(default_factory=dict)  # peer id -> ids it released since it joined
+    lost: int = 0  # windows released by peers that left before training them
     version: int = 0  # changes with every change of the above (the bootstrap saves before it answers)
+    budget: int = 0
 
     def __post_init__(self) -> None:
         if self.windows < 1:
@@ -71,11 +78,14 @@ class DataOrder:
     def window(self, work_id: int) -> int:
         return work_id % self.windows
 
-    def _take(self, peer: str) -> int:
+    def _take(self, peer: str, fresh: bool = True) -> int | None:
+        """A work id for `peer`: one given back first, else (with `fresh`) the permutation's next."""
         refused = set(self.refused.get(peer, ()))
         for k, wid in enumerate(self.returned):
             if wid not in refused:
                 return self.returned.pop(k)
+        if not fresh:
+            return None
         if self.cursor >= self.windows:
             self.epoch, self.cursor = self.epoch + 1, 0
         wid = self.epoch * self.windows + int(self.permutation(self.epoch)[self.cursor])
@@ -96,7 +106,17 @@ class DataOrder:
         self.done += len(released)
         if released:
             self.released[peer] = self.released.get(peer, 0) + len(released)
-        new = [self._take(peer) for _ in range(self.lease - len(still))] if want else []
+        new: list[int] = []
+        if want:
+            others = sum(len(v) for k, v in self.held.items() if k != peer)
+            room = self.budget - (self.done + others + len(still) + len(self.returned))  # budget windows not yet handed out
+            for _ in range(self.lease - len(still)):
+                pool = len(self.returned)
+                wid = self._take(peer, fresh=not self.budget or room > 0)
+                if wid is None:
+                    break
+                room -= len(self.returned) == pool  # a fresh id takes the budget's room; one given back was counted already
+                new.append(wid)
         if released or given_back or new or (peer not in self.held and want):
             self.version += 1
         self.held[peer] = still + new
@@ -107,11 +127,16 @@ class DataOrder:
         tokens it reports trained (a broken or lying peer would otherwise burn the epoch untrained)."""
         return self.released.get(peer, 0) - tokens // self.seq_len <= MAX_AHEAD_LEASES * self.lease
 
-    def release(self, peer: str) -> int:
-        """The peer left or died: what it held goes back. Returns how many ids."""
+    def release(self, peer: str, trained_tokens: int | None = None) -> int:
+        """The peer left or died: what it held goes back, and with `trained_tokens` (what it
+        reported trained) the windows it released but never trained count as lost. Returns how
+        many ids went back."""
         ids = self.held.pop(peer, [])
         self.refused.pop(peer, None)
-        self.released.pop(peer, None)
+        released = self.released.pop(peer, 0)
+        if trained_tokens is not None and released > trained_tokens // self.seq_len:
+            self.lost += released - trained_tokens // self.seq_len
+            self.version += 1
         if ids:
             self.returned.extend(ids)
             self.version += 1
@@ -139,7 +164,7 @@ class DataOrder:
         )
 
     def to_dict(self) -> dict:
-        keys = ("windows", "seq_len", "seed", "lease", "source", "epoch", "cursor", "done", "held", "returned", "refused", "released", "version")
+        keys = ("windows", "seq_len", "seed", "lease", "source", "epoch", "cursor", "done", "held", "returned", "refused", "released", "lost", "version")
         return {k: getattr(self, k) for k in keys}
 
     @classmethod
@@ -150,5 +175,5 @@ class DataOrder:
         order.returned = [int(x) for x in d.get("returned") or []]
         order.refused = {str(k): [int(x) for x in v] for k, v in (d.get("refused") or {}).items()}
         order.released = {str(k): int(v) for k, v in (d.get("released") or {}).items()}
-        order.version = int(d.get("version", 0))
+        order.lost, order.version = int(d.get("lost", 0)), int(d.get("version", 0))
         return order

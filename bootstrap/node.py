@@ -9,10 +9,9 @@ and stores only tracker records its own key signed.
 
 Every call is checked by a `Gate` (peer/security/auth.py): Join takes the run token, Heartbeat and Leave a
 member certificate (issued at Join), Ban the operator key, Status the token too when the run is
-private. A run with an address off loopback (peer/security/exposure.py) serves TLS and a private
-status unless the operator opts out by name (`--insecure-plaintext`, `--public-status`);
-`security.tls` / `security.private_status` ask for them on loopback too. bootstrap.json's
-"address" (`HOST:PORT#KEY`) is the line volunteers copy: it carries the tracker's key.
+private. A run off loopback (peer/security/exposure.py) serves TLS and a private status unless
+the operator opts out by name (`--insecure-plaintext`, `--public-status`; the `security` settings
+ask for them on loopback too); bootstrap.json's "address" (`HOST:PORT#KEY`) carries the tracker key.
 """
 
 from __future__ import annotations
@@ -37,6 +36,8 @@ from bootstrap.tracker import Tracker
 from peer.address import announce_maddr, free_port
 from peer.atomic import write_atomic
 from peer.config import TrainConfig
+from peer.dataset.hub import HubData, is_hub
+from peer.dataset.shards import PreparedData
 from peer.errors import AnchormeshError, ConfigError
 from peer.logs import setup_logging
 from peer.model.loading import resolve_dims
@@ -132,7 +133,7 @@ class TrackerService(pbg.TrackerServicer):
 
     def GetData(self, request: pb.DataRequest, context: grpc.ServicerContext) -> Iterator[pb.DataChunk]:
         if self.files is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this tracker serves no prepared data")
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this tracker serves no prepared data (a run on hub data: its peers download the shards from the hub)")
         yield from self.files.GetData(request, context)
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
@@ -293,7 +294,9 @@ def attach_data(tracker: Tracker, data) -> None:
         tracker.data = order
     elif tracker.data.windows != order.windows:
         raise ConfigError("data", str(data.folder), f"holds {order.windows} training windows; the saved run's order covers {tracker.data.windows}: the data changed under the run (pass --new-run)")
+    tracker.data.budget = order.budget  # the run.toml's budget, also for a resumed order
     tracker.data_manifest = data.manifest.to_json().decode()
+    tracker.data_hub = data.hub if isinstance(data, HubData) else ""
     log.info("data: %s, %d training windows of %d tokens, epoch %d at window %d; %d eval windows", data.manifest.source, order.windows, order.seq_len,
              tracker.data.epoch, tracker.data.cursor, tracker.eval_windows)
 
@@ -319,7 +322,7 @@ def run_bootstrap(config: TrainConfig | None, host: str, port: int, dht_port: in
     state_dir.mkdir(parents=True, exist_ok=True)
     if saved is None:
         keys.forget(state_dir)  # a new run: the old run's certificates must not admit anyone
-        if not config.data.prepared:  # ... and the data it prepared may be another config's (an operator's folder is never touched)
+        if not config.data.prepared or is_hub(config.data.prepared):  # ... and the data it prepared or pinned may be another config's (an operator's folder is never touched)
             drop_prepared(state_dir)
     data = open_run_data(config, state_dir)  # before the DHT: preparing may take a while, and a bad source fails here
     secrets = keys.load_or_create(state_dir, token)
@@ -346,7 +349,8 @@ def run_bootstrap(config: TrainConfig | None, host: str, port: int, dht_port: in
     run_id = tracker.run_id
     ports: dict[str, int] = {}
     saver = persist.StateSaver(tracker, state_dir, ports)
-    server, address = serve_tracker(tracker, host, port, secrets, ca, DataFiles(data), saver.commit, private_status=private)
+    files = DataFiles(data) if isinstance(data, PreparedData) else None  # data on the hub: peers download it there
+    server, address = serve_tracker(tracker, host, port, secrets, ca, files, saver.commit, private_status=private)
     ports |= {"tracker": int(address.rsplit(":", 1)[1]), "dht": int(maddrs[0].split("/tcp/")[1].split("/")[0]) if maddrs else dht_port}
     if announce_host:
         address = f"{announce_host}:{address.rsplit(':', 1)[1]}"

@@ -2,10 +2,12 @@
 tracker, its files served to stage-0 peers (`Tracker.GetData`).
 
 Where the data comes from, in order: `data.prepared` (a folder written by `anchormesh data
-prepare`, checked against its manifest at start); else the bootstrap prepares `data.path`, the
+prepare`, checked against its manifest at start, or `hf://OWNER/NAME[@REVISION]`, such a folder
+uploaded to a Hugging Face dataset repo: only its manifest is read here, at a commit pinned for
+the run, and stage-0 peers download their shards from the hub); else the bootstrap prepares `data.path`, the
 Hugging Face dataset `data.dataset`, or the built-in corpus itself, once, into
 `STATE_DIR/data` (at most `data.max_bytes` of text), and a restart takes that folder again.
-Stage-0 peers never read a path the run config names: they get the shards from here.
+Stage-0 peers never read a path the run config names: they get the shards from here (or the hub).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import grpc
 
 from bootstrap.data_order import DataOrder
 from peer.config import TrainConfig
+from peer.dataset.hub import HubData, is_hub, open_hub_data, parse_hub
 from peer.dataset.manifest import DEFAULT_MIN_HELDOUT_TOKENS, MANIFEST, SPLITS
 from peer.dataset.shards import PreparedData
 from peer.errors import ConfigError
@@ -30,6 +33,7 @@ CHUNK_BYTES = 1 << 20  # one DataChunk's payload: under every channel's message 
 MAX_DOWNLOADS = 8  # GetData streams served at once: each holds a server thread
 LEASE_STEPS = 4  # a stage-0 peer holds this many of its steps' windows ahead
 MAX_LEASE = 256  # ... but at most this many work ids (its reports list them: the heartbeat's size bound)
+HUB_PIN = "hub-data.pin"  # in the state dir: the commit a run on hub data is pinned to (kept across restarts)
 
 
 def tokenizer_name(config: TrainConfig) -> str:
@@ -53,11 +57,14 @@ def _source(config: TrainConfig, folder: Path) -> str:
     return str(corpus)
 
 
-def open_run_data(config: TrainConfig, state_dir: Path) -> PreparedData:
-    """The run's prepared data, checked (hashes included) against its manifest and the run's tokenizer."""
+def open_run_data(config: TrainConfig, state_dir: Path) -> PreparedData | HubData:
+    """The run's prepared data, checked (hashes included) against its manifest and the run's
+    tokenizer; for data on the hub, its manifest at the run's pinned commit."""
     from peer.dataset.prepare import prepare
 
     tok = tokenizer_name(config)
+    if is_hub(config.data.prepared):
+        return open_hub_data(parse_hub(config.data.prepared), tok, state_dir / HUB_PIN)
     if config.data.prepared:
         return PreparedData(config.data.prepared, tokenizer=tok, verify=True)
     folder = state_dir / "data"
@@ -89,15 +96,26 @@ def open_run_data(config: TrainConfig, state_dir: Path) -> PreparedData:
     return PreparedData(folder, tokenizer=tok, verify=True)
 
 
-def data_order(data: PreparedData, config: TrainConfig) -> tuple[DataOrder, int]:
+def data_order(data: PreparedData | HubData, config: TrainConfig) -> tuple[DataOrder, int]:
     """A new run's data order over `data`'s training windows, and how many eval windows it uses."""
     p = config.pipeline
     windows = data.windows(p.seq_len).count
     lease = min(MAX_LEASE, max(LEASE_STEPS * p.micro_batches * p.micro_batch_size, p.micro_batch_size))
-    return DataOrder(windows, p.seq_len, seed=config.seed, lease=lease, source=data.manifest.source), eval_count(data, config)
+    order = DataOrder(windows, p.seq_len, seed=config.seed, lease=lease, source=data.manifest.source, budget=budget_windows(config))
+    return order, eval_count(data, config)
 
 
-def eval_count(data: PreparedData, config: TrainConfig) -> int:
+def budget_windows(config: TrainConfig) -> int:
+    """The token budget in windows (0: none), rounded up to whole steps of one stage-0 peer, so
+    that the last windows handed out fill a step and the run can end."""
+    p = config.pipeline
+    if config.token_budget <= 0:
+        return 0
+    step = p.micro_batches * p.micro_batch_size
+    return -(-config.token_budget // (p.seq_len * step)) * step
+
+
+def eval_count(data: PreparedData | HubData, config: TrainConfig) -> int:
     p = config.pipeline
     return min(p.eval_batches * p.micro_batch_size, data.windows(p.seq_len, "eval").count)
 
@@ -138,5 +156,6 @@ class DataFiles:
 
 
 def drop_prepared(state_dir: Path) -> None:
-    """A new run on a state dir: the old run's prepared data goes (it may come from another config)."""
+    """A new run on a state dir: the old run's prepared data and hub pin go (they may come from another config)."""
     shutil.rmtree(state_dir / "data", ignore_errors=True)
+    (state_dir / HUB_PIN).unlink(missing_ok=True)

@@ -77,6 +77,7 @@ class Tracker:
     clock: Callable[[], float] = time.monotonic
     data: DataOrder | None = None  # the run's data order (None: no prepared data, stage 0 gets no work)
     data_manifest: str = ""  # the prepared data's manifest.json, handed to every joiner
+    data_hub: str = ""  # OWNER/NAME@COMMIT when stage 0 downloads the shards from the hub, not from here
     eval_windows: int = 0  # the fixed evaluation windows every peer uses (for the status)
     peers: dict[str, PeerRecord] = field(default_factory=dict)
     started: float = field(default=0.0)
@@ -115,7 +116,7 @@ class Tracker:
     def _release(self, peer_id: str) -> None:
         """A peer that is no longer live gives back the work it held (bootstrap/data_order.py)."""
         if self.data is not None and peer_id in self.data.held:
-            n = self.data.release(peer_id)
+            n = self.data.release(peer_id, self.peers[peer_id].tokens if peer_id in self.peers else None)
             log.info("%s left with %d windows of work not started: they go to the next stage-0 peer", peer_id, n)
 
     def live(self, stage: int | None = None) -> list[PeerRecord]:
@@ -176,7 +177,7 @@ class Tracker:
             anchors_issued=self.anchors.launched,
             restore_from=restore,
             donors=donors,
-            data_manifest=self.data_manifest if stage == 0 else "",
+            data_manifest=self.data_manifest if stage == 0 else "", data_hub=self.data_hub if stage == 0 else "",
             data_windows=self.data.windows if self.data is not None else 0,
         )
 
@@ -296,8 +297,8 @@ class Tracker:
     def _tokens(self) -> int:
         return sum(p.tokens for p in self.peers.values() if p.stage == 0)  # stage 0 feeds every token once
 
-    def _budget_spent(self) -> bool:
-        return 0 < self.config.token_budget <= self._tokens()
+    def _budget_spent(self) -> bool:  # lost windows count: the budget caps what is handed out, so they never come
+        return 0 < self.config.token_budget <= self._tokens() + (self.data.lost * self.data.seq_len if self.data is not None else 0)
 
     def _run_step(self) -> int:
         return max((q.step for q in self.peers.values() if q.stage == 0), default=0)  # stage 0 counts the run's steps

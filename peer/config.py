@@ -516,9 +516,12 @@ class DataConfig:
     it, so no peer ever reads a path named here.
 
     Args:
-        prepared: a folder written by `anchormesh data prepare` (on the bootstrap's machine); the
-            run trains on it. "" = the bootstrap prepares `path`, `dataset` or the built-in corpus
-            itself into its state dir at start (at most `max_bytes` of text).
+        prepared: a folder written by `anchormesh data prepare` (on the bootstrap's machine), or
+            `hf://OWNER/NAME[@REVISION]`: a Hugging Face dataset repo holding such a folder's files
+            (the bootstrap pins the revision's commit; stage-0 peers download their shards from
+            the hub, not from the bootstrap); the run trains on it. "" = the bootstrap prepares
+            `path`, `dataset` or the built-in corpus itself into its state dir at start (at most
+            `max_bytes` of text).
         path: a text file or a folder of text files on the bootstrap's machine; "" (with no
             `dataset`) = the built-in corpus (Python's standard library sources, or a generated
             stand-in).
@@ -550,6 +553,10 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.path and self.dataset:
             raise ConfigError("data.dataset", self.dataset, f"give data.path or data.dataset, not both (data.path={self.path!r})")
+        if self.prepared.startswith("hf://"):
+            from peer.dataset.hub import parse_hub
+
+            parse_hub(self.prepared)
         if self.prepared and (self.path or self.dataset):
             raise ConfigError("data.prepared", self.prepared, "the run trains on the prepared folder: leave data.path and data.dataset out (they are what `data prepare` reads)")
         _choice("data.tokenizer", self.tokenizer, DATA_TOKENIZERS)

@@ -176,3 +176,34 @@ def test_a_peer_that_releases_far_more_than_it_trains_gets_no_more_work() -> Non
     got = [report(0) for _ in range(7)]  # releases everything at once, trains nothing
     assert [len(g) for g in got] == [4, 4, 4, 4, 4, 4, 0] and t.data.released["a"] == 24  # 4 leases ahead: no more
     assert len(report(8 * 24)) == 4  # its tokens caught up: work again
+
+
+def test_the_budget_caps_the_windows_handed_out_and_a_dead_peers_lost_windows_end_the_run() -> None:
+    d = DataOrder(windows=1000, seq_len=8, lease=8, budget=20)
+    a, b = d.report("a", [], []), d.report("b", [], [])
+    assert len(a) == len(b) == 8
+    assert len(d.report("a", [], [])) == 4  # a trained its 8: only 4 of the budget are left
+    assert d.report("b", [], []) == [] and d.report("b", [], []) == []  # b trained its 8: none left for it
+    assert d.done == 16 and d.in_flight == 4
+    # a gives one back: it goes to b, though the budget has no room for fresh windows
+    back = d.held["a"][-1]
+    assert d.report("a", d.held["a"][:-1], [back]) == [] and d.report("b", [], []) == [back]
+    # with a token budget on the tracker, a peer that dies after releasing windows it never trained
+    # counts them as lost, so the run ends instead of waiting for their tokens
+    clock = Clock(100.0)
+    cfg = TrainConfig(model=ModelConfig(num_stages=2, num_layers=4), token_budget=16 * 8)
+    t = Tracker("run-x", cfg, peer_timeout_s=10.0, clock=clock, data=DataOrder(windows=1000, seq_len=8, lease=8, budget=16))
+    for pid in ("x", "y"):
+        t.join(pb.JoinRequest(peer_id=pid, grpc_address=f"h:{pid}", **build_fields()))
+    x = next(pid for pid, p in t.peers.items() if p.stage == 0)
+
+    def report(held: list[int], tokens: int) -> pb.Directive:
+        return t.report(pb.PeerReport(run_id="run-x", peer=pb.PeerInfo(peer_id=x, stage=0, state="active"), tokens=tokens, windows_held=held))
+
+    assert len(report([], 0).windows) == 8
+    assert len(report([], 8 * 8).windows) == 8  # trained the first 8, released the next 8
+    assert report([], 8 * 8).kind != pb.Directive.STOP and t.data.done == 16  # 8 of them not trained yet: no STOP
+    clock.t += 11
+    t.status()  # x expires
+    assert t.data.lost == 8 and t._budget_spent()
+    assert t.data.to_dict()["lost"] == 8 and DataOrder.from_dict(t.data.to_dict()).lost == 8

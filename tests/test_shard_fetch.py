@@ -19,7 +19,7 @@ from bootstrap.run_data import DataFiles
 from bootstrap.tracker import Tracker
 from peer.config import ModelConfig, TrainConfig
 from peer.daemon.feed import WorkFeed
-from peer.dataset.fetch import ShardStore
+from peer.dataset.fetch import ShardStore, TrackerSource
 from peer.dataset.manifest import ShardError
 from peer.dataset.prepare import prepare
 from peer.dataset.shards import PreparedData
@@ -58,7 +58,7 @@ def serve(data: PreparedData):
 
 
 def test_a_download_matching_the_manifest_is_used_and_the_disk_holds_a_bounded_number(prepared: PreparedData, tmp_path: Path) -> None:
-    store = ShardStore(prepared.manifest, tmp_path / "cache", serve(prepared), keep=2)
+    store = ShardStore(prepared.manifest, tmp_path / "cache", TrackerSource(serve(prepared)), keep=2)
     shards = prepared.manifest.splits["train"].shards
     assert len(shards) >= 4
     for s in shards[:4]:
@@ -86,7 +86,7 @@ def test_a_bad_download_is_refused_and_leaves_nothing(prepared: PreparedData, tm
                 c.total_bytes += 2
         return iter(chunks)
 
-    store = ShardStore(prepared.manifest, tmp_path / "cache", bad)
+    store = ShardStore(prepared.manifest, tmp_path / "cache", TrackerSource(bad))
     with pytest.raises(ShardError, match=why):
         store.tokens(prepared.manifest.splits["train"].shards[0])
     assert not list((tmp_path / "cache").iterdir())
@@ -101,7 +101,7 @@ def test_work_on_a_shard_that_cannot_be_had_goes_back_and_the_rest_trains(prepar
         return good(name, offset)
 
     windows = prepared.windows(SEQ).count
-    feed = WorkFeed(ShardStore(prepared.manifest, tmp_path / "cache", fetch), windows, SEQ, ready_target=8)
+    feed = WorkFeed(ShardStore(prepared.manifest, tmp_path / "cache", TrackerSource(fetch)), windows, SEQ, ready_target=8)
     per_shard = prepared.manifest.shard_tokens // (SEQ + 1)
     ids = [0, 1, per_shard, per_shard + 1, per_shard + 2]  # two in the broken shard 0, three in shard 1
     feed.add(ids)
@@ -122,7 +122,7 @@ def test_work_on_a_shard_that_cannot_be_had_goes_back_and_the_rest_trains(prepar
 
 
 def test_released_work_trains_only_after_the_reply_and_a_broken_stream_puts_it_back(prepared: PreparedData, tmp_path: Path) -> None:
-    feed = WorkFeed(ShardStore(prepared.manifest, tmp_path / "cache", serve(prepared)), prepared.windows(SEQ).count, SEQ, ready_target=4)
+    feed = WorkFeed(ShardStore(prepared.manifest, tmp_path / "cache", TrackerSource(serve(prepared))), prepared.windows(SEQ).count, SEQ, ready_target=4)
     feed.add([5, 6, 7, 8, 9, 10])
     feed.store.ensure(prepared.manifest.splits["train"].shards[0])
     held, _ = feed.for_report()
@@ -150,7 +150,7 @@ def test_data_dir_uses_matching_shards_and_refuses_paths_outside_it(prepared: Pr
         fetched.append(name)
         return good(name, offset)
 
-    store = ShardStore(prepared.manifest, tmp_path / "cache", fetch, data_dir=mine)
+    store = ShardStore(prepared.manifest, tmp_path / "cache", TrackerSource(fetch), data_dir=mine)
     for s in shards[:3]:
         assert np.array_equal(store.tokens(s), prepared.tokens(s))
     assert fetched == [shards[1].name, shards[2].name]  # the good local copy was used; the others came from the bootstrap

@@ -34,6 +34,20 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--task", default="adapt", choices=("adapt", "continual"), help="adapt: domain adaptation (train on corpus B, forgetting measured on A); continual: continual pretraining on the general text (the corpora swap roles; needs --model) (default adapt)")
     q.add_argument("--device", default="auto", help="where the rows train: auto (a visible GPU in bf16, else the CPU in fp32), cpu, cuda or cuda:N (default auto)")
     q.add_argument("--json", required=True, type=Path, help="write the result here")
+    sq = bsub.add_parser("swarm-quality", help="the real swarm (bootstrap + stages x replicas peers on loopback) against the in-process quality rows: eval loss, gap, measured PP bytes/token")
+    sq.add_argument("--model", default="smollm2-135m", help="the pretrained model every row and swarm adapts (default smollm2-135m; a tiny-* model for a smoke run)")
+    sq.add_argument("--task", default="adapt", choices=("adapt", "continual"), help="adapt: Python source (this Python's standard library); continual: general prose (default adapt)")
+    sq.add_argument("--corpus", default=None, help="text file or folder to prepare instead of the task's default")
+    sq.add_argument("--seed", type=int, default=0, help="the run's seed: data order, codec draws, the swarm's run seed (default 0)")
+    sq.add_argument("--steps", type=int, default=None, help="steps of the in-process rows; the swarms get the same token budget (default 40: 20,480 tokens)")
+    sq.add_argument("--replicas", type=int, default=2, help="peers per stage in the swarms (default 2)")
+    sq.add_argument("--eval-windows", type=int, default=128, help="fixed eval windows of the prepared eval split every row is scored on (default 128: 8,192 tokens at 64 a window)")
+    sq.add_argument("--rows", default=None, help="comma-separated in-process rows (default dense,transform_stale1,dense_dp,transform_dp; empty: none)")
+    sq.add_argument("--swarms", default="dense,recommended", help="comma-separated swarms to run: dense, recommended (default both)")
+    sq.add_argument("--work", type=Path, default=None, help="folder for the prepared data and the swarms' logs and checkpoints (default: a new temporary folder, kept)")
+    sq.add_argument("--reuse", type=Path, default=None, help="an earlier result of the same setup: its rows and swarms are kept and only the missing ones run (the in-process rows can run beside other work, the swarms alone)")
+    sq.add_argument("--timeout", type=float, default=3600.0, help="seconds one swarm may take from launch to its last peer's exit (default 3600)")
+    sq.add_argument("--json", required=True, type=Path, help="write the result here")
     t = bsub.add_parser("throughput", help="tokens/s of dense vs masked vs masked+DP vs compute-bound on shaped links (network namespaces; root)")
     t.add_argument("--quick", action="store_true", help="short runs that end within 8 minutes on 2 CPU cores")
     t.add_argument("--bandwidth-mbit", type=float, default=None, help="link speed of every host (default: the GPU-equivalent of 200 Mbit/s, see README)")
@@ -100,6 +114,22 @@ def run_bench(args: argparse.Namespace) -> None:
 
         only = [r.strip() for r in args.rows.split(",")] if args.rows else None
         result = run_quality(args.quick, args.corpus_a, args.corpus_b, only, model=args.model, seed=args.seed, lr=args.lr, schedule=args.schedule, device=args.device, task=args.task)
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.json}")
+    elif args.bench == "swarm-quality":
+        import tempfile
+
+        from peer.bench.swarm_quality import IN_PROCESS_ROWS, run_swarm_quality
+
+        def names(value: str | None, default: tuple[str, ...]) -> tuple[str, ...]:
+            return default if value is None else tuple(x.strip() for x in value.split(",") if x.strip())
+
+        work = args.work or Path(tempfile.mkdtemp(prefix="anchormesh-swarm-quality-"))
+        print(f"prepared data, logs and checkpoints in {work}", flush=True)
+        result = run_swarm_quality(args.model, work, task=args.task, seed=args.seed, corpus=args.corpus, replicas=args.replicas, steps=args.steps, eval_windows=args.eval_windows,
+                                   swarms=names(args.swarms, ()), in_process=names(args.rows, IN_PROCESS_ROWS), timeout_s=args.timeout,
+                                   reuse=json.loads(args.reuse.read_text()) if args.reuse else None)
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))
         print(f"wrote {args.json}")

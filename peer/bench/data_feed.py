@@ -26,7 +26,7 @@ from bootstrap.run_data import DataFiles, data_order
 from bootstrap.tracker import Tracker
 from peer.config import ModelConfig, PipelineConfig, TrainConfig
 from peer.daemon.feed import READY_STEPS, WorkFeed
-from peer.dataset.fetch import ShardStore
+from peer.dataset.fetch import ShardStore, TrackerSource
 from peer.dataset.prepare import prepare
 from peer.dataset.shards import PreparedData
 from peer.security import auth
@@ -77,7 +77,7 @@ def measure(work: Path, mbytes: int, seq_len: int, micro_batch_size: int, micro_
         stub = pbg.TrackerStub(channel)
         a = stub.Join(pb.JoinRequest(peer_id="bench", grpc_address="127.0.0.1:1", **build_fields()), timeout=10)
         fetch = lambda name, offset: stub.GetData(pb.DataRequest(name=name, offset=offset), timeout=600)  # noqa: E731
-        store = ShardStore(data.manifest, work / "cache", fetch, keep=1 << 10)
+        store = ShardStore(data.manifest, work / "cache", TrackerSource(fetch), keep=1 << 10)
         t0 = time.perf_counter()
         for shard in data.manifest.splits["train"].shards:
             store.ensure(shard)

@@ -111,13 +111,14 @@ def pretrain(setup: QualitySetup, corpus_a: TokenStream, key: str) -> dict[str, 
     return state
 
 
-def run_row(name: str, cfg: TrainConfig, fresh_model: Callable[[], torch.nn.Module], setup: QualitySetup, corpus_b: TokenStream, eval_b: list, eval_a: list, curve_steps: tuple[int, ...] = (),
-            placement: Placement = CPU_FP32) -> dict:
+def run_row(name: str, cfg: TrainConfig, fresh_model: Callable[[], torch.nn.Module], setup: QualitySetup, corpus_b: TokenStream | None, eval_b: list, eval_a: list, curve_steps: tuple[int, ...] = (),
+            placement: Placement = CPU_FP32, batch_fn: Callable[..., torch.Tensor] | None = None) -> dict:
     """Train one row and evaluate it; `curve_steps`: also evaluate on held-out B after those
-    steps; `placement`: where the stages train (the GPU of `--device`)."""
+    steps; `placement`: where the stages train (the GPU of `--device`); `batch_fn(step, replica,
+    j, bs=, T=)`: the row's windows instead of random windows of `corpus_b`."""
     model = fresh_model()
     long_bytes = long_sequence_bytes(cfg, model_dims(model.config))
-    batch = _windows(corpus_b, setup.seed)
+    batch = batch_fn or _windows(corpus_b, setup.seed)
     bs, T = cfg.pipeline.micro_batch_size, cfg.pipeline.seq_len
     m_dense = setup.micro_batches  # anchor batches use the dense row's micro-batch numbering space
     runner = LocalPipelineRunner(

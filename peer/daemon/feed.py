@@ -4,7 +4,8 @@ The heartbeat thread adds the work ids of each reply (`add`) and lists in each r
 peer still holds (`for_report`); ids left out of a report are *released*, and become usable only
 when that report's reply is in (`acked`), so the tracker has counted them before they train. A
 broken heartbeat stream puts them back (`unacked`). A prefetch thread fetches the shards of held
-work ahead (peer/dataset/fetch.py); work whose shard cannot be had goes back to the tracker.
+work ahead (peer/dataset/fetch.py), from the tracker or the run's dataset repo on the hub; work
+whose shard cannot be had goes back to the tracker.
 With a state dir, the ids of every window trained are appended to `windows.log` (one micro-batch
 a line): what this peer trained, for the operator's audit.
 """
@@ -24,7 +25,8 @@ import numpy as np
 import torch
 
 from peer.config import TrainConfig
-from peer.dataset.fetch import ShardStore
+from peer.dataset.fetch import ShardSource, ShardStore, TrackerSource
+from peer.dataset.hub import HubSource, parse_pinned
 from peer.dataset.manifest import ShardError, parse_manifest
 from peer.dataset.shards import Windows
 from peer.errors import ConfigError
@@ -42,7 +44,8 @@ MIN_REPORT_GAP_S = 0.1  # a hungry feed asks for a report early, but not more of
 def open_feed(
     a: pb.Assignment, cfg: TrainConfig, channel: grpc.Channel, state_dir: Path | None, data_dir: Path | None, vocab_size: int
 ) -> WorkFeed:
-    """Stage 0's feed for the run the assignment `a` describes; shards come from the tracker over `channel`.
+    """Stage 0's feed for the run the assignment `a` describes; shards come from the tracker over
+    `channel`, or from the hub when the assignment names a dataset repo at a commit.
     ConfigError when this peer's model cannot read the run's data."""
     if not a.data_manifest:
         raise ConfigError("data", "none", "the tracker serves no prepared data: its bootstrap must be as new as this peer")
@@ -52,15 +55,16 @@ def open_feed(
         raise ConfigError("data.tokenizer", want, f"the run's data was prepared with tokenizer {manifest.tokenizer!r}")
     if manifest.vocab_size > vocab_size:
         raise ConfigError("data", manifest.source, f"its vocabulary of {manifest.vocab_size} exceeds the model's {vocab_size}")
-    stub = pbg.TrackerStub(channel)
-
-    def fetch(name: str, offset: int):
-        return stub.GetData(pb.DataRequest(name=name, offset=offset), timeout=FETCH_TIMEOUT_S)
-
     temporary = state_dir is None  # no state dir: a temporary folder, removed when the peer stops
     cache = state_dir / "data" if state_dir is not None else Path(tempfile.mkdtemp(prefix="anchormesh-shards-"))
+    source: ShardSource
+    if a.data_hub:
+        source = HubSource(parse_pinned(a.data_hub), cache)
+    else:
+        stub = pbg.TrackerStub(channel)
+        source = TrackerSource(lambda name, offset: stub.GetData(pb.DataRequest(name=name, offset=offset), timeout=FETCH_TIMEOUT_S))
     p = cfg.pipeline
-    store = ShardStore(manifest, cache, fetch, keep=KEEP_SHARDS, data_dir=data_dir)
+    store = ShardStore(manifest, cache, source, keep=KEEP_SHARDS, data_dir=data_dir)
     log_path = state_dir / "windows.log" if state_dir is not None else None
     feed = WorkFeed(store, a.data_windows, p.seq_len, READY_STEPS * p.micro_batches * p.micro_batch_size, log_path)
     feed.temporary = temporary

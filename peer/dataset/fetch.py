@@ -1,6 +1,9 @@
-"""A stage-0 peer's shards of the run's prepared data: found in its `--data-dir` or fetched from the
-bootstrap, each checked against the run's manifest before a token of it is used, a bounded
-number kept on disk.
+"""A stage-0 peer's shards of the run's prepared data: found in its `--data-dir` or fetched from a
+`ShardSource` (the bootstrap over gRPC, or a Hugging Face dataset: peer/dataset/hub.py), each
+checked against the run's manifest before a token of it is used, a bounded number kept on disk.
+
+Why a source is one small class: where the bytes come from is the only thing that differs; the
+size and hash checks, the cache, its bound and the prefetch are the same for every source.
 
 Why a volunteer's own folder is searched only by manifest name and hash: the run config must
 never make a peer read a path of its choosing. `--data-dir DIR` is the volunteer's word; only
@@ -18,6 +21,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -29,6 +33,40 @@ HASH_BLOCK = 1 << 20
 
 # (file name, offset) -> the DataChunk stream of Tracker.GetData
 Fetch = Callable[[str, int], Iterator[pb.DataChunk]]
+
+
+class ShardSource(Protocol):
+    """Where a peer downloads the files its manifest names."""
+
+    where: str  # for logs and errors, e.g. "the bootstrap"
+
+    def download(self, name: str, size: int, part: Path) -> None:
+        """Write file `name` (the manifest says `size` bytes) into `part`, never more than `size`
+        bytes. ShardError: the source cannot give this file (refused; its work goes back);
+        OSError or grpc.RpcError: the source cannot be reached now (try again later)."""
+        ...
+
+
+class TrackerSource:
+    """Files from the bootstrap (Tracker.GetData), checked chunk by chunk as they come."""
+
+    where = "the bootstrap"
+
+    def __init__(self, fetch: Fetch) -> None:
+        self.fetch = fetch
+
+    def download(self, name: str, size: int, part: Path) -> None:
+        got = 0
+        with part.open("wb") as f:
+            for chunk in self.fetch(name, 0):
+                if chunk.name != name or chunk.offset != got:
+                    raise ShardError(name, f"the server sent {chunk.name!r} at offset {chunk.offset}, expected offset {got}")
+                if chunk.total_bytes != size:
+                    raise ShardError(name, f"the server says {chunk.total_bytes} bytes, the manifest says {size}")
+                if got + len(chunk.data) > size:
+                    raise ShardError(name, f"oversized: more than the manifest's {size} bytes")
+                f.write(chunk.data)
+                got += len(chunk.data)
 
 
 def sha256_file(path: Path) -> str:
@@ -58,14 +96,14 @@ class ShardStore:
     Args:
         manifest: the run's manifest (from the Join's assignment).
         cache: where downloaded shards go (created; this peer's own folder).
-        fetch: the download (Tracker.GetData).
+        source: where missing shards are downloaded from (`TrackerSource`, `HubSource`).
         keep: downloaded shards kept on disk at most; the least recently used one not in
             `pinned` goes first.
         data_dir: the volunteer's own folder of prepared shards (`--data-dir`), or None.
     """
 
-    def __init__(self, manifest: Manifest, cache: Path, fetch: Fetch, keep: int = 3, data_dir: Path | None = None) -> None:
-        self.manifest, self.cache, self.fetch, self.keep, self.data_dir = manifest, Path(cache), fetch, max(keep, 1), data_dir
+    def __init__(self, manifest: Manifest, cache: Path, source: ShardSource, keep: int = 3, data_dir: Path | None = None) -> None:
+        self.manifest, self.cache, self.source, self.keep, self.data_dir = manifest, Path(cache), source, max(keep, 1), data_dir
         self.cache.mkdir(parents=True, exist_ok=True)
         self.dtype = np.dtype("<u2" if manifest.dtype == "uint16" else "<u4")
         self.pinned: set[str] = set()  # shards held work needs: not evicted
@@ -74,7 +112,7 @@ class ShardStore:
         self._lock = threading.RLock()
         self._fetching = threading.Lock()
         self._local_checked: set[str] = set()
-        self.downloaded = 0  # bytes fetched from the bootstrap
+        self.downloaded = 0  # bytes fetched from the source
 
     def has(self, shard: ShardInfo) -> bool:
         return shard.name in self._paths
@@ -135,25 +173,14 @@ class ShardStore:
         return path
 
     def _receive(self, shard: ShardInfo, size: int, part: Path) -> None:
-        """The download into `part`, checked chunk by chunk against the manifest's size, then its hash."""
-        h, got = hashlib.sha256(), 0
-        with part.open("wb") as f:
-            for chunk in self.fetch(shard.name, 0):
-                if chunk.name != shard.name or chunk.offset != got:
-                    raise ShardError(shard.name, f"the server sent {chunk.name!r} at offset {chunk.offset}, expected offset {got}")
-                if chunk.total_bytes != size:
-                    raise ShardError(shard.name, f"the server says {chunk.total_bytes} bytes, the manifest says {size}")
-                if got + len(chunk.data) > size:
-                    raise ShardError(shard.name, f"oversized: more than the manifest's {size} bytes")
-                f.write(chunk.data)
-                h.update(chunk.data)
-                got += len(chunk.data)
-        if got < size:
-            raise ShardError(shard.name, f"truncated: {got} bytes, the manifest says {size}")
-        if h.hexdigest() != shard.sha256:
-            raise ShardError(
-                shard.name, f"content differs from the manifest: sha256 {h.hexdigest()[:16]}..., expected {shard.sha256[:16]}..."
-            )
+        """The source's download into `part`, then its size and hash checked against the manifest."""
+        self.source.download(shard.name, size, part)
+        got = part.stat().st_size
+        if got != size:
+            raise ShardError(shard.name, f"{'truncated' if got < size else 'oversized'}: {got} bytes, the manifest says {size}")
+        digest = sha256_file(part)
+        if digest != shard.sha256:
+            raise ShardError(shard.name, f"content differs from the manifest: sha256 {digest[:16]}..., expected {shard.sha256[:16]}...")
 
     def _evict(self) -> None:
         """At most `keep` downloaded shards on disk (--data-dir's are the volunteer's: never deleted)."""

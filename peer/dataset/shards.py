@@ -19,6 +19,17 @@ from peer.errors import ConfigError
 HASH_BLOCK = 1 << 20
 
 
+def check_tokenizer(manifest: Manifest, tokenizer: str | None, where: str) -> None:
+    """ConfigError unless the data at `where` was prepared with `tokenizer` (None: any)."""
+    if tokenizer is not None and tokenizer != manifest.tokenizer:
+        raise ConfigError(
+            "tokenizer",
+            tokenizer,
+            f"the data in {where} was prepared with tokenizer {manifest.tokenizer!r} (vocabulary {manifest.vocab_size}); "
+            f"prepare it again with --tokenizer {tokenizer}",
+        )
+
+
 class PreparedData:
     """A folder written by `anchormesh data prepare`, checked when opened.
 
@@ -34,13 +45,7 @@ class PreparedData:
         self.folder = Path(folder)
         self.manifest: Manifest = read_manifest(self.folder)
         m = self.manifest
-        if tokenizer is not None and tokenizer != m.tokenizer:
-            raise ConfigError(
-                "tokenizer",
-                tokenizer,
-                f"the data in {self.folder} was prepared with tokenizer {m.tokenizer!r} (vocabulary {m.vocab_size}); "
-                f"prepare it again with --tokenizer {tokenizer}",
-            )
+        check_tokenizer(m, tokenizer, str(self.folder))
         self.dtype = np.dtype("<u2" if m.dtype == "uint16" else "<u4")
         self._maps: dict[str, np.memmap] = {}
         for split in SPLITS:

@@ -263,7 +263,7 @@ class JoinRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., code_version: _Optional[str] = ..., dht_maddrs: _Optional[_Iterable[str]] = ..., tls_public_key: _Optional[bytes] = ..., device: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., stage_memory_bytes: _Optional[_Iterable[int]] = ..., wire_version: _Optional[str] = ..., codecs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("run_id", "stage", "num_stages", "layer_start", "layer_end", "run_config_json", "heartbeat_interval_s", "start_step", "dht_maddrs", "group_dht_maddrs", "certificate", "tracker_key", "calls_per_s", "messages_per_s", "tls_certificate", "anchors_issued", "restore_from", "donors", "data_manifest", "data_windows")
+    __slots__ = ("run_id", "stage", "num_stages", "layer_start", "layer_end", "run_config_json", "heartbeat_interval_s", "start_step", "dht_maddrs", "group_dht_maddrs", "certificate", "tracker_key", "calls_per_s", "messages_per_s", "tls_certificate", "anchors_issued", "restore_from", "donors", "data_manifest", "data_windows", "data_hub")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
@@ -284,6 +284,7 @@ class Assignment(_message.Message):
     DONORS_FIELD_NUMBER: _ClassVar[int]
     DATA_MANIFEST_FIELD_NUMBER: _ClassVar[int]
     DATA_WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    DATA_HUB_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     stage: int
     num_stages: int
@@ -304,7 +305,8 @@ class Assignment(_message.Message):
     donors: _containers.RepeatedCompositeFieldContainer[PeerInfo]
     data_manifest: str
     data_windows: int
-    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., run_config_json: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., start_step: _Optional[int] = ..., dht_maddrs: _Optional[_Iterable[str]] = ..., group_dht_maddrs: _Optional[_Iterable[str]] = ..., certificate: _Optional[bytes] = ..., tracker_key: _Optional[bytes] = ..., calls_per_s: _Optional[float] = ..., messages_per_s: _Optional[float] = ..., tls_certificate: _Optional[bytes] = ..., anchors_issued: _Optional[int] = ..., restore_from: _Optional[_Union[PeerInfo, _Mapping]] = ..., donors: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., data_manifest: _Optional[str] = ..., data_windows: _Optional[int] = ...) -> None: ...
+    data_hub: str
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., run_config_json: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., start_step: _Optional[int] = ..., dht_maddrs: _Optional[_Iterable[str]] = ..., group_dht_maddrs: _Optional[_Iterable[str]] = ..., certificate: _Optional[bytes] = ..., tracker_key: _Optional[bytes] = ..., calls_per_s: _Optional[float] = ..., messages_per_s: _Optional[float] = ..., tls_certificate: _Optional[bytes] = ..., anchors_issued: _Optional[int] = ..., restore_from: _Optional[_Union[PeerInfo, _Mapping]] = ..., donors: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., data_manifest: _Optional[str] = ..., data_windows: _Optional[int] = ..., data_hub: _Optional[str] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
     __slots__ = ("peer_id", "stage", "address", "state", "last_seen_s", "tokens_per_s", "bytes_in", "bytes_out", "step", "loss", "queue_depth", "reason", "dp_rounds", "anchor_id", "anchor_bytes_out", "capacity_tokens_per_s", "dp_bytes_out", "dp_dense_bytes", "eval_id", "eval_loss", "dp_rejected", "refused_calls", "key_fingerprint", "dp_suspects", "dp_flagged", "link_mbit", "pp_keep", "dp_period_s", "device", "memory_bytes", "memory_plan_bytes", "refused_reports", "excluding", "startup_s", "replica_stage", "replica_step", "resumed_from", "startup_phases")
