@@ -8,8 +8,10 @@ gets the same without the secrets. Its DHT node admits only run-token holders (`
 and stores only tracker records its own key signed.
 
 Every call is checked by a `Gate` (peer/security/auth.py): Join takes the run token, Heartbeat and Leave a
-member certificate (issued at Join), Ban the operator key, Status nothing unless
-`security.private_status`.
+member certificate (issued at Join), Ban the operator key, Status the token too when the run is
+private. A run off loopback (peer/security/exposure.py) serves TLS and a private status unless
+the operator opts out by name (`--insecure-plaintext`, `--public-status`; the `security` settings
+ask for them on loopback too); bootstrap.json's "address" (`HOST:PORT#KEY`) carries the tracker key.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from peer.logs import setup_logging
 from peer.model.loading import resolve_dims
 from peer.runtoml import config_digest, config_from_dict, resolve_run
 from peer.security import auth, dht_auth
+from peer.security.exposure import address_line, exposed
 from peer.security.identity import Identity, certificate_bytes
 from peer.wire import anchormesh_pb2 as pb
 from peer.wire import anchormesh_pb2_grpc as pbg
@@ -57,9 +60,11 @@ def default_run() -> TrainConfig:
     return resolve_run().config
 
 
-def tracker_policy(config: TrainConfig) -> dict[str, frozenset[str]]:
-    """Which credentials each tracker method takes (peer/security/auth.py)."""
-    watch = frozenset({auth.TOKEN, auth.MEMBER, auth.OPERATOR}) if config.security.private_status else frozenset({auth.OPEN})
+def tracker_policy(config: TrainConfig, private_status: bool | None = None) -> dict[str, frozenset[str]]:
+    """Which credentials each tracker method takes (peer/security/auth.py); `private_status`
+    (None: the config's `security.private_status`) closes the status to outsiders."""
+    private = config.security.private_status if private_status is None else private_status
+    watch = frozenset({auth.TOKEN, auth.MEMBER, auth.OPERATOR}) if private else frozenset({auth.OPEN})
     return {
         "/anchormesh.v1.Tracker/Join": frozenset({auth.TOKEN, auth.MEMBER}),
         "/anchormesh.v1.Tracker/GetConfig": frozenset({auth.TOKEN, auth.MEMBER, auth.OPERATOR}),
@@ -102,7 +107,7 @@ class TrackerService(pbg.TrackerServicer):
             a.tracker_key = self.identity.public
         if self.ca is not None:
             if not request.tls_public_key:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this run uses TLS (security.tls): the peer must send its tls_public_key; start it with --tls-ca")
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this run uses TLS: the peer must send its tls_public_key; start it with the address line (--tracker HOST:PORT#KEY) or --tls-ca")
             try:
                 a.tls_certificate = self.ca.issue(request.peer_id, request.tls_public_key)
             except ConfigError as exc:
@@ -227,19 +232,20 @@ def _handlers(tracker: Tracker, identity: Identity | None = None, gate: auth.Gat
     )
 
 
-def tracker_gate(tracker: Tracker, secrets: keys.RunSecrets) -> auth.Gate:
+def tracker_gate(tracker: Tracker, secrets: keys.RunSecrets, private_status: bool | None = None) -> auth.Gate:
     """The tracker's gate; it shares the tracker's ban list (a ban takes effect on the next call)."""
     sec = tracker.config.security
-    return auth.Gate(tracker_policy(tracker.config), token=secrets.token, operator=secrets.operator, tracker_key=secrets.tracker.public, run_id=tracker.run_id, calls_per_s=sec.calls_per_s, banned=tracker.banned)
+    return auth.Gate(tracker_policy(tracker.config, private_status), token=secrets.token, operator=secrets.operator, tracker_key=secrets.tracker.public, run_id=tracker.run_id, calls_per_s=sec.calls_per_s, banned=tracker.banned)
 
 
 def serve_tracker(tracker: Tracker, host: str, port: int, secrets: keys.RunSecrets | None = None, ca=None, files: DataFiles | None = None,
-                  commit: Callable[[], None] | None = None) -> tuple[grpc.Server, str]:
+                  commit: Callable[[], None] | None = None, private_status: bool | None = None) -> tuple[grpc.Server, str]:
     """The Tracker and Status services; with `secrets` every call goes through a Gate (tests may
-    leave it out to drive the services bare). With `ca` (peer/tls.RunCA) it serves TLS and
-    certifies joining peers' TLS keys. `files` serves the run's prepared data (GetData);
-    `commit` runs before each heartbeat reply (the bootstrap saves a changed data order)."""
-    gate = tracker_gate(tracker, secrets) if secrets is not None else None
+    leave it out to drive the services bare). With `ca` (peer/tls.RunCA) it serves TLS, vouched
+    by the tracker's key, and certifies joining peers' TLS keys. `files` serves the run's
+    prepared data (GetData); `commit` runs before each heartbeat reply (the bootstrap saves a
+    changed data order); `private_status` as `tracker_policy`."""
+    gate = tracker_gate(tracker, secrets, private_status) if secrets is not None else None
     if gate is not None:  # anonymous calls (the status: watchers and 16 more) take at most 48 of the 240: Join and heartbeats keep the rest
         sec = tracker.config.security
         gate.admission = auth.Admission(receive_deadline_s=sec.receive_deadline_s, open_calls=MAX_WATCHERS + 16, open_calls_per_host=sec.open_calls_per_host)
@@ -256,7 +262,7 @@ def serve_tracker(tracker: Tracker, host: str, port: int, secrets: keys.RunSecre
     server.add_generic_rpc_handlers(_handlers(tracker, secrets.tracker if secrets else None, gate, ca, files, commit))
     try:
         if ca is not None:
-            bound = server.add_secure_port(f"{host}:{port}", grpc.ssl_server_credentials([ca.server_pair()]))
+            bound = server.add_secure_port(f"{host}:{port}", grpc.ssl_server_credentials([ca.server_pair(tracker_key=secrets.tracker if secrets else None)]))
         else:
             bound = server.add_insecure_port(f"{host}:{port}")
     except RuntimeError:  # grpc raises on a taken port (older versions returned 0)
@@ -265,6 +271,20 @@ def serve_tracker(tracker: Tracker, host: str, port: int, secrets: keys.RunSecre
         raise ConfigError("--port", port, f"cannot bind the tracker on {host}:{port}: the port is taken or the address is not local")
     server.start()
     return server, f"{host}:{bound}"
+
+
+def run_protection(config: TrainConfig, host: str, announce_host: str | None, insecure_plaintext: bool, public_status: bool) -> tuple[bool, bool]:
+    """(TLS, private status) of a run: on when the config asks, or when an address is off
+    loopback and the operator did not opt out; an opt-out against the config's ask is refused."""
+    if insecure_plaintext and config.security.tls:
+        raise ConfigError("--insecure-plaintext", True, "the run config sets security.tls = true")
+    if public_status and config.security.private_status:
+        raise ConfigError("--public-status", True, "the run config sets security.private_status = true")
+    off_loopback = exposed([host, announce_host])
+    tls = config.security.tls or (off_loopback and not insecure_plaintext)
+    if off_loopback and not tls:
+        log.warning("UNSAFE: --insecure-plaintext on %s: activations, gradients and token ids cross the network in the clear", announce_host or host)
+    return tls, config.security.private_status or (off_loopback and not public_status)
 
 
 def attach_data(tracker: Tracker, data) -> None:
@@ -281,36 +301,13 @@ def attach_data(tracker: Tracker, data) -> None:
              tracker.data.epoch, tracker.data.cursor, tracker.eval_windows)
 
 
-class StateSaver:
-    """Writes tracker.json. `commit` (before a heartbeat reply) writes only when the data order
-    changed since the last write; concurrent callers wait for one write that covers them all."""
-
-    def __init__(self, tracker: Tracker, state_dir: Path, ports: dict[str, int]) -> None:
-        self.tracker, self.state_dir, self.ports = tracker, state_dir, ports
-        self._lock = threading.Lock()
-        self.saved = -1
-
-    def save(self, only_if_changed: bool = False) -> None:
-        with self._lock:
-            data = self.tracker.data
-            if only_if_changed and (data is None or data.version == self.saved):
-                return  # another caller's write covered this change
-            snap = persist.snapshot(self.tracker, self.ports)
-            persist.save(self.state_dir, snap)
-            self.saved = snap["data"]["version"] if snap["data"] else 0
-
-    def commit(self) -> None:
-        try:
-            self.save(only_if_changed=True)
-        except OSError as exc:
-            log.error("cannot save the tracker state in %s: %s", self.state_dir, exc)
-
-
-def run_bootstrap(config: TrainConfig | None, host: str, port: int, dht_port: int, state_dir: Path, peer_timeout_s: float = 10.0, metrics_port: int | None = None, announce_host: str | None = None, new_run: bool = False, token: str | None = None) -> None:
+def run_bootstrap(config: TrainConfig | None, host: str, port: int, dht_port: int, state_dir: Path, peer_timeout_s: float = 10.0, metrics_port: int | None = None, announce_host: str | None = None, new_run: bool = False, token: str | None = None,
+                  insecure_plaintext: bool = False, public_status: bool = False) -> None:
     """Run until SIGTERM/SIGINT. With `announce_host`, the published tracker address and the DHT's
     multiaddrs name that host instead of the bound one (needed behind 0.0.0.0: peers elsewhere
     cannot dial 0.0.0.0, and hivemind would list the container's own addresses). `token` sets
-    the run token (default: the stored one, or a new random one)."""
+    the run token (default: the stored one, or a new random one). Off loopback the run uses TLS
+    and a private status unless `insecure_plaintext` / `public_status` say otherwise."""
     import hivemind
 
     setup_logging()
@@ -329,8 +326,9 @@ def run_bootstrap(config: TrainConfig | None, host: str, port: int, dht_port: in
             drop_prepared(state_dir)
     data = open_run_data(config, state_dir)  # before the DHT: preparing may take a while, and a bad source fails here
     secrets = keys.load_or_create(state_dir, token)
+    tls, private = run_protection(config, host, announce_host, insecure_plaintext, public_status)
     ca = None
-    if config.security.tls:
+    if tls:
         from peer.security.tls import RunCA
 
         ca = RunCA.load_or_create(state_dir)
@@ -350,9 +348,9 @@ def run_bootstrap(config: TrainConfig | None, host: str, port: int, dht_port: in
     attach_data(tracker, data)
     run_id = tracker.run_id
     ports: dict[str, int] = {}
-    saver = StateSaver(tracker, state_dir, ports)
+    saver = persist.StateSaver(tracker, state_dir, ports)
     files = DataFiles(data) if isinstance(data, PreparedData) else None  # data on the hub: peers download it there
-    server, address = serve_tracker(tracker, host, port, secrets, ca, files, saver.commit)
+    server, address = serve_tracker(tracker, host, port, secrets, ca, files, saver.commit, private_status=private)
     ports |= {"tracker": int(address.rsplit(":", 1)[1]), "dht": int(maddrs[0].split("/tcp/")[1].split("/")[0]) if maddrs else dht_port}
     if announce_host:
         address = f"{announce_host}:{address.rsplit(':', 1)[1]}"
@@ -381,12 +379,14 @@ def run_bootstrap(config: TrainConfig | None, host: str, port: int, dht_port: in
 
     saver.save()
     threading.Thread(target=keep_state, name="tracker-state", daemon=True).start()
-    info = {"run_id": run_id, "dht_maddrs": maddrs, "tracker": address, "tracker_key": secrets.tracker.public.hex()}  # public: peers check the tracker's DHT record with it
+    # public: the address line carries the tracker key, which checks its DHT record and its TLS CA
+    info = {"run_id": run_id, "dht_maddrs": maddrs, "tracker": address, "tracker_key": secrets.tracker.public.hex(), "address": address_line(address, secrets.tracker.public)}
     if ca is not None:
         info["tls_ca"] = ca.pem.decode()
     write_atomic(state_dir / "bootstrap.json", json.dumps({**info, "token": secrets.token, "operator": secrets.operator}).encode(), mode=0o600)
     print(json.dumps({k: v for k, v in info.items() if k != "tls_ca"}), flush=True)  # no secrets on stdout: logs get shared
-    log.info("tracker for %s on %s%s; DHT %s; the run token is in %s", run_id, address, " (TLS)" if ca else "", maddrs[0] if maddrs else "?", state_dir / "bootstrap.json")
+    log.info("tracker for %s on %s%s, status %s; DHT %s; the run token is in %s", run_id, address, " (TLS)" if ca else " (plaintext)", "private" if private else "public", maddrs[0] if maddrs else "?", state_dir / "bootstrap.json")
+    log.info("volunteers join with --tracker %s and the run token", info["address"])
     log.info("run config %s (model %s, %d stages, codec %s): `anchormesh config show` prints a run.toml's settings", config_digest(tracker.config), tracker.config.model.name, tracker.config.model.num_stages, tracker.config.mask.scheme)
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

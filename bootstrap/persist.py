@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -125,3 +126,28 @@ def restore(data: dict, **tracker_kwargs) -> Tracker:
     live = sum(1 for p in tracker.peers.values() if p.state in LIVE)
     log.info("resumed run %s at step %d: %d peers in the roster, %d were live (they have %.0fs to reconnect)", tracker.run_id, tracker._run_step(), len(tracker.peers), live, RECONNECT_GRACE_S + tracker.peer_timeout_s)
     return tracker
+
+
+class StateSaver:
+    """Writes tracker.json. `commit` (before a heartbeat reply) writes only when the data order
+    changed since the last write; concurrent callers wait for one write that covers them all."""
+
+    def __init__(self, tracker: Tracker, state_dir: Path, ports: dict[str, int]) -> None:
+        self.tracker, self.state_dir, self.ports = tracker, state_dir, ports
+        self._lock = threading.Lock()
+        self.saved = -1
+
+    def save(self, only_if_changed: bool = False) -> None:
+        with self._lock:
+            data = self.tracker.data
+            if only_if_changed and (data is None or data.version == self.saved):
+                return  # another caller's write covered this change
+            snap = snapshot(self.tracker, self.ports)
+            save(self.state_dir, snap)
+            self.saved = snap["data"]["version"] if snap["data"] else 0
+
+    def commit(self) -> None:
+        try:
+            self.save(only_if_changed=True)
+        except OSError as exc:
+            log.error("cannot save the tracker state in %s: %s", self.state_dir, exc)

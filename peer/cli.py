@@ -40,6 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     boot.add_argument("--peer-timeout", type=float, default=10.0, help="seconds without heartbeat before a peer is dead")
     boot.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics at http://HOST:PORT/metrics (0 = any free port; default: off)")
     boot.add_argument("--token", default=os.environ.get("ANCHORMESH_TOKEN") or None, help="set the run token (or @FILE; at least 16 characters; default: $ANCHORMESH_TOKEN, else the one in --state-dir, else a new random one); a new one replaces the old for new joiners")
+    boot.add_argument("--insecure-plaintext", action="store_true", help="UNSAFE: no TLS although an address is off loopback: activations, gradients and token ids cross the network in the clear, and anyone on the path can read or alter them (peers need --insecure-plaintext too)")
+    boot.add_argument("--public-status", action="store_true", help="let anyone who reaches the tracker read the status (peers' ids, addresses, loss); off loopback it needs the run token by default")
 
     config = sub.add_parser("config", help="the run a run.toml (plus --set) makes, before anything starts: show it, or check it")
     config.add_argument("action", choices=("show", "check"), help="show: print the effective run.toml, each value with its source (default, tiny model, run.toml, --set); check: validate it as the bootstrap would, start nothing")
@@ -50,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     peer = sub.add_parser("peer", help="join a run and serve a stage")
     env = os.environ.get
     peer.add_argument("--initial-peers", nargs="*", default=env("ANCHORMESH_INITIAL_PEERS", "").split(), help="DHT multiaddrs of the run (from bootstrap.json); default: $ANCHORMESH_INITIAL_PEERS (space-separated)")
-    peer.add_argument("--tracker", default=env("ANCHORMESH_TRACKER") or None, help="tracker host:port (default: $ANCHORMESH_TRACKER, else found through the DHT)")
+    peer.add_argument("--tracker", default=env("ANCHORMESH_TRACKER") or None, help="the tracker: the \"address\" of the bootstrap's bootstrap.json, HOST:PORT#KEY (its key lets the peer check the tracker and its TLS CA), or host:port (default: $ANCHORMESH_TRACKER, else found through the DHT)")
     peer.add_argument("--host", default="127.0.0.1", help="address the Stage service and the DHT node bind to (0.0.0.0: all interfaces; then give --announce-host)")
     peer.add_argument("--announce-host", default=env("ANCHORMESH_ANNOUNCE_HOST") or None, help="address other peers dial to reach this one (default: $ANCHORMESH_ANNOUNCE_HOST, else --host); your public or LAN address behind 0.0.0.0 or a port forward; 'auto' = the local address that routes to the tracker (right on a LAN or with docker --network host, not behind NAT)")
     peer.add_argument("--grpc-port", type=int, default=0, help="Stage service port (0 = any free)")
@@ -63,13 +65,14 @@ def _parser() -> argparse.ArgumentParser:
     peer.add_argument("--threads", type=int, default=int(env("ANCHORMESH_THREADS", "1") or 1), help="torch CPU threads for this peer (default: $ANCHORMESH_THREADS, else 1, so many peers can share one machine; a dedicated CPU peer wants its core count)")
     peer.add_argument("--token", default=env("ANCHORMESH_TOKEN") or None, help="the run token (the \"token\" in the bootstrap's bootstrap.json), or @FILE to read it from a bootstrap.json or a file holding it; default: $ANCHORMESH_TOKEN")
     peer.add_argument("--tls-ca", default=env("ANCHORMESH_TLS_CA") or None, help="the run's CA certificate when it uses TLS (security.tls): a PEM file, or the bootstrap.json (its \"tls_ca\"); default: $ANCHORMESH_TLS_CA")
-    peer.add_argument("--tracker-key", default=env("ANCHORMESH_TRACKER_KEY") or None, help="the tracker's public key (the \"tracker_key\" of bootstrap.json, hex, or @bootstrap.json): a peer that finds the tracker through the DHT takes only a record signed with it; default: $ANCHORMESH_TRACKER_KEY, else the one in the bootstrap.json that --token @FILE names")
+    peer.add_argument("--tracker-key", default=env("ANCHORMESH_TRACKER_KEY") or None, help="the tracker's public key (the \"tracker_key\" of bootstrap.json, hex, or @bootstrap.json): a peer that finds the tracker through the DHT takes only a record signed with it; default: $ANCHORMESH_TRACKER_KEY, else the key of --tracker HOST:PORT#KEY or of the bootstrap.json that --token @FILE names. A peer off loopback without it refuses to start")
+    peer.add_argument("--insecure-plaintext", action="store_true", default=bool(env("ANCHORMESH_INSECURE_PLAINTEXT")), help="UNSAFE: join a run whose bootstrap runs with --insecure-plaintext (no TLS off loopback); default: $ANCHORMESH_INSECURE_PLAINTEXT")
 
     status = sub.add_parser("status", help="show a run's stages, peers, loss and throughput")
-    status.add_argument("--tracker", required=True, help="tracker host:port")
+    status.add_argument("--tracker", required=True, help="tracker host:port, or the address line HOST:PORT#KEY (then a run with TLS needs no --tls-ca)")
     status.add_argument("--json", action="store_true", help="one JSON object (see README)")
     status.add_argument("--watch", action="store_true", help="keep updating")
-    status.add_argument("--token", default=env("ANCHORMESH_TOKEN") or None, help="the run token, or @FILE: needed only when the run's config sets security.private_status; default: $ANCHORMESH_TOKEN")
+    status.add_argument("--token", default=env("ANCHORMESH_TOKEN") or None, help="the run token, or @FILE (a bootstrap.json also gives the key and the CA): a run off loopback shows its status only with it, unless its bootstrap runs with --public-status; default: $ANCHORMESH_TOKEN")
     status.add_argument("--tls-ca", default=env("ANCHORMESH_TLS_CA") or None, help="the run's CA certificate when it uses TLS (PEM file or bootstrap.json); default: $ANCHORMESH_TLS_CA")
 
     ban = sub.add_parser("ban", help="operator: ban a peer's key from the run (its calls are refused everywhere), or readmit it with --unban")
@@ -86,7 +89,7 @@ def _parser() -> argparse.ArgumentParser:
 
     export = sub.add_parser("export", help="a run's newest weights (the live swarm, or peers' checkpoints) as a Hugging Face model folder (AutoModelForCausalLM.from_pretrained loads it)")
     source = export.add_mutually_exclusive_group(required=True)
-    source.add_argument("--tracker", help="tracker host:port: export the live swarm's newest weights")
+    source.add_argument("--tracker", help="tracker host:port, or the address line HOST:PORT#KEY: export the live swarm's newest weights")
     source.add_argument("--checkpoints", nargs="+", type=Path, metavar="DIR", help="export from shard checkpoints instead: peers' --state-dir folders (copied from the volunteers), newest valid checkpoint per stage; works after the run has ended")
     export.add_argument("--run", default=None, help="with --checkpoints: the run id, when the folders hold checkpoints of several runs")
     export.add_argument("--out", required=True, type=Path, help="folder to write config.json, model.safetensors and the tokenizer into")
@@ -141,7 +144,8 @@ def main(argv: list[str] | None = None) -> None:
             from peer.runtoml import load_run
 
             config = load_run(args.config, args.set).config if (args.config or args.set) else None
-            run_bootstrap(config, args.host, args.port, args.dht_port, args.state_dir, args.peer_timeout, metrics_port=args.metrics_port, announce_host=args.announce_host, new_run=args.new_run, token=read_token(args.token))
+            run_bootstrap(config, args.host, args.port, args.dht_port, args.state_dir, args.peer_timeout, metrics_port=args.metrics_port, announce_host=args.announce_host, new_run=args.new_run, token=read_token(args.token),
+                          insecure_plaintext=args.insecure_plaintext, public_status=args.public_status)
         elif args.command == "peer":
             import faulthandler
             import signal
@@ -151,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
             from peer.address import AUTO, outward_address
             from peer.daemon.main import run_peer
             from peer.model.placement import parse_device
-            from peer.security.dht_auth import read_tracker_key
+            from peer.security.exposure import resolve_access, split_address
 
             parse_device(args.device)  # no GPU, an index out of range: exit 2 now, before any process starts
 
@@ -167,12 +171,14 @@ def main(argv: list[str] | None = None) -> None:
                 if not (args.tracker or args.initial_peers):
                     raise ConfigError("--announce-host", AUTO, "needs --tracker or --initial-peers to find the route out")
                 try:
-                    announce = outward_address(args.tracker or args.initial_peers[0])
+                    announce = outward_address(split_address(args.tracker)[0] if args.tracker else args.initial_peers[0])
                 except ValueError as exc:
                     raise ConfigError("--announce-host", AUTO, str(exc)) from None
                 print(f"anchormesh peer: --announce-host auto: {announce}", file=sys.stderr, flush=True)
-            run_peer(args.initial_peers, args.tracker, args.host, args.grpc_port, args.device, args.max_steps, args.state_dir, announce, dht_port=args.dht_port, metrics_port=args.metrics_port, threads=args.threads,
-                     token=read_token(args.token), tls_ca=read_ca(args.tls_ca), tracker_key=read_tracker_key(args.tracker_key, args.token), data_dir=args.data_dir)
+            # off loopback: the tracker's key is required, and TLS is on unless --insecure-plaintext
+            access = resolve_access(args.tracker, args.initial_peers, args.tracker_key, args.token, args.tls_ca, args.insecure_plaintext, require=True)
+            run_peer(args.initial_peers, access.tracker, args.host, args.grpc_port, args.device, args.max_steps, args.state_dir, announce, dht_port=args.dht_port, metrics_port=args.metrics_port, threads=args.threads,
+                     token=read_token(args.token), tls_ca=access.ca, tracker_key=access.key, data_dir=args.data_dir, fetch_tls=access.fetch)
         elif args.command == "export":
             from peer.client.export import run_export
 
@@ -180,11 +186,17 @@ def main(argv: list[str] | None = None) -> None:
                 raise ConfigError("--timeout", args.timeout, "must be > 0")
             if args.run and not args.checkpoints:
                 raise ConfigError("--run", args.run, "only goes with --checkpoints")
-            raise SystemExit(run_export(args.tracker, args.out, args.timeout, checkpoints=args.checkpoints, run_id=args.run, token=read_token(args.token), tls_ca=read_ca(args.tls_ca)))
+            from peer.security.exposure import client_ca, resolve_access
+
+            access = resolve_access(args.tracker, [], None, args.token, args.tls_ca, False) if args.tracker else None  # the address line works here too
+            tls_ca = client_ca(access) if access else read_ca(args.tls_ca)
+            raise SystemExit(run_export(access.tracker if access else None, args.out, args.timeout, checkpoints=args.checkpoints, run_id=args.run, token=read_token(args.token), tls_ca=tls_ca))
         elif args.command == "status":
             from peer.client.status import run_status
+            from peer.security.exposure import client_ca, resolve_access
 
-            run_status(args.tracker, args.json, args.watch, token=read_token(args.token), tls_ca=read_ca(args.tls_ca))
+            access = resolve_access(args.tracker, [], None, args.token, args.tls_ca, False)
+            run_status(access.tracker, args.json, args.watch, token=read_token(args.token), tls_ca=client_ca(access))
         elif args.command == "ban":
             from peer.client.ban import run_ban
 

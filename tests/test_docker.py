@@ -260,8 +260,11 @@ def test_every_peer_names_the_bootstrap_tracker_and_serves_on_its_own_port() -> 
         assert any(v.endswith(":/state") for v in svc["volumes"]) and str(args.state_dir) == "/state"
     peer_image = parse_cli(exec_form(one(dockerfile("peer.Dockerfile"), "CMD")), "peer.Dockerfile CMD")
     assert set(grpc_ports) == {peer_image.grpc_port}, "the port the peer image EXPOSEs and health-checks"
-    volumes = [v.split(":")[0] for s in spec["services"].values() for v in s["volumes"]]
+    # each service writes its own volume; peers read the bootstrap's, read-only, for the tracker key
+    volumes = [v.split(":")[0] for s in spec["services"].values() for v in s["volumes"] if not v.endswith(":ro")]
     assert len(set(volumes)) == len(volumes) and set(volumes) <= set(spec["volumes"])
+    assert all("bootstrap-state:/boot:ro" in svc["volumes"] for svc in peers(spec).values())
+    assert all(svc["environment"]["ANCHORMESH_TRACKER_KEY"] == "@/boot/bootstrap.json" for svc in peers(spec).values())
 
 
 def test_compose_peers_get_shared_memory_for_the_averager() -> None:
@@ -320,7 +323,7 @@ def docker_runs(doc: str) -> list[tuple[dict[str, list[str]], str, list[str]]]:
     out = []
     for block in re.findall(r"```(?:bash|sh|console)?\n(.*?)```", text, re.S):
         for line in block.replace("\\\n", " ").splitlines():
-            argv = shlex.split(line, comments=True)
+            argv = shlex.split(re.sub(r"(^|\s)#.*$", "", line))  # as bash: a '#' starts a comment only at a word's start (HOST:PORT#KEY is one word)
             if argv[:2] != ["docker", "run"]:
                 continue
             opts: dict[str, list[str]] = {}

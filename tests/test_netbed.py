@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,16 @@ def test_swarm_trains_across_shaped_namespaces(tmp_path: Path) -> None:
         s = swarm.wait_status(lambda s: s["step"] >= 3 and s["loss"] is not None and len([p for p in s["peers"] if p["state"] in ("active", "idle")]) == 2, 240, "2 live peers and 3 steps")
         assert math.isfinite(s["loss"])
         assert {p["address"].split(":")[0] for p in s["peers"]} == {"198.18.7.2", "198.18.7.3"}
+        # off loopback by default: TLS with the CA the tracker vouches for, a private status, the key required
+        info = swarm.info
+        assert "BEGIN CERTIFICATE" in info["tls_ca"] and info["address"] == f"{info['tracker']}#{info['tracker_key']}"
+        in_bed = ["ip", "netns", "exec", bed.hosts[0].ns, sys.executable, "-m", "peer.cli"]
+        res = subprocess.run([*in_bed, "status", "--tracker", info["address"], "--json"], capture_output=True, text=True, timeout=60)
+        assert res.returncode == 1 and "UNAUTHENTICATED" in res.stderr, res.stderr  # TLS came up with the fetched CA; the token is missing
+        res = subprocess.run([*in_bed, "status", "--tracker", info["tracker"], "--json"], capture_output=True, text=True, timeout=60)
+        assert res.returncode == 1 and "--tls-ca" in res.stderr, res.stderr  # plaintext reaches nothing
+        res = subprocess.run([*in_bed, "peer", "--tracker", info["tracker"], "--token", info["token"], "--host", "198.18.7.1"], capture_output=True, text=True, timeout=120)
+        assert res.returncode == 2 and "HOST:PORT#KEY" in res.stderr, res.stderr
         after = bed.counters()
         # activations went from host 1 (stage 0) to host 2 (stage 1) and gradients back, over the shaped links
         sent = {i: after[i][0] - before[i][0] for i in after}

@@ -67,10 +67,10 @@ class BedSwarm:
         for h in bed.hosts[1:]:
             log = workdir / f"peer{h.index}.log"
             argv = py + ["peer", "--initial-peers", self.info["dht_maddrs"][0], "--host", h.address, "--state-dir", str(workdir / f"peer{h.index}")]
-            self.peers.append(bed.popen(h.index, argv, log, {**env, "ANCHORMESH_PEER_ID": f"bed-peer{h.index}", "ANCHORMESH_TOKEN": self.info["token"]}))
+            self.peers.append(bed.popen(h.index, argv, log, {**env, "ANCHORMESH_PEER_ID": f"bed-peer{h.index}", "ANCHORMESH_TOKEN": self.info["token"], "ANCHORMESH_TRACKER_KEY": self.info["tracker_key"]}))
         self.latest: dict | None = None
         self._watch_log = workdir / "status.jsonl"
-        self._watcher = bed.popen(0, py + ["status", "--tracker", self.info["tracker"], "--json", "--watch"], self._watch_log, env)
+        self._watcher = bed.popen(0, py + ["status", "--tracker", self.info["tracker"], "--token", f"@{info_path}", "--json", "--watch"], self._watch_log, env)
         self._reader = threading.Thread(target=self._follow, daemon=True)
         self._reader.start()
 

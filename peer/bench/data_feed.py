@@ -20,7 +20,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from bootstrap.node import StateSaver, serve_tracker
+from bootstrap.node import serve_tracker
+from bootstrap.persist import StateSaver
 from bootstrap.run_data import DataFiles, data_order
 from bootstrap.tracker import Tracker
 from peer.config import ModelConfig, PipelineConfig, TrainConfig

@@ -6,7 +6,9 @@ cheap), prints one line and exits 0 (answers) or 1 (does not, with the address a
 A health check does not know the run, so it pings with an empty run id, which a peer answers as a
 liveness probe (peer id, stage, step, state). Peers of older versions refused it instead
 (INVALID_ARGUMENT naming the server's run); that refusal also comes from a live server that has
-joined a run, so it still counts as an answer; any other error does not.
+joined a run, so it still counts as an answer; any other error does not. A run off loopback serves
+TLS, and a check without the run's CA cannot make the call: a server that completes a TLS handshake
+on the port counts as up then (the container's check needs no CA).
 """
 
 from __future__ import annotations
@@ -48,7 +50,21 @@ def check(address: str, tracker: bool = False, timeout_s: float = 5.0, tls_ca: b
             if tracker and code == grpc.StatusCode.UNAUTHENTICATED:  # security.private_status: it answers, to members only
                 return True, f"ok tracker {address}: serving (its status needs the run token)"
             what = "tracker" if tracker else "stage server"
+            if tls_ca is None and code == grpc.StatusCode.UNAVAILABLE and _serves_tls(address, timeout_s):
+                return True, f"ok {what} {address}: serving TLS (pass --tls-ca to make the call)"
             return False, f"anchormesh health: {what} {address}: {code.name if code else 'UNKNOWN'}: {details}"
+
+
+def _serves_tls(address: str, timeout_s: float) -> bool:
+    """Whether a TLS server answers a handshake at `address` (nothing is verified: liveness only)."""
+    import ssl
+
+    from peer.security.tls import leaf_certificate
+
+    try:
+        return bool(leaf_certificate(address, timeout_s))
+    except (OSError, ssl.SSLError, ValueError):
+        return False
 
 
 def run_health(address: str, tracker: bool = False, timeout_s: float = 5.0, tls_ca: bytes | None = None) -> int:

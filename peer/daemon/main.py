@@ -69,6 +69,7 @@ from peer.pipeline.grpc_transport import STAGE_POLICY, GrpcTransport
 from peer.pipeline.swarm_anchor import SwarmAnchor
 from peer.pipeline.worker import StageWorker, mean_loss
 from peer.security import auth
+from peer.security.exposure import run_ca
 from peer.security.identity import Identity
 from peer.store.checkpoint import ShardCheckpoints
 from peer.wire import anchormesh_pb2_grpc as pbg
@@ -362,17 +363,16 @@ class PeerDaemon:
             self._rate, self._busy = (now, self.tokens), 0.0
 
 
-def run_peer(initial_peers: list[str], tracker: str | None, host: str, grpc_port: int, device: str, max_steps: int | None = None, state_dir: Path | None = None, announce_host: str | None = None, dht_port: int = 0, metrics_port: int | None = None, threads: int = 1, token: str | None = None, tls_ca: bytes | None = None, tracker_key: bytes | None = None, data_dir: Path | None = None) -> None:
-    """`tracker_key` (the bootstrap's public key, from bootstrap.json or --tracker-key) is what the
-    tracker's DHT record must be signed with; the token admits this node to the run's DHT."""
+def run_peer(initial_peers: list[str], tracker: str | None, host: str, grpc_port: int, device: str, max_steps: int | None = None, state_dir: Path | None = None, announce_host: str | None = None, dht_port: int = 0, metrics_port: int | None = None, threads: int = 1, token: str | None = None, tls_ca: bytes | None = None, tracker_key: bytes | None = None, data_dir: Path | None = None, fetch_tls: bool = False) -> None:
+    """`tracker_key` checks the tracker's DHT record and, with `fetch_tls`, the run CA it serves (peer/security/exposure.py)."""
     setup_logging()
     torch.set_num_threads(threads)  # 1 by default: many peers share few cores on one machine
     if not initial_peers and tracker is None:
         raise SystemExit("anchormesh peer: error: give --initial-peers or --tracker")
     if not token:
         raise ConfigError("--token", None, f"a peer joins with the run's token: {auth.NO_TOKEN_HINT}")
-    stop = threading.Event()
-    startup = StartupClock(process_age_s)
+    stop, startup = threading.Event(), StartupClock(process_age_s)
+    tls_ca = run_ca(tracker, tracker_key, stop) if fetch_tls and tracker is not None else tls_ca
     if not initial_peers:
         startup.begin("tracker")
         log.info("asking the tracker %s for the run's DHT addresses", tracker)
@@ -383,6 +383,7 @@ def run_peer(initial_peers: list[str], tracker: str | None, host: str, grpc_port
         startup.begin("find_tracker")
         tracker = find_tracker(dht, stop, tracker_key)
         log.info("found the tracker at %s through the DHT", tracker)
+        tls_ca = run_ca(tracker, tracker_key, stop) if fetch_tls else tls_ca
     startup.begin("grpc")
     daemon = PeerDaemon(tracker, host, grpc_port, device, dht=dht, state_dir=state_dir, announce_host=announce_host, token=token, tls_ca=tls_ca, startup=startup, data_dir=data_dir)
     if metrics_port is not None:

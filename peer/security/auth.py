@@ -57,7 +57,7 @@ def tls_hint(details: str | None, tls: bool) -> str:
     "Socket closed" to a plain client of a TLS server, "handshake failed" the other way)."""
     d = (details or "").lower()
     if not tls and "socket closed" in d:
-        return " (if the run uses TLS, security.tls, pass --tls-ca with the bootstrap.json or its CA)"
+        return " (if the run uses TLS, as every run off loopback does, pass --tls-ca with the bootstrap.json or its CA, or --tracker HOST:PORT#KEY, the address line)"
     if tls and "handshake" in d:
         return " (a TLS handshake failed: the server may not use TLS, drop --tls-ca, or uses another run's CA)"
     return ""
