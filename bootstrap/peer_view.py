@@ -9,13 +9,14 @@ from bootstrap.roster import LIVE, PeerRecord
 from peer.security.identity import fingerprint
 from peer.wire import anchormesh_pb2 as pb
 
-Suspects = tuple[dict[str, list[str]], dict[str, int]]  # (peer id -> whom it named, peer id -> how many name it)
+Suspects = tuple[dict[str, list[str]], dict[str, int], dict[str, int]]  # (peer id -> whom it named, -> how many name it, -> how many joiners refused its state)
 
 
 def suspects(peers: Collection[PeerRecord]) -> Suspects:
     """Per peer: the members its refused averaging rounds named, as run peer ids (the reports
     name hivemind peer ids, which the tracker knows from each peer's DHT multiaddrs); and
-    per peer: how many live peers name it."""
+    per peer: how many live peers name it, and how many live joiners refused its state (the peer
+    id a `refused_donors` entry starts with)."""
     by_dht = {m.rsplit("/p2p/", 1)[1]: p.peer_id for p in peers for m in p.dht_maddrs if "/p2p/" in m}
     named: dict[str, list[str]] = {}
     flagged: dict[str, int] = {}
@@ -29,12 +30,16 @@ def suspects(peers: Collection[PeerRecord]) -> Suspects:
                 seen.add(who)
                 flagged[who] = flagged.get(who, 0) + 1
         named[p.peer_id] = out
-    return named, flagged
+    donors: dict[str, int] = {}
+    for p in peers:
+        for who in {s.partition(": ")[0] for s in p.refused_donors} if p.state in LIVE else ():
+            donors[who] = donors.get(who, 0) + 1
+    return named, flagged, donors
 
 
-def peer_info(p: PeerRecord, now: float, suspects: Suspects = ({}, {})) -> pb.PeerInfo:
+def peer_info(p: PeerRecord, now: float, suspects: Suspects = ({}, {}, {})) -> pb.PeerInfo:
     """`p` as the wire shows it, at tracker clock `now`."""
-    named, flagged = suspects
+    named, flagged, donors = suspects
     return pb.PeerInfo(
         peer_id=p.peer_id, stage=p.stage, address=p.address, state=p.state, last_seen_s=now - p.last_seen,
         tokens_per_s=p.tokens_per_s, bytes_in=p.bytes_in, bytes_out=p.bytes_out, step=p.step, loss=p.loss,
@@ -49,4 +54,5 @@ def peer_info(p: PeerRecord, now: float, suspects: Suspects = ({}, {})) -> pb.Pe
         excluding=list(p.excluding), startup_s=p.startup_s,
         startup_phases=[pb.StartupPhase(name=n, seconds=x) for n, x in p.startup_phases],
         replica_stage=p.replica_stage, replica_step=p.replica_step, resumed_from=p.resumed_from,
+        refused_donors=list(p.refused_donors), donor_flagged=donors.get(p.peer_id, 0),
     )

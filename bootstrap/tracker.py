@@ -23,6 +23,7 @@ from bootstrap.data_order import DataOrder
 from bootstrap.peer_view import peer_info, suspects
 from bootstrap.report_bounds import implausible
 from bootstrap.roster import LIVE, Banned, JoinRefused, PeerRecord, live
+from bootstrap.support import Support, observe, rate_bound, restore_choice
 from peer import __version__
 from peer.capacity import step_ceiling
 from peer.config import TrainConfig
@@ -153,9 +154,10 @@ class Tracker:
             stage = self.balance.take_reservation(req.peer_id)
             if stage is None or (fits is not None and stage not in fits):
                 stage = self.balance.pick_stage(self.peers.values(), fits)
-            start_step = max((p.step for p in self.peers.values() if p.stage == stage), default=0)
+            support = Support(self.peers.values())  # a lone member's claim counts as far as the others' reports reach
+            start_step = max((support.step(p, slack=0) for p in self.peers.values() if p.stage == stage), default=0)
             restore = self._restore_source(stage)
-            donors = [peer_info(q, self.clock()) for q in self._serving(stage)[:MAX_DONORS]]
+            donors = [peer_info(q, self.clock()) for q in support.donor_order(self._serving(stage))[:MAX_DONORS]]
             mates = [m for q in self.live(stage) for m in q.dht_maddrs[:MAX_MADDRS_PER_PEER]]
             self.peers[req.peer_id] = PeerRecord(
                 req.peer_id, stage, req.grpc_address, last_seen=self.clock(), joined_at=self.clock(), dht_maddrs=tuple(req.dht_maddrs[:MAX_MADDRS_PER_PEER]), key=key.hex(),
@@ -175,8 +177,7 @@ class Tracker:
             dht_maddrs=self.dht_maddrs,
             group_dht_maddrs=mates,
             anchors_issued=self.anchors.launched,
-            restore_from=restore,
-            donors=donors,
+            restore_from=restore, donors=donors,
             data_manifest=self.data_manifest if stage == 0 else "", data_hub=self.data_hub if stage == 0 else "",
             data_windows=self.data.windows if self.data is not None else 0,
         )
@@ -198,7 +199,7 @@ class Tracker:
                 raise JoinRefused(f"peer_id={rep.peer.peer_id!r} is not in the roster: join first")
             info = rep.peer
             now = self.clock()
-            why = implausible(p, info, rep.tokens, now, self.config.pipeline, self._run_step())
+            why = implausible(p, info, rep.tokens, now, self.config.pipeline, self._run_step(), rate_bound(self.peers.values(), p))
             if why:  # a broken or lying member: its figures would stop the run or steer the routing; keep the old ones
                 p.refused_reports += 1
                 p.last_refusal = why
@@ -207,6 +208,7 @@ class Tracker:
             else:
                 p.step, p.tokens, p.capacity, p.tokens_per_s = info.step, rep.tokens, info.capacity_tokens_per_s, info.tokens_per_s
                 p.accepted_at = now
+                observe(p, info.step, now)
             p.state = info.state if info.state in LIVE else p.state
             p.last_seen, p.loss, p.reported = now, info.loss, True
             p.bytes_in, p.bytes_out, p.queue_depth, p.reason = info.bytes_in, info.bytes_out, info.queue_depth, info.reason[:MAX_TEXT]
@@ -216,6 +218,7 @@ class Tracker:
             p.link_mbit, p.pp_keep, p.dp_period_s = info.link_mbit, info.pp_keep, info.dp_period_s
             p.dp_suspects = tuple(x[:MAX_TEXT] for x in info.dp_suspects[:MAX_SUSPECTS])
             p.excluding = tuple(x[:MAX_TEXT] for x in info.excluding[:MAX_SUSPECTS])
+            p.refused_donors = tuple(x[:MAX_TEXT] for x in info.refused_donors[:MAX_SUSPECTS])
             p.startup_s = info.startup_s if _plausible_s(info.startup_s) else 0.0
             p.startup_phases = tuple((x.name[:MAX_NAME], x.seconds) for x in info.startup_phases[:MAX_PHASES] if _plausible_s(x.seconds))
             # a claimed replica newer than the run is a lie: a joiner would only refuse it after the download
@@ -249,8 +252,9 @@ class Tracker:
                     directive.anchor_micro_batches = self.config.anchor.micro_batches
             directive.anchors_issued = self.anchors.launched
             source = self._replica_source(p)
-            if source is not None:
+            if source is not None:  # what it was told to copy, and how far: the evidence a restore is chosen by
                 directive.replicate.CopyFrom(peer_info(source, self.clock()))
+                p.copy_stage, p.copy_step = source.stage, source.step
         return directive
 
     def _settle_work(self, p: PeerRecord, rep: pb.PeerReport) -> list[int]:
@@ -282,26 +286,22 @@ class Tracker:
         return sources[holders.index(p.peer_id) % len(sources)]
 
     def _restore_source(self, stage: int) -> pb.PeerInfo | None:
-        """When `stage` has no live peer (its whole group died): the live peer holding the newest
-        replica of its state, its step in `step`; None while the group lives or nobody holds one."""
-        if self.live(stage):
-            return None
-        holders = [q for q in self._serving() if q.replica_step > 0 and q.replica_stage == stage]
-        best = max(holders, key=lambda q: (q.replica_step, q.peer_id), default=None)
-        if best is None:
-            return None
-        info = peer_info(best, self.clock())
-        info.step = best.replica_step
+        """When `stage` has no live peer (its whole group died): the holder of its newest replica by
+        the tracker's own records (bootstrap/support.py `restore_choice`), that step in `step`."""
+        best = None if self.live(stage) else restore_choice(self.peers.values(), self._serving(), stage)
+        info = peer_info(best[0], self.clock()) if best is not None else None
+        if info is not None:
+            info.step = best[1]
         return info
 
     def _tokens(self) -> int:
-        return sum(p.tokens for p in self.peers.values() if p.stage == 0)  # stage 0 feeds every token once
+        return Support(self.peers.values()).stage0_tokens(self.config.pipeline)  # stage 0 feeds every token once
 
     def _budget_spent(self) -> bool:  # lost windows count: the budget caps what is handed out, so they never come
         return 0 < self.config.token_budget <= self._tokens() + (self.data.lost * self.data.seq_len if self.data is not None else 0)
 
     def _run_step(self) -> int:
-        return max((q.step for q in self.peers.values() if q.stage == 0), default=0)  # stage 0 counts the run's steps
+        return Support(self.peers.values()).run_step()  # stage 0 counts the run's steps, as far as the others support them
 
     def leave(self, req: pb.LeaveRequest) -> None:
         with self._lock:

@@ -17,9 +17,10 @@ STEP_SLACK = 50
 MAX_CAPACITY_FACTOR = 10.0
 
 
-def step_ceiling(known: int, seconds: float) -> float:
-    """The highest step honest training can have reached `seconds` after being at step `known`."""
-    return known + STEP_SLACK + MAX_STEPS_PER_S * max(seconds, 0.0)
+def step_ceiling(known: int, seconds: float, rate: float = MAX_STEPS_PER_S) -> float:
+    """The highest step honest training can have reached `seconds` after being at step `known`,
+    stepping at most `rate` steps/s (the tracker passes the rate it measured the run at)."""
+    return known + STEP_SLACK + rate * max(seconds, 0.0)
 
 
 def fill_unmeasured(values: list[float]) -> list[float]:

@@ -123,6 +123,18 @@ def _named_by_group(s: dict) -> list[str]:
     return out
 
 
+def _refused_donors(s: dict) -> list[str]:
+    """A peer whose stage state a joiner refused (far from what its other stage mates hold, or
+    out of bounds: peer/daemon/state_witness.py), with the joiner's reason; the operator judges
+    and bans (a hostile joiner could name an honest donor, so nothing bans automatically)."""
+    out = []
+    for p in s.get("peers", []):
+        if (p.get("donor_flagged") or 0) > 0 and p.get("state") in LIVE_STATES:
+            said = next((x.split(": ", 1)[1] for q in s.get("peers", []) for x in q.get("refused_donors") or [] if x.startswith(p["id"] + ": ")), "")
+            out.append(f"{p['id']} (stage {p['stage']}) served a stage state {p['donor_flagged']} joiner(s) refused: {said}")
+    return out
+
+
 def _excluding(s: dict) -> list[str]:
     """A live peer routes around a next-stage peer whose stream stopped taking messages (it is
     excluded for a while, then tried again): hung, overloaded, or a member that accepts streams
@@ -192,7 +204,7 @@ def _stalled(s: dict) -> list[str]:
 
 
 RULES: tuple[Callable[[dict], list[str]], ...] = (
-    _stages_without_peer, _bottleneck_stages, _stale_anchor, _dead_peers, _silent_peers, _rejected_rounds, _named_by_group, _excluding, _refused_calls, _implausible_reports, _unfit, _bad_loss, _stalled,
+    _stages_without_peer, _bottleneck_stages, _stale_anchor, _dead_peers, _silent_peers, _rejected_rounds, _named_by_group, _refused_donors, _excluding, _refused_calls, _implausible_reports, _unfit, _bad_loss, _stalled,
 )
 
 

@@ -57,6 +57,7 @@ def status_dict(s: pb.RunStatus) -> dict:
                 "capacity_tokens_per_s": p.capacity_tokens_per_s, "dp_bytes_out": p.dp_bytes_out,
                 "dp_rejected": p.dp_rejected, "refused_calls": p.refused_calls, "key": p.key_fingerprint or None,
                 "dp_suspects": list(p.dp_suspects), "dp_flagged": p.dp_flagged,
+                "refused_donors": list(p.refused_donors), "donor_flagged": p.donor_flagged,
                 "link_mbit": p.link_mbit or None, "pp_keep": p.pp_keep or None, "dp_period_s": p.dp_period_s or None,
                 "device": p.device or None, "memory_bytes": p.memory_bytes or None, "memory_plan_bytes": p.memory_plan_bytes or None,
                 "refused_reports": p.refused_reports, "excluding": list(p.excluding),
