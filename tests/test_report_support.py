@@ -109,3 +109,17 @@ def test_the_restore_source_is_chosen_from_the_trackers_records_not_a_claimed_st
     replica_beat(t2, z, step=100, replica_stage=1, replica_step=10 + STEP_SLACK + 40)
     t2.leave(pb.LeaveRequest(peer_id=o))
     assert join(t2, "new").restore_from.step == 10 + STEP_SLACK
+
+
+def test_a_donor_a_joiner_refused_is_named_in_the_status() -> None:
+    from peer.client.problems import problems
+    from peer.client.view import status_dict
+
+    t, _ = make(stages=2, layers=4)
+    join(t, "a"), join(t, "b"), join(t, "c")
+    beat(t, "a", step=5), beat(t, "b", step=5)
+    info = pb.PeerInfo(peer_id="c", stage=t.peers["c"].stage, state="active", step=5, refused_donors=["a: far from what 2 of 2 stage mates hold (weight w: cosine -1.00)"])
+    t.report(pb.PeerReport(run_id="run-x", peer=info, tokens=500))
+    rows = {p.peer_id: p for p in t.status().peers}
+    assert rows["a"].donor_flagged == 1 and list(rows["c"].refused_donors) == list(info.refused_donors)
+    assert any("a (stage 0) served a stage state 1 joiner(s) refused: far from" in x for x in problems(status_dict(t.status())))

@@ -44,7 +44,7 @@ def take(daemon: PeerDaemon, *states) -> list[str]:
 
 
 def donor_state(stage) -> tuple[dict, list[torch.Tensor]]:
-    params = [p.detach() + 1.0 for _, p in stage.named_parameters()]
+    params = [p.detach() + 0.01 for _, p in stage.named_parameters()]  # a few steps of training away
     moments = [torch.full_like(p, 0.5) for _, p in stage.named_parameters()] + [torch.full_like(p, 0.25) for _, p in stage.named_parameters()]
     return {"version": 42, "adam_step": 40.0}, params + moments
 
@@ -120,3 +120,67 @@ def test_a_poisoned_state_is_refused_whole(daemon: PeerDaemon, poison: str) -> N
     # a poisoned donor first, an honest one next: the next donor is asked and its state taken
     assert take(daemon, (meta, tensors), donor_state(daemon.worker.stage)) == ["d0", "d1"]
     assert daemon.worker.version == 42 and daemon.resumed_from == "group step 42"
+
+
+def hostile(daemon: PeerDaemon, kind: str) -> tuple[dict, list[torch.Tensor]]:
+    """What a hostile member served a joiner (reproduced): its weights negated with zeroed AdamW
+    moments (cosine -1.00 to the joiner's own), or noise just under the norm bound (10x the
+    joiner's own norm plus 2 per value), both passing the bounds on a state."""
+    meta, tensors = donor_state(daemon.worker.stage)
+    n = len(tensors) // 3
+    for i, (_, p) in enumerate(daemon.worker.stage.named_parameters()):
+        if kind == "negated":
+            tensors[i] = -p.detach().clone()
+        else:
+            noise = torch.randn(p.shape, generator=torch.Generator().manual_seed(i))
+            tensors[i] = noise * (0.99 * (10 * float(p.norm()) + 2 * p.numel() ** 0.5) / float(noise.norm()))
+    if kind == "negated":
+        tensors[n:] = [torch.zeros_like(t) for t in tensors[n:]]
+    return meta, tensors
+
+
+def test_a_hostile_state_from_a_lone_donor_is_refused_and_the_donor_named(daemon: PeerDaemon) -> None:
+    """One donor, nothing to compare with: the single-donor policy takes a state only within
+    1.5x this peer's own weights' norm of them; the donor is logged, counted and reported."""
+    for kind in ("negated", "noise"):
+        before = [p.detach().clone() for p in daemon.worker.stage.parameters()]
+        assert take(daemon, hostile(daemon, kind)) == ["d0"]
+        assert all(torch.equal(a, b) for a, b in zip(before, daemon.worker.stage.parameters()))
+        assert daemon.worker.version == 0 and daemon.resumed_from == "initial weights"
+        assert daemon.state_sync.refused[-1].startswith("d0: no stage mate to compare with, and it is far from this peer's own weights")
+    assert "cosine -1.00" in daemon.state_sync.refused[0] and daemon.state_sync.refused_count == 2
+
+
+def take_judged(daemon: PeerDaemon, *states) -> list[str]:
+    """`take`, with each donor's weights (GetShard WEIGHTS) served from its state, as witnesses."""
+    asked: list[str] = []
+
+    def download(donor: pb.PeerInfo) -> bool:
+        asked.append(donor.peer_id)
+        meta, tensors = states[int(donor.peer_id[1:])]
+        return daemon.state_sync.apply_state(meta, tensors, f"a group member ({donor.peer_id})")
+
+    def weights(donor: pb.PeerInfo) -> list[torch.Tensor]:
+        tensors = states[int(donor.peer_id[1:])][1]
+        return tensors[: len(tensors) // 3]
+
+    daemon.averager = daemon.averager or FakeAverager()
+    daemon.state_sync.load_group_state([pb.PeerInfo(peer_id=f"d{i}", step=50) for i in range(len(states))], download, weights)
+    return asked
+
+
+def test_a_state_far_from_what_the_group_holds_is_refused_and_the_next_donor_taken(daemon: PeerDaemon) -> None:
+    """Three donors, the first hostile: its two stage mates find it far, it is refused and named,
+    and the next (close to the third) is taken. Two donors, the second hostile: one witness
+    against one donor is a tie, and the single-donor policy takes the honest one."""
+    honest = donor_state(daemon.worker.stage)
+    bad = hostile(daemon, "negated")
+    assert take_judged(daemon, bad, honest, honest) == ["d0", "d1"]
+    assert daemon.worker.version == 42 and daemon.state_sync.refused_count == 1
+    assert daemon.state_sync.refused[-1].startswith("d0: far from what 2 of 2 stage mates hold (weight ")
+
+
+def test_an_honest_donor_against_a_lone_hostile_witness_is_taken(daemon: PeerDaemon) -> None:
+    honest = donor_state(daemon.worker.stage)
+    assert take_judged(daemon, honest, hostile(daemon, "noise")) == ["d0"]
+    assert daemon.worker.version == 42 and daemon.state_sync.refused_count == 0

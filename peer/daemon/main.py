@@ -229,8 +229,8 @@ class PeerDaemon:
             self._restore(a)
         elif a.start_step > max(self.state_step, 0):  # the run has trained past what this peer holds: ask the group
             self.phase("state")
-            names = [name for name, _ in stage.named_parameters()]
-            self.state_sync.load_group_state(list(a.donors), lambda donor: self.replicas.download(donor, a.stage, names, self.state_sync.apply_state, f"a group member ({donor.peer_id})"))
+            download, weights = self.replicas.fetchers(stage, self.state_sync.apply_state)  # each donor's state judged by the others' weights
+            self.state_sync.load_group_state(list(a.donors), download, weights)
         self.phase("first_step")
         self.transport.start()
         resumed = f" (resumed from {self.resumed_from})" if a.start_step > 0 or self.state_step >= 0 else ""
@@ -271,8 +271,8 @@ class PeerDaemon:
         holder = a.restore_from
         if holder.step > max(self.state_step, 0):
             self.reason = f"restoring its stage's state from the replica {holder.peer_id} holds (step {holder.step})"
-            names = [name for name, _ in self.worker.stage.named_parameters()]
-            if self.replicas.download(holder, a.stage, names, self.state_sync.apply_state, f"the replica {holder.peer_id} holds"):
+            download = self.replicas.fetchers(self.worker.stage, self.state_sync.apply_state, f"the replica {holder.peer_id} holds")[0]
+            if self.state_sync.load_single(holder, download):  # a lone holder: the single-donor policy judges it
                 self.resumed_from = f"replica step {self.state_step} from {holder.peer_id}"
         lost = max(a.start_step - max(self.state_step, 0), 0)
         log.warning("stage %d had no live peer: resumed from %s (%d steps of its training lost)", a.stage, self.resumed_from, lost)

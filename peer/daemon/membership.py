@@ -33,6 +33,7 @@ from peer.daemon.memory import free_bytes, plan_stages
 from peer.daemon.replicas import Replicas
 from peer.daemon.routing import Router
 from peer.daemon.startup import StartupClock
+from peer.daemon.state_sync import StateSync
 from peer.dp.group import GroupAverager
 from peer.errors import ConfigError
 from peer.model.placement import DTYPE_NAMES, resolve_placement
@@ -223,6 +224,7 @@ class Member(Protocol):
     refused: str
     resumed_from: str
     replicas: Replicas
+    state_sync: StateSync  # the donors it refused as a joiner, for its report
     feed: WorkFeed | None
 
 
@@ -302,6 +304,7 @@ class Membership:
                 link_mbit=link_mbit, pp_keep=pp_keep, dp_period_s=averager.period_s if averager else 0.0,
                 excluding=d.transport.excluding()[:4],  # the tracker keeps 4
                 replica_stage=d.replicas.stage, replica_step=d.replicas.step, resumed_from=d.resumed_from,
+                refused_donors=list(d.state_sync.refused),
             ),
         )
 

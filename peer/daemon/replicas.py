@@ -172,6 +172,23 @@ class Replicas:
             return False
         return apply(meta, tensors, source)
 
+    def weights(self, holder: pb.PeerInfo, stage: torch.nn.Module) -> list[torch.Tensor]:
+        """`holder`'s weights of this peer's `stage` (`GetShard`, what = WEIGHTS: a third of a state's
+        bytes) in named_parameters order, to compare a donor's state with (peer/daemon/state_witness.py)."""
+        call = self.transport.channel(holder.address).unary_stream(
+            "/anchormesh.v1.Stage/GetShard", request_serializer=pb.ShardRequest.SerializeToString, response_deserializer=pb.ShardChunk.FromString)
+        shard = read_shard(call(pb.ShardRequest(run_id=self.run_id, sender=self.peer_id, what=pb.ShardRequest.WEIGHTS), timeout=PULL_TIMEOUT_S), max_bytes=self.max_bytes)
+        names = [stage.hf_names[name] for name, _ in stage.named_parameters()]
+        if shard.run_id != self.run_id or shard.stage != stage.index or sorted(shard.tensors) != sorted(names):
+            raise ShardError(f"{holder.peer_id} sent the weights of stage {shard.stage} of run {shard.run_id!r}, not this stage's")
+        return [shard.tensors[n] for n in names]
+
+    def fetchers(self, stage: torch.nn.Module, apply: Callable[[object, list, str], bool], source: str = "") -> tuple[Callable[[pb.PeerInfo], bool], Callable[[pb.PeerInfo], list[torch.Tensor]]]:
+        """For StateSync: download and apply a holder's state of `stage` (`source` names it in the
+        log; default: a group member), and fetch a holder's weights of it."""
+        names = [name for name, _ in stage.named_parameters()]
+        return (lambda h: self.download(h, stage.index, names, apply, source or f"a group member ({h.peer_id})")), (lambda h: self.weights(h, stage))
+
 
 def own_state_bytes(stage: torch.nn.Module) -> int:
     """What this peer's own stage state takes on the wire: fp32 weights and two moments."""

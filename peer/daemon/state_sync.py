@@ -3,6 +3,9 @@
 A joiner of a trained run downloads the state of its group's most-trained member over gRPC
 (`GetShard`, what = STATE: size-capped while it arrives, peer/daemon/replicas.py), the next
 member after a refusal; a restarted peer reads its own checkpoint (peer/daemon/checkpointing.py).
+A state from a donor must also be close to what the group's other members serve (or, with no
+majority for it, to this peer's own weights): peer/daemon/state_witness.py; a refused donor is
+logged, counted and reported to the tracker (`refused_donors`).
 Both go through one validation path here, whole or not at all, because whatever a donor or a disk
 hands over lands in the optimizer of every later step: a state no honest training can reach is
 refused. A part of `PeerDaemon` (peer/daemon/main.py); it reads the daemon's worker and averager
@@ -14,12 +17,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
 
 from peer.capacity import step_ceiling
+from peer.daemon.state_witness import Weights, Witnesses
 from peer.dp.group import GroupAverager
 from peer.pipeline.worker import StageWorker
 from peer.wire import anchormesh_pb2 as pb
@@ -46,6 +51,10 @@ class StateSync:
     def __init__(self, peer: StageHolder) -> None:
         self.peer = peer
         self.run_clock: tuple[float, int] | None = None  # (when it joined, the run's step then): bounds a downloaded state's step
+        self._judge: Callable[[list[torch.Tensor]], str] | None = None  # the group check of the download under way (None: a checkpoint)
+        self._refusal = ""  # why the last state was refused
+        self.refused: deque[str] = deque(maxlen=4)  # "PEER: why" of the donors refused, newest last (reported)
+        self.refused_count = 0
 
     def stage_state(self) -> tuple[dict, list[torch.Tensor]]:
         """What a joiner of this stage group downloads and what a checkpoint holds: parameters and
@@ -62,17 +71,43 @@ class StateSync:
                     adam_step = max(adam_step, float(st.get("step", 0.0)))
             return {"version": w.version, "adam_step": adam_step}, params + moments
 
-    def load_group_state(self, donors: Sequence[pb.PeerInfo], download: Callable[[pb.PeerInfo], bool]) -> None:
+    def _witnesses(self, donors: Sequence[pb.PeerInfo], weights: Weights | None) -> Witnesses:
+        named = list(self.peer.worker.stage.named_parameters())
+        return Witnesses([n for n, _ in named], [p for _, p in named], donors, weights)
+
+    def _ask(self, donor: pb.PeerInfo, witnesses: Witnesses, download: Callable[[pb.PeerInfo], bool], lone: bool = False) -> bool:
+        """`download(donor)` judged by `witnesses` (`lone`: by the single-donor policy); a refused
+        donor is named in the log and in `refused`."""
+        self._judge, self._refusal = (lambda params: witnesses.judge(None if lone else donor, params)), ""
+        try:
+            if download(donor):
+                return True
+        finally:
+            self._judge = None
+        if self._refusal:
+            self.refused_count += 1
+            self.refused.append(f"{donor.peer_id}: {self._refusal}")
+            log.warning("refused the stage state of %s (%d donors refused so far): %s", donor.peer_id, self.refused_count, self._refusal)
+        return False
+
+    def load_single(self, holder: pb.PeerInfo, download: Callable[[pb.PeerInfo], bool]) -> bool:
+        """Take a lone holder's state (the replica of a stage whose group died): nobody else holds
+        it to compare with, so the single-donor policy judges it (peer/daemon/state_witness.py)."""
+        return self._ask(holder, self._witnesses([], None), download, lone=True)
+
+    def load_group_state(self, donors: Sequence[pb.PeerInfo], download: Callable[[pb.PeerInfo], bool], weights: Weights | None = None) -> None:
         """A joiner takes the state of the first of `donors` (the tracker's list of its serving
-        stage mates, most-trained first) newer than what this peer holds (a checkpoint may be) and
-        passing `apply_state`'s checks; `download(donor)` fetches and applies one, False when it
-        failed or was refused, and the next donor is asked."""
+        stage mates, most-trained first) newer than what this peer holds (a checkpoint may be),
+        passing `apply_state`'s checks and close to what the other donors serve (`weights(donor)`:
+        their weights, peer/daemon/state_witness.py); `download(donor)` fetches and applies one,
+        False when it failed or was refused, and the next donor is asked."""
         peer = self.peer
+        witnesses = self._witnesses(donors, weights)
         for donor in donors:
             if donor.step <= peer.state_step:  # its own checkpoint is as new: nothing to gain
                 continue
             peer.reason = f"downloading its stage's state from {donor.peer_id} (step {donor.step})"
-            if download(donor):
+            if self._ask(donor, witnesses, download):
                 peer.resumed_from = f"group step {peer.state_step}"
                 return
         behind = f"the run is at step {peer.worker.version}"
@@ -126,8 +161,12 @@ class StateSync:
                     raise ValueError(f"tensor {i} (exp_avg_sq of {name}): {int((t < 0).sum())} negative values")
             version, adam_step = int(metadata["version"]), float(metadata["adam_step"])
             self.check_state(named, tensors, version)
+            far = self._judge(tensors[:n]) if self._judge is not None else ""
+            if far:
+                raise ValueError(far)
         except (ValueError, KeyError, TypeError) as exc:
             log.warning("stage state from %s ignored: %s", source, exc)
+            self._refusal = str(exc)
             return False
         if version <= peer.state_step:
             log.info("stage state from %s (step %d) is not newer than the state this peer holds (step %d): kept its own", source, version, peer.state_step)

@@ -1,0 +1,98 @@
+"""Whether a stage state a donor hands a joiner is close to what the rest of its group holds.
+
+Why: the bounds on a downloaded state (peer/daemon/state_sync.py `check_state`) refuse what no
+training reaches, but a hostile member can serve its mates' weights negated (cosine -1 to theirs)
+or noise just under the norm bound, and the joiner would train on from there and average it into
+the group. So before a donor's state is taken, its weights are compared, tensor by tensor, with
+the weights other members of the group serve (`GetShard`, what = WEIGHTS: a third of a state's
+bytes, fetched once per witness and only when a donor is judged):
+
+- taken when at least one witness that answered finds it close (within GROUP_REL of its norm
+  per tensor: members of one group differ by a few steps of drift, not by their norm) and the
+  donor with the witnesses close to it outnumber those that find it far;
+- refused when those that find it far outnumber the donor and the witnesses close to it: the
+  donor is named and the next one is tried (a refused donor's state still witnesses the next);
+- on a tie (one witness against), or with no witness (a single donor, a replica restored after
+  the whole group died),
+  the single-donor policy: taken only within INIT_REL of this peer's own weights before the
+  download (its initial, pretrained or checkpointed weights), which a negation (distance 2x)
+  or noise of the norm bound's size (10x) is not.
+
+What stays open: a state within those distances (a subtle poison, a bias) passes; donors that
+collude and outnumber the honest witnesses vouch for each other; a from-scratch run whose weights
+moved farther than INIT_REL from their initial norm can take a lone donor's state only when a
+witness vouches for it (else the joiner keeps its own weights and the averaging catches it up).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+
+from peer.wire import anchormesh_pb2 as pb
+
+log = logging.getLogger("anchormesh.peer")
+GROUP_REL = 0.5  # per tensor: distance to a witness's weights at most this x the witness's norm ...
+INIT_REL = 1.5  # ... or, with no majority, to this peer's own weights at most this x their norm ...
+ABS_RMS = 0.25  # ... plus this x the root-mean-square of this peer's own stage weights per value (a zero-initialised bias)
+MAX_WITNESSES = 3  # donors asked for their weights to judge one donor's state
+
+Weights = Callable[[pb.PeerInfo], "list[torch.Tensor] | None"]  # a donor's weights in named_parameters order, None: no answer
+
+
+def far(names: Sequence[str], params: Sequence[torch.Tensor], ref: Sequence[torch.Tensor], rel: float, rms: float, what: str) -> str:
+    """Why `params` is not close to `ref` (the first tensor more than `rel` x its norm, plus ABS_RMS
+    x `rms` per value, away), or ""."""
+    for name, p, r in zip(names, params, ref):
+        if tuple(p.shape) != tuple(r.shape):
+            return f"weight {name}: shape {tuple(p.shape)}, {what}'s is {tuple(r.shape)}"
+        p32, r32 = p.detach().float(), r.detach().float()
+        d, bound = float((p32 - r32).norm()), rel * float(r32.norm()) + ABS_RMS * rms * p.numel() ** 0.5
+        if not d <= bound:
+            cos = float(torch.nn.functional.cosine_similarity(p32.flatten(), r32.flatten(), dim=0))
+            return f"weight {name}: {d:.3g} from {what}'s (at most {bound:.3g}; cosine {cos:.2f})"
+    return ""
+
+
+class Witnesses:
+    """The judge of one joiner's downloads: its own weights before any download, the donors the
+    tracker listed, and their weights once fetched (kept: a donor is a witness for the next)."""
+
+    def __init__(self, names: Sequence[str], own: Sequence[torch.Tensor], donors: Sequence[pb.PeerInfo], weights: Weights | None) -> None:
+        self.names, self.own = list(names), [t.detach().to("cpu", copy=True) for t in own]
+        total = sum(t.numel() for t in self.own)
+        self.rms = (sum(float(t.float().pow(2).sum()) for t in self.own) / max(total, 1)) ** 0.5
+        self.donors, self.weights = list(donors), weights
+        self.seen: dict[str, list[torch.Tensor] | None] = {}
+
+    def _of(self, donor: pb.PeerInfo) -> list[torch.Tensor] | None:
+        if donor.peer_id not in self.seen:
+            try:
+                self.seen[donor.peer_id] = self.weights(donor) if self.weights is not None else None
+            except Exception as exc:  # a witness that does not answer is not counted  # noqa: BLE001
+                log.info("stage mate %s gave no weights to compare with: %s", donor.peer_id, exc)
+                self.seen[donor.peer_id] = None
+        return self.seen[donor.peer_id]
+
+    def judge(self, donor: pb.PeerInfo | None, params: Sequence[torch.Tensor]) -> str:
+        """Why the state `donor` served (its weights `params`) is not taken, or ""."""
+        agree, disagree = [], []
+        for w in [d for d in self.donors if donor is None or d.peer_id != donor.peer_id][:MAX_WITNESSES]:
+            ref = self._of(w)
+            if ref is None:
+                continue
+            why = far(self.names, params, ref, GROUP_REL, self.rms, f"stage mate {w.peer_id}")
+            (disagree if why else agree).append(why or w.peer_id)
+        if donor is not None:
+            self.seen.setdefault(donor.peer_id, [p.detach().to("cpu", copy=True) for p in params])
+        if agree and 1 + len(agree) > len(disagree):  # the donor and the witnesses close to it outnumber the others
+            return ""
+        if len(disagree) > 1 + len(agree):
+            return f"far from what {len(disagree)} of {len(agree) + len(disagree)} stage mates hold ({disagree[0]})"
+        alone = far(self.names, params, self.own, INIT_REL, self.rms, "this peer's own weights")
+        if not alone:
+            return ""
+        vouch = f"{len(agree)} stage mate(s) vouch for it, {len(disagree)} against" if agree or disagree else "no stage mate to compare with"
+        return f"{vouch}, and it is far from this peer's own weights: {alone}"
