@@ -201,7 +201,7 @@ def member() -> tuple[SimpleNamespace, Membership]:
         transport=transport, stop=threading.Event(), worker=worker, averager=None, anchor=None, state="active", reason="", tokens=4096,
         tokens_per_s=12.5, capacity=40.0, loss=2.5, steps_done=0, startup_s=0.0, move_reason="", refused="", resumed_from="group step 5",
         startup=StartupClock(lambda: clock[0]),
-        replicas=SimpleNamespace(stage=2, step=7, pulls_asked=[]), feed=None,
+        replicas=SimpleNamespace(stage=2, step=7, pulls_asked=[]), feed=None, state_sync=SimpleNamespace(refused=["bad: far"]),
     )
     d.replicas.maybe_pull = d.replicas.pulls_asked.append
     return d, Membership(d, Router(transport, "me", lambda: worker), AnchorJobs())
@@ -214,6 +214,7 @@ def test_membership_reports_the_peer_s_figures() -> None:
     assert (r.peer.queue_depth, r.peer.bytes_in, r.peer.bytes_out, r.peer.refused_calls, r.peer.key_fingerprint) == (3, 100, 250, 3, "fp")
     assert list(r.peer.excluding) == ["x1", "x2", "x3", "x4"] and r.peer.dp_rounds == 0 and r.peer.anchor_id == 0
     assert (r.peer.replica_stage, r.peer.replica_step, r.peer.resumed_from) == (2, 7, "group step 5")
+    assert list(r.peer.refused_donors) == ["bad: far"]  # the donors whose state it refused, for the tracker to show
     clock[0] = 7.0
     d.startup.begin("join")
     clock[0] = 9.4
