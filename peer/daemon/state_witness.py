@@ -47,12 +47,12 @@ def far(names: Sequence[str], params: Sequence[torch.Tensor], ref: Sequence[torc
     x `rms` per value, away), or ""."""
     for name, p, r in zip(names, params, ref):
         if tuple(p.shape) != tuple(r.shape):
-            return f"weight {name}: shape {tuple(p.shape)}, {what}'s is {tuple(r.shape)}"
+            return f"weight {name}: shape {tuple(p.shape)}, not that of {what} {tuple(r.shape)}"
         p32, r32 = p.detach().float(), r.detach().float()
         d, bound = float((p32 - r32).norm()), rel * float(r32.norm()) + ABS_RMS * rms * p.numel() ** 0.5
         if not d <= bound:
             cos = float(torch.nn.functional.cosine_similarity(p32.flatten(), r32.flatten(), dim=0))
-            return f"weight {name}: {d:.3g} from {what}'s (at most {bound:.3g}; cosine {cos:.2f})"
+            return f"weight {name}: {d:.3g} away from {what} (at most {bound:.3g}; cosine {cos:.2f})"
     return ""
 
 
@@ -83,7 +83,7 @@ class Witnesses:
             ref = self._of(w)
             if ref is None:
                 continue
-            why = far(self.names, params, ref, GROUP_REL, self.rms, f"stage mate {w.peer_id}")
+            why = far(self.names, params, ref, GROUP_REL, self.rms, f"stage mate {w.peer_id}'s")
             (disagree if why else agree).append(why or w.peer_id)
         if donor is not None:
             self.seen.setdefault(donor.peer_id, [p.detach().to("cpu", copy=True) for p in params])
@@ -91,7 +91,7 @@ class Witnesses:
             return ""
         if len(disagree) > 1 + len(agree):
             return f"far from what {len(disagree)} of {len(agree) + len(disagree)} stage mates hold ({disagree[0]})"
-        alone = far(self.names, params, self.own, INIT_REL, self.rms, "this peer's own weights")
+        alone = far(self.names, params, self.own, INIT_REL, self.rms, "this peer's own")
         if not alone:
             return ""
         vouch = f"{len(agree)} stage mate(s) vouch for it, {len(disagree)} against" if agree or disagree else "no stage mate to compare with"
