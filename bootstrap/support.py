@@ -53,17 +53,20 @@ def rate_bound(peers: Iterable[PeerRecord], p: PeerRecord) -> float:
 
 
 class Support:
-    """The reports taken as true of the serving members at one moment: what the others' reports
-    reach, for each member (its two highest steps suffice, so the run's step stays linear)."""
+    """The reports taken as true of the serving members at tracker clock `now`: what the others'
+    reports reach, for each member (the two highest suffice, so the run's step stays linear). A
+    report is as old as its heartbeat: its step is carried forward at the rate the tracker measured
+    that member at, so a fast run's lagging reports do not hold back the honest."""
 
-    def __init__(self, peers: Iterable[PeerRecord]) -> None:
+    def __init__(self, peers: Iterable[PeerRecord], now: float) -> None:
         self.peers = list(peers)
-        self.top = sorted(_witnesses(self.peers, None), key=lambda q: -q.step)[:2]
+        reach = [(q.step + max(q.rate, 0.0) * max(now - q.accepted_at, 0.0), q) for q in _witnesses(self.peers, None)]
+        self.top = sorted(reach, key=lambda x: -x[0])[:2]
 
     def others_step(self, p: PeerRecord) -> int | None:
-        """The highest step another member's report reaches (None when no other member reported)."""
-        rest = [q for q in self.top if q is not p]
-        return rest[0].step if rest else None
+        """The highest step another member's report reaches now (None when no other member reported)."""
+        rest = [int(s) for s, q in self.top if q is not p]
+        return rest[0] if rest else None
 
     def step(self, p: PeerRecord, slack: int = STEP_SLACK) -> int:
         """`p`'s step as far as the others' reports support it: at most their highest plus `slack`."""

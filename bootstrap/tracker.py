@@ -154,8 +154,8 @@ class Tracker:
             stage = self.balance.take_reservation(req.peer_id)
             if stage is None or (fits is not None and stage not in fits):
                 stage = self.balance.pick_stage(self.peers.values(), fits)
-            support = Support(self.peers.values())  # a lone member's claim counts as far as the others' reports reach
-            start_step = max((support.step(p, slack=0) for p in self.peers.values() if p.stage == stage), default=0)
+            support = Support(self.peers.values(), self.clock())  # a lone member's claim counts as far as the others' reports reach
+            start_step = max((support.step(p) for p in self.peers.values() if p.stage == stage), default=0)
             restore = self._restore_source(stage)
             donors = [peer_info(q, self.clock()) for q in support.donor_order(self._serving(stage))[:MAX_DONORS]]
             mates = [m for q in self.live(stage) for m in q.dht_maddrs[:MAX_MADDRS_PER_PEER]]
@@ -295,13 +295,13 @@ class Tracker:
         return info
 
     def _tokens(self) -> int:
-        return Support(self.peers.values()).stage0_tokens(self.config.pipeline)  # stage 0 feeds every token once
+        return Support(self.peers.values(), self.clock()).stage0_tokens(self.config.pipeline)  # stage 0 feeds every token once
 
     def _budget_spent(self) -> bool:  # lost windows count: the budget caps what is handed out, so they never come
         return 0 < self.config.token_budget <= self._tokens() + (self.data.lost * self.data.seq_len if self.data is not None else 0)
 
     def _run_step(self) -> int:
-        return Support(self.peers.values()).run_step()  # stage 0 counts the run's steps, as far as the others support them
+        return Support(self.peers.values(), self.clock()).run_step()  # stage 0 counts the run's steps, as far as the others support them
 
     def leave(self, req: pb.LeaveRequest) -> None:
         with self._lock:

@@ -12,11 +12,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from swarmkit import TINY_RUN, status_json, wait_for_status
+from swarmkit import status_json, tiny_run_toml, wait_for_status
 
 from peer.demo.swarm import start_process, stop_processes, wait_for_bootstrap
 
 ROOT = Path(__file__).resolve().parents[1]
+RUN_TOML = tiny_run_toml(extra="""
+[optim]
+lr = 1e-4
+""")  # a fine-tuning lr: a lone donor's state may be about lr x steps per value from the joiner's own weights
 
 
 def serving(s: dict) -> list[dict]:
@@ -24,7 +28,7 @@ def serving(s: dict) -> list[dict]:
 
 
 def test_a_joiner_refuses_a_hostile_donors_negated_state_and_names_it(tmp_path: Path) -> None:
-    (tmp_path / "run.toml").write_text(TINY_RUN)
+    (tmp_path / "run.toml").write_text(RUN_TOML)
     procs: list[subprocess.Popen] = []
     token = f"@{tmp_path}/boot/bootstrap.json"
     try:

@@ -23,8 +23,8 @@ from typing import Protocol
 
 import torch
 
-from peer.capacity import step_ceiling
-from peer.daemon.state_witness import Weights, Witnesses
+from peer.capacity import STEP_SLACK, step_ceiling
+from peer.daemon.state_witness import REACH_MARGIN, Weights, Witnesses
 from peer.dp.group import GroupAverager
 from peer.pipeline.worker import StageWorker
 from peer.wire import anchormesh_pb2 as pb
@@ -51,7 +51,7 @@ class StateSync:
     def __init__(self, peer: StageHolder) -> None:
         self.peer = peer
         self.run_clock: tuple[float, int] | None = None  # (when it joined, the run's step then): bounds a downloaded state's step
-        self._judge: Callable[[list[torch.Tensor]], str] | None = None  # the group check of the download under way (None: a checkpoint)
+        self._judge: Callable[[list[torch.Tensor], int], str] | None = None  # the group check of the download under way (None: a checkpoint)
         self._refusal = ""  # why the last state was refused
         self.refused: deque[str] = deque(maxlen=4)  # "PEER: why" of the donors refused, newest last (reported)
         self.refused_count = 0
@@ -72,13 +72,20 @@ class StateSync:
             return {"version": w.version, "adam_step": adam_step}, params + moments
 
     def _witnesses(self, donors: Sequence[pb.PeerInfo], weights: Weights | None) -> Witnesses:
-        named = list(self.peer.worker.stage.named_parameters())
-        return Witnesses([n for n, _ in named], [p for _, p in named], donors, weights)
+        named, o = list(self.peer.worker.stage.named_parameters()), self.peer.worker.cfg.optim
+        c = (1 - o.beta1) / ((1 - o.beta2) * (1 - o.beta1**2 / o.beta2)) ** 0.5 if o.beta1**2 < o.beta2 else 10.0
+        return Witnesses([n for n, _ in named], [p for _, p in named], donors, weights, REACH_MARGIN * o.lr * max(1.0, c))
+
+    def _reach_steps(self, version: int) -> int:
+        """How many steps a state of `version` may be past this peer's own: at most the run's step
+        when it joined (plus the slack) over the step it holds."""
+        cap = self.run_clock[1] + STEP_SLACK if self.run_clock is not None else version
+        return max(min(version, cap) - max(self.peer.state_step, 0), 0)
 
     def _ask(self, donor: pb.PeerInfo, witnesses: Witnesses, download: Callable[[pb.PeerInfo], bool], lone: bool = False) -> bool:
         """`download(donor)` judged by `witnesses` (`lone`: by the single-donor policy); a refused
         donor is named in the log and in `refused`."""
-        self._judge, self._refusal = (lambda params: witnesses.judge(None if lone else donor, params)), ""
+        self._judge, self._refusal = (lambda params, version: witnesses.judge(None if lone else donor, params, self._reach_steps(version))), ""
         try:
             if download(donor):
                 return True
@@ -161,7 +168,7 @@ class StateSync:
                     raise ValueError(f"tensor {i} (exp_avg_sq of {name}): {int((t < 0).sum())} negative values")
             version, adam_step = int(metadata["version"]), float(metadata["adam_step"])
             self.check_state(named, tensors, version)
-            far = self._judge(tensors[:n]) if self._judge is not None else ""
+            far = self._judge(tensors[:n], version) if self._judge is not None else ""
             if far:
                 raise ValueError(far)
         except (ValueError, KeyError, TypeError) as exc:

@@ -13,15 +13,16 @@ bytes, fetched once per witness and only when a donor is judged):
 - refused when those that find it far outnumber the donor and the witnesses close to it: the
   donor is named and the next one is tried (a refused donor's state still witnesses the next);
 - on a tie (one witness against), or with no witness (a single donor, a replica restored after
-  the whole group died),
-  the single-donor policy: taken only within INIT_REL of this peer's own weights before the
-  download (its initial, pretrained or checkpointed weights), which a negation (distance 2x)
-  or noise of the norm bound's size (10x) is not.
+  the whole group died), the single-donor policy: taken only as far from this peer's own
+  weights before the download (its initial, pretrained or checkpointed weights, which every
+  member started from) as AdamW can move a weight in the steps between the two: each step moves
+  a value at most lr x |m| / sqrt(v), and |m| <= c sqrt(v) (state_sync.py `check_state`), so
+  REACH_MARGIN x lr x max(1, c) per step (the margin: averaging, rounding, weight decay).
 
 What stays open: a state within those distances (a subtle poison, a bias) passes; donors that
-collude and outnumber the honest witnesses vouch for each other; a from-scratch run whose weights
-moved farther than INIT_REL from their initial norm can take a lone donor's state only when a
-witness vouches for it (else the joiner keeps its own weights and the averaging catches it up).
+collude and outnumber the honest witnesses vouch for each other; a lone donor's reach grows with
+lr x steps, so at a pretraining lr the single-donor policy refuses the negated or noised state of
+a young run but, after enough steps, admits anything the state's norm bounds admit.
 """
 
 from __future__ import annotations
@@ -34,22 +35,22 @@ import torch
 from peer.wire import anchormesh_pb2 as pb
 
 log = logging.getLogger("anchormesh.peer")
-GROUP_REL = 0.5  # per tensor: distance to a witness's weights at most this x the witness's norm ...
-INIT_REL = 1.5  # ... or, with no majority, to this peer's own weights at most this x their norm ...
-ABS_RMS = 0.25  # ... plus this x the root-mean-square of this peer's own stage weights per value (a zero-initialised bias)
+GROUP_REL = 1.0  # per tensor: distance to a witness's weights at most this x the witness's norm (a negation is 2x) ...
+ABS_RMS = 0.1  # ... plus this x the root-mean-square of this peer's own stage weights per value (a zero-initialised bias)
+REACH_MARGIN = 2.0  # the single-donor policy's reach per step: this x lr x max(1, c) per value (c: the AdamW moment bound)
 MAX_WITNESSES = 3  # donors asked for their weights to judge one donor's state
 
 Weights = Callable[[pb.PeerInfo], "list[torch.Tensor] | None"]  # a donor's weights in named_parameters order, None: no answer
 
 
-def far(names: Sequence[str], params: Sequence[torch.Tensor], ref: Sequence[torch.Tensor], rel: float, rms: float, what: str) -> str:
-    """Why `params` is not close to `ref` (the first tensor more than `rel` x its norm, plus ABS_RMS
-    x `rms` per value, away), or ""."""
+def far(names: Sequence[str], params: Sequence[torch.Tensor], ref: Sequence[torch.Tensor], rel: float, per_value: float, what: str) -> str:
+    """Why `params` is not close to `ref` (the first tensor more than `rel` x its norm, plus
+    `per_value` x the root of its size, away), or ""."""
     for name, p, r in zip(names, params, ref):
         if tuple(p.shape) != tuple(r.shape):
             return f"weight {name}: shape {tuple(p.shape)}, not that of {what} {tuple(r.shape)}"
         p32, r32 = p.detach().float(), r.detach().float()
-        d, bound = float((p32 - r32).norm()), rel * float(r32.norm()) + ABS_RMS * rms * p.numel() ** 0.5
+        d, bound = float((p32 - r32).norm()), rel * float(r32.norm()) + per_value * p.numel() ** 0.5
         if not d <= bound:
             cos = float(torch.nn.functional.cosine_similarity(p32.flatten(), r32.flatten(), dim=0))
             return f"weight {name}: {d:.3g} away from {what} (at most {bound:.3g}; cosine {cos:.2f})"
@@ -60,11 +61,11 @@ class Witnesses:
     """The judge of one joiner's downloads: its own weights before any download, the donors the
     tracker listed, and their weights once fetched (kept: a donor is a witness for the next)."""
 
-    def __init__(self, names: Sequence[str], own: Sequence[torch.Tensor], donors: Sequence[pb.PeerInfo], weights: Weights | None) -> None:
+    def __init__(self, names: Sequence[str], own: Sequence[torch.Tensor], donors: Sequence[pb.PeerInfo], weights: Weights | None, reach: float) -> None:
         self.names, self.own = list(names), [t.detach().to("cpu", copy=True) for t in own]
         total = sum(t.numel() for t in self.own)
         self.rms = (sum(float(t.float().pow(2).sum()) for t in self.own) / max(total, 1)) ** 0.5
-        self.donors, self.weights = list(donors), weights
+        self.donors, self.weights, self.reach = list(donors), weights, reach  # reach: what one step may move a value
         self.seen: dict[str, list[torch.Tensor] | None] = {}
 
     def _of(self, donor: pb.PeerInfo) -> list[torch.Tensor] | None:
@@ -76,14 +77,15 @@ class Witnesses:
                 self.seen[donor.peer_id] = None
         return self.seen[donor.peer_id]
 
-    def judge(self, donor: pb.PeerInfo | None, params: Sequence[torch.Tensor]) -> str:
-        """Why the state `donor` served (its weights `params`) is not taken, or ""."""
+    def judge(self, donor: pb.PeerInfo | None, params: Sequence[torch.Tensor], steps: int) -> str:
+        """Why the state `donor` served (its weights `params`, at most `steps` past this peer's own)
+        is not taken, or ""."""
         agree, disagree = [], []
         for w in [d for d in self.donors if donor is None or d.peer_id != donor.peer_id][:MAX_WITNESSES]:
             ref = self._of(w)
             if ref is None:
                 continue
-            why = far(self.names, params, ref, GROUP_REL, self.rms, f"stage mate {w.peer_id}'s")
+            why = far(self.names, params, ref, GROUP_REL, ABS_RMS * self.rms, f"stage mate {w.peer_id}'s")
             (disagree if why else agree).append(why or w.peer_id)
         if donor is not None:
             self.seen.setdefault(donor.peer_id, [p.detach().to("cpu", copy=True) for p in params])
@@ -91,7 +93,7 @@ class Witnesses:
             return ""
         if len(disagree) > 1 + len(agree):
             return f"far from what {len(disagree)} of {len(agree) + len(disagree)} stage mates hold ({disagree[0]})"
-        alone = far(self.names, params, self.own, INIT_REL, self.rms, "this peer's own")
+        alone = far(self.names, params, self.own, 0.0, ABS_RMS * self.rms + self.reach * steps, "this peer's own")
         if not alone:
             return ""
         vouch = f"{len(agree)} stage mate(s) vouch for it, {len(disagree)} against" if agree or disagree else "no stage mate to compare with"
