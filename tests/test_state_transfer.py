@@ -186,3 +186,13 @@ def test_an_honest_donor_against_a_lone_hostile_witness_is_taken(daemon: PeerDae
     honest = donor_state(daemon.worker.stage)
     assert take_judged(daemon, honest, hostile(daemon, "noise")) == ["d0"]
     assert daemon.worker.version == 42 and daemon.state_sync.refused_count == 0
+
+
+def test_a_lone_replica_holder_is_judged_by_the_single_donor_policy(daemon: PeerDaemon) -> None:
+    """After a whole group's loss one holder serves the stage's state: nobody else to compare
+    with, so a negated state is refused (and the holder named), an honest one taken."""
+    daemon.averager = FakeAverager()
+    holder = pb.PeerInfo(peer_id="h", step=42)
+    for state, taken in ((hostile(daemon, "negated"), False), (donor_state(daemon.worker.stage), True)):
+        assert daemon.state_sync.load_single(holder, lambda h, s=state: daemon.state_sync.apply_state(*s, f"the replica {h.peer_id} holds")) is taken
+    assert daemon.worker.version == 42 and list(daemon.state_sync.refused)[0].startswith("h: no stage mate to compare with")
