@@ -69,6 +69,8 @@ class PeerRecord:
     rate: float = -1.0  # steps/s the tracker saw it make over its last window of reports (bootstrap/support.py); -1 = not yet
     mark_step: int = 0  # the step and tracker clock its current rate window started at
     mark_at: float = 0.0
+    supported_step: int = 0  # the highest of its step the others' reports supported (kept: the run's step never goes back)
+    supported_tokens: int = 0  # the same for its tokens (the budget)
     copy_stage: int = -1  # the stage the tracker last told it to copy (a replica), and that source's step then
     copy_step: int = 0
     refused_donors: tuple[str, ...] = ()  # "PEER: why" of the stage mates whose state it refused as a joiner

@@ -79,13 +79,21 @@ class Support:
         return min(p.tokens, max(self.step(p) - p.start_step + STEP_SLACK, 0) * per_step)
 
     def run_step(self) -> int:
-        """The run's step: the highest supported stage-0 step."""
-        return max((self.step(q) for q in self.peers if q.stage == 0), default=0)
+        """The run's step: the highest supported stage-0 step. Each record keeps the highest it
+        was supported at, so a supporting member that leaves never takes the run's step back."""
+        for q in self.peers:
+            if q.stage == 0:
+                q.supported_step = max(q.supported_step, self.step(q))
+        return max((q.supported_step for q in self.peers if q.stage == 0), default=0)
 
     def stage0_tokens(self, pipeline: PipelineConfig) -> int:
-        """The run's tokens (what the budget counts): the supported tokens of stage 0's members."""
+        """The run's tokens (what the budget counts): the supported tokens of stage 0's members
+        (kept per record, as the step)."""
         per_step = pipeline.micro_batches * pipeline.micro_batch_size * pipeline.seq_len
-        return sum(self.tokens(q, per_step) for q in self.peers if q.stage == 0)
+        for q in self.peers:
+            if q.stage == 0:
+                q.supported_tokens = max(q.supported_tokens, self.tokens(q, per_step))
+        return sum(q.supported_tokens for q in self.peers if q.stage == 0)
 
     def donor_order(self, serving: Iterable[PeerRecord]) -> list[PeerRecord]:
         """`serving` most-trained first by the step the others' reports support (no slack: a claim

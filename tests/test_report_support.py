@@ -123,3 +123,13 @@ def test_a_donor_a_joiner_refused_is_named_in_the_status() -> None:
     rows = {p.peer_id: p for p in t.status().peers}
     assert rows["a"].donor_flagged == 1 and list(rows["c"].refused_donors) == list(info.refused_donors)
     assert any("a (stage 0) served a stage state 1 joiner(s) refused: far from" in x for x in problems(status_dict(t.status())))
+
+
+def test_the_runs_step_never_goes_back_when_a_supporting_member_leaves() -> None:
+    t, clock = make(stages=2, layers=4)
+    join(t, "a"), join(t, "b")
+    clock.t += 1.0
+    beat(t, "a", step=100), beat(t, "b", step=100)
+    assert t.status().step == 100
+    t.leave(pb.LeaveRequest(peer_id="b"))  # a's 100 is no longer supported by a live report
+    assert t.status().step == 100
