@@ -46,7 +46,7 @@ def holder(seed: int = 0, tmp: Path | None = None) -> SimpleNamespace:
     """The peer as the state transfer and checkpointing see it: its fields, nothing else."""
     stage = TinyStage(seed)
     opt = torch.optim.AdamW(stage.parameters(), betas=(0.9, 0.95))
-    worker = SimpleNamespace(stage=stage, optimizer=SimpleNamespace(opt=opt), version=0, next_mb=0, cfg=SimpleNamespace(optim=SimpleNamespace(beta1=0.9, beta2=0.95), pipeline=SimpleNamespace(micro_batches=4)))
+    worker = SimpleNamespace(stage=stage, optimizer=SimpleNamespace(opt=opt), version=0, next_mb=0, cfg=SimpleNamespace(optim=SimpleNamespace(beta1=0.9, beta2=0.95, lr=1e-4), pipeline=SimpleNamespace(micro_batches=4)))
     lock = threading.Lock()
     return SimpleNamespace(
         worker=worker, averager=None, state_step=-1, resumed_from="initial weights", reason="", step_lock=lambda: lock,
