@@ -102,7 +102,7 @@ def test_two_stages_of_two_peers_train_anchor_rebalance_and_survive_churn(swarm:
     (tmp_path / "run.toml").write_text(RUN_TOML)
     boot = swarm.start("bootstrap", "--config", str(tmp_path / "run.toml"), "--state-dir", str(tmp_path / "boot"), "--peer-timeout", "8", log="bootstrap.log")
     info = wait_for_bootstrap(tmp_path / "boot", boot, tmp_path / "bootstrap.log")
-    assert set(info) == {"run_id", "dht_maddrs", "tracker", "tracker_key", "token", "operator"} and info["dht_maddrs"]
+    assert set(info) == {"run_id", "dht_maddrs", "tracker", "address", "tracker_key", "token", "operator"} and info["dht_maddrs"]
     assert (tmp_path / "boot" / "bootstrap.json").stat().st_mode & 0o777 == 0o600  # it holds the run's secrets
     tracker = info["tracker"]
 

@@ -42,7 +42,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     sq.add_argument("--steps", type=int, default=None, help="steps of the in-process rows; the swarms get the same token budget (default 40: 20,480 tokens)")
     sq.add_argument("--seq-len", type=int, default=None, help="tokens per window, micro-batches keeping their tokens (default: the recommended run's pipeline.seq_len, where its bytes per token are measured)")
     sq.add_argument("--replicas", type=int, default=2, help="peers per stage in the swarms (default 2)")
-    sq.add_argument("--eval-windows", type=int, default=128, help="fixed eval windows of the prepared eval split every row is scored on (default 64: 8,192 tokens at 128 a window)")
+    sq.add_argument("--eval-windows", type=int, default=128, help="fixed eval windows of the prepared eval split every row is scored on (default 128: 16,384 tokens at 128 a window)")
     sq.add_argument("--chains", action="store_true", help="also score each chain of one peer per stage (one eval pass each): how far the replicas drifted since their last averaging")
     sq.add_argument("--rows", default=None, help="comma-separated in-process rows (default dense,transform_stale1,dense_dp,transform_dp; empty: none)")
     sq.add_argument("--swarms", default="dense,recommended", help="comma-separated swarms to run: dense, recommended (default both)")

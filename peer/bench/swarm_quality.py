@@ -226,7 +226,7 @@ def evaluate_swarm(base: torch.nn.Module, weights: dict[int, list[tuple[str, lis
 
 
 def run_swarm_quality(model: str, work: Path, task: str = "adapt", seed: int = 0, corpus: str | None = None, replicas: int = 2, steps: int | None = None,
-                      eval_windows: int = 64, swarms: tuple[str, ...] = SWARMS, in_process: tuple[str, ...] = IN_PROCESS_ROWS, timeout_s: float = 3600.0,
+                      eval_windows: int = 128, swarms: tuple[str, ...] = SWARMS, in_process: tuple[str, ...] = IN_PROCESS_ROWS, timeout_s: float = 3600.0,
                       reuse: dict | None = None, seq_len: int | None = PipelineConfig().seq_len, chains: bool = False) -> dict:
     """The result's JSON (see the module docstring). `steps`: the rows' steps (default: the quick
     setup's 40); `chains`: also score every chain of one peer per stage (a forward pass over the
