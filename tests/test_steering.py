@@ -65,3 +65,46 @@ def test_a_member_far_from_this_peer_s_own_update_is_named_and_a_still_one_is_no
     assert away_from_own(-0.45 * own + 0.9 * torch.randn(4096), own, 1e-6).startswith("its update is far from this peer's own")
     assert away_from_own(0.1 * own + torch.randn(4096), own, 1e-6) == ""
     assert away_from_own(-own, torch.zeros(4096), 1e-6) == ""  # this peer did not move: no direction to judge
+
+
+@pytest.mark.parametrize("bias", [0.5, 0.0])
+def test_on_real_rounds_a_biased_member_is_named_in_the_status_and_every_round_is_taken(bias: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three members on real hivemind rounds; c adds half the honest spread along one fixed
+    direction every round. Every round is taken by a (nothing in any one round is wrong), and
+    within 8 rounds a names c: in its suspects (the status's `dp_suspects`) and `leaning`.
+    Without the bias nobody is named in the 8 rounds. The warm-up is shortened so that the
+    test takes a few rounds, not tens."""
+    from test_group_averager import offer, three_members, wait_rounds
+
+    from peer.dp import steering
+
+    monkeypatch.setattr(steering, "BIAS_WARMUP", 2)
+    monkeypatch.setattr(steering, "BIAS_MIN_ROUNDS", 2)
+    with three_members("lean", "int8") as (init, common, params, avgs, clock):
+        g = torch.Generator().manual_seed(5)
+        direction = [torch.randn(t.shape, generator=g) for t in init]
+        size = sum(float((d**2).sum()) for d in direction) ** 0.5
+        a, c = avgs[0], avgs[2]
+        for step in range(8):
+            with torch.no_grad():
+                common = [0.7 * x + 0.3 * 0.01 * torch.randn(x.shape, generator=g) for x in common]
+                for i, ps in enumerate(params):
+                    for p, x, d in zip(ps, common, direction):
+                        p.add_(x + 0.01 * torch.randn(x.shape, generator=g) + (bias * 0.01 * d * d.numel() ** 0.5 / size * len(init) ** -0.5 if i == 2 else 0))
+            if step == 0:
+                offer(avgs, clock)
+            else:
+                clock.t += 1.0
+                for avg in avgs:
+                    avg.after_step(2 + step)
+            wait_rounds(avgs)
+            for avg in avgs:
+                avg._finish()
+            if a.leaning:
+                break
+        assert a.rejected == 0 and a.rounds == step + 1, (a.last_rejection, a.last_error)
+        if not bias:
+            assert a.leaning == 0 and not a.suspects and step == 7, {k: round(a.bias.z(k), 1) for k in a.bias.scores}
+            return
+        named = str(c.averager.peer_id)
+        assert a.leaning == 1 and [x.split(":")[0] for x in a.suspects] == [named], (list(a.suspects), {k: round(a.bias.z(k), 1) for k in a.bias.scores})

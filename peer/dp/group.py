@@ -308,6 +308,7 @@ class GroupAverager:
             self.suspects.extend(named)
             log.warning("stage-group averaging result rejected (%d so far): %s", self.rejected, why)
             return
+        self.bias.add([m - b for m, b in zip(means, self._base)], [o - b for o, b in zip(self._offered, self._base)])
         with torch.no_grad():
             for i, (p, offered, mean, base) in enumerate(zip(self.params, self._offered, means, self._base)):
                 p.add_(mean.to(p.dtype) - offered)  # zero where results were lost: the own offer came back
@@ -315,7 +316,6 @@ class GroupAverager:
                     base.copy_(mean)
                 else:  # lost coordinates keep the old base: their drift is offered again next round
                     base.copy_(torch.where(masks[i].view_as(base).to(base.device), base, mean))
-        self.bias.add([m - b for m, b in zip(means, self._base)], [o - b for o, b in zip(self._offered, self._base)])
         self.rounds += 1
         self.last_lost = [m.view_as(p) for m, p in zip(masks, self.params)] if masks else None
         if masks:
