@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -61,23 +62,15 @@ def away_from_own(update: torch.Tensor, own: torch.Tensor, floor: float) -> str:
     return ""
 
 
-def without(v: torch.Tensor, direction: torch.Tensor) -> torch.Tensor:
-    """`v` with its component along `direction` removed."""
-    n2 = float(direction @ direction)
-    return v if n2 <= 0 else v - (float(v @ direction) / n2) * direction
-
-
 class BiasTracker:
     """The lean of each member's contributions over rounds (see the module's docstring).
 
-    `group`, `own`: per parameter, the decayed sums of the group's applied updates (mean - base)
-    and of this peer's own (offer - base), in host memory (two copies of the stage). The
-    reference direction is the first with the second projected out: what the group moved this
-    peer to beyond its own direction of travel. Why not the corrections alone: a slower honest
-    peer is pulled forward along the common direction every round, and a faster honest member
-    would lean that way too; projecting out this peer's own accumulated update leaves a bias
-    that the group carried and this peer's training did not. `scores`: hivemind id -> (decayed
-    sum of z, decayed sum of squared weights, rounds seen). `named`: hivemind id -> why."""
+    Holds decayed sums of the group's applied updates (mean - base) and of this peer's own
+    (offer - base), over even and odd rounds apart: four copies of the stage in host memory, and
+    a few passes over them per round. The reference direction is the group's sum less the common
+    direction it shares with this peer's own (`reference`): what the group carried this peer
+    towards that its own training did not. `scores`: hivemind id -> (decayed sum of z, decayed
+    sum of squared weights, rounds seen). `named`: hivemind id -> why, each member named once."""
 
     def __init__(self, like: list[torch.Tensor]) -> None:
         def zeros() -> list[torch.Tensor]:
@@ -93,7 +86,7 @@ class BiasTracker:
         s, v, _ = self.scores.get(name, (0.0, 0.0, 0))
         return s / math.sqrt(v) if v > 0 else 0.0
 
-    def reference(self, take) -> torch.Tensor:
+    def reference(self, take: Callable[[list[torch.Tensor]], torch.Tensor]) -> torch.Tensor:
         """The reference at the audited coordinates (`take(list of tensors)` picks them): the
         group's summed updates less `alpha` times this peer's own, where `alpha` is how much of
         the common direction the group's sum holds per unit of this peer's. Why even against odd
