@@ -93,6 +93,7 @@ PEER_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("anchormesh_peer_dp_rounds_total", "counter", "Stage-group averaging rounds this peer took part in.", "dp_rounds"),
     ("anchormesh_peer_dp_rejected_total", "counter", "Stage-group averaging results this peer refused as implausible.", "dp_rejected"),
     ("anchormesh_peer_dp_partial_total", "counter", "Stage-group averaging rounds of which some results never came back (those values kept this peer's own).", "dp_partial"),
+    ("anchormesh_peer_dp_leaning_total", "counter", "Stage-group members this peer named for updates that lean one way over many rounds.", "dp_leaning"),
     ("anchormesh_peer_refused_calls_total", "counter", "gRPC calls this peer's Stage service refused (credentials, bans, rate, impersonation).", "refused_calls"),
     ("anchormesh_peer_dropped_messages_total", "counter", "Messages dropped after they failed in the stage loop.", "dropped"),
     ("anchormesh_peer_checkpoint_step", "gauge", "Step of the newest shard checkpoint this peer wrote.", "checkpoint_step"),

@@ -157,7 +157,7 @@ class PeerDaemon:
             "loss": self.loss if w is not None and w.stage.is_last else None,
             "queue_depth": len(w.inbox_fwd) + len(w.inbox_bwd) if w else 0, "bytes_in": t.bytes_in, "bytes_out": t.total_bytes(),
             "dp_rounds": self.averager.rounds if self.averager else 0, "dp_rejected": self.averager.rejected if self.averager else 0,
-            "dp_partial": self.averager.partial if self.averager else 0, "dropped": self.dropped,
+            "dp_partial": self.averager.partial if self.averager else 0, "dp_leaning": self.averager.leaning if self.averager else 0, "dropped": self.dropped,
             "refused_calls": sum(self.gate.refused.values()),
             "link_mbit": link_mbit, "pp_keep": pp_keep, "dp_period_s": self.averager.period_s if self.averager else 0.0,
             "checkpoint_step": written if self.checkpoints is not None and written else None,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from peer.dp.robust import trimmed_mean
+from peer.dp.steering import GROUP_COSINE, away_from_own
 
 MAX_CORRECTION = 4.0  # see implausible
 DRIFT_FLOOR = 1e-5  # of the weights' norm: what a round may move them beyond the drift bound (rounding; see implausible)
@@ -39,6 +40,13 @@ def take(tensors: list[torch.Tensor], index: list[torch.Tensor]) -> torch.Tensor
     return torch.cat([t.detach().reshape(-1)[i.to(t.device)].float().cpu() for t, i in zip(tensors, index)])
 
 
+def member_updates(revealed: dict[str, torch.Tensor], base: list[torch.Tensor], index: list[torch.Tensor], compression: str) -> dict[str, torch.Tensor]:
+    """Each member's update at the audited coordinates: its revealed values, less the last group
+    mean where the members send parameters rather than deltas."""
+    at_base = take(base, index)
+    return {k: (v if compression == "int8" else v - at_base) for k, v in revealed.items()}
+
+
 def attribute(
     group: dict, revealed: dict[str, torch.Tensor], failed: dict[str, str], result: torch.Tensor, kept: torch.Tensor | None, *,
     me: str, members: set[str] | None, excluded: dict[str, str], base: list[torch.Tensor], index: list[torch.Tensor], compression: str,
@@ -56,12 +64,15 @@ def attribute(
     `CLAIM_TOLERANCE` of the largest claimed update: otherwise some member sent other values
     than it declared, and nobody can be named. (2) a claimed update holding NaN/Inf, (3) one
     larger than `MAX_CORRECTION` times the median update of the others, or (4) one whose
-    cosine with the others' mean update is below `FLIP_COSINE` names that member. Why these:
+    cosine with the others' mean update is below `FLIP_COSINE`, or (5) one whose cosine with
+    this peer's own update is below `steering.MEMBER_COSINE`, names that member. Why these:
     honest replicas start from the same mean and train on the same distribution for the same
     number of steps, so their updates have similar sizes and point the same way; scaled,
-    NaN and sign-flipped updates do not. Rules (3) and (4) need at least three members (two
-    others to compare with): in a pair, an honest member whose base is older looks just as
-    outsized, so a pair relies on (1), (2) and `implausible`. A member never names itself.
+    NaN and sign-flipped updates do not, nor does an update aimed elsewhere. Rules (3) and (4)
+    need at least three members (two others to compare with): in a pair, an honest member whose
+    base is older looks just as outsized. Rule (5) holds in any group: two colluders of three
+    agree with each other, not with the honest member, and are the trimmed mean's majority at
+    every coordinate. A member never names itself.
     A member banned by the operator (`excluded`, from the heartbeat's `banned_dht`) makes
     every round that includes it refused: hivemind's matchmaking cannot leave it out, so the
     honest members train on without averaging with it. Nobody is excluded on a peer's own
@@ -82,7 +93,7 @@ def attribute(
             return f"member {name} did not prove what it sent: {why}", ([] if name == me else [f"{name}: {why}"]), None
         claims[name] = revealed[name]
     at_base = take(base, index)
-    updates = {k: (v if compression == "int8" else v - at_base) for k, v in claims.items()}
+    updates = member_updates(claims, base, index, compression)
     floor = 1e-5 * float(at_base.norm()) + 1e-12
     for name, u in updates.items():
         if not torch.isfinite(u).all() and name != me:
@@ -102,19 +113,25 @@ def attribute(
         # claim still counts below (a dropped member that flipped its update is still named)
     named = []
     for name, u in updates.items():
-        # size and direction need at least two others to compare with: in a pair, an honest
-        # member whose base is older (it missed a round, or just joined) looks "outsized" too
-        if name == me or len(updates) < 3:
+        if name == me:
             continue
-        others = [v for k, v in updates.items() if k != name]
-        ref = float(torch.stack([v.norm() for v in others]).median())
-        if float(u.norm()) > MAX_CORRECTION * ref + floor:
-            named.append(f"{name}: its update is {float(u.norm()) / max(ref, 1e-30):.1f}x the others' (limit {MAX_CORRECTION:g}x)")
-            continue
-        rest = torch.stack(others).mean(0)
-        cos = float(u @ rest / (u.norm() * rest.norm() + 1e-30))
-        if cos < FLIP_COSINE:
-            named.append(f"{name}: its update points against the rest of the group (cosine {cos:.2f})")
+        # size and the group's direction need at least two others to compare with: in a pair, an
+        # honest member whose base is older (it missed a round, or just joined) looks "outsized" too
+        if len(updates) >= 3:
+            others = [v for k, v in updates.items() if k != name]
+            ref = float(torch.stack([v.norm() for v in others]).median())
+            if float(u.norm()) > MAX_CORRECTION * ref + floor:
+                named.append(f"{name}: its update is {float(u.norm()) / max(ref, 1e-30):.1f}x the others' (limit {MAX_CORRECTION:g}x)")
+                continue
+            rest = torch.stack(others).mean(0)
+            cos = float(u @ rest / (u.norm() * rest.norm() + 1e-30))
+            if cos < FLIP_COSINE:
+                named.append(f"{name}: its update points against the rest of the group (cosine {cos:.2f})")
+                continue
+        # against this peer's own, in any group: two colluders of three are every coordinate's majority
+        why = away_from_own(u, updates[me], floor) if me in updates else ""
+        if why:
+            named.append(f"{name}: {why}")
     if named:
         return "; ".join(named), named, dropped
     return "", [], dropped
@@ -138,13 +155,14 @@ def implausible(means: list[torch.Tensor], offered: list[torch.Tensor], base: li
     """Why the group's mean cannot be right, or "". The rules: every value finite; the correction
     it asks for (mean - what this peer `offered`) at most `MAX_CORRECTION` times this peer's own
     drift since the last mean (`base`), plus `DRIFT_FLOOR` of the weights' norm for rounding; and
-    the group's update (mean - base) not pointing against this peer's own (cosine below
-    `FLIP_COSINE`). Why: honest replicas start a round from the same mean and drift by similar
-    amounts, in similar directions, in `every` local steps, so the mean of n of them lies within
-    about that drift and on the same side; a NaN or scaled contribution lands far outside it, and
-    a group whose majority flipped its updates (which the trimmed mean cannot outvote) lands on
-    the other side. The whole round is dropped because hivemind's all-reduce hands back only the
-    mean: who is to blame cannot be told here (a flipping majority would name this peer).
+    the group's update (mean - base) not pointing away from this peer's own (cosine below
+    `GROUP_COSINE`, peer/dp/steering.py). Why: honest replicas start a round from the same mean
+    and drift by similar amounts, in similar directions, in `every` local steps, so the mean of n
+    of them lies within about that drift and on the same side; a NaN or scaled contribution lands
+    far outside it, and a group whose majority flipped or turned its updates (which the trimmed
+    mean cannot outvote) lands on the other side or far off to one. The whole round is dropped
+    because hivemind's all-reduce hands back only the mean: who is to blame cannot be told here
+    (a steering majority would name this peer).
     The floor was once 0.1 % of the weights' norm: a pair member whose honest drift was far
     smaller rode it, moving the weights 4.5 % in 50 rounds."""
     if not all(torch.isfinite(m).all() for m in means):
@@ -159,6 +177,6 @@ def implausible(means: list[torch.Tensor], offered: list[torch.Tensor], base: li
     if float(drift) > DRIFT_FLOOR * float(scale) and float(moved) > DRIFT_FLOOR * float(scale):
         dot = sum(((m - b) * (o - b)).sum() for m, b, o in zip(means, base, offered))
         cos = float(dot / (moved * drift))
-        if cos < FLIP_COSINE:
-            return f"the group's update points against this peer's own (cosine {cos:.2f}): a majority of the group sent updates against it"
+        if cos < GROUP_COSINE:
+            return f"the group's update points away from this peer's own (cosine {cos:.2f}, limit {GROUP_COSINE:g}): a majority of the group sent updates far from it"
     return ""

@@ -21,8 +21,9 @@ Each round also carries every member's signed *claim*: its id and a commitment t
 sends (a Merkle root). The reduction is a trimmed mean in which every member weighs 1
 (peer/dp/robust.py); after it, each member has the others reveal their committed values at
 coordinates it drew privately (peer/dp/audit.py), and the result is checked against them before
-it is taken (peer/dp/claims.py); members whose updates are NaN, outsized or sign-flipped, or who
-cannot prove what they sent, are named.
+it is taken (peer/dp/claims.py); members whose updates are NaN, outsized, sign-flipped or far
+from this peer's own, or who cannot prove what they sent, are named and the round refused; a
+member whose updates lean one way over many rounds is named (peer/dp/steering.py).
 
 A joiner's state download does not go through hivemind (its `load_state_from_peers` takes the
 first donor that answers, with no size bound): it goes over the Stage service
@@ -44,10 +45,11 @@ from concurrent.futures import Future
 
 import torch
 
-from peer.dp.claims import attribute, implausible, split_index, take
+from peer.dp.claims import attribute, implausible, member_updates, split_index, take
 from peer.dp.hivemind_averager import RoundResult, absmax_8bit, averager_class, lost_masks
 from peer.dp.schedule import MIN_PERIOD_S, WIRE_BYTES, RoundSchedule, round_bytes
 from peer.dp.signed_claims import ClaimSigner
+from peer.dp.steering import BiasTracker
 from peer.errors import AnchormeshError
 from peer.stall import stall_watch
 
@@ -144,6 +146,8 @@ class GroupAverager:
         # a round with anyone else in it is refused: an outsider who found the group key
         self._members: set[str] | None = None
         self._base = [p.detach().clone() for p in params]  # the last group mean ("int8" sends the change from it)
+        self.bias = BiasTracker(list(params))  # each member's lean over rounds (host memory: four copies of the stage)
+        self.leaning = 0  # members named by `bias` (also in `suspects`)
         for attempt in range(1, START_TRIES + 1):
             self.averager = averager_class()(
                 # host copies (hivemind puts them in shared memory for its forked process, which
@@ -296,6 +300,7 @@ class GroupAverager:
             why = "the round was not audited"
         if not why:
             why, named = self._attribute(group, audit, result, index, kept)
+            self._lean(audit, index)
         why = why or implausible(means, self._offered, self._base)
         if why:  # keep the local weights and the old base: as if the round had not happened
             self.rejected += 1
@@ -303,6 +308,7 @@ class GroupAverager:
             self.suspects.extend(named)
             log.warning("stage-group averaging result rejected (%d so far): %s", self.rejected, why)
             return
+        self.bias.add([m - b for m, b in zip(means, self._base)], [o - b for o, b in zip(self._offered, self._base)])
         with torch.no_grad():
             for i, (p, offered, mean, base) in enumerate(zip(self.params, self._offered, means, self._base)):
                 p.add_(mean.to(p.dtype) - offered)  # zero where results were lost: the own offer came back
@@ -338,6 +344,17 @@ class GroupAverager:
             log.info("stage-group averaging: hivemind left member %s's part out of the round (its sending failed)", dropped)
             self.left_out += 1
         return why, named
+
+    def _lean(self, audit, index: list[torch.Tensor]) -> None:
+        """Feed the round's revealed updates to the tracker of each member's lean over rounds
+        (peer/dp/steering.py); a member it names is logged and listed, its rounds not refused."""
+        revealed = audit.tensors()
+        if audit.failed or len(revealed) < 2 or len({v.numel() for v in revealed.values()}) != 1:
+            return
+        updates = member_updates(revealed, self._base, index, self.compression)
+        leaning = self.bias.observe(updates, self.bias.reference(lambda ts: take(ts, index)), str(self.averager.peer_id))
+        self.leaning += len(leaning)
+        self.suspects.extend(leaning)
 
     def rebase(self) -> None:
         """After the parameters were replaced wholesale (a downloaded state): they are the new
