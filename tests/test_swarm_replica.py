@@ -54,7 +54,7 @@ def test_a_stage_whose_whole_group_died_comes_back_from_the_replica_another_stag
         new = next(p for p in peers(s, 1) if p["id"] != killed["id"])
         restored = int(new["resumed_from"].split()[2]) if new["resumed_from"].startswith("replica step ") else -1
         assert new["resumed_from"] == f"replica step {restored} from {holder}", new
-        assert held <= restored <= killed["step"] + 50, (held, restored, killed["step"])
+        assert held <= restored <= max(held, killed["step"]) + 50, (held, restored, killed["step"])  # the status snapshot of the killed peer may lag its last steps
         log = (tmp_path / "p1b.log").read_text()
         assert f"took the stage state of the replica {holder} holds at step {restored}" in log, log[-3000:]
         # trained weights: its first loss is near the one before the kill, not an untrained model's (about 5.5)
