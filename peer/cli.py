@@ -1,4 +1,4 @@
-"""`anchormesh` console entry point: `bootstrap`, `peer`, `config`, `status`, `health`, `demo`, `export`, `bench quality|boundary|throughput|mixed|project|profile|gpu|plot`.
+"""`anchormesh` console entry point: `bootstrap`, `peer`, `config`, `status`, `health`, `demo`, `export`, `bench quality|swarm-quality|boundary|throughput|mixed|project|profile|gpu|plot`.
 
 Bad flags exit with code 2 and one line naming the flag.
 """

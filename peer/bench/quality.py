@@ -13,8 +13,6 @@ tuned to pass: it reports what it measures.
 from __future__ import annotations
 
 import copy
-import ctypes
-import gc
 import hashlib
 import json
 import os
@@ -183,15 +181,11 @@ def rss_gb() -> float | None:
 
 
 def release_memory() -> None:
-    """Free what the last row left: collect cycles, then hand glibc's free heap back to the OS.
-    Why: the SmolLM2 run grew to 23.7 GB by its tenth row and was killed, though no tensor
-    outlives a row (checked with the toy); freed blocks kept by glibc's per-thread arenas are the
-    likely rest, and each row's `rss_gb_after` now shows whether this holds."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
+    """Free what the last row left (the SmolLM2 run grew to 23.7 GB by its tenth row and was
+    killed, though no tensor outlives a row; each row's `rss_gb_after` shows whether this holds)."""
+    from peer.model.loading import trim_host_memory
+
+    trim_host_memory()
 
 
 # what `--quick` runs unless `--rows` says otherwise: the rows issue 15 asks for (the paper's

@@ -136,6 +136,7 @@ def run_swarm(work: Path, toml: str, peers: int, timeout_s: float, budget: int =
     procs: list[subprocess.Popen] = []
     t0 = time.monotonic()
     last, first_step, done = None, None, None
+    peak: dict[int, float] = {}  # process -> the most resident memory seen, GB (a peer killed for memory shows here)
     try:
         procs.append(start_process(["bootstrap", "--config", str(work / "run.toml"), "--state-dir", str(work / "boot")], work / "boot.log"))
         info = wait_for_bootstrap(work / "boot", procs[0], work / "boot.log", timeout_s=300)
@@ -147,6 +148,8 @@ def run_swarm(work: Path, toml: str, peers: int, timeout_s: float, budget: int =
             shown = 0.0
             while True:
                 now = time.monotonic()
+                for k, proc in enumerate(procs):
+                    peak[k] = max(peak.get(k, 0.0), _rss_gb(proc.pid))
                 try:
                     last = stub.GetStatus(pb.StatusRequest(), timeout=10)
                 except grpc.RpcError as exc:
@@ -176,7 +179,18 @@ def run_swarm(work: Path, toml: str, peers: int, timeout_s: float, budget: int =
         "seconds": done - t0 if done else None,
         "startup_s": first_step - t0 if first_step else None,
         "train_seconds": done - first_step if done and first_step else None,
+        "peak_rss_gb": {("bootstrap" if k == 0 else f"p{k - 1}"): round(v, 2) for k, v in peak.items()},
+        "exit_codes": {f"p{k - 1}": p.returncode for k, p in enumerate(procs) if k},
     }
+
+
+def _rss_gb(pid: int) -> float:
+    """A live process's resident memory, GB (0 once it has exited)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(x.split()[1]) for x in f if x.startswith("VmRSS:")) / 1e6
+    except (OSError, StopIteration, ValueError):
+        return 0.0
 
 
 def _load(stage: StageModule, tensors: list[torch.Tensor], where: str) -> None:
@@ -273,6 +287,7 @@ def run_swarm_quality(model: str, work: Path, task: str = "adapt", seed: int = 0
         r["rss_gb_after"] = rss_gb()
         out["in_process"][name] = r
         print(f"in-process {name:>18}: eval_loss {r['eval_loss']:.4f}  pp B/token {r['pp_bytes_per_token']:.1f}  {r['seconds']:.0f} s", flush=True)
+    release_memory()  # what the rows left: the swarms' peers need the memory
     for name in (r for r in swarms if r not in out["swarm"]):
         print(f"swarm {name}: {setup.model.num_stages} stages x {replicas} peers, budget {out['setup']['token_budget']} tokens", flush=True)
         r = run_swarm(work / f"swarm-{name}", swarm_toml(model, setup, data.folder, replicas, name), setup.model.num_stages * replicas, timeout_s, out["setup"]["token_budget"])

@@ -49,6 +49,7 @@ BIAS_DECAY = 0.97  # per round, of the running sums below (about 30 rounds remem
 BIAS_Z = 6.0  # a member whose decayed z-sum of its lean exceeds this is named
 BIAS_MIN_ROUNDS = 4  # rounds a member must have been seen in before it can be named
 BIAS_WARMUP = 6  # rounds this peer has applied before it scores anyone (its reference needs them)
+SUM_DTYPE = torch.bfloat16  # of the decayed sums (see BiasTracker)
 BIAS_PACE = 1.5  # only members (and rounds of this peer) whose update's size is within this factor of the robust mean's are scored
 
 
@@ -71,15 +72,18 @@ class BiasTracker:
     """The lean of each member's contributions over rounds (see the module's docstring).
 
     Holds decayed sums of the group's applied updates (mean - base) and of this peer's own
-    (offer - base), over even and odd rounds apart: four copies of the stage in host memory, and
-    a few passes over them per round. The reference direction is the group's sum less the common
+    (offer - base), over even and odd rounds apart: four copies of the stage in host memory, in
+    bf16 (8 bytes a parameter: a quarter of AdamW's state and weights; fp32 sums made four peers
+    of SmolLM2-135M outgrow a 24 GB machine), and a few passes over them per round. A bf16 sum
+    decayed by 0.97 holds ~33 rounds' updates and rounds each addition to 0.4 % of the sum: noise
+    of ~13 % of one round's update, not repeated, so a bias (the same every round) still builds up. The reference direction is the group's sum less the common
     direction it shares with this peer's own (`reference`): what the group carried this peer
     towards that its own training did not. `scores`: hivemind id -> (decayed sum of z, decayed
     sum of squared weights, rounds seen). `named`: hivemind id -> why, each member named once."""
 
     def __init__(self, like: list[torch.Tensor]) -> None:
         def zeros() -> list[torch.Tensor]:
-            return [torch.zeros(t.shape, dtype=torch.float32, device="cpu") for t in like]
+            return [torch.zeros(t.shape, dtype=SUM_DTYPE, device="cpu") for t in like]
 
         # decayed sums of the group's updates and of this peer's own, over even and odd rounds apart
         self.group_even, self.group_odd, self.own_even, self.own_odd = zeros(), zeros(), zeros(), zeros()
@@ -101,11 +105,11 @@ class BiasTracker:
         common direction in, which a faster honest member then leans along)."""
 
         def dot(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-            return sum(float((x * y).sum()) for x, y in zip(a, b))
+            return sum(float(torch.dot(x.flatten().float(), y.flatten().float())) for x, y in zip(a, b))
 
         common = dot(self.own_even, self.own_odd)
         alpha = (dot(self.group_even, self.own_odd) + dot(self.group_odd, self.own_even)) / (2 * common) if common > 0 else 0.0
-        return take(self.group_even) + take(self.group_odd) - alpha * (take(self.own_even) + take(self.own_odd))
+        return (take(self.group_even) + take(self.group_odd)).float() - alpha * (take(self.own_even) + take(self.own_odd)).float()
 
     def observe(self, updates: dict[str, torch.Tensor], reference: torch.Tensor, me: str) -> list[str]:
         """One round: `updates` (hivemind id -> update at the audited coordinates, this peer's
@@ -153,4 +157,4 @@ class BiasTracker:
         for acc in self.group_even + self.group_odd + self.own_even + self.own_odd:
             acc.mul_(BIAS_DECAY)
         for acc, x in zip(sums[0] + sums[1], group + own):
-            acc.add_(x.detach().to("cpu", torch.float32))
+            acc.add_(x.detach().to("cpu", torch.float32))  # added in fp32, rounded once into the bf16 sum
