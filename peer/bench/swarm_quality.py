@@ -45,6 +45,8 @@ IN_PROCESS_ROWS = ("dense", DEFAULT_ROW, "dense_dp", "transform_dp")
 SWARMS = ("dense", "recommended")
 # the dense swarm: only its links differ from the recommended run
 DENSE_LINKS = {"codec": {"scheme": "mask", "mask": {"drop": 0.0}}}
+# glibc's arenas: at its default (8 per core) four SmolLM2 peers and this process outgrew 24 GB
+PEER_ENV = {"MALLOC_ARENA_MAX": "2"}
 CORPUS_BYTES = 3_000_000  # text prepared per task: ~900 k tokens of Python with SmolLM2's tokenizer, ~150 files
 HELDOUT_FRACTION = 0.08  # of the documents, each for the eval and the confirmation split: ~12 whole files each
 
@@ -105,7 +107,10 @@ def swarm_toml(model: str, setup: QualitySetup, data: Path, replicas: int, swarm
         "optim": {"lr": setup.adapt_lr},
         "pipeline": {"micro_batch_size": setup.micro_batch_size, "micro_batches": setup.micro_batches // replicas, "seq_len": setup.seq_len},
         "data": {"prepared": str(data)},
-        "checkpoint": {"every": 10_000},  # only the exit checkpoint: the weights scored
+        # only the exit checkpoint (the weights scored), and no replica of another stage's state:
+        # a durability feature that holds that state (0.8 GB for SmolLM2's stage 1) and pulls it
+        # mid-run; with it four SmolLM2 peers and this process outgrew a 24 GB machine
+        "checkpoint": {"every": 10_000, "replicate_every_s": 0.0},
         "codec": {"seed": setup.seed, **(DENSE_LINKS["codec"] if swarm == "dense" else {})},
     }
     lines = [f"seed = {setup.seed}", f"token_budget = {budget}"]
@@ -142,7 +147,7 @@ def run_swarm(work: Path, toml: str, peers: int, timeout_s: float, budget: int =
         info = wait_for_bootstrap(work / "boot", procs[0], work / "boot.log", timeout_s=300)
         for i in range(peers):
             args = ["peer", "--tracker", info["tracker"], "--token", f"@{work}/boot/bootstrap.json", "--state-dir", str(work / f"p{i}")]
-            procs.append(start_process(args, work / f"p{i}.log"))
+            procs.append(start_process(args, work / f"p{i}.log", **PEER_ENV))
         with tracker_channel(info["tracker"], Credentials(token=info["token"])) as channel:
             stub = pbg.StatusStub(channel)
             shown = 0.0
@@ -176,6 +181,8 @@ def run_swarm(work: Path, toml: str, peers: int, timeout_s: float, budget: int =
     s = status_dict(last)
     return {
         "status": {k: s.get(k) for k in ("state", "reason", "step", "tokens", "loss", "pp_bytes_per_token", "dp_bytes_per_token", "anchor_bytes_per_token", "config_digest")},
+        # per peer, from its own counters: where the bytes went, and what the link tuner chose
+        "peers": [{k: p.get(k) for k in ("id", "stage", "state", "step", "bytes_in", "bytes_out", "anchor_bytes_out", "dp_bytes_out", "link_mbit", "pp_keep", "reason")} for p in s.get("peers", [])],
         "seconds": done - t0 if done else None,
         "startup_s": first_step - t0 if first_step else None,
         "train_seconds": done - first_step if done and first_step else None,
@@ -266,7 +273,7 @@ def run_swarm_quality(model: str, work: Path, task: str = "adapt", seed: int = 0
     base = load_causal_lm(setup.model, seed=setup.seed)
     out: dict = {
         "setup": {**asdict(setup), "task": task, "source": source, "manifest_tokens": {k: v.tokens for k, v in data.manifest.splits.items()}, "eval_tokens": eval_tokens,
-                  "replicas": replicas, "token_budget": setup.adapt_steps * setup.micro_batches * setup.micro_batch_size * setup.seq_len, "threads": torch.get_num_threads()},
+                  "replicas": replicas, "peer_env": PEER_ENV, "token_budget": setup.adapt_steps * setup.micro_batches * setup.micro_batch_size * setup.seq_len, "threads": torch.get_num_threads()},
         "pretrained": {"eval_loss": evaluate_stages(split_model(copy.deepcopy(base), setup.model.num_stages), eval_b)},
         "in_process": {},
         "swarm": {},
@@ -281,17 +288,18 @@ def run_swarm_quality(model: str, work: Path, task: str = "adapt", seed: int = 0
     batch = window_batches(data, setup)
     for name in (r for r in in_process if r not in out["in_process"]):
         cfg = replace(table[name], mask=replace(table[name].mask, seed=setup.seed))  # the seed draws the codec's randomness too
-        r = run_row(name, cfg, lambda: copy.deepcopy(base), setup, None, eval_b, eval_b[:1], batch_fn=batch)
+        r = run_row(name, cfg, lambda: load_causal_lm(setup.model, seed=setup.seed), setup, None, eval_b, eval_b[:1], batch_fn=batch)
         r.pop("eval_loss_a", None)
         release_memory()
         r["rss_gb_after"] = rss_gb()
         out["in_process"][name] = r
         print(f"in-process {name:>18}: eval_loss {r['eval_loss']:.4f}  pp B/token {r['pp_bytes_per_token']:.1f}  {r['seconds']:.0f} s", flush=True)
-    release_memory()  # what the rows left: the swarms' peers need the memory
+    del base  # the swarms' peers need the memory: reloaded for each swarm's evaluation
+    release_memory()
     for name in (r for r in swarms if r not in out["swarm"]):
         print(f"swarm {name}: {setup.model.num_stages} stages x {replicas} peers, budget {out['setup']['token_budget']} tokens", flush=True)
         r = run_swarm(work / f"swarm-{name}", swarm_toml(model, setup, data.folder, replicas, name), setup.model.num_stages * replicas, timeout_s, out["setup"]["token_budget"])
-        r.update(evaluate_swarm(base, swarm_weights(work / f"swarm-{name}", setup.model.num_stages * replicas, setup.model.num_stages), eval_b, chains))
+        r.update(evaluate_swarm(load_causal_lm(setup.model, seed=setup.seed), swarm_weights(work / f"swarm-{name}", setup.model.num_stages * replicas, setup.model.num_stages), eval_b, chains))
         release_memory()
         out["swarm"][name] = r
         print(f"swarm {name:>18}: eval_loss {r['eval_loss']:.4f}  pp B/token {r['status']['pp_bytes_per_token']:.1f}  {r['seconds']:.0f} s", flush=True)
