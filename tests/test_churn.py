@@ -61,7 +61,7 @@ def test_random_kills_and_restarts_lose_nothing(tmp_path: Path) -> None:
         start_step = s["step"]
         steps, kills, next_kill, down = [s["step"]], 0, time.monotonic() + KILL_EVERY_S, {}
         t_end = time.monotonic() + CHAOS_S
-        while time.monotonic() < t_end:
+        while time.monotonic() < t_end or (kills < 7 and time.monotonic() < t_end + 60):  # a slow graceful leave can delay the schedule
             now = time.monotonic()
             if now >= next_kill:
                 name = rng.choice(sorted(set(procs) - set(down)))

@@ -52,7 +52,9 @@ def test_a_joiner_refuses_a_hostile_donors_negated_state_and_names_it(tmp_path: 
         assert joiner is not None, "no joiner was placed in the hostile member's stage"
         s = wait_for_status(tracker, lambda s: any(p["id"] == bad and p["donor_flagged"] for p in s["peers"]), tmp_path, procs, timeout=240)
         joiner = next(p for p in s["peers"] if p["id"] == joiner)
-        assert joiner["refused_donors"] and joiner["refused_donors"][0].startswith(f"{bad}: no stage mate to compare with, and it is far from this peer's own weights"), joiner
+        # refused by the state check, or first by the step check when the hostile donor ran ahead of what the run supports
+        why = joiner["refused_donors"][0] if joiner["refused_donors"] else ""
+        assert why.startswith(f"{bad}: no stage mate to compare with, and it is far from this peer's own weights") or (why.startswith(f"{bad}: step ") and "past the run's" in why), joiner
         assert "cosine -" in joiner["refused_donors"][0]  # its trained weights negated, against the joiner's initial ones
         assert joiner["resumed_from"] == "initial weights", joiner
         log = log_path.read_text()
