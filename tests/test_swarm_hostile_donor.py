@@ -55,7 +55,7 @@ def test_a_joiner_refuses_a_hostile_donors_negated_state_and_names_it(tmp_path: 
         # refused by the state check, or first by the step check when the hostile donor ran ahead of what the run supports
         why = joiner["refused_donors"][0] if joiner["refused_donors"] else ""
         assert why.startswith(f"{bad}: no stage mate to compare with, and it is far from this peer's own weights") or (why.startswith(f"{bad}: step ") and "past the run's" in why), joiner
-        assert "cosine -" in joiner["refused_donors"][0]  # its trained weights negated, against the joiner's initial ones
+        assert "cosine -" in why or "past the run's" in why  # its trained weights negated, against the joiner's initial ones
         assert joiner["resumed_from"] == "initial weights", joiner
         log = log_path.read_text()
         assert f"refused the stage state of {bad} (1 donors refused so far)" in log and "took the stage state" not in log, log[-3000:]

@@ -146,7 +146,7 @@ class GroupAverager:
         # a round with anyone else in it is refused: an outsider who found the group key
         self._members: set[str] | None = None
         self._base = [p.detach().clone() for p in params]  # the last group mean ("int8" sends the change from it)
-        self.bias = BiasTracker(list(params))  # each member's lean over rounds (host memory: four bf16 copies of the stage)
+        self.bias = BiasTracker(list(params))  # each member's lean over rounds (host memory: four copies of the stage)
         self.leaning = 0  # members named by `bias` (also in `suspects`)
         for attempt in range(1, START_TRIES + 1):
             self.averager = averager_class()(

@@ -49,7 +49,7 @@ BIAS_DECAY = 0.97  # per round, of the running sums below (about 30 rounds remem
 BIAS_Z = 6.0  # a member whose decayed z-sum of its lean exceeds this is named
 BIAS_MIN_ROUNDS = 4  # rounds a member must have been seen in before it can be named
 BIAS_WARMUP = 6  # rounds this peer has applied before it scores anyone (its reference needs them)
-SUM_DTYPE = torch.bfloat16  # of the decayed sums (see BiasTracker)
+SUM_DTYPE = torch.float32  # of the decayed sums (see BiasTracker; bf16 lost the real-round test's bias signal)
 BIAS_PACE = 1.5  # only members (and rounds of this peer) whose update's size is within this factor of the robust mean's are scored
 
 
@@ -72,11 +72,9 @@ class BiasTracker:
     """The lean of each member's contributions over rounds (see the module's docstring).
 
     Holds decayed sums of the group's applied updates (mean - base) and of this peer's own
-    (offer - base), over even and odd rounds apart: four copies of the stage in host memory, in
-    bf16 (8 bytes a parameter: a quarter of AdamW's state and weights; fp32 sums made four peers
-    of SmolLM2-135M outgrow a 24 GB machine), and a few passes over them per round. A bf16 sum
-    decayed by 0.97 holds ~33 rounds' updates and rounds each addition to 0.4 % of the sum: noise
-    of ~13 % of one round's update, not repeated, so a bias (the same every round) still builds up. The reference direction is the group's sum less the common
+    (offer - base), over even and odd rounds apart: four fp32 copies of the stage in host memory
+    (16 bytes a parameter, as much as the weights and AdamW's state together; bf16 sums lost a
+    real-round bias below the naming limit), and a few passes over them per round. The reference direction is the group's sum less the common
     direction it shares with this peer's own (`reference`): what the group carried this peer
     towards that its own training did not. `scores`: hivemind id -> (decayed sum of z, decayed
     sum of squared weights, rounds seen). `named`: hivemind id -> why, each member named once."""
