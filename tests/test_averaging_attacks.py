@@ -78,15 +78,20 @@ def test_two_colluders_of_three_flipping_their_updates_get_no_round_from_the_hon
                 for p, c, t in zip(ps, common, init):
                     update = c + 0.003 * torch.randn_like(p)
                     p.copy_(t + update if i == 0 else t - update)
-        before = [p.detach().clone() for p in params[0]]
-        offer(avgs, clock)
-        wait_rounds(avgs)
-        a = avgs[0]
-        a._finish()
-        assert a.rounds == 0 and a.rejected == 1, (a.last_error, a.last_rejection)
+        before, a = [p.detach().clone() for p in params[0]], refused_round(avgs, clock)
         assert "far from this peer's own" in a.last_rejection
         assert {x.split(":")[0] for x in a.suspects} == {str(x.averager.peer_id) for x in avgs[1:]}
         assert all(torch.equal(p.detach(), x) for p, x in zip(params[0], before))
+
+
+def refused_round(avgs, clock):
+    """Offer one round to all three and wait for it; the first member must have refused it."""
+    offer(avgs, clock)
+    wait_rounds(avgs)
+    a = avgs[0]
+    a._finish()
+    assert a.rounds == 0 and a.rejected == 1, (a.last_error, a.last_rejection)
+    return a
 
 
 def turned(u: list[torch.Tensor], cos: float, seed: int) -> list[torch.Tensor]:
@@ -113,12 +118,7 @@ def test_two_colluders_of_three_turning_their_updates_do_not_steer_the_honest_me
             for i, ps in enumerate(params):
                 for p, t, u, v in zip(ps, init, honest, theirs):
                     p.copy_(t + (u if i == 0 else v))
-        before = [p.detach().clone() for p in params[0]]
-        offer(avgs, clock)
-        wait_rounds(avgs)
-        a = avgs[0]
-        a._finish()
-        assert a.rounds == 0 and a.rejected == 1, (a.last_error, a.last_rejection)
+        before, a = [p.detach().clone() for p in params[0]], refused_round(avgs, clock)
         if cos < MEMBER_COSINE:
             assert "far from this peer's own" in a.last_rejection
             assert {x.split(":")[0] for x in a.suspects} == {str(x.averager.peer_id) for x in avgs[1:]}
