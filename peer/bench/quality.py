@@ -171,10 +171,10 @@ def run_row(name: str, cfg: TrainConfig, fresh_model: Callable[[], torch.nn.Modu
     }
 
 
-def rss_gb() -> float | None:
-    """This process's resident memory now (Linux), GB; None elsewhere."""
+def rss_gb(pid: int | str = "self") -> float | None:
+    """A process's resident memory now (Linux; this one by default), GB; None elsewhere or once it has exited."""
     try:
-        with open("/proc/self/status") as f:
+        with open(f"/proc/{pid}/status") as f:
             return next(int(x.split()[1]) for x in f if x.startswith("VmRSS:")) / 1e6
     except (OSError, StopIteration, ValueError):
         return None

@@ -154,7 +154,7 @@ def run_swarm(work: Path, toml: str, peers: int, timeout_s: float, budget: int =
             while True:
                 now = time.monotonic()
                 for k, proc in enumerate(procs):
-                    peak[k] = max(peak.get(k, 0.0), _rss_gb(proc.pid))
+                    peak[k] = max(peak.get(k, 0.0), rss_gb(proc.pid) or 0.0)
                 try:
                     last = stub.GetStatus(pb.StatusRequest(), timeout=10)
                 except grpc.RpcError as exc:
@@ -189,15 +189,6 @@ def run_swarm(work: Path, toml: str, peers: int, timeout_s: float, budget: int =
         "peak_rss_gb": {("bootstrap" if k == 0 else f"p{k - 1}"): round(v, 2) for k, v in peak.items()},
         "exit_codes": {f"p{k - 1}": p.returncode for k, p in enumerate(procs) if k},
     }
-
-
-def _rss_gb(pid: int) -> float:
-    """A live process's resident memory, GB (0 once it has exited)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return next(int(x.split()[1]) for x in f if x.startswith("VmRSS:")) / 1e6
-    except (OSError, StopIteration, ValueError):
-        return 0.0
 
 
 def _load(stage: StageModule, tensors: list[torch.Tensor], where: str) -> None:
