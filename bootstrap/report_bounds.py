@@ -3,23 +3,43 @@ broken or lying member from ending the run or drawing all the routing."""
 
 from __future__ import annotations
 
+import logging
+
 from bootstrap.roster import PeerRecord
+from bootstrap.support import observe
 from peer.capacity import MAX_CAPACITY_FACTOR, STEP_SLACK, step_ceiling
 from peer.config import PipelineConfig
 from peer.wire import anchormesh_pb2 as pb
 
+log = logging.getLogger("anchormesh.tracker")
+
+
+def take_report(p: PeerRecord, info: pb.PeerInfo, tokens: int, now: float, pipeline: PipelineConfig, run_step: int, max_rate: float) -> bool:
+    """Take a report's step, tokens and (clipped) rates into `p`, or, when its step or tokens
+    cannot be true, keep the old ones and count and log the refusal (a broken or lying member:
+    its figures would end the run). Returns whether it was taken."""
+    why = implausible(p, info, tokens, now, pipeline, run_step, max_rate)
+    if why:
+        p.refused_reports += 1
+        p.last_refusal = why
+        if p.refused_reports in (1, 10, 100) or p.refused_reports % 1000 == 0:
+            log.warning("implausible report from %s (%d so far): %s", p.peer_id, p.refused_reports, why)
+        return False
+    p.step, p.tokens = info.step, tokens
+    p.tokens_per_s, p.capacity = bounded_rates(info, pipeline, max_rate)
+    p.accepted_at = now
+    observe(p, info.step, now)
+    return True
+
 
 def implausible(p: PeerRecord, info: pb.PeerInfo, tokens: int, now: float, pipeline: PipelineConfig, run_step: int, max_rate: float) -> str:
-    """Why a report's step, tokens or capacity cannot be true, or "". Why: the run's step is
-    the highest stage-0 step and its token budget sums stage-0 tokens, so one member reporting
-    step 2^40 or 10^12 tokens would end the run, and a huge capacity draws all the routing.
-    Bounds: a step never goes back and grows at most `max_rate` steps/s (the rate the other
-    members were measured at, bootstrap/support.py `rate_bound`) x the seconds since its
-    last report taken as true (plus a slack; counted from that report, not the last one seen,
-    so a peer that trained on while the tracker was down or refused it catches up instead of
-    being refused for ever); tokens grow at most one step's tokens per step; tokens/s stays
-    under `max_rate` steps' tokens per second and capacity under MAX_CAPACITY_FACTOR
-    times that (a tiny model's stage alone can compute faster than the pipeline steps).
+    """Why a report's step or tokens cannot be true, or "". Why: the run's step is the highest
+    stage-0 step and its token budget sums stage-0 tokens, so one member reporting step 2^40 or
+    10^12 tokens would end the run. Bounds: a step never goes back and grows at most `max_rate`
+    steps/s (the rate the other members were measured at, bootstrap/support.py `rate_bound`) x
+    the seconds since its last report taken as true (plus a slack; counted from that report, not
+    the last one seen, so a peer that trained on while the tracker was down or refused it catches
+    up instead of being refused for ever); tokens grow at most one step's tokens per step.
     `run_step`: the run's step now (the highest stage-0 step)."""
     per_step = pipeline.micro_batches * pipeline.micro_batch_size * pipeline.seq_len
     ceiling = step_ceiling(max(p.step, p.start_step, run_step), now - (p.accepted_at or p.joined_at), max_rate)
@@ -31,9 +51,19 @@ def implausible(p: PeerRecord, info: pb.PeerInfo, tokens: int, now: float, pipel
         return f"tokens {tokens} below its last report's {p.tokens}"
     if tokens - p.tokens > (info.step - p.step + STEP_SLACK) * per_step:
         return f"tokens grew by {tokens - p.tokens} over {info.step - p.step} steps of {per_step} tokens"
-    rate_limit = max_rate * per_step
-    if not 0 <= info.tokens_per_s <= rate_limit:
-        return f"rate {info.tokens_per_s:.3g} tokens/s outside [0, {rate_limit:.3g}]"
-    if not 0 <= info.capacity_tokens_per_s <= MAX_CAPACITY_FACTOR * rate_limit:
-        return f"capacity {info.capacity_tokens_per_s:.3g} tokens/s outside [0, {MAX_CAPACITY_FACTOR * rate_limit:.3g}]"
     return ""
+
+
+def bounded_rates(info: pb.PeerInfo, pipeline: PipelineConfig, max_rate: float) -> tuple[float, float]:
+    """(tokens/s, capacity) of a report, clipped: tokens/s to `max_rate` steps' tokens per second,
+    capacity to MAX_CAPACITY_FACTOR times that (a tiny model's stage alone computes faster than
+    the pipeline steps). Why clipped, not refused: both are honest far past the bound right after
+    a stall (the run's measured rate is near 0 then, the stage computes as fast as ever), and a
+    refused report kept the step and tokens too, so the run never saw itself move again. A liar
+    gains no more than reporting the bound itself."""
+    limit = max_rate * pipeline.micro_batches * pipeline.micro_batch_size * pipeline.seq_len
+
+    def clip(x: float, hi: float) -> float:
+        return min(max(x, 0.0), hi) if x == x else 0.0  # NaN: nothing
+
+    return clip(info.tokens_per_s, limit), clip(info.capacity_tokens_per_s, MAX_CAPACITY_FACTOR * limit)

@@ -21,9 +21,9 @@ from bootstrap.balance import StageBalance, fitting_stages
 from bootstrap.cadence import Cadence
 from bootstrap.data_order import DataOrder
 from bootstrap.peer_view import peer_info, suspects
-from bootstrap.report_bounds import implausible
+from bootstrap.report_bounds import take_report
 from bootstrap.roster import LIVE, Banned, JoinRefused, PeerRecord, live
-from bootstrap.support import Support, observe, rate_bound, restore_choice
+from bootstrap.support import Support, rate_bound, restore_choice
 from peer import __version__
 from peer.capacity import step_ceiling
 from peer.config import TrainConfig
@@ -199,16 +199,7 @@ class Tracker:
                 raise JoinRefused(f"peer_id={rep.peer.peer_id!r} is not in the roster: join first")
             info = rep.peer
             now = self.clock()
-            why = implausible(p, info, rep.tokens, now, self.config.pipeline, self._run_step(), rate_bound(self.peers.values(), p))
-            if why:  # a broken or lying member: its figures would stop the run or steer the routing; keep the old ones
-                p.refused_reports += 1
-                p.last_refusal = why
-                if p.refused_reports in (1, 10, 100) or p.refused_reports % 1000 == 0:
-                    log.warning("implausible report from %s (%d so far): %s", p.peer_id, p.refused_reports, why)
-            else:
-                p.step, p.tokens, p.capacity, p.tokens_per_s = info.step, rep.tokens, info.capacity_tokens_per_s, info.tokens_per_s
-                p.accepted_at = now
-                observe(p, info.step, now)
+            take_report(p, info, rep.tokens, now, self.config.pipeline, self._run_step(), rate_bound(self.peers.values(), p))
             p.state = info.state if info.state in LIVE else p.state
             p.last_seen, p.loss, p.reported = now, info.loss, True
             p.bytes_in, p.bytes_out, p.queue_depth, p.reason = info.bytes_in, info.bytes_out, info.queue_depth, info.reason[:MAX_TEXT]

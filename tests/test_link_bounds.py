@@ -104,9 +104,37 @@ def test_a_new_sender_is_held_to_its_link_and_the_bound_follows_slow_drift() -> 
     for _ in range(RECOVER):  # a level that jumped for good (gradients grow fast early in a run)
         with pytest.raises(WireError, match="times the running RMS"):
             b.check("backward", "bob", 1e-3, 1.0)
-    b.check("backward", "bob", 1e-3, 1.0)  # taken after RECOVER refusals in a row, not refused for good
+    b.check("backward", "bob", 1e-3, 1.0)  # taken after RECOVER refusals, not refused for good
     b.check("backward", "bob", 1.1e-3, 1.0)
     assert b.refused == {"newcomer": 1, "alice": 1, "bob": RECOVER}
+
+
+def test_one_loud_micro_batch_retried_between_quiet_ones_is_taken_after_recover_refusals() -> None:
+    """A peer restarted from its checkpoint sends one micro-batch's gradient far over its old
+    level, the others at it; its sender retries that one for ever. Counted in a row, each quiet
+    message restarted the count and the run stood still; counted over the sender's latest
+    messages, the loud one is taken after RECOVER refusals."""
+    from peer.pipeline.bounds import RECOVER, WARMUP, WINDOW, LinkBounds
+
+    b = LinkBounds(factor=64.0, cap=1e6)
+    for _ in range(WARMUP):
+        b.check("backward", "carol", 1.5e-4, 1e-3)
+    for _ in range(RECOVER):
+        with pytest.raises(WireError, match="times the running RMS"):
+            b.check("backward", "carol", 2.7e-2, 0.1)  # the retried micro-batch
+        b.check("backward", "carol", 2e-4, 1e-3)  # another one, at the old level
+    b.check("backward", "carol", 2.7e-2, 0.1)
+    assert b.refused == {"carol": RECOVER}
+    b2 = LinkBounds(factor=64.0, cap=1e6)
+    for _ in range(WARMUP):
+        b2.check("backward", "dave", 1.5e-4, 1e-3)
+    for _ in range(RECOVER - 1):  # spread wider than the window: never taken
+        with pytest.raises(WireError, match="times the running RMS"):
+            b2.check("backward", "dave", 2.7e-2, 0.1)
+        for _ in range(WINDOW):
+            b2.check("backward", "dave", 1.5e-4, 1e-3)
+    with pytest.raises(WireError, match="times the running RMS"):
+        b2.check("backward", "dave", 2.7e-2, 0.1)
 
 
 def test_a_non_finite_gradient_drops_the_step_names_the_senders_and_the_next_step_trains(caplog: pytest.LogCaptureFixture) -> None:

@@ -10,6 +10,7 @@ import pytest
 
 from bootstrap.roster import JoinRefused
 from bootstrap.tracker import Tracker
+from peer.capacity import MAX_CAPACITY_FACTOR, MAX_STEPS_PER_S
 from peer.config import AnchorConfig, ConfigError, ModelConfig, SpectralConfig, TrainConfig, check_swarm
 from peer.runtoml import config_from_dict
 from peer.wire import anchormesh_pb2 as pb
@@ -286,8 +287,9 @@ def test_a_peer_gets_only_a_stage_its_memory_fits() -> None:
 
 
 def test_implausible_reports_are_refused_and_end_nothing() -> None:
-    """A member reporting step 2^40, 10^12 tokens, a step going back or a huge capacity: its
-    figures are not taken (the run's step, tokens and budget stay), it is counted and shown."""
+    """A member reporting step 2^40, 10^12 tokens or a step going back: its figures are not taken
+    (the run's step, tokens and budget stay), it is counted and shown. A huge capacity is clipped
+    to the bound, the rest of its report taken."""
     clock = Clock()
     cfg = TrainConfig(model=ModelConfig(num_stages=2, num_layers=4), token_budget=10**9)
     t = Tracker("run-x", cfg, peer_timeout_s=30.0, clock=clock)
@@ -303,12 +305,14 @@ def test_implausible_reports_are_refused_and_end_nothing() -> None:
     assert report(2**40, 11 * per_step).kind == pb.Directive.CONTINUE  # not STOP, not the run's step
     assert report(11, 10**12).kind == pb.Directive.CONTINUE  # the budget is not spent by a claim
     report(5, 12 * per_step)  # a step going back
-    report(12, 12 * per_step, capacity=1e15)  # a capacity no peer has
     st = t.status()
     row = {p.peer_id: p for p in st.peers}["a"]
     assert (st.step, st.tokens, st.state) == (10, 10 * per_step, "running")
-    assert row.refused_reports == 4 and row.capacity_tokens_per_s == 100.0
-    assert "capacity" in t.peers["a"].last_refusal
+    assert row.refused_reports == 3 and row.capacity_tokens_per_s == 100.0
+    assert "step 5 is below" in t.peers["a"].last_refusal
+    report(12, 12 * per_step, capacity=1e15)  # a capacity no peer has: clipped, the step taken
+    assert t.status().step == 12 and t.peers["a"].refused_reports == 3
+    assert 100.0 < t.peers["a"].capacity <= MAX_CAPACITY_FACTOR * MAX_STEPS_PER_S * per_step
     assert report(13, 13 * per_step).kind == pb.Directive.CONTINUE and t.status().step == 13  # honest figures go on
 
 
@@ -338,17 +342,49 @@ def test_a_refused_step_is_taken_once_the_time_since_the_last_true_report_allows
 
 def test_an_honest_tiny_stage_may_claim_more_capacity_than_the_pipeline_steps() -> None:
     """Capacity is what one stage could compute if it never waited: a tiny model's stage may
-    exceed 100 steps/s of tokens; 10x that is still refused."""
+    exceed 100 steps/s of tokens; 10x that is clipped to the bound, and the report is taken."""
     clock = Clock()
     cfg = TrainConfig(model=ModelConfig(num_stages=2, num_layers=4))
     t = Tracker("run-x", cfg, peer_timeout_s=30.0, clock=clock)
     join(t, "a"), join(t, "b")
     per_step = cfg.pipeline.micro_batches * cfg.pipeline.micro_batch_size * cfg.pipeline.seq_len
-    for capacity, refused in ((150.0 * per_step, 0), (2000.0 * per_step, 1)):
+    for step, capacity, taken in ((1, 150.0 * per_step, 150.0 * per_step), (2, 2000.0 * per_step, MAX_CAPACITY_FACTOR * MAX_STEPS_PER_S * per_step)):
         clock.t += 1.0
-        t.report(pb.PeerReport(run_id="run-x", peer=pb.PeerInfo(peer_id="a", stage=0, state="active", step=1, capacity_tokens_per_s=capacity), tokens=per_step))
-        assert t.peers["a"].refused_reports == refused
-    assert t.peers["a"].capacity == 150.0 * per_step
+        t.report(pb.PeerReport(run_id="run-x", peer=pb.PeerInfo(peer_id="a", stage=0, state="active", step=step, capacity_tokens_per_s=capacity), tokens=step * per_step))
+        assert t.peers["a"].capacity == taken and t.peers["a"].step == step and t.peers["a"].refused_reports == 0
+
+
+def test_a_run_that_stalled_takes_its_members_reports_again_when_it_moves() -> None:
+    """A stage lost its peer for a while: both members were measured at 0 steps/s, so the bound
+    on rates is the floor (1 step/s). When the stage is back the members step fast and report
+    their capacity as it is (far over that bound): the reports are taken with the rates clipped,
+    the run's step and tokens move and the run ends at its budget. Refusing them wedged the run
+    (no report taken, so no new rate measured, so the bound never rose)."""
+    clock = Clock()
+    cfg = TrainConfig(model=ModelConfig(num_stages=2, num_layers=4), token_budget=60 * 256)
+    cfg.pipeline.micro_batches, cfg.pipeline.micro_batch_size, cfg.pipeline.seq_len = 2, 4, 32
+    t = Tracker("run-x", cfg, peer_timeout_s=300.0, clock=clock)
+    join(t, "a"), join(t, "b")
+
+    def both(step: int, capacity: float, rate: float) -> pb.Directive:
+        out = None
+        for pid in ("a", "b"):
+            info = pb.PeerInfo(peer_id=pid, stage=t.peers[pid].stage, state="active", step=step, capacity_tokens_per_s=capacity, tokens_per_s=rate)
+            out = t.report(pb.PeerReport(run_id="run-x", peer=info, tokens=step * 256))
+        return out
+
+    for step in range(0, 41, 4):  # 4 steps/s, then 30 s without a step
+        clock.t += 1.0
+        both(step, 5000.0, 1000.0)
+    for _ in range(30):
+        clock.t += 1.0
+        both(40, 5000.0, 0.0)
+    assert max(p.rate for p in t.peers.values()) == 0.0
+    clock.t += 1.0
+    d = both(60, 9000.0, 4000.0)  # 20 steps at once, capacity and tokens/s over the stalled bound
+    assert t.status().step == 60 and all(p.refused_reports == 0 for p in t.peers.values())
+    assert all(0 < p.capacity < 9000.0 for p in t.peers.values())  # clipped, not dropped
+    assert d.kind == pb.Directive.STOP and t.status().state == "done"
 
 
 def test_directives_and_join_replies_carry_the_newest_issued_anchor_id() -> None:

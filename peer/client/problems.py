@@ -160,7 +160,7 @@ def _implausible_reports(s: dict) -> list[str]:
     """Peers whose reports the tracker refused (a step, token count or capacity no honest peer
     reaches): a broken peer or someone trying to end or steer the run."""
     return [
-        f"{p['id']} (stage {p['stage']}) sent {p['refused_reports']} implausible report(s) (step, tokens or capacity): the tracker kept its old figures; judge it and ban it if needed"
+        f"{p['id']} (stage {p['stage']}) sent {p['refused_reports']} implausible report(s) (step or tokens): the tracker kept its old figures; judge it and ban it if needed"
         for p in s.get("peers", []) if (p.get("refused_reports") or 0) > 0 and p.get("state") in LIVE_STATES
     ]
 

@@ -9,10 +9,14 @@ peer for good. A message is refused (WireError naming its RMS and the bound) whe
   messages from every sender (a new sender is held to what its peers send), else nothing yet.
 Each refusal is counted against its sender (`refused`). Only accepted messages move the running
 RMS, and slowly (EMA). Why RECOVER: an honest link's level can jump past `factor` and stay there
-(gradients grew 21x within a few steps early in a swarm test's run); refusing it for good would
-stop the link, so after RECOVER refusals in a row the sender's new level is taken. A sender that
-keeps sending loud messages so gets them in after RECOVER refusals, all counted, never past the
-cap: the relative bound stops one-off spikes, the cap and the dropped step stop wedging.
+(gradients grew 21x within a few steps early in a swarm test's run; a peer restarted from its
+checkpoint sent one micro-batch's gradient 140x over its old level while its others passed);
+refusing it for good would stop the link (the sender retries that micro-batch for ever), so
+after RECOVER refusals among the sender's last WINDOW messages on the channel its new level is
+taken. Counted over a window, not in a row: the quiet messages between the retries of one loud
+micro-batch must not restart the count. A sender that keeps sending loud messages so gets them
+in after RECOVER refusals, all counted, never past the cap: the relative bound stops one-off
+spikes, the cap and the dropped step stop wedging.
 
 The RMS and peak come from what the checks already hold on the host: a decoded tensor (mask and
 low-rank codecs), or, for the transform codec, its dense rows and per-row gains
@@ -29,7 +33,8 @@ import torch
 from peer.errors import WireError
 
 WARMUP = 8  # accepted messages before a running RMS bounds anything
-RECOVER = 8  # messages of one sender refused in a row for their RMS, after which its level is taken as the new one
+RECOVER = 8  # messages of one sender refused for their RMS within WINDOW, after which its level is taken as the new one
+WINDOW = 4 * RECOVER  # a sender's latest messages on a channel that RECOVER counts over
 EMA = 0.1  # weight of a new message in the running RMS
 
 
@@ -53,7 +58,7 @@ class LinkBounds:
         self.factor, self.cap = factor, cap
         self._rms: dict[tuple[str, str], tuple[float, int]] = {}  # (channel, sender or "") -> (running RMS, messages)
         self.refused: collections.Counter = collections.Counter()  # sender -> messages refused
-        self._streak: dict[tuple[str, str], int] = {}  # (channel, sender) -> messages refused in a row for their RMS
+        self._recent: dict[tuple[str, str], collections.deque] = {}  # (channel, sender) -> its latest WINDOW messages: refused for their RMS?
         self._lock = threading.Lock()
 
     def reference(self, channel: str, sender: str) -> tuple[float, str] | None:
@@ -68,24 +73,23 @@ class LinkBounds:
         """Accept a message of `rms` and `peak` from `sender` on `channel` (and let it move the
         running RMS), or raise WireError naming the bound it broke."""
         with self._lock:
-            why, own = None, (channel, sender)
+            why, loud, recent = None, False, self._recent.setdefault((channel, sender), collections.deque(maxlen=WINDOW))
             if not peak <= self.cap:  # NaN too
                 why = f"a value of magnitude {peak:.3g} exceeds the cap {self.cap:.3g} (security.max_link_value)"
             elif (ref := self.reference(channel, sender)) is not None and rms > self.factor * ref[0]:
-                if self._streak.get(own, 0) < RECOVER:
-                    why = f"its RMS {rms:.3g} is over {self.factor:g} times the running RMS {ref[0]:.3g} of {ref[1]} (security.link_rms_factor)"
-                else:  # RECOVER refused in a row: the link's level moved (or a persistent sender moved it; the cap still holds)
-                    self._rms[own] = (rms, WARMUP - 1)
+                if sum(recent) < RECOVER:
+                    why, loud = f"its RMS {rms:.3g} is over {self.factor:g} times the running RMS {ref[0]:.3g} of {ref[1]} (security.link_rms_factor)", True
+                else:  # RECOVER refused lately: the link's level moved (or a persistent sender moved it; the cap still holds)
+                    self._rms[(channel, sender)] = (rms, WARMUP - 1)
+                    recent.clear()
+            recent.append(loud)
             if why is not None:
                 self.refused[sender] += 1
-                if why.startswith("its RMS"):
-                    self._streak[own] = self._streak.get(own, 0) + 1
                 raise WireError(f"{channel} message from {sender!r} refused ({self.refused[sender]} so far): {why}")
-            self._streak.pop(own, None)
             for key in ((channel, sender), (channel, "")):
                 old, n = self._rms.get(key, (0.0, 0))
                 a = max(EMA, 1 / (n + 1))  # the plain mean while warming up
                 self._rms[key] = ((1 - a) * old + a * rms, n + 1)
             if len(self._rms) > 4096:  # bounded: senders come and go
                 self._rms = {k: v for k, v in self._rms.items() if k[1] == "" or v[1] >= WARMUP}
-                self._streak.clear()
+                self._recent.clear()
