@@ -45,7 +45,7 @@ def peer_info(p: PeerRecord, now: float, suspects: Suspects = ({}, {}, {})) -> p
         tokens_per_s=p.tokens_per_s, bytes_in=p.bytes_in, bytes_out=p.bytes_out, step=p.step, loss=p.loss,
         queue_depth=p.queue_depth, reason=p.reason if p.reported or p.state not in LIVE else f"loading its stage ({now - p.joined_at:.0f}s since it joined)",
         dp_rounds=p.dp_rounds, anchor_id=p.anchor_id,
-        anchor_bytes_out=p.anchor_bytes_out, capacity_tokens_per_s=p.capacity, dp_bytes_out=p.dp_bytes_out,
+        anchor_bytes_out=p.anchor_bytes_out, pp_state_bytes_out=p.pp_state_bytes_out, capacity_tokens_per_s=p.capacity, dp_bytes_out=p.dp_bytes_out,
         dp_dense_bytes=p.dp_dense_bytes, eval_id=p.eval_id, eval_loss=p.eval_loss, dp_rejected=p.dp_rejected,
         refused_calls=p.refused_calls, key_fingerprint=fingerprint(bytes.fromhex(p.key)) if p.key else "",
         dp_suspects=named.get(p.peer_id, []), dp_flagged=flagged.get(p.peer_id, 0),

@@ -39,6 +39,7 @@ class PeerRecord:
     dp_rejected: int = 0
     anchor_id: int = 0
     anchor_bytes_out: int = 0
+    pp_state_bytes_out: int = 0  # of bytes_out: codec state its links shipped
     dht_maddrs: tuple[str, ...] = ()
     capacity: float = 0.0  # tokens/s at its stage if it never waited; 0 = not measured yet
     dp_bytes_out: int = 0

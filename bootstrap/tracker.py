@@ -204,6 +204,7 @@ class Tracker:
             p.last_seen, p.loss, p.reported = now, info.loss, True
             p.bytes_in, p.bytes_out, p.queue_depth, p.reason = info.bytes_in, info.bytes_out, info.queue_depth, info.reason[:MAX_TEXT]
             p.dp_rounds, p.anchor_id, p.anchor_bytes_out = info.dp_rounds, min(info.anchor_id, self.anchors.launched), info.anchor_bytes_out
+            p.pp_state_bytes_out = min(info.pp_state_bytes_out, info.bytes_out)
             p.dp_bytes_out, p.dp_dense_bytes, p.dp_rejected = info.dp_bytes_out, info.dp_dense_bytes, info.dp_rejected
             p.eval_id, p.eval_loss, p.refused_calls = info.eval_id, info.eval_loss, info.refused_calls
             p.link_mbit, p.pp_keep, p.dp_period_s = info.link_mbit, info.pp_keep, info.dp_period_s
@@ -357,6 +358,7 @@ class Tracker:
             elif missing:
                 state, reason = "paused", "no live peer for stage " + ", ".join(map(str, missing))
             pp_bpt = pp_bytes / tokens if tokens else 0.0
+            state_bpt = sum(p.pp_state_bytes_out for p in self.peers.values()) / tokens if tokens else 0.0
             dense = 2 * 2 * self.config.model.hidden_size * (K - 1)
             return pb.RunStatus(
                 run_id=self.run_id,
@@ -365,6 +367,7 @@ class Tracker:
                 loss=sum(losses) / len(losses) if losses else math.nan,
                 tokens_per_s=sum(p.tokens_per_s for p in first),
                 pp_bytes_per_token=pp_bpt,
+                pp_state_bytes_per_token=state_bpt,
                 pp_compression=dense / pp_bpt if pp_bpt else 0.0,
                 uptime_s=self.clock() - self.started,
                 state=state,

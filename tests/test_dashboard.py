@@ -63,7 +63,7 @@ def test_render_shows_run_stages_and_every_peer() -> None:
     assert "RUNNING" in out and "12m34s" in out and "1,966,080" in out
     assert "train loss  2.734" in out and "eval loss  2.811 (at step 450)" in out
     assert "3,412 tok/s" in out
-    assert "43.5 B/token (11.8x vs dense fp16)" in out and "12.4 B/token (38x vs fp32 all-reduce every step)" in out
+    assert "43.5 B/token (11.8x vs dense fp16; codec state 3.2 of it)" in out and "12.4 B/token (38x vs fp32 all-reduce every step)" in out
     assert "260 steps old (9 launched, 6.2 B/token)" in out
     lines = out.splitlines()
     stage_rows = [ln.split() for ln in lines if ln.split()[:1] in (["0"], ["1"])]

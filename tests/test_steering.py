@@ -11,7 +11,7 @@ import torch
 
 from peer.dp.claims import implausible
 from peer.dp.robust import trimmed_mean
-from peer.dp.steering import BiasTracker, away_from_own
+from peer.dp.steering import BIAS_MEMBERS, BiasTracker, away_from_own
 
 
 def rounds(steps: list[int], bias: float, count: int, seed: int = 0, n: int = 60_000) -> tuple[BiasTracker, int | None, int]:
@@ -22,6 +22,8 @@ def rounds(steps: list[int], bias: float, count: int, seed: int = 0, n: int = 60
     how many rounds the observer refused (none may be: the bias is below every round's checks)."""
     g = torch.Generator().manual_seed(seed)
     tracker = BiasTracker([torch.zeros(n)])
+    if len(steps) >= BIAS_MEMBERS:  # as the group does: the sums exist from a round of three members
+        tracker.start()
     direction = torch.randn(n, generator=g)
     direction /= direction.norm()
     common = torch.randn(n, generator=g)
@@ -49,6 +51,13 @@ def test_honest_members_with_drifts_1x_to_5x_are_never_named(steps: list[int]) -
     tracker, first, refused = rounds(steps, 0.0, 120)
     assert first is None and not tracker.named, {k: round(tracker.z(k), 1) for k in tracker.scores}
     assert refused == 0
+
+
+def test_a_group_of_two_holds_no_sums_and_names_no_one() -> None:
+    """Of two members each one's lean mirrors the other's: neither can exceed the other's by the
+    limit, so the tracker holds nothing (four copies of the stage) and names no one, biased or not."""
+    tracker, first, _ = rounds([1, 1], 0.3, 30)
+    assert not tracker.started and tracker.group_even == [] and first is None and not tracker.named
 
 
 @pytest.mark.parametrize("steps", [[1, 3, 1], [1, 1, 1], [1, 5, 1, 1]])

@@ -65,6 +65,7 @@ def test_a_killed_peer_resumes_from_its_checkpoint_and_the_run_ends_at_its_budge
         resumed = int(restarted.split(f"took the stage state of checkpoint {stage1.dir} at step ")[1].split()[0])
         assert resumed >= 8 and resumed <= killed_at + 4  # its newest whole checkpoint (one may have landed while it died)
         s = status_json(tracker)
+        assert 0 < s["pp_state_bytes_per_token"] < s["pp_bytes_per_token"]  # the low-rank bases shipped, counted apart
         left = {p["id"]: p for p in s["peers"] if p["state"] == "left"}
         assert len(left) == 2 and all(p["reason"] == "done" for p in left.values()), left
         # both stages wrote a final checkpoint at the step they ended on; stage 1 counts its own

@@ -66,7 +66,7 @@ def test_tokens_tls_and_bans_on_a_real_swarm(tmp_path: Path) -> None:
         procs.append(start_process(peer_args("b"), tmp_path / "b.log"))
         s = wait_for_status(tracker, lambda s: s["step"] >= 4 and sorted(p["state"] for p in s["peers"]) == ["active", "active"], tmp_path, procs, extra=tls)
         victim = next(p for p in s["peers"] if p["stage"] == 1)
-        victim_proc = procs[-1] if victim["id"] in (tmp_path / "b.log").read_text() else procs[-2]
+        victim_proc = procs[-1] if f"{victim['id']} joined" in (tmp_path / "b.log").read_text() else procs[-2]  # the other names it too, in its sends
         victim_log = tmp_path / ("b.log" if victim_proc is procs[-1] else "a.log")
         other_log = tmp_path / ("a.log" if victim_log.name == "b.log" else "b.log")
 

@@ -180,6 +180,32 @@ def rss_gb(pid: int | str = "self") -> float | None:
         return None
 
 
+def tree_pss_gb(pid: int) -> float | None:
+    """The proportional resident memory (Pss: shared pages split among their sharers) of a process
+    and every process under it, GB (Linux); None once it has exited. Why Pss of the tree: a peer's
+    forked averaging process and its p2pd count against the machine too, and summing their RSS
+    would count the pages a fork shares twice."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    total, todo, seen = 0.0, [pid], False
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/smaps_rollup") as f:
+                total += next(int(x.split()[1]) for x in f if x.startswith("Pss:")) / 1e6
+            seen = True
+        except (OSError, StopIteration, ValueError):
+            pass
+        todo += children.get(p, [])
+    return total if seen else None
+
+
 def release_memory() -> None:
     """Free what the last row left (the SmolLM2 run grew to 23.7 GB by its tenth row and was
     killed, though no tensor outlives a row; each row's `rss_gb_after` shows whether this holds)."""

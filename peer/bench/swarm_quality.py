@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from bootstrap.data_order import DataOrder
-from peer.bench.quality import DEFAULT_ROW, release_memory, rss_gb, run_row, setup_for
+from peer.bench.quality import DEFAULT_ROW, release_memory, rss_gb, run_row, setup_for, tree_pss_gb
 from peer.bench.quality_rows import QualitySetup, rows
 from peer.config import TINY_MODEL_PREFIX, PipelineConfig
 from peer.dataset.shards import PreparedData
@@ -142,6 +142,7 @@ def run_swarm(work: Path, toml: str, peers: int, timeout_s: float, budget: int =
     t0 = time.monotonic()
     last, first_step, done = None, None, None
     peak: dict[int, float] = {}  # process -> the most resident memory seen, GB (a peer killed for memory shows here)
+    peak_tree: dict[int, float] = {}  # process -> the most Pss of it and its children (averaging process, p2pd), GB
     try:
         procs.append(start_process(["bootstrap", "--config", str(work / "run.toml"), "--state-dir", str(work / "boot")], work / "boot.log"))
         info = wait_for_bootstrap(work / "boot", procs[0], work / "boot.log", timeout_s=300)
@@ -155,6 +156,7 @@ def run_swarm(work: Path, toml: str, peers: int, timeout_s: float, budget: int =
                 now = time.monotonic()
                 for k, proc in enumerate(procs):
                     peak[k] = max(peak.get(k, 0.0), rss_gb(proc.pid) or 0.0)
+                    peak_tree[k] = max(peak_tree.get(k, 0.0), tree_pss_gb(proc.pid) or 0.0)
                 try:
                     last = stub.GetStatus(pb.StatusRequest(), timeout=10)
                 except grpc.RpcError as exc:
@@ -180,13 +182,14 @@ def run_swarm(work: Path, toml: str, peers: int, timeout_s: float, budget: int =
         raise RuntimeError(f"the tracker never answered (logs in {work})")
     s = status_dict(last)
     return {
-        "status": {k: s.get(k) for k in ("state", "reason", "step", "tokens", "loss", "pp_bytes_per_token", "dp_bytes_per_token", "anchor_bytes_per_token", "config_digest")},
+        "status": {k: s.get(k) for k in ("state", "reason", "step", "tokens", "loss", "pp_bytes_per_token", "pp_state_bytes_per_token", "dp_bytes_per_token", "anchor_bytes_per_token", "config_digest")},
         # per peer, from its own counters: where the bytes went, and what the link tuner chose
-        "peers": [{k: p.get(k) for k in ("id", "stage", "state", "step", "bytes_in", "bytes_out", "anchor_bytes_out", "dp_bytes_out", "link_mbit", "pp_keep", "reason")} for p in s.get("peers", [])],
+        "peers": [{k: p.get(k) for k in ("id", "stage", "state", "step", "bytes_in", "bytes_out", "anchor_bytes_out", "pp_state_bytes_out", "dp_bytes_out", "link_mbit", "pp_keep", "reason")} for p in s.get("peers", [])],
         "seconds": done - t0 if done else None,
         "startup_s": first_step - t0 if first_step else None,
         "train_seconds": done - first_step if done and first_step else None,
         "peak_rss_gb": {("bootstrap" if k == 0 else f"p{k - 1}"): round(v, 2) for k, v in peak.items()},
+        "peak_tree_pss_gb": {("bootstrap" if k == 0 else f"p{k - 1}"): round(v, 2) for k, v in peak_tree.items()},
         "exit_codes": {f"p{k - 1}": p.returncode for k, p in enumerate(procs) if k},
     }
 
@@ -304,13 +307,18 @@ def _gap(rows_: dict, a: str, b: str) -> float | None:
 
 def summary(out: dict) -> dict:
     """The comparison the benchmark exists for: the swarm's loss gap (recommended over dense) beside
-    the in-process gaps, and the swarm's measured PP bytes per token, dense over recommended."""
+    the in-process gaps, and the swarm's measured PP bytes per token, dense over recommended: in
+    all, and the stream alone (without the codec state shipped once per link and version, which a
+    run longer than the benchmark's spreads over more tokens)."""
     sw, ip = out["swarm"], out["in_process"]
     bpt = {k: v["status"]["pp_bytes_per_token"] for k, v in sw.items()}
+    stream = {k: v["status"]["pp_bytes_per_token"] - (v["status"].get("pp_state_bytes_per_token") or 0.0) for k, v in sw.items()}
     return {
         "swarm_gap": _gap(sw, "recommended", "dense"),
         "in_process_gap": _gap(ip, DEFAULT_ROW, "dense"),
         "in_process_gap_dp": _gap(ip, "transform_dp", "dense_dp"),
         "swarm_pp_bytes_reduction": bpt["dense"] / bpt["recommended"] if bpt.get("dense") and bpt.get("recommended") else None,
         "in_process_pp_bytes_reduction": ip["dense"]["pp_bytes_per_token"] / ip[DEFAULT_ROW]["pp_bytes_per_token"] if "dense" in ip and DEFAULT_ROW in ip else None,
+        "swarm_pp_stream_reduction": stream["dense"] / stream["recommended"] if stream.get("dense") and stream.get("recommended") else None,
+        "in_process_pp_stream_reduction": ip["dense"]["pp_stream_bytes_per_token"] / ip[DEFAULT_ROW]["pp_stream_bytes_per_token"] if "dense" in ip and DEFAULT_ROW in ip else None,
     }

@@ -136,7 +136,7 @@ def _summary(s: dict) -> Group:
     m = s.get("model") or {}
     if m.get("name"):
         lines.add_row("model", f"{m['name']}: {m.get('num_layers', '?')} layers, hidden {m.get('hidden_size', '?')}, {m.get('num_stages', '?')} stages, tokenizer {m.get('tokenizer') or '?'}")
-    lines.add_row("PP", f"{s.get('pp_bytes_per_token', 0):.1f} B/token ({s.get('pp_compression', 0):.1f}x vs dense fp16)")
+    lines.add_row("PP", f"{s.get('pp_bytes_per_token', 0):.1f} B/token ({s.get('pp_compression', 0):.1f}x vs dense fp16; codec state {s.get('pp_state_bytes_per_token', 0):.1f} of it)")
     lines.add_row("DP", dp)
     lines.add_row("anchor", _anchor_text(s))
     return Group(pairs, lines)

@@ -25,7 +25,7 @@ def render(s: pb.RunStatus) -> str:
         f"model {model_cell(s.model)}" + (f"  config {s.config_digest}" if s.config_digest else "") + (f"  wire {s.wire_version}" if s.wire_version else ""),
         f"step {s.step}  tokens {s.tokens:,}  train loss {loss}  eval loss {eval_loss}  {s.tokens_per_s:,.0f} tok/s",
         f"data {data_cell(s.data)}" if s.HasField("data") else "data: no prepared data",
-        f"PP {s.pp_bytes_per_token:.1f} B/token ({s.pp_compression:.1f}x vs dense fp16)  "
+        f"PP {s.pp_bytes_per_token:.1f} B/token ({s.pp_compression:.1f}x vs dense fp16; codec state {s.pp_state_bytes_per_token:.1f})  "
         f"DP {s.dp_bytes_per_token:.1f} B/token" + (f" ({s.dp_compression:.0f}x vs fp32 all-reduce every step)" if s.dp_compression else " (no round yet)"),
         f"anchor: {anchor} ({s.anchors_launched} launched, {s.anchor_bytes_per_token:.1f} B/token)  stage moves: {s.stage_moves}"
         + (f"  refused calls: {s.refused_calls}" if s.refused_calls else "") + (f"  banned keys: {s.banned}" if s.banned else ""),

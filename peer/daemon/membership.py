@@ -292,6 +292,7 @@ class Membership:
                 dp_rounds=averager.rounds if averager else 0,
                 anchor_id=anchor.newest_id if anchor else 0,
                 anchor_bytes_out=anchor.bytes_out if anchor else 0,
+                pp_state_bytes_out=w.state_bytes_sent,
                 capacity_tokens_per_s=d.capacity,
                 dp_bytes_out=averager.bytes_out if averager else 0,
                 dp_dense_bytes=averager.dense_bytes if averager else 0,

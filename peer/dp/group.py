@@ -49,7 +49,7 @@ from peer.dp.claims import attribute, implausible, member_updates, split_index, 
 from peer.dp.hivemind_averager import RoundResult, absmax_8bit, averager_class, lost_masks
 from peer.dp.schedule import MIN_PERIOD_S, WIRE_BYTES, RoundSchedule, round_bytes
 from peer.dp.signed_claims import ClaimSigner
-from peer.dp.steering import BiasTracker
+from peer.dp.steering import BIAS_MEMBERS, BiasTracker
 from peer.errors import AnchormeshError
 from peer.stall import stall_watch
 
@@ -146,7 +146,7 @@ class GroupAverager:
         # a round with anyone else in it is refused: an outsider who found the group key
         self._members: set[str] | None = None
         self._base = [p.detach().clone() for p in params]  # the last group mean ("int8" sends the change from it)
-        self.bias = BiasTracker(list(params))  # each member's lean over rounds (host memory: four copies of the stage)
+        self.bias = BiasTracker(list(params))  # each member's lean over rounds (host memory: four copies of the stage, from a round of three members)
         self.leaning = 0  # members named by `bias` (also in `suspects`)
         for attempt in range(1, START_TRIES + 1):
             self.averager = averager_class()(
@@ -349,8 +349,9 @@ class GroupAverager:
         """Feed the round's revealed updates to the tracker of each member's lean over rounds
         (peer/dp/steering.py); a member it names is logged and listed, its rounds not refused."""
         revealed = audit.tensors()
-        if audit.failed or len(revealed) < 2 or len({v.numel() for v in revealed.values()}) != 1:
+        if audit.failed or len(revealed) < BIAS_MEMBERS or len({v.numel() for v in revealed.values()}) != 1:
             return
+        self.bias.start()
         updates = member_updates(revealed, self._base, index, self.compression)
         leaning = self.bias.observe(updates, self.bias.reference(lambda ts: take(ts, index)), str(self.averager.peer_id))
         self.leaning += len(leaning)

@@ -51,6 +51,7 @@ BIAS_MIN_ROUNDS = 4  # rounds a member must have been seen in before it can be n
 BIAS_WARMUP = 6  # rounds this peer has applied before it scores anyone (its reference needs them)
 SUM_DTYPE = torch.float32  # of the decayed sums (see BiasTracker; bf16 lost the real-round test's bias signal)
 BIAS_PACE = 1.5  # only members (and rounds of this peer) whose update's size is within this factor of the robust mean's are scored
+BIAS_MEMBERS = 3  # rounds with fewer members are not tracked: of two, each one's lean mirrors the other's, so neither can exceed it
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -74,20 +75,30 @@ class BiasTracker:
     Holds decayed sums of the group's applied updates (mean - base) and of this peer's own
     (offer - base), over even and odd rounds apart: four fp32 copies of the stage in host memory
     (16 bytes a parameter, as much as the weights and AdamW's state together; bf16 sums lost a
-    real-round bias below the naming limit), and a few passes over them per round. The reference direction is the group's sum less the common
+    real-round bias below the naming limit), and a few passes over them per round. They are
+    made at the first round of BIAS_MEMBERS members or more (`start`): a group of two never
+    needs them, and on SmolLM2 they were 1.3 GB of each peer's memory. The reference direction is the group's sum less the common
     direction it shares with this peer's own (`reference`): what the group carried this peer
     towards that its own training did not. `scores`: hivemind id -> (decayed sum of z, decayed
     sum of squared weights, rounds seen). `named`: hivemind id -> why, each member named once."""
 
     def __init__(self, like: list[torch.Tensor]) -> None:
-        def zeros() -> list[torch.Tensor]:
-            return [torch.zeros(t.shape, dtype=SUM_DTYPE, device="cpu") for t in like]
-
-        # decayed sums of the group's updates and of this peer's own, over even and odd rounds apart
-        self.group_even, self.group_odd, self.own_even, self.own_odd = zeros(), zeros(), zeros(), zeros()
+        self.shapes = [t.shape for t in like]
+        # decayed sums of the group's updates and of this peer's own, over even and odd rounds apart (`start`)
+        self.group_even: list[torch.Tensor] = []
+        self.group_odd: list[torch.Tensor] = []
+        self.own_even: list[torch.Tensor] = []
+        self.own_odd: list[torch.Tensor] = []
+        self.started = False
         self.rounds = 0
         self.scores: dict[str, tuple[float, float, int]] = {}
         self.named: dict[str, str] = {}
+
+    def start(self) -> None:
+        """Make the sums (once): called at a round of BIAS_MEMBERS members or more."""
+        if not self.started:
+            self.group_even, self.group_odd, self.own_even, self.own_odd = ([torch.zeros(s, dtype=SUM_DTYPE, device="cpu") for s in self.shapes] for _ in range(4))
+            self.started = True
 
     def z(self, name: str) -> float:
         s, v, _ = self.scores.get(name, (0.0, 0.0, 0))
@@ -102,6 +113,9 @@ class BiasTracker:
         fit on the same rounds would be diluted by this peer's own noise and leave part of the
         common direction in, which a faster honest member then leans along)."""
 
+        if not self.started:
+            return torch.zeros(0)
+
         def dot(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
             return sum(float(torch.dot(x.flatten().float(), y.flatten().float())) for x, y in zip(a, b))
 
@@ -113,7 +127,7 @@ class BiasTracker:
         """One round: `updates` (hivemind id -> update at the audited coordinates, this peer's
         own included), `reference` (`reference()` before this round is added). Returns the
         members newly named, as "id: why"."""
-        if self.rounds < BIAS_WARMUP or len(updates) < 2 or me not in updates or not all(torch.isfinite(u).all() for u in updates.values()):
+        if not self.started or self.rounds < BIAS_WARMUP or len(updates) < BIAS_MEMBERS or me not in updates or not all(torch.isfinite(u).all() for u in updates.values()):
             return []
         robust = trimmed_mean(torch.stack(list(updates.values())))
         r = reference.float()
@@ -149,7 +163,9 @@ class BiasTracker:
 
     def add(self, group: list[torch.Tensor], own: list[torch.Tensor]) -> None:
         """After an applied round: decay the sums and add the group's update and this peer's own
-        to this round's (even or odd) pair."""
+        to this round's (even or odd) pair. Nothing before `start`."""
+        if not self.started:
+            return
         sums = (self.group_even, self.own_even) if self.rounds % 2 == 0 else (self.group_odd, self.own_odd)
         self.rounds += 1
         for acc in self.group_even + self.group_odd + self.own_even + self.own_odd:

@@ -309,7 +309,7 @@ class Assignment(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., run_config_json: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., start_step: _Optional[int] = ..., dht_maddrs: _Optional[_Iterable[str]] = ..., group_dht_maddrs: _Optional[_Iterable[str]] = ..., certificate: _Optional[bytes] = ..., tracker_key: _Optional[bytes] = ..., calls_per_s: _Optional[float] = ..., messages_per_s: _Optional[float] = ..., tls_certificate: _Optional[bytes] = ..., anchors_issued: _Optional[int] = ..., restore_from: _Optional[_Union[PeerInfo, _Mapping]] = ..., donors: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., data_manifest: _Optional[str] = ..., data_windows: _Optional[int] = ..., data_hub: _Optional[str] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
-    __slots__ = ("peer_id", "stage", "address", "state", "last_seen_s", "tokens_per_s", "bytes_in", "bytes_out", "step", "loss", "queue_depth", "reason", "dp_rounds", "anchor_id", "anchor_bytes_out", "capacity_tokens_per_s", "dp_bytes_out", "dp_dense_bytes", "eval_id", "eval_loss", "dp_rejected", "refused_calls", "key_fingerprint", "dp_suspects", "dp_flagged", "link_mbit", "pp_keep", "dp_period_s", "device", "memory_bytes", "memory_plan_bytes", "refused_reports", "excluding", "startup_s", "replica_stage", "replica_step", "resumed_from", "startup_phases", "refused_donors", "donor_flagged")
+    __slots__ = ("peer_id", "stage", "address", "state", "last_seen_s", "tokens_per_s", "bytes_in", "bytes_out", "step", "loss", "queue_depth", "reason", "dp_rounds", "anchor_id", "anchor_bytes_out", "capacity_tokens_per_s", "dp_bytes_out", "dp_dense_bytes", "eval_id", "eval_loss", "dp_rejected", "refused_calls", "key_fingerprint", "dp_suspects", "dp_flagged", "link_mbit", "pp_keep", "dp_period_s", "device", "memory_bytes", "memory_plan_bytes", "refused_reports", "excluding", "startup_s", "replica_stage", "replica_step", "resumed_from", "startup_phases", "refused_donors", "donor_flagged", "pp_state_bytes_out")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -350,6 +350,7 @@ class PeerInfo(_message.Message):
     STARTUP_PHASES_FIELD_NUMBER: _ClassVar[int]
     REFUSED_DONORS_FIELD_NUMBER: _ClassVar[int]
     DONOR_FLAGGED_FIELD_NUMBER: _ClassVar[int]
+    PP_STATE_BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     stage: int
     address: str
@@ -390,7 +391,8 @@ class PeerInfo(_message.Message):
     startup_phases: _containers.RepeatedCompositeFieldContainer[StartupPhase]
     refused_donors: _containers.RepeatedScalarFieldContainer[str]
     donor_flagged: int
-    def __init__(self, peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., last_seen_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., queue_depth: _Optional[int] = ..., reason: _Optional[str] = ..., dp_rounds: _Optional[int] = ..., anchor_id: _Optional[int] = ..., anchor_bytes_out: _Optional[int] = ..., capacity_tokens_per_s: _Optional[float] = ..., dp_bytes_out: _Optional[int] = ..., dp_dense_bytes: _Optional[int] = ..., eval_id: _Optional[int] = ..., eval_loss: _Optional[float] = ..., dp_rejected: _Optional[int] = ..., refused_calls: _Optional[int] = ..., key_fingerprint: _Optional[str] = ..., dp_suspects: _Optional[_Iterable[str]] = ..., dp_flagged: _Optional[int] = ..., link_mbit: _Optional[float] = ..., pp_keep: _Optional[float] = ..., dp_period_s: _Optional[float] = ..., device: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., memory_plan_bytes: _Optional[int] = ..., refused_reports: _Optional[int] = ..., excluding: _Optional[_Iterable[str]] = ..., startup_s: _Optional[float] = ..., replica_stage: _Optional[int] = ..., replica_step: _Optional[int] = ..., resumed_from: _Optional[str] = ..., startup_phases: _Optional[_Iterable[_Union[StartupPhase, _Mapping]]] = ..., refused_donors: _Optional[_Iterable[str]] = ..., donor_flagged: _Optional[int] = ...) -> None: ...
+    pp_state_bytes_out: int
+    def __init__(self, peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., last_seen_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., queue_depth: _Optional[int] = ..., reason: _Optional[str] = ..., dp_rounds: _Optional[int] = ..., anchor_id: _Optional[int] = ..., anchor_bytes_out: _Optional[int] = ..., capacity_tokens_per_s: _Optional[float] = ..., dp_bytes_out: _Optional[int] = ..., dp_dense_bytes: _Optional[int] = ..., eval_id: _Optional[int] = ..., eval_loss: _Optional[float] = ..., dp_rejected: _Optional[int] = ..., refused_calls: _Optional[int] = ..., key_fingerprint: _Optional[str] = ..., dp_suspects: _Optional[_Iterable[str]] = ..., dp_flagged: _Optional[int] = ..., link_mbit: _Optional[float] = ..., pp_keep: _Optional[float] = ..., dp_period_s: _Optional[float] = ..., device: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., memory_plan_bytes: _Optional[int] = ..., refused_reports: _Optional[int] = ..., excluding: _Optional[_Iterable[str]] = ..., startup_s: _Optional[float] = ..., replica_stage: _Optional[int] = ..., replica_step: _Optional[int] = ..., resumed_from: _Optional[str] = ..., startup_phases: _Optional[_Iterable[_Union[StartupPhase, _Mapping]]] = ..., refused_donors: _Optional[_Iterable[str]] = ..., donor_flagged: _Optional[int] = ..., pp_state_bytes_out: _Optional[int] = ...) -> None: ...
 
 class StartupPhase(_message.Message):
     __slots__ = ("name", "seconds")
@@ -537,7 +539,7 @@ class StageStatus(_message.Message):
     def __init__(self, index: _Optional[int] = ..., peers: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., queue_depth: _Optional[int] = ..., capacity_tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("run_id", "step", "tokens", "loss", "tokens_per_s", "pp_bytes_per_token", "pp_compression", "uptime_s", "state", "reason", "stages", "peers", "dht_maddrs", "anchor_step", "anchor_age_steps", "anchors_launched", "anchor_bytes_per_token", "stage_moves", "dp_bytes_per_token", "dp_compression", "eval_loss", "eval_step", "refused_calls", "banned", "unfit", "model", "config_digest", "wire_version", "data")
+    __slots__ = ("run_id", "step", "tokens", "loss", "tokens_per_s", "pp_bytes_per_token", "pp_compression", "uptime_s", "state", "reason", "stages", "peers", "dht_maddrs", "anchor_step", "anchor_age_steps", "anchors_launched", "anchor_bytes_per_token", "stage_moves", "dp_bytes_per_token", "dp_compression", "eval_loss", "eval_step", "refused_calls", "banned", "unfit", "model", "config_digest", "wire_version", "data", "pp_state_bytes_per_token")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -567,6 +569,7 @@ class RunStatus(_message.Message):
     CONFIG_DIGEST_FIELD_NUMBER: _ClassVar[int]
     WIRE_VERSION_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    PP_STATE_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     tokens: int
@@ -596,7 +599,8 @@ class RunStatus(_message.Message):
     config_digest: str
     wire_version: str
     data: DataStatus
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., tokens: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., pp_bytes_per_token: _Optional[float] = ..., pp_compression: _Optional[float] = ..., uptime_s: _Optional[float] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., dht_maddrs: _Optional[_Iterable[str]] = ..., anchor_step: _Optional[int] = ..., anchor_age_steps: _Optional[int] = ..., anchors_launched: _Optional[int] = ..., anchor_bytes_per_token: _Optional[float] = ..., stage_moves: _Optional[int] = ..., dp_bytes_per_token: _Optional[float] = ..., dp_compression: _Optional[float] = ..., eval_loss: _Optional[float] = ..., eval_step: _Optional[int] = ..., refused_calls: _Optional[int] = ..., banned: _Optional[int] = ..., unfit: _Optional[_Iterable[str]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., config_digest: _Optional[str] = ..., wire_version: _Optional[str] = ..., data: _Optional[_Union[DataStatus, _Mapping]] = ...) -> None: ...
+    pp_state_bytes_per_token: float
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., tokens: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., pp_bytes_per_token: _Optional[float] = ..., pp_compression: _Optional[float] = ..., uptime_s: _Optional[float] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., dht_maddrs: _Optional[_Iterable[str]] = ..., anchor_step: _Optional[int] = ..., anchor_age_steps: _Optional[int] = ..., anchors_launched: _Optional[int] = ..., anchor_bytes_per_token: _Optional[float] = ..., stage_moves: _Optional[int] = ..., dp_bytes_per_token: _Optional[float] = ..., dp_compression: _Optional[float] = ..., eval_loss: _Optional[float] = ..., eval_step: _Optional[int] = ..., refused_calls: _Optional[int] = ..., banned: _Optional[int] = ..., unfit: _Optional[_Iterable[str]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., config_digest: _Optional[str] = ..., wire_version: _Optional[str] = ..., data: _Optional[_Union[DataStatus, _Mapping]] = ..., pp_state_bytes_per_token: _Optional[float] = ...) -> None: ...
 
 class DataStatus(_message.Message):
     __slots__ = ("source", "epoch", "windows", "position", "done", "tokens_seen", "in_flight", "returned", "eval_windows")
