@@ -12,6 +12,8 @@ import logging
 import threading
 from collections.abc import Callable
 
+import torch
+
 from peer.dp.group import GroupAverager
 from peer.dp.schedule import MIN_PERIOD_S
 from peer.dp.signed_claims import ClaimSigner
@@ -20,20 +22,27 @@ from peer.pipeline.worker import StageWorker
 log = logging.getLogger("anchormesh.peer")
 
 
-def start_averaging(dht, worker: StageWorker, prefix: str, every: int, compression: str, link_share: float, peer_id: str, link_bps: Callable[[], float | None], signer: ClaimSigner | None = None, min_period_s: float = MIN_PERIOD_S, on_stuck: Callable[[], None] | None = None) -> GroupAverager | None:
+def start_averaging(dht, params: list[torch.nn.Parameter], prefix: str, every: int, compression: str, link_share: float, peer_id: str, link_bps: Callable[[], float | None], signer: ClaimSigner | None = None, min_period_s: float = MIN_PERIOD_S, on_stuck: Callable[[], None] | None = None) -> GroupAverager | None:
     """Join the stage group's averaging; without a DHT the peer trains alone (None). Rounds are
     spaced so they take at most `link_share` of the uplink this peer measures (`link_bps`).
-    hivemind forks here: the caller starts it while no gRPC call runs; `on_stuck` is called if the
-    fork itself never returns (GroupAverager)."""
+    `params`: the stage's, or its meta stage's (the daemon forks before it loads the stage, then
+    binds the live ones: GroupAverager.bind). hivemind forks here: the caller starts it while no
+    gRPC call runs; `on_stuck` is called if the fork itself never returns (GroupAverager)."""
     if dht is None:
         log.warning("no DHT: this peer will not average with its stage group")
         return None
     averager = GroupAverager(
-        dht, list(worker.stage.parameters()), prefix, every=every, compression=compression,
+        dht, params, prefix, every=every, compression=compression,
         peer_id=peer_id, link_bps=link_bps, link_share=link_share, signer=signer, min_period_s=min_period_s, on_stuck=on_stuck,
     )
     log.info("stage-group averaging every %d steps at least, %s on the wire, at most %.0f%% of the uplink (group key %s)", every, compression, 100 * link_share, prefix)
     return averager
+
+
+def bind_stage(averager: GroupAverager | None, stage: torch.nn.Module) -> None:
+    """Give an averager made from the meta stage the live parameters, once the stage is built."""
+    if averager is not None:
+        averager.bind(list(stage.parameters()))
 
 
 def step_lock(averager: GroupAverager | None, own: threading.Lock) -> threading.Lock:

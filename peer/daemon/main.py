@@ -45,7 +45,7 @@ import torch
 
 from peer import __version__
 from peer.daemon.anchors import AnchorJobs
-from peer.daemon.averaging import apply_step, start_averaging, step_lock
+from peer.daemon.averaging import apply_step, bind_stage, start_averaging, step_lock
 from peer.daemon.checkpointing import Checkpointer
 from peer.daemon.feed import WorkFeed, open_feed
 from peer.daemon.membership import TRACKER_CHANNEL_OPTIONS, Membership, dht_maddrs_from_tracker, find_tracker, leave, start_dht
@@ -63,7 +63,7 @@ from peer.dp.hivemind_averager import connect_peers
 from peer.dp.signed_claims import ClaimSigner
 from peer.errors import AnchormeshError, ConfigError
 from peer.logs import setup_logging
-from peer.model.loading import load_stage
+from peer.model.loading import load_stage, meta_stages
 from peer.model.placement import CPU_FP32, parse_device, resolve_placement
 from peer.pipeline.grpc_transport import STAGE_POLICY, GrpcTransport
 from peer.pipeline.swarm_anchor import SwarmAnchor
@@ -183,9 +183,17 @@ class PeerDaemon:
         except ConfigError as exc:  # the run's precision or this stage does not fit this device: say so and leave
             self._refuse_config(a.run_id, exc)
         log.info("computing on %s; stage %d plans %.2f GiB of %.2f GiB free", self.placement.describe(), a.stage, plan.need(self.placement.device) / 2**30, free / 2**30)
+        self.phase("averager")
+        if self.dht is not None and a.group_dht_maddrs:
+            log.info("dialled %d of %d stage mates' DHT nodes", connect_peers(self.dht, list(a.group_dht_maddrs)), len(a.group_dht_maddrs))
+        self.averager = start_averaging(  # forks before any gRPC runs and before the stage fills this process (the child keeps each page written later)
+            self.dht, list(meta_stages(cfg.model, [a.stage], dtype=self.placement.master_dtype)[0].parameters()), f"{a.run_id}_stage{a.stage}", cfg.dp.inner_steps, cfg.dp.outer_compression, cfg.dp.link_share,
+            peer_id=self.peer_id, link_bps=self.router.uplink_bps,
+            signer=ClaimSigner(self.identity, a.run_id, a.certificate, a.tracker_key) if a.certificate else None, min_period_s=cfg.dp.min_period_s,
+            on_stuck=lambda: exec_again(self.peer_id, self.identity_to_keep()),
+        )
         self.phase("stage")
         stage = load_stage(cfg.model, a.stage, seed=cfg.seed, device=self.placement.device, dtype=self.placement.master_dtype)  # only this stage's layers
-        vocab_size = stage.vocab_size
         stage.train()
         replica = uuid.uuid4().int % (1 << 20)  # makes this peer's micro-batch ids (and masks) its own
         self.worker = StageWorker(stage, replica, cfg, self.transport, a.run_id, peer_id=self.peer_id, next_hop=self.router.next_hop, resolve=self.router.resolve, local_steps=True, placement=self.placement)
@@ -195,20 +203,12 @@ class PeerDaemon:
         slots = anchor_snapshot_slots(free - plan.need(self.placement.device), snapshot_bytes, cfg.compute.anchor_snapshot_share)
         self.anchor = SwarmAnchor(self.worker, cfg.anchor.micro_batches, self.router.siblings, eval_batches=cfg.pipeline.eval_batches, max_jobs=slots)
         self.anchor.issued = a.anchors_issued  # the Join reply's ceiling: forged anchor ids are refused before the first heartbeat
-        self.phase("averager")
-        if self.dht is not None and a.group_dht_maddrs:
-            log.info("dialled %d of %d stage mates' DHT nodes", connect_peers(self.dht, list(a.group_dht_maddrs)), len(a.group_dht_maddrs))
-        self.averager = start_averaging(  # forks: before any gRPC runs
-            self.dht, self.worker, f"{a.run_id}_stage{a.stage}", cfg.dp.inner_steps, cfg.dp.outer_compression, cfg.dp.link_share,
-            peer_id=self.peer_id, link_bps=self.router.uplink_bps,
-            signer=ClaimSigner(self.identity, a.run_id, a.certificate, a.tracker_key) if a.certificate else None, min_period_s=cfg.dp.min_period_s,
-            on_stuck=lambda: exec_again(self.peer_id, self.identity_to_keep()),
-        )
+        bind_stage(self.averager, stage)
         channel = auth.tracker_channel(self.tracker, self.creds, TRACKER_CHANNEL_OPTIONS, self.tls_ca)
         stub = pbg.TrackerStub(channel)
         if stage.is_first:  # before the heartbeat: its reports say which work this peer holds
             try:
-                self.feed = open_feed(a, cfg, channel, self.state_dir, self.data_dir, vocab_size)
+                self.feed = open_feed(a, cfg, channel, self.state_dir, self.data_dir, stage.vocab_size)
             except AnchormeshError as exc:  # this peer cannot read the run's data: say so (not why: it may name a local file) and leave
                 log.error("cannot use the run's data: %s", exc)
                 self.stop.set()

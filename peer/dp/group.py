@@ -79,7 +79,8 @@ LINK_MIN_STEPS = 4  # a round's all-reduce must span this many steps to measure 
 class GroupAverager:
     """Args:
         dht: a running hivemind DHT of the run.
-        params: the stage's parameters (updated in place).
+        params: the stage's parameters (updated in place), or the same on the meta device: then
+            `bind` gives the live ones once the stage is built (see `bind`).
         prefix: matchmaking key, e.g. "<run_id>_stage1" (no dots: hivemind forbids them); only peers with the same prefix meet.
         every: local steps between rounds (DiLoCo H).
         timeout: seconds a round may take, matchmaking included.
@@ -115,7 +116,9 @@ class GroupAverager:
             raise ValueError(f"compression must be one of {', '.join(WIRE_BYTES)}, not {compression!r}")
         self.compression = compression
 
-        self.params, self.every, self.timeout = params, every, timeout
+        self.params: list[torch.nn.Parameter] = []  # `bind`
+        self.every, self.timeout = every, timeout
+        self._shapes = [tuple(p.shape) for p in params]
         self.numel = sum(p.numel() for p in params)
         self.schedule = RoundSchedule(every, round_bytes(self.numel, 2, compression), link_bps, link_share, min_period_s)
         self._clock = clock
@@ -145,14 +148,14 @@ class GroupAverager:
         # hivemind peer ids of the stage group's members, from the tracker (None: not known yet);
         # a round with anyone else in it is refused: an outsider who found the group key
         self._members: set[str] | None = None
-        self._base = [p.detach().clone() for p in params]  # the last group mean ("int8" sends the change from it)
+        self._base: list[torch.Tensor] = []  # the last group mean ("int8" sends the change from it): `bind`
         self.bias = BiasTracker(list(params))  # each member's lean over rounds (host memory: four copies of the stage, from a round of three members)
         self.leaning = 0  # members named by `bias` (also in `suspects`)
         for attempt in range(1, START_TRIES + 1):
             self.averager = averager_class()(
                 # host copies (hivemind puts them in shared memory for its forked process, which
                 # must never touch CUDA); the base and the offered copy stay where the weights are
-                [p.detach().to("cpu", copy=True) for p in params], dht, start=False, prefix=prefix, target_group_size=None, min_group_size=2,
+                [torch.zeros(p.shape, dtype=p.dtype) if p.is_meta else p.detach().to("cpu", copy=True) for p in params], dht, start=False, prefix=prefix, target_group_size=None, min_group_size=2,
                 min_matchmaking_time=MIN_MATCHMAKING_S, request_timeout=REQUEST_TIMEOUT_S, next_chunk_timeout=NEXT_CHUNK_S, compression=absmax_8bit() if compression == "int8" else NoCompression(),
                 allow_state_sharing=False,  # a joiner's state comes over the Stage service
                 signer=signer,
@@ -176,6 +179,18 @@ class GroupAverager:
                 self.averager.join(5)
         else:
             raise AnchormeshError(f"the stage-group averaging process did not start in {START_TRIES} tries of {START_TIMEOUT_S:.0f}s")
+        if not any(p.is_meta for p in params):
+            self.bind(params)
+
+    def bind(self, params: list[torch.nn.Parameter]) -> None:
+        """The stage's live parameters, for an averager made from their shapes alone. Why: hivemind
+        forks its averaging process, and the child keeps a copy of every page the parent writes
+        after the fork; forked after the stage was built, that was the weights and the heap of
+        loading them (1.1 GB a SmolLM2 peer). Forked before, it is the imports' heap."""
+        if [tuple(p.shape) for p in params] != self._shapes:
+            raise ValueError(f"the stage's parameters {[tuple(p.shape) for p in params][:4]}... differ from the shapes this averager was made for {self._shapes[:4]}...")
+        self.params = params
+        self._base = [p.detach().clone() for p in params]
 
     @property
     def members(self) -> set[str] | None:
