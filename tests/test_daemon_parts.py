@@ -194,7 +194,7 @@ clock = [0.0]  # the member's process age, seconds
 
 def member() -> tuple[SimpleNamespace, Membership]:
     clock[0] = 0.0
-    worker = SimpleNamespace(stage=SimpleNamespace(index=1), version=9, inbox_fwd=[1, 2], inbox_bwd=[3], keep_sent={})
+    worker = SimpleNamespace(stage=SimpleNamespace(index=1), version=9, inbox_fwd=[1, 2], inbox_bwd=[3], keep_sent={}, state_bytes_sent=60)
     transport = SimpleNamespace(run_id="run", bytes_in=100, total_bytes=lambda: 250, excluding=lambda: ["x1", "x2", "x3", "x4", "x5"], endpoints={}, meters={}, usable=lambda dst: True)
     d = SimpleNamespace(
         peer_id="me", address="h:9", identity=SimpleNamespace(fingerprint="fp"), gate=SimpleNamespace(refused=collections.Counter(a=2, b=1), banned={"old": "x"}),
@@ -212,6 +212,7 @@ def test_membership_reports_the_peer_s_figures() -> None:
     r = m.report()
     assert (r.run_id, r.tokens, r.peer.peer_id, r.peer.stage, r.peer.step, r.peer.address) == ("run", 4096, "me", 1, 9, "h:9")
     assert (r.peer.queue_depth, r.peer.bytes_in, r.peer.bytes_out, r.peer.refused_calls, r.peer.key_fingerprint) == (3, 100, 250, 3, "fp")
+    assert r.peer.pp_state_bytes_out == 60  # of bytes_out: the codec state its links shipped
     assert list(r.peer.excluding) == ["x1", "x2", "x3", "x4"] and r.peer.dp_rounds == 0 and r.peer.anchor_id == 0
     assert (r.peer.replica_stage, r.peer.replica_step, r.peer.resumed_from) == (2, 7, "group step 5")
     assert list(r.peer.refused_donors) == ["bad: far"]  # the donors whose state it refused, for the tracker to show
