@@ -10,7 +10,7 @@ import torch
 
 from peer.codec import transform_wire as tw
 from peer.codec.bitpack import pack, packed_bytes, unpack
-from peer.codec.transform import MSE, FixedCoder, TransformLearner, allocate, random_coder, row_budget
+from peer.codec.transform import MSE, FixedCoder, TransformLearner, allocate, random_coder, row_budget, run_rotation
 from peer.config import MaskConfig, ModelConfig, OptimConfig, PipelineConfig, TrainConfig
 from peer.errors import ConfigError, WireError
 from peer.model.loading import load_causal_lm
@@ -197,7 +197,8 @@ def test_the_gradients_step_width_travels_with_their_coder() -> None:
         producer = TransformLinks(MaskConfig(scheme="transform", grad_bits=1.0, grad_rounding="dither", grad_step_scale=scale), 32, False, True)
         consumer = TransformLinks(MaskConfig(scheme="transform", grad_bits=1.0, grad_rounding="dither"), 32, True, False)  # its own scale: the default
         payload, coder = producer.encode("backward", x, "stage0.r0", boundary=0, step=2, micro_batch=0)
-        assert torch.equal(tw.coder_from_proto(coder, 32, row_budget(1.0, 32)).std, torch.full((32,), scale))
+        assert coder.run_rotation and not coder.HasField("rotation")  # the run's rotation: each end makes it
+        assert torch.equal(tw.coder_from_proto(coder, 32, row_budget(1.0, 32), run_rotation=run_rotation(32, 0)).std, torch.full((32,), scale))
         msg = pb.GradientChunk(header=pb.MicroBatchHeader(sender="stage1.r0", step=2, micro_batch_id=0, boundary=0), grad=payload, coder=coder)
         got = consumer.decode(msg, expect_shape=(4, 16, 32), boundary=0, step=2, micro_batch=0)
         err[scale] = float(((got - x) ** 2).mean() / (x**2).mean())
@@ -434,3 +435,31 @@ def test_activations_may_carry_their_own_statistics() -> None:
     assert rel(got) < 0.5 * coder_err and producer.msg_stats("forward") and not producer.msg_stats("backward")
     with pytest.raises(ConfigError, match="codec.transform.act_stats"):
         MaskConfig(scheme="transform", act_stats="batch")
+
+
+def test_the_gradients_coder_ships_without_the_run_s_rotation_and_nothing_else_may() -> None:
+    """The gradients' rotation is the run's (codec.seed): each end makes it, so their coder ships
+    its mean, stds and bits only (H = 576: 0.33 MB less a destination) and decodes alike at the other
+    end. An activation coder that says it uses the run's rotation, or a coder that says so and
+    carries one anyway, is refused with the field."""
+    from peer.pipeline.transform_link import TransformLinks
+
+    H = 576
+    mask = MaskConfig(scheme="transform", grad_bits=1.0, grad_rounding="dither")
+    producer, consumer = TransformLinks(mask, H, False, True), TransformLinks(mask, H, True, False)
+    x = torch.randn(2, 8, H, generator=torch.Generator().manual_seed(3))
+    payload, coder = producer.encode("backward", x, "stage0.r0", boundary=0, step=1, micro_batch=0)
+    full = tw.coder_to_proto(producer.learners["backward"].current)
+    assert coder.ByteSize() < 8 * H and full.ByteSize() > H * H  # mean, stds and bits (4 KB), against the int8 rotation (0.33 MB)
+    msg = pb.GradientChunk(header=pb.MicroBatchHeader(sender="stage1.r0", step=1, micro_batch_id=0, boundary=0), grad=payload, coder=coder)
+    got = consumer.decode(msg, expect_shape=(2, 8, H), boundary=0, step=1, micro_batch=0)
+    shipped = TransformLinks(mask, H, True, False)  # the same coder with its rotation shipped: the same values
+    msg_full = pb.GradientChunk(header=msg.header, grad=payload, coder=full)
+    assert torch.equal(got, shipped.decode(msg_full, expect_shape=(2, 8, H), boundary=0, step=1, micro_batch=0))
+    with pytest.raises(WireError, match="TransformCoder.run_rotation: only the gradients'"):
+        tw.coder_from_proto(coder, H, row_budget(2.0, H))  # read as an activation coder
+    both = pb.TransformCoder()
+    both.CopyFrom(full)
+    both.run_rotation = True
+    with pytest.raises(WireError, match="TransformCoder.rotation: a coder on the run's rotation carries none"):
+        tw.coder_from_proto(both, H, row_budget(1.0, H), run_rotation=run_rotation(H, 0))

@@ -154,7 +154,7 @@ def _transform_bytes(mask, dims: ModelDims, shape: Shape, boundary: int, names: 
     firsts = torch.arange(0, B * T, T) if mask.scheme == "transform" and mask.grad_outliers and pretrained else None
     grad = pb.GradientChunk(header=header, grad=_batched(tw.encode(grad_coder, row, sink=0, stochastic=True, dither=rates, row_rates=rates, **key), grad_coder, B, T, 0, row_rates=rates, dense_rows=firsts))
     coder_act = pb.ActivationChunk(coder=tw.coder_to_proto(act_coder)).ByteSize()
-    coder_grad = pb.GradientChunk(coder=tw.coder_to_proto(grad_coder)).ByteSize()
+    coder_grad = pb.GradientChunk(coder=tw.coder_to_proto(grad_coder, run_rotation=True)).ByteSize()  # its rotation is the run's: not shipped
     return MessageBytes(act.ByteSize(), grad.ByteSize(), coder_act, coder_grad)
 
 

@@ -42,6 +42,7 @@ by row, b bits each, most significant bit first, the group padded to a byte).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -337,12 +338,24 @@ def random_coder(hidden_size: int, budget: int, seed: int, version: int = 1, ste
     `step_scale` for components of about unit variance: the steps widen by that much (the stds
     travel with the coder, so a receiver needs no setting of its own)."""
     H = hidden_size
-    g = torch.Generator().manual_seed(seed)
-    q, r = torch.linalg.qr(torch.randn(H, H, generator=g, dtype=torch.float64))
-    rotation = q * torch.sign(torch.diagonal(r))  # the Haar-distributed orthogonal matrix
     bits = torch.full((H,), max(1, budget // H), dtype=torch.long)
     bits[: max(0, budget - int(bits.sum()))] += 1
-    return _state(version, torch.zeros(H), rotation, torch.full((H,), float(step_scale)), bits.clamp(max=MAX_BITS))
+    rotation_q, scale = run_rotation(H, seed)
+    return TransformState(version, torch.zeros(H), rotation_q, scale, torch.full((H,), float(step_scale)).half().float(), bits.clamp(max=MAX_BITS))
+
+
+@functools.lru_cache(maxsize=4)
+def run_rotation(hidden_size: int, seed: int) -> tuple[Tensor, Tensor]:
+    """(int8 columns, per-column scale) of the run's fixed random rotation: the QR of a seeded
+    Gaussian matrix, signs fixed (Haar-distributed), rounded as a shipped rotation is. Both ends
+    of a gradient link make it from the run's codec seed instead of shipping it; made once per
+    process (a QR of H x H). Read-only: every coder shares it."""
+    H = hidden_size
+    g = torch.Generator().manual_seed(seed)
+    q, r = torch.linalg.qr(torch.randn(H, H, generator=g, dtype=torch.float64))
+    rotation = (q * torch.sign(torch.diagonal(r))).float()
+    scale = (rotation.abs().amax(0) / 127).clamp(min=1e-12)
+    return torch.round(rotation / scale).clamp_(-127, 127).to(torch.int8), scale
 
 
 class TransformLearner:

@@ -21,21 +21,28 @@ ROTATION_LIMIT = 1.01  # orthonormal columns have unit length; int8 rounding add
 STD_SLACK = 1.01  # rows normalised to unit RMS: a component's std is at most sqrt(H)
 
 
-def coder_to_proto(state: TransformState) -> pb.TransformCoder:
-    return pb.TransformCoder(
+def coder_to_proto(state: TransformState, run_rotation: bool = False) -> pb.TransformCoder:
+    """A coder as it travels; with `run_rotation` (the gradients' coder, whose rotation is the
+    run's: transform.run_rotation) without its rotation, which the receiver makes itself."""
+    msg = pb.TransformCoder(
         version=state.version,
         mean=tensor_to_proto(state.mean.float().cpu()),
-        rotation=tensor_to_proto(state.rotation_q.cpu()),
-        rotation_scale=tensor_to_proto(state.rotation_scale.float().cpu()),
         std=tensor_to_proto(state.std.half().cpu()),
         bits=state.bits.to(torch.uint8).cpu().numpy().tobytes(),
+        run_rotation=run_rotation,
     )
+    if not run_rotation:
+        msg.rotation.CopyFrom(tensor_to_proto(state.rotation_q.cpu()))
+        msg.rotation_scale.CopyFrom(tensor_to_proto(state.rotation_scale.float().cpu()))
+    return msg
 
 
-def coder_from_proto(msg: pb.TransformCoder, hidden_size: int, max_bits: int) -> TransformState:
+def coder_from_proto(msg: pb.TransformCoder, hidden_size: int, max_bits: int, run_rotation: tuple[torch.Tensor, torch.Tensor] | None = None) -> TransformState:
     """A received coder, checked: sizes of this stage's boundary, finite values, rotation columns
     no longer than unit length (orthonormal up to rounding), std in (0, sqrt(H)], bits in [1, 8]
-    summing to at most `max_bits` (the run's bits per row: bounds every payload's size)."""
+    summing to at most `max_bits` (the run's bits per row: bounds every payload's size).
+    `run_rotation`: the run's rotation (int8 columns, scales) for a coder that says it uses it
+    (the gradients'); None where no coder may (the activations')."""
     H = hidden_size
     if msg.version < 1:
         raise WireError(f"TransformCoder.version={msg.version}: must be >= 1")
@@ -45,8 +52,19 @@ def coder_from_proto(msg: pb.TransformCoder, hidden_size: int, max_bits: int) ->
     if int(bits.min()) < 1 or int(bits.max()) > MAX_BITS or int(bits.sum()) > max_bits:
         raise WireError(f"TransformCoder.bits: each must be in [1, {MAX_BITS}] and they must sum to <= {max_bits} (the run's bits per row), got [{int(bits.min())}, {int(bits.max())}], sum {int(bits.sum())}")
     mean = proto_to_tensor(msg.mean, expect_shape=(H,), expect_dtype=torch.float32)
+    if msg.run_rotation:
+        if run_rotation is None:
+            raise WireError("TransformCoder.run_rotation: only the gradients' coder uses the run's rotation; this one must carry its own")
+        if msg.HasField("rotation") or msg.HasField("rotation_scale"):
+            raise WireError("TransformCoder.rotation: a coder on the run's rotation carries none")
+        return _coder_checked(msg, mean, *run_rotation, bits, H)
     rotation_q = proto_to_tensor(msg.rotation, expect_shape=(H, H), expect_dtype=torch.int8)
     scale = proto_to_tensor(msg.rotation_scale, expect_shape=(H,), expect_dtype=torch.float32)
+    return _coder_checked(msg, mean, rotation_q, scale, bits, H)
+
+
+def _coder_checked(msg: pb.TransformCoder, mean: torch.Tensor, rotation_q: torch.Tensor, scale: torch.Tensor, bits: torch.Tensor, H: int) -> TransformState:
+    """The rest of coder_from_proto's checks (std, finite values, unit-length columns)."""
     std = proto_to_tensor(msg.std, expect_shape=(H,), expect_dtype=torch.float16).float()
     for name, t in (("mean", mean), ("rotation_scale", scale), ("std", std)):
         if not bool(torch.isfinite(t).all()):

@@ -3,7 +3,9 @@
 Each tensor's producer makes the coder of what it produces and ships it: a stage has one for its
 outputs (forward: a KLT refitted every `mask.basis_refresh` steps, `mask.bits` per value) and
 one for the gradients w.r.t. its input (backward: a fixed random rotation, `mask.grad_bits` per
-value, made once), and sends each new version to each destination once. The coders a worker
+value, made once), and sends each new version to each destination once. The gradients' rotation
+is the run's (transform.run_rotation of `codec.seed`): each end makes it, and their coder ships
+without it (its stds and bits still travel). The coders a worker
 received are kept per (channel, producer), the two newest versions each, so a message still
 queued from before a refit decodes. Checks on the transport's threads and the worker's own
 decode share that store (dict operations only).
@@ -16,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from peer.codec import transform_wire as tw
-from peer.codec.transform import BITS_GRID, FixedCoder, TransformLearner, TransformState, fixed_bytes, grid_bits, row_budget
+from peer.codec.transform import BITS_GRID, FixedCoder, TransformLearner, TransformState, fixed_bytes, grid_bits, row_budget, run_rotation
 from peer.config import MaskConfig
 from peer.errors import WireError
 from peer.wire import anchormesh_pb2 as pb
@@ -123,7 +125,7 @@ class TransformLinks:
         state = learner.current
         coder = None
         if state is not None and self.sent.get((channel, dst)) != state.version:
-            coder = tw.coder_to_proto(state)
+            coder = tw.coder_to_proto(state, run_rotation=channel == "backward")
             self.sent[(channel, dst)] = state.version
         payload = tw.encode(state, x, sink=self.sink(channel), stochastic=channel == "backward" and self.mask.grad_rounding == "stochastic", boundary=boundary, step=step, micro_batch=micro_batch, dither=self.dithers(channel), channel=channel,
                            msg_stats=self.msg_stats(channel), row_rates=self.row_rates(channel), dense_rows=self.dense_rows(channel, ref) if state is not None else None,
@@ -137,7 +139,8 @@ class TransformLinks:
     # ---- consuming ------------------------------------------------------------------------
     def take_coder(self, channel: str, producer: str, coder: pb.TransformCoder) -> None:
         """Check and keep a coder `producer` shipped (WireError when it is malformed)."""
-        state = tw.coder_from_proto(coder, self.hidden_size, self.max_bits(channel))
+        rotation = run_rotation(self.hidden_size, self.mask.seed) if channel == "backward" else None
+        state = tw.coder_from_proto(coder, self.hidden_size, self.max_bits(channel), run_rotation=rotation)
         kept = self.coders.setdefault((channel, producer), {})
         kept[state.version] = state
         for old in sorted(kept)[:-KEEP_VERSIONS]:

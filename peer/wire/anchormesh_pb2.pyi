@@ -65,20 +65,22 @@ class Compression(_message.Message):
     def __init__(self, kind: _Optional[_Union[Compression.Kind, str]] = ..., drop: _Optional[float] = ..., mask_seed: _Optional[int] = ..., boundary: _Optional[int] = ..., step: _Optional[int] = ..., micro_batch: _Optional[int] = ..., values: _Optional[_Union[DType, str]] = ..., block_size: _Optional[int] = ..., coder_version: _Optional[int] = ..., sink: _Optional[int] = ..., dense_rows: _Optional[_Iterable[int]] = ..., row_bits: _Optional[int] = ...) -> None: ...
 
 class TransformCoder(_message.Message):
-    __slots__ = ("version", "mean", "rotation", "std", "bits", "rotation_scale")
+    __slots__ = ("version", "mean", "rotation", "std", "bits", "rotation_scale", "run_rotation")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MEAN_FIELD_NUMBER: _ClassVar[int]
     ROTATION_FIELD_NUMBER: _ClassVar[int]
     STD_FIELD_NUMBER: _ClassVar[int]
     BITS_FIELD_NUMBER: _ClassVar[int]
     ROTATION_SCALE_FIELD_NUMBER: _ClassVar[int]
+    RUN_ROTATION_FIELD_NUMBER: _ClassVar[int]
     version: int
     mean: TensorPayload
     rotation: TensorPayload
     std: TensorPayload
     bits: bytes
     rotation_scale: TensorPayload
-    def __init__(self, version: _Optional[int] = ..., mean: _Optional[_Union[TensorPayload, _Mapping]] = ..., rotation: _Optional[_Union[TensorPayload, _Mapping]] = ..., std: _Optional[_Union[TensorPayload, _Mapping]] = ..., bits: _Optional[bytes] = ..., rotation_scale: _Optional[_Union[TensorPayload, _Mapping]] = ...) -> None: ...
+    run_rotation: bool
+    def __init__(self, version: _Optional[int] = ..., mean: _Optional[_Union[TensorPayload, _Mapping]] = ..., rotation: _Optional[_Union[TensorPayload, _Mapping]] = ..., std: _Optional[_Union[TensorPayload, _Mapping]] = ..., bits: _Optional[bytes] = ..., rotation_scale: _Optional[_Union[TensorPayload, _Mapping]] = ..., run_rotation: _Optional[bool] = ...) -> None: ...
 
 class TensorPayload(_message.Message):
     __slots__ = ("dtype", "shape", "compression", "payload")
