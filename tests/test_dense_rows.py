@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from peer.codec import transform_wire as tw
-from peer.codec.transform import random_coder, row_budget
+from peer.codec.grad_coder import random_coder
+from peer.codec.transform import row_budget
 from peer.config import MaskConfig
 from peer.errors import ConfigError, WireError
 from peer.pipeline.transform_link import TransformLinks

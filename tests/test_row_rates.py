@@ -11,7 +11,8 @@ import torch
 
 from peer.codec import row_rates as rr
 from peer.codec.bitpack import pack
-from peer.codec.transform import random_coder, row_budget
+from peer.codec.grad_coder import random_coder
+from peer.codec.transform import row_budget
 from peer.config import MaskConfig, ModelConfig, OptimConfig, PipelineConfig, TrainConfig
 from peer.errors import ConfigError, WireError
 from peer.model.loading import load_causal_lm

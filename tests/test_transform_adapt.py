@@ -188,7 +188,7 @@ def test_a_gradient_below_a_bit_per_value_leaves_out_other_directions_every_mess
     rotation's components, but of its own signed permutation of the coordinates, so over many
     messages no direction is always missing (the fixed rotation alone would drop the same
     three quarters every time: a bias no number of steps averages out)."""
-    from peer.codec.transform import random_coder
+    from peer.codec.grad_coder import random_coder
 
     state = random_coder(H, H, seed=5)
     x = correlated(4, seed=3)

@@ -10,7 +10,8 @@ import torch
 
 from peer.codec import transform_wire as tw
 from peer.codec.bitpack import pack, packed_bytes, unpack
-from peer.codec.transform import MSE, FixedCoder, TransformLearner, allocate, random_coder, row_budget, run_rotation
+from peer.codec.grad_coder import FixedCoder, random_coder, run_rotation
+from peer.codec.transform import MSE, TransformLearner, allocate, row_budget
 from peer.config import MaskConfig, ModelConfig, OptimConfig, PipelineConfig, TrainConfig
 from peer.errors import ConfigError, WireError
 from peer.model.loading import load_causal_lm

@@ -8,8 +8,8 @@ import hashlib
 
 import torch
 
+from peer.codec.grad_coder import random_coder
 from peer.codec.mask import MaskCodec
-from peer.codec.transform import random_coder
 from peer.config import MaskConfig
 from peer.wire.version import WIRE_EPOCH, build_fields, codecs, wire_version
 

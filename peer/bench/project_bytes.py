@@ -124,7 +124,8 @@ def transform_coders(mask, hidden: int, version: int = 1):
     """(activation coder, gradient coder) of the transform scheme with the run's bit budgets: a
     seeded random rotation stands in for the fitted one (the same fields and budget: a fitted
     coder's bits are spread unevenly, which moves each bit width's padding by under a byte)."""
-    from peer.codec.transform import FixedCoder, random_coder, row_budget
+    from peer.codec.grad_coder import FixedCoder, random_coder
+    from peer.codec.transform import row_budget
 
     return random_coder(hidden, row_budget(mask.bits, hidden), seed=mask.seed, version=version), FixedCoder(hidden, mask.grad_bits, seed=mask.seed, step_scale=mask.grad_step_scale).current
 

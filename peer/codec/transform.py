@@ -21,7 +21,7 @@ Two coders, measured on SmolLM2-135M and the toy (docs/benchmarks.md):
   first at evaluation), refitted every `refresh` steps; values round to the nearest level. The
   first `sink` positions of every sequence (the attention sink: massive activations, up to
   11,000x the median in SmolLM2) travel dense in bf16.
-- Gradients: a fixed random rotation and the same bits everywhere (`random_coder`), values
+- Gradients: a fixed random rotation and the same bits everywhere (`grad_coder.random_coder`), values
   rounded stochastically with steps GRAD_STEP_SCALE times the Gaussian-optimal ones (so that
   few clip: a clipped value is a biased one). Why: a gradient's statistics move faster than the refits (a
   fitted coder went stale and clipped: +23 % on the toy), and a biased gradient costs far more
@@ -42,7 +42,6 @@ by row, b bits each, most significant bit first, the group padded to a byte).
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -332,32 +331,6 @@ def fit(rows: Tensor, budget: int, version: int) -> TransformState:
     return _state(version, mean, vecs, var.sqrt(), allocate(var, max(budget, H), min_bits=1))
 
 
-def random_coder(hidden_size: int, budget: int, seed: int, version: int = 1, step_scale: float = GRAD_STEP_SCALE) -> TransformState:
-    """The gradients' coder: a random orthogonal rotation (QR of a seeded Gaussian matrix), no
-    mean, `budget` bits spread evenly (the first components take the remainder). Its stds are
-    `step_scale` for components of about unit variance: the steps widen by that much (the stds
-    travel with the coder, so a receiver needs no setting of its own)."""
-    H = hidden_size
-    bits = torch.full((H,), max(1, budget // H), dtype=torch.long)
-    bits[: max(0, budget - int(bits.sum()))] += 1
-    rotation_q, scale = run_rotation(H, seed)
-    return TransformState(version, torch.zeros(H), rotation_q, scale, torch.full((H,), float(step_scale)).half().float(), bits.clamp(max=MAX_BITS))
-
-
-@functools.lru_cache(maxsize=4)
-def run_rotation(hidden_size: int, seed: int) -> tuple[Tensor, Tensor]:
-    """(int8 columns, per-column scale) of the run's fixed random rotation: the QR of a seeded
-    Gaussian matrix, signs fixed (Haar-distributed), rounded as a shipped rotation is. Both ends
-    of a gradient link make it from the run's codec seed instead of shipping it; made once per
-    process (a QR of H x H). Read-only: every coder shares it."""
-    H = hidden_size
-    g = torch.Generator().manual_seed(seed)
-    q, r = torch.linalg.qr(torch.randn(H, H, generator=g, dtype=torch.float64))
-    rotation = (q * torch.sign(torch.diagonal(r))).float()
-    scale = (rotation.abs().amax(0) / 127).clamp(min=1e-12)
-    return torch.round(rotation / scale).clamp_(-127, 127).to(torch.int8), scale
-
-
 class TransformLearner:
     """The activations' producer: keeps its recent rows (sink positions excluded) and fits a new
     `TransformState` every `refresh` steps. The first fit comes as soon as `min_rows` rows were
@@ -396,18 +369,3 @@ class TransformLearner:
         self._fitted_full = self._fitted_full or rows >= self.full_rows
         self._last_fit = step
         return self.current
-
-
-class FixedCoder:
-    """The gradients' producer: one `random_coder`, made at once and never refitted (nothing
-    about it depends on the data), with the learner's interface."""
-
-    def __init__(self, hidden_size: int, bits_per_value: float, seed: int, step_scale: float = GRAD_STEP_SCALE) -> None:
-        self.budget = row_budget(bits_per_value, hidden_size)
-        self.current = random_coder(hidden_size, self.budget, seed, step_scale=step_scale)
-
-    def observe(self, x: Tensor, sink: int) -> None:
-        pass
-
-    def maybe_refresh(self, step: int) -> None:
-        return None

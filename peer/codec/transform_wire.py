@@ -23,7 +23,7 @@ STD_SLACK = 1.01  # rows normalised to unit RMS: a component's std is at most sq
 
 def coder_to_proto(state: TransformState, run_rotation: bool = False) -> pb.TransformCoder:
     """A coder as it travels; with `run_rotation` (the gradients' coder, whose rotation is the
-    run's: transform.run_rotation) without its rotation, which the receiver makes itself."""
+    run's: grad_coder.run_rotation) without its rotation, which the receiver makes itself."""
     msg = pb.TransformCoder(
         version=state.version,
         mean=tensor_to_proto(state.mean.float().cpu()),

@@ -4,7 +4,7 @@ Each tensor's producer makes the coder of what it produces and ships it: a stage
 outputs (forward: a KLT refitted every `mask.basis_refresh` steps, `mask.bits` per value) and
 one for the gradients w.r.t. its input (backward: a fixed random rotation, `mask.grad_bits` per
 value, made once), and sends each new version to each destination once. The gradients' rotation
-is the run's (transform.run_rotation of `codec.seed`): each end makes it, and their coder ships
+is the run's (grad_coder.run_rotation of `codec.seed`): each end makes it, and their coder ships
 without it (its stds and bits still travel). The coders a worker
 received are kept per (channel, producer), the two newest versions each, so a message still
 queued from before a refit decodes. Checks on the transport's threads and the worker's own
@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 import torch
 
 from peer.codec import transform_wire as tw
-from peer.codec.transform import BITS_GRID, FixedCoder, TransformLearner, TransformState, fixed_bytes, grid_bits, row_budget, run_rotation
+from peer.codec.grad_coder import FixedCoder, run_rotation
+from peer.codec.transform import BITS_GRID, TransformLearner, TransformState, fixed_bytes, grid_bits, row_budget
 from peer.config import MaskConfig
 from peer.errors import WireError
 from peer.wire import anchormesh_pb2 as pb
