@@ -34,7 +34,9 @@ class StageBalance:
     move_cooldown_s: float
     clock: Callable[[], float]
     next_move_at: float  # no move before this clock time
-    reserved: dict[str, tuple[int, float, float]] = field(default_factory=dict)  # peer id -> (stage it was moved to, its speed, when)
+    reserved: dict[str, tuple[int, float, float]] = field(
+        default_factory=dict
+    )  # peer id -> (stage it was moved to, its speed, when)
     imbalanced_since: float | None = None  # when the capacity rule first asked for a move (reset when it stops)
 
     def speeds(self, peers: Collection[PeerRecord]) -> dict[str, float]:
@@ -48,12 +50,17 @@ class StageBalance:
         pending = [0.0] * len(self.layers)  # moved peers on their way to their new stage
         for stage, speed, _ in self.reserved.values():
             pending[stage] += speed
-        return [(sum(speeds[p.peer_id] for p in live(peers, s)) + pending[s]) / self.layers[s] for s in range(len(self.layers))]
+        return [
+            (sum(speeds[p.peer_id] for p in live(peers, s)) + pending[s]) / self.layers[s]
+            for s in range(len(self.layers))
+        ]
 
     def pick_stage(self, peers: Collection[PeerRecord], allowed: list[int] | None = None) -> int:
         """The lowest-scoring stage (of `allowed`), fewer live peers first on a tie."""
         scores = self.scores(peers)
-        return min(allowed if allowed is not None else range(len(scores)), key=lambda s: (scores[s], len(live(peers, s)), s))
+        return min(
+            allowed if allowed is not None else range(len(scores)), key=lambda s: (scores[s], len(live(peers, s)), s)
+        )
 
     def take_reservation(self, peer_id: str) -> int | None:
         """The stage `peer_id` was moved to, if it was (the reservation ends: it joins there)."""
@@ -89,7 +96,9 @@ class StageBalance:
             return None
         rich = max(donors, key=lambda s: scores[s])
         poor = min(range(len(scores)), key=lambda s: scores[s])
-        movable = [q for q in live(peers, rich) if q.state in ("active", "idle") and now - q.joined_at >= self.move_cooldown_s]
+        movable = [
+            q for q in live(peers, rich) if q.state in ("active", "idle") and now - q.joined_at >= self.move_cooldown_s
+        ]
         if poor == rich or not movable:
             return None
 
@@ -126,8 +135,12 @@ def fitting_stages(req: pb.JoinRequest, num_stages: int, unfit: deque) -> list[i
     if not fits:
         gib = 2**30
         smallest = min(range(K), key=lambda s: req.stage_memory_bytes[s])
-        why = (f"{req.peer_id} on {req.device or 'an unnamed device'}: {req.memory_bytes / gib:.1f} GiB, "
-               f"the smallest stage (stage {smallest}) needs {req.stage_memory_bytes[smallest] / gib:.1f} GiB")
+        why = (
+            f"{req.peer_id} on {req.device or 'an unnamed device'}: {req.memory_bytes / gib:.1f} GiB, "
+            f"the smallest stage (stage {smallest}) needs {req.stage_memory_bytes[smallest] / gib:.1f} GiB"
+        )
         unfit.append(why)
-        raise JoinRefused(f"no stage of this run fits this peer's memory ({why}); turn on compute.activation_checkpointing, lower pipeline.micro_batch_size, or run more stages (model.num_stages)")
+        raise JoinRefused(
+            f"no stage of this run fits this peer's memory ({why}); turn on compute.activation_checkpointing, lower pipeline.micro_batch_size, or run more stages (model.num_stages)"
+        )
     return fits

@@ -109,13 +109,17 @@ class DataOrder:
         new: list[int] = []
         if want:
             others = sum(len(v) for k, v in self.held.items() if k != peer)
-            room = self.budget - (self.done + others + len(still) + len(self.returned))  # budget windows not yet handed out
+            room = self.budget - (
+                self.done + others + len(still) + len(self.returned)
+            )  # budget windows not yet handed out
             for _ in range(self.lease - len(still)):
                 pool = len(self.returned)
                 wid = self._take(peer, fresh=not self.budget or room > 0)
                 if wid is None:
                     break
-                room -= len(self.returned) == pool  # a fresh id takes the budget's room; one given back was counted already
+                room -= (
+                    len(self.returned) == pool
+                )  # a fresh id takes the budget's room; one given back was counted already
                 new.append(wid)
         if released or given_back or new or (peer not in self.held and want):
             self.version += 1
@@ -164,12 +168,33 @@ class DataOrder:
         )
 
     def to_dict(self) -> dict:
-        keys = ("windows", "seq_len", "seed", "lease", "source", "epoch", "cursor", "done", "held", "returned", "refused", "released", "lost", "version")
+        keys = (
+            "windows",
+            "seq_len",
+            "seed",
+            "lease",
+            "source",
+            "epoch",
+            "cursor",
+            "done",
+            "held",
+            "returned",
+            "refused",
+            "released",
+            "lost",
+            "version",
+        )
         return {k: getattr(self, k) for k in keys}
 
     @classmethod
     def from_dict(cls, d: dict) -> DataOrder:
-        order = cls(int(d["windows"]), int(d["seq_len"]), int(d.get("seed", 0)), int(d.get("lease", 64)), str(d.get("source", "")))
+        order = cls(
+            int(d["windows"]),
+            int(d["seq_len"]),
+            int(d.get("seed", 0)),
+            int(d.get("lease", 64)),
+            str(d.get("source", "")),
+        )
         order.epoch, order.cursor, order.done = int(d.get("epoch", 0)), int(d.get("cursor", 0)), int(d.get("done", 0))
         order.held = {str(k): [int(x) for x in v] for k, v in (d.get("held") or {}).items()}
         order.returned = [int(x) for x in d.get("returned") or []]

@@ -29,9 +29,15 @@ class RunSecrets:
 
 def check_token(token: str, field: str = "--token") -> None:
     if len(token) < MIN_TOKEN_CHARS:
-        raise ConfigError(field, "<hidden>", f"a run token needs at least {MIN_TOKEN_CHARS} characters (it is the run's password)")
+        raise ConfigError(
+            field, "<hidden>", f"a run token needs at least {MIN_TOKEN_CHARS} characters (it is the run's password)"
+        )
     if token.startswith("-") or token != token.strip():
-        raise ConfigError(field, "<hidden>", "a run token must not start with '-' or with or end in spaces (peers pass it on the command line)")
+        raise ConfigError(
+            field,
+            "<hidden>",
+            "a run token must not start with '-' or with or end in spaces (peers pass it on the command line)",
+        )
 
 
 def load_or_create(state_dir: Path, token: str | None = None) -> RunSecrets:
@@ -44,7 +50,9 @@ def load_or_create(state_dir: Path, token: str | None = None) -> RunSecrets:
             data = json.loads(path.read_text())
             tracker = Identity.from_bytes(bytes.fromhex(data["tracker_key"]), str(path))
         except (ValueError, KeyError, TypeError) as exc:
-            raise ConfigError("--state-dir", str(state_dir), f"{path} is damaged ({exc}); restore it, or pass --new-run") from None
+            raise ConfigError(
+                "--state-dir", str(state_dir), f"{path} is damaged ({exc}); restore it, or pass --new-run"
+            ) from None
     else:
         tracker = Identity.generate()
     if token is not None:

@@ -9,7 +9,9 @@ from bootstrap.roster import LIVE, PeerRecord
 from peer.security.identity import fingerprint
 from peer.wire import anchormesh_pb2 as pb
 
-Suspects = tuple[dict[str, list[str]], dict[str, int], dict[str, int]]  # (peer id -> whom it named, -> how many name it, -> how many joiners refused its state)
+Suspects = tuple[
+    dict[str, list[str]], dict[str, int], dict[str, int]
+]  # (peer id -> whom it named, -> how many name it, -> how many joiners refused its state)
 
 
 def suspects(peers: Collection[PeerRecord]) -> Suspects:
@@ -41,18 +43,47 @@ def peer_info(p: PeerRecord, now: float, suspects: Suspects = ({}, {}, {})) -> p
     """`p` as the wire shows it, at tracker clock `now`."""
     named, flagged, donors = suspects
     return pb.PeerInfo(
-        peer_id=p.peer_id, stage=p.stage, address=p.address, state=p.state, last_seen_s=now - p.last_seen,
-        tokens_per_s=p.tokens_per_s, bytes_in=p.bytes_in, bytes_out=p.bytes_out, step=p.step, loss=p.loss,
-        queue_depth=p.queue_depth, reason=p.reason if p.reported or p.state not in LIVE else f"loading its stage ({now - p.joined_at:.0f}s since it joined)",
-        dp_rounds=p.dp_rounds, anchor_id=p.anchor_id,
-        anchor_bytes_out=p.anchor_bytes_out, pp_state_bytes_out=p.pp_state_bytes_out, capacity_tokens_per_s=p.capacity, dp_bytes_out=p.dp_bytes_out,
-        dp_dense_bytes=p.dp_dense_bytes, eval_id=p.eval_id, eval_loss=p.eval_loss, dp_rejected=p.dp_rejected,
-        refused_calls=p.refused_calls, key_fingerprint=fingerprint(bytes.fromhex(p.key)) if p.key else "",
-        dp_suspects=named.get(p.peer_id, []), dp_flagged=flagged.get(p.peer_id, 0),
-        link_mbit=p.link_mbit, pp_keep=p.pp_keep, dp_period_s=p.dp_period_s,
-        device=p.device, memory_bytes=p.memory, memory_plan_bytes=p.memory_plan, refused_reports=p.refused_reports,
-        excluding=list(p.excluding), startup_s=p.startup_s,
+        peer_id=p.peer_id,
+        stage=p.stage,
+        address=p.address,
+        state=p.state,
+        last_seen_s=now - p.last_seen,
+        tokens_per_s=p.tokens_per_s,
+        bytes_in=p.bytes_in,
+        bytes_out=p.bytes_out,
+        step=p.step,
+        loss=p.loss,
+        queue_depth=p.queue_depth,
+        reason=p.reason
+        if p.reported or p.state not in LIVE
+        else f"loading its stage ({now - p.joined_at:.0f}s since it joined)",
+        dp_rounds=p.dp_rounds,
+        anchor_id=p.anchor_id,
+        anchor_bytes_out=p.anchor_bytes_out,
+        pp_state_bytes_out=p.pp_state_bytes_out,
+        capacity_tokens_per_s=p.capacity,
+        dp_bytes_out=p.dp_bytes_out,
+        dp_dense_bytes=p.dp_dense_bytes,
+        eval_id=p.eval_id,
+        eval_loss=p.eval_loss,
+        dp_rejected=p.dp_rejected,
+        refused_calls=p.refused_calls,
+        key_fingerprint=fingerprint(bytes.fromhex(p.key)) if p.key else "",
+        dp_suspects=named.get(p.peer_id, []),
+        dp_flagged=flagged.get(p.peer_id, 0),
+        link_mbit=p.link_mbit,
+        pp_keep=p.pp_keep,
+        dp_period_s=p.dp_period_s,
+        device=p.device,
+        memory_bytes=p.memory,
+        memory_plan_bytes=p.memory_plan,
+        refused_reports=p.refused_reports,
+        excluding=list(p.excluding),
+        startup_s=p.startup_s,
         startup_phases=[pb.StartupPhase(name=n, seconds=x) for n, x in p.startup_phases],
-        replica_stage=p.replica_stage, replica_step=p.replica_step, resumed_from=p.resumed_from,
-        refused_donors=list(p.refused_donors), donor_flagged=donors.get(p.peer_id, 0),
+        replica_stage=p.replica_stage,
+        replica_step=p.replica_step,
+        resumed_from=p.resumed_from,
+        refused_donors=list(p.refused_donors),
+        donor_flagged=donors.get(p.peer_id, 0),
     )

@@ -62,8 +62,16 @@ def snapshot(tracker: Tracker, ports: dict[str, int]) -> dict:
             "uptime_s": now - tracker.started,
             "saved_at_unix": time.time(),  # the wall clock: a restore counts the time the tracker was down
             "moves": tracker.moves,
-            "anchors": {"next_at": tracker.anchors.next_at, "launched": tracker.anchors.launched, "launched_at": tracker.anchors.launched_at},
-            "evals": {"next_at": tracker.evals.next_at, "launched": tracker.evals.launched, "launched_at": tracker.evals.launched_at},
+            "anchors": {
+                "next_at": tracker.anchors.next_at,
+                "launched": tracker.anchors.launched,
+                "launched_at": tracker.anchors.launched_at,
+            },
+            "evals": {
+                "next_at": tracker.evals.next_at,
+                "launched": tracker.evals.launched,
+                "launched_at": tracker.evals.launched_at,
+            },
             "ports": ports,
             "peers": peers,
             "banned": dict(tracker.banned),
@@ -83,10 +91,18 @@ def load(state_dir: Path) -> dict | None:
         return None
     try:
         data = json.loads(path.read_text())
-        if data.get("format") != FORMAT or not isinstance(data.get("run_id"), str) or not isinstance(data.get("peers"), list):
+        if (
+            data.get("format") != FORMAT
+            or not isinstance(data.get("run_id"), str)
+            or not isinstance(data.get("peers"), list)
+        ):
             raise ValueError(f"not a format-{FORMAT} tracker state")
     except (OSError, ValueError) as exc:
-        raise ConfigError("--state-dir", str(state_dir), f"{FILE} is unreadable ({exc}); move it away, or pass --new-run to start a new run there") from None
+        raise ConfigError(
+            "--state-dir",
+            str(state_dir),
+            f"{FILE} is unreadable ({exc}); move it away, or pass --new-run to start a new run there",
+        ) from None
     return data
 
 
@@ -96,7 +112,9 @@ def restore(data: dict, **tracker_kwargs) -> Tracker:
     try:
         config = config_from_dict(data["config"])
     except ConfigError as exc:
-        raise ConfigError("--state-dir", FILE, f"its run config no longer loads ({exc}); pass --new-run to start a new run") from None
+        raise ConfigError(
+            "--state-dir", FILE, f"its run config no longer loads ({exc}); pass --new-run to start a new run"
+        ) from None
     tracker = Tracker(data["run_id"], config, **tracker_kwargs)
     now = tracker.clock()
     tracker.started = now - float(data.get("uptime_s", 0.0))
@@ -124,7 +142,14 @@ def restore(data: dict, **tracker_kwargs) -> Tracker:
         tracker.peers[p.peer_id] = p
     tracker.expire_after = now + RECONNECT_GRACE_S
     live = sum(1 for p in tracker.peers.values() if p.state in LIVE)
-    log.info("resumed run %s at step %d: %d peers in the roster, %d were live (they have %.0fs to reconnect)", tracker.run_id, tracker._run_step(), len(tracker.peers), live, RECONNECT_GRACE_S + tracker.peer_timeout_s)
+    log.info(
+        "resumed run %s at step %d: %d peers in the roster, %d were live (they have %.0fs to reconnect)",
+        tracker.run_id,
+        tracker._run_step(),
+        len(tracker.peers),
+        live,
+        RECONNECT_GRACE_S + tracker.peer_timeout_s,
+    )
     return tracker
 
 

@@ -14,7 +14,9 @@ from peer.wire import anchormesh_pb2 as pb
 log = logging.getLogger("anchormesh.tracker")
 
 
-def take_report(p: PeerRecord, info: pb.PeerInfo, tokens: int, now: float, pipeline: PipelineConfig, run_step: int, max_rate: float) -> bool:
+def take_report(
+    p: PeerRecord, info: pb.PeerInfo, tokens: int, now: float, pipeline: PipelineConfig, run_step: int, max_rate: float
+) -> bool:
     """Take a report's step, tokens and (clipped) rates into `p`, or, when its step or tokens
     cannot be true, keep the old ones and count and log the refusal (a broken or lying member:
     its figures would end the run). Returns whether it was taken."""
@@ -32,7 +34,9 @@ def take_report(p: PeerRecord, info: pb.PeerInfo, tokens: int, now: float, pipel
     return True
 
 
-def implausible(p: PeerRecord, info: pb.PeerInfo, tokens: int, now: float, pipeline: PipelineConfig, run_step: int, max_rate: float) -> str:
+def implausible(
+    p: PeerRecord, info: pb.PeerInfo, tokens: int, now: float, pipeline: PipelineConfig, run_step: int, max_rate: float
+) -> str:
     """Why a report's step or tokens cannot be true, or "". Why: the run's step is the highest
     stage-0 step and its token budget sums stage-0 tokens, so one member reporting step 2^40 or
     10^12 tokens would end the run. Bounds: a step never goes back and grows at most `max_rate`

@@ -67,10 +67,14 @@ class PeerRecord:
     replica_stage: int = 0  # the replica of another stage's state it keeps (peer/daemon/replicas.py)
     replica_step: int = 0  # its step; 0 = none
     resumed_from: str = ""  # where its stage state came from (initial weights, checkpoint, group, replica)
-    rate: float = -1.0  # steps/s the tracker saw it make over its last window of reports (bootstrap/support.py); -1 = not yet
+    rate: float = (
+        -1.0
+    )  # steps/s the tracker saw it make over its last window of reports (bootstrap/support.py); -1 = not yet
     mark_step: int = 0  # the step and tracker clock its current rate window started at
     mark_at: float = 0.0
-    supported_step: int = 0  # the highest of its step the others' reports supported (kept: the run's step never goes back)
+    supported_step: int = (
+        0  # the highest of its step the others' reports supported (kept: the run's step never goes back)
+    )
     supported_tokens: int = 0  # the same for its tokens (the budget)
     copy_stage: int = -1  # the stage the tracker last told it to copy (a replica), and that source's step then
     copy_step: int = 0

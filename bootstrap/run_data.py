@@ -73,7 +73,9 @@ def open_run_data(config: TrainConfig, state_dir: Path) -> PreparedData | HubDat
     state_dir.mkdir(parents=True, exist_ok=True)
     source = _source(config, folder)
     try:
-        half = config.data.heldout / 2  # documents held out: half for the evaluation passes, half as the confirmation set
+        half = (
+            config.data.heldout / 2
+        )  # documents held out: half for the evaluation passes, half as the confirmation set
         p = config.pipeline  # each held-out split needs one evaluation pass's windows (at most the default minimum)
         least = min(DEFAULT_MIN_HELDOUT_TOKENS, p.eval_batches * p.micro_batch_size * (p.seq_len + 1))
         prepare(
@@ -101,7 +103,9 @@ def data_order(data: PreparedData | HubData, config: TrainConfig) -> tuple[DataO
     p = config.pipeline
     windows = data.windows(p.seq_len).count
     lease = min(MAX_LEASE, max(LEASE_STEPS * p.micro_batches * p.micro_batch_size, p.micro_batch_size))
-    order = DataOrder(windows, p.seq_len, seed=config.seed, lease=lease, source=data.manifest.source, budget=budget_windows(config))
+    order = DataOrder(
+        windows, p.seq_len, seed=config.seed, lease=lease, source=data.manifest.source, budget=budget_windows(config)
+    )
     return order, eval_count(data, config)
 
 
@@ -127,7 +131,9 @@ class DataFiles:
 
     def __init__(self, data: PreparedData) -> None:
         self.folder = data.folder
-        self.files = {s.name: s.tokens * data.dtype.itemsize for split in SPLITS for s in data.manifest.splits[split].shards}
+        self.files = {
+            s.name: s.tokens * data.dtype.itemsize for split in SPLITS for s in data.manifest.splits[split].shards
+        }
         self.files.update({s.index: s.documents * 8 for split in SPLITS for s in data.manifest.splits[split].shards})
         self._slots = threading.BoundedSemaphore(MAX_DOWNLOADS)
         self.bytes_out = 0
@@ -135,11 +141,15 @@ class DataFiles:
     def GetData(self, request: pb.DataRequest, context: grpc.ServicerContext) -> Iterator[pb.DataChunk]:
         size = self.files.get(request.name)
         if size is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"name={request.name[:80]!r}: not a file of this run's prepared data")
+            context.abort(
+                grpc.StatusCode.NOT_FOUND, f"name={request.name[:80]!r}: not a file of this run's prepared data"
+            )
         if request.offset > size:
             context.abort(grpc.StatusCode.OUT_OF_RANGE, f"offset={request.offset}: {request.name} has {size} bytes")
         if not self._slots.acquire(blocking=False):
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{MAX_DOWNLOADS} data downloads are running; try again shortly")
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"{MAX_DOWNLOADS} data downloads are running; try again shortly"
+            )
         try:
             with (self.folder / request.name).open("rb") as f:
                 f.seek(request.offset)

@@ -117,7 +117,9 @@ def restore_step(peers: Iterable[PeerRecord], holder: PeerRecord, stage: int) ->
     return min(holder.replica_step, holder.copy_step + STEP_SLACK, reached + STEP_SLACK)
 
 
-def restore_choice(peers: Iterable[PeerRecord], serving: Iterable[PeerRecord], stage: int) -> tuple[PeerRecord, int] | None:
+def restore_choice(
+    peers: Iterable[PeerRecord], serving: Iterable[PeerRecord], stage: int
+) -> tuple[PeerRecord, int] | None:
     """The serving holder of the newest replica of `stage` by `restore_step`, and that step (None: no holder)."""
     peers = list(peers)
     scored = [(restore_step(peers, q, stage), q.peer_id, q) for q in serving]

@@ -84,7 +84,9 @@ class Tracker:
     started: float = field(default=0.0)
     expire_after: float = 0.0  # clock time before which no peer is declared dead (set after a restart)
     banned: dict[str, str] = field(default_factory=dict)  # key fingerprint -> why (the gate refuses their calls too)
-    unfit: deque = field(default_factory=lambda: deque(maxlen=8))  # the newest joins no stage fitted (status shows them)
+    unfit: deque = field(
+        default_factory=lambda: deque(maxlen=8)
+    )  # the newest joins no stage fitted (status shows them)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
@@ -93,7 +95,12 @@ class Tracker:
         self.digest = config_digest(self.config)
         self.anchors = Cadence(self.config.anchor.every)
         self.evals = Cadence(self.config.pipeline.eval_every)
-        self.balance = StageBalance([max(end - start, 1) for start, end in self.ranges], self.move_cooldown_s, self.clock, next_move_at=self.started)
+        self.balance = StageBalance(
+            [max(end - start, 1) for start, end in self.ranges],
+            self.move_cooldown_s,
+            self.clock,
+            next_move_at=self.started,
+        )
         self.moves = 0
 
     def scores(self, speeds: dict[str, float] | None = None) -> list[float]:
@@ -130,9 +137,13 @@ class Tracker:
             raise JoinRefused(f"run_id={req.run_id!r}: this tracker serves run {self.run_id!r}")
         if req.wire_version != wire_version():
             theirs = req.wire_version or f"none (anchormesh {req.code_version or '?'} predates wire versions)"
-            raise JoinRefused(f"wire_version={theirs}: this run's peers speak wire version {wire_version()} (anchormesh {__version__}); run a build with that wire version")
+            raise JoinRefused(
+                f"wire_version={theirs}: this run's peers speak wire version {wire_version()} (anchormesh {__version__}); run a build with that wire version"
+            )
         if self.config.mask.scheme not in req.codecs:
-            raise JoinRefused(f"codecs={list(req.codecs)}: this run's PP codec is codec.scheme={self.config.mask.scheme!r}, which this peer's build does not have")
+            raise JoinRefused(
+                f"codecs={list(req.codecs)}: this run's PP codec is codec.scheme={self.config.mask.scheme!r}, which this peer's build does not have"
+            )
         if not req.peer_id or not req.grpc_address:
             raise JoinRefused("peer_id and grpc_address are required")
         if key and fingerprint(key) in self.banned:
@@ -154,14 +165,24 @@ class Tracker:
             stage = self.balance.take_reservation(req.peer_id)
             if stage is None or (fits is not None and stage not in fits):
                 stage = self.balance.pick_stage(self.peers.values(), fits)
-            support = Support(self.peers.values(), self.clock())  # a lone member's claim counts as far as the others' reports reach
+            support = Support(
+                self.peers.values(), self.clock()
+            )  # a lone member's claim counts as far as the others' reports reach
             start_step = max((support.step(p) for p in self.peers.values() if p.stage == stage), default=0)
             restore = self._restore_source(stage)
             donors = [peer_info(q, self.clock()) for q in support.donor_order(self._serving(stage))[:MAX_DONORS]]
             mates = [m for q in self.live(stage) for m in q.dht_maddrs[:MAX_MADDRS_PER_PEER]]
             self.peers[req.peer_id] = PeerRecord(
-                req.peer_id, stage, req.grpc_address, last_seen=self.clock(), joined_at=self.clock(), dht_maddrs=tuple(req.dht_maddrs[:MAX_MADDRS_PER_PEER]), key=key.hex(),
-                device=req.device[:120], memory=req.memory_bytes, memory_plan=req.stage_memory_bytes[stage] if req.stage_memory_bytes else 0,
+                req.peer_id,
+                stage,
+                req.grpc_address,
+                last_seen=self.clock(),
+                joined_at=self.clock(),
+                dht_maddrs=tuple(req.dht_maddrs[:MAX_MADDRS_PER_PEER]),
+                key=key.hex(),
+                device=req.device[:120],
+                memory=req.memory_bytes,
+                memory_plan=req.stage_memory_bytes[stage] if req.stage_memory_bytes else 0,
                 start_step=start_step,
             )
         start, end = self.ranges[stage]
@@ -177,14 +198,21 @@ class Tracker:
             dht_maddrs=self.dht_maddrs,
             group_dht_maddrs=mates,
             anchors_issued=self.anchors.launched,
-            restore_from=restore, donors=donors,
-            data_manifest=self.data_manifest if stage == 0 else "", data_hub=self.data_hub if stage == 0 else "",
+            restore_from=restore,
+            donors=donors,
+            data_manifest=self.data_manifest if stage == 0 else "",
+            data_hub=self.data_hub if stage == 0 else "",
             data_windows=self.data.windows if self.data is not None else 0,
         )
 
     def run_config(self) -> pb.RunConfig:
         """The run's config for an observer that does not join (anchormesh export)."""
-        return pb.RunConfig(run_id=self.run_id, run_config_json=json.dumps(asdict(self.config)), code_version=__version__, wire_version=wire_version())
+        return pb.RunConfig(
+            run_id=self.run_id,
+            run_config_json=json.dumps(asdict(self.config)),
+            code_version=__version__,
+            wire_version=wire_version(),
+        )
 
     def report(self, rep: pb.PeerReport) -> pb.Directive:
         """Record a heartbeat; answer with the live peers of the adjacent stages and of the peer's
@@ -199,11 +227,22 @@ class Tracker:
                 raise JoinRefused(f"peer_id={rep.peer.peer_id!r} is not in the roster: join first")
             info = rep.peer
             now = self.clock()
-            take_report(p, info, rep.tokens, now, self.config.pipeline, self._run_step(), rate_bound(self.peers.values(), p))
+            take_report(
+                p, info, rep.tokens, now, self.config.pipeline, self._run_step(), rate_bound(self.peers.values(), p)
+            )
             p.state = info.state if info.state in LIVE else p.state
             p.last_seen, p.loss, p.reported = now, info.loss, True
-            p.bytes_in, p.bytes_out, p.queue_depth, p.reason = info.bytes_in, info.bytes_out, info.queue_depth, info.reason[:MAX_TEXT]
-            p.dp_rounds, p.anchor_id, p.anchor_bytes_out = info.dp_rounds, min(info.anchor_id, self.anchors.launched), info.anchor_bytes_out
+            p.bytes_in, p.bytes_out, p.queue_depth, p.reason = (
+                info.bytes_in,
+                info.bytes_out,
+                info.queue_depth,
+                info.reason[:MAX_TEXT],
+            )
+            p.dp_rounds, p.anchor_id, p.anchor_bytes_out = (
+                info.dp_rounds,
+                min(info.anchor_id, self.anchors.launched),
+                info.anchor_bytes_out,
+            )
             p.pp_state_bytes_out = min(info.pp_state_bytes_out, info.bytes_out)
             p.dp_bytes_out, p.dp_dense_bytes, p.dp_rejected = info.dp_bytes_out, info.dp_dense_bytes, info.dp_rejected
             p.eval_id, p.eval_loss, p.refused_calls = info.eval_id, info.eval_loss, info.refused_calls
@@ -212,15 +251,22 @@ class Tracker:
             p.excluding = tuple(x[:MAX_TEXT] for x in info.excluding[:MAX_SUSPECTS])
             p.refused_donors = tuple(x[:MAX_TEXT] for x in info.refused_donors[:MAX_SUSPECTS])
             p.startup_s = info.startup_s if _plausible_s(info.startup_s) else 0.0
-            p.startup_phases = tuple((x.name[:MAX_NAME], x.seconds) for x in info.startup_phases[:MAX_PHASES] if _plausible_s(x.seconds))
+            p.startup_phases = tuple(
+                (x.name[:MAX_NAME], x.seconds) for x in info.startup_phases[:MAX_PHASES] if _plausible_s(x.seconds)
+            )
             # a claimed replica newer than the run is a lie: a joiner would only refuse it after the download
-            ok = info.replica_stage < self.config.model.num_stages and info.replica_step <= step_ceiling(self._run_step(), 2 * self.heartbeat_interval_s)
+            ok = info.replica_stage < self.config.model.num_stages and info.replica_step <= step_ceiling(
+                self._run_step(), 2 * self.heartbeat_interval_s
+            )
             p.replica_stage, p.replica_step = (info.replica_stage, info.replica_step) if ok else (0, 0)
             p.resumed_from = info.resumed_from[:200]
             self._expire()
             new_work = self._settle_work(p, rep)
             if self._budget_spent():
-                return pb.Directive(kind=pb.Directive.STOP, reason=f"the run's token budget of {self.config.token_budget} tokens is spent")
+                return pb.Directive(
+                    kind=pb.Directive.STOP,
+                    reason=f"the run's token budget of {self.config.token_budget} tokens is spent",
+                )
             move = self.balance.move_target(self.peers.values(), p)
             if move is not None:
                 target, speed = move
@@ -228,16 +274,43 @@ class Tracker:
                 p.state, p.reason = "left", f"moved to stage {target}, which was starving"
                 self._release(p.peer_id)
                 self.balance.moved(p.peer_id, target, speed)
-                return pb.Directive(kind=pb.Directive.MOVE, reason=f"stage {target} needs a peer more than stage {p.stage}")
+                return pb.Directive(
+                    kind=pb.Directive.MOVE, reason=f"stage {target} needs a peer more than stage {p.stage}"
+                )
             # a joining peer may not serve yet (it may still be downloading its stage's state)
-            neighbours = [peer_info(q, self.clock()) for q in self.live() if abs(q.stage - p.stage) <= 1 and q.peer_id != p.peer_id and q.state != "joining"]
-            banned_dht = sorted({m.rsplit("/p2p/", 1)[1] for q in self.peers.values() if q.state == "banned" for m in q.dht_maddrs if "/p2p/" in m})
+            neighbours = [
+                peer_info(q, self.clock())
+                for q in self.live()
+                if abs(q.stage - p.stage) <= 1 and q.peer_id != p.peer_id and q.state != "joining"
+            ]
+            banned_dht = sorted(
+                {
+                    m.rsplit("/p2p/", 1)[1]
+                    for q in self.peers.values()
+                    if q.state == "banned"
+                    for m in q.dht_maddrs
+                    if "/p2p/" in m
+                }
+            )
             # libp2p authenticates hivemind peer ids, and each member declared its own at Join:
             # an averaging round with any other id has an outsider in it
-            members = sorted({m.rsplit("/p2p/", 1)[1] for q in self.live(p.stage) for m in q.dht_maddrs if "/p2p/" in m})
-            directive = pb.Directive(kind=pb.Directive.CONTINUE, neighbours=neighbours, banned=sorted(self.banned), banned_dht=banned_dht, member_dht=members, windows=new_work)
+            members = sorted(
+                {m.rsplit("/p2p/", 1)[1] for q in self.live(p.stage) for m in q.dht_maddrs if "/p2p/" in m}
+            )
+            directive = pb.Directive(
+                kind=pb.Directive.CONTINUE,
+                neighbours=neighbours,
+                banned=sorted(self.banned),
+                banned_dht=banned_dht,
+                member_dht=members,
+                windows=new_work,
+            )
             # anchor and evaluation passes: to the next stage-0 peer to report once due, while every stage is served
-            if p.stage == 0 and p.state in ("active", "idle") and all(self.live(s) for s in range(self.config.model.num_stages)):
+            if (
+                p.stage == 0
+                and p.state in ("active", "idle")
+                and all(self.live(s) for s in range(self.config.model.num_stages))
+            ):
                 step = self._run_step()
                 directive.anchor_id, directive.eval_id = self.anchors.due(step), self.evals.due(step)
                 if directive.anchor_id:
@@ -255,12 +328,16 @@ class Tracker:
         if self.data is None or p.stage != 0:
             return []
         want = p.state in LIVE and not self._budget_spent() and self.data.keeps_up(p.peer_id, p.tokens)
-        return self.data.report(p.peer_id, list(rep.windows_held[:MAX_HELD]), list(rep.windows_returned[:MAX_HELD]), want=want)
+        return self.data.report(
+            p.peer_id, list(rep.windows_held[:MAX_HELD]), list(rep.windows_returned[:MAX_HELD]), want=want
+        )
 
     def _serving(self, stage: int | None = None) -> list[PeerRecord]:
         """Live peers that serve (not joining) of `stage` (all stages: None), most-trained first:
         what a joiner, a replica or a restore may be taken from."""
-        return sorted((q for q in self.live(stage) if q.state in ("active", "idle")), key=lambda q: (-q.step, q.peer_id))
+        return sorted(
+            (q for q in self.live(stage) if q.state in ("active", "idle")), key=lambda q: (-q.step, q.peer_id)
+        )
 
     def _replica_source(self, p: PeerRecord) -> PeerRecord | None:
         """Whom `p` copies the next stage's state from (the last stage copies stage 0), so every
@@ -287,13 +364,21 @@ class Tracker:
         return info
 
     def _tokens(self) -> int:
-        return Support(self.peers.values(), self.clock()).stage0_tokens(self.config.pipeline)  # stage 0 feeds every token once
+        return Support(self.peers.values(), self.clock()).stage0_tokens(
+            self.config.pipeline
+        )  # stage 0 feeds every token once
 
     def _budget_spent(self) -> bool:  # lost windows count: the budget caps what is handed out, so they never come
-        return 0 < self.config.token_budget <= self._tokens() + (self.data.lost * self.data.seq_len if self.data is not None else 0)
+        return (
+            0
+            < self.config.token_budget
+            <= self._tokens() + (self.data.lost * self.data.seq_len if self.data is not None else 0)
+        )
 
     def _run_step(self) -> int:
-        return Support(self.peers.values(), self.clock()).run_step()  # stage 0 counts the run's steps, as far as the others support them
+        return Support(
+            self.peers.values(), self.clock()
+        ).run_step()  # stage 0 counts the run's steps, as far as the others support them
 
     def leave(self, req: pb.LeaveRequest) -> None:
         with self._lock:
@@ -307,7 +392,11 @@ class Tracker:
         refused from now on, it leaves the roster's routing, and every peer hears of it in its
         next heartbeat reply. Returns "fingerprint (peer id): reason" for every banned key."""
         with self._lock:
-            records = [p for p in self.peers.values() if p.peer_id == who or (p.key and fingerprint(bytes.fromhex(p.key)) == who)]
+            records = [
+                p
+                for p in self.peers.values()
+                if p.peer_id == who or (p.key and fingerprint(bytes.fromhex(p.key)) == who)
+            ]
             fps = {fingerprint(bytes.fromhex(p.key)) for p in records if p.key}
             if not fps and len(who) == 16 and all(c in "0123456789abcdef" for c in who):
                 fps = {who}  # a key that never joined (or left the roster)
@@ -339,7 +428,15 @@ class Tracker:
             scores = self.scores()
             for s in range(K):
                 up = self.live(s)
-                stages.append(pb.StageStatus(index=s, peers=len(up), tokens_per_s=sum(p.tokens_per_s for p in up), queue_depth=sum(p.queue_depth for p in up), capacity_tokens_per_s=scores[s]))
+                stages.append(
+                    pb.StageStatus(
+                        index=s,
+                        peers=len(up),
+                        tokens_per_s=sum(p.tokens_per_s for p in up),
+                        queue_depth=sum(p.queue_depth for p in up),
+                        capacity_tokens_per_s=scores[s],
+                    )
+                )
             first, last = self.live(0), self.live(K - 1)
             tokens = self._tokens()
             losses = [p.loss for p in last if not math.isnan(p.loss)]
@@ -373,7 +470,10 @@ class Tracker:
                 state=state,
                 reason=reason,
                 stages=stages,
-                peers=[peer_info(p, self.clock(), named) for p in sorted(self.peers.values(), key=lambda p: (p.stage, p.peer_id))],
+                peers=[
+                    peer_info(p, self.clock(), named)
+                    for p in sorted(self.peers.values(), key=lambda p: (p.stage, p.peer_id))
+                ],
                 dht_maddrs=self.dht_maddrs,
                 anchor_step=anchor_step,
                 anchor_age_steps=max(step - anchor_step, 0) if anchor_step >= 0 else -1,
@@ -388,7 +488,12 @@ class Tracker:
                 config_digest=self.digest,
                 wire_version=wire_version(),
                 unfit=list(self.unfit),
-                model=pb.ModelInfo(name=self.config.model.name, num_layers=self.config.model.num_layers, hidden_size=self.config.model.hidden_size,
-                                   num_stages=K, tokenizer=self.config.data.tokenizer),
+                model=pb.ModelInfo(
+                    name=self.config.model.name,
+                    num_layers=self.config.model.num_layers,
+                    hidden_size=self.config.model.hidden_size,
+                    num_stages=K,
+                    tokenizer=self.config.data.tokenizer,
+                ),
                 data=self.data.status(self.eval_windows) if self.data is not None else None,
             )

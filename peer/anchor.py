@@ -87,7 +87,9 @@ class AnchorReplica:
                     per_value = self.codec.bytes_per_element() if masked else self.value_bytes
                     nbytes += round(2 * h.numel() * per_value)  # forward activation + backward gradient
                     if masked:
-                        keep = self.codec.keep_mask(tuple(h.shape), boundary=b - 1, step=step, micro_batch=1_000_000 + j, device=h.device)
+                        keep = self.codec.keep_mask(
+                            tuple(h.shape), boundary=b - 1, step=step, micro_batch=1_000_000 + j, device=h.device
+                        )
                         mask = self.codec.cfg
                         h = reconstruct(h, keep, mask.keep, mask.fill, self.fill_fn(b, window))
                 h = stage(h)
@@ -95,7 +97,10 @@ class AnchorReplica:
             loss.backward()
             loss_sum += float(loss.detach()) * self.micro_batches
             tokens += tgt.numel()
-        grads = [{n: p.grad.detach().clone() for n, p in s.named_parameters() if n in t and p.grad is not None} for s, t in zip(self._copies, targets)]
+        grads = [
+            {n: p.grad.detach().clone() for n, p in s.named_parameters() if n in t and p.grad is not None}
+            for s, t in zip(self._copies, targets)
+        ]
         return grads, loss_sum / self.micro_batches, tokens, nbytes
 
     def compute(self, step: int, snapshot: list[StageState], with_masked: bool) -> AnchorPrior:

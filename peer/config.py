@@ -79,8 +79,20 @@ CODEC_SHARED = ("scheme", "seed", "adapt", "min_keep", "link_target")
 CODEC_SETTINGS: dict[str, tuple[str, ...]] = {
     "mask": ("drop", "fill", "values", "prior_momentum"),
     "lowrank": ("rank", "basis_refresh", "prior_rows", "values"),
-    "transform": ("bits", "grad_bits", "sink", "basis_refresh", "grad_rounding", "act_rounding", "grad_step_scale", "grad_rates", "grad_outliers",
-                  "grad_rotation", "grad_min_bits", "act_stats"),
+    "transform": (
+        "bits",
+        "grad_bits",
+        "sink",
+        "basis_refresh",
+        "grad_rounding",
+        "act_rounding",
+        "grad_step_scale",
+        "grad_rates",
+        "grad_outliers",
+        "grad_rotation",
+        "grad_min_bits",
+        "act_stats",
+    ),
 }
 
 
@@ -88,7 +100,11 @@ def codec_key(name: str, scheme: str) -> str:
     """The run.toml name of MaskConfig's field `name` in a run of codec `scheme`."""
     if name in CODEC_SHARED:
         return f"codec.{name}"
-    owner = scheme if name in CODEC_SETTINGS.get(scheme, ()) else next((c for c, keys in CODEC_SETTINGS.items() if name in keys), scheme)
+    owner = (
+        scheme
+        if name in CODEC_SETTINGS.get(scheme, ())
+        else next((c for c, keys in CODEC_SETTINGS.items() if name in keys), scheme)
+    )
     return f"codec.{owner}.{name}"
 
 
@@ -212,20 +228,42 @@ class MaskConfig:
     def __post_init__(self) -> None:
         _choice(self._key("scheme"), self.scheme, MASK_SCHEMES)
         if not (0.0 < self.min_keep <= 1.0):
-            raise ConfigError(self._key("min_keep"), self.min_keep, "must be in (0, 1]: the least fraction of the configured payload a link sends")
+            raise ConfigError(
+                self._key("min_keep"),
+                self.min_keep,
+                "must be in (0, 1]: the least fraction of the configured payload a link sends",
+            )
         if not (0.0 < self.link_target <= 1.0):
-            raise ConfigError(self._key("link_target"), self.link_target, "must be in (0, 1]: the share of a micro-batch's compute time its bytes may take")
+            raise ConfigError(
+                self._key("link_target"),
+                self.link_target,
+                "must be in (0, 1]: the share of a micro-batch's compute time its bytes may take",
+            )
         if self.prior_rows < 2:
             raise ConfigError(self._key("prior_rows"), self.prior_rows, "must be >= 2 (token rows plus the shared row)")
         if self.scheme != "mask" and self.drop:
-            raise ConfigError(self._key("drop"), self.drop, f'must be 0 with codec.scheme="{self.scheme}" (its values are not masked)')
+            raise ConfigError(
+                self._key("drop"), self.drop, f'must be 0 with codec.scheme="{self.scheme}" (its values are not masked)'
+            )
         for name in ("bits", "grad_bits"):
             if not (1.0 <= getattr(self, name) <= 8.0):
-                raise ConfigError(self._key(name), getattr(self, name), "must be in [1, 8] bits per value: every component of a row gets at least one")
+                raise ConfigError(
+                    self._key(name),
+                    getattr(self, name),
+                    "must be in [1, 8] bits per value: every component of a row gets at least one",
+                )
         if not (0.125 <= self.grad_min_bits <= 8.0):
-            raise ConfigError(self._key("grad_min_bits"), self.grad_min_bits, "must be in [0.125, 8] bits per value (the adapting grid's step is 1/8)")
+            raise ConfigError(
+                self._key("grad_min_bits"),
+                self.grad_min_bits,
+                "must be in [0.125, 8] bits per value (the adapting grid's step is 1/8)",
+            )
         if self.grad_min_bits < 1.0 and self.grad_rates == "row":
-            raise ConfigError(self._key("grad_min_bits"), self.grad_min_bits, 'must be >= 1 with codec.transform.grad_rates = "row" (each row\'s rate class needs a bit per value on average)')
+            raise ConfigError(
+                self._key("grad_min_bits"),
+                self.grad_min_bits,
+                'must be >= 1 with codec.transform.grad_rates = "row" (each row\'s rate class needs a bit per value on average)',
+            )
         if self.sink < 0:
             raise ConfigError(self._key("sink"), self.sink, "must be >= 0 positions")
         _choice(self._key("grad_rounding"), self.grad_rounding, GRAD_ROUNDINGS)
@@ -233,16 +271,28 @@ class MaskConfig:
         _choice(self._key("act_stats"), self.act_stats, ACT_STATS)
         _choice(self._key("grad_rates"), self.grad_rates, GRAD_RATES)
         if self.grad_outliers != 0 and not (1.0 < self.grad_outliers <= 1e6):
-            raise ConfigError(self._key("grad_outliers"), self.grad_outliers, "must be 0 (off) or in (1, 1e6] times the median row RMS")
+            raise ConfigError(
+                self._key("grad_outliers"),
+                self.grad_outliers,
+                "must be 0 (off) or in (1, 1e6] times the median row RMS",
+            )
         if self.grad_rates == "row" and self.grad_rounding != "dither":
-            raise ConfigError(self._key("grad_rates"), self.grad_rates, f'"row" needs codec.transform.grad_rounding = "dither" (got "{self.grad_rounding}"): a row\'s kept components are drawn from the dither\'s key')
+            raise ConfigError(
+                self._key("grad_rates"),
+                self.grad_rates,
+                f'"row" needs codec.transform.grad_rounding = "dither" (got "{self.grad_rounding}"): a row\'s kept components are drawn from the dither\'s key',
+            )
         _choice(self._key("grad_rotation"), self.grad_rotation, GRAD_ROTATIONS)
         if not (0.25 <= self.grad_step_scale <= 8.0):
-            raise ConfigError(self._key("grad_step_scale"), self.grad_step_scale, "must be in [0.25, 8] Gaussian-optimal steps")
+            raise ConfigError(
+                self._key("grad_step_scale"), self.grad_step_scale, "must be in [0.25, 8] Gaussian-optimal steps"
+            )
         _positive(self._key("rank"), self.rank)
         _positive(self._key("basis_refresh"), self.basis_refresh)
         if not (0.0 <= self.drop < 1.0):
-            raise ConfigError(self._key("drop"), self.drop, "keep fraction 1-drop must be in (0, 1]: need 0 <= drop < 1")
+            raise ConfigError(
+                self._key("drop"), self.drop, "keep fraction 1-drop must be in (0, 1]: need 0 <= drop < 1"
+            )
         _choice(self._key("fill"), self.fill, MASK_FILLS)
         _choice(self._key("values"), self.values, VALUE_DTYPES)
         if not (0.0 <= self.prior_momentum < 1.0):
@@ -279,7 +329,13 @@ TINY_RUN: dict[str, dict[str, object]] = {
     # 2-bit gradients rounded stochastically at twice the Gaussian-optimal step, the coder's own
     # statistics, every gradient row coded: on the byte-level toy 1-bit gradients cost +7.8 %
     # against +1.8 %, and it has no massive activations to send dense
-    "mask": {"grad_bits": 2.0, "grad_rounding": "stochastic", "grad_step_scale": 2.0, "act_stats": "coder", "grad_outliers": 0.0},
+    "mask": {
+        "grad_bits": 2.0,
+        "grad_rounding": "stochastic",
+        "grad_step_scale": 2.0,
+        "act_stats": "coder",
+        "grad_outliers": 0.0,
+    },
     # fp32 parameters: 8-bit deltas showed a +9 % eval-loss gap on the toy at a 5-step cadence
     "dp": {"outer_compression": "none"},
     # a randomly initialised toy learns from scratch: a pretraining lr, not an adaptation one
@@ -347,7 +403,11 @@ class DPConfig:
     def __post_init__(self) -> None:
         _positive("dp.min_period_s", self.min_period_s)
         if not (0.0 <= self.link_share <= 1.0):
-            raise ConfigError("dp.link_share", self.link_share, "must be in [0, 1]: the share of the uplink's time averaging rounds may take (0 = no bound)")
+            raise ConfigError(
+                "dp.link_share",
+                self.link_share,
+                "must be in [0, 1]: the share of the uplink's time averaging rounds may take (0 = no bound)",
+            )
         if self.replicas < 1:
             raise ConfigError("dp.replicas", self.replicas, "must be >= 1")
         _choice("dp.scheme", self.scheme, DP_SCHEMES)
@@ -465,7 +525,11 @@ class OptimConfig:
         if not (0.0 <= self.min_lr_ratio <= 1.0):
             raise ConfigError("optim.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
         if self.schedule != "constant" and self.decay_steps <= self.warmup_steps:
-            raise ConfigError("optim.decay_steps", self.decay_steps, f"must exceed optim.warmup_steps ({self.warmup_steps}) with optim.schedule={self.schedule!r}: the steps over which lr falls to min_lr_ratio * lr (a swarm runs until stopped, so its horizon must be said)")
+            raise ConfigError(
+                "optim.decay_steps",
+                self.decay_steps,
+                f"must exceed optim.warmup_steps ({self.warmup_steps}) with optim.schedule={self.schedule!r}: the steps over which lr falls to min_lr_ratio * lr (a swarm runs until stopped, so its horizon must be said)",
+            )
         _positive("optim.weight_decay", self.weight_decay, allow_zero=True)
         _positive("optim.grad_clip", self.grad_clip, allow_zero=True)
         for name in ("beta1", "beta2"):
@@ -552,13 +616,19 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         if self.path and self.dataset:
-            raise ConfigError("data.dataset", self.dataset, f"give data.path or data.dataset, not both (data.path={self.path!r})")
+            raise ConfigError(
+                "data.dataset", self.dataset, f"give data.path or data.dataset, not both (data.path={self.path!r})"
+            )
         if self.prepared.startswith("hf://"):
             from peer.dataset.hub import parse_hub
 
             parse_hub(self.prepared)
         if self.prepared and (self.path or self.dataset):
-            raise ConfigError("data.prepared", self.prepared, "the run trains on the prepared folder: leave data.path and data.dataset out (they are what `data prepare` reads)")
+            raise ConfigError(
+                "data.prepared",
+                self.prepared,
+                "the run trains on the prepared folder: leave data.path and data.dataset out (they are what `data prepare` reads)",
+            )
         _choice("data.tokenizer", self.tokenizer, DATA_TOKENIZERS)
         if not (0.0 < self.heldout < 0.5):
             raise ConfigError("data.heldout", self.heldout, "must be in (0, 0.5)")
@@ -667,7 +737,11 @@ class ComputeConfig:
 
     def __post_init__(self) -> None:
         if self.dtype == "fp16":  # named apart: a user coming from AMP expects it
-            raise ConfigError("compute.dtype", "fp16", "fp16 needs a loss scaler shared by every pipeline stage, which is not built; use bf16 (GPUs since Ampere, and CPUs) or fp32")
+            raise ConfigError(
+                "compute.dtype",
+                "fp16",
+                "fp16 needs a loss scaler shared by every pipeline stage, which is not built; use bf16 (GPUs since Ampere, and CPUs) or fp32",
+            )
         _choice("compute.dtype", self.dtype, COMPUTE_DTYPES)
         _positive("compute.memory_budget_gib", self.memory_budget_gib, allow_zero=True)
         if not (0.0 <= self.anchor_snapshot_share <= 1.0):
@@ -705,12 +779,24 @@ class TrainConfig:
         _positive("steps", self.steps)
         _positive("token_budget", self.token_budget, allow_zero=True)
         if self.pipeline.seq_len > self.model.max_seq_len:
-            raise ConfigError("pipeline.seq_len", self.pipeline.seq_len, f"exceeds model.max_seq_len={self.model.max_seq_len}")
-        if self.spectral.mode in ("ef", "paper_ef") and self.anchor.enabled:  # error feedback: the anchor batch's masked twin pass
+            raise ConfigError(
+                "pipeline.seq_len", self.pipeline.seq_len, f"exceeds model.max_seq_len={self.model.max_seq_len}"
+            )
+        if (
+            self.spectral.mode in ("ef", "paper_ef") and self.anchor.enabled
+        ):  # error feedback: the anchor batch's masked twin pass
             if not self.anchor.with_masked:
-                raise ConfigError("anchor.with_masked", False, f"spectral.mode={self.spectral.mode!r} needs the masked anchor gradient")
+                raise ConfigError(
+                    "anchor.with_masked",
+                    False,
+                    f"spectral.mode={self.spectral.mode!r} needs the masked anchor gradient",
+                )
             if self.mask.scheme != "mask":
-                raise ConfigError("spectral.mode", self.spectral.mode, f'needs the anchor batch\'s masked twin pass, which only the element mask has (codec.scheme="{self.mask.scheme}"); use "paper" or "off"')
+                raise ConfigError(
+                    "spectral.mode",
+                    self.spectral.mode,
+                    f'needs the anchor batch\'s masked twin pass, which only the element mask has (codec.scheme="{self.mask.scheme}"); use "paper" or "off"',
+                )
         if self.data.tokenizer == "auto":
             self.data.tokenizer = "bytes" if self.model.name.startswith(TINY_MODEL_PREFIX) else "model"
         self.check_model_dims()
@@ -719,13 +805,30 @@ class TrainConfig:
         """Settings bounded by the model's sizes. Run again once a pretrained model's real sizes
         are known (bootstrap/node.py), since `model.hidden_size` is only a placeholder until then."""
         if self.mask.scheme == "lowrank" and self.mask.rank > self.model.hidden_size:
-            raise ConfigError("codec.lowrank.rank", self.mask.rank, f"exceeds the model's hidden size {self.model.hidden_size} (a rank-r code of an {self.model.hidden_size}-wide activation needs r <= {self.model.hidden_size})")
+            raise ConfigError(
+                "codec.lowrank.rank",
+                self.mask.rank,
+                f"exceeds the model's hidden size {self.model.hidden_size} (a rank-r code of an {self.model.hidden_size}-wide activation needs r <= {self.model.hidden_size})",
+            )
 
 
 # Settings that only the local runner and the benchmarks read. A run.toml is a swarm's run, so
 # setting one there is refused (peer/runtoml.py), naming what the swarm reads instead: a value
 # accepted and then ignored would be a run that is not the one its operator wrote down.
-LOCAL_ONLY = frozenset({"steps", "dp.replicas", "dp.scheme", "dp.rank", "dp.error_feedback", "dp.fragments", "dp.outer_lr", "dp.outer_momentum", "anchor.executor", "anchor.with_masked"})
+LOCAL_ONLY = frozenset(
+    {
+        "steps",
+        "dp.replicas",
+        "dp.scheme",
+        "dp.rank",
+        "dp.error_feedback",
+        "dp.fragments",
+        "dp.outer_lr",
+        "dp.outer_momentum",
+        "anchor.executor",
+        "anchor.with_masked",
+    }
+)
 
 
 def check_swarm(cfg: TrainConfig) -> None:
@@ -736,6 +839,14 @@ def check_swarm(cfg: TrainConfig) -> None:
     the local runner computes so far.
     """
     if cfg.dp.outer_compression == "powersgd":
-        raise ConfigError("dp.outer_compression", "powersgd", "a swarm's stage groups average through hivemind with 'none' (fp32) or 'int8'; PowerSGD runs in the local runner")
+        raise ConfigError(
+            "dp.outer_compression",
+            "powersgd",
+            "a swarm's stage groups average through hivemind with 'none' (fp32) or 'int8'; PowerSGD runs in the local runner",
+        )
     if cfg.anchor.enabled and cfg.spectral.mode in ("ef", "paper_ef"):
-        raise ConfigError("spectral.mode", cfg.spectral.mode, "a swarm's anchor passes give dense priors only; use 'paper' or 'off' (the EF modes run in the local runner)")
+        raise ConfigError(
+            "spectral.mode",
+            cfg.spectral.mode,
+            "a swarm's anchor passes give dense priors only; use 'paper' or 'off' (the EF modes run in the local runner)",
+        )

@@ -85,7 +85,9 @@ def default_corpus(kind: str, max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[bytes
     files = []
     for root in roots:
         if root.is_dir():
-            files += sorted(f for f in root.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES and "test" not in f.name)
+            files += sorted(
+                f for f in root.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES and "test" not in f.name
+            )
     data = _read_files(files, max_bytes)
     if len(data) >= 100_000:
         return data, ",".join(str(r) for r in roots if r.is_dir())
@@ -100,7 +102,11 @@ class TokenStream:
 
     def __init__(self, data: bytes | torch.Tensor, heldout: float = 0.1) -> None:
         """`data`: raw bytes (token id = byte value) or a 1-D tensor of token ids."""
-        tokens = data.to(torch.long) if isinstance(data, torch.Tensor) else torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.long)
+        tokens = (
+            data.to(torch.long)
+            if isinstance(data, torch.Tensor)
+            else torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.long)
+        )
         cut = int(len(tokens) * (1 - heldout))
         self.train, self.heldout = tokens[:cut], tokens[cut:]
 

@@ -19,7 +19,13 @@ FORMAT_ENV, LEVEL_ENV = "ANCHORMESH_LOG_FORMAT", "ANCHORMESH_LOG_LEVEL"
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 # by number: hivemind renames WARNING to "WARN" process-wide (logging.addLevelName)
-_NAMES = {logging.DEBUG: "DEBUG", logging.INFO: "INFO", logging.WARNING: "WARNING", logging.ERROR: "ERROR", logging.CRITICAL: "CRITICAL"}
+_NAMES = {
+    logging.DEBUG: "DEBUG",
+    logging.INFO: "INFO",
+    logging.WARNING: "WARNING",
+    logging.ERROR: "ERROR",
+    logging.CRITICAL: "CRITICAL",
+}
 
 
 class JsonFormatter(logging.Formatter):

@@ -21,13 +21,23 @@ LIVE_STATES = ("joining", "active", "idle")  # as bootstrap/tracker.py
 # (name, type, help, status key) of the run-wide figures
 RUN_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("anchormesh_step", "gauge", "Run step: the highest step any stage-0 peer has reported.", "step"),
-    ("anchormesh_tokens_total", "counter", "Tokens stage 0 has sent into the pipeline since the run started.", "tokens"),
+    (
+        "anchormesh_tokens_total",
+        "counter",
+        "Tokens stage 0 has sent into the pipeline since the run started.",
+        "tokens",
+    ),
     ("anchormesh_loss", "gauge", "Newest training loss (under the PP codec).", "loss"),
     ("anchormesh_eval_loss", "gauge", "Held-out loss of the newest evaluation pass.", "eval_loss"),
     ("anchormesh_tokens_per_second", "gauge", "Run throughput: tokens/s of the live stage-0 peers.", "tokens_per_s"),
     ("anchormesh_pp_bytes_per_token", "gauge", "Fast-circuit pipeline bytes per token.", "pp_bytes_per_token"),
     ("anchormesh_dp_bytes_per_token", "gauge", "Stage-group averaging bytes per token.", "dp_bytes_per_token"),
-    ("anchormesh_refused_calls_total", "counter", "gRPC calls the tracker refused (credentials, bans, rate).", "refused_calls"),
+    (
+        "anchormesh_refused_calls_total",
+        "counter",
+        "gRPC calls the tracker refused (credentials, bans, rate).",
+        "refused_calls",
+    ),
     ("anchormesh_banned_keys", "gauge", "Identity keys banned from the run.", "banned"),
 )
 
@@ -70,12 +80,20 @@ def exposition(status: dict) -> str:
     for name, kind, help_text, key in RUN_METRICS:
         out += _family(name, kind, help_text, [({}, status.get(key))])
     out += _family(
-        "anchormesh_stage_peers", "gauge", "Live peers serving each pipeline stage.",
+        "anchormesh_stage_peers",
+        "gauge",
+        "Live peers serving each pipeline stage.",
         [({"stage": st["index"]}, st.get("peers")) for st in status.get("stages", [])],
     )
     out += _family(
-        "anchormesh_peer_tokens_per_second", "gauge", "Tokens/s of each live peer.",
-        [({"peer": p["id"], "stage": p.get("stage")}, p.get("tokens_per_s")) for p in status.get("peers", []) if p.get("state") in LIVE_STATES],
+        "anchormesh_peer_tokens_per_second",
+        "gauge",
+        "Tokens/s of each live peer.",
+        [
+            ({"peer": p["id"], "stage": p.get("stage")}, p.get("tokens_per_s"))
+            for p in status.get("peers", [])
+            if p.get("state") in LIVE_STATES
+        ],
     )
     return "\n".join(out) + "\n"
 
@@ -85,21 +103,71 @@ PEER_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("anchormesh_peer_step", "gauge", "Optimizer steps this peer's stage has reached.", "step"),
     ("anchormesh_peer_tokens_total", "counter", "Tokens this peer has stepped on since it started.", "tokens"),
     ("anchormesh_peer_tokens_per_second", "gauge", "This peer's tokens/s over the last ~2 s.", "tokens_per_s"),
-    ("anchormesh_peer_capacity_tokens_per_second", "gauge", "Tokens/s this peer could do if it never waited.", "capacity_tokens_per_s"),
+    (
+        "anchormesh_peer_capacity_tokens_per_second",
+        "gauge",
+        "Tokens/s this peer could do if it never waited.",
+        "capacity_tokens_per_s",
+    ),
     ("anchormesh_peer_loss", "gauge", "Newest training loss (last stage only).", "loss"),
     ("anchormesh_peer_queue_depth", "gauge", "Messages waiting in this peer's fast-circuit inboxes.", "queue_depth"),
     ("anchormesh_peer_bytes_in_total", "counter", "Bytes this peer received on its Stage service.", "bytes_in"),
     ("anchormesh_peer_bytes_out_total", "counter", "Bytes this peer sent to other peers.", "bytes_out"),
     ("anchormesh_peer_dp_rounds_total", "counter", "Stage-group averaging rounds this peer took part in.", "dp_rounds"),
-    ("anchormesh_peer_dp_rejected_total", "counter", "Stage-group averaging results this peer refused as implausible.", "dp_rejected"),
-    ("anchormesh_peer_dp_partial_total", "counter", "Stage-group averaging rounds of which some results never came back (those values kept this peer's own).", "dp_partial"),
-    ("anchormesh_peer_dp_leaning_total", "counter", "Stage-group members this peer named for updates that lean one way over many rounds.", "dp_leaning"),
-    ("anchormesh_peer_refused_calls_total", "counter", "gRPC calls this peer's Stage service refused (credentials, bans, rate, impersonation).", "refused_calls"),
-    ("anchormesh_peer_dropped_messages_total", "counter", "Messages dropped after they failed in the stage loop.", "dropped"),
-    ("anchormesh_peer_checkpoint_step", "gauge", "Step of the newest shard checkpoint this peer wrote.", "checkpoint_step"),
-    ("anchormesh_peer_link_mbit", "gauge", "Its slowest measured outbound pipeline link, Mbit/s (0: not measured).", "link_mbit"),
-    ("anchormesh_peer_pp_keep", "gauge", "Fraction of the codec's configured payload it sends on its most constrained link (0: sends no activations).", "pp_keep"),
-    ("anchormesh_peer_dp_period_seconds", "gauge", "Seconds between the wall-clock slots at which it offers averaging rounds.", "dp_period_s"),
+    (
+        "anchormesh_peer_dp_rejected_total",
+        "counter",
+        "Stage-group averaging results this peer refused as implausible.",
+        "dp_rejected",
+    ),
+    (
+        "anchormesh_peer_dp_partial_total",
+        "counter",
+        "Stage-group averaging rounds of which some results never came back (those values kept this peer's own).",
+        "dp_partial",
+    ),
+    (
+        "anchormesh_peer_dp_leaning_total",
+        "counter",
+        "Stage-group members this peer named for updates that lean one way over many rounds.",
+        "dp_leaning",
+    ),
+    (
+        "anchormesh_peer_refused_calls_total",
+        "counter",
+        "gRPC calls this peer's Stage service refused (credentials, bans, rate, impersonation).",
+        "refused_calls",
+    ),
+    (
+        "anchormesh_peer_dropped_messages_total",
+        "counter",
+        "Messages dropped after they failed in the stage loop.",
+        "dropped",
+    ),
+    (
+        "anchormesh_peer_checkpoint_step",
+        "gauge",
+        "Step of the newest shard checkpoint this peer wrote.",
+        "checkpoint_step",
+    ),
+    (
+        "anchormesh_peer_link_mbit",
+        "gauge",
+        "Its slowest measured outbound pipeline link, Mbit/s (0: not measured).",
+        "link_mbit",
+    ),
+    (
+        "anchormesh_peer_pp_keep",
+        "gauge",
+        "Fraction of the codec's configured payload it sends on its most constrained link (0: sends no activations).",
+        "pp_keep",
+    ),
+    (
+        "anchormesh_peer_dp_period_seconds",
+        "gauge",
+        "Seconds between the wall-clock slots at which it offers averaging rounds.",
+        "dp_period_s",
+    ),
 )
 
 
@@ -110,7 +178,12 @@ def peer_exposition(figures: dict) -> str:
     out: list[str] = []
     for name, kind, help_text, key in PEER_METRICS:
         out += _family(name, kind, help_text, [(labels, figures.get(key))])
-    out += _family("anchormesh_peer_state", "gauge", "1 for the state the peer is in (joining, active, idle, left).", [({**labels, "state": figures.get("state", "")}, 1)])
+    out += _family(
+        "anchormesh_peer_state",
+        "gauge",
+        "1 for the state the peer is in (joining, active, idle, left).",
+        [({**labels, "state": figures.get("state", "")}, 1)],
+    )
     return "\n".join(out) + "\n"
 
 
@@ -142,7 +215,9 @@ def _handler(collect: Callable[[], dict], render: Callable[[dict], str]) -> type
     return MetricsHandler
 
 
-def serve_metrics(port: int, collect: Callable[[], dict], host: str = "127.0.0.1", render: Callable[[dict], str] = exposition) -> ThreadingHTTPServer:
+def serve_metrics(
+    port: int, collect: Callable[[], dict], host: str = "127.0.0.1", render: Callable[[dict], str] = exposition
+) -> ThreadingHTTPServer:
     """Serve GET /metrics on host:port (0 = any free port; see `server.server_address`) from a
     daemon thread: `render(collect())` per scrape (the run's status by default, or a peer's
     figures with `peer_exposition`). Stop it with `server.shutdown(); server.server_close()`."""

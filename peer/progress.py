@@ -15,4 +15,13 @@ def byte_bar(desc: str, total: int | None = None, show: bool | None = None) -> t
     """A bytes bar (KiB/MiB units, rate, ETA when `total` is known) on stderr; `show=None` means
     "only when stderr is a terminal"."""
     visible = sys.stderr.isatty() if show is None else show
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=not visible, leave=False, file=sys.stderr)
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        disable=not visible,
+        leave=False,
+        file=sys.stderr,
+    )

@@ -26,7 +26,17 @@ import tomllib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from peer.config import CODEC_SETTINGS, CODEC_SHARED, LOCAL_ONLY, MaskConfig, ModelConfig, TrainConfig, codec_key, is_tiny, run_profile
+from peer.config import (
+    CODEC_SETTINGS,
+    CODEC_SHARED,
+    LOCAL_ONLY,
+    MaskConfig,
+    ModelConfig,
+    TrainConfig,
+    codec_key,
+    is_tiny,
+    run_profile,
+)
 from peer.errors import ConfigError
 
 SCALARS = ("steps", "seed", "token_budget")  # top-level keys of a run.toml that are not sections
@@ -35,7 +45,11 @@ DEFAULT, TINY, FILE, SET = "default", "tiny model", "run.toml", "--set"  # where
 
 def _sections() -> dict[str, type]:
     """Section name -> its dataclass, in TrainConfig's order."""
-    return {f.name: type(f.default_factory()) for f in dataclasses.fields(TrainConfig) if f.default_factory is not dataclasses.MISSING}
+    return {
+        f.name: type(f.default_factory())
+        for f in dataclasses.fields(TrainConfig)
+        if f.default_factory is not dataclasses.MISSING
+    }
 
 
 def _check_type(name: str, value: object, default: object) -> object:
@@ -112,10 +126,18 @@ def _codec_flat(value: object) -> dict[str, object]:
             flat[f"codec.{sub}"] = v
         elif sub in CODEC_SETTINGS:
             if not isinstance(v, dict):
-                raise ConfigError(f"codec.{sub}", v, f"must be a table of the {sub} codec's settings: {', '.join(CODEC_SETTINGS[sub])}")
+                raise ConfigError(
+                    f"codec.{sub}",
+                    v,
+                    f"must be a table of the {sub} codec's settings: {', '.join(CODEC_SETTINGS[sub])}",
+                )
             for k, vv in v.items():
                 if k not in CODEC_SETTINGS[sub]:
-                    raise ConfigError(f"codec.{sub}.{k}", vv, f"not a setting of the {sub} codec; its settings: {', '.join(CODEC_SETTINGS[sub])}")
+                    raise ConfigError(
+                        f"codec.{sub}.{k}",
+                        vv,
+                        f"not a setting of the {sub} codec; its settings: {', '.join(CODEC_SETTINGS[sub])}",
+                    )
                 flat[f"codec.{sub}.{k}"] = vv
         elif sub in {f.name for f in dataclasses.fields(MaskConfig)}:
             raise ConfigError(f"codec.{sub}", v, f"a setting of one codec: put it under {_homes(sub)}")
@@ -128,7 +150,10 @@ def _homes(name: str) -> str:
     """Where a codec setting lives in a run.toml: `[codec]`, or the tables of the codecs that have it."""
     if name in CODEC_SHARED:
         return "[codec]"
-    return " or ".join(f"[codec.{c}]" for c, keys in CODEC_SETTINGS.items() if name in keys) or "no table (unknown setting)"
+    return (
+        " or ".join(f"[codec.{c}]" for c, keys in CODEC_SETTINGS.items() if name in keys)
+        or "no table (unknown setting)"
+    )
 
 
 def _flatten(data: dict) -> dict[str, object]:
@@ -142,8 +167,12 @@ def _flatten(data: dict) -> dict[str, object]:
         elif key == "mask":
             first = next(iter(value.items()), None) if isinstance(value, dict) else None
             if first is None:
-                raise ConfigError("mask", value, "[mask] is now [codec] (the shared settings) and [codec.SCHEME] (each codec's own)")
-            raise ConfigError(f"mask.{first[0]}", first[1], f"[mask] is now [codec]: {first[0]} goes under {_homes(first[0])}")
+                raise ConfigError(
+                    "mask", value, "[mask] is now [codec] (the shared settings) and [codec.SCHEME] (each codec's own)"
+                )
+            raise ConfigError(
+                f"mask.{first[0]}", first[1], f"[mask] is now [codec]: {first[0]} goes under {_homes(first[0])}"
+            )
         elif key in sections and isinstance(value, dict):
             known = {f.name for f in dataclasses.fields(sections[key])}
             for sub, v in value.items():
@@ -175,7 +204,7 @@ def _public_sections() -> list[str]:
 
 
 def _internal(name: str) -> str:
-    """"codec.scheme" / "codec.transform.bits" -> "mask.scheme" / "mask.bits" (MaskConfig's fields)."""
+    """ "codec.scheme" / "codec.transform.bits" -> "mask.scheme" / "mask.bits" (MaskConfig's fields)."""
     return f"mask.{name.rsplit('.', 1)[1]}" if name.startswith("codec.") else name
 
 
@@ -189,9 +218,15 @@ def _refuse_local_only(flat: dict[str, object], origin: str) -> None:
                 read = [k for k in SCALARS if k not in LOCAL_ONLY]
                 where = "top-level settings a swarm reads"
             else:
-                read = [f.name for f in dataclasses.fields(sections[section]) if f"{section}.{f.name}" not in LOCAL_ONLY]
+                read = [
+                    f.name for f in dataclasses.fields(sections[section]) if f"{section}.{f.name}" not in LOCAL_ONLY
+                ]
                 where = f"[{section}] settings a swarm reads"
-            raise ConfigError(name, value, f"({origin}) a swarm does not read this setting (only the local runner and the benchmarks do); {where}: {', '.join(read)}")
+            raise ConfigError(
+                name,
+                value,
+                f"({origin}) a swarm does not read this setting (only the local runner and the benchmarks do); {where}: {', '.join(read)}",
+            )
 
 
 @dataclass
@@ -208,7 +243,7 @@ class ResolvedRun:
 
 
 def _nest(name: str, value: object) -> dict:
-    """"a.b.c" = v -> {"a": {"b": {"c": v}}}."""
+    """ "a.b.c" = v -> {"a": {"b": {"c": v}}}."""
     out: object = value
     for part in reversed(name.split(".")):
         out = {part: out}
@@ -241,13 +276,19 @@ def resolve_run(data: dict | None = None, sets: Sequence[str] = ()) -> ResolvedR
         for name, value in layer.items():
             parts = name.split(".")
             if parts[0] == "codec" and len(parts) == 3 and parts[1] != scheme:
-                raise ConfigError(name, value, f"({origin}) a setting of the {parts[1]} codec, but codec.scheme = {scheme!r}: remove it, or set codec.scheme")
+                raise ConfigError(
+                    name,
+                    value,
+                    f"({origin}) a setting of the {parts[1]} codec, but codec.scheme = {scheme!r}: remove it, or set codec.scheme",
+                )
     profile: dict[str, object] = {}
     for section, values in run_profile(model_name).items():
         for k, v in values.items():
             if section != "mask":
                 profile[f"{section}.{k}"] = v
-            elif k in CODEC_SHARED or k in CODEC_SETTINGS.get(scheme, ()):  # the profile's settings of another codec do not apply
+            elif k in CODEC_SHARED or k in CODEC_SETTINGS.get(
+                scheme, ()
+            ):  # the profile's settings of another codec do not apply
                 profile[codec_key(k, scheme)] = v
     merged: dict[str, object] = {}
     sources: dict[str, str] = {}
@@ -265,7 +306,11 @@ def resolve_run(data: dict | None = None, sets: Sequence[str] = ()) -> ResolvedR
         config = config_from_dict(nested)
     except ConfigError as exc:  # a type error on a codec setting names the field as written
         if exc.field.startswith("mask."):
-            raise ConfigError(codec_key(exc.field.split(".", 1)[1], scheme if isinstance(scheme, str) else ""), exc.value, str(exc).split(": ", 1)[1]) from None
+            raise ConfigError(
+                codec_key(exc.field.split(".", 1)[1], scheme if isinstance(scheme, str) else ""),
+                exc.value,
+                str(exc).split(": ", 1)[1],
+            ) from None
         raise
     return ResolvedRun(config, {name: sources.get(name, DEFAULT) for name in public_names(config)})
 
@@ -276,7 +321,9 @@ def public_names(cfg: TrainConfig) -> list[str]:
     for section, cls in _sections().items():
         if section == "mask":
             scheme = cfg.mask.scheme
-            names += [f"codec.{k}" for k in CODEC_SHARED] + [f"codec.{scheme}.{k}" for k in CODEC_SETTINGS.get(scheme, ())]
+            names += [f"codec.{k}" for k in CODEC_SHARED] + [
+                f"codec.{scheme}.{k}" for k in CODEC_SETTINGS.get(scheme, ())
+            ]
         else:
             names += [f"{section}.{f.name}" for f in dataclasses.fields(cls)]
     return names

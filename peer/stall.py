@@ -24,7 +24,9 @@ def _say(text: str) -> None:
 
 
 @contextmanager
-def stall_watch(limit_s: float, what: str, on_stall: Callable[[], None], exit_after_s: float | None = None) -> Iterator[None]:
+def stall_watch(
+    limit_s: float, what: str, on_stall: Callable[[], None], exit_after_s: float | None = None
+) -> Iterator[None]:
     """Run the block; if it has not finished after `limit_s`, write every thread's stack to stderr
     (so the cause can be found) and call `on_stall` from the watchdog thread. With
     `exit_after_s`, a block still running then (with the GIL held, `on_stall` could not run) gets
@@ -36,7 +38,9 @@ def stall_watch(limit_s: float, what: str, on_stall: Callable[[], None], exit_af
         if done.wait(limit_s):
             return
         _say(f"anchormesh: {what} has not finished after {limit_s:.0f}s; every thread's stack follows\n")
-        faulthandler.dump_traceback(file=2, all_threads=True)  # fd 2 too: sys.stderr may be a wrapper without a file number
+        faulthandler.dump_traceback(
+            file=2, all_threads=True
+        )  # fd 2 too: sys.stderr may be a wrapper without a file number
         on_stall()
 
     threading.Thread(target=watch, name=f"stall-watch {what}", daemon=True).start()

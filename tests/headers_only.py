@@ -29,7 +29,9 @@ def main() -> None:
     channels = [grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(8)]
     futures = []
     for i in range(calls):
-        call = channels[i % len(channels)].stream_unary(methods[i % len(methods)], request_serializer=None, response_deserializer=None)
+        call = channels[i % len(channels)].stream_unary(
+            methods[i % len(methods)], request_serializer=None, response_deserializer=None
+        )
         futures.append(call.future(never()))
     time.sleep(0.5)  # the headers are out
     print(f"ready {len(futures)}", flush=True)

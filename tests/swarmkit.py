@@ -47,7 +47,13 @@ def tiny_run_toml(extra: str = "", top: str = "") -> str:
 
 def status_json(tracker: str, *extra: str) -> dict | None:
     """`anchormesh status --json [EXTRA...]`, or None while the tracker does not answer."""
-    out = subprocess.run([sys.executable, "-m", "peer.cli", "status", "--tracker", tracker, "--json", *extra], capture_output=True, text=True, timeout=30, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = subprocess.run(
+        [sys.executable, "-m", "peer.cli", "status", "--tracker", tracker, "--json", *extra],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     return json.loads(out.stdout) if out.returncode == 0 else None
 
 
@@ -55,7 +61,14 @@ def logs(tmp: Path, tail: int = 4000) -> str:
     return "\n".join(f"--- {f.name}\n{f.read_text()[-tail:]}" for f in sorted(tmp.glob("*.log")))
 
 
-def wait_for_status(tracker: str, what: Callable[[dict], bool], tmp: Path, procs: Iterable[subprocess.Popen] = (), timeout: float = 120.0, extra: tuple[str, ...] = ()) -> dict:
+def wait_for_status(
+    tracker: str,
+    what: Callable[[dict], bool],
+    tmp: Path,
+    procs: Iterable[subprocess.Popen] = (),
+    timeout: float = 120.0,
+    extra: tuple[str, ...] = (),
+) -> dict:
     """The first status for which `what` holds (`extra`: more `status` flags); on timeout the test
     fails with the last status, after each live peer process dumped its stacks into its log."""
     deadline, s = time.monotonic() + timeout, None
@@ -83,4 +96,6 @@ def admit(daemon, run_id: str, caller_id: str = "caller", rate: float = 1e6):
     daemon.creds.certificate = tracker.sign(certificate_bytes(run_id, daemon.peer_id, daemon.identity.public))
     other = Identity.generate()
     other.peer_id = caller_id
-    return auth.Credentials(identity=other, certificate=tracker.sign(certificate_bytes(run_id, caller_id, other.public)))
+    return auth.Credentials(
+        identity=other, certificate=tracker.sign(certificate_bytes(run_id, caller_id, other.public))
+    )

@@ -31,14 +31,19 @@ def test_auto_is_the_address_that_routes_to_the_target() -> None:
 
 
 def cli(*args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "peer.cli", *args], capture_output=True, text=True, timeout=60, env={**os.environ, **env})
+    return subprocess.run(
+        [sys.executable, "-m", "peer.cli", *args], capture_output=True, text=True, timeout=60, env={**os.environ, **env}
+    )
 
 
 @pytest.mark.parametrize(
     ("args", "field"),
     [
         (["peer", "--host", "0.0.0.0", "--announce-host", "auto"], "--announce-host='auto'"),
-        (["peer", "--tracker", "no-such-host.invalid:7000", "--host", "0.0.0.0", "--announce-host", "auto"], "--announce-host='auto'"),
+        (
+            ["peer", "--tracker", "no-such-host.invalid:7000", "--host", "0.0.0.0", "--announce-host", "auto"],
+            "--announce-host='auto'",
+        ),
         (["peer", "--tracker", "127.0.0.1:7000", "--dht-port", "70000"], "--dht-port=70000"),
     ],
 )
@@ -52,7 +57,11 @@ def test_the_environment_gives_the_peer_flags_defaults(monkeypatch: pytest.Monke
     monkeypatch.setenv("ANCHORMESH_INITIAL_PEERS", "/ip4/1.2.3.4/tcp/1/p2p/A /ip4/1.2.3.4/tcp/2/p2p/B")
     monkeypatch.setenv("ANCHORMESH_ANNOUNCE_HOST", "5.6.7.8")
     args = _parser().parse_args(["peer"])
-    assert (args.tracker, args.initial_peers, args.announce_host) == ("boot:7000", ["/ip4/1.2.3.4/tcp/1/p2p/A", "/ip4/1.2.3.4/tcp/2/p2p/B"], "5.6.7.8")
+    assert (args.tracker, args.initial_peers, args.announce_host) == (
+        "boot:7000",
+        ["/ip4/1.2.3.4/tcp/1/p2p/A", "/ip4/1.2.3.4/tcp/2/p2p/B"],
+        "5.6.7.8",
+    )
     args = _parser().parse_args(["peer", "--tracker", "other:1"])  # a flag wins over the environment
     assert args.tracker == "other:1"
 
@@ -63,7 +72,14 @@ def test_json_logs_are_one_object_per_line_and_a_bad_format_exits_2(tmp_path) ->
     out = cli("bootstrap", "--config", str(tmp_path / "missing.toml"), ANCHORMESH_LOG_FORMAT="yaml")
     assert out.returncode == 2  # the config is read first: it names --config
     (tmp_path / "run.toml").write_text("seed = 5\n")
-    out = cli("bootstrap", "--config", str(tmp_path / "run.toml"), "--state-dir", str(tmp_path / "b"), ANCHORMESH_LOG_FORMAT="yaml")
+    out = cli(
+        "bootstrap",
+        "--config",
+        str(tmp_path / "run.toml"),
+        "--state-dir",
+        str(tmp_path / "b"),
+        ANCHORMESH_LOG_FORMAT="yaml",
+    )
     assert out.returncode == 2 and "anchormesh: error: ANCHORMESH_LOG_FORMAT='yaml': must be text or json" in out.stderr
     import logging
 
@@ -71,7 +87,12 @@ def test_json_logs_are_one_object_per_line_and_a_bad_format_exits_2(tmp_path) ->
 
     rec = logging.LogRecord("anchormesh.peer", logging.WARNING, __file__, 1, "no gradient for %s", ("mb 3",), None)
     line = json.loads(JsonFormatter().format(rec))
-    assert line["level"] == "WARNING" and line["logger"] == "anchormesh.peer" and line["message"] == "no gradient for mb 3" and line["time"].endswith("Z")
+    assert (
+        line["level"] == "WARNING"
+        and line["logger"] == "anchormesh.peer"
+        and line["message"] == "no gradient for mb 3"
+        and line["time"].endswith("Z")
+    )
 
 
 def test_a_taken_port_is_refused_not_shared() -> None:

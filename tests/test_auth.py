@@ -30,7 +30,14 @@ class Server:
 
     def __init__(self, **gate) -> None:
         self.tracker = Identity.generate()
-        self.gate = auth.Gate(POLICY, token=TOKEN, operator="operator-secret-0123456789", tracker_key=self.tracker.public, run_id=RUN, **gate)
+        self.gate = auth.Gate(
+            POLICY,
+            token=TOKEN,
+            operator="operator-secret-0123456789",
+            tracker_key=self.tracker.public,
+            run_id=RUN,
+            **gate,
+        )
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), interceptors=[self.gate])
 
         def who(_req, ctx) -> bytes:
@@ -41,7 +48,13 @@ class Server:
                 yield who(None, ctx)
 
         unary = {m: grpc.unary_unary_rpc_method_handler(who) for m in ("Open", "Observe", "Ban", "Member")}
-        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("t.T", {**unary, "Stream": grpc.stream_stream_rpc_method_handler(who_stream)}),))
+        self.server.add_generic_rpc_handlers(
+            (
+                grpc.method_handlers_generic_handler(
+                    "t.T", {**unary, "Stream": grpc.stream_stream_rpc_method_handler(who_stream)}
+                ),
+            )
+        )
         self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
         self.server.start()
 
@@ -80,18 +93,23 @@ def test_members_tokens_and_the_operator_each_reach_what_their_role_allows(serve
     assert sum(server.gate.refused.values()) == 0
 
 
-@pytest.mark.parametrize("case, code, text", [
-    ("no credentials", "UNAUTHENTICATED", "needs credentials and the call has none: pass --token"),
-    ("wrong token", "UNAUTHENTICATED", "wrong run token"),
-    ("token on a member method", "PERMISSION_DENIED", "takes member credentials; the caller has token ones"),
-    ("member on an operator method", "PERMISSION_DENIED", "takes operator credentials; the caller has member ones"),
-    ("token as the operator key", "UNAUTHENTICATED", "wrong operator key"),
-    ("certificate from another tracker", "UNAUTHENTICATED", "not issued by this run's tracker"),
-    ("certificate of another run", "UNAUTHENTICATED", "not issued by this run's tracker"),
-    ("someone else's certificate", "UNAUTHENTICATED", "not issued by this run's tracker"),
-    ("banned key", "PERMISSION_DENIED", "is banned from this run: sent NaN gradients"),
-])
-def test_each_bad_call_gets_its_code_and_a_message_that_says_why(server: Server, case: str, code: str, text: str, caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize(
+    "case, code, text",
+    [
+        ("no credentials", "UNAUTHENTICATED", "needs credentials and the call has none: pass --token"),
+        ("wrong token", "UNAUTHENTICATED", "wrong run token"),
+        ("token on a member method", "PERMISSION_DENIED", "takes member credentials; the caller has token ones"),
+        ("member on an operator method", "PERMISSION_DENIED", "takes operator credentials; the caller has member ones"),
+        ("token as the operator key", "UNAUTHENTICATED", "wrong operator key"),
+        ("certificate from another tracker", "UNAUTHENTICATED", "not issued by this run's tracker"),
+        ("certificate of another run", "UNAUTHENTICATED", "not issued by this run's tracker"),
+        ("someone else's certificate", "UNAUTHENTICATED", "not issued by this run's tracker"),
+        ("banned key", "PERMISSION_DENIED", "is banned from this run: sent NaN gradients"),
+    ],
+)
+def test_each_bad_call_gets_its_code_and_a_message_that_says_why(
+    server: Server, case: str, code: str, text: str, caplog: pytest.LogCaptureFixture
+) -> None:
     method, creds = "Member", None
     if case == "wrong token":
         method, creds = "Observe", auth.Credentials(token="guessed-token-0123456789")
@@ -126,7 +144,11 @@ def test_a_forged_signature_a_stale_time_and_a_replayed_call_are_refused(server:
     member_stale = dict(member.metadata("/t.T/Member"))
     old = time.time() - 2 * auth.MAX_SKEW_S
     member_stale[auth.H_TS] = f"{old:.3f}"  # re-signed with the old time: only the clock check can catch it
-    member_stale[auth.H_SIG] = member.identity.sign(auth._call_bytes("/t.T/Member", "peer-a", member_stale[auth.H_TS], member_stale[auth.H_NONCE], member.identity.public))
+    member_stale[auth.H_SIG] = member.identity.sign(
+        auth._call_bytes(
+            "/t.T/Member", "peer-a", member_stale[auth.H_TS], member_stale[auth.H_NONCE], member.identity.public
+        )
+    )
     assert "off this server's clock" in server.refused("Member", None, list(member_stale.items())).details()
     assert server.call("Member", None, list(md.items())) == "peer-a"  # the original, once
     err = server.refused("Member", None, list(md.items()))
@@ -151,7 +173,9 @@ def test_a_caller_over_its_call_rate_is_told_to_slow_down() -> None:
         s.server.stop(0)
 
 
-HEADERS = st.sampled_from([auth.H_PEER, auth.H_KEY, auth.H_CERT, auth.H_SIG, auth.H_TS, auth.H_NONCE, auth.H_MAC, auth.H_OP])
+HEADERS = st.sampled_from(
+    [auth.H_PEER, auth.H_KEY, auth.H_CERT, auth.H_SIG, auth.H_TS, auth.H_NONCE, auth.H_MAC, auth.H_OP]
+)
 PRINTABLE = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=80)
 
 
@@ -169,7 +193,9 @@ def test_fuzzed_credentials_are_refused_never_crash_the_server(server: Server, d
     try:
         answer = server.call("Member", None, list(md.items()))
     except grpc.RpcError as exc:
-        assert exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED), f"{exc.code().name}: {exc.details()}"
+        assert exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED), (
+            f"{exc.code().name}: {exc.details()}"
+        )
     else:  # only an unchanged credential may pass (e.g. a header replaced by an equal value)
         assert answer == "peer-a"
     assert server.call("Open", None) == "-"  # still serving
@@ -196,12 +222,17 @@ def test_join_issues_a_certificate_that_other_peers_accept_and_a_ban_revokes(tmp
             stub = pbg.TrackerStub(ch)
             with pytest.raises(grpc.RpcError) as exc:  # speaking for another peer
                 stub.Join(pb.JoinRequest(peer_id="peer-other", grpc_address="127.0.0.1:1", **build_fields()), timeout=5)
-            assert exc.value.code() == grpc.StatusCode.PERMISSION_DENIED and "speaks only for itself" in exc.value.details()
+            assert (
+                exc.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                and "speaks only for itself" in exc.value.details()
+            )
             a = stub.Join(pb.JoinRequest(peer_id=me.peer_id, grpc_address="127.0.0.1:1", **build_fields()), timeout=5)
         assert a.tracker_key == secrets.tracker.public and a.certificate
         with auth.open_channel(address, None) as ch:  # no token: refused
             with pytest.raises(grpc.RpcError) as exc:
-                pbg.TrackerStub(ch).Join(pb.JoinRequest(peer_id="x", grpc_address="127.0.0.1:1", **build_fields()), timeout=5)
+                pbg.TrackerStub(ch).Join(
+                    pb.JoinRequest(peer_id="x", grpc_address="127.0.0.1:1", **build_fields()), timeout=5
+                )
             assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
             assert pbg.StatusStub(ch).GetStatus(pb.StatusRequest(), timeout=5).run_id == RUN  # status stays open
         # another peer's gate, configured from its own Assignment, accepts the certificate
@@ -212,12 +243,22 @@ def test_join_issues_a_certificate_that_other_peers_accept_and_a_ban_revokes(tmp
         assert gate.check("/anchormesh.v1.Stage/Forward", md, frozenset({auth.MEMBER})).peer_id == me.peer_id
         # the operator bans it: the tracker refuses it, and its next heartbeat reply names the key to every peer
         with auth.open_channel(address, auth.Credentials(operator=secrets.operator)) as ch:
-            banned = pbg.TrackerStub(ch).Ban(pb.BanRequest(peer_id=me.peer_id, reason="sign-flipped updates"), timeout=5).banned
+            banned = (
+                pbg.TrackerStub(ch)
+                .Ban(pb.BanRequest(peer_id=me.peer_id, reason="sign-flipped updates"), timeout=5)
+                .banned
+            )
         assert banned == [f"{me.fingerprint} ({me.peer_id}): sign-flipped updates"]
         assert t.status().banned == 1 and t.peers[me.peer_id].state == "banned"
         with auth.open_channel(address, creds) as ch:
             with pytest.raises(grpc.RpcError) as exc:
-                next(iter(pbg.TrackerStub(ch).Heartbeat(iter([pb.PeerReport(run_id=RUN, peer=pb.PeerInfo(peer_id=me.peer_id))]), timeout=5)))
+                next(
+                    iter(
+                        pbg.TrackerStub(ch).Heartbeat(
+                            iter([pb.PeerReport(run_id=RUN, peer=pb.PeerInfo(peer_id=me.peer_id))]), timeout=5
+                        )
+                    )
+                )
             assert exc.value.code() == grpc.StatusCode.PERMISSION_DENIED and "banned" in exc.value.details()
         with auth.open_channel(address, creds) as ch:  # a member may not ban
             with pytest.raises(grpc.RpcError) as exc:
@@ -225,10 +266,18 @@ def test_join_issues_a_certificate_that_other_peers_accept_and_a_ban_revokes(tmp
             assert exc.value.code() == grpc.StatusCode.PERMISSION_DENIED
         gate.banned.update({fp: "" for fp in t.banned})  # what the daemon does with Directive.banned
         with pytest.raises(auth.Refused, match="is banned"):
-            gate.check("/anchormesh.v1.Stage/Forward", dict(creds.metadata("/anchormesh.v1.Stage/Forward")), frozenset({auth.MEMBER}))
+            gate.check(
+                "/anchormesh.v1.Stage/Forward",
+                dict(creds.metadata("/anchormesh.v1.Stage/Forward")),
+                frozenset({auth.MEMBER}),
+            )
         # the secrets survive a restart of the bootstrap: the same certificates stay valid
         again = keys.load_or_create(tmp_path)
-        assert (again.token, again.operator, again.tracker.public) == (secrets.token, secrets.operator, secrets.tracker.public)
+        assert (again.token, again.operator, again.tracker.public) == (
+            secrets.token,
+            secrets.operator,
+            secrets.tracker.public,
+        )
     finally:
         server.stop(0)
 
@@ -304,8 +353,14 @@ def test_open_methods_are_rate_limited_per_host_and_the_server_keeps_serving() -
                     codes.append("OK")
                 except grpc.RpcError as exc:
                     codes.append(exc.code().name)
-                    assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "faster than 1/s" in exc.details() and "127.0.0.1" in exc.details()
-            assert 10 <= codes.count("OK") <= 13 and codes[:10] == ["OK"] * 10  # the burst, plus what refilled meanwhile
+                    assert (
+                        exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                        and "faster than 1/s" in exc.details()
+                        and "127.0.0.1" in exc.details()
+                    )
+            assert (
+                10 <= codes.count("OK") <= 13 and codes[:10] == ["OK"] * 10
+            )  # the burst, plus what refilled meanwhile
             assert gate.refused["RESOURCE_EXHAUSTED"] == codes.count("RESOURCE_EXHAUSTED")
             time.sleep(1.2)
             assert stub.Ping(pb.PingRequest(), timeout=5).run_id == RUN

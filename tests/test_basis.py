@@ -98,10 +98,12 @@ def test_a_large_vocabulary_sends_only_its_frequent_rows() -> None:
     assert set(s_top.row_ids.tolist()) == set(counts.topk(64).indices.tolist())
     frequent = torch.isin(ids, s_top.row_ids.long())
     assert frequent.float().mean() > 0.7  # heavy tail: 64 of 2000 ids cover most positions
-    err = lambda s: ((s.lift(s.project(h, ids), ids) - h).norm(dim=-1) / h.norm(dim=-1))  # noqa: E731
+    err = lambda s: (s.lift(s.project(h, ids), ids) - h).norm(dim=-1) / h.norm(dim=-1)  # noqa: E731
     assert err(s_top)[frequent].mean() < 2 * err(s_full)[frequent].mean() + 0.02
     # the receiver rebuilds the same state from what travels (prior rows, ids, basis)
-    twin = BasisState(s_top.version, s_top.prior.half().float(), s_top.basis.half().float(), s_top.row_ids.clone(), vocab)
+    twin = BasisState(
+        s_top.version, s_top.prior.half().float(), s_top.basis.half().float(), s_top.row_ids.clone(), vocab
+    )
     assert torch.equal(twin.lift(s_top.project(h, ids), ids), s_top.lift(s_top.project(h, ids), ids))
 
 

@@ -201,8 +201,17 @@ def test_windows_keep_calibration_and_eval_apart() -> None:
 def test_run_boundary_end_to_end_on_a_tiny_model(tmp_path: Path) -> None:
     corpus = tmp_path / "corpus.py"
     corpus.write_bytes(b"\n".join(p.read_bytes() for p in sorted(Path(__file__).parent.glob("test_*.py"))[:6])[:60_000])
-    rows = ["dense_bf16", "mask_m95_zero", "lowrank_prior_r64", "sink+int3_ch", "sink+klt_2.0b", "sink+prior+fisher_klt_1.5b"]
-    result = run_boundary(TINY, boundaries="1,3", eval_tokens=128, calib_tokens=512, seq_len=64, corpus=corpus, rows=rows)
+    rows = [
+        "dense_bf16",
+        "mask_m95_zero",
+        "lowrank_prior_r64",
+        "sink+int3_ch",
+        "sink+klt_2.0b",
+        "sink+prior+fisher_klt_1.5b",
+    ]
+    result = run_boundary(
+        TINY, boundaries="1,3", eval_tokens=128, calib_tokens=512, seq_len=64, corpus=corpus, rows=rows
+    )
     json.dumps(result)  # JSON-able
     assert result["setup"]["boundaries"] == [1, 3] and result["setup"]["eval_tokens"] == 128
     for b in ("1", "3"):
@@ -211,7 +220,9 @@ def test_run_boundary_end_to_end_on_a_tiny_model(tmp_path: Path) -> None:
         assert r["dense_fp32"]["vs_dense_pct"] == 0.0 and r["dense_fp32"]["bytes_per_token"] == 256
         assert r["dense_bf16"]["ratio_vs_fp32"] == 2.0 and abs(r["dense_bf16"]["vs_dense_pct"]) < 0.1
         assert r["sink+klt_2.0b"]["bytes_per_token"] == pytest.approx(64 * 2 / 64 + 63 * (16 + 2) / 64, abs=0.01)
-        assert math.isclose(r["sink+klt_2.0b"]["ratio_vs_fp32"], 256 / r["sink+klt_2.0b"]["bytes_per_token"], rel_tol=1e-3)
+        assert math.isclose(
+            r["sink+klt_2.0b"]["ratio_vs_fp32"], 256 / r["sink+klt_2.0b"]["bytes_per_token"], rel_tol=1e-3
+        )
         best = result["best_per_boundary"][b]
         eligible = {n: x["eval_loss"] for n, x in r.items() if x["ratio_vs_fp32"] >= 10}
         assert best["name"] == min(eligible, key=eligible.get)

@@ -12,8 +12,26 @@ from pathlib import Path
 
 def test_bench_gpu_on_the_cpu(tmp_path: Path) -> None:
     out = tmp_path / "gpu.json"
-    res = subprocess.run([sys.executable, "-m", "peer.cli", "bench", "gpu", "--device", "cpu", "--quick", "--parts", "precision,memory_refusal", "--json", str(out)],
-                         capture_output=True, text=True, timeout=600, env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "peer.cli",
+            "bench",
+            "gpu",
+            "--device",
+            "cpu",
+            "--quick",
+            "--parts",
+            "precision,memory_refusal",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["device"] == "cpu" and r["shape"] == "small" and "swarm" not in r
@@ -23,9 +41,18 @@ def test_bench_gpu_on_the_cpu(tmp_path: Path) -> None:
         assert m["tokens_per_s"] > 0 and m["loss_last"] < m["loss_first"], (name, m)
         assert len(m["planned_per_stage_gib"]) == 2 and 0.5 < m["peak_over_plan"] < 2.0, (name, m)
     assert modes["bf16_checkpointing"]["planned_gib"] < modes["bf16"]["planned_gib"]
-    assert r["memory_refusal"]["ok"] and r["memory_refusal"]["exit_code"] == 2 and "needs" in r["memory_refusal"]["message"]
+    assert (
+        r["memory_refusal"]["ok"]
+        and r["memory_refusal"]["exit_code"] == 2
+        and "needs" in r["memory_refusal"]["message"]
+    )
 
 
 def test_bench_gpu_refuses_unknown_parts(tmp_path: Path) -> None:
-    res = subprocess.run([sys.executable, "-m", "peer.cli", "bench", "gpu", "--device", "cpu", "--parts", "precision,speed"], capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "peer.cli", "bench", "gpu", "--device", "cpu", "--parts", "precision,speed"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 2 and "--parts" in res.stderr and "precision,swarm,memory_refusal" in res.stderr

@@ -21,7 +21,9 @@ def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from peer.model.tokenizer import hf_byte_tokenizer
 
     out = tmp_path_factory.mktemp("pretrained")
-    model = load_causal_lm(ModelConfig(name="tiny-llama", hidden_size=64, num_layers=2, num_heads=4, max_seq_len=128), seed=3)
+    model = load_causal_lm(
+        ModelConfig(name="tiny-llama", hidden_size=64, num_layers=2, num_heads=4, max_seq_len=128), seed=3
+    )
     model.save_pretrained(out)
     hf_byte_tokenizer(128).save_pretrained(out)
     return out
@@ -29,7 +31,9 @@ def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_a_pretrained_model_is_the_base_of_every_row(pretrained: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     real = quality.setup_for
-    monkeypatch.setattr(quality, "setup_for", lambda quick, model=None: replace(real(quick, model), adapt_steps=4, eval_batches=2))
+    monkeypatch.setattr(
+        quality, "setup_for", lambda quick, model=None: replace(real(quick, model), adapt_steps=4, eval_batches=2)
+    )
     torch.manual_seed(0)
     out = quality.run_quality(True, None, None, only=["dense", "lowrank", "transform"], model=str(pretrained))
     setup = out["setup"]
@@ -41,18 +45,29 @@ def test_a_pretrained_model_is_the_base_of_every_row(pretrained: Path, monkeypat
     assert dense["eval_loss"] != out["pretrained"]["eval_loss"]  # the rows train the base
     assert lowrank["pp_bytes_per_token"] < dense["pp_bytes_per_token"] / 2
     assert out["vs_dense"]["lowrank"]["pp_bytes_reduction"] > 2
-    assert all(r["rss_gb_after"] is not None and 0 < r["rss_gb_after"] < 64 for r in (dense, lowrank))  # memory after each row (Linux)
+    assert all(
+        r["rss_gb_after"] is not None and 0 < r["rss_gb_after"] < 64 for r in (dense, lowrank)
+    )  # memory after each row (Linux)
     # the transform coder: fewer stream bytes than dense; its shipped coders counted apart
-    assert 0 < transform["pp_state_bytes_per_token"] and transform["pp_stream_bytes_per_token"] < dense["pp_stream_bytes_per_token"] / 2
+    assert (
+        0 < transform["pp_state_bytes_per_token"]
+        and transform["pp_stream_bytes_per_token"] < dense["pp_stream_bytes_per_token"] / 2
+    )
     assert dense["pp_state_bytes_per_token"] == 0 and transform["eval_loss"] == transform["eval_loss"]
     # at a practitioner's sequence length (sized by the app's encoder, not measured): dense costs
     # what it cost in the run (its bytes scale with tokens), the transform coder less than in the
     # run's short sequences (its dense sink position and per-message statistics amortise)
     assert dense["pp_bytes_per_token_modelled"] == pytest.approx(dense["pp_stream_bytes_per_token"], rel=0.05)
     assert transform["pp_bytes_per_token_modelled"] < transform["pp_stream_bytes_per_token"]
-    assert out["vs_dense"]["transform"]["pp_bytes_reduction_modelled"] > out["vs_dense"]["transform"]["pp_stream_bytes_reduction"]
+    assert (
+        out["vs_dense"]["transform"]["pp_bytes_reduction_modelled"]
+        > out["vs_dense"]["transform"]["pp_stream_bytes_reduction"]
+    )
     # measured at the run's own length, with the coders: what crossed the links, not less
-    assert transform["seq_len"] == out["setup"]["seq_len"] and transform["pp_bytes_per_token"] > transform["pp_stream_bytes_per_token"]
+    assert (
+        transform["seq_len"] == out["setup"]["seq_len"]
+        and transform["pp_bytes_per_token"] > transform["pp_stream_bytes_per_token"]
+    )
     # equal wall clock: dense's eval curve from the base (step 0) to its last step; a row that
     # sends fewer bytes per step makes dense look worse at the same time, never better
     assert set(dense["eval_curve"]) == {0, 1, 2, 3, 4} and dense["eval_curve"][4] == dense["eval_loss"]
@@ -97,12 +112,22 @@ def test_continual_pretraining_trains_on_the_general_text(pretrained: Path, monk
     """--task continual: the corpora swap roles (the rows train on the general text, eval on its
     held-out part; the domain text is the other eval); the toy is refused before anything loads."""
     real = quality.setup_for
-    monkeypatch.setattr(quality, "setup_for", lambda quick, model=None: replace(real(quick, model), adapt_steps=2, eval_batches=1))
+    monkeypatch.setattr(
+        quality, "setup_for", lambda quick, model=None: replace(real(quick, model), adapt_steps=2, eval_batches=1)
+    )
     general, domain = quality.default_corpus("a")[1], quality.default_corpus("b")[1]
     adapt = quality.run_quality(True, None, None, only=["dense"], model=str(pretrained))
     cont = quality.run_quality(True, None, None, only=["dense"], model=str(pretrained), task="continual")
-    assert (adapt["setup"]["task"], adapt["setup"]["corpus_b"], adapt["setup"]["corpus_a"]) == ("adapt", domain, general)
-    assert (cont["setup"]["task"], cont["setup"]["corpus_b"], cont["setup"]["corpus_a"]) == ("continual", general, domain)
+    assert (adapt["setup"]["task"], adapt["setup"]["corpus_b"], adapt["setup"]["corpus_a"]) == (
+        "adapt",
+        domain,
+        general,
+    )
+    assert (cont["setup"]["task"], cont["setup"]["corpus_b"], cont["setup"]["corpus_a"]) == (
+        "continual",
+        general,
+        domain,
+    )
     # the same base evaluated on swapped held-out sets
     assert cont["pretrained"]["eval_loss"] == pytest.approx(adapt["pretrained"]["eval_loss_a"])
     with pytest.raises(ConfigError, match="needs a pretrained model"):

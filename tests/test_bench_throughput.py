@@ -15,7 +15,12 @@ def _run(tps: float, loss: float = 3.0) -> dict:
 def test_each_mode_is_its_median_run_and_each_ratio_the_median_of_per_repeat_ratios() -> None:
     repeats = [
         {"compute_bound": _run(1000), "dense": _run(100, 3.1), "masked": _run(400), "masked_dp": _run(900)},
-        {"compute_bound": _run(1200), "dense": _run(300, 3.3), "masked": _run(600), "masked_dp": _run(1000)},  # a fast moment for dense
+        {
+            "compute_bound": _run(1200),
+            "dense": _run(300, 3.3),
+            "masked": _run(600),
+            "masked_dp": _run(1000),
+        },  # a fast moment for dense
         {"compute_bound": _run(1100), "dense": _run(200, 3.2), "masked": _run(500), "masked_dp": _run(950)},
     ]
     modes, ratios = combine_repeats(repeats)
@@ -23,7 +28,9 @@ def test_each_mode_is_its_median_run_and_each_ratio_the_median_of_per_repeat_rat
     assert modes["dense"]["eval_loss"] == 3.2 and modes["dense"]["runs"] == 3  # the figures of the median run
     # within each repeat: masked/dense = 4, 2, 2.5 -> median 2.5 (not 500/200 from different repeats by chance)
     r = ratios["masked_vs_dense"]
-    assert (r["median"], r["min"], r["max"]) == pytest.approx((2.5, 2.0, 4.0)) and r["runs"] == pytest.approx([4.0, 2.0, 2.5])
+    assert (r["median"], r["min"], r["max"]) == pytest.approx((2.5, 2.0, 4.0)) and r["runs"] == pytest.approx(
+        [4.0, 2.0, 2.5]
+    )
     assert ratios["masked_dp_vs_compute_bound"]["median"] == pytest.approx(950 / 1100)
 
 
@@ -38,7 +45,9 @@ def test_an_even_count_takes_the_mean_of_the_middle_two_and_the_lower_run_s_figu
     assert modes["dense"]["tokens_per_s"] == 150 and modes["dense"]["eval_loss"] == 3.0
 
 
-@pytest.mark.skipif(bool(__import__("peer.bench.netbed", fromlist=["available"]).available()), reason="needs network namespaces (root)")
+@pytest.mark.skipif(
+    bool(__import__("peer.bench.netbed", fromlist=["available"]).available()), reason="needs network namespaces (root)"
+)
 def test_dense_sync_runs_gpipe_and_an_all_reduce_that_keeps_replicas_identical(tmp_path) -> None:
     """The baseline a user would run instead, on the bed: 2 stages x 2 replicas of the modes'
     tiny model over gloo. Each stage group's replicas end with identical weights (the fp32
@@ -56,5 +65,7 @@ def test_dense_sync_runs_gpipe_and_an_all_reduce_that_keeps_replicas_identical(t
         assert ranks[0]["weights_abs_sum"] == pytest.approx(ranks[1]["weights_abs_sum"], rel=1e-9)
     assert all(r["last_loss"] is not None and r["last_loss"] > 0 for r in by_stage[1])
     dims, _, _ = resolve_model("tiny-llama", 2)
-    grads = sum(dims.stage_params(s, 2) for s in (0, 1)) * 4  # one fp32 copy of every stage's gradients per step, at least
+    grads = (
+        sum(dims.stage_params(s, 2) for s in (0, 1)) * 4
+    )  # one fp32 copy of every stage's gradients per step, at least
     assert got["wire_bytes_per_token"] * 2 * 8 * 128 * 2 > grads

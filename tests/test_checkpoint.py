@@ -21,7 +21,11 @@ from peer.model.stages import split_model
 from peer.pipeline.worker import StageWorker
 from peer.store.checkpoint import ShardCheckpoints
 
-CFG = TrainConfig(model=ModelConfig(name="tiny-llama", num_stages=2, hidden_size=32, num_layers=2, num_heads=2, max_seq_len=16), mask=MaskConfig(scheme="mask"), pipeline=PipelineConfig(micro_batch_size=2, seq_len=8, max_staleness=0))
+CFG = TrainConfig(
+    model=ModelConfig(name="tiny-llama", num_stages=2, hidden_size=32, num_layers=2, num_heads=2, max_seq_len=16),
+    mask=MaskConfig(scheme="mask"),
+    pipeline=PipelineConfig(micro_batch_size=2, seq_len=8, max_staleness=0),
+)
 
 
 def state(step: int, fill: float = 1.0) -> tuple[dict, list[str], list[torch.Tensor]]:
@@ -34,7 +38,12 @@ def test_a_checkpoint_round_trips_and_only_the_newest_are_kept(tmp_path: Path) -
     for step in (5, 10, 15):
         ck.save(*state(step, fill=step))
     assert ck.steps() == [15, 10]
-    assert sorted(p.name for p in ck.dir.iterdir()) == ["step00000010.json", "step00000010.pt", "step00000015.json", "step00000015.pt"]
+    assert sorted(p.name for p in ck.dir.iterdir()) == [
+        "step00000010.json",
+        "step00000010.pt",
+        "step00000015.json",
+        "step00000015.pt",
+    ]
     got = ck.newest()
     meta, names, tensors = got.metadata, got.names, got.tensors
     assert meta == {"version": 15, "adam_step": 15.0} and names == ["a", "b"] and got.step == 15
@@ -42,7 +51,9 @@ def test_a_checkpoint_round_trips_and_only_the_newest_are_kept(tmp_path: Path) -
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "no-manifest", "bad-manifest", "other-run"])
-def test_a_damaged_checkpoint_is_skipped_for_the_older_one(tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_damaged_checkpoint_is_skipped_for_the_older_one(
+    tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture
+) -> None:
     ck = ShardCheckpoints(tmp_path, "run-x", 0, keep=3)
     ck.save(*state(5, fill=5))
     newest = ck.save(*state(10, fill=10))
@@ -91,7 +102,11 @@ def trained(d: PeerDaemon, step: int) -> None:
     with torch.no_grad():
         for p in d.worker.stage.parameters():
             p.add_(0.01 * step)
-            d.worker.optimizer.opt.state[p] = {"step": torch.tensor(float(step)), "exp_avg": torch.full_like(p, 0.1), "exp_avg_sq": torch.full_like(p, 0.2)}
+            d.worker.optimizer.opt.state[p] = {
+                "step": torch.tensor(float(step)),
+                "exp_avg": torch.full_like(p, 0.1),
+                "exp_avg_sq": torch.full_like(p, 0.2),
+            }
     d.worker.version, d.steps_done = step, step
 
 
@@ -113,13 +128,17 @@ def test_a_restarted_peer_resumes_its_newest_checkpoint(tmp_path: Path) -> None:
         assert float(st["step"]) == 7.0 and torch.all(st["exp_avg"] == 0.1)
         # a group state no newer than the checkpoint is not taken over it
         meta, tensors = new.state_sync.stage_state()
-        assert not new.state_sync.apply_state({"version": 7, "adam_step": 7.0}, [t + 1 for t in tensors], source="a group member")
+        assert not new.state_sync.apply_state(
+            {"version": 7, "adam_step": 7.0}, [t + 1 for t in tensors], source="a group member"
+        )
         assert all(torch.equal(a, b) for a, b in zip(expected, new.worker.stage.parameters()))
     finally:
         new.transport.close()
 
 
-def test_a_checkpoint_that_does_not_fit_leaves_the_weights_alone(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_checkpoint_that_does_not_fit_leaves_the_weights_alone(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     d = make_daemon(tmp_path)
     try:
         meta, tensors = d.state_sync.stage_state()

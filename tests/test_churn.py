@@ -21,7 +21,8 @@ from swarmkit import logs, status_json, tiny_run_toml
 
 from peer.demo.swarm import start_process, stop_processes, wait_for_bootstrap
 
-RUN_TOML = tiny_run_toml(extra="""
+RUN_TOML = tiny_run_toml(
+    extra="""
 [dp]
 inner_steps = 5
 outer_compression = "none"
@@ -30,7 +31,8 @@ lr = 3e-3
 [checkpoint]
 every = 5
 keep = 2
-""")
+"""
+)
 CHAOS_S, KILL_EVERY_S = 100.0, 12.0
 
 
@@ -42,11 +44,33 @@ def test_random_kills_and_restarts_lose_nothing(tmp_path: Path) -> None:
 
     def start_peer(name: str) -> None:
         n = sum(1 for f in tmp_path.glob(f"{name}*.log"))
-        procs[name] = start_process(["peer", "--tracker", tracker, "--token", f"@{tmp_path}/boot/bootstrap.json", "--state-dir", str(tmp_path / name)], tmp_path / f"{name}.{n}.log")
+        procs[name] = start_process(
+            [
+                "peer",
+                "--tracker",
+                tracker,
+                "--token",
+                f"@{tmp_path}/boot/bootstrap.json",
+                "--state-dir",
+                str(tmp_path / name),
+            ],
+            tmp_path / f"{name}.{n}.log",
+        )
         everything.append(procs[name])
 
     try:
-        boot = start_process(["bootstrap", "--config", str(tmp_path / "run.toml"), "--state-dir", str(tmp_path / "boot"), "--peer-timeout", "4"], tmp_path / "boot.log")
+        boot = start_process(
+            [
+                "bootstrap",
+                "--config",
+                str(tmp_path / "run.toml"),
+                "--state-dir",
+                str(tmp_path / "boot"),
+                "--peer-timeout",
+                "4",
+            ],
+            tmp_path / "boot.log",
+        )
         everything.append(boot)
         tracker = wait_for_bootstrap(tmp_path / "boot", boot, tmp_path / "boot.log")["tracker"]
         for name in ("p0", "p1", "p2", "p3"):
@@ -54,14 +78,20 @@ def test_random_kills_and_restarts_lose_nothing(tmp_path: Path) -> None:
         deadline = time.monotonic() + 180
         while True:
             s = status_json(tracker)
-            if s and s["step"] >= 10 and sorted(p["stage"] for p in s["peers"] if p["state"] == "active") == [0, 0, 1, 1]:
+            if (
+                s
+                and s["step"] >= 10
+                and sorted(p["stage"] for p in s["peers"] if p["state"] == "active") == [0, 0, 1, 1]
+            ):
                 break
             assert time.monotonic() < deadline, f"the swarm did not start: {json.dumps(s)[:800]}\n{logs(tmp_path)}"
             time.sleep(1)
         start_step = s["step"]
         steps, kills, next_kill, down = [s["step"]], 0, time.monotonic() + KILL_EVERY_S, {}
         t_end = time.monotonic() + CHAOS_S
-        while time.monotonic() < t_end or (kills < 7 and time.monotonic() < t_end + 60):  # a slow graceful leave can delay the schedule
+        while time.monotonic() < t_end or (
+            kills < 7 and time.monotonic() < t_end + 60
+        ):  # a slow graceful leave can delay the schedule
             now = time.monotonic()
             if now >= next_kill:
                 name = rng.choice(sorted(set(procs) - set(down)))
@@ -87,7 +117,13 @@ def test_random_kills_and_restarts_lose_nothing(tmp_path: Path) -> None:
         while True:
             s = status_json(tracker)
             live = [p for p in (s or {}).get("peers", []) if p["state"] == "active"]
-            if s and s["state"] == "running" and {p["stage"] for p in live} == {0, 1} and s["step"] >= chaos_end_step + 10 and all(p["step"] > start_step for p in live):
+            if (
+                s
+                and s["state"] == "running"
+                and {p["stage"] for p in live} == {0, 1}
+                and s["step"] >= chaos_end_step + 10
+                and all(p["step"] > start_step for p in live)
+            ):
                 break
             assert time.monotonic() < deadline, f"no recovery after the chaos: {json.dumps(s)[:1500]}\n{logs(tmp_path)}"
             time.sleep(1)

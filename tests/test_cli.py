@@ -13,7 +13,9 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "peer.cli", *args], capture_output=True, text=True, timeout=timeout, env=ENV)
+    return subprocess.run(
+        [sys.executable, "-m", "peer.cli", *args], capture_output=True, text=True, timeout=timeout, env=ENV
+    )
 
 
 @pytest.mark.parametrize("codec", ["transform", "lowrank", "mask"])
@@ -53,8 +55,12 @@ def test_swarm_demo_trains_and_stops_every_process() -> None:
     assert "every process stopped" in line and '"processes_left": []' in line
     summary = json.loads(line[len("summary: ") : line.index("; every")])
     assert summary["step"] > 0 and summary["loss"] is not None and 0 < summary["startup_s"] < 180
-    assert summary["data"]["position"] > 0 and summary["data"]["tokens_seen"] > 0  # the built-in corpus, prepared by the bootstrap
-    assert any(x.startswith("data epoch 0, window ") for x in out.stdout.splitlines())  # the status table shows the position
+    assert (
+        summary["data"]["position"] > 0 and summary["data"]["tokens_seen"] > 0
+    )  # the built-in corpus, prepared by the bootstrap
+    assert any(
+        x.startswith("data epoch 0, window ") for x in out.stdout.splitlines()
+    )  # the status table shows the position
     assert any(x.startswith("first step ") and x.endswith(" s after launch") for x in out.stdout.splitlines())
 
 
@@ -70,9 +76,17 @@ def test_run_toml_round_trips_into_the_config(tmp_path) -> None:
     from peer.runtoml import load_run_toml
 
     path = tmp_path / "run.toml"
-    path.write_text('seed = 50\n[model]\nnum_stages = 3\n[codec]\nscheme = "lowrank"\n[codec.lowrank]\nrank = 12\n[dp]\ninner_steps = 20\n')
+    path.write_text(
+        'seed = 50\n[model]\nnum_stages = 3\n[codec]\nscheme = "lowrank"\n[codec.lowrank]\nrank = 12\n[dp]\ninner_steps = 20\n'
+    )
     cfg = load_run_toml(str(path))
-    assert (cfg.seed, cfg.model.num_stages, cfg.mask.scheme, cfg.mask.rank, cfg.dp.inner_steps) == (50, 3, "lowrank", 12, 20)
+    assert (cfg.seed, cfg.model.num_stages, cfg.mask.scheme, cfg.mask.rank, cfg.dp.inner_steps) == (
+        50,
+        3,
+        "lowrank",
+        12,
+        20,
+    )
 
 
 def test_bootstrap_refuses_a_config_the_swarm_cannot_run(tmp_path) -> None:
@@ -83,15 +97,38 @@ def test_bootstrap_refuses_a_config_the_swarm_cannot_run(tmp_path) -> None:
     assert not (tmp_path / "boot" / "bootstrap.json").exists()
 
 
-@pytest.mark.parametrize("device,says", [("cuda", "no CUDA device is visible"), ("cuda:3", "no CUDA device is visible"), ("gpu", "must be auto, cpu, cuda or cuda:N"), ("cuda:x", "cuda:N")])
+@pytest.mark.parametrize(
+    "device,says",
+    [
+        ("cuda", "no CUDA device is visible"),
+        ("cuda:3", "no CUDA device is visible"),
+        ("gpu", "must be auto, cpu, cuda or cuda:N"),
+        ("cuda:x", "cuda:N"),
+    ],
+)
 def test_peer_device_that_is_not_here_exits_2_with_the_fix(device: str, says: str) -> None:
     """No GPU here (CI has none): asking for one exits 2 at once, with the reason, no traceback."""
     out = _cli("peer", "--tracker", "127.0.0.1:9", "--device", device)
-    assert out.returncode == 2 and f"--device={device!r}" in out.stderr and says in out.stderr and "Traceback" not in out.stderr
+    assert (
+        out.returncode == 2
+        and f"--device={device!r}" in out.stderr
+        and says in out.stderr
+        and "Traceback" not in out.stderr
+    )
 
 
-@pytest.mark.parametrize("flags,field", [(["--stages", "1"], "--stages"), (["--replicas", "0"], "--replicas"), (["--bandwidth-mbit", "-3"], "--bandwidth-mbit"), (["--modes", "fast"], "--modes"), (["--repeat", "0"], "--repeat"),
-                                         (["--max-staleness", "-1"], "--max-staleness"), (["--steps", "12"], "--steps")])
+@pytest.mark.parametrize(
+    "flags,field",
+    [
+        (["--stages", "1"], "--stages"),
+        (["--replicas", "0"], "--replicas"),
+        (["--bandwidth-mbit", "-3"], "--bandwidth-mbit"),
+        (["--modes", "fast"], "--modes"),
+        (["--repeat", "0"], "--repeat"),
+        (["--max-staleness", "-1"], "--max-staleness"),
+        (["--steps", "12"], "--steps"),
+    ],
+)
 def test_bench_throughput_bad_flags_exit_2(flags: list[str], field: str, tmp_path, capsys) -> None:
     from peer.cli import main
 

@@ -27,7 +27,9 @@ def codec(drop: float = 0.9, values: str = "fp32", seed: int = 0) -> MaskCodec:
 
 # ---- an independent pure-Python reference of the mask PRF (the spec in peer/codec/mask.py) ----
 def ref_key(seed: int, boundary: int, step: int, micro_batch: int) -> int:
-    data = b"anchormesh.mask.v1" + b"".join((v % 2**64).to_bytes(8, "little") for v in (seed, boundary, step, micro_batch))
+    data = b"anchormesh.mask.v1" + b"".join(
+        (v % 2**64).to_bytes(8, "little") for v in (seed, boundary, step, micro_batch)
+    )
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
@@ -52,7 +54,12 @@ def test_lowbias32_reference_vectors() -> None:
 
 
 def test_hash_matches_pure_python_reference() -> None:
-    for seed, boundary, step, mb in [(0, 0, 0, 0), (1, 2, 3, 4), (-5, 7, 10**12, 2**40), (2**63, 2**32 - 1, 2**64 - 1, 1)]:
+    for seed, boundary, step, mb in [
+        (0, 0, 0, 0),
+        (1, 2, 3, 4),
+        (-5, 7, 10**12, 2**40),
+        (2**63, 2**32 - 1, 2**64 - 1, 1),
+    ]:
         key = mask_key(seed, boundary, step, mb)
         assert key == ref_key(seed, boundary, step, mb)
         words = mask_hash(key, 1000).tolist()
@@ -307,7 +314,9 @@ def test_decode_rejects_truncated_payload() -> None:
 def test_decode_refuses_implausible_size_before_regenerating_the_mask() -> None:
     msg = _msg()
     msg.shape[:] = [2**28]  # a 2**28-element claim with a 1 KiB payload: refused without hashing 2**28 indices
-    with pytest.raises(WireError, match=r"payload: \d+ bytes, expected about 5368709\d \(268435456 elements at drop=0.9"):
+    with pytest.raises(
+        WireError, match=r"payload: \d+ bytes, expected about 5368709\d \(268435456 elements at drop=0.9"
+    ):
         codec(0.9, "fp16").decode(msg)
 
 

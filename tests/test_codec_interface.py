@@ -37,9 +37,15 @@ def plain():
             MASK_SCHEMES.remove("plain")
 
 
-@pytest.mark.parametrize("path", ["peer/pipeline/worker.py", "peer/pipeline/inbound.py", "peer/daemon/memory.py", "peer/demo/local.py"])
+@pytest.mark.parametrize(
+    "path", ["peer/pipeline/worker.py", "peer/pipeline/inbound.py", "peer/daemon/memory.py", "peer/demo/local.py"]
+)
 def test_the_worker_the_checks_the_memory_plan_and_the_demo_never_branch_on_the_codec(path: str) -> None:
-    code = "\n".join(line.split("#")[0] for line in (ROOT / path).read_text().splitlines() if not line.lstrip().startswith(("#", '"""')))
+    code = "\n".join(
+        line.split("#")[0]
+        for line in (ROOT / path).read_text().splitlines()
+        if not line.lstrip().startswith(("#", '"""'))
+    )
     assert not re.search(r"scheme\s*[!=]=|\bTransformLinks\b|\bcoef_codec\b|\bbasis_out\b", code), path
 
 
@@ -88,14 +94,24 @@ eval_every = 0
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
     def start(name: str, *args: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, str(PLAIN), *args], stdout=open(tmp_path / f"{name}.log", "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        return subprocess.Popen(
+            [sys.executable, str(PLAIN), *args],
+            stdout=open(tmp_path / f"{name}.log", "w"),
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
 
     procs = [start("boot", "bootstrap", "--config", str(tmp_path / "run.toml"), "--state-dir", str(tmp_path / "boot"))]
     try:
         info = wait_for_bootstrap(tmp_path / "boot", procs[0], tmp_path / "boot.log")
         for i in range(2):
-            procs.append(start(f"peer{i}", "peer", "--tracker", info["tracker"], "--token", f"@{tmp_path}/boot/bootstrap.json"))
-        s = wait_for_status(info["tracker"], lambda s: s["step"] >= 3 and s["pp_bytes_per_token"] > 0, tmp_path, procs, timeout=150)
+            procs.append(
+                start(f"peer{i}", "peer", "--tracker", info["tracker"], "--token", f"@{tmp_path}/boot/bootstrap.json")
+            )
+        s = wait_for_status(
+            info["tracker"], lambda s: s["step"] >= 3 and s["pp_bytes_per_token"] > 0, tmp_path, procs, timeout=150
+        )
         H = MODEL.hidden_size
         # bf16 activations at least (the last stage's gradient bytes reach the tracker with its next heartbeat)
         assert 2 * H <= s["pp_bytes_per_token"] < 2 * 2 * H * 1.5, (s["pp_bytes_per_token"], logs(tmp_path))

@@ -46,11 +46,25 @@ def holder(seed: int = 0, tmp: Path | None = None) -> SimpleNamespace:
     """The peer as the state transfer and checkpointing see it: its fields, nothing else."""
     stage = TinyStage(seed)
     opt = torch.optim.AdamW(stage.parameters(), betas=(0.9, 0.95))
-    worker = SimpleNamespace(stage=stage, optimizer=SimpleNamespace(opt=opt), version=0, next_mb=0, cfg=SimpleNamespace(optim=SimpleNamespace(beta1=0.9, beta2=0.95, lr=1e-4), pipeline=SimpleNamespace(micro_batches=4)))
+    worker = SimpleNamespace(
+        stage=stage,
+        optimizer=SimpleNamespace(opt=opt),
+        version=0,
+        next_mb=0,
+        cfg=SimpleNamespace(
+            optim=SimpleNamespace(beta1=0.9, beta2=0.95, lr=1e-4), pipeline=SimpleNamespace(micro_batches=4)
+        ),
+    )
     lock = threading.Lock()
     return SimpleNamespace(
-        worker=worker, averager=None, state_step=-1, resumed_from="initial weights", reason="", step_lock=lambda: lock,
-        checkpoints=ShardCheckpoints(tmp, "run", 1, keep=2) if tmp is not None else None, steps_done=0,
+        worker=worker,
+        averager=None,
+        state_step=-1,
+        resumed_from="initial weights",
+        reason="",
+        step_lock=lambda: lock,
+        checkpoints=ShardCheckpoints(tmp, "run", 1, keep=2) if tmp is not None else None,
+        steps_done=0,
     )
 
 
@@ -76,7 +90,9 @@ def test_state_sync_applies_a_good_state_whole_and_offers_it_back() -> None:
     assert not sync.apply_state(meta, tensors, source="a group member")  # not newer than what it holds
 
 
-@pytest.mark.parametrize("poison", ["negative_second_moment", "step_past_the_run", "shape", "count", "first_moment_over_bound"])
+@pytest.mark.parametrize(
+    "poison", ["negative_second_moment", "step_past_the_run", "shape", "count", "first_moment_over_bound"]
+)
 def test_state_sync_refuses_a_bad_state_and_touches_nothing(poison: str, caplog: pytest.LogCaptureFixture) -> None:
     h = holder()
     sync = StateSync(h)
@@ -121,11 +137,18 @@ def test_checkpointer_writes_and_a_fresh_peer_resumes_from_it(tmp_path: Path) ->
     new = holder(seed=2, tmp=tmp_path)
     resumed = Checkpointer(new, StateSync(new))
     resumed.resume()
-    assert new.resumed_from == "checkpoint step 5" and new.state_step == 5 and new.worker.version == 5 and resumed.written == 5
+    assert (
+        new.resumed_from == "checkpoint step 5"
+        and new.state_step == 5
+        and new.worker.version == 5
+        and resumed.written == 5
+    )
     assert all(torch.equal(a, b) for a, b in zip(old.worker.stage.parameters(), new.worker.stage.parameters()))
 
 
-def test_a_failed_checkpoint_is_counted_and_the_step_tried_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_failed_checkpoint_is_counted_and_the_step_tried_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     h = holder(tmp=tmp_path)
     ck = Checkpointer(h, StateSync(h))
     h.worker.version = h.steps_done = 3
@@ -136,7 +159,11 @@ def test_a_failed_checkpoint_is_counted_and_the_step_tried_again(tmp_path: Path,
     monkeypatch.setattr(h.checkpoints, "save", full)
     with caplog.at_level(logging.ERROR):
         ck.write(wait=True)
-    assert ck.failures == 1 and ck.written == 0 and "checkpoint at step 3 failed (1 so far), training goes on" in caplog.text
+    assert (
+        ck.failures == 1
+        and ck.written == 0
+        and "checkpoint at step 3 failed (1 so far), training goes on" in caplog.text
+    )
     monkeypatch.undo()
     ck.write(wait=True)
     assert h.checkpoints.steps() == [3] and ck.written == 3 and ck.failures == 1
@@ -152,12 +179,17 @@ def router(excluded: set[str], worker: object | None = None) -> Router:
 
 def test_routing_prefers_usable_peers_by_capacity() -> None:
     r = router({"c"})
-    r.apply_neighbours(pb.Directive(neighbours=[
-        pb.PeerInfo(peer_id="me", stage=0), pb.PeerInfo(peer_id="mate", stage=0),
-        pb.PeerInfo(peer_id="a", stage=1, address="h:1", capacity_tokens_per_s=900.0),
-        pb.PeerInfo(peer_id="b", stage=1, address="h:2", capacity_tokens_per_s=100.0),
-        pb.PeerInfo(peer_id="c", stage=1, address="h:3", capacity_tokens_per_s=1e6),
-    ]))
+    r.apply_neighbours(
+        pb.Directive(
+            neighbours=[
+                pb.PeerInfo(peer_id="me", stage=0),
+                pb.PeerInfo(peer_id="mate", stage=0),
+                pb.PeerInfo(peer_id="a", stage=1, address="h:1", capacity_tokens_per_s=900.0),
+                pb.PeerInfo(peer_id="b", stage=1, address="h:2", capacity_tokens_per_s=100.0),
+                pb.PeerInfo(peer_id="c", stage=1, address="h:3", capacity_tokens_per_s=1e6),
+            ]
+        )
+    )
     assert r.transport.endpoints["a"] == "h:1" and r.siblings() == ["mate"]
     picks = collections.Counter(r.next_hop() for _ in range(2000))
     assert set(picks) == {"a", "b"} and 0.85 < picks["a"] / 2000 < 0.95  # c is excluded; 9:1 by capacity
@@ -173,7 +205,13 @@ def test_routing_resends_a_micro_batch_whose_gradient_never_came() -> None:
         sent.append((window, step, mb))
         w.inflight[(step, mb)] = SimpleNamespace(window=window)
 
-    w = SimpleNamespace(inflight={(4, 2): SimpleNamespace(window="win")}, basis_sent={"x": 1}, replica=0, cfg=SimpleNamespace(pipeline=SimpleNamespace(micro_batches=4)), inject=inject)
+    w = SimpleNamespace(
+        inflight={(4, 2): SimpleNamespace(window="win")},
+        basis_sent={"x": 1},
+        replica=0,
+        cfg=SimpleNamespace(pipeline=SimpleNamespace(micro_batches=4)),
+        inject=inject,
+    )
     w.forget_sent = w.basis_sent.clear  # what StageWorker.forget_sent does for the low-rank codec
     r = router(set())
     r.neighbours = {1: [pb.PeerInfo(peer_id="a", stage=1)]}
@@ -194,14 +232,43 @@ clock = [0.0]  # the member's process age, seconds
 
 def member() -> tuple[SimpleNamespace, Membership]:
     clock[0] = 0.0
-    worker = SimpleNamespace(stage=SimpleNamespace(index=1), version=9, inbox_fwd=[1, 2], inbox_bwd=[3], keep_sent={}, state_bytes_sent=60)
-    transport = SimpleNamespace(run_id="run", bytes_in=100, total_bytes=lambda: 250, excluding=lambda: ["x1", "x2", "x3", "x4", "x5"], endpoints={}, meters={}, usable=lambda dst: True)
+    worker = SimpleNamespace(
+        stage=SimpleNamespace(index=1), version=9, inbox_fwd=[1, 2], inbox_bwd=[3], keep_sent={}, state_bytes_sent=60
+    )
+    transport = SimpleNamespace(
+        run_id="run",
+        bytes_in=100,
+        total_bytes=lambda: 250,
+        excluding=lambda: ["x1", "x2", "x3", "x4", "x5"],
+        endpoints={},
+        meters={},
+        usable=lambda dst: True,
+    )
     d = SimpleNamespace(
-        peer_id="me", address="h:9", identity=SimpleNamespace(fingerprint="fp"), gate=SimpleNamespace(refused=collections.Counter(a=2, b=1), banned={"old": "x"}),
-        transport=transport, stop=threading.Event(), worker=worker, averager=None, anchor=None, state="active", reason="", tokens=4096,
-        tokens_per_s=12.5, capacity=40.0, loss=2.5, steps_done=0, startup_s=0.0, move_reason="", refused="", resumed_from="group step 5",
+        peer_id="me",
+        address="h:9",
+        identity=SimpleNamespace(fingerprint="fp"),
+        gate=SimpleNamespace(refused=collections.Counter(a=2, b=1), banned={"old": "x"}),
+        transport=transport,
+        stop=threading.Event(),
+        worker=worker,
+        averager=None,
+        anchor=None,
+        state="active",
+        reason="",
+        tokens=4096,
+        tokens_per_s=12.5,
+        capacity=40.0,
+        loss=2.5,
+        steps_done=0,
+        startup_s=0.0,
+        move_reason="",
+        refused="",
+        resumed_from="group step 5",
         startup=StartupClock(lambda: clock[0]),
-        replicas=SimpleNamespace(stage=2, step=7, pulls_asked=[]), feed=None, state_sync=SimpleNamespace(refused=["bad: far"]),
+        replicas=SimpleNamespace(stage=2, step=7, pulls_asked=[]),
+        feed=None,
+        state_sync=SimpleNamespace(refused=["bad: far"]),
     )
     d.replicas.maybe_pull = d.replicas.pulls_asked.append
     return d, Membership(d, Router(transport, "me", lambda: worker), AnchorJobs())
@@ -210,8 +277,21 @@ def member() -> tuple[SimpleNamespace, Membership]:
 def test_membership_reports_the_peer_s_figures() -> None:
     d, m = member()
     r = m.report()
-    assert (r.run_id, r.tokens, r.peer.peer_id, r.peer.stage, r.peer.step, r.peer.address) == ("run", 4096, "me", 1, 9, "h:9")
-    assert (r.peer.queue_depth, r.peer.bytes_in, r.peer.bytes_out, r.peer.refused_calls, r.peer.key_fingerprint) == (3, 100, 250, 3, "fp")
+    assert (r.run_id, r.tokens, r.peer.peer_id, r.peer.stage, r.peer.step, r.peer.address) == (
+        "run",
+        4096,
+        "me",
+        1,
+        9,
+        "h:9",
+    )
+    assert (r.peer.queue_depth, r.peer.bytes_in, r.peer.bytes_out, r.peer.refused_calls, r.peer.key_fingerprint) == (
+        3,
+        100,
+        250,
+        3,
+        "fp",
+    )
     assert r.peer.pp_state_bytes_out == 60  # of bytes_out: the codec state its links shipped
     assert list(r.peer.excluding) == ["x1", "x2", "x3", "x4"] and r.peer.dp_rounds == 0 and r.peer.anchor_id == 0
     assert (r.peer.replica_stage, r.peer.replica_step, r.peer.resumed_from) == (2, 7, "group step 5")
@@ -220,7 +300,10 @@ def test_membership_reports_the_peer_s_figures() -> None:
     d.startup.begin("join")
     clock[0] = 9.4
     r = m.report()  # before its first step: what it does, for how long, since when; no phases yet
-    assert r.peer.reason == "joining: the run's config, its memory plan, the tracker's assignment (2 s; 9 s since start)" and not r.peer.startup_phases
+    assert (
+        r.peer.reason == "joining: the run's config, its memory plan, the tracker's assignment (2 s; 9 s since start)"
+        and not r.peer.startup_phases
+    )
     d.startup.begin("state")
     d.reason = "downloading its stage's state from peer-x (40 %)"  # a phase that says more
     assert m.report().peer.reason == "downloading its stage's state from peer-x (40 %) (0 s; 9 s since start)"
@@ -229,7 +312,11 @@ def test_membership_reports_the_peer_s_figures() -> None:
     d.steps_done, d.reason = 1, "waiting for a peer of stage 1"
     r = m.report()
     assert r.peer.reason == "waiting for a peer of stage 1" and r.peer.startup_s == 12.0
-    assert [(p.name, round(p.seconds, 1)) for p in r.peer.startup_phases] == [("imports", 7.0), ("join", 2.4), ("state", 2.6)]
+    assert [(p.name, round(p.seconds, 1)) for p in r.peer.startup_phases] == [
+        ("imports", 7.0),
+        ("join", 2.4),
+        ("state", 2.6),
+    ]
 
 
 class Refused(grpc.RpcError):
@@ -243,15 +330,27 @@ class Refused(grpc.RpcError):
 def test_membership_obeys_the_directives() -> None:
     d, m = member()
     directives = [
-        pb.Directive(neighbours=[pb.PeerInfo(peer_id="a", stage=2, address="h:1")], banned=["fp9"], anchor_id=7, anchor_micro_batches=2, eval_id=3,
-                     replicate=pb.PeerInfo(peer_id="a", stage=2, address="h:1", step=8)),
+        pb.Directive(
+            neighbours=[pb.PeerInfo(peer_id="a", stage=2, address="h:1")],
+            banned=["fp9"],
+            anchor_id=7,
+            anchor_micro_batches=2,
+            eval_id=3,
+            replicate=pb.PeerInfo(peer_id="a", stage=2, address="h:1", step=8),
+        ),
         pb.Directive(kind=pb.Directive.MOVE, reason="stage 0 starves"),
     ]
     m.heartbeat(SimpleNamespace(Heartbeat=lambda requests: iter(directives)), 0.01)
     assert d.gate.banned == {"fp9": "banned by the run's operator"}  # the old ban is lifted, in place
-    assert [n.peer_id for n in m.router.neighbours[2]] == ["a"] and list(m.jobs.anchors) == [(7, 2)] and list(m.jobs.evals) == [3]
+    assert (
+        [n.peer_id for n in m.router.neighbours[2]] == ["a"]
+        and list(m.jobs.anchors) == [(7, 2)]
+        and list(m.jobs.evals) == [3]
+    )
     assert d.move_reason == "stage 0 starves" and d.stop.is_set()
-    assert [t.peer_id for t in d.replicas.pulls_asked] == ["a"]  # the copy of the next stage: from whom the tracker named
+    assert [t.peer_id for t in d.replicas.pulls_asked] == [
+        "a"
+    ]  # the copy of the next stage: from whom the tracker named
 
     d, m = member()
 
@@ -265,14 +364,20 @@ def test_membership_obeys_the_directives() -> None:
 # -- anchors, averaging, serving --------------------------------------------------------------------
 def test_anchor_jobs_become_passes_on_stage_zero() -> None:
     jobs, scheduled = AnchorJobs(), []
-    anchor = SimpleNamespace(issued=None, schedule=lambda i, b: scheduled.append(("anchor", i, len(b))), schedule_eval=lambda i, b: scheduled.append(("eval", i, len(b))))
+    anchor = SimpleNamespace(
+        issued=None,
+        schedule=lambda i, b: scheduled.append(("anchor", i, len(b))),
+        schedule_eval=lambda i, b: scheduled.append(("eval", i, len(b))),
+    )
     jobs.take(pb.Directive(anchors_issued=5, anchor_id=5, anchor_micro_batches=3, eval_id=2), anchor)
     assert anchor.issued == 5
     cfg = SimpleNamespace(seed=0, pipeline=SimpleNamespace(micro_batch_size=2, seq_len=8, eval_batches=4))
     feed = SimpleNamespace(anchor_batches=lambda i, n: None, eval_batches=lambda b, n: None)
     jobs.schedule(anchor, feed, cfg)  # nothing trained, no eval windows yet: the jobs wait
     assert scheduled == [] and jobs.anchors and jobs.evals
-    feed = SimpleNamespace(anchor_batches=lambda i, n: [torch.zeros(2, 9)] * n, eval_batches=lambda b, n: [torch.zeros(b, 9)])
+    feed = SimpleNamespace(
+        anchor_batches=lambda i, n: [torch.zeros(2, 9)] * n, eval_batches=lambda b, n: [torch.zeros(b, 9)]
+    )
     jobs.schedule(anchor, feed, cfg)
     assert scheduled == [("anchor", 5, 3), ("eval", 2, 4)] and not jobs.anchors and not jobs.evals
 
@@ -293,7 +398,14 @@ def test_a_step_with_an_averager_is_taken_under_its_lock() -> None:
 
 
 def test_serving_answers_before_and_after_the_stage() -> None:
-    d = SimpleNamespace(peer_id="me", state="joining", worker=None, anchor=None, transport=SimpleNamespace(run_id="run"), step_lock=threading.Lock)
+    d = SimpleNamespace(
+        peer_id="me",
+        state="joining",
+        worker=None,
+        anchor=None,
+        transport=SimpleNamespace(run_id="run"),
+        step_lock=threading.Lock,
+    )
     s = Serving(d)
     assert (s.ping_info(None).stage, s.ping_info(None).state, s.ping_info(None).run_id) == (0, "joining", "run")
     with pytest.raises(AnchormeshError, match="serves no stage yet"):
@@ -311,7 +423,11 @@ def test_a_retry_encoded_otherwise_is_a_new_micro_batch_for_the_receiver() -> No
     from peer.wire import anchormesh_pb2 as pb
 
     def act(k: int, version: int = 3) -> pb.ActivationChunk:
-        return pb.ActivationChunk(header=pb.MicroBatchHeader(sender="s0", step=20, micro_batch_id=7), basis_version=version, hidden=pb.TensorPayload(shape=[4, 32, k]))
+        return pb.ActivationChunk(
+            header=pb.MicroBatchHeader(sender="s0", step=20, micro_batch_id=7),
+            basis_version=version,
+            hidden=pb.TensorPayload(shape=[4, 32, k]),
+        )
 
     assert retry_key(act(4)) == retry_key(act(4))
     assert retry_key(act(4)) != retry_key(act(2)) and retry_key(act(4)) != retry_key(act(4, version=4))

@@ -63,7 +63,10 @@ def test_render_shows_run_stages_and_every_peer() -> None:
     assert "RUNNING" in out and "12m34s" in out and "1,966,080" in out
     assert "train loss  2.734" in out and "eval loss  2.811 (at step 450)" in out
     assert "3,412 tok/s" in out
-    assert "43.5 B/token (11.8x vs dense fp16; codec state 3.2 of it)" in out and "12.4 B/token (38x vs fp32 all-reduce every step)" in out
+    assert (
+        "43.5 B/token (11.8x vs dense fp16; codec state 3.2 of it)" in out
+        and "12.4 B/token (38x vs fp32 all-reduce every step)" in out
+    )
     assert "260 steps old (9 launched, 6.2 B/token)" in out
     lines = out.splitlines()
     stage_rows = [ln.split() for ln in lines if ln.split()[:1] in (["0"], ["1"])]
@@ -233,8 +236,17 @@ def _run_status_with(monkeypatch: pytest.MonkeyPatch, tty: bool) -> str:
     from peer.wire import anchormesh_pb2 as pb
 
     msg = pb.RunStatus(
-        run_id="run-fake", state="running", step=12, tokens=4096, loss=3.25, eval_loss=math.nan, eval_step=-1,
-        tokens_per_s=640.0, uptime_s=20.0, anchor_step=-1, anchor_age_steps=-1,
+        run_id="run-fake",
+        state="running",
+        step=12,
+        tokens=4096,
+        loss=3.25,
+        eval_loss=math.nan,
+        eval_step=-1,
+        tokens_per_s=640.0,
+        uptime_s=20.0,
+        anchor_step=-1,
+        anchor_age_steps=-1,
         stages=[pb.StageStatus(index=0, peers=1, tokens_per_s=640.0), pb.StageStatus(index=1, peers=0)],
         peers=[pb.PeerInfo(peer_id="peer-only", stage=0, state="active", address="127.0.0.1:5001", last_seen_s=0.2)],
     )
@@ -275,7 +287,9 @@ def test_refused_averaging_results_and_a_finished_run() -> None:
     s = _healthy()
     live = next(p for p in s["peers"] if p["state"] in ("active", "idle"))
     live["dp_rejected"] = 2
-    assert problems(s) == [f"{live['id']} (stage {live['stage']}) refused 2 averaging result(s) of its stage group: a member sends NaN or outsized updates"]
+    assert problems(s) == [
+        f"{live['id']} (stage {live['stage']}) refused 2 averaging result(s) of its stage group: a member sends NaN or outsized updates"
+    ]
     s = _healthy()  # a run whose budget is spent: its peers left, and that is no problem
     s["state"], s["reason"] = "done", "token budget of 1000 tokens spent"
     for st in s["stages"]:
@@ -312,7 +326,9 @@ def test_a_peer_its_stage_mates_name_is_shown_with_what_they_say() -> None:
     bad, accuser = live[0], live[1]
     bad["dp_flagged"] = 1
     accuser["dp_suspects"] = [f"{bad['id']}: its update is 99.0x the others' (limit 4x)"]
-    assert problems(s) == [f"{bad['id']} (stage {bad['stage']}) is named by 1 stage mate(s) as the sender of a bad averaging update: its update is 99.0x the others' (limit 4x)"]
+    assert problems(s) == [
+        f"{bad['id']} (stage {bad['stage']}) is named by 1 stage mate(s) as the sender of a bad averaging update: its update is 99.0x the others' (limit 4x)"
+    ]
 
 
 def test_a_peer_routing_around_a_next_stage_peer_says_which_and_why() -> None:
@@ -329,7 +345,13 @@ def test_the_plain_status_table_shows_link_and_averaging_period_too() -> None:
     from peer.client.status import render as plain
     from peer.wire import anchormesh_pb2 as pb
 
-    s = pb.RunStatus(run_id="r", peers=[pb.PeerInfo(peer_id="peer-1", state="active", link_mbit=0.684, pp_keep=0.125, dp_rounds=7, dp_period_s=32), pb.PeerInfo(peer_id="peer-2", stage=1, state="active")])
+    s = pb.RunStatus(
+        run_id="r",
+        peers=[
+            pb.PeerInfo(peer_id="peer-1", state="active", link_mbit=0.684, pp_keep=0.125, dp_rounds=7, dp_period_s=32),
+            pb.PeerInfo(peer_id="peer-2", stage=1, state="active"),
+        ],
+    )
     rows = {ln.split()[0]: ln for ln in plain(s).splitlines() if ln.startswith("peer-")}
     assert "0.684M 12%" in rows["peer-1"] and "7/32s" in rows["peer-1"]
     assert "—" in rows["peer-2"] and "/" not in rows["peer-2"]

@@ -91,7 +91,9 @@ def test_leave_restart_and_stop_give_back_the_work() -> None:
     got = list(t.report(pb.PeerReport(run_id="run-x", peer=pb.PeerInfo(peer_id="a", stage=0, state="active"))).windows)
     t.join(pb.JoinRequest(peer_id="a", grpc_address="h:1", **build_fields()), key=b"k" * 32)  # restarted: same key
     assert t.data.returned == got and "a" not in t.data.held
-    again = list(t.report(pb.PeerReport(run_id="run-x", peer=pb.PeerInfo(peer_id="a", stage=0, state="active"))).windows)
+    again = list(
+        t.report(pb.PeerReport(run_id="run-x", peer=pb.PeerInfo(peer_id="a", stage=0, state="active"))).windows
+    )
     assert again == got  # the restarted process takes the old one's unstarted work
     t.leave(pb.LeaveRequest(run_id="run-x", peer_id="a", reason="done"))
     assert t.data.returned == got and t.data.done == 0
@@ -104,14 +106,24 @@ def test_the_position_survives_a_round_trip_through_tracker_json() -> None:
     t.join(pb.JoinRequest(peer_id="a", grpc_address="h:1", **build_fields()))
     for _ in range(10):  # past an epoch; it reports the tokens of what it released
         tokens = t.data.released.get("a", 0) * 8
-        held = list(t.report(pb.PeerReport(run_id="run-x", tokens=tokens, peer=pb.PeerInfo(peer_id="a", stage=0, state="active"))).windows)
+        held = list(
+            t.report(
+                pb.PeerReport(run_id="run-x", tokens=tokens, peer=pb.PeerInfo(peer_id="a", stage=0, state="active"))
+            ).windows
+        )
     data = json.loads(json.dumps(persist.snapshot(t, {})))
     r = persist.restore(data, clock=Clock(5.0))
     assert r.data.to_dict() == t.data.to_dict() and r.status().data == t.status().data
     assert r.status().data.epoch == 1 and r.status().data.source == "corpus"
-    nxt = list(r.report(pb.PeerReport(run_id="run-x", peer=pb.PeerInfo(peer_id="a", stage=0, state="active"), windows_held=held)).windows)
+    nxt = list(
+        r.report(
+            pb.PeerReport(run_id="run-x", peer=pb.PeerInfo(peer_id="a", stage=0, state="active"), windows_held=held)
+        ).windows
+    )
     assert nxt == []  # it still holds its lease: the restored tracker knows it
-    fresh = list(r.report(pb.PeerReport(run_id="run-x", peer=pb.PeerInfo(peer_id="a", stage=0, state="active"))).windows)
+    fresh = list(
+        r.report(pb.PeerReport(run_id="run-x", peer=pb.PeerInfo(peer_id="a", stage=0, state="active"))).windows
+    )
     ref = list(t.report(pb.PeerReport(run_id="run-x", peer=pb.PeerInfo(peer_id="a", stage=0, state="active"))).windows)
     assert fresh == ref  # the restored order continues where the saved one was
 
@@ -128,7 +140,9 @@ def test_status_json_and_table_show_the_data_position() -> None:
     )
     t.join(pb.JoinRequest(peer_id="a", grpc_address="h:1", **build_fields()))
     held = list(t.report(pb.PeerReport(run_id="run-x", peer=pb.PeerInfo(peer_id="a", stage=0, state="active"))).windows)
-    t.report(pb.PeerReport(run_id="run-x", peer=pb.PeerInfo(peer_id="a", stage=0, state="active"), windows_held=held[2:]))
+    t.report(
+        pb.PeerReport(run_id="run-x", peer=pb.PeerInfo(peer_id="a", stage=0, state="active"), windows_held=held[2:])
+    )
     s = t.status()
     assert status_dict(s)["data"] == {
         "source": "corpus",
@@ -155,7 +169,9 @@ def test_a_restarted_bootstrap_refuses_data_that_changed_under_its_run(tmp_path)
 
     (tmp_path / "a.txt").write_text("\n\n".join(f"document {i} " + "words of text " * 60 for i in range(600)))
     cfg = TrainConfig(
-        model=ModelConfig(num_stages=2, num_layers=4), pipeline=PipelineConfig(seq_len=32), data=DataConfig(path=str(tmp_path / "a.txt"))
+        model=ModelConfig(num_stages=2, num_layers=4),
+        pipeline=PipelineConfig(seq_len=32),
+        data=DataConfig(path=str(tmp_path / "a.txt")),
     )
     data = open_run_data(cfg, tmp_path / "boot")
     t = Tracker("run-x", cfg)
@@ -167,11 +183,19 @@ def test_a_restarted_bootstrap_refuses_data_that_changed_under_its_run(tmp_path)
 
 
 def test_a_peer_that_releases_far_more_than_it_trains_gets_no_more_work() -> None:
-    t = Tracker("run-x", TrainConfig(model=ModelConfig(num_stages=2, num_layers=4)), data=DataOrder(windows=10_000, seq_len=8, lease=4))
+    t = Tracker(
+        "run-x",
+        TrainConfig(model=ModelConfig(num_stages=2, num_layers=4)),
+        data=DataOrder(windows=10_000, seq_len=8, lease=4),
+    )
     t.join(pb.JoinRequest(peer_id="a", grpc_address="h:1", **build_fields()))
 
     def report(tokens: int) -> list[int]:
-        return list(t.report(pb.PeerReport(run_id="run-x", tokens=tokens, peer=pb.PeerInfo(peer_id="a", stage=0, state="active"))).windows)
+        return list(
+            t.report(
+                pb.PeerReport(run_id="run-x", tokens=tokens, peer=pb.PeerInfo(peer_id="a", stage=0, state="active"))
+            ).windows
+        )
 
     got = [report(0) for _ in range(7)]  # releases everything at once, trains nothing
     assert [len(g) for g in got] == [4, 4, 4, 4, 4, 4, 0] and t.data.released["a"] == 24  # 4 leases ahead: no more
@@ -192,13 +216,19 @@ def test_the_budget_caps_the_windows_handed_out_and_a_dead_peers_lost_windows_en
     # counts them as lost, so the run ends instead of waiting for their tokens
     clock = Clock(100.0)
     cfg = TrainConfig(model=ModelConfig(num_stages=2, num_layers=4), token_budget=16 * 8)
-    t = Tracker("run-x", cfg, peer_timeout_s=10.0, clock=clock, data=DataOrder(windows=1000, seq_len=8, lease=8, budget=16))
+    t = Tracker(
+        "run-x", cfg, peer_timeout_s=10.0, clock=clock, data=DataOrder(windows=1000, seq_len=8, lease=8, budget=16)
+    )
     for pid in ("x", "y"):
         t.join(pb.JoinRequest(peer_id=pid, grpc_address=f"h:{pid}", **build_fields()))
     x = next(pid for pid, p in t.peers.items() if p.stage == 0)
 
     def report(held: list[int], tokens: int) -> pb.Directive:
-        return t.report(pb.PeerReport(run_id="run-x", peer=pb.PeerInfo(peer_id=x, stage=0, state="active"), tokens=tokens, windows_held=held))
+        return t.report(
+            pb.PeerReport(
+                run_id="run-x", peer=pb.PeerInfo(peer_id=x, stage=0, state="active"), tokens=tokens, windows_held=held
+            )
+        )
 
     assert len(report([], 0).windows) == 8
     assert len(report([], 8 * 8).windows) == 8  # trained the first 8, released the next 8

@@ -39,18 +39,33 @@ def test_two_stage0_peers_and_a_bootstrap_killed_and_restarted_train_no_window_t
         tracker = info["tracker"]
 
         def start_peer(name: str) -> None:
-            args = ["peer", "--tracker", tracker, "--token", f"@{tmp_path}/boot/bootstrap.json", "--state-dir", str(tmp_path / name)]
+            args = [
+                "peer",
+                "--tracker",
+                tracker,
+                "--token",
+                f"@{tmp_path}/boot/bootstrap.json",
+                "--state-dir",
+                str(tmp_path / name),
+            ]
             peers[name] = start_process(args, tmp_path / f"{name}.log")
             procs.append(peers[name])
 
         for i in range(4):
             start_peer(f"p{i}")
         s = wait_for_status(
-            tracker, lambda s: s["step"] >= 4 and sum(p["stage"] == 0 and p["state"] == "active" for p in s["peers"]) == 2, tmp_path, procs
+            tracker,
+            lambda s: s["step"] >= 4 and sum(p["stage"] == 0 and p["state"] == "active" for p in s["peers"]) == 2,
+            tmp_path,
+            procs,
         )
         assert s["data"]["windows"] > 1000 and s["data"]["source"].endswith("builtin-corpus.txt")
         victim = next(p["id"] for p in s["peers"] if p["stage"] == 0 and p["state"] == "active")
-        name = next(n for n in peers if (tmp_path / n / "windows.log").exists() and victim in (tmp_path / f"{n}.log").read_text())
+        name = next(
+            n
+            for n in peers
+            if (tmp_path / n / "windows.log").exists() and victim in (tmp_path / f"{n}.log").read_text()
+        )
         os.killpg(peers[name].pid, signal.SIGKILL)
         peers[name].wait(10)
         start_peer(name)  # the same state dir: the same identity, its old process's unstarted work goes back
@@ -71,7 +86,9 @@ def test_two_stage0_peers_and_a_bootstrap_killed_and_restarted_train_no_window_t
         procs[0] = start_process(boot_args, tmp_path / "boot2.log")
         wait_for_bootstrap(tmp_path / "boot", procs[0], tmp_path / "boot2.log")
         restored = wait_for_status(tracker, lambda s: True, tmp_path, procs)["data"]  # as saved before the kill
-        assert restored["position"] >= before["position"] and restored["epoch"] == before["epoch"]  # resumed, not started over
+        assert (
+            restored["position"] >= before["position"] and restored["epoch"] == before["epoch"]
+        )  # resumed, not started over
         grown = restored["done"] + 4 * PER_STEP
         after = wait_for_status(tracker, lambda s: s["data"]["done"] >= grown and rejoined(s), tmp_path, procs)["data"]
         assert after["position"] > restored["position"]  # the peers train on after the restart

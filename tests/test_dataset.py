@@ -30,7 +30,9 @@ def _text(rng: random.Random, n_bytes: int) -> str:
     """Prose-like text with paragraphs and a little UTF-8 beyond ASCII."""
     out, size = [], 0
     while size < n_bytes:
-        line = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 14))) + rng.choice([".\n", ".\n\n", " é.\n", "\n"])
+        line = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 14))) + rng.choice(
+            [".\n", ".\n\n", " é.\n", "\n"]
+        )
         out.append(line)
         size += len(line.encode())
     return "".join(out)
@@ -76,7 +78,12 @@ def test_a_folder_lands_whole_in_exactly_one_split_by_document(tmp_path: Path) -
     assert 0 < m.splits["eval"].documents < 30 and 0 < m.splits["confirm"].documents < 30
     assert len(m.splits["train"].shards) > 1 and all(s.tokens == 5000 for s in m.splits["train"].shards[:-1])
     body = json.loads((tmp_path / "out" / "manifest.json").read_text())
-    assert (body["format"], body["version"], body["dtype"], body["vocab_size"]) == ("anchormesh-tokens", 1, "uint16", 256)
+    assert (body["format"], body["version"], body["dtype"], body["vocab_size"]) == (
+        "anchormesh-tokens",
+        1,
+        "uint16",
+        256,
+    )
     assert body["total"] == {"tokens": m.tokens, "documents": m.documents}
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
         ["manifest.json"] + [n for s in SPLITS for sh in m.splits[s].shards for n in (sh.name, sh.index)]
@@ -156,7 +163,11 @@ def test_windows_by_id_are_stable_and_do_not_overlap(tmp_path: Path) -> None:
     a, b = PreparedData(tmp_path / "out"), PreparedData(tmp_path / "out", verify=False)
     w = a.windows(seq_len=63)
     train = a.manifest.splits["train"].shards
-    assert len(w) == sum(s.tokens // 64 for s in train) and w.locate(0) == (train[0], 0) and w.locate(5000 // 64) == (train[1], 0)
+    assert (
+        len(w) == sum(s.tokens // 64 for s in train)
+        and w.locate(0) == (train[0], 0)
+        and w.locate(5000 // 64) == (train[1], 0)
+    )
     seen: dict[str, set[int]] = {}
     for i in range(len(w)):
         shard, offset = w.locate(i)
@@ -178,7 +189,8 @@ def test_windows_by_id_are_stable_and_do_not_overlap(tmp_path: Path) -> None:
 def test_bad_input_is_refused_naming_the_argument(tmp_path: Path) -> None:
     (tmp_path / "small.txt").write_text(_text(random.Random(1), 20_000))
     with pytest.raises(
-        ConfigError, match=r"^SOURCE=.*too little text for its eval and confirmation splits .* at least 4096 tokens .* about 409,600 tokens"
+        ConfigError,
+        match=r"^SOURCE=.*too little text for its eval and confirmation splits .* at least 4096 tokens .* about 409,600 tokens",
     ):
         prepare(str(tmp_path / "small.txt"), "bytes", tmp_path / "out", show_progress=False)
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".*partial*"))
@@ -201,7 +213,9 @@ def test_bad_input_is_refused_naming_the_argument(tmp_path: Path) -> None:
     prepare(str(folder), "bytes", out, **SMALL)  # an empty folder is fine
     prepare(str(folder), "bytes", out, force=True, seed=3, **SMALL)  # a prepared one is replaced
     assert PreparedData(out).manifest.seed == 3
-    with pytest.raises(ConfigError, match=r"^tokenizer='smollm2-135m': the data in .* was prepared with tokenizer 'bytes'"):
+    with pytest.raises(
+        ConfigError, match=r"^tokenizer='smollm2-135m': the data in .* was prepared with tokenizer 'bytes'"
+    ):
         PreparedData(out, tokenizer="smollm2-135m")
 
 

@@ -30,7 +30,9 @@ def activation_with_massive_rows() -> torch.Tensor:
 def message(mask: MaskConfig, grad: torch.Tensor, ref: torch.Tensor | None) -> pb.GradientChunk:
     producer = TransformLinks(mask, H, False, True)
     payload, coder = producer.encode("backward", grad, "stage0.r0", ref=ref, **KEY)
-    return pb.GradientChunk(header=pb.MicroBatchHeader(sender="stage1.r0", step=3, micro_batch_id=1, boundary=0), grad=payload, coder=coder)
+    return pb.GradientChunk(
+        header=pb.MicroBatchHeader(sender="stage1.r0", step=3, micro_batch_id=1, boundary=0), grad=payload, coder=coder
+    )
 
 
 @pytest.mark.parametrize("rates", ["even", "row"])
@@ -47,7 +49,9 @@ def test_rows_of_massive_activations_arrive_exactly(rates: str) -> None:
     assert not torch.equal(got[0, 1], grad[0, 1].to(torch.bfloat16).float())  # the others are coded
     plain = message(mask, grad, None)
     assert len(plain.grad.compression.dense_rows) == 0
-    assert len(msg.grad.payload) - len(plain.grad.payload) in range(2 * 2 * H - len(grad) * 8, 2 * 2 * H + 1)  # two bf16 rows (a row's codes may pack differently)
+    assert len(msg.grad.payload) - len(plain.grad.payload) in range(
+        2 * 2 * H - len(grad) * 8, 2 * 2 * H + 1
+    )  # two bf16 rows (a row's codes may pack differently)
 
 
 def test_which_rows_go_dense() -> None:
@@ -56,7 +60,10 @@ def test_which_rows_go_dense() -> None:
     assert links.dense_rows("backward", ref).tolist() == [0, 21]
     assert links.dense_rows("forward", ref) is None  # the activations have their own sink
     assert links.dense_rows("backward", torch.randn(2, 16, H)) is None  # no outlier: nothing dense
-    assert TransformLinks(MaskConfig(scheme="transform", grad_outliers=0.0), H, False, True).dense_rows("backward", ref) is None
+    assert (
+        TransformLinks(MaskConfig(scheme="transform", grad_outliers=0.0), H, False, True).dense_rows("backward", ref)
+        is None
+    )
     with pytest.raises(ConfigError, match="codec.transform.grad_outliers"):
         MaskConfig(scheme="transform", grad_outliers=0.5)
 
@@ -66,7 +73,15 @@ def test_a_malformed_dense_row_list_or_payload_is_refused() -> None:
     grad = torch.randn(2, 16, H)
 
     def payload(rows: list[int], data_rows: list[int] | None = None) -> pb.TensorPayload:
-        msg = tw.encode(state, grad, sink=0, stochastic=True, dither=True, dense_rows=torch.tensor(data_rows if data_rows is not None else rows), **KEY)
+        msg = tw.encode(
+            state,
+            grad,
+            sink=0,
+            stochastic=True,
+            dither=True,
+            dense_rows=torch.tensor(data_rows if data_rows is not None else rows),
+            **KEY,
+        )
         del msg.compression.dense_rows[:]
         msg.compression.dense_rows.extend(rows)
         return msg

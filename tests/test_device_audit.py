@@ -23,14 +23,46 @@ from peer.model.placement import Placement
 from peer.pipeline.local import LocalPipelineRunner
 from peer.pipeline.worker import StageWorker
 
-FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, torch.rand, torch.randn, torch.randint, torch.tensor, torch.linspace}
-SYNCS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu, torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.__int__}
+FACTORIES = {
+    torch.zeros,
+    torch.ones,
+    torch.empty,
+    torch.full,
+    torch.arange,
+    torch.rand,
+    torch.randn,
+    torch.randint,
+    torch.tensor,
+    torch.linspace,
+}
+SYNCS = {
+    torch.Tensor.item,
+    torch.Tensor.tolist,
+    torch.Tensor.numpy,
+    torch.Tensor.cpu,
+    torch.Tensor.__bool__,
+    torch.Tensor.__float__,
+    torch.Tensor.__int__,
+}
 PEER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "peer")
 # host-side by design: the wire's bytes, the codec's encode/decode and mask PRF, host token checks
 # (the transform coder's modules turn tensors into bytes and back; where its decode's products run
 # is tested in tests/test_transform_codec.py)
-HOST_SIDE = {("wire", "tensors.py"), ("codec", "mask.py"), ("codec", "transform.py"), ("codec", "transform_wire.py"), ("codec", "bitpack.py"), ("codec", "row_rates.py")}
-HOST_FUNCS = {"check_token_window", "_check_tokens", "to_host", "coef_shape", "check_input"}  # check_input reads only host ids
+HOST_SIDE = {
+    ("wire", "tensors.py"),
+    ("codec", "mask.py"),
+    ("codec", "transform.py"),
+    ("codec", "transform_wire.py"),
+    ("codec", "bitpack.py"),
+    ("codec", "row_rates.py"),
+}
+HOST_FUNCS = {
+    "check_token_window",
+    "_check_tokens",
+    "to_host",
+    "coef_shape",
+    "check_input",
+}  # check_input reads only host ids
 GENERIC = {("errors.py",)}  # helpers judged by who calls them
 
 
@@ -73,12 +105,22 @@ PIPE = PipelineConfig(micro_batch_size=2, micro_batches=2, seq_len=16, max_stale
 
 
 def _windows(step: int, replica: int, j: int) -> torch.Tensor:
-    return torch.randint(0, 256, (PIPE.micro_batch_size, PIPE.seq_len + 1), generator=torch.Generator().manual_seed(100 * step + j))
+    return torch.randint(
+        0, 256, (PIPE.micro_batch_size, PIPE.seq_len + 1), generator=torch.Generator().manual_seed(100 * step + j)
+    )
 
 
 def _audited_run(mask: MaskConfig, steps: int = 3) -> list[tuple[str, str]]:
-    cfg = TrainConfig(model=MODEL.__class__(**{**MODEL.__dict__, "num_stages": 3}), mask=mask, pipeline=PIPE, optim=OptimConfig(lr=1e-3), steps=steps)
-    runner = LocalPipelineRunner(cfg, load_causal_lm(cfg.model, seed=0), _windows, placement=Placement(compute_dtype=torch.bfloat16))
+    cfg = TrainConfig(
+        model=MODEL.__class__(**{**MODEL.__dict__, "num_stages": 3}),
+        mask=mask,
+        pipeline=PIPE,
+        optim=OptimConfig(lr=1e-3),
+        steps=steps,
+    )
+    runner = LocalPipelineRunner(
+        cfg, load_causal_lm(cfg.model, seed=0), _windows, placement=Placement(compute_dtype=torch.bfloat16)
+    )
     runner.run(1)  # warm-up: the first basis, the working copy
     audit = DeviceAudit()
     originals = {name: getattr(StageWorker, name) for name in ("inject", "forward_one", "backward_one")}
@@ -87,6 +129,7 @@ def _audited_run(mask: MaskConfig, steps: int = 3) -> list[tuple[str, str]]:
         def wrapper(self, *a, **k):
             with audit:
                 return fn(self, *a, **k)
+
         return wrapper
 
     try:
@@ -100,17 +143,25 @@ def _audited_run(mask: MaskConfig, steps: int = 3) -> list[tuple[str, str]]:
     return audit.found
 
 
-@pytest.mark.parametrize("name,mask", [
-    ("mask_prior", MaskConfig(scheme="mask", drop=0.9, fill="prior_rescale", values="int8")),
-    ("lowrank", MaskConfig(scheme="lowrank", rank=8, values="int8", basis_refresh=100)),
-    ("dense", MaskConfig(scheme="mask", values="fp16")),
-    ("transform", MaskConfig(scheme="transform", basis_refresh=2)),  # refits inside the audited steps
-    ("transform_rows", MaskConfig(scheme="transform", grad_rates="row")),  # a rate per gradient row
-    ("transform_message_rotation", MaskConfig(scheme="transform", grad_rounding="nearest", grad_rotation="message")),  # a signed permutation per gradient message
-])
+@pytest.mark.parametrize(
+    "name,mask",
+    [
+        ("mask_prior", MaskConfig(scheme="mask", drop=0.9, fill="prior_rescale", values="int8")),
+        ("lowrank", MaskConfig(scheme="lowrank", rank=8, values="int8", basis_refresh=100)),
+        ("dense", MaskConfig(scheme="mask", values="fp16")),
+        ("transform", MaskConfig(scheme="transform", basis_refresh=2)),  # refits inside the audited steps
+        ("transform_rows", MaskConfig(scheme="transform", grad_rates="row")),  # a rate per gradient row
+        (
+            "transform_message_rotation",
+            MaskConfig(scheme="transform", grad_rounding="nearest", grad_rotation="message"),
+        ),  # a signed permutation per gradient message
+    ],
+)
 def test_fast_path_makes_no_host_sync_and_no_deviceless_tensor(name: str, mask: MaskConfig) -> None:
     found = _audited_run(mask)
-    assert not found, f"{name}: {len(found)} host syncs / device-less tensors in the fast path:\n" + "\n".join(sorted({f'{w} at {at}' for w, at in found}))
+    assert not found, f"{name}: {len(found)} host syncs / device-less tensors in the fast path:\n" + "\n".join(
+        sorted({f"{w} at {at}" for w, at in found})
+    )
 
 
 def test_the_audit_catches_what_it_looks_for() -> None:

@@ -77,7 +77,9 @@ def within(seconds: float) -> threading.Event:
 
 
 # -- (a) outsiders are refused ---------------------------------------------------------------------
-@pytest.mark.parametrize("outsider_token", ["another-runs-token-0123456789", None], ids=["wrong-token", "no-authorizer"])
+@pytest.mark.parametrize(
+    "outsider_token", ["another-runs-token-0123456789", None], ids=["wrong-token", "no-authorizer"]
+)
 def test_an_outsider_cannot_join_store_or_read(run, outsider_token) -> None:
     boot, _ = run
     with pytest.raises(RuntimeError, match="bootstrap failed"):  # every run node refuses its pings
@@ -103,9 +105,15 @@ def test_a_forged_tracker_record_is_refused_and_find_tracker_takes_the_bootstrap
         mallory = Identity.generate()
         far = get_dht_time() + 10 * 24 * 3600
         _, record = dht_auth.sign_record(mallory, RUN, "10.6.6.6:7000", far)
-        assert not forger.store(dht_auth.TRACKER_RECORD_KEY, record, far, subkey=mallory.public.hex())  # far expiry: no node takes it
-        assert not forger.store(dht_auth.TRACKER_RECORD_KEY, {"run_id": RUN, "tracker": "10.6.6.6:7000"}, get_dht_time() + 60)  # unsigned: none
-        _, stolen = dht_auth.sign_record(tracker, RUN, ADDRESS, get_dht_time() + 60)  # the tracker's key, another record
+        assert not forger.store(
+            dht_auth.TRACKER_RECORD_KEY, record, far, subkey=mallory.public.hex()
+        )  # far expiry: no node takes it
+        assert not forger.store(
+            dht_auth.TRACKER_RECORD_KEY, {"run_id": RUN, "tracker": "10.6.6.6:7000"}, get_dht_time() + 60
+        )  # unsigned: none
+        _, stolen = dht_auth.sign_record(
+            tracker, RUN, ADDRESS, get_dht_time() + 60
+        )  # the tracker's key, another record
         stolen["tracker"] = "10.6.6.6:7000"
         assert not forger.store(dht_auth.TRACKER_RECORD_KEY, stolen, get_dht_time() + 60, subkey=tracker.public.hex())
         # well-formed but signed by the member's own key: nodes that know the tracker key refuse it
@@ -144,7 +152,9 @@ def test_access_tokens_admit_only_this_runs_live_tokens() -> None:
     ours = dht_auth.RunAuthorizer(TOKEN, KEY, clock=lambda: now[0])
     token = asyncio.run(ours.get_token())
     assert ours.is_token_valid(token) and not ours.does_token_need_refreshing(token)
-    assert dht_auth.USERNAME == token.username and TOKEN.encode() not in token.SerializeToString()  # the token never goes out
+    assert (
+        dht_auth.USERNAME == token.username and TOKEN.encode() not in token.SerializeToString()
+    )  # the token never goes out
 
     other = dht_auth.RunAuthorizer("another-runs-token-0123456789", KEY, clock=lambda: now[0])
     assert "another run" in ours.token_problem(asyncio.run(other.get_token()))  # wrong run
@@ -188,7 +198,9 @@ def test_requests_signed_by_another_key_than_the_tokens_are_refused() -> None:
 
 # -- the tracker record ------------------------------------------------------------------------------------
 def _record(subkey: object, value: object, expiration: float) -> DHTRecord:
-    return DHTRecord(dht_auth.TRACKER_KEY_ID, MSGPackSerializer.dumps(subkey), MSGPackSerializer.dumps(value), expiration)
+    return DHTRecord(
+        dht_auth.TRACKER_KEY_ID, MSGPackSerializer.dumps(subkey), MSGPackSerializer.dumps(value), expiration
+    )
 
 
 def test_the_validator_takes_only_signed_tracker_records() -> None:
@@ -208,7 +220,9 @@ def test_the_validator_takes_only_signed_tracker_records() -> None:
     far = time.time() + 3600
     assert not bare.validate(_record(*dht_auth.sign_record(tracker, RUN, ADDRESS, far), far))
     assert not bare.validate(DHTRecord(dht_auth.TRACKER_KEY_ID, b"\xc1", b"\xc1", exp))  # not msgpack
-    assert bare.validate(DHTRecord(DHTID.generate(source="other/key").to_bytes(), b"", b"x", exp))  # other keys: untouched
+    assert bare.validate(
+        DHTRecord(DHTID.generate(source="other/key").to_bytes(), b"", b"x", exp)
+    )  # other keys: untouched
     assert dht_auth.check_record(sub, value, exp, tracker.public, "run-other") is not None  # another run
 
 
@@ -218,7 +232,9 @@ class _FakeDHT:
     def __init__(self, records: list[tuple[str, dict, float]]) -> None:
         from hivemind.utils.timed_storage import ValueWithExpiration
 
-        self.found = ValueWithExpiration({k: ValueWithExpiration(v, e) for k, v, e in records}, max(e for *_, e in records))
+        self.found = ValueWithExpiration(
+            {k: ValueWithExpiration(v, e) for k, v, e in records}, max(e for *_, e in records)
+        )
 
     def get(self, key: str, latest: bool = False):
         assert key == dht_auth.TRACKER_RECORD_KEY and latest
@@ -228,7 +244,10 @@ class _FakeDHT:
 def test_find_tracker_checks_each_record_itself(caplog) -> None:
     tracker, mallory = Identity.generate(), Identity.generate()
     now = time.time()
-    old = (*dht_auth.sign_record(tracker, RUN, "127.0.0.1:6999", now + 10), now + 10)  # (hivemind keeps the newest per signer)
+    old = (
+        *dht_auth.sign_record(tracker, RUN, "127.0.0.1:6999", now + 10),
+        now + 10,
+    )  # (hivemind keeps the newest per signer)
     new = (*dht_auth.sign_record(tracker, RUN, ADDRESS, now + 50), now + 50)
     posing = (*dht_auth.sign_record(mallory, RUN, "10.6.6.6:7000", now + 90), now + 90)  # newer, another key
     sub, value = dht_auth.sign_record(tracker, RUN, ADDRESS, now + 40)

@@ -41,14 +41,22 @@ class Clock:
         return self.now
 
 
-def node(token: str = TOKEN, clock: Clock | None = None, identity: Identity | None = None, **kw) -> dht_auth.RunAuthorizer:
+def node(
+    token: str = TOKEN, clock: Clock | None = None, identity: Identity | None = None, **kw
+) -> dht_auth.RunAuthorizer:
     return dht_auth.RunAuthorizer(token, identity, clock=clock or Clock(), **kw)
 
 
 def store_request() -> dht_pb2.StoreRequest:
     """A typical store: two keys with their values and expiries, and the sender's node id."""
-    return dht_pb2.StoreRequest(keys=[bytes(range(20)), bytes(20)], subkeys=[b"\xc0", b"\xc0"], values=[b"stage weights live here", b"\x01"],
-                                expiration_time=[T0 + 60, T0 + 60], in_cache=[False, False], peer=dht_pb2.NodeInfo(node_id=b"\x07" * 20))
+    return dht_pb2.StoreRequest(
+        keys=[bytes(range(20)), bytes(20)],
+        subkeys=[b"\xc0", b"\xc0"],
+        values=[b"stage weights live here", b"\x01"],
+        expiration_time=[T0 + 60, T0 + 60],
+        in_cache=[False, False],
+        peer=dht_pb2.NodeInfo(node_id=b"\x07" * 20),
+    )
 
 
 def signed(sender: dht_auth.RunAuthorizer, request=None, service: bytes | None = None):
@@ -82,16 +90,20 @@ def test_a_members_request_is_taken_by_another_member_and_is_ed25519_signed() ->
     assert asyncio.run(alice.validate_request(copy(signed(bob))))  # and the other way round
 
 
-@pytest.mark.parametrize("tamper", [
-    lambda r: r.values.__setitem__(0, b"attacker's weights"),
-    lambda r: r.keys.append(bytes(20)),
-    lambda r: setattr(r.peer, "node_id", b"\x06" * 20),
-    lambda r: setattr(r.auth, "time", r.auth.time + 1),
-    lambda r: setattr(r.auth, "nonce", bytes(16)),
-    lambda r: setattr(r.auth, "service_public_key", b"\x01" * KEY_BYTES),
-    lambda r: setattr(r.auth, "signature", bytes(SIG_BYTES)),
-    lambda r: setattr(r.auth, "signature", b""),
-], ids=["value", "added-key", "node-id", "time", "nonce", "service-key", "zero-signature", "no-signature"])
+@pytest.mark.parametrize(
+    "tamper",
+    [
+        lambda r: r.values.__setitem__(0, b"attacker's weights"),
+        lambda r: r.keys.append(bytes(20)),
+        lambda r: setattr(r.peer, "node_id", b"\x06" * 20),
+        lambda r: setattr(r.auth, "time", r.auth.time + 1),
+        lambda r: setattr(r.auth, "nonce", bytes(16)),
+        lambda r: setattr(r.auth, "service_public_key", b"\x01" * KEY_BYTES),
+        lambda r: setattr(r.auth, "signature", bytes(SIG_BYTES)),
+        lambda r: setattr(r.auth, "signature", b""),
+    ],
+    ids=["value", "added-key", "node-id", "time", "nonce", "service-key", "zero-signature", "no-signature"],
+)
 def test_a_tampered_request_is_refused(tamper) -> None:
     clock = Clock()
     alice, bob = node(clock=clock), node(clock=clock)
@@ -159,8 +171,11 @@ def test_the_service_key_pins_the_servicer() -> None:
 
 def test_an_older_nodes_rsa_keyed_token_is_refused_with_a_reason() -> None:
     bob = node()
-    t = AccessToken(username=dht_auth.USERNAME, public_key=RSAPrivateKey().get_public_key().to_bytes(),
-                    expiration_time=datetime.datetime.fromtimestamp(T0 + 600, datetime.timezone.utc).isoformat())
+    t = AccessToken(
+        username=dht_auth.USERNAME,
+        public_key=RSAPrivateKey().get_public_key().to_bytes(),
+        expiration_time=datetime.datetime.fromtimestamp(T0 + 600, datetime.timezone.utc).isoformat(),
+    )
     t.signature = hmac.new(dht_auth.dht_key(TOKEN), dht_auth._token_bytes(t), hashlib.sha256).digest()
     assert "Ed25519" in bob.token_problem(t)
 

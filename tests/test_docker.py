@@ -99,7 +99,9 @@ def free_port() -> int:
 
 
 def health(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "peer.cli", "health", *args], capture_output=True, text=True, timeout=60, env=ENV)
+    return subprocess.run(
+        [sys.executable, "-m", "peer.cli", "health", *args], capture_output=True, text=True, timeout=60, env=ENV
+    )
 
 
 # -- the Dockerfiles ------------------------------------------------------------------------------
@@ -170,7 +172,12 @@ def test_the_cuda_base_matches_the_cuda_of_the_pinned_torch_wheel() -> None:
     assert m, f"{base}: expected nvidia/cuda:X.Y.Z-base|runtime-ubuntu22.04"
     assert f"{m[1]}.{m[2]}" == TORCH_CUDA, f"{base}: torch {TORCH_VERSION}'s wheels are built for CUDA {TORCH_CUDA}"
     # the documents name this base and the driver it needs (CUDA 13.0: >= 580.65.06)
-    for doc in (DOCKER / "peer.Dockerfile", DOCKER / "compose.gpu.yaml", ROOT / "docs/volunteer.md", ROOT / "README.md"):
+    for doc in (
+        DOCKER / "peer.Dockerfile",
+        DOCKER / "compose.gpu.yaml",
+        ROOT / "docs/volunteer.md",
+        ROOT / "README.md",
+    ):
         text = doc.read_text()
         assert base.removeprefix("BASE=") in text, f"{doc.name}: does not name the peer image's base"
         assert "580.65.06" in text, f"{doc.name}: states no minimum driver for CUDA {TORCH_CUDA}"
@@ -190,7 +197,11 @@ def test_bases_cuda_for_the_peer_cpu_for_the_bootstrap_both_switchable() -> None
 
 @pytest.mark.parametrize("name", sorted(IMAGES))
 def test_the_build_context_ignore_file_keeps_what_the_copies_need(name: str) -> None:
-    kept = {line[1:].rstrip("/") for line in (DOCKER / f"{name}.dockerignore").read_text().splitlines() if line.startswith("!")}
+    kept = {
+        line[1:].rstrip("/")
+        for line in (DOCKER / f"{name}.dockerignore").read_text().splitlines()
+        if line.startswith("!")
+    }
     for k, rest in dockerfile(name):
         if k == "COPY":
             for src in rest.split()[:-1]:
@@ -225,7 +236,10 @@ def test_compose_is_a_bootstrap_and_three_peers_from_the_two_dockerfiles() -> No
     assert spec["services"]["bootstrap"]["build"]["dockerfile"] == "docker/bootstrap.Dockerfile"
     for name, svc in peers(spec).items():
         build = svc["build"]
-        assert build["dockerfile"] == "docker/peer.Dockerfile" and (DOCKER / build["context"] / build["dockerfile"]).is_file()
+        assert (
+            build["dockerfile"] == "docker/peer.Dockerfile"
+            and (DOCKER / build["context"] / build["dockerfile"]).is_file()
+        )
         assert build["args"]["BASE"] == "python:3.12-slim"  # the CPU build
         assert build["args"]["TORCH_INDEX"] == "https://download.pytorch.org/whl/cpu"
 
@@ -281,14 +295,23 @@ def test_the_gpu_compose_override_builds_the_cuda_image_and_reserves_gpus(monkey
     base, gpu = compose(), compose("compose.gpu.yaml")
     assert set(gpu["services"]) <= set(peers(base)), "the override adds no service of its own"
     assert set(gpu["services"]) == set(peers(base)), "every peer gets the GPU"
-    cuda_base = next(rest for k, rest in dockerfile("peer.Dockerfile") if k == "ARG" and rest.startswith("BASE=")).removeprefix("BASE=")
+    cuda_base = next(
+        rest for k, rest in dockerfile("peer.Dockerfile") if k == "ARG" and rest.startswith("BASE=")
+    ).removeprefix("BASE=")
     spec = merged(base, gpu)
     for name, svc in peers(spec).items():
         assert svc["build"]["dockerfile"] == "docker/peer.Dockerfile"
-        assert svc["build"]["args"]["BASE"] == cuda_base and svc["build"]["args"]["TORCH_INDEX"] == ""  # torch's CUDA wheel
-        assert svc["image"] != base["services"][name]["image"], f"{name}: the CUDA build would overwrite the CPU image's tag"
+        assert (
+            svc["build"]["args"]["BASE"] == cuda_base and svc["build"]["args"]["TORCH_INDEX"] == ""
+        )  # torch's CUDA wheel
+        assert svc["image"] != base["services"][name]["image"], (
+            f"{name}: the CUDA build would overwrite the CPU image's tag"
+        )
         devices = svc["deploy"]["resources"]["reservations"]["devices"]
-        assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] and ("count" in d or "device_ids" in d) for d in devices), devices
+        assert any(
+            d["driver"] == "nvidia" and "gpu" in d["capabilities"] and ("count" in d or "device_ids" in d)
+            for d in devices
+        ), devices
         assert svc.get("ipc") == "host" or svc.get("shm_size"), f"{name}: neither shm_size nor ipc: host"
         # the merged command and environment, through the real parser: env vars are flag defaults
         env = {k: str(v) for k, v in svc["environment"].items()}
@@ -313,7 +336,23 @@ def test_the_gpu_compose_override_builds_the_cuda_image_and_reserves_gpus(monkey
 DOCS = ("README.md", "docs/volunteer.md", "docs/troubleshooting.md")
 # docker run options these documents use: those that take no value, the rest take one
 RUN_SWITCHES = {"-d", "--detach", "--rm", "-i", "-t", "-it", "--init"}
-RUN_OPTIONS = {"--gpus", "--ipc", "--shm-size", "--network", "--name", "-v", "--volume", "-e", "--env", "-p", "--publish", "--entrypoint", "-u", "--user", "--runtime"}
+RUN_OPTIONS = {
+    "--gpus",
+    "--ipc",
+    "--shm-size",
+    "--network",
+    "--name",
+    "-v",
+    "--volume",
+    "-e",
+    "--env",
+    "-p",
+    "--publish",
+    "--entrypoint",
+    "-u",
+    "--user",
+    "--runtime",
+}
 
 
 def docker_runs(doc: str) -> list[tuple[dict[str, list[str]], str, list[str]]]:
@@ -323,7 +362,9 @@ def docker_runs(doc: str) -> list[tuple[dict[str, list[str]], str, list[str]]]:
     out = []
     for block in re.findall(r"```(?:bash|sh|console)?\n(.*?)```", text, re.S):
         for line in block.replace("\\\n", " ").splitlines():
-            argv = shlex.split(re.sub(r"(^|\s)#.*$", "", line))  # as bash: a '#' starts a comment only at a word's start (HOST:PORT#KEY is one word)
+            argv = shlex.split(
+                re.sub(r"(^|\s)#.*$", "", line)
+            )  # as bash: a '#' starts a comment only at a word's start (HOST:PORT#KEY is one word)
             if argv[:2] != ["docker", "run"]:
                 continue
             opts: dict[str, list[str]] = {}
@@ -333,13 +374,15 @@ def docker_runs(doc: str) -> list[tuple[dict[str, list[str]], str, list[str]]]:
                 if flag in RUN_SWITCHES:
                     opts.setdefault(flag, []).append("")
                 else:
-                    assert flag in RUN_OPTIONS, f"{doc}: `{line.strip()}`: docker run option {flag} unknown to this test"
+                    assert flag in RUN_OPTIONS, (
+                        f"{doc}: `{line.strip()}`: docker run option {flag} unknown to this test"
+                    )
                     if not eq:
                         i += 1
                         value = argv[i]
                     opts.setdefault(flag, []).append(value)
                 i += 1
-            out.append((opts, argv[i], argv[i + 1:]))
+            out.append((opts, argv[i], argv[i + 1 :]))
     return out
 
 
@@ -365,11 +408,17 @@ def test_documented_peer_containers_get_the_gpu_and_shared_memory() -> None:
 def test_the_documented_gpu_check_runs_the_images_venv_python() -> None:
     """`torch.cuda.is_available()` inside the container: the check uses the image's own Python."""
     venv = next(rest.split()[-1] for k, rest in dockerfile("peer.Dockerfile") if k == "RUN" and "-m venv" in rest)
-    checks = [(doc, opts, image, args) for doc in DOCS for opts, image, args in docker_runs(doc) if "--entrypoint" in opts]
+    checks = [
+        (doc, opts, image, args) for doc in DOCS for opts, image, args in docker_runs(doc) if "--entrypoint" in opts
+    ]
     assert checks, "no documented in-container GPU check"
     for doc, opts, image, args in checks:
         assert opts["--entrypoint"] == [f"{venv}/bin/python"], (doc, opts)
-        assert image == "anchormesh-peer" and "--gpus" in opts and "torch.cuda.is_available()" in " ".join(args), (doc, image, args)
+        assert image == "anchormesh-peer" and "--gpus" in opts and "torch.cuda.is_available()" in " ".join(args), (
+            doc,
+            image,
+            args,
+        )
 
 
 def test_announce_maddr_is_an_address_or_a_dns_name() -> None:
@@ -388,12 +437,40 @@ def test_a_bootstrap_announcing_a_name_is_joined_through_that_name(tmp_path: Pat
 
     procs = []
     try:
-        procs.append(start_process(["bootstrap", "--host", "127.0.0.1", "--announce-host", "localhost", "--state-dir", str(tmp_path / "boot")], tmp_path / "boot.log"))
+        procs.append(
+            start_process(
+                [
+                    "bootstrap",
+                    "--host",
+                    "127.0.0.1",
+                    "--announce-host",
+                    "localhost",
+                    "--state-dir",
+                    str(tmp_path / "boot"),
+                ],
+                tmp_path / "boot.log",
+            )
+        )
         info = wait_for_bootstrap(tmp_path / "boot", procs[0], tmp_path / "boot.log", timeout_s=60)
         assert info["tracker"].startswith("localhost:"), info
         assert info["dht_maddrs"] and all(m.startswith("/dns4/localhost/tcp/") for m in info["dht_maddrs"]), info
         log = tmp_path / "peer.log"
-        procs.append(start_process(["peer", "--tracker", info["tracker"], "--token", info["token"], "--host", "127.0.0.1", "--announce-host", "localhost"], log))
+        procs.append(
+            start_process(
+                [
+                    "peer",
+                    "--tracker",
+                    info["tracker"],
+                    "--token",
+                    info["token"],
+                    "--host",
+                    "127.0.0.1",
+                    "--announce-host",
+                    "localhost",
+                ],
+                log,
+            )
+        )
         deadline = time.monotonic() + 90
         while " joined " not in log.read_text():
             assert time.monotonic() < deadline and procs[1].poll() is None, log.read_text()[-3000:]
@@ -444,7 +521,9 @@ def test_health_pings_a_stage_server() -> None:
     blank = GrpcTransport("")
     # a peer of an older version refused an empty run id: a live answer all the same
     old = GrpcTransport("run-a")
-    old._ping_handler = lambda addr: lambda data, context: old._reject(context, addr, "PingRequest.run_id='': this server trains run 'run-a'")
+    old._ping_handler = lambda addr: (
+        lambda data, context: old._reject(context, addr, "PingRequest.run_id='': this server trains run 'run-a'")
+    )
     try:
         a, b, c = joined.attach((0, 0)), blank.attach((1, 0)), old.attach((0, 1))
         out = health("--address", a)

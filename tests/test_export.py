@@ -48,7 +48,13 @@ seq_len = 32
 
 
 def cli(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "peer.cli", *args], capture_output=True, text=True, timeout=timeout, env={**ENV, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "peer.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**ENV, **(env or {})},
+    )
 
 
 def status(tracker: str) -> pb.RunStatus:
@@ -72,7 +78,9 @@ def test_an_unreachable_tracker_is_one_error_line_and_exit_1(tmp_path: Path) -> 
     res = cli("export", "--tracker", tracker, "--token", TOKEN, "--out", str(tmp_path / "m"))
     assert res.returncode == 1 and "Traceback" not in res.stderr
     lines = error_lines(res.stderr)
-    assert len(lines) == 1 and lines[0].startswith(f"anchormesh export: error: tracker {tracker} unreachable (UNAVAILABLE: "), res.stderr
+    assert len(lines) == 1 and lines[0].startswith(
+        f"anchormesh export: error: tracker {tracker} unreachable (UNAVAILABLE: "
+    ), res.stderr
     assert not (tmp_path / "m").exists()
 
 
@@ -95,10 +103,18 @@ def tracker(tmp_path: Path):
 def test_no_token_or_a_wrong_one_is_one_error_line_and_exit_1(tracker, tmp_path: Path) -> None:
     _, address = tracker
     res = cli("export", "--tracker", address, "--out", str(tmp_path / "m"), env={"ANCHORMESH_TOKEN": ""})
-    assert res.returncode == 1 and error_lines(res.stderr) == ["anchormesh export: error: exporting a live run needs its token: pass --token or set ANCHORMESH_TOKEN (the \"token\" in the bootstrap's bootstrap.json)"], res.stderr
+    assert res.returncode == 1 and error_lines(res.stderr) == [
+        'anchormesh export: error: exporting a live run needs its token: pass --token or set ANCHORMESH_TOKEN (the "token" in the bootstrap\'s bootstrap.json)'
+    ], res.stderr
     res = cli("export", "--tracker", address, "--token", "not-the-token-of-this-run", "--out", str(tmp_path / "m"))
     lines = error_lines(res.stderr)
-    assert res.returncode == 1 and len(lines) == 1 and lines[0].startswith(f"anchormesh export: error: tracker {address} refused: UNAUTHENTICATED: wrong run token"), res.stderr
+    assert (
+        res.returncode == 1
+        and len(lines) == 1
+        and lines[0].startswith(
+            f"anchormesh export: error: tracker {address} refused: UNAUTHENTICATED: wrong run token"
+        )
+    ), res.stderr
     assert not (tmp_path / "m").exists()
 
 
@@ -114,7 +130,9 @@ def test_a_stage_with_no_live_peer_is_one_error_line_and_exit_1(tracker, tmp_pat
     add_peer(t, "peer-s0", "127.0.0.1:1", step=4)  # the first joiner gets stage 0; stage 1 has nobody
     res = cli("export", "--tracker", address, "--token", TOKEN, "--out", str(tmp_path / "m"))
     assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr[-2000:]
-    assert error_lines(res.stderr) == ["anchormesh export: error: stage 1 has no live peer (run run-export is paused): nothing to export from"]
+    assert error_lines(res.stderr) == [
+        "anchormesh export: error: stage 1 has no live peer (run run-export is paused): nothing to export from"
+    ]
     assert not (tmp_path / "m").exists()
 
 
@@ -133,13 +151,18 @@ def test_a_shard_that_does_not_fit_is_refused_and_the_next_peer_tried(tracker) -
         tensors = snapshot(stages[s])
         if addr in bad:
             tensors["lm_head.weight"] = tensors["lm_head.weight"][:, :100].contiguous()
-        return shard_chunks(tensors, run_id=t.run_id, peer_id=addr, stage=s, num_stages=len(stages), step=t.peers[addr].step)
+        return shard_chunks(
+            tensors, run_id=t.run_id, peer_id=addr, stage=s, num_stages=len(stages), step=t.peers[addr].step
+        )
 
     served = GrpcTransport(t.run_id, shard_source=source)
     try:
         add_peer(t, "peer-s0", served.attach("peer-s0"), step=6)
         add_peer(t, "peer-bad", served.attach("peer-bad"), step=6, stage=1)
-        with pytest.raises(ExportError, match=r"^stage 1: the shard of peer peer-bad does not fit the run's model: lm_head.weight is torch.float32 \[256, 100\], the model needs a float \[256, 128\]$"):
+        with pytest.raises(
+            ExportError,
+            match=r"^stage 1: the shard of peer peer-bad does not fit the run's model: lm_head.weight is torch.float32 \[256, 100\], the model needs a float \[256, 128\]$",
+        ):
             gather(address, progress=False, token=TOKEN)
         add_peer(t, "peer-good", served.attach("peer-good"), step=5, stage=1)  # less trained: tried second
         _, _, shards = gather(address, progress=False, token=TOKEN)
@@ -156,10 +179,18 @@ def swarm(tmp_path_factory: pytest.TempPathFactory):
     (tmp / "run.toml").write_text(RUN_TOML)
     procs: list[subprocess.Popen] = []
     try:
-        procs.append(start_process(["bootstrap", "--config", str(tmp / "run.toml"), "--state-dir", str(tmp / "boot")], tmp / "boot.log"))
+        procs.append(
+            start_process(
+                ["bootstrap", "--config", str(tmp / "run.toml"), "--state-dir", str(tmp / "boot")], tmp / "boot.log"
+            )
+        )
         tracker = wait_for_bootstrap(tmp / "boot", procs[0], tmp / "boot.log", timeout_s=60)["tracker"]
         for i in range(2):
-            procs.append(start_process(["peer", "--tracker", tracker, "--token", f"@{tmp}/boot/bootstrap.json"], tmp / f"p{i}.log"))
+            procs.append(
+                start_process(
+                    ["peer", "--tracker", tracker, "--token", f"@{tmp}/boot/bootstrap.json"], tmp / f"p{i}.log"
+                )
+            )
         deadline = time.monotonic() + 150
         while True:
             peers = [p for p in status(tracker).peers if p.state in ("active", "idle")]
@@ -167,7 +198,9 @@ def swarm(tmp_path_factory: pytest.TempPathFactory):
                 break
             if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
                 logs = "\n".join(f"--- {f.name}\n{f.read_text()[-1500:]}" for f in sorted(tmp.glob("*.log")))
-                pytest.fail(f"the swarm did not train {MIN_STEPS} steps: {[(p.stage, p.state, p.step) for p in peers]}\n{logs}")
+                pytest.fail(
+                    f"the swarm did not train {MIN_STEPS} steps: {[(p.stage, p.state, p.step) for p in peers]}\n{logs}"
+                )
             time.sleep(0.5)
         yield tracker, f"@{tmp}/boot/bootstrap.json"
     finally:
@@ -182,7 +215,9 @@ def test_export_loads_in_transformers_and_equals_the_stages(swarm: tuple[str, st
 
     out = tmp_path / "model"
     result = export(swarm[0], out, progress=False, token=read_token(swarm[1]))
-    assert {"config.json", "model.safetensors", "tokenizer.json", "anchormesh_export.json"} <= {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "anchormesh_export.json"} <= {
+        p.name for p in out.iterdir()
+    }
     assert [sh.stage for sh in result.shards] == [0, 1] and min(sh.step for sh in result.shards) >= MIN_STEPS
 
     # the stages of the run's model, on the downloaded weights
@@ -210,12 +245,16 @@ def test_export_loads_in_transformers_and_equals_the_stages(swarm: tuple[str, st
     assert tok.encode(text) == list(text.encode()) and tok.decode(list(text.encode())) == text
 
 
-def test_the_cli_exports_the_live_swarm(swarm: tuple[str, str], tmp_path: Path, capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture) -> None:
+def test_the_cli_exports_the_live_swarm(
+    swarm: tuple[str, str], tmp_path: Path, capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture
+) -> None:
     from peer.cli import main
 
     out = tmp_path / "cli-model"
     with caplog.at_level(logging.INFO, logger="anchormesh.export"), pytest.raises(SystemExit) as done:
-        main(["export", "--tracker", swarm[0], "--token", swarm[1], "--out", str(out)])  # in-process: a subprocess would import torch again
+        main(
+            ["export", "--tracker", swarm[0], "--token", swarm[1], "--out", str(out)]
+        )  # in-process: a subprocess would import torch again
     assert done.value.code == 0, capsys.readouterr().err[-3000:]
     assert f"exported to {out}" in capsys.readouterr().out
     per_stage = [r.getMessage() for r in caplog.records if r.getMessage().startswith("stage ")]

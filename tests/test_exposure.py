@@ -39,7 +39,10 @@ def test_tls_and_a_private_status_by_default_off_loopback_each_opted_out_by_name
     assert run_protection(cfg, "127.0.0.1", None, False, False) == (False, False)  # tests, make demo: as before
     assert run_protection(cfg, OUTSIDE, None, False, False) == (True, True)
     assert run_protection(cfg, "0.0.0.0", "bootstrap", False, False) == (True, True)  # compose: a name
-    assert run_protection(cfg, "127.0.0.1", OUTSIDE, False, False) == (True, True)  # announced elsewhere (a port forward)
+    assert run_protection(cfg, "127.0.0.1", OUTSIDE, False, False) == (
+        True,
+        True,
+    )  # announced elsewhere (a port forward)
     assert run_protection(cfg, OUTSIDE, None, True, False) == (False, True)
     assert run_protection(cfg, OUTSIDE, None, False, True) == (True, False)
     both = resolve_run(sets=["security.tls=true", "security.private_status=true"]).config
@@ -68,22 +71,38 @@ def test_a_peer_without_the_tracker_key_is_refused_off_loopback_only(tmp_path: P
     plain = resolve_access("127.0.0.1:7000", [], None, TOKEN, None, False, require=True)  # loopback: as before
     assert (plain.key, plain.ca, plain.fetch) == (None, None, False)
     access = resolve_access(address_line(f"{OUTSIDE}:7000", key), [], None, TOKEN, None, False, require=True)
-    assert (access.tracker, access.key, access.ca, access.fetch) == (f"{OUTSIDE}:7000", key, None, True)  # TLS, CA from the tracker
-    assert not resolve_access(address_line(f"{OUTSIDE}:7000", key), [], None, TOKEN, None, True, require=True).fetch  # --insecure-plaintext
+    assert (access.tracker, access.key, access.ca, access.fetch) == (
+        f"{OUTSIDE}:7000",
+        key,
+        None,
+        True,
+    )  # TLS, CA from the tracker
+    assert not resolve_access(
+        address_line(f"{OUTSIDE}:7000", key), [], None, TOKEN, None, True, require=True
+    ).fetch  # --insecure-plaintext
     with pytest.raises(ConfigError, match="two runs"):
         resolve_access(address_line(f"{OUTSIDE}:7000", key), [], Identity.generate().public.hex(), TOKEN, None, False)
     info = tmp_path / "bootstrap.json"  # --token @bootstrap.json gives the key and the CA
-    info.write_text('{"token": "%s", "tracker_key": "%s", "tls_ca": "-----BEGIN CERTIFICATE-----x"}' % (TOKEN, key.hex()))
+    info.write_text(
+        '{"token": "%s", "tracker_key": "%s", "tls_ca": "-----BEGIN CERTIFICATE-----x"}' % (TOKEN, key.hex())
+    )
     via_file = resolve_access(f"{OUTSIDE}:7000", [], None, f"@{info}", None, False, require=True)
     assert via_file.key == key and via_file.ca and not via_file.fetch
 
 
 def test_the_peer_command_exits_2_naming_where_the_key_is() -> None:
-    res = subprocess.run([sys.executable, "-m", "peer.cli", "peer", "--tracker", f"{OUTSIDE}:7000", "--token", TOKEN, "--device", "cpu"],
-                         capture_output=True, text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    res = subprocess.run(
+        [sys.executable, "-m", "peer.cli", "peer", "--tracker", f"{OUTSIDE}:7000", "--token", TOKEN, "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+    )
     assert res.returncode == 2, res.stderr
     last = res.stderr.strip().splitlines()[-1]
-    assert last.startswith("anchormesh: error: --tracker=") and "HOST:PORT#KEY" in last and "bootstrap.json" in last, res.stderr
+    assert last.startswith("anchormesh: error: --tracker=") and "HOST:PORT#KEY" in last and "bootstrap.json" in last, (
+        res.stderr
+    )
 
 
 @pytest.fixture
@@ -115,7 +134,9 @@ def test_a_private_status_needs_the_token_and_public_status_opens_it(secrets: ke
         server.stop(0)
 
 
-def test_the_tracker_serves_its_ca_vouched_by_its_key(tmp_path: Path, secrets: keys.RunSecrets, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_tracker_serves_its_ca_vouched_by_its_key(
+    tmp_path: Path, secrets: keys.RunSecrets, monkeypatch: pytest.MonkeyPatch
+) -> None:
     ca = RunCA.load_or_create(tmp_path)
     server, address = serve_tracker(Tracker(RUN, default_run()), "127.0.0.1", 0, secrets, ca, private_status=True)
     plain, plain_address = serve_tracker(Tracker(RUN, default_run()), "127.0.0.1", 0, secrets)
@@ -123,13 +144,17 @@ def test_the_tracker_serves_its_ca_vouched_by_its_key(tmp_path: Path, secrets: k
         fetched = fetch_ca(address, secrets.tracker.public)
         assert fetched == ca.pem
         assert _status(address, TOKEN, fetched).run_id == RUN  # verified TLS with the fetched CA
-        with pytest.raises(ConfigError, match="not signed by the tracker key"):  # another run's key, or a tracker posing as this one
+        with pytest.raises(
+            ConfigError, match="not signed by the tracker key"
+        ):  # another run's key, or a tracker posing as this one
             fetch_ca(address, Identity.generate().public)
         with pytest.raises(ConfigError, match="does not speak TLS"):
             fetch_ca(plain_address, secrets.tracker.public)
         assert "--insecure-plaintext" in PLAIN_HINT
         # the address line of a loopback tracker: TLS when it speaks it, plain when not (only this machine is on the path)
-        assert resolve_access(address_line(address, secrets.tracker.public), [], None, TOKEN, None, False, require=True).fetch
+        assert resolve_access(
+            address_line(address, secrets.tracker.public), [], None, TOKEN, None, False, require=True
+        ).fetch
         assert run_ca(address, secrets.tracker.public) == ca.pem
         assert run_ca(plain_address, secrets.tracker.public) is None
         monkeypatch.setattr(exposure, "is_loopback", lambda host: False)  # as if the tracker were elsewhere
@@ -149,7 +174,9 @@ def test_a_members_certificate_carries_no_ca_to_fetch(tmp_path: Path) -> None:
     from peer.security.tls import new_key, public_der, vouched_ca
 
     ca = RunCA.load_or_create(tmp_path)
-    member = x509.load_pem_x509_certificate(ca.issue("peer-abc", public_der(new_key()))).public_bytes(serialization.Encoding.DER)
+    member = x509.load_pem_x509_certificate(ca.issue("peer-abc", public_der(new_key()))).public_bytes(
+        serialization.Encoding.DER
+    )
     with pytest.raises(ConfigError, match="carries no run CA"):
         vouched_ca(member, Identity.generate().public)
 
@@ -158,7 +185,9 @@ def test_a_health_check_without_the_ca_sees_a_tls_tracker_up(tmp_path: Path, sec
     """The containers' health checks carry no CA: a server that completes a TLS handshake is up."""
     from peer.client.health import check
 
-    server, address = serve_tracker(Tracker(RUN, default_run()), "127.0.0.1", 0, secrets, RunCA.load_or_create(tmp_path), private_status=True)
+    server, address = serve_tracker(
+        Tracker(RUN, default_run()), "127.0.0.1", 0, secrets, RunCA.load_or_create(tmp_path), private_status=True
+    )
     try:
         ok, line = check(address, tracker=True, timeout_s=5)
         assert ok and "serving TLS" in line, line

@@ -57,7 +57,9 @@ def test_write_atomic_removes_its_temp_file_when_the_writer_fails(tmp_path: Path
 
 
 @pytest.mark.parametrize("fault", ["enospc", "torch-runtime-error", "manifest-enospc"])
-def test_a_failed_checkpoint_is_logged_counted_cleaned_and_the_next_one_succeeds(tmp_path: Path, fault: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, thread_errors: list) -> None:
+def test_a_failed_checkpoint_is_logged_counted_cleaned_and_the_next_one_succeeds(
+    tmp_path: Path, fault: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, thread_errors: list
+) -> None:
     d = make_daemon(tmp_path)
     try:
         trained(d, 4)
@@ -78,7 +80,11 @@ def test_a_failed_checkpoint_is_logged_counted_cleaned_and_the_next_one_succeeds
 
             def failing(self, b) -> int:
                 if self.size > 2000:  # mid-write: some bytes are on disk already
-                    raise OSError(errno.ENOSPC, "No space left on device") if err == "enospc" else RuntimeError("PytorchStreamWriter failed writing file data/3: file write failed")
+                    raise (
+                        OSError(errno.ENOSPC, "No space left on device")
+                        if err == "enospc"
+                        else RuntimeError("PytorchStreamWriter failed writing file data/3: file write failed")
+                    )
                 return real_write(self, b)
 
             monkeypatch.setattr(checkpoint_mod._HashingWriter, "write", failing)
@@ -88,7 +94,9 @@ def test_a_failed_checkpoint_is_logged_counted_cleaned_and_the_next_one_succeeds
         assert d.checkpointer.failures == 1 and d.checkpointer.written == 4  # step 8 may be tried again
         assert leftovers(d.checkpoints.dir) == good and d.checkpoints.steps() == [4]
         assert "checkpoint at step 8 failed (1 so far), training goes on" in caplog.text
-        assert ("RuntimeError: " if fault == "torch-runtime-error" else "No space left on device") in caplog.text  # torch re-raises its own
+        assert (
+            "RuntimeError: " if fault == "torch-runtime-error" else "No space left on device"
+        ) in caplog.text  # torch re-raises its own
         monkeypatch.undo()  # the disk has room again
         d.checkpointer.write(wait=True)  # the same step, tried again (as at exit)
         assert d.checkpoints.steps() == [8, 4] and d.checkpointer.written == 8 and d.checkpointer.failures == 1
@@ -98,7 +106,13 @@ def test_a_failed_checkpoint_is_logged_counted_cleaned_and_the_next_one_succeeds
 
 
 def test_failure_reason_names_a_full_disk_behind_a_bare_runtime_error(tmp_path: Path) -> None:
-    reason = checkpoint_mod.failure_reason(RuntimeError("[enforce fail at inline_container.cc:778] . PytorchStreamWriter failed writing file data/0: file write failed"), tmp_path, need=1 << 62)
+    reason = checkpoint_mod.failure_reason(
+        RuntimeError(
+            "[enforce fail at inline_container.cc:778] . PytorchStreamWriter failed writing file data/0: file write failed"
+        ),
+        tmp_path,
+        need=1 << 62,
+    )
     assert reason.startswith("no space left on device?") and "file write failed" in reason
     chained = RuntimeError("wrapped")
     chained.__context__ = OSError(errno.EIO, "Input/output error")
@@ -133,7 +147,9 @@ def fill(disk: Path) -> Path:
     return filler
 
 
-def test_a_real_full_disk_fails_a_checkpoint_and_metrics_cleanly_then_both_resume(tiny_disk: Path, caplog: pytest.LogCaptureFixture, thread_errors: list) -> None:
+def test_a_real_full_disk_fails_a_checkpoint_and_metrics_cleanly_then_both_resume(
+    tiny_disk: Path, caplog: pytest.LogCaptureFixture, thread_errors: list
+) -> None:
     d = make_daemon(tiny_disk)
     metrics = MetricsLog(tiny_disk / "metrics.jsonl")
     try:
@@ -156,14 +172,19 @@ def test_a_real_full_disk_fails_a_checkpoint_and_metrics_cleanly_then_both_resum
         d.checkpointer.write(wait=True)
         assert d.checkpoints.steps() == [9, 4] and d.checkpoints.newest().step == 9
         assert metrics.write({"step": 9})
-        assert [json.loads(line)["step"] for line in (tiny_disk / "metrics.jsonl").read_text().splitlines()] == [4, 9]  # no cut line
+        assert [json.loads(line)["step"] for line in (tiny_disk / "metrics.jsonl").read_text().splitlines()] == [
+            4,
+            9,
+        ]  # no cut line
     finally:
         metrics.close()
         d.transport.close()
 
 
 # -- metrics.jsonl --------------------------------------------------------------------------------
-def test_a_failed_metrics_write_is_counted_logged_once_a_minute_and_the_file_reopened(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_failed_metrics_write_is_counted_logged_once_a_minute_and_the_file_reopened(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     path = tmp_path / "state" / "metrics.jsonl"
     m = MetricsLog(path)
     assert m.write({"step": 1})
@@ -224,7 +245,9 @@ def test_metrics_write_never_raises_when_its_folder_is_gone(tmp_path: Path) -> N
 
 # -- where a replacement resumed from --------------------------------------------------------------
 @pytest.mark.parametrize("has_checkpoint", [True, False])
-def test_a_replacement_whose_group_is_gone_says_where_it_resumed_from(tmp_path: Path, has_checkpoint: bool, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_replacement_whose_group_is_gone_says_where_it_resumed_from(
+    tmp_path: Path, has_checkpoint: bool, caplog: pytest.LogCaptureFixture
+) -> None:
     if has_checkpoint:
         old = make_daemon(tmp_path)
         try:
@@ -239,7 +262,9 @@ def test_a_replacement_whose_group_is_gone_says_where_it_resumed_from(tmp_path: 
         with caplog.at_level(logging.WARNING, logger="peer.daemon.main"):
             d.state_sync.load_group_state([], lambda donor: True)  # the tracker lists no donor
         where = "checkpoint step 7" if has_checkpoint else "initial weights"
-        assert d.resumed_from == where and f"resumed from {where}" in d.reason and f"resumed from {where}" in caplog.text
+        assert (
+            d.resumed_from == where and f"resumed from {where}" in d.reason and f"resumed from {where}" in caplog.text
+        )
         assert ("13 steps of this stage's training are lost" in d.reason) == has_checkpoint
         assert d.worker.version == 20
     finally:
@@ -303,10 +328,22 @@ def test_a_sigkilled_peer_and_bootstrap_leave_no_children_running(tmp_path: Path
     procs: list[subprocess.Popen] = []
     recorded: dict[int, str] = {}
     try:
-        procs.append(start_process(["bootstrap", "--config", str(tmp_path / "run.toml"), "--state-dir", str(tmp_path / "boot")], tmp_path / "boot.log"))
+        procs.append(
+            start_process(
+                ["bootstrap", "--config", str(tmp_path / "run.toml"), "--state-dir", str(tmp_path / "boot")],
+                tmp_path / "boot.log",
+            )
+        )
         boot = wait_for_bootstrap(tmp_path / "boot", procs[0], tmp_path / "boot.log")
-        procs.append(start_process(["peer", "--tracker", boot["tracker"], "--token", f"@{tmp_path}/boot/bootstrap.json"], tmp_path / "peer.log"))
-        wait_for_status(boot["tracker"], lambda s: any(p["state"] in ("active", "idle") for p in s["peers"]), tmp_path, procs)
+        procs.append(
+            start_process(
+                ["peer", "--tracker", boot["tracker"], "--token", f"@{tmp_path}/boot/bootstrap.json"],
+                tmp_path / "peer.log",
+            )
+        )
+        wait_for_status(
+            boot["tracker"], lambda s: any(p["state"] in ("active", "idle") for p in s["peers"]), tmp_path, procs
+        )
         peer = procs[1]
         deadline = time.monotonic() + 30
         while True:  # the DHT node, the averager and p2pd
@@ -347,5 +384,7 @@ main_child = mp.Process(target=time.sleep, args=(30,), daemon=True); main_child.
 time.sleep(1.0)
 print(procs[0].is_alive(), main_child.is_alive(), flush=True)
 """
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=Path(__file__).parent.parent)
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=Path(__file__).parent.parent
+    )
     assert out.returncode == 0 and out.stdout.split() == ["True", "True"], out.stderr[-2000:]

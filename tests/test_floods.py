@@ -58,12 +58,22 @@ def test_a_headers_only_flood_leaves_a_valid_join_answered_within_a_second(track
     credentials, the open status methods and Heartbeat: a token holder's Join is answered in < 1 s."""
     from peer.wire.version import build_fields
 
-    attacker = flood(tracker, 600, TRACKER + "Join", STATUS + "GetStatus", STATUS + "WatchStatus", TRACKER + "Heartbeat", TRACKER + "GetConfig")
+    attacker = flood(
+        tracker,
+        600,
+        TRACKER + "Join",
+        STATUS + "GetStatus",
+        STATUS + "WatchStatus",
+        TRACKER + "Heartbeat",
+        TRACKER + "GetConfig",
+    )
     try:
         me = Identity.generate()
         with auth.open_channel(tracker, auth.Credentials(token=TOKEN, identity=me)) as ch:
             t0 = time.monotonic()
-            a = pbg.TrackerStub(ch).Join(pb.JoinRequest(peer_id=me.peer_id, grpc_address="127.0.0.1:1", **build_fields()), timeout=1.0)
+            a = pbg.TrackerStub(ch).Join(
+                pb.JoinRequest(peer_id=me.peer_id, grpc_address="127.0.0.1:1", **build_fields()), timeout=1.0
+            )
             took = time.monotonic() - t0
         assert a.run_id == RUN and a.certificate and took < 1.0
     finally:
@@ -98,7 +108,9 @@ def test_a_headers_only_flood_leaves_a_stage_mate_s_ping_answered_within_a_secon
     attacker = flood(addr, 300, STAGE + "Ping", STAGE + "Forward", STAGE + "GetShard")
     try:
         mate = Identity.generate()
-        creds = auth.Credentials(identity=mate, certificate=tracker_key.sign(certificate_bytes(RUN, mate.peer_id, mate.public)))
+        creds = auth.Credentials(
+            identity=mate, certificate=tracker_key.sign(certificate_bytes(RUN, mate.peer_id, mate.public))
+        )
         with auth.open_channel(addr, creds) as ch:
             t0 = time.monotonic()
             reply = pbg.StageStub(ch).Ping(pb.PingRequest(run_id=RUN, sender=mate.peer_id), timeout=1.0)

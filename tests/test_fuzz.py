@@ -65,7 +65,9 @@ def peer():
     d = PeerDaemon("127.0.0.1:9")
     stage = split_model(load_causal_lm(CFG.model, seed=0), 2)[1]
     d.worker = StageWorker(stage, 0, CFG, d.transport, RUN, peer_id=d.peer_id, local_steps=True)
-    d.anchor = SwarmAnchor(d.worker, CFG.anchor.micro_batches, d.router.siblings, eval_batches=CFG.pipeline.eval_batches)
+    d.anchor = SwarmAnchor(
+        d.worker, CFG.anchor.micro_batches, d.router.siblings, eval_batches=CFG.pipeline.eval_batches
+    )
     for p in stage.parameters():  # one optimizer step, so AdamW moments exist and are checked too
         p.grad = torch.randn_like(p) * 1e-3
     d.worker.optimizer.opt.step()
@@ -76,7 +78,11 @@ def peer():
     yield d, channel
     try:
         assert SENT["n"] >= 2000, f"only {SENT['n']} messages were sent"
-        ping = channel.unary_unary(f"/{SERVICE}/Ping", request_serializer=pb.PingRequest.SerializeToString, response_deserializer=pb.PingReply.FromString)
+        ping = channel.unary_unary(
+            f"/{SERVICE}/Ping",
+            request_serializer=pb.PingRequest.SerializeToString,
+            response_deserializer=pb.PingReply.FromString,
+        )
         assert ping(pb.PingRequest(run_id=RUN), timeout=5).stage == 1  # still serving
         for ch in ("forward", "backward", "anchor_forward", "prior"):
             assert d.transport.poll(d.peer_id, ch) is None, f"a refused message reached the {ch} queue"
@@ -88,7 +94,9 @@ def peer():
 
 def send_stream(channel: grpc.Channel, method: str, data: bytes) -> grpc.StatusCode:
     SENT["n"] += 1
-    call = channel.stream_stream(f"/{SERVICE}/{method}", request_serializer=None, response_deserializer=pb.Ack.FromString)
+    call = channel.stream_stream(
+        f"/{SERVICE}/{method}", request_serializer=None, response_deserializer=pb.Ack.FromString
+    )
     try:
         list(call(iter([data]), timeout=10))
     except grpc.RpcError as exc:
@@ -137,10 +145,17 @@ def damage_tensor(t: pb.TensorPayload, how: str, draw) -> None:
         t.payload = bytes(raw)
 
 
-FORWARD_DEFECTS = ["run_id", "boundary", "tokens_range", "tokens_shape", "unknown_basis", "prior_ids",
-                   *(f"hidden:{h}" for h in ("shape", "rank", "dtype", "short", "long", "huge", "negative")),
-                   *(f"basis_prior:{h}" for h in ("shape", "dtype", "short", "nan", "huge")),
-                   *(f"basis:{h}" for h in ("shape", "long", "nan"))]
+FORWARD_DEFECTS = [
+    "run_id",
+    "boundary",
+    "tokens_range",
+    "tokens_shape",
+    "unknown_basis",
+    "prior_ids",
+    *(f"hidden:{h}" for h in ("shape", "rank", "dtype", "short", "long", "huge", "negative")),
+    *(f"basis_prior:{h}" for h in ("shape", "dtype", "short", "nan", "huge")),
+    *(f"basis:{h}" for h in ("shape", "long", "nan")),
+]
 
 
 @settings(FUZZ, max_examples=900)
@@ -154,7 +169,9 @@ def test_defective_forward_chunks_are_refused(peer, data) -> None:
         msg.header.boundary = data.draw(st.integers(1, (1 << 32) - 1))
     elif how == "tokens_range":
         ids = torch.randint(0, V, (B, T + 1), dtype=torch.int16)
-        ids.view(-1)[data.draw(st.integers(0, B * (T + 1) - 1))] = data.draw(st.integers(V, 32767) | st.integers(-32768, -1))
+        ids.view(-1)[data.draw(st.integers(0, B * (T + 1) - 1))] = data.draw(
+            st.integers(V, 32767) | st.integers(-32768, -1)
+        )
         msg.token_ids.CopyFrom(tensor_to_proto(ids))
     elif how == "tokens_shape":
         rows, cols = data.draw(st.integers(1, 5)), data.draw(st.integers(1, 40).filter(lambda n: n != T + 1))
@@ -165,7 +182,9 @@ def test_defective_forward_chunks_are_refused(peer, data) -> None:
         msg.basis_version = data.draw(st.integers(0, 1 << 40))
     elif how == "prior_ids":
         n = data.draw(st.integers(1, 300))
-        ids = torch.tensor(data.draw(st.lists(st.integers(-(1 << 31), (1 << 31) - 1), min_size=n, max_size=n)), dtype=torch.int32)
+        ids = torch.tensor(
+            data.draw(st.lists(st.integers(-(1 << 31), (1 << 31) - 1), min_size=n, max_size=n)), dtype=torch.int32
+        )
         if len(ids) < V and bool(((ids >= 0) & (ids < V)).all()):
             ids[0] = V  # at least one out of range
         msg.basis_prior_ids.CopyFrom(tensor_to_proto(ids))
@@ -181,9 +200,18 @@ def test_defective_forward_chunks_are_refused(peer, data) -> None:
 def test_gradients_for_nothing_in_flight_are_refused(peer, data) -> None:
     """The last stage has no micro-batch in flight: every Backward is refused, whatever it holds."""
     _, channel = peer
-    grad = torch.tensor(data.draw(st.lists(st.floats(allow_nan=True, allow_infinity=True, width=16), min_size=1, max_size=64)), dtype=torch.float16)
+    grad = torch.tensor(
+        data.draw(st.lists(st.floats(allow_nan=True, allow_infinity=True, width=16), min_size=1, max_size=64)),
+        dtype=torch.float16,
+    )
     msg = pb.GradientChunk(
-        header=pb.MicroBatchHeader(run_id=data.draw(st.sampled_from([RUN, "", "x"])), micro_batch_id=data.draw(st.integers(0, 1 << 63)), step=data.draw(st.integers(0, 1 << 63)), boundary=data.draw(st.integers(0, 3)), sender=data.draw(st.sampled_from(["fuzzer", "other"]) | st.text(max_size=10))),
+        header=pb.MicroBatchHeader(
+            run_id=data.draw(st.sampled_from([RUN, "", "x"])),
+            micro_batch_id=data.draw(st.integers(0, 1 << 63)),
+            step=data.draw(st.integers(0, 1 << 63)),
+            boundary=data.draw(st.integers(0, 3)),
+            sender=data.draw(st.sampled_from(["fuzzer", "other"]) | st.text(max_size=10)),
+        ),
         grad=tensor_to_proto(grad),
     )
     assert send_stream(channel, "Backward", msg.SerializeToString()) in REFUSED
@@ -198,7 +226,9 @@ def test_defective_anchor_chunks_are_refused(peer, data) -> None:
         hidden=tensor_to_proto(torch.randn(B, T, H).half()),
         token_ids=tensor_to_proto(torch.randint(0, V, (B, T + 1)).to(torch.uint8)),
     )
-    how = data.draw(st.sampled_from(["not_dense", "boundary", "micro_batch", "tokens", "shape", "dtype", "short", "nan", "huge"]))
+    how = data.draw(
+        st.sampled_from(["not_dense", "boundary", "micro_batch", "tokens", "shape", "dtype", "short", "nan", "huge"])
+    )
     if how == "not_dense":
         msg.header.dense = False
     elif how == "boundary":
@@ -217,11 +247,24 @@ def test_defective_anchor_chunks_are_refused(peer, data) -> None:
 def test_defective_anchor_gradients_and_priors_are_refused(peer, data) -> None:
     _, channel = peer
     if data.draw(st.booleans()):
-        grad = pb.GradientChunk(header=pb.MicroBatchHeader(run_id=RUN, step=5, boundary=1, sender="fuzzer"), grad=tensor_to_proto(torch.randn(B, T, H).half()))
-        damage_tensor(grad.grad, data.draw(st.sampled_from(["dtype", "short", "long", "nan", "huge", "negative"])), data.draw)
+        grad = pb.GradientChunk(
+            header=pb.MicroBatchHeader(run_id=RUN, step=5, boundary=1, sender="fuzzer"),
+            grad=tensor_to_proto(torch.randn(B, T, H).half()),
+        )
+        damage_tensor(
+            grad.grad, data.draw(st.sampled_from(["dtype", "short", "long", "nan", "huge", "negative"])), data.draw
+        )
         assert send_stream(channel, "AnchorBackward", grad.SerializeToString()) in REFUSED
     else:  # this peer has no stage mates: no sender is a live member of its group
-        prior = pb.AnchorPrior(header=pb.MicroBatchHeader(run_id=RUN, sender=data.draw(st.sampled_from(["fuzzer", "other"]) | st.text(max_size=12)), micro_batch_id=1), stage=data.draw(st.integers(0, 5)), loss=data.draw(st.floats()))
+        prior = pb.AnchorPrior(
+            header=pb.MicroBatchHeader(
+                run_id=RUN,
+                sender=data.draw(st.sampled_from(["fuzzer", "other"]) | st.text(max_size=12)),
+                micro_batch_id=1,
+            ),
+            stage=data.draw(st.integers(0, 5)),
+            loss=data.draw(st.floats()),
+        )
         for name in data.draw(st.lists(st.text(max_size=30), max_size=4)):
             prior.grads.add(name=name, tensor=tensor_to_proto(torch.randn(2, 2)))
         assert send_stream(channel, "Prior", prior.SerializeToString()) in REFUSED
@@ -231,19 +274,36 @@ METHODS = ["Forward", "Backward", "AnchorForward", "AnchorBackward", "Prior"]
 
 
 @settings(FUZZ, max_examples=400)
-@given(method=st.sampled_from(METHODS), raw=st.binary(max_size=2048) | st.builds(lambda b, n: valid_forward().SerializeToString()[:n] + b, st.binary(max_size=16), st.integers(0, 4000)))
+@given(
+    method=st.sampled_from(METHODS),
+    raw=st.binary(max_size=2048)
+    | st.builds(lambda b, n: valid_forward().SerializeToString()[:n] + b, st.binary(max_size=16), st.integers(0, 4000)),
+)
 def test_random_and_truncated_bytes_never_crash_a_handler(peer, method: str, raw: bytes) -> None:
     _, channel = peer
     send_stream(channel, method, raw)  # refused or (rarely) a well-formed message; never UNKNOWN/INTERNAL
 
 
 @settings(FUZZ, max_examples=150)
-@given(run_id=st.text(max_size=30), raw=st.binary(max_size=64), use_raw=st.booleans(), method=st.sampled_from(["Ping", "GetShard"]))
+@given(
+    run_id=st.text(max_size=30),
+    raw=st.binary(max_size=64),
+    use_raw=st.booleans(),
+    method=st.sampled_from(["Ping", "GetShard"]),
+)
 def test_ping_and_get_shard_answer_or_refuse(peer, run_id: str, raw: bytes, use_raw: bool, method: str) -> None:
     _, channel = peer
     SENT["n"] += 1
-    req = raw if use_raw else (pb.PingRequest(run_id=run_id) if method == "Ping" else pb.ShardRequest(run_id=run_id, sender="fuzzer")).SerializeToString()
-    call = (channel.unary_unary if method == "Ping" else channel.unary_stream)(f"/{SERVICE}/{method}", request_serializer=None, response_deserializer=None)
+    req = (
+        raw
+        if use_raw
+        else (
+            pb.PingRequest(run_id=run_id) if method == "Ping" else pb.ShardRequest(run_id=run_id, sender="fuzzer")
+        ).SerializeToString()
+    )
+    call = (channel.unary_unary if method == "Ping" else channel.unary_stream)(
+        f"/{SERVICE}/{method}", request_serializer=None, response_deserializer=None
+    )
     try:
         out = call(req, timeout=10)
         if method == "GetShard":
@@ -270,7 +330,11 @@ def tracker(tmp_path_factory: pytest.TempPathFactory):
     cert = secrets.tracker.sign(certificate_bytes(RUN, "fuzzer", me.public))
     channel = auth.open_channel(address, auth.Credentials(token=secrets.token, identity=me, certificate=cert))
     yield t, channel
-    status = channel.unary_unary("/anchormesh.v1.Status/GetStatus", request_serializer=pb.StatusRequest.SerializeToString, response_deserializer=pb.RunStatus.FromString)
+    status = channel.unary_unary(
+        "/anchormesh.v1.Status/GetStatus",
+        request_serializer=pb.StatusRequest.SerializeToString,
+        response_deserializer=pb.RunStatus.FromString,
+    )
     assert status(pb.StatusRequest(), timeout=5).run_id == RUN  # still serving
     assert all(not p.peer_id or len(p.peer_id) < 1000 for p in t.peers.values())
     channel.close()
@@ -294,7 +358,14 @@ def call_tracker(channel: grpc.Channel, method: str, data: bytes) -> grpc.Status
         if kind == "unary":
             channel.unary_unary(method, request_serializer=None, response_deserializer=None)(data, timeout=10)
         elif kind == "stream":
-            next(iter(channel.stream_stream(method, request_serializer=None, response_deserializer=None)(iter([data]), timeout=10)), None)
+            next(
+                iter(
+                    channel.stream_stream(method, request_serializer=None, response_deserializer=None)(
+                        iter([data]), timeout=10
+                    )
+                ),
+                None,
+            )
         else:
             stream = channel.unary_stream(method, request_serializer=None, response_deserializer=None)(data, timeout=10)
             next(iter(stream), None)
@@ -309,8 +380,16 @@ def reports(draw) -> pb.PeerReport:
     return pb.PeerReport(
         run_id=draw(st.sampled_from([RUN, "", "other"])),
         tokens=draw(st.integers(0, (1 << 64) - 1)),
-        peer=pb.PeerInfo(peer_id=draw(st.just("fuzzer") | st.text(max_size=20)), stage=draw(st.integers(0, 1 << 31)), state=draw(st.sampled_from(["active", "idle", "dead", "left", "joining", "", "bogus"])),
-                         tokens_per_s=draw(st.floats()), loss=draw(st.floats()), step=draw(st.integers(0, (1 << 64) - 1)), capacity_tokens_per_s=draw(st.floats()), eval_loss=draw(st.floats())),
+        peer=pb.PeerInfo(
+            peer_id=draw(st.just("fuzzer") | st.text(max_size=20)),
+            stage=draw(st.integers(0, 1 << 31)),
+            state=draw(st.sampled_from(["active", "idle", "dead", "left", "joining", "", "bogus"])),
+            tokens_per_s=draw(st.floats()),
+            loss=draw(st.floats()),
+            step=draw(st.integers(0, (1 << 64) - 1)),
+            capacity_tokens_per_s=draw(st.floats()),
+            eval_loss=draw(st.floats()),
+        ),
     )
 
 
@@ -322,15 +401,29 @@ def test_tracker_methods_refuse_or_answer_but_never_crash(tracker, data) -> None
     if data.draw(st.booleans()):
         raw = data.draw(st.binary(max_size=512))
     elif method.endswith("Join"):
-        raw = pb.JoinRequest(run_id=data.draw(st.sampled_from([RUN, "", "x"])), peer_id=data.draw(st.just("fuzzer") | st.text(max_size=50)), grpc_address=data.draw(st.text(max_size=50)),
-                             code_version=data.draw(st.sampled_from(["", "0.0.0", __import__("peer").__version__])), dht_maddrs=data.draw(st.lists(st.text(max_size=200), max_size=50))).SerializeToString()
+        raw = pb.JoinRequest(
+            run_id=data.draw(st.sampled_from([RUN, "", "x"])),
+            peer_id=data.draw(st.just("fuzzer") | st.text(max_size=50)),
+            grpc_address=data.draw(st.text(max_size=50)),
+            code_version=data.draw(st.sampled_from(["", "0.0.0", __import__("peer").__version__])),
+            dht_maddrs=data.draw(st.lists(st.text(max_size=200), max_size=50)),
+        ).SerializeToString()
     elif method.endswith("Heartbeat"):
         raw = reports(data.draw).SerializeToString()
     elif method.endswith("Leave"):
-        raw = pb.LeaveRequest(run_id=data.draw(st.sampled_from([RUN, "x"])), peer_id=data.draw(st.just("fuzzer") | st.text(max_size=20)), reason=data.draw(st.text(max_size=100))).SerializeToString()
+        raw = pb.LeaveRequest(
+            run_id=data.draw(st.sampled_from([RUN, "x"])),
+            peer_id=data.draw(st.just("fuzzer") | st.text(max_size=20)),
+            reason=data.draw(st.text(max_size=100)),
+        ).SerializeToString()
     else:
         raw = b""
     code = call_tracker(channel, method, raw)
-    assert code == grpc.StatusCode.OK or code in (*REFUSED, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED), code
+    assert code == grpc.StatusCode.OK or code in (
+        *REFUSED,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.PERMISSION_DENIED,
+    ), code
     s = t.status()
     assert all(math.isfinite(x) for x in (s.tokens_per_s, s.pp_bytes_per_token, s.dp_bytes_per_token))

@@ -29,7 +29,9 @@ def test_a_message_s_signed_permutation_is_fixed_by_its_key() -> None:
 def links(rotation: str, rounding: str):
     from peer.pipeline.transform_link import TransformLinks
 
-    mask = MaskConfig(scheme="transform", grad_bits=1.0, grad_rounding=rounding, grad_rotation=rotation, grad_outliers=0.0)
+    mask = MaskConfig(
+        scheme="transform", grad_bits=1.0, grad_rounding=rounding, grad_rotation=rotation, grad_outliers=0.0
+    )
     return TransformLinks(mask, H, False, True), TransformLinks(mask, H, True, False)
 
 
@@ -39,7 +41,11 @@ def mean_of_messages(rotation: str, rounding: str, x: torch.Tensor, n: int = 48)
     got = []
     for mb in range(n):
         payload, coder = producer.encode("backward", x, "stage0.r0", boundary=0, step=5, micro_batch=mb)
-        msg = pb.GradientChunk(header=pb.MicroBatchHeader(sender="stage1.r0", step=5, micro_batch_id=mb, boundary=0), grad=payload, coder=coder)
+        msg = pb.GradientChunk(
+            header=pb.MicroBatchHeader(sender="stage1.r0", step=5, micro_batch_id=mb, boundary=0),
+            grad=payload,
+            coder=coder,
+        )
         got.append(consumer.decode(msg, expect_shape=tuple(x.shape), boundary=0, step=5, micro_batch=mb))
     return torch.stack(got).mean(0)
 
@@ -53,7 +59,9 @@ def test_a_per_message_rotation_turns_the_coding_s_bias_into_noise_that_averages
     with each message's own signed permutation the errors differ, and their mean falls towards a
     multiple of the gradient (here: 48 messages): what is left is a uniform shrink, 1 - MSE of a
     unit Gaussian at 1 bit (a Lloyd quantiser's error is orthogonal to its output)."""
-    x = torch.randn(2, 8, H, generator=torch.Generator().manual_seed(3)) * torch.rand(2, 8, 1, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(2, 8, H, generator=torch.Generator().manual_seed(3)) * torch.rand(
+        2, 8, 1, generator=torch.Generator().manual_seed(4)
+    )
     fixed = mean_of_messages("fixed", "nearest", x)
     message = mean_of_messages("message", "nearest", x)
 

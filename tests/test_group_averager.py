@@ -37,7 +37,9 @@ def two_dhts():
     import hivemind
 
     dht_a = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    dht_b = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[str(m) for m in dht_a.get_visible_maddrs()])
+    dht_b = hivemind.DHT(
+        start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[str(m) for m in dht_a.get_visible_maddrs()]
+    )
     try:
         yield dht_a, dht_b
     finally:
@@ -82,7 +84,9 @@ def three_members(prefix: str, compression: str):
     import hivemind
 
     with two_dhts() as (dht_a, dht_b):
-        dht_c = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[str(m) for m in dht_a.get_visible_maddrs()])
+        dht_c = hivemind.DHT(
+            start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[str(m) for m in dht_a.get_visible_maddrs()]
+        )
         avgs: list[GroupAverager] = []
         try:
             torch.manual_seed(0)
@@ -91,7 +95,11 @@ def three_members(prefix: str, compression: str):
             params = [[torch.nn.Parameter(t.clone()) for t in init] for _ in range(3)]
             clock = FakeClock()
             for i, (d, ps) in enumerate(zip((dht_a, dht_b, dht_c), params)):
-                avgs.append(GroupAverager(d, ps, prefix, every=1, timeout=30.0, compression=compression, peer_id=f"peer-{i}", clock=clock))
+                avgs.append(
+                    GroupAverager(
+                        d, ps, prefix, every=1, timeout=30.0, compression=compression, peer_id=f"peer-{i}", clock=clock
+                    )
+                )
             yield init, common, params, avgs, clock
         finally:
             for avg in avgs:
@@ -99,7 +107,9 @@ def three_members(prefix: str, compression: str):
             dht_c.shutdown()
 
 
-def same_start(dht_a, dht_b, init: list[torch.Tensor], prefix: str, compression: str) -> tuple[list, list, GroupAverager, GroupAverager, FakeClock]:
+def same_start(
+    dht_a, dht_b, init: list[torch.Tensor], prefix: str, compression: str
+) -> tuple[list, list, GroupAverager, GroupAverager, FakeClock]:
     """Two peers' parameters starting from the same weights, and their averagers (every=1, a shared fake clock)."""
     pa = [torch.nn.Parameter(t.clone()) for t in init]
     pb = [torch.nn.Parameter(t.clone()) for t in init]
@@ -150,7 +160,9 @@ def test_round_leaves_both_peers_at_the_mean(compression: str, tol: float) -> No
 
 
 @pytest.mark.parametrize("compression", ["none", "int8"])
-def test_results_lost_on_the_way_back_keep_own_values_and_the_old_base(monkeypatch: pytest.MonkeyPatch, compression: str) -> None:
+def test_results_lost_on_the_way_back_keep_own_values_and_the_old_base(
+    monkeypatch: pytest.MonkeyPatch, compression: str
+) -> None:
     """The stream that brings a mate's results back fails (injected: hivemind then keeps this
     peer's own values there and logs only "received N% results"): the round counts as partial,
     the lost coordinates keep this peer's values, the claim check is not fooled into calling it a
@@ -273,7 +285,9 @@ def test_an_averaging_process_killed_inside_hivemind_s_allocation_lock_blocks_no
     assert SharedBytes.next().numel() == 1  # what an MPFuture takes
 
 
-def test_an_averaging_process_that_does_not_start_is_killed_and_forked_again(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+def test_an_averaging_process_that_does_not_start_is_killed_and_forked_again(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """hivemind waits forever for a forked averaging process that got stuck before it was ready
     (seen now and then in peers whose gRPC threads were live at the fork). The first start here
     is made to time out: it is killed, a second process starts and the averager works."""
@@ -325,11 +339,15 @@ def test_an_implausible_group_mean_is_refused_and_the_weights_stay(poison: str) 
         a._finish()
         assert a.rejected == 1 and a.rounds == 0, (a.last_error, a.last_rejection)
         if poison == "nan":  # its claim shows it: b is named
-            assert "sent NaN or Inf" in a.last_rejection and [x.split(": ")[0] for x in a.suspects] == [str(b.averager.peer_id)]
+            assert "sent NaN or Inf" in a.last_rejection and [x.split(": ")[0] for x in a.suspects] == [
+                str(b.averager.peer_id)
+            ]
         else:  # in a pair, size alone names nobody (an honest member with an older base looks the same)
             assert "more than 4.0x this peer's own drift" in a.last_rejection and not a.suspects
         assert all(torch.equal(x.detach(), y) for x, y in zip(pa, before))  # untouched
-        assert all(torch.equal(base, t) for base, t in zip(a._base, init))  # the next delta still counts from the last good mean
+        assert all(
+            torch.equal(base, t) for base, t in zip(a._base, init)
+        )  # the next delta still counts from the last good mean
         a.shutdown()
         b.shutdown()
 
@@ -357,7 +375,15 @@ def test_a_sign_flipped_update_is_refused_and_its_sender_named(attack: str, monk
     monkeypatch.setattr(audit, "commit_claim", commit_then_flip)
 
     with two_dhts() as (dht_a, dht_b):
-        dht_c = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[str(m) for m in dht_a.get_visible_maddrs()]) if attack == "flipped" else None
+        dht_c = (
+            hivemind.DHT(
+                start=True,
+                host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                initial_peers=[str(m) for m in dht_a.get_visible_maddrs()],
+            )
+            if attack == "flipped"
+            else None
+        )
         try:
             torch.manual_seed(0)
             init = [torch.randn(100, 50), torch.randn(20)]
@@ -365,7 +391,12 @@ def test_a_sign_flipped_update_is_refused_and_its_sender_named(attack: str, monk
             dhts = [dht_a, dht_b] + ([dht_c] if dht_c else [])
             params = [[torch.nn.Parameter(t.clone()) for t in init] for _ in dhts]
             clock = FakeClock()
-            avgs = [GroupAverager(d, ps, f"flip_{attack}", every=1, timeout=30.0, compression="int8", peer_id=f"peer-{i}", clock=clock) for i, (d, ps) in enumerate(zip(dhts, params))]
+            avgs = [
+                GroupAverager(
+                    d, ps, f"flip_{attack}", every=1, timeout=30.0, compression="int8", peer_id=f"peer-{i}", clock=clock
+                )
+                for i, (d, ps) in enumerate(zip(dhts, params))
+            ]
             with torch.no_grad():
                 for i, ps in enumerate(params):
                     for p, c, t in zip(ps, common, init):
@@ -428,7 +459,9 @@ def test_a_round_pending_far_past_its_timeout_is_cancelled_and_the_next_offered(
         assert stuck.cancelled() and avg.failures == 1 and "cancelled" in avg.last_error
         clock.t += 1.0
         avg.after_step(3)
-        assert avg._pending is not None and avg._pending is not stuck  # the next round was offered, at the next boundary
+        assert (
+            avg._pending is not None and avg._pending is not stuck
+        )  # the next round was offered, at the next boundary
         avg.shutdown()
     finally:
         dht.shutdown()
@@ -446,7 +479,9 @@ def test_a_big_stage_round_is_given_its_transfer_time_before_it_counts_as_stuck(
 # --- when rounds are offered: wall-clock slots (RoundSchedule), no hivemind -------------------
 
 
-def ticks(first_step: int, start: float, step_s: float, until: float, jitter: float = 0.0, seed: int = 0) -> list[tuple[int, float]]:
+def ticks(
+    first_step: int, start: float, step_s: float, until: float, jitter: float = 0.0, seed: int = 0
+) -> list[tuple[int, float]]:
     """(local step, wall time) of a peer's steps: `step_s` apart, each off by up to `jitter` of it."""
     rng, out, step, t = random.Random(seed), [], first_step, start
     while t < until:
@@ -480,7 +515,9 @@ def test_the_run_s_minimum_period_spaces_rounds_of_fast_steps() -> None:
     small model do not set a round every second; slower needs are not affected."""
     assert slot_period(5, 0.1, 0, None, 0.0) == 1.0  # hivemind's own floor
     assert slot_period(5, 0.1, 0, None, 0.0, min_period_s=8.0) == 8.0
-    assert slot_period(5, 0.1, 0, None, 0.0, min_period_s=5.0) == 8.0  # rounded up to a power of two: members' slots nest
+    assert (
+        slot_period(5, 0.1, 0, None, 0.0, min_period_s=5.0) == 8.0
+    )  # rounded up to a power of two: members' slots nest
     assert slot_period(10, 2.5, 0, None, 0.0, min_period_s=8.0) == 32.0  # 25 s of steps: above the floor
     sched = RoundSchedule(5, 0, min_period_s=8.0)
     assert sched.period_s == 8.0 and "the minimum" in sched.period_reason
@@ -500,7 +537,9 @@ def test_step_times_within_2x_give_periods_whose_boundaries_nest() -> None:
             p, q = slot_period(10, x, 0, None, 0.0), slot_period(10, x * f, 0, None, 0.0)
             assert q in (p, 2 * p)
             t0 = 1_700_000_000.3  # epoch seconds, as the peers' clocks
-            edges = {k: [math.floor((t0 + k) / s) > math.floor((t0 + k - 1) / s) for s in (p, q)] for k in range(1, 300)}
+            edges = {
+                k: [math.floor((t0 + k) / s) > math.floor((t0 + k - 1) / s) for s in (p, q)] for k in range(1, 300)
+            }
             assert all(in_p for in_p, in_q in edges.values() if in_q)
 
 
@@ -508,7 +547,9 @@ def test_the_link_bound_sets_the_period_on_a_slow_link() -> None:
     nbytes = round_bytes(5_000_000, 2, "int8")  # a 5M-parameter stage: 5 MB per round
     assert slot_period(10, 0.3, nbytes, 1.25e6, 0.2) == 32.0  # 10 Mbit/s, a fifth of it: 20 s
     assert slot_period(10, 0.3, nbytes, 125e6, 0.2) == 4.0  # 1 Gbit/s: 0.2 s; the 3 s of steps set it
-    assert slot_period(10, 0.3, nbytes, None, 0.2) == slot_period(10, 0.3, nbytes, 1.25e6, 0.0) == 4.0  # no link known / no share: no bound
+    assert (
+        slot_period(10, 0.3, nbytes, None, 0.2) == slot_period(10, 0.3, nbytes, 1.25e6, 0.0) == 4.0
+    )  # no link known / no share: no bound
     link: list[float | None] = [1.25e6]
     sched = RoundSchedule(10, nbytes, link_bps=lambda: link[0], link_share=0.2)
     for i in range(3):
@@ -537,7 +578,12 @@ def test_the_period_follows_the_step_time_with_hysteresis_and_logs_changes(caplo
             else:
                 assert (sched.period_s, sched.period_reason) == (4.0, "4 s: 10 steps x 0.30 s")
     changes = [r.getMessage() for r in caplog.records if "a round every" in r.getMessage()]
-    assert [c.split(" s:")[0].rsplit(" ", 1)[1] for c in changes] == ["8", "16", "8", "4"]  # down by way of 8 s as the average falls
+    assert [c.split(" s:")[0].rsplit(" ", 1)[1] for c in changes] == [
+        "8",
+        "16",
+        "8",
+        "4",
+    ]  # down by way of 8 s as the average falls
 
 
 def test_offer_due_needs_every_steps_and_a_boundary_since() -> None:
@@ -607,7 +653,9 @@ def test_matchmaking_stops_after_half_a_period_and_the_group_forms_a_step_after_
 
 def test_the_link_is_measured_only_from_an_all_reduce_seen_over_several_steps() -> None:
     clock = FakeClock(1010.0)
-    ns = SimpleNamespace(_allreduce_seen=(3, 1008.0), _ticks=8, _clock=clock, schedule=SimpleNamespace(measured_bps=None))
+    ns = SimpleNamespace(
+        _allreduce_seen=(3, 1008.0), _ticks=8, _clock=clock, schedule=SimpleNamespace(measured_bps=None)
+    )
     GroupAverager._measure_link(ns, 4_000_000)  # 5 steps, 2 s
     assert ns.schedule.measured_bps == 2e6 and ns._allreduce_seen is None
     ns._allreduce_seen, ns._ticks = (7, 1009.5), 9  # 2 steps: mostly the error of seeing it once a step
@@ -681,7 +729,9 @@ def test_a_member_hivemind_left_out_is_told_apart_from_a_lie() -> None:
     common = torch.randn(64)
     claims = {"me": common + 0.1 * torch.randn(64), "b": common + 0.1 * torch.randn(64), "c": -common}
     assert left_out(claims, (claims["me"] + claims["b"]) / 2, 1e-3, "me") == "c"
-    assert left_out(claims, trimmed_mean(torch.stack([claims["b"], claims["c"]])), 1e-3, "me") is None  # only "me" could explain it
+    assert (
+        left_out(claims, trimmed_mean(torch.stack([claims["b"], claims["c"]])), 1e-3, "me") is None
+    )  # only "me" could explain it
     assert left_out(claims, (claims["me"] + claims["b"]) / 2 + 0.05, 1e-3, "me") is None
     assert left_out({"me": claims["me"], "b": claims["b"]}, claims["me"], 1e-3, "me") is None
 
@@ -712,7 +762,9 @@ def test_a_non_member_gets_no_round_and_nobody_gets_the_state_through_hivemind()
             a.members = {a_id, b_id}  # b joined the run
             a.averager.allow_state_sharing = True  # even declared as a donor in the DHT, a hands out nothing
             deadline = time.monotonic() + 20
-            while (found := dht_b.get("gate.all_averagers", latest=True)) is None or a.averager.peer_id.to_bytes() not in found.value:
+            while (
+                found := dht_b.get("gate.all_averagers", latest=True)
+            ) is None or a.averager.peer_id.to_bytes() not in found.value:
                 assert time.monotonic() < deadline, "the donor never declared itself"
                 time.sleep(0.2)
             assert b.averager.load_state_from_peers(timeout=5.0) is None

@@ -21,7 +21,12 @@ PIPE = PipelineConfig(micro_batch_size=2, micro_batches=2, seq_len=16, max_stale
 
 
 def windows(step: int, replica: int, j: int) -> torch.Tensor:
-    return torch.randint(0, 256, (PIPE.micro_batch_size, PIPE.seq_len + 1), generator=torch.Generator().manual_seed(100 * step + 10 * replica + j))
+    return torch.randint(
+        0,
+        256,
+        (PIPE.micro_batch_size, PIPE.seq_len + 1),
+        generator=torch.Generator().manual_seed(100 * step + 10 * replica + j),
+    )
 
 
 def _runner(mask: MaskConfig, transport=None) -> LocalPipelineRunner:
@@ -32,8 +37,12 @@ def _runner(mask: MaskConfig, transport=None) -> LocalPipelineRunner:
 @pytest.mark.parametrize(
     "mask",
     # adapt off: the link tuning would read loopback round trips against millisecond micro-batches
-    [MaskConfig(scheme="mask", drop=0.9, adapt=False), MaskConfig(scheme="lowrank", rank=4, values="int8", basis_refresh=2, adapt=False), MaskConfig(scheme="lowrank", rank=4, basis_refresh=2, prior_rows=16, adapt=False),
-     MaskConfig(scheme="transform", bits=2.0, grad_bits=1.0, basis_refresh=1, adapt=False)],
+    [
+        MaskConfig(scheme="mask", drop=0.9, adapt=False),
+        MaskConfig(scheme="lowrank", rank=4, values="int8", basis_refresh=2, adapt=False),
+        MaskConfig(scheme="lowrank", rank=4, basis_refresh=2, prior_rows=16, adapt=False),
+        MaskConfig(scheme="transform", bits=2.0, grad_bits=1.0, basis_refresh=1, adapt=False),
+    ],
     ids=["mask", "lowrank", "lowrank_top_rows", "transform"],
 )
 def test_grpc_transport_gives_the_same_training_as_in_process(mask: MaskConfig) -> None:
@@ -93,14 +102,20 @@ def test_bad_chunks_get_invalid_argument_and_touch_nothing(served) -> None:
     bad_run = _chunk(runner)
     bad_run.header.run_id = "other-run"
     nan = _chunk(runner)
-    nan.hidden.CopyFrom(runner.codec.encode(torch.zeros(PIPE.micro_batch_size, PIPE.seq_len, MODEL.hidden_size), boundary=0, step=0, micro_batch=7))
+    nan.hidden.CopyFrom(
+        runner.codec.encode(
+            torch.zeros(PIPE.micro_batch_size, PIPE.seq_len, MODEL.hidden_size), boundary=0, step=0, micro_batch=7
+        )
+    )
     nan.hidden.payload = bytes(len(nan.hidden.payload) - 2) + b"\x00\x7e"  # last fp16 value NaN
     wrong_shape = _chunk(runner)
     wrong_shape.hidden.shape[:] = [PIPE.micro_batch_size, PIPE.seq_len, MODEL.hidden_size + 1]
     wrong_boundary = _chunk(runner)
     wrong_boundary.header.boundary = 3
     bad_tokens = _chunk(runner, token_ids=tensor_to_proto(torch.full((2, 17), 300, dtype=torch.int16)))
-    big_batch = _chunk(runner, token_ids=tensor_to_proto(torch.zeros(64, PIPE.seq_len + 1, dtype=torch.uint8)))  # more work than the run's micro-batch
+    big_batch = _chunk(
+        runner, token_ids=tensor_to_proto(torch.zeros(64, PIPE.seq_len + 1, dtype=torch.uint8))
+    )  # more work than the run's micro-batch
     cases = {
         "batch shape": (big_batch.SerializeToString(), "the run's micro-batch"),
         "garbage": (b"\xff\x00not a protobuf", "ActivationChunk"),
@@ -119,7 +134,11 @@ def test_bad_chunks_get_invalid_argument_and_touch_nothing(served) -> None:
 
     assert transport.poll((1, 0), "forward") is None, "a rejected chunk reached the worker"
     with grpc.insecure_channel(target) as ch:
-        ping = ch.unary_unary(f"/{SERVICE}/Ping", request_serializer=pb.PingRequest.SerializeToString, response_deserializer=pb.PingReply.FromString)
+        ping = ch.unary_unary(
+            f"/{SERVICE}/Ping",
+            request_serializer=pb.PingRequest.SerializeToString,
+            response_deserializer=pb.PingReply.FromString,
+        )
         assert ping(pb.PingRequest(run_id="run-a"), timeout=5).stage == 1
         with pytest.raises(grpc.RpcError) as exc:
             ping(pb.PingRequest(run_id="nope"), timeout=5)
@@ -147,7 +166,9 @@ def test_a_bad_partial_prior_is_refused_before_it_is_queued(ids: torch.Tensor, r
         worker = runner.workers[1][0]
         msg = pb.ActivationChunk(
             header=pb.MicroBatchHeader(run_id="run-a", micro_batch_id=7, step=0, sender="test", boundary=0),
-            hidden=worker.link.coef_codec.encode(torch.randn(PIPE.micro_batch_size, PIPE.seq_len, 4), boundary=0, step=0, micro_batch=7),
+            hidden=worker.link.coef_codec.encode(
+                torch.randn(PIPE.micro_batch_size, PIPE.seq_len, 4), boundary=0, step=0, micro_batch=7
+            ),
             token_ids=tensor_to_proto(windows(0, 0, 0).to(torch.uint8)),
             basis_version=1,
             basis_prior=tensor_to_proto(torch.zeros(rows, MODEL.hidden_size, dtype=torch.float16)),
@@ -180,7 +201,13 @@ def test_a_peer_that_never_reads_is_excluded_and_its_queue_dropped() -> None:
         return iter(())
 
     server = grpc.server(futures.ThreadPoolExecutor(4))
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(gt.SERVICE, {"Forward": grpc.stream_stream_rpc_method_handler(never_reads)}),))
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                gt.SERVICE, {"Forward": grpc.stream_stream_rpc_method_handler(never_reads)}
+            ),
+        )
+    )
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     t = gt.GrpcTransport(run_id="run-a")
@@ -199,7 +226,9 @@ def test_a_peer_that_never_reads_is_excluded_and_its_queue_dropped() -> None:
             t.send("me", "slow", "forward", b"x")
         assert t._outgoing[("slow", "forward")].empty() and t.send_error_count >= 1
         [said] = t.excluding()  # what the heartbeat reports, and the status shows
-        assert said.startswith("slow: its forward stream took 64 messages without acknowledging them") and said.endswith(" s left)")
+        assert said.startswith(
+            "slow: its forward stream took 64 messages without acknowledging them"
+        ) and said.endswith(" s left)")
     finally:
         block.set()
         t.close()
@@ -260,7 +289,9 @@ def test_a_message_whose_address_never_comes_is_a_send_error() -> None:
     try:
         for _ in range(3):
             t.send("me", "ghost", "forward", b"x")
-        with pytest.raises(AnchormeshError, match=r"no address known for ghost, and 3 messages already wait for theirs \(at most 3"):
+        with pytest.raises(
+            AnchormeshError, match=r"no address known for ghost, and 3 messages already wait for theirs \(at most 3"
+        ):
             t.send("me", "ghost", "forward", b"x")  # bounded: a forged sender costs three slots, no more
         now[0] = 9.0
         t.flush_parked()
@@ -268,7 +299,9 @@ def test_a_message_whose_address_never_comes_is_a_send_error() -> None:
         now[0] = 10.5
         t.flush_parked()
         assert len(t.parking) == 0 and t.parking.expired == 3
-        assert t.send_error_count == 1 and list(t.send_errors) == ["ghost: its address never became known"]  # the worker forgets what it sent
+        assert t.send_error_count == 1 and list(t.send_errors) == [
+            "ghost: its address never became known"
+        ]  # the worker forgets what it sent
     finally:
         t.close()
 

@@ -99,9 +99,24 @@ class Handler(BaseHTTPRequestHandler):
 def prepared(tmp_path_factory) -> PreparedData:
     tmp = tmp_path_factory.mktemp("prepared")
     rng = random.Random(1)
-    text = "\n\n".join(" ".join(rng.choice(["a", "swarm", "of", "peers", "trains", "one", "model", "from", "shards", "on", "the", "hub"]) for _ in range(rng.randint(20, 80))) for _ in range(300))
+    text = "\n\n".join(
+        " ".join(
+            rng.choice(["a", "swarm", "of", "peers", "trains", "one", "model", "from", "shards", "on", "the", "hub"])
+            for _ in range(rng.randint(20, 80))
+        )
+        for _ in range(300)
+    )
     (tmp / "corpus.txt").write_text(text)
-    prepare(str(tmp / "corpus.txt"), "bytes", tmp / "data", shard_tokens=4096, eval_fraction=0.1, confirm_fraction=0.1, min_heldout_tokens=200, show_progress=False)
+    prepare(
+        str(tmp / "corpus.txt"),
+        "bytes",
+        tmp / "data",
+        shard_tokens=4096,
+        eval_fraction=0.1,
+        confirm_fraction=0.1,
+        min_heldout_tokens=200,
+        show_progress=False,
+    )
     return PreparedData(tmp / "data")
 
 
@@ -111,7 +126,9 @@ def hub(prepared: PreparedData, monkeypatch):
 
     server = FakeHub({p.name: p.read_bytes() for p in prepared.folder.iterdir() if p.is_file()})
     monkeypatch.setattr(constants, "ENDPOINT", server.url)  # what HF_ENDPOINT sets when the library is imported
-    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", server.url + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(
+        constants, "HUGGINGFACE_CO_URL_TEMPLATE", server.url + "/{repo_id}/resolve/{revision}/{filename}"
+    )
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
@@ -132,17 +149,27 @@ def test_the_run_toml_names_a_dataset_repo_and_a_bad_name_is_refused() -> None:
     assert parse_hub("hf://my-org/run-data") == HubRef("my-org/run-data", "main")
     assert parse_hub("hf://my-org/run-data@v1.0") == HubRef("my-org/run-data", "v1.0")
     assert DataConfig(prepared="hf://my-org/run-data@" + COMMIT).prepared.endswith(COMMIT)
-    for bad in ("hf://run-data", "hf://my-org/run-data/extra", "hf://../etc@main", "hf://my-org/run-data@", "hf://my-org/run data"):
+    for bad in (
+        "hf://run-data",
+        "hf://my-org/run-data/extra",
+        "hf://../etc@main",
+        "hf://my-org/run-data@",
+        "hf://my-org/run data",
+    ):
         with pytest.raises(ConfigError, match="hf://OWNER/NAME|REVISION"):
             DataConfig(prepared=bad)
     with pytest.raises(ConfigError, match="leave data.path"):
         DataConfig(prepared="hf://my-org/run-data", path="corpus.txt")
-    assert resolve_run({"data": {"prepared": f"hf://{REPO}@v1"}}).config.data.prepared == f"hf://{REPO}@v1"  # as run.toml says it
+    assert (
+        resolve_run({"data": {"prepared": f"hf://{REPO}@v1"}}).config.data.prepared == f"hf://{REPO}@v1"
+    )  # as run.toml says it
     with pytest.raises(ConfigError, match="data.prepared"):
         resolve_run({}, [f"data.prepared=hf://{REPO}@bad revision"])
 
 
-def test_the_bootstrap_pins_the_commit_reads_only_the_manifest_and_keeps_the_pin(prepared: PreparedData, hub: FakeHub, tmp_path: Path) -> None:
+def test_the_bootstrap_pins_the_commit_reads_only_the_manifest_and_keeps_the_pin(
+    prepared: PreparedData, hub: FakeHub, tmp_path: Path
+) -> None:
     cfg = _config(f"hf://{REPO}")
     data = open_run_data(cfg, tmp_path / "boot")
     assert isinstance(data, HubData) and data.ref == HubRef(REPO, COMMIT) and data.manifest == prepared.manifest
@@ -170,23 +197,38 @@ def test_the_bootstrap_refuses_a_missing_repo_revision_or_another_tokenizer(hub:
         open_run_data(cfg, tmp_path / "c")
 
 
-def test_a_peer_downloads_its_shards_at_the_pinned_commit_and_keeps_a_bounded_number(prepared: PreparedData, hub: FakeHub, tmp_path: Path) -> None:
-    store = ShardStore(prepared.manifest, tmp_path / "cache", HubSource(HubRef(REPO, COMMIT), tmp_path / "cache"), keep=2)
+def test_a_peer_downloads_its_shards_at_the_pinned_commit_and_keeps_a_bounded_number(
+    prepared: PreparedData, hub: FakeHub, tmp_path: Path
+) -> None:
+    store = ShardStore(
+        prepared.manifest, tmp_path / "cache", HubSource(HubRef(REPO, COMMIT), tmp_path / "cache"), keep=2
+    )
     shards = prepared.manifest.splits["train"].shards
     assert len(shards) >= 4
     hub.branches["main"] = NEWER  # moving the branch changes nothing: peers ask for the commit
     for s in shards[:4]:
         assert np.array_equal(store.tokens(s), prepared.tokens(s))
-    assert {r for _, r, _ in hub.requests} == {COMMIT} and {f for _, _, f in hub.requests} == {s.name for s in shards[:4]}
-    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted(s.name for s in shards[2:4])  # nothing else left behind
+    assert {r for _, r, _ in hub.requests} == {COMMIT} and {f for _, _, f in hub.requests} == {
+        s.name for s in shards[:4]
+    }
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted(
+        s.name for s in shards[2:4]
+    )  # nothing else left behind
     assert store.downloaded == sum(s.tokens for s in shards[:4]) * 2
 
 
 @pytest.mark.parametrize(
     "damage, why",
-    [("flip", "content differs"), ("cut", "says 8190 bytes, the manifest says 8192"), ("extra", "says 8194 bytes"), ("gone", "cannot give it")],
+    [
+        ("flip", "content differs"),
+        ("cut", "says 8190 bytes, the manifest says 8192"),
+        ("extra", "says 8194 bytes"),
+        ("gone", "cannot give it"),
+    ],
 )
-def test_a_bad_shard_on_the_hub_is_refused_and_leaves_nothing(prepared: PreparedData, hub: FakeHub, tmp_path: Path, damage: str, why: str) -> None:
+def test_a_bad_shard_on_the_hub_is_refused_and_leaves_nothing(
+    prepared: PreparedData, hub: FakeHub, tmp_path: Path, damage: str, why: str
+) -> None:
     shard = prepared.manifest.splits["train"].shards[0]
     assert shard.tokens == 4096
     files, data = hub.commits[COMMIT], hub.commits[COMMIT][shard.name]
@@ -206,12 +248,16 @@ def test_a_bad_shard_on_the_hub_is_refused_and_leaves_nothing(prepared: Prepared
         assert ("GET", COMMIT, shard.name) not in hub.requests
 
 
-def test_a_peer_given_hub_data_gives_back_the_work_of_a_bad_shard_and_trains_the_rest(prepared: PreparedData, hub: FakeHub, tmp_path: Path) -> None:
+def test_a_peer_given_hub_data_gives_back_the_work_of_a_bad_shard_and_trains_the_rest(
+    prepared: PreparedData, hub: FakeHub, tmp_path: Path
+) -> None:
     cfg = _config(f"hf://{REPO}")
     broken = prepared.manifest.splits["train"].shards[0].name
     hub.commits[COMMIT][broken] = b"\x00" * len(hub.commits[COMMIT][broken])  # the right size, the wrong bytes
     windows = prepared.windows(SEQ).count
-    a = pb.Assignment(data_manifest=prepared.manifest.to_json().decode(), data_windows=windows, data_hub=f"{REPO}@{COMMIT}")
+    a = pb.Assignment(
+        data_manifest=prepared.manifest.to_json().decode(), data_windows=windows, data_hub=f"{REPO}@{COMMIT}"
+    )
     feed = open_feed(a, cfg, None, tmp_path / "state", None, vocab_size=256)
     assert isinstance(feed.store.source, HubSource)
     feed.ready_target = 8
@@ -238,13 +284,21 @@ def test_a_peer_given_hub_data_gives_back_the_work_of_a_bad_shard_and_trains_the
 
 
 def test_a_peer_takes_hub_data_only_at_a_commit(prepared: PreparedData, tmp_path: Path) -> None:
-    a = pb.Assignment(data_manifest=prepared.manifest.to_json().decode(), data_windows=prepared.windows(SEQ).count, data_hub=f"{REPO}@main")
+    a = pb.Assignment(
+        data_manifest=prepared.manifest.to_json().decode(),
+        data_windows=prepared.windows(SEQ).count,
+        data_hub=f"{REPO}@main",
+    )
     with pytest.raises(ConfigError, match="must name a commit"):
         open_feed(a, _config(""), None, tmp_path / "state", None, vocab_size=256)
-    assert isinstance(ShardStore(prepared.manifest, tmp_path / "c", HubSource(HubRef(REPO, COMMIT), tmp_path / "c")).source, HubSource)
+    assert isinstance(
+        ShardStore(prepared.manifest, tmp_path / "c", HubSource(HubRef(REPO, COMMIT), tmp_path / "c")).source, HubSource
+    )
 
 
-def test_an_unreachable_hub_is_tried_again_later_not_refused(prepared: PreparedData, hub: FakeHub, tmp_path: Path) -> None:
+def test_an_unreachable_hub_is_tried_again_later_not_refused(
+    prepared: PreparedData, hub: FakeHub, tmp_path: Path
+) -> None:
     """A network failure is no verdict on the shard: OSError (the prefetch retries), not ShardError (work given back)."""
     from huggingface_hub import constants
 

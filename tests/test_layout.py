@@ -34,7 +34,11 @@ def _imports(name: str, path: Path) -> set[str]:
     package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
-            base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else [])) if node.level else node.module or ""
+            base = (
+                ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
+                if node.level
+                else node.module or ""
+            )
             candidates = [base] + [f"{base}.{a.name}" for a in node.names]
         elif isinstance(node, ast.Import):
             candidates = [a.name for a in node.names]
@@ -60,7 +64,11 @@ def test_the_graph_is_read() -> None:
 def test_the_product_never_imports_the_benchmarks() -> None:
     """Benchmarks sit outside the product's import graph: only the console entry point reaches
     them (to parse and run `anchormesh bench`)."""
-    offenders = {m: sorted(d for d in deps if _inside(d, "peer.bench")) for m, deps in GRAPH.items() if not _inside(m, "peer.bench") and m != "peer.cli"}
+    offenders = {
+        m: sorted(d for d in deps if _inside(d, "peer.bench"))
+        for m, deps in GRAPH.items()
+        if not _inside(m, "peer.bench") and m != "peer.cli"
+    }
     assert not {m: d for m, d in offenders.items() if d}
 
 
@@ -70,12 +78,19 @@ def test_the_client_side_is_a_leaf() -> None:
     /metrics endpoint serves the same JSON view as `anchormesh status --json` (client/view.py)."""
     allowed_users = ("peer.cli", "peer.demo", "peer.bench", "peer.client")
     offenders = {
-        m: sorted(d for d in deps if _inside(d, "peer.client") and not (m == "bootstrap.node" and d == "peer.client.view"))
-        for m, deps in GRAPH.items() if not any(_inside(m, a) for a in allowed_users)
+        m: sorted(
+            d for d in deps if _inside(d, "peer.client") and not (m == "bootstrap.node" and d == "peer.client.view")
+        )
+        for m, deps in GRAPH.items()
+        if not any(_inside(m, a) for a in allowed_users)
     }
     assert not {m: d for m, d in offenders.items() if d}
     leaves = {d for m in GRAPH if _inside(m, "peer.client") for d in GRAPH[m]}
-    assert not {d for d in leaves if any(_inside(d, p) for p in ("peer.daemon", "bootstrap", "peer.pipeline", "peer.dp", "peer.optim"))}
+    assert not {
+        d
+        for d in leaves
+        if any(_inside(d, p) for p in ("peer.daemon", "bootstrap", "peer.pipeline", "peer.dp", "peer.optim"))
+    }
 
 
 def test_no_import_cycles() -> None:
@@ -114,10 +129,14 @@ def test_no_import_cycles() -> None:
     assert not cycles
 
 
-@pytest.mark.parametrize("name", sorted(n for n, p in MODULES.items() if not str(p.relative_to(ROOT).with_suffix("")).startswith(GENERATED)))
+@pytest.mark.parametrize(
+    "name", sorted(n for n, p in MODULES.items() if not str(p.relative_to(ROOT).with_suffix("")).startswith(GENERATED))
+)
 def test_modules_stay_small(name: str) -> None:
     """~400 lines at most; a longer module is one idea and its docstring says so, with why."""
     path = MODULES[name]
     lines = len(path.read_text().splitlines())
     doc = ast.get_docstring(ast.parse(path.read_text())) or ""
-    assert lines <= 400 or "Longer than 400 lines" in doc, f"{path.relative_to(ROOT)}: {lines} lines and no 'Longer than 400 lines: why' in its docstring"
+    assert lines <= 400 or "Longer than 400 lines" in doc, (
+        f"{path.relative_to(ROOT)}: {lines} lines and no 'Longer than 400 lines: why' in its docstring"
+    )

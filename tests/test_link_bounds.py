@@ -27,7 +27,12 @@ SHAPE = (PIPE.micro_batch_size, PIPE.seq_len, MODEL.hidden_size)
 
 
 def windows(step: int, replica: int, j: int) -> torch.Tensor:
-    return torch.randint(0, 256, (PIPE.micro_batch_size, PIPE.seq_len + 1), generator=torch.Generator().manual_seed(100 * step + 10 * replica + j))
+    return torch.randint(
+        0,
+        256,
+        (PIPE.micro_batch_size, PIPE.seq_len + 1),
+        generator=torch.Generator().manual_seed(100 * step + 10 * replica + j),
+    )
 
 
 def runner(mask: MaskConfig, transport=None) -> LocalPipelineRunner:
@@ -37,12 +42,16 @@ def runner(mask: MaskConfig, transport=None) -> LocalPipelineRunner:
 
 def dense(value: float) -> pb.TensorPayload:
     """The transform link's warm-up format (dense bf16), every value `value`."""
-    return pb.TensorPayload(dtype=pb.BFLOAT16, shape=list(SHAPE), payload=to_le_bytes(torch.full(SHAPE, value, dtype=torch.bfloat16)))
+    return pb.TensorPayload(
+        dtype=pb.BFLOAT16, shape=list(SHAPE), payload=to_le_bytes(torch.full(SHAPE, value, dtype=torch.bfloat16))
+    )
 
 
 def send(target: str, method: str, msg) -> grpc.RpcError | None:
     with grpc.insecure_channel(target) as ch:
-        call = ch.stream_stream(f"/{SERVICE}/{method}", request_serializer=None, response_deserializer=pb.Ack.FromString)
+        call = ch.stream_stream(
+            f"/{SERVICE}/{method}", request_serializer=None, response_deserializer=pb.Ack.FromString
+        )
         try:
             list(call(iter([msg.SerializeToString()]), timeout=10))
         except grpc.RpcError as exc:
@@ -59,19 +68,33 @@ def test_huge_activations_and_gradients_are_refused_over_grpc_and_training_goes_
         window = tensor_to_proto(windows(0, 0, 0).to(torch.uint8))
 
         def activation(sender: str, value: float) -> pb.ActivationChunk:
-            return pb.ActivationChunk(header=pb.MicroBatchHeader(run_id="run-a", micro_batch_id=7, step=50, sender=sender, boundary=0), hidden=dense(value), token_ids=window)
+            return pb.ActivationChunk(
+                header=pb.MicroBatchHeader(run_id="run-a", micro_batch_id=7, step=50, sender=sender, boundary=0),
+                hidden=dense(value),
+                token_ids=window,
+            )
 
-        stage0.inflight[(99, 5)] = InFlight(99, None, torch.zeros(SHAPE), None, windows(0, 0, 0))  # a micro-batch waiting for its gradient
+        stage0.inflight[(99, 5)] = InFlight(
+            99, None, torch.zeros(SHAPE), None, windows(0, 0, 0)
+        )  # a micro-batch waiting for its gradient
 
         def gradient(sender: str, value: float) -> pb.GradientChunk:
-            return pb.GradientChunk(header=pb.MicroBatchHeader(run_id="run-a", micro_batch_id=5, step=99, sender=sender, boundary=0), grad=dense(value))
+            return pb.GradientChunk(
+                header=pb.MicroBatchHeader(run_id="run-a", micro_batch_id=5, step=99, sender=sender, boundary=0),
+                grad=dense(value),
+            )
 
         cases = {  # (target, method, message, words of the reason)
             "a 3e38 activation": ((1, 0), "Forward", activation("mallory", 3e38), "exceeds the cap"),
             "a loud activation": ((1, 0), "Forward", activation("mallory", 1e4), "times the running RMS"),
             "dense after a coder": ((1, 0), "Forward", activation(stage0.name, 0.5), "must be coded"),
             "a 3e38 gradient": ((0, 0), "Backward", gradient("mallory", 3e38), "exceeds the cap"),
-            "a loud gradient": ((0, 0), "Backward", gradient("mallory", 10.0), "times the running RMS"),  # honest ones here: RMS ~0.02
+            "a loud gradient": (
+                (0, 0),
+                "Backward",
+                gradient("mallory", 10.0),
+                "times the running RMS",
+            ),  # honest ones here: RMS ~0.02
         }
         for name, (dst, method, msg, words) in cases.items():
             err = send(transport.endpoints[dst], method, msg)
@@ -96,7 +119,7 @@ def test_a_new_sender_is_held_to_its_link_and_the_bound_follows_slow_drift() -> 
     with pytest.raises(WireError, match="this link's forward messages"):
         b.check("forward", "newcomer", 20.0, 60.0)  # no history of its own: the link's
     for i in range(200):  # an honest drift of 2 % a message is followed
-        b.check("forward", "alice", 1.02 ** i, 3.0)
+        b.check("forward", "alice", 1.02**i, 3.0)
     with pytest.raises(WireError, match="value of magnitude 2e\\+06"):
         b.check("forward", "alice", 1.0, 2e6)
     for _ in range(WARMUP):
@@ -137,7 +160,9 @@ def test_one_loud_micro_batch_retried_between_quiet_ones_is_taken_after_recover_
         b2.check("backward", "dave", 2.7e-2, 0.1)
 
 
-def test_a_non_finite_gradient_drops_the_step_names_the_senders_and_the_next_step_trains(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_non_finite_gradient_drops_the_step_names_the_senders_and_the_next_step_trains(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     r = runner(MaskConfig(scheme="mask", drop=0.9, adapt=False))
     try:
         r.run(1)
@@ -150,6 +175,7 @@ def test_a_non_finite_gradient_drops_the_step_names_the_senders_and_the_next_ste
             return out
 
         w.gradients = poisoned
+
         def weights() -> dict[str, torch.Tensor]:
             return {n: p.detach().clone() for n, p in w.stage.named_parameters()}
 
@@ -177,13 +203,19 @@ def test_pipeline_messages_come_only_from_the_peers_the_tracker_lists_for_the_ad
 
     now = [0.0]
     senders = AdjacentSenders(clock=lambda: now[0])
-    roster = {1: [pb.PeerInfo(peer_id="up", stage=1)], 2: [pb.PeerInfo(peer_id="me", stage=2)], 3: [pb.PeerInfo(peer_id="down", stage=3), pb.PeerInfo(peer_id="far", stage=3)]}
+    roster = {
+        1: [pb.PeerInfo(peer_id="up", stage=1)],
+        2: [pb.PeerInfo(peer_id="me", stage=2)],
+        3: [pb.PeerInfo(peer_id="down", stage=3), pb.PeerInfo(peer_id="far", stage=3)],
+    }
     senders.check("forward", "up", 2, roster)
     senders.check("backward", "down", 2, roster)
     senders.check("forward", "far", 2, roster)  # listed at stage 3, not 1: within its grace
     senders.check("anchor_forward", "new", 2, roster)  # not listed yet: within its grace
     now[0] = GRACE_S + 1
-    with pytest.raises(WireError, match="takes forward messages from the peers of stage 1, and the tracker lists it at stage 3"):
+    with pytest.raises(
+        WireError, match="takes forward messages from the peers of stage 1, and the tracker lists it at stage 3"
+    ):
         senders.check("forward", "far", 2, roster)
     with pytest.raises(WireError, match="does not list it"):
         senders.check("anchor_forward", "new", 2, roster)

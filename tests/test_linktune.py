@@ -87,7 +87,9 @@ def test_compute_clock_averages_seconds_per_micro_batch_over_steps() -> None:
     assert c.per_micro_batch == pytest.approx(0.2)
 
 
-@pytest.mark.parametrize("field,value", [("min_keep", 0.0), ("min_keep", 1.5), ("link_target", 0.0), ("link_target", 2.0)])
+@pytest.mark.parametrize(
+    "field,value", [("min_keep", 0.0), ("min_keep", 1.5), ("link_target", 0.0), ("link_target", 2.0)]
+)
 def test_bad_bounds_are_refused_naming_the_field(field: str, value: float) -> None:
     with pytest.raises(ConfigError, match=f"codec.{field}"):
         MaskConfig(scheme="lowrank", **{field: value})
@@ -108,8 +110,16 @@ def test_a_slow_link_sends_fewer_coefficients_and_the_pipeline_still_learns() ->
     """Three stages: the link into stage 1 is slow, the one into stage 2 fast. The sender into
     stage 1 drops to the floor, the other keeps the full rank, every gradient fits its forward,
     and the loss falls as with fixed ranks."""
-    cfg = TrainConfig(model=MODEL.__class__(**{**MODEL.__dict__, "num_stages": 3, "num_layers": 3}), pipeline=PIPE, steps=12, optim=OptimConfig(lr=3e-3), mask=MaskConfig(scheme="lowrank", rank=8, values="int8", basis_refresh=4, min_keep=0.25))
-    runner = LocalPipelineRunner(cfg, load_causal_lm(cfg.model, seed=3), windows, transport=SlowLinks({1: 1.0, 2: 1e12}))
+    cfg = TrainConfig(
+        model=MODEL.__class__(**{**MODEL.__dict__, "num_stages": 3, "num_layers": 3}),
+        pipeline=PIPE,
+        steps=12,
+        optim=OptimConfig(lr=3e-3),
+        mask=MaskConfig(scheme="lowrank", rank=8, values="int8", basis_refresh=4, min_keep=0.25),
+    )
+    runner = LocalPipelineRunner(
+        cfg, load_causal_lm(cfg.model, seed=3), windows, transport=SlowLinks({1: 1.0, 2: 1e12})
+    )
     losses = [r.loss for r in runner.run(12)]
     runner.close()
     s0, s1 = runner.workers[0][0], runner.workers[1][0]
@@ -128,7 +138,11 @@ def test_a_coefficient_count_outside_the_bounds_is_refused() -> None:
         with pytest.raises(WireError, match=r"k in \[4, 8\]"):
             w.link.coef_shape(pb.TensorPayload(shape=[*ids.shape, k]), ids)
     assert w.link.coef_shape(pb.TensorPayload(shape=[*ids.shape, 4]), ids) == (*ids.shape, 4)
-    fixed = LocalPipelineRunner(TrainConfig(model=MODEL, pipeline=PIPE, mask=MaskConfig(scheme="lowrank", rank=8, adapt=False)), load_causal_lm(MODEL, seed=3), windows)
+    fixed = LocalPipelineRunner(
+        TrainConfig(model=MODEL, pipeline=PIPE, mask=MaskConfig(scheme="lowrank", rank=8, adapt=False)),
+        load_causal_lm(MODEL, seed=3),
+        windows,
+    )
     with pytest.raises(WireError, match=r"k in \[8, 8\]"):  # not adapting: only the full rank
         fixed.workers[1][0].link.coef_shape(pb.TensorPayload(shape=[*ids.shape, 4]), ids)
     runner.close()
@@ -139,16 +153,25 @@ def test_the_mask_scheme_adapts_its_keep_fraction_per_link() -> None:
     """Mask scheme: the sender into the slow link masks with a higher drop on the 1/256 grid (down
     to min_keep of the configured keep), the fast link keeps the config's drop, the receiver
     rebuilds and masks the gradient back with the message's drop, and the loss falls."""
-    cfg = TrainConfig(model=MODEL.__class__(**{**MODEL.__dict__, "num_stages": 3, "num_layers": 3}), pipeline=PIPE, steps=12, optim=OptimConfig(lr=3e-3),
-                      mask=MaskConfig(scheme="mask", drop=0.5, fill="prior_rescale", min_keep=0.25))
-    runner = LocalPipelineRunner(cfg, load_causal_lm(cfg.model, seed=3), windows, transport=SlowLinks({1: 1.0, 2: 1e12}))
+    cfg = TrainConfig(
+        model=MODEL.__class__(**{**MODEL.__dict__, "num_stages": 3, "num_layers": 3}),
+        pipeline=PIPE,
+        steps=12,
+        optim=OptimConfig(lr=3e-3),
+        mask=MaskConfig(scheme="mask", drop=0.5, fill="prior_rescale", min_keep=0.25),
+    )
+    runner = LocalPipelineRunner(
+        cfg, load_causal_lm(cfg.model, seed=3), windows, transport=SlowLinks({1: 1.0, 2: 1e12})
+    )
     losses = [r.loss for r in runner.run(12)]
     runner.close()
     s0, s1 = runner.workers[0][0], runner.workers[1][0]
     assert s0.keep_sent == {(1, 0): 0.25}  # 0.25 of keep 0.5: drop 1 - 32/256
     assert list(s0.link.codecs) == [1 - 32 / 256]
     assert s1.keep_sent == {(2, 0): 1.0}
-    assert list(s1.link.codecs) == [1 - 32 / 256]  # the codec it received with (and masks the gradient back with), none to send
+    assert list(s1.link.codecs) == [
+        1 - 32 / 256
+    ]  # the codec it received with (and masks the gradient back with), none to send
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3, losses
 
 
@@ -171,11 +194,15 @@ def test_a_drop_off_the_grid_or_below_the_floor_is_refused() -> None:
 def test_the_mixed_bench_slows_the_second_peer_of_each_stage() -> None:
     from peer.bench.mixed import slow_hosts
 
-    status = {"peers": [
-        {"id": "bed-peer3", "stage": 0, "state": "active"}, {"id": "bed-peer1", "stage": 0, "state": "active"},
-        {"id": "bed-peer2", "stage": 1, "state": "idle"}, {"id": "bed-peer4", "stage": 1, "state": "active"},
-        {"id": "bed-peer5", "stage": 1, "state": "dead"},
-    ]}
+    status = {
+        "peers": [
+            {"id": "bed-peer3", "stage": 0, "state": "active"},
+            {"id": "bed-peer1", "stage": 0, "state": "active"},
+            {"id": "bed-peer2", "stage": 1, "state": "idle"},
+            {"id": "bed-peer4", "stage": 1, "state": "active"},
+            {"id": "bed-peer5", "stage": 1, "state": "dead"},
+        ]
+    }
     assert slow_hosts(status) == [3, 4]
 
 
@@ -185,11 +212,21 @@ def test_the_mixed_bench_runs_the_swarm_s_codec_or_the_low_rank_one_fixed_or_ada
 
     fixed, adaptive = (mixed_config(mode, 2, 70, 5)["mask"] for mode in ("fixed", "adaptive"))
     assert fixed["scheme"] == "transform" and not fixed["adapt"] and fixed["min_keep"] == 0.125
-    assert MaskConfig(**fixed).grad_bits == MaskConfig().grad_bits == 1.0  # the recommended run's codec, not the tiny model's profile
+    assert (
+        MaskConfig(**fixed).grad_bits == MaskConfig().grad_bits == 1.0
+    )  # the recommended run's codec, not the tiny model's profile
     links = TransformLinks(MaskConfig(**adaptive), 128, True, True)
-    assert links.min_row_bits("forward") == 32 and links.min_row_bits("backward") is None  # 2 bits down to a quarter bit per value; 1-bit gradients stay
+    assert (
+        links.min_row_bits("forward") == 32 and links.min_row_bits("backward") is None
+    )  # 2 bits down to a quarter bit per value; 1-bit gradients stay
     assert TransformLinks(MaskConfig(**fixed), 128, True, True).min_row_bits("forward") is None
-    assert mixed_config("adaptive", 2, 70, 5, codec="lowrank")["mask"] == {"scheme": "lowrank", "rank": 64, "values": "int8", "adapt": True, "min_keep": 0.125}
+    assert mixed_config("adaptive", 2, 70, 5, codec="lowrank")["mask"] == {
+        "scheme": "lowrank",
+        "rank": 64,
+        "values": "int8",
+        "adapt": True,
+        "min_keep": 0.125,
+    }
     with pytest.raises(ConfigError, match="--codec"):
         mixed_config("fixed", 2, 70, 5, codec="mask")
     low = TransformLinks(MaskConfig(**mixed_config("adaptive", 2, 70, 5, grad_min_bits=0.125)["mask"]), 128, True, True)

@@ -21,7 +21,9 @@ STAGES = 3
 LAYERS = 5
 
 
-def _saved(tmp_path: Path, family: str, *, tied: bool = False, shard: str = "60KB") -> tuple[ModelConfig, torch.nn.Module]:
+def _saved(
+    tmp_path: Path, family: str, *, tied: bool = False, shard: str = "60KB"
+) -> tuple[ModelConfig, torch.nn.Module]:
     """A tiny model saved as several safetensors shards; the ModelConfig points at the folder."""
     tiny = ModelConfig(name=f"tiny-{family}", hidden_size=32, num_layers=LAYERS, num_heads=4, max_seq_len=64)
     model = load_causal_lm(tiny, seed=3)

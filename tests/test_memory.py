@@ -11,7 +11,17 @@ import pytest
 import torch
 
 from peer.config import AnchorConfig, MaskConfig, ModelConfig, PipelineConfig, TrainConfig
-from peer.daemon.memory import GIB, MemoryPlan, anchor_snapshot_slots, check_fits, free_bytes, plan_stage, plan_stages, plan_table, saved_activation_bytes
+from peer.daemon.memory import (
+    GIB,
+    MemoryPlan,
+    anchor_snapshot_slots,
+    check_fits,
+    free_bytes,
+    plan_stage,
+    plan_stages,
+    plan_table,
+    saved_activation_bytes,
+)
 from peer.errors import ConfigError
 from peer.model.loading import load_stage, meta_stage
 from peer.model.placement import Placement
@@ -23,7 +33,13 @@ CKPT = Placement(checkpointing=True)
 
 def _cfg(name: str = "tiny-llama", stages: int = 2, layers: int = 6, **pipe) -> TrainConfig:
     model = ModelConfig(name=name, num_stages=stages, hidden_size=64, num_layers=layers, num_heads=4, max_seq_len=4096)
-    return TrainConfig(model=model, mask=MaskConfig(scheme="mask"), pipeline=PipelineConfig(**{"micro_batch_size": 2, "seq_len": 32, "micro_batches": 1, "max_staleness": 0} | pipe))
+    return TrainConfig(
+        model=model,
+        mask=MaskConfig(scheme="mask"),
+        pipeline=PipelineConfig(
+            **{"micro_batch_size": 2, "seq_len": 32, "micro_batches": 1, "max_staleness": 0} | pipe
+        ),
+    )
 
 
 def _nbytes(tensors) -> int:
@@ -129,14 +145,20 @@ def test_an_in_memory_replica_of_the_next_stage_is_counted_on_the_host() -> None
 def _config_dir(tmp_path: Path, **kw) -> str:
     from transformers import LlamaConfig
 
-    LlamaConfig(num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, **kw).save_pretrained(tmp_path)
+    LlamaConfig(
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, **kw
+    ).save_pretrained(tmp_path)
     return str(tmp_path)
 
 
 def test_8b_plan_on_meta_is_fast_and_allocates_nothing(tmp_path: Path) -> None:
     H, I, L, V, KV = 4096, 14336, 32, 128256, 1024
     name = _config_dir(tmp_path, hidden_size=H, num_hidden_layers=L, intermediate_size=I)
-    cfg = TrainConfig(model=ModelConfig(name=name, num_stages=4, max_seq_len=4096), mask=MaskConfig(scheme="mask"), pipeline=PipelineConfig(micro_batch_size=1, seq_len=2048, max_staleness=0))
+    cfg = TrainConfig(
+        model=ModelConfig(name=name, num_stages=4, max_seq_len=4096),
+        mask=MaskConfig(scheme="mask"),
+        pipeline=PipelineConfig(micro_batch_size=1, seq_len=2048, max_staleness=0),
+    )
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     t0 = time.monotonic()
     plans = [plan_stage(cfg, BF16, i) for i in range(4)]
@@ -167,10 +189,24 @@ def test_check_fits_refuses_with_both_figures_and_the_fix() -> None:
 
 
 def test_weights_dominated_plan_suggests_more_stages() -> None:
-    plan = MemoryPlan(stage=0, layers=4, device="cuda:0", weights=8 * GIB, grads=8 * GIB, optimizer=16 * GIB, activations=GIB, activations_checkpointed=GIB // 4, num_stages=2)
+    plan = MemoryPlan(
+        stage=0,
+        layers=4,
+        device="cuda:0",
+        weights=8 * GIB,
+        grads=8 * GIB,
+        optimizer=16 * GIB,
+        activations=GIB,
+        activations_checkpointed=GIB // 4,
+        num_stages=2,
+    )
     with pytest.raises(ConfigError, match="more stages") as err:
         check_fits(plan, 20 * GIB)
-    assert err.value.field == "model.num_stages" and "33.00 GiB on cuda:0" in str(err.value) and "20.00 GiB are free" in str(err.value)
+    assert (
+        err.value.field == "model.num_stages"
+        and "33.00 GiB on cuda:0" in str(err.value)
+        and "20.00 GiB are free" in str(err.value)
+    )
 
 
 def test_anchor_snapshot_slots() -> None:
@@ -187,7 +223,11 @@ def test_free_bytes_on_the_host() -> None:
 def test_plan_table_for_a_llama_1b_shape(tmp_path: Path) -> None:
     H, V = 2048, 128256
     name = _config_dir(tmp_path, hidden_size=H, num_hidden_layers=16, intermediate_size=8192, tie_word_embeddings=True)
-    cfg = TrainConfig(model=ModelConfig(name=name, num_stages=2, max_seq_len=4096), mask=MaskConfig(scheme="mask"), pipeline=PipelineConfig(micro_batch_size=1, seq_len=1024, max_staleness=0))
+    cfg = TrainConfig(
+        model=ModelConfig(name=name, num_stages=2, max_seq_len=4096),
+        mask=MaskConfig(scheme="mask"),
+        pipeline=PipelineConfig(micro_batch_size=1, seq_len=1024, max_staleness=0),
+    )
     rows = plan_table(cfg, BF16, dp_group=True)
     assert [r["stage"] for r in rows] == [0, 1] and [r["layers"] for r in rows] == [8, 8]
     full = 16 * (2 * H * H + 2 * H * 512 + 3 * H * 8192 + 2 * H) + V * H + H
@@ -203,7 +243,13 @@ def test_a_swarm_stage_that_stashes_plans_two_copies_of_its_forward_weights() ->
     version's, and the last update: 1 + 2 + 1 copies at max_staleness 1 (FP32: all 4 bytes)."""
     model = ModelConfig(name="tiny-llama", num_stages=3, hidden_size=32, num_layers=3, num_heads=2, max_seq_len=16)
     for staleness, fix, copies in ((0, "lookahead", [0, 2, 0]), (1, "none", [2, 2, 0]), (1, "lookahead", [4, 4, 0])):
-        cfg = TrainConfig(model=model, mask=MaskConfig(scheme="mask"), pipeline=PipelineConfig(micro_batch_size=2, micro_batches=2, seq_len=8, max_staleness=staleness, staleness_correction=fix))
+        cfg = TrainConfig(
+            model=model,
+            mask=MaskConfig(scheme="mask"),
+            pipeline=PipelineConfig(
+                micro_batch_size=2, micro_batches=2, seq_len=8, max_staleness=staleness, staleness_correction=fix
+            ),
+        )
         plans = plan_stages(cfg, FP32, dp_group=True)
         assert [p.working_copy for p in plans] == [c * p.weights for c, p in zip(copies, plans)], (staleness, fix)
     assert all(p.working_copy == 0 for p in plan_stages(cfg, FP32))  # the local runner: no swarm stashes

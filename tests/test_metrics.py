@@ -100,26 +100,41 @@ def test_a_peer_serves_its_own_figures(tmp_path: Path) -> None:
     from peer.model.stages import split_model
     from peer.pipeline.worker import StageWorker
 
-    cfg = TrainConfig(model=ModelConfig(name="tiny-llama", num_stages=2, hidden_size=32, num_layers=2, num_heads=2, max_seq_len=16), mask=MaskConfig(scheme="mask"), pipeline=PipelineConfig(micro_batch_size=2, seq_len=8, max_staleness=0))
+    cfg = TrainConfig(
+        model=ModelConfig(name="tiny-llama", num_stages=2, hidden_size=32, num_layers=2, num_heads=2, max_seq_len=16),
+        mask=MaskConfig(scheme="mask"),
+        pipeline=PipelineConfig(micro_batch_size=2, seq_len=8, max_staleness=0),
+    )
     d = PeerDaemon("127.0.0.1:9", state_dir=tmp_path)
     server = serve_metrics(0, d.metrics, host="127.0.0.1", render=peer_exposition)
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
         code, ctype, body = _get(url)  # before it has a stage: no crash, its state
-        assert code == 200 and ctype == CONTENT_TYPE and f'anchormesh_peer_state{{peer="{d.peer_id}",stage="",state="joining"}} 1' in body
+        assert (
+            code == 200
+            and ctype == CONTENT_TYPE
+            and f'anchormesh_peer_state{{peer="{d.peer_id}",stage="",state="joining"}} 1' in body
+        )
         stage = split_model(load_causal_lm(cfg.model, seed=0), 2)[1]
         d.worker = StageWorker(stage, 0, cfg, d.transport, "run", peer_id=d.peer_id, local_steps=True)
         d.state, d.tokens, d.worker.version = "active", 4096, 12
         body = _get(url)[2]
         labels = f'peer="{d.peer_id}",stage="1"'
-        assert f"anchormesh_peer_step{{{labels}}} 12" in body and f"anchormesh_peer_tokens_total{{{labels}}} 4096" in body
-        assert "anchormesh_peer_loss" not in body and "anchormesh_peer_checkpoint_step" not in body  # no loss yet (NaN), no checkpoint
+        assert (
+            f"anchormesh_peer_step{{{labels}}} 12" in body and f"anchormesh_peer_tokens_total{{{labels}}} 4096" in body
+        )
+        assert (
+            "anchormesh_peer_loss" not in body and "anchormesh_peer_checkpoint_step" not in body
+        )  # no loss yet (NaN), no checkpoint
         d.loss, d.checkpointer.written = 2.5, 10
         from peer.store.checkpoint import ShardCheckpoints
 
         d.checkpoints = ShardCheckpoints(tmp_path, "run", 1)
         body = _get(url)[2]
-        assert f"anchormesh_peer_loss{{{labels}}} 2.5" in body and f"anchormesh_peer_checkpoint_step{{{labels}}} 10" in body
+        assert (
+            f"anchormesh_peer_loss{{{labels}}} 2.5" in body
+            and f"anchormesh_peer_checkpoint_step{{{labels}}} 10" in body
+        )
         assert not math.isnan(d.metrics()["loss"])
     finally:
         server.shutdown()

@@ -25,23 +25,46 @@ def _namespaces() -> str:
 def test_swarm_trains_across_shaped_namespaces(tmp_path: Path) -> None:
     bed = netbed.NetBed([50.0, 20.0, 20.0], subnet=7)
     with bed:
-        qdisc = subprocess.run(["ip", "netns", "exec", bed.hosts[1].ns, "tc", "qdisc", "show", "dev", "eth0"], capture_output=True, text=True).stdout
+        qdisc = subprocess.run(
+            ["ip", "netns", "exec", bed.hosts[1].ns, "tc", "qdisc", "show", "dev", "eth0"],
+            capture_output=True,
+            text=True,
+        ).stdout
         assert "tbf" in qdisc and "20Mbit" in qdisc, qdisc
         before = bed.counters()
         swarm = BedSwarm(bed, None, tmp_path)
         assert swarm.info["tracker"].startswith("198.18.7.1:")
-        s = swarm.wait_status(lambda s: s["step"] >= 3 and s["loss"] is not None and len([p for p in s["peers"] if p["state"] in ("active", "idle")]) == 2, 240, "2 live peers and 3 steps")
+        s = swarm.wait_status(
+            lambda s: (
+                s["step"] >= 3
+                and s["loss"] is not None
+                and len([p for p in s["peers"] if p["state"] in ("active", "idle")]) == 2
+            ),
+            240,
+            "2 live peers and 3 steps",
+        )
         assert math.isfinite(s["loss"])
         assert {p["address"].split(":")[0] for p in s["peers"]} == {"198.18.7.2", "198.18.7.3"}
         # off loopback by default: TLS with the CA the tracker vouches for, a private status, the key required
         info = swarm.info
         assert "BEGIN CERTIFICATE" in info["tls_ca"] and info["address"] == f"{info['tracker']}#{info['tracker_key']}"
         in_bed = ["ip", "netns", "exec", bed.hosts[0].ns, sys.executable, "-m", "peer.cli"]
-        res = subprocess.run([*in_bed, "status", "--tracker", info["address"], "--json"], capture_output=True, text=True, timeout=60)
-        assert res.returncode == 1 and "UNAUTHENTICATED" in res.stderr, res.stderr  # TLS came up with the fetched CA; the token is missing
-        res = subprocess.run([*in_bed, "status", "--tracker", info["tracker"], "--json"], capture_output=True, text=True, timeout=60)
+        res = subprocess.run(
+            [*in_bed, "status", "--tracker", info["address"], "--json"], capture_output=True, text=True, timeout=60
+        )
+        assert res.returncode == 1 and "UNAUTHENTICATED" in res.stderr, (
+            res.stderr
+        )  # TLS came up with the fetched CA; the token is missing
+        res = subprocess.run(
+            [*in_bed, "status", "--tracker", info["tracker"], "--json"], capture_output=True, text=True, timeout=60
+        )
         assert res.returncode == 1 and "--tls-ca" in res.stderr, res.stderr  # plaintext reaches nothing
-        res = subprocess.run([*in_bed, "peer", "--tracker", info["tracker"], "--token", info["token"], "--host", "198.18.7.1"], capture_output=True, text=True, timeout=120)
+        res = subprocess.run(
+            [*in_bed, "peer", "--tracker", info["tracker"], "--token", info["token"], "--host", "198.18.7.1"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert res.returncode == 2 and "HOST:PORT#KEY" in res.stderr, res.stderr
         after = bed.counters()
         # activations went from host 1 (stage 0) to host 2 (stage 1) and gradients back, over the shaped links
@@ -49,7 +72,9 @@ def test_swarm_trains_across_shaped_namespaces(tmp_path: Path) -> None:
         assert sent[1] > 50_000 and sent[2] > 50_000, sent
         pids = [p.pid for p in bed.procs]
     for pid in pids:
-        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower(), f"process {pid} left running"
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower(), (
+            f"process {pid} left running"
+        )
     assert bed.tag not in _namespaces()
 
 
@@ -58,10 +83,18 @@ def test_rate_and_cleanup_on_error() -> None:
     with pytest.raises(RuntimeError, match="boom"):
         with bed:
             bed.set_rate(0, 4.0)
-            out = subprocess.run(["ip", "netns", "exec", bed.hosts[0].ns, "tc", "qdisc", "show", "dev", "eth0"], capture_output=True, text=True).stdout
+            out = subprocess.run(
+                ["ip", "netns", "exec", bed.hosts[0].ns, "tc", "qdisc", "show", "dev", "eth0"],
+                capture_output=True,
+                text=True,
+            ).stdout
             assert "tbf" in out and "4Mbit" in out, out
             bed.set_rate(0, None)
-            out = subprocess.run(["ip", "netns", "exec", bed.hosts[0].ns, "tc", "qdisc", "show", "dev", "eth0"], capture_output=True, text=True).stdout
+            out = subprocess.run(
+                ["ip", "netns", "exec", bed.hosts[0].ns, "tc", "qdisc", "show", "dev", "eth0"],
+                capture_output=True,
+                text=True,
+            ).stdout
             assert "tbf" not in out, out
             raise RuntimeError("boom")
     assert bed.tag not in _namespaces()
@@ -74,7 +107,13 @@ def test_a_slow_link_is_measured_and_sends_fewer_coefficients(tmp_path: Path) ->
     from peer.bench.bedswarm import write_toml
 
     cfg = tmp_path / "run.toml"
-    write_toml({"mask": {"scheme": "lowrank", "rank": 64, "values": "int8", "min_keep": 0.125}, "pipeline": {"micro_batch_size": 8, "micro_batches": 2, "seq_len": 128}}, cfg)
+    write_toml(
+        {
+            "mask": {"scheme": "lowrank", "rank": 64, "values": "int8", "min_keep": 0.125},
+            "pipeline": {"micro_batch_size": 8, "micro_batches": 2, "seq_len": 128},
+        },
+        cfg,
+    )
     with netbed.NetBed([None, 0.5, 0.5], subnet=9) as bed:
         swarm = BedSwarm(bed, cfg, tmp_path / "swarm")
 
@@ -84,7 +123,9 @@ def test_a_slow_link_is_measured_and_sends_fewer_coefficients(tmp_path: Path) ->
 
         s = swarm.wait_status(adapted, 240, "the stage-0 peer to send fewer coefficients")
         first = next(p for p in s["peers"] if p["stage"] == 0 and p["state"] in ("active", "idle"))
-        assert 0.05 < first["link_mbit"] < 1.0, first  # the measured link is the shaped one (tbf's burst lets a little more through)
+        assert 0.05 < first["link_mbit"] < 1.0, (
+            first
+        )  # the measured link is the shaped one (tbf's burst lets a little more through)
         assert 0.125 <= first["pp_keep"] < 1.0, first
         assert math.isfinite(s["loss"])
     assert bed.tag not in _namespaces()

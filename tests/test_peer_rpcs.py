@@ -25,13 +25,21 @@ MODEL = ModelConfig(name="tiny-llama", num_stages=2, hidden_size=32, num_layers=
 
 def ping(target: str, run_id: str) -> pb.PingReply:
     with grpc.insecure_channel(target) as ch:
-        call = ch.unary_unary(f"/{SERVICE}/Ping", request_serializer=pb.PingRequest.SerializeToString, response_deserializer=pb.PingReply.FromString)
+        call = ch.unary_unary(
+            f"/{SERVICE}/Ping",
+            request_serializer=pb.PingRequest.SerializeToString,
+            response_deserializer=pb.PingReply.FromString,
+        )
         return call(pb.PingRequest(run_id=run_id, sender="test"), timeout=5)
 
 
 def get_shard(target: str, run_id: str = "", creds: auth.Credentials | None = None) -> list[pb.ShardChunk]:
     with auth.open_channel(target, creds) as ch:
-        call = ch.unary_stream(f"/{SERVICE}/GetShard", request_serializer=pb.ShardRequest.SerializeToString, response_deserializer=pb.ShardChunk.FromString)
+        call = ch.unary_stream(
+            f"/{SERVICE}/GetShard",
+            request_serializer=pb.ShardRequest.SerializeToString,
+            response_deserializer=pb.ShardChunk.FromString,
+        )
         return list(call(pb.ShardRequest(run_id=run_id, sender="test"), timeout=10))
 
 
@@ -83,9 +91,17 @@ def test_get_shard_sends_the_stage_weights_under_full_model_names(daemon: PeerDa
     stage = split_model(load_causal_lm(MODEL, seed=0), 2)[1]
     daemon.worker = SimpleNamespace(stage=stage, version=5)
     daemon.state = "active"
-    chunks = get_shard(target, "run-a", auth.Credentials(token="test-run-token-0123456789"))  # export holds the token only
+    chunks = get_shard(
+        target, "run-a", auth.Credentials(token="test-run-token-0123456789")
+    )  # export holds the token only
     shard = read_shard(chunks)
-    assert (shard.run_id, shard.peer_id, shard.stage, shard.num_stages, shard.step) == ("run-a", daemon.peer_id, 1, 2, 5)
+    assert (shard.run_id, shard.peer_id, shard.stage, shard.num_stages, shard.step) == (
+        "run-a",
+        daemon.peer_id,
+        1,
+        2,
+        5,
+    )
     want = {stage.hf_names[n]: p for n, p in stage.named_parameters()}
     assert set(shard.tensors) == set(want) and "lm_head.weight" in want and "model.layers.1.mlp.up_proj.weight" in want
     assert all(torch.equal(shard.tensors[k], want[k]) for k in want)
@@ -106,7 +122,9 @@ def test_get_shard_without_a_source_is_unimplemented() -> None:
 
 def test_a_broken_shard_stream_is_refused() -> None:
     stage = split_model(load_causal_lm(MODEL, seed=0), 2)[0]
-    chunks = list(shard_chunks(snapshot(stage), run_id="r", peer_id="p", stage=0, num_stages=2, step=1, chunk_bytes=4096))
+    chunks = list(
+        shard_chunks(snapshot(stage), run_id="r", peer_id="p", stage=0, num_stages=2, step=1, chunk_bytes=4096)
+    )
     assert len(chunks) > 2 and all(len(c.data) <= 4096 for c in chunks)
     assert set(read_shard(chunks).tensors) == {stage.hf_names[n] for n, _ in stage.named_parameters()}
     with pytest.raises(ShardError, match="expected offset"):
@@ -140,7 +158,9 @@ def test_a_flood_of_bad_pings_is_bounded_and_compressed_calls_are_refused() -> N
     logging.getLogger("peer.pipeline.grpc_transport").addHandler(handler)
     try:
         with grpc.insecure_channel(addr) as channel:
-            ping = channel.unary_unary("/anchormesh.v1.Stage/Ping", request_serializer=None, response_deserializer=pb.PingReply.FromString)
+            ping = channel.unary_unary(
+                "/anchormesh.v1.Stage/Ping", request_serializer=None, response_deserializer=pb.PingReply.FromString
+            )
             bad = pb.PingRequest(run_id="other-run").SerializeToString()
             for _ in range(2000):
                 with pytest.raises(grpc.RpcError) as exc:

@@ -8,7 +8,16 @@ import pytest
 import torch
 from test_runner import MODEL, PIPE, windows  # the same learnable stream as the fp32 runner tests
 
-from peer.config import AnchorConfig, ComputeConfig, DPConfig, MaskConfig, OptimConfig, PipelineConfig, SpectralConfig, TrainConfig
+from peer.config import (
+    AnchorConfig,
+    ComputeConfig,
+    DPConfig,
+    MaskConfig,
+    OptimConfig,
+    PipelineConfig,
+    SpectralConfig,
+    TrainConfig,
+)
 from peer.errors import ConfigError
 from peer.model.loading import load_causal_lm
 from peer.model.placement import CPU_FP32, Placement, parse_device, resolve_placement
@@ -28,7 +37,9 @@ def _run(cfg: TrainConfig, placement: Placement, steps: int):
 
 
 def test_bf16_with_fp32_masters_tracks_fp32_training() -> None:
-    cfg = TrainConfig(model=MODEL, pipeline=PIPE, optim=OptimConfig(lr=3e-3), mask=MaskConfig(scheme="mask", values="fp32"), steps=8)
+    cfg = TrainConfig(
+        model=MODEL, pipeline=PIPE, optim=OptimConfig(lr=3e-3), mask=MaskConfig(scheme="mask", values="fp32"), steps=8
+    )
     fp32, _ = _run(cfg, CPU_FP32, 8)
     bf16, runner = _run(cfg, BF16, 8)
     assert all(abs(a - b) < 0.05 * a for a, b in zip(fp32, bf16)), (fp32, bf16)
@@ -36,7 +47,10 @@ def test_bf16_with_fp32_masters_tracks_fp32_training() -> None:
     for w in (row[0] for row in runner.workers):
         # masters and AdamW state in fp32; the layers ran on one bf16 copy kept across steps
         assert all(p.dtype == torch.float32 for p in w.stage.parameters())
-        assert all(st["exp_avg"].dtype == torch.float32 and st["exp_avg_sq"].dtype == torch.float32 for st in w.optimizer.opt.state.values())
+        assert all(
+            st["exp_avg"].dtype == torch.float32 and st["exp_avg_sq"].dtype == torch.float32
+            for st in w.optimizer.opt.state.values()
+        )
         assert w.weights.work is not None and all(t.dtype == torch.bfloat16 for t in w.weights.work.values())
 
 
@@ -64,13 +78,42 @@ def test_working_copy_is_persistent_and_follows_the_masters() -> None:
         ("masked_prior", dict(mask=MaskConfig(scheme="mask", drop=0.9, fill="prior_rescale"))),
         ("lowrank_int8", dict(mask=MaskConfig(scheme="lowrank", rank=8, values="int8", basis_refresh=4))),
         ("transform", dict(mask=MaskConfig(scheme="transform", bits=2.0, grad_bits=1.0, basis_refresh=4))),
-        ("anchor_paper", dict(mask=MaskConfig(scheme="mask", drop=0.9), anchor=AnchorConfig(every=3), spectral=SpectralConfig(mode="paper"))),
-        ("stale_lookahead", dict(mask=MaskConfig(scheme="mask", drop=0.9), pipeline=PipelineConfig(micro_batch_size=4, micro_batches=2, seq_len=32, max_staleness=2))),
-        ("dp_diloco", dict(mask=MaskConfig(scheme="mask", drop=0.9), dp=DPConfig(replicas=2, scheme="diloco", inner_steps=4), pipeline=PipelineConfig(micro_batch_size=4, micro_batches=1, seq_len=32, max_staleness=0))),
+        (
+            "anchor_paper",
+            dict(
+                mask=MaskConfig(scheme="mask", drop=0.9),
+                anchor=AnchorConfig(every=3),
+                spectral=SpectralConfig(mode="paper"),
+            ),
+        ),
+        (
+            "stale_lookahead",
+            dict(
+                mask=MaskConfig(scheme="mask", drop=0.9),
+                pipeline=PipelineConfig(micro_batch_size=4, micro_batches=2, seq_len=32, max_staleness=2),
+            ),
+        ),
+        (
+            "dp_diloco",
+            dict(
+                mask=MaskConfig(scheme="mask", drop=0.9),
+                dp=DPConfig(replicas=2, scheme="diloco", inner_steps=4),
+                pipeline=PipelineConfig(micro_batch_size=4, micro_batches=1, seq_len=32, max_staleness=0),
+            ),
+        ),
     ],
 )
 def test_bf16_variants_train(name: str, kw: dict) -> None:
-    cfg = TrainConfig(**{"model": MODEL, "mask": MaskConfig(scheme="mask"), "optim": OptimConfig(lr=3e-3), "pipeline": PIPE, "steps": 12, **kw})
+    cfg = TrainConfig(
+        **{
+            "model": MODEL,
+            "mask": MaskConfig(scheme="mask"),
+            "optim": OptimConfig(lr=3e-3),
+            "pipeline": PIPE,
+            "steps": 12,
+            **kw,
+        }
+    )
     losses, _ = _run(cfg, BF16, 12)
     assert all(torch.isfinite(torch.tensor(losses)))
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3, f"{name}: loss did not fall: {losses}"
@@ -92,7 +135,11 @@ def test_activation_checkpointing_changes_no_gradient() -> None:
 
 def test_compute_config_keys_and_refusals() -> None:
     cfg = config_from_dict({"compute": {"dtype": "bf16", "activation_checkpointing": True, "memory_budget_gib": 20}})
-    assert (cfg.compute.dtype, cfg.compute.activation_checkpointing, cfg.compute.memory_budget_gib) == ("bf16", True, 20)
+    assert (cfg.compute.dtype, cfg.compute.activation_checkpointing, cfg.compute.memory_budget_gib) == (
+        "bf16",
+        True,
+        20,
+    )
     with pytest.raises(ConfigError, match="compute.dtype.*loss scaler"):
         ComputeConfig(dtype="fp16")
     with pytest.raises(ConfigError, match="compute.dtype"):
@@ -120,7 +167,9 @@ def test_placement_on_this_machine() -> None:
 def test_bf16_with_activation_checkpointing_trains_like_without() -> None:
     """Checkpointing recomputes each layer on the weights the forward saw: the bf16 working copy
     (functional_call), not the fp32 masters; both runs step identically."""
-    cfg = TrainConfig(model=MODEL, pipeline=PIPE, optim=OptimConfig(lr=3e-3), mask=MaskConfig(scheme="mask", values="fp32"), steps=4)
+    cfg = TrainConfig(
+        model=MODEL, pipeline=PIPE, optim=OptimConfig(lr=3e-3), mask=MaskConfig(scheme="mask", values="fp32"), steps=4
+    )
     plain, _ = _run(cfg, BF16, 4)
     ckpt, runner = _run(cfg, Placement(compute_dtype=torch.bfloat16, checkpointing=True), 4)
     assert all(w.stage.checkpointing for row in runner.workers for w in row)

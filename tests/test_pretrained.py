@@ -22,8 +22,10 @@ from peer.model import source
 from peer.model.source import KNOWN, known_gguf_path
 
 MODEL = "smollm2-135m"
-needs_model = pytest.mark.skipif(known_gguf_path(MODEL) is None, reason=f"{MODEL} is not installed: {KNOWN[MODEL].install}")
-TEXT = "def add(a, b):\n    \"\"\"Return the sum of a and b.\"\"\"\n    return a + b\n\n\nclass Stack:\n    def __init__(self):\n        self.items = []\n"
+needs_model = pytest.mark.skipif(
+    known_gguf_path(MODEL) is None, reason=f"{MODEL} is not installed: {KNOWN[MODEL].install}"
+)
+TEXT = 'def add(a, b):\n    """Return the sum of a and b."""\n    return a + b\n\n\nclass Stack:\n    def __init__(self):\n        self.items = []\n'
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +41,11 @@ def test_the_gguf_loads_as_a_plain_model_with_its_real_sizes(model) -> None:
 
     dims = resolve_dims(ModelConfig(name=MODEL, num_stages=3))
     assert (dims.num_layers, dims.hidden_size, dims.num_heads) == (30, 576, 9)
-    assert model.dtype == torch.float32 and not getattr(model, "is_quantized", False) and getattr(model, "hf_quantizer", None) is None
+    assert (
+        model.dtype == torch.float32
+        and not getattr(model, "is_quantized", False)
+        and getattr(model, "hf_quantizer", None) is None
+    )
     assert 134e6 < sum(p.numel() for p in model.parameters()) < 135e6
     assert TrainConfig(model=dims).data.tokenizer == "model"  # "auto": a pretrained model gets its own tokenizer
     assert TrainConfig().data.tokenizer == "bytes"
@@ -88,7 +94,10 @@ def test_export_of_a_gguf_run_saves_a_loadable_model_and_tokenizer(model, tmp_pa
 
     cfg = TrainConfig(model=ModelConfig(name=MODEL, num_stages=2, num_layers=30, hidden_size=576, num_heads=9))
     stages = split_model(model, 2)
-    shards = [Shard(run_id="run-gguf", peer_id=f"p{i}", stage=i, num_stages=2, step=0, tensors=snapshot(s)) for i, s in enumerate(stages)]
+    shards = [
+        Shard(run_id="run-gguf", peer_id=f"p{i}", stage=i, num_stages=2, step=0, tensors=snapshot(s))
+        for i, s in enumerate(stages)
+    ]
     out = tmp_path / "export"
     write_model(cfg, shards, out)
     reloaded = AutoModelForCausalLM.from_pretrained(out)
@@ -161,7 +170,12 @@ def test_a_swarm_trains_the_real_model_shows_it_in_status_and_exports_it(tmp_pat
     from peer.security.auth import read_token
 
     (tmp_path / "run.toml").write_text(RUN_TOML)
-    procs = [start_process(["bootstrap", "--config", str(tmp_path / "run.toml"), "--state-dir", str(tmp_path / "boot")], tmp_path / "boot.log")]
+    procs = [
+        start_process(
+            ["bootstrap", "--config", str(tmp_path / "run.toml"), "--state-dir", str(tmp_path / "boot")],
+            tmp_path / "boot.log",
+        )
+    ]
     try:
         tracker = wait_for_bootstrap(tmp_path / "boot", procs[0], tmp_path / "boot.log", timeout_s=90)["tracker"]
         token = f"@{tmp_path}/boot/bootstrap.json"
@@ -170,7 +184,9 @@ def test_a_swarm_trains_the_real_model_shows_it_in_status_and_exports_it(tmp_pat
         t0 = time.monotonic()
         s = _wait_trained(tracker, tmp_path, procs, timeout=300)
         print(f"both stages took 2 steps {time.monotonic() - t0:.0f}s after the peers started")
-        assert s["model"]["name"] == MODEL and s["model"]["num_layers"] == 30 and s["model"]["hidden_size"] == 576, s["model"]
+        assert s["model"]["name"] == MODEL and s["model"]["num_layers"] == 30 and s["model"]["hidden_size"] == 576, s[
+            "model"
+        ]
         out = tmp_path / "export"
         export(tracker, out, progress=False, token=read_token(token))
         model = AutoModelForCausalLM.from_pretrained(out)
@@ -178,7 +194,9 @@ def test_a_swarm_trains_the_real_model_shows_it_in_status_and_exports_it(tmp_pat
         ids = torch.tensor([tok(TEXT)["input_ids"]])
         with torch.no_grad():
             loss = float(model(ids, labels=ids).loss)
-        assert model.config.num_hidden_layers == 30 and loss < 3.5, loss  # still the pretrained model after a few steps at lr 1e-4
+        assert model.config.num_hidden_layers == 30 and loss < 3.5, (
+            loss
+        )  # still the pretrained model after a few steps at lr 1e-4
     finally:
         stop_processes(procs, grace_s=10)
 
@@ -187,8 +205,17 @@ def test_the_demo_refuses_a_model_it_cannot_load_before_starting_anything(tmp_pa
     import subprocess
     import sys
 
-    res = subprocess.run([sys.executable, "-m", "peer.cli", "demo", "--model", str(tmp_path / "nope.gguf"), "--seconds", "1"], capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert res.returncode == 2 and "no such GGUF file" in res.stderr and "bootstrap up" not in res.stdout, (res.stdout, res.stderr)
+    res = subprocess.run(
+        [sys.executable, "-m", "peer.cli", "demo", "--model", str(tmp_path / "nope.gguf"), "--seconds", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert res.returncode == 2 and "no such GGUF file" in res.stderr and "bootstrap up" not in res.stdout, (
+        res.stdout,
+        res.stderr,
+    )
 
 
 def _wait_trained(tracker: str, tmp: Path, procs: list, timeout: float) -> dict:
@@ -214,4 +241,6 @@ def _wait_trained(tracker: str, tmp: Path, procs: list, timeout: float) -> dict:
                 break
             time.sleep(1.0)
     logs = "\n".join(f"--- {f.name}\n{f.read_text()[-3000:]}" for f in sorted(tmp.glob("*.log")))
-    pytest.fail(f"the swarm did not train 2 steps on both stages: {s and [(p['stage'], p['state'], p['step']) for p in s['peers']]}\n{logs}")
+    pytest.fail(
+        f"the swarm did not train 2 steps on both stages: {s and [(p['stage'], p['state'], p['step']) for p in s['peers']]}\n{logs}"
+    )

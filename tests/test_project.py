@@ -58,9 +58,20 @@ def test_stage_parameter_counts_match_the_app_stages() -> None:
 
     for name in ("tiny-llama", "tiny-qwen2", "tiny-gpt2"):
         dims, _, _ = resolve_model(name, 2)
-        model = load_causal_lm(ModelConfig(name=name, num_stages=2, hidden_size=dims.hidden, num_layers=dims.layers, num_heads=dims.heads, max_seq_len=128))
+        model = load_causal_lm(
+            ModelConfig(
+                name=name,
+                num_stages=2,
+                hidden_size=dims.hidden,
+                num_layers=dims.layers,
+                num_heads=dims.heads,
+                max_seq_len=128,
+            )
+        )
         stages = split_model(model, 2)
-        assert [dims.stage_params(i, 2) for i in range(2)] == [sum(p.numel() for p in s.parameters()) for s in stages], name
+        assert [dims.stage_params(i, 2) for i in range(2)] == [
+            sum(p.numel() for p in s.parameters()) for s in stages
+        ], name
 
 
 @pytest.mark.parametrize("mode", ["dense", "masked"])
@@ -90,7 +101,12 @@ def test_message_bytes_equal_the_runner_counters(mode: str) -> None:
     cfg = config_from_dict(data)
     gen = torch.Generator().manual_seed(0)
     transport = Recording()
-    runner = LocalPipelineRunner(cfg, load_causal_lm(cfg.model, seed=0), lambda step, r, j: torch.randint(0, 256, (2, 17), generator=gen), transport=transport)
+    runner = LocalPipelineRunner(
+        cfg,
+        load_causal_lm(cfg.model, seed=0),
+        lambda step, r, j: torch.randint(0, 256, (2, 17), generator=gen),
+        transport=transport,
+    )
     runner.run(steps=3)
     runner.close()
     dims, _, _ = resolve_model("tiny-llama", 2)
@@ -103,13 +119,24 @@ def test_message_bytes_equal_the_runner_counters(mode: str) -> None:
     for channel, raw in transport.sent:
         msg = (pb.ActivationChunk if channel == "forward" else pb.GradientChunk).FromString(raw)
         h = msg.header
-        if cfg.mask.scheme == "transform" and (msg.hidden if channel == "forward" else msg.grad).compression.kind == pb.Compression.NONE:
+        if (
+            cfg.mask.scheme == "transform"
+            and (msg.hidden if channel == "forward" else msg.grad).compression.kind == pb.Compression.NONE
+        ):
             warmup += 1  # dense bf16 until the producer saw H / 4 rows: this tiny shape's first micro-batch only
             continue
-        version = msg.hidden.compression.coder_version if channel == "forward" and cfg.mask.scheme == "transform" else getattr(msg, "basis_version", 0)
-        names = Names(run_id=h.run_id, sender=h.sender, micro_batch_id=h.micro_batch_id, step=h.step, basis_version=version)
+        version = (
+            msg.hidden.compression.coder_version
+            if channel == "forward" and cfg.mask.scheme == "transform"
+            else getattr(msg, "basis_version", 0)
+        )
+        names = Names(
+            run_id=h.run_id, sender=h.sender, micro_batch_id=h.micro_batch_id, step=h.step, basis_version=version
+        )
         want = message_bytes(mode, dims, shape, boundary=h.boundary, names=names)
-        with_state = msg.HasField("coder") if cfg.mask.scheme == "transform" else channel == "forward" and msg.HasField("basis")
+        with_state = (
+            msg.HasField("coder") if cfg.mask.scheme == "transform" else channel == "forward" and msg.HasField("basis")
+        )
         shipped += with_state
         if channel == "backward":
             assert abs(len(raw) - want.gradient - (want.grad_coder if with_state else 0)) <= slack
@@ -124,7 +151,11 @@ def test_dp_bytes_are_the_averagers_formula() -> None:
 
     dims, _, _ = resolve_model("tiny-llama", 2)
     for comp, per in (("none", 4), ("int8", 1)):
-        assert dp_round_bytes(dims, 0, 2, 2, comp) == round_bytes(dims.stage_params(0, 2), 2, comp) == dims.stage_params(0, 2) * per
+        assert (
+            dp_round_bytes(dims, 0, 2, 2, comp)
+            == round_bytes(dims.stage_params(0, 2), 2, comp)
+            == dims.stage_params(0, 2) * per
+        )
         assert dp_round_bytes(dims, 0, 2, 4, comp) == int(1.5 * dims.stage_params(0, 2) * per)
     assert dp_round_bytes(dims, 0, 2, 1, "none") == 0
 
@@ -134,7 +165,9 @@ def test_projected_bytes_per_token_follow_the_modes(tiny_cpu_costs: P.Costs) -> 
     out = P.project(costs, 10_000.0)["modes"]  # a fast link: DP keeps its cadence
     tokens_step = 2 * 2 * 8 * 128  # replicas x micro-batches x B x T
     mb = costs.bytes["dense"]
-    assert out["dense"]["app_bytes_per_token"]["pp"] == pytest.approx(2 * 2 * (mb.activation + mb.gradient) / tokens_step)
+    assert out["dense"]["app_bytes_per_token"]["pp"] == pytest.approx(
+        2 * 2 * (mb.activation + mb.gradient) / tokens_step
+    )
     # dense: fp32 averaging every step; masked_dp: int8 every 10 steps (2 peers per stage, both stages)
     params = sum(costs.dims.stage_params(s, 2) for s in range(2))
     assert out["dense"]["app_bytes_per_token"]["dp"] == pytest.approx(2 * 4 * params / tokens_step)
@@ -188,7 +221,9 @@ def test_dense_sync_projection_waits_for_an_fp32_all_reduce(tiny_cpu_costs: P.Co
     c = dataclasses.replace(tiny_cpu_costs, replicas=2)  # a stage group to all-reduce in
     out = P.project(c, 2.0)["modes"]
     sync = out["dense_sync"]
-    want = max(c.framing.wire(dp_round_bytes(c.dims, s, c.stages, c.replicas, "none")) for s in range(c.stages)) / (2.0 * 1e6 / 8)
+    want = max(c.framing.wire(dp_round_bytes(c.dims, s, c.stages, c.replicas, "none")) for s in range(c.stages)) / (
+        2.0 * 1e6 / 8
+    )
     assert sync["allreduce_s_per_step"] == pytest.approx(want)
     assert sync["step_s"] > want and out["dense"]["tokens_per_s"] > sync["tokens_per_s"]
     assert out["masked_dp"]["vs"]["dense_sync"] > out["masked_dp"]["vs"]["dense"] > 1
@@ -218,7 +253,9 @@ def test_projection_bounds_and_labels(tiny_cpu_costs: P.Costs) -> None:
     assert dense["tokens_per_s"] < P.project_mode(two, "masked_dp", 2.0)["tokens_per_s"]
     # the app does not wait for DP: rounds come less often, and a DP that kept its cadence would be slower
     assert dense["dp_every_achieved"] > 1 and dense["dp_kept"]["tokens_per_s"] < dense["tokens_per_s"]
-    assert dense["app_bytes_per_token"]["dp"] == pytest.approx(dense["dp_kept"]["dp_bytes_per_token"] / dense["dp_every_achieved"])
+    assert dense["app_bytes_per_token"]["dp"] == pytest.approx(
+        dense["dp_kept"]["dp_bytes_per_token"] / dense["dp_every_achieved"]
+    )
 
 
 def test_rounds_spaced_to_the_link_share_leave_the_pipeline_the_rest(tiny_cpu_costs: P.Costs) -> None:
@@ -237,14 +274,22 @@ def test_rounds_spaced_to_the_link_share_leave_the_pipeline_the_rest(tiny_cpu_co
         link = out["dp_link"]
         assert link["link_share"] == share and out["dp"]["link_share"] == share
         # the app's own period rule: no slot shorter than the round's bytes at `share` of the link
-        assert link["period_s"] >= round_app / (share * rate) and link["period_s"] % slot_period(1, out["step_s"], round_app, rate, share, two.min_period_s) == 0
+        assert (
+            link["period_s"] >= round_app / (share * rate)
+            and link["period_s"] % slot_period(1, out["step_s"], round_app, rate, share, two.min_period_s) == 0
+        )
         assert out["dp_every_achieved"] == pytest.approx(link["period_s"] / out["step_s"])
         assert 0 < link["busy"] <= 2 * share + 1e-9  # while a round runs PP keeps at least half the link
-        assert out["app_bytes_per_token"]["dp"] == pytest.approx(out["dp_kept"]["dp_bytes_per_token"] / out["dp_every_achieved"])
+        assert out["app_bytes_per_token"]["dp"] == pytest.approx(
+            out["dp_kept"]["dp_bytes_per_token"] / out["dp_every_achieved"]
+        )
         assert greedy["tokens_per_s"] < out["tokens_per_s"]
         busy = out["busy_s_per_step"]
         assert out["step_s"] >= max(busy["compute"], busy["link"]) * (1 - 1e-9)  # never faster than the pipeline alone
-    assert runs[0.1]["tokens_per_s"] > runs[0.2]["tokens_per_s"] and runs[0.1]["dp_every_achieved"] > runs[0.2]["dp_every_achieved"]
+    assert (
+        runs[0.1]["tokens_per_s"] > runs[0.2]["tokens_per_s"]
+        and runs[0.1]["dp_every_achieved"] > runs[0.2]["dp_every_achieved"]
+    )
 
 
 def test_gpu_compute_follows_flops() -> None:
@@ -262,7 +307,12 @@ def test_a_gpu_run_sets_the_mfu(tmp_path: Path) -> None:
     FLOPs per token of `gpu_compute`'s rule, over the device's peak."""
     dims, dev = KNOWN_MODELS["llama-3.2-1b"], DEVICES["h200"]
     flops = 16 * (6 * dims.layer_params() + 12 * 2048 * 512) + 6 * dims.vocab * dims.hidden
-    run = {"device_name": "NVIDIA H200", "shape": "llama-3.2-1b", "seq_len": 512, "precision": {"bf16": {"tokens_per_s": 0.25 * 989.4e12 / flops}}}
+    run = {
+        "device_name": "NVIDIA H200",
+        "shape": "llama-3.2-1b",
+        "seq_len": 512,
+        "precision": {"bf16": {"tokens_per_s": 0.25 * 989.4e12 / flops}},
+    }
     (tmp_path / "gpu.json").write_text(json.dumps(run))
     mfu, source = P.mfu_from_gpu_run(tmp_path / "gpu.json", dev)
     assert mfu == pytest.approx(0.25) and "NVIDIA H200" in source
@@ -341,11 +391,17 @@ def test_bench_project_writes_the_json(tmp_path: Path) -> None:
     from peer.cli import main
 
     out = tmp_path / "p.json"
-    main(["bench", "project", "--model", "tiny-llama", "--gpu", "rtx4090", "--bandwidth-mbit", "200", "--json", str(out)])
+    main(
+        ["bench", "project", "--model", "tiny-llama", "--gpu", "rtx4090", "--bandwidth-mbit", "200", "--json", str(out)]
+    )
     data = json.loads(out.read_text())
     assert set(data["modes"]) == set(P.PROJECT_MODES) == {"dense_sync", *MODES}
     for name, m in data["modes"].items():
-        assert m["tokens_per_s"] > 0 and m["bound"] in (("sync",) if name == "dense_sync" else ("compute", "link", "dp")) and m["wire_bytes_per_token"] > 0
+        assert (
+            m["tokens_per_s"] > 0
+            and m["bound"] in (("sync",) if name == "dense_sync" else ("compute", "link", "dp"))
+            and m["wire_bytes_per_token"] > 0
+        )
         assert m["vs"]["dense_sync"] == pytest.approx(m["tokens_per_s"] / data["modes"]["dense_sync"]["tokens_per_s"])
     assert data["setup"]["device"]["name"] == "rtx4090" and data["setup"]["mfu"] == DEFAULT_MFU
     assert data["setup"]["dp_link_share"] == 0.2  # the swarm's default DP, as users run it
@@ -353,9 +409,15 @@ def test_bench_project_writes_the_json(tmp_path: Path) -> None:
 
 def test_run_toml_model(tmp_path: Path) -> None:
     toml = tmp_path / "run.toml"
-    toml.write_text('[model]\nname = "tiny-llama"\nhidden_size = 64\nnum_layers = 6\nnum_heads = 4\nmax_seq_len = 64\n[pipeline]\nmicro_batch_size = 4\nseq_len = 64\nmicro_batches = 3\n')
+    toml.write_text(
+        '[model]\nname = "tiny-llama"\nhidden_size = 64\nnum_layers = 6\nnum_heads = 4\nmax_seq_len = 64\n[pipeline]\nmicro_batch_size = 4\nseq_len = 64\nmicro_batches = 3\n'
+    )
     dims, shape, source = resolve_model(str(toml), 3)
-    assert (dims.hidden, dims.layers, shape) == (64, 6, Shape(4, 64, 3, 1)) and "run.toml" in source  # the recommended run: stage 0 one step ahead
+    assert (dims.hidden, dims.layers, shape) == (
+        64,
+        6,
+        Shape(4, 64, 3, 1),
+    ) and "run.toml" in source  # the recommended run: stage 0 one step ahead
 
 
 # -- plot ---------------------------------------------------------------------------------------
@@ -366,10 +428,17 @@ def test_plot_renders_the_four_modes_and_measured_points(tmp_path: Path) -> None
     from peer.bench.plot import plot
 
     measured = tmp_path / "m.json"
-    measured.write_text(json.dumps({
-        "modes": {m: {"tokens_per_s": v} for m, v in (("compute_bound", 5000.0), ("dense", 500.0), ("masked", 4000.0), ("masked_dp", 3000.0))},
-        "setup": {"bandwidth_mbit": 1.9, "bandwidth_given": False, "stages": 2, "replicas": 2},
-    }))
+    measured.write_text(
+        json.dumps(
+            {
+                "modes": {
+                    m: {"tokens_per_s": v}
+                    for m, v in (("compute_bound", 5000.0), ("dense", 500.0), ("masked", 4000.0), ("masked_dp", 3000.0))
+                },
+                "setup": {"bandwidth_mbit": 1.9, "bandwidth_given": False, "stages": 2, "replicas": 2},
+            }
+        )
+    )
     out = tmp_path / "t.png"
     fig = plot(out, measured=measured, model="tiny-llama", gpu="rtx4090", points=6)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -442,7 +511,9 @@ class Canary:
         return s[len(s) // 2]
 
 
-def measure_on_bed(mode: str, rate_mbit: float, workdir: Path, subnet: int, warmup: int = 5, seconds: float = 12.0, min_steps: int = 8) -> dict:
+def measure_on_bed(
+    mode: str, rate_mbit: float, workdir: Path, subnet: int, warmup: int = 5, seconds: float = 12.0, min_steps: int = 8
+) -> dict:
     """One mode of the throughput bench on the bed, one peer per stage (2 stages, 3 hosts).
 
     As throughput.py runs a mode (its run.toml, BedSwarm on a NetBed shaped at `rate_mbit`), but:
@@ -469,7 +540,9 @@ def measure_on_bed(mode: str, rate_mbit: float, workdir: Path, subnet: int, warm
         with Canary() as canary:
             c0, b0, t0, s0 = bed.counters(), _busy_s(), time.monotonic(), swarm.latest["step"]
             cpu0 = sum(_cpu_s(q) for q in peers)
-            swarm.wait_status(lambda s: time.monotonic() - t0 >= seconds and s["step"] - s0 >= min_steps, 150, "the measured window")
+            swarm.wait_status(
+                lambda s: time.monotonic() - t0 >= seconds and s["step"] - s0 >= min_steps, 150, "the measured window"
+            )
             c1, b1, t1, s1 = bed.counters(), _busy_s(), time.monotonic(), swarm.latest["step"]
             cpu1 = sum(_cpu_s(q) for q in peers)
         burst = bed.burst_kb * 1024
@@ -519,24 +592,37 @@ def test_prediction_within_25_percent_of_the_bed(calibrated: tuple[P.Costs, floa
                 costs, canary_ref = calibrate()
             got = measure_on_bed(mode, rate, work / f"{mode}{attempt}", subnet=41 + 3 * i + attempt)
             slower = got["canary_s"] / canary_ref
-            pred = P.project_mode(P.scaled(costs, slower), mode, rate, burst_bytes=got["burst_bytes"], shared_cores=cores - got["other_cpu_cores"], queue_s=got["queue_s"])
+            pred = P.project_mode(
+                P.scaled(costs, slower),
+                mode,
+                rate,
+                burst_bytes=got["burst_bytes"],
+                shared_cores=cores - got["other_cpu_cores"],
+                queue_s=got["queue_s"],
+            )
             err = pred["tokens_per_s"] / got["tokens_per_s"] - 1
             if got["other_cpu_cores"] <= BUSY_CORES and abs(err) <= 0.25:
                 break
             if attempt < 2:
-                print(f"{mode}: other processes took {got['other_cpu_cores']:.2f} cores, prediction off by {err:+.1%} (CPU {slower:.2f}x calibration); "
-                      + ("measuring again" if attempt == 0 else "calibrating and measuring again"))
+                print(
+                    f"{mode}: other processes took {got['other_cpu_cores']:.2f} cores, prediction off by {err:+.1%} (CPU {slower:.2f}x calibration); "
+                    + ("measuring again" if attempt == 0 else "calibrating and measuring again")
+                )
         t = pred["task_s"]
         M = costs.shape.micro_batches
         model_cpu = sum(M * (f + b) + o for f, b, o in zip(t["fwd"], t["bwd"], t["step"]))
         steps_s = M * costs.shape.tokens / got["tokens_per_s"]
-        lines.append(f"{mode} @ {rate} Mbit/s: predicted {pred['tokens_per_s']:,.0f} tok/s ({pred['bound']}-bound; perfect-overlap bound {pred['tokens_per_s_bound']:,.0f}), "
-                     f"measured {got['tokens_per_s']:,.0f} over {got['steps']} steps: {err:+.1%}; wire B/token predicted {pred['wire_bytes_per_token']:.1f}, "
-                     f"measured {got['wire_bytes_per_token']:.1f}; peers' CPU per step modelled {1e3 * model_cpu:.0f} ms, measured {1e3 * got['peer_cpu_cores'] * steps_s:.0f} ms; "
-                     f"other processes {got['other_cpu_cores']:.2f} cores; CPU {slower:.2f}x its speed at calibration")
+        lines.append(
+            f"{mode} @ {rate} Mbit/s: predicted {pred['tokens_per_s']:,.0f} tok/s ({pred['bound']}-bound; perfect-overlap bound {pred['tokens_per_s_bound']:,.0f}), "
+            f"measured {got['tokens_per_s']:,.0f} over {got['steps']} steps: {err:+.1%}; wire B/token predicted {pred['wire_bytes_per_token']:.1f}, "
+            f"measured {got['wire_bytes_per_token']:.1f}; peers' CPU per step modelled {1e3 * model_cpu:.0f} ms, measured {1e3 * got['peer_cpu_cores'] * steps_s:.0f} ms; "
+            f"other processes {got['other_cpu_cores']:.2f} cores; CPU {slower:.2f}x its speed at calibration"
+        )
         print(lines[-1])
         if got["other_cpu_cores"] > BUSY_CORES:
-            unchecked.append(f"{mode} (other processes took {got['other_cpu_cores']:.2f} of {cores} cores in its last window)")
+            unchecked.append(
+                f"{mode} (other processes took {got['other_cpu_cores']:.2f} of {cores} cores in its last window)"
+            )
             continue
         assert pred["bound"] == bound, lines[-1]
         assert abs(err) <= 0.25, "\n".join(lines)
@@ -559,8 +645,18 @@ def test_the_transform_coder_s_device_work_is_charged_at_the_device_s_rates() ->
     gpu = SimpleNamespace(flops_per_s=1e14, mem_gbps=1000.0)
     moved = on_device(cpu, gpu)
     # the default codec dithers the gradients, and the offsets are device work (timed with the device's share, not the host's)
-    assert cpu.device_passes == (DEVICE_PASSES, DEVICE_PASSES, DEVICE_PASSES + DITHER_PASSES, DEVICE_PASSES + DITHER_PASSES)
-    for before, after, d, passes in zip((cpu.send_fwd, cpu.recv_fwd, cpu.send_bwd, cpu.recv_bwd), (moved.send_fwd, moved.recv_fwd, moved.send_bwd, moved.recv_bwd), cpu.device_s, cpu.device_passes):
+    assert cpu.device_passes == (
+        DEVICE_PASSES,
+        DEVICE_PASSES,
+        DEVICE_PASSES + DITHER_PASSES,
+        DEVICE_PASSES + DITHER_PASSES,
+    )
+    for before, after, d, passes in zip(
+        (cpu.send_fwd, cpu.recv_fwd, cpu.send_bwd, cpu.recv_bwd),
+        (moved.send_fwd, moved.recv_fwd, moved.send_bwd, moved.recv_bwd),
+        cpu.device_s,
+        cpu.device_passes,
+    ):
         assert after == pytest.approx(before - d + cpu.device_flops / 1e14 + passes * 4 * cpu.device_values / 1e12)
     assert on_device(cpu, None) is cpu and on_device(measure_codec("dense", dims, Shape(4, 64, 2)), gpu).send_fwd > 0
 

@@ -15,7 +15,15 @@ from peer.wire import anchormesh_pb2 as pb
 
 def replica_beat(t, pid: str, *, step: int, replica_stage: int, replica_step: int) -> pb.Directive:
     p = t.peers[pid]
-    info = pb.PeerInfo(peer_id=pid, stage=p.stage, address=p.address, state="active", step=step, replica_stage=replica_stage, replica_step=replica_step)
+    info = pb.PeerInfo(
+        peer_id=pid,
+        stage=p.stage,
+        address=p.address,
+        state="active",
+        step=step,
+        replica_stage=replica_stage,
+        replica_step=replica_step,
+    )
     return t.report(pb.PeerReport(run_id="run-x", peer=info, tokens=step * 100))
 
 
@@ -31,7 +39,9 @@ def test_each_peer_is_told_to_copy_the_next_stage_from_its_most_trained_peer() -
     assert beat(t, b, step=8).replicate.peer_id == c  # stage 1 copies stage 2
     got = beat(t, c, step=8).replicate  # the last stage copies stage 0, its most-trained peer
     assert (got.peer_id, got.stage, got.step, got.address) == (a0, 0, 9, t.peers[a0].address)
-    assert beat(t, a0, step=9).replicate.peer_id == beat(t, a1, step=7).replicate.peer_id == b  # both keep a copy of stage 1, its one peer
+    assert (
+        beat(t, a0, step=9).replicate.peer_id == beat(t, a1, step=7).replicate.peer_id == b
+    )  # both keep a copy of stage 1, its one peer
     assert not beat(t, a0, step=9, state="joining").HasField("replicate")  # a joiner copies nothing
     t1, _ = make(stages=1, layers=2)
     join(t1, "solo")

@@ -34,7 +34,14 @@ def run_with_liar(seconds: int, budget_steps: int) -> tuple[Tracker, Clock, dict
     roles = {"liar": stage0[0], "honest0": stage0[1], "honest1": one}
 
     def send(pid: str, step: int) -> pb.Directive:
-        info = pb.PeerInfo(peer_id=pid, stage=t.peers[pid].stage, state="active", step=step, capacity_tokens_per_s=100.0, tokens_per_s=per_step)
+        info = pb.PeerInfo(
+            peer_id=pid,
+            stage=t.peers[pid].stage,
+            state="active",
+            step=step,
+            capacity_tokens_per_s=100.0,
+            tokens_per_s=per_step,
+        )
         return t.report(pb.PeerReport(run_id="run-x", peer=info, tokens=step * per_step))
 
     liar = 0
@@ -96,7 +103,9 @@ def test_the_restore_source_is_chosen_from_the_trackers_records_not_a_claimed_st
     for pid in [*ones, zero[1]]:
         beat(t, pid, step=20)
     assert replica_beat(t, zero[0], step=20, replica_stage=1, replica_step=15).replicate.peer_id in ones
-    assert not replica_beat(t, zero[2], step=20, replica_stage=1, replica_step=20).HasField("replicate")  # only two per stage copy
+    assert not replica_beat(t, zero[2], step=20, replica_stage=1, replica_step=20).HasField(
+        "replicate"
+    )  # only two per stage copy
     for pid in ones:
         t.leave(pb.LeaveRequest(peer_id=pid))
     a = join(t, "new")
@@ -118,11 +127,19 @@ def test_a_donor_a_joiner_refused_is_named_in_the_status() -> None:
     t, _ = make(stages=2, layers=4)
     join(t, "a"), join(t, "b"), join(t, "c")
     beat(t, "a", step=5), beat(t, "b", step=5)
-    info = pb.PeerInfo(peer_id="c", stage=t.peers["c"].stage, state="active", step=5, refused_donors=["a: far from what 2 of 2 stage mates hold (weight w: cosine -1.00)"])
+    info = pb.PeerInfo(
+        peer_id="c",
+        stage=t.peers["c"].stage,
+        state="active",
+        step=5,
+        refused_donors=["a: far from what 2 of 2 stage mates hold (weight w: cosine -1.00)"],
+    )
     t.report(pb.PeerReport(run_id="run-x", peer=info, tokens=500))
     rows = {p.peer_id: p for p in t.status().peers}
     assert rows["a"].donor_flagged == 1 and list(rows["c"].refused_donors) == list(info.refused_donors)
-    assert any("a (stage 0) served a stage state 1 joiner(s) refused: far from" in x for x in problems(status_dict(t.status())))
+    assert any(
+        "a (stage 0) served a stage state 1 joiner(s) refused: far from" in x for x in problems(status_dict(t.status()))
+    )
 
 
 def test_the_runs_step_never_goes_back_when_a_supporting_member_leaves() -> None:

@@ -31,7 +31,9 @@ def test_a_commitment_proves_its_leaves_and_nothing_else(n: int) -> None:
     changed = bytearray(values)
     changed[-1] ^= 0x01  # one bit of the last value
     assert "does not match the committed root" in verify(c.root, n, leaves, bytes(changed), proof)
-    assert "does not match" in verify(commit([t + 1e-3 for t in tensors]).root, n, leaves, values, proof)  # another vector's root
+    assert "does not match" in verify(
+        commit([t + 1e-3 for t in tensors]).root, n, leaves, values, proof
+    )  # another vector's root
     assert "outside the" in verify(c.root, n, [count], values, proof)
     assert "bytes of values" in verify(c.root, n, leaves, values[:-4], proof)
     if count > 1:
@@ -47,7 +49,9 @@ def test_a_commitment_proves_its_leaves_and_nothing_else(n: int) -> None:
 def test_reveals_are_bounded_and_only_for_a_known_commitment() -> None:
     c = commit([torch.randn(3 * LEAF)])
     commitments = {c.root: c}
-    assert audit.answer(commitments, pb.RevealRequest(root=b"\0" * 32, leaves=[0])).error.startswith("no commitment with this root")
+    assert audit.answer(commitments, pb.RevealRequest(root=b"\0" * 32, leaves=[0])).error.startswith(
+        "no commitment with this root"
+    )
     assert "1 to 16 leaves" in audit.answer(commitments, pb.RevealRequest(root=c.root, leaves=list(range(17)))).error
     assert "1 to 16 leaves" in audit.answer(commitments, pb.RevealRequest(root=c.root)).error
     assert "outside the 3 leaves" in audit.answer(commitments, pb.RevealRequest(root=c.root, leaves=[3])).error
@@ -71,7 +75,9 @@ def test_an_audit_names_a_member_whose_reveal_does_not_prove_out() -> None:
     torch.manual_seed(0)
     mine = commit([torch.randn(4 * LEAF)])
     honest, liar, silent = (commit([torch.randn(4 * LEAF)]) for _ in range(3))
-    gathered = {name: {"root": c.root, "n": 4 * LEAF} for name, c in (("me", mine), ("h", honest), ("l", liar), ("s", silent))}
+    gathered = {
+        name: {"root": c.root, "n": 4 * LEAF} for name, c in (("me", mine), ("h", honest), ("l", liar), ("s", silent))
+    }
     gathered["w"] = {"root": honest.root, "n": 4 * LEAF + 1}
 
     async def ask(pid, request):
@@ -85,7 +91,11 @@ def test_an_audit_names_a_member_whose_reveal_does_not_prove_out() -> None:
 
     got = asyncio.run(audit.run_audit("me", mine, gathered, ask))
     assert set(got.values) == {"me", "h"} and set(got.failed) == {"l", "s", "w"}
-    assert "is not what it committed to" in got.failed["l"] and "did not reveal" in got.failed["s"] and f"committed to {4 * LEAF + 1} values" in got.failed["w"]
+    assert (
+        "is not what it committed to" in got.failed["l"]
+        and "did not reveal" in got.failed["s"]
+        and f"committed to {4 * LEAF + 1} values" in got.failed["w"]
+    )
     index = got.coordinates()
     torch.testing.assert_close(got.tensors()["h"], honest.values[index], rtol=0, atol=0)
     torch.testing.assert_close(got.tensors()["me"], mine.values[index], rtol=0, atol=0)
@@ -106,7 +116,9 @@ def cheat_after_commit(monkeypatch: pytest.MonkeyPatch, cheat) -> None:
 
 
 @pytest.mark.parametrize("cheat", ["poison_off_the_public_sample", "refuse_to_reveal"])
-def test_a_member_that_sends_other_values_than_it_committed_to_or_will_not_prove_them_is_refused(cheat: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_member_that_sends_other_values_than_it_committed_to_or_will_not_prove_them_is_refused(
+    cheat: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The attack the public sample allowed: b sends its honest values at the 1,024 coordinates
     once seeded from the group key and its update flipped everywhere else (no larger than an
     honest one, so the drift bound passes it). Now b commits to its honest values, a audits
@@ -115,7 +127,9 @@ def test_a_member_that_sends_other_values_than_it_committed_to_or_will_not_prove
     torch.manual_seed(0)
     init = [torch.randn(120, 100), torch.randn(40)]
     sizes = [t.numel() for t in init]
-    public = torch.randperm(sum(sizes), generator=torch.Generator().manual_seed(1))[:1024]  # what an attacker knew before
+    public = torch.randperm(sum(sizes), generator=torch.Generator().manual_seed(1))[
+        :1024
+    ]  # what an attacker knew before
     keep = torch.zeros(sum(sizes), dtype=torch.bool)
     keep[public] = True
 
@@ -130,7 +144,12 @@ def test_a_member_that_sends_other_values_than_it_committed_to_or_will_not_prove
     with two_dhts() as (dht_a, dht_b):
         params = [[torch.nn.Parameter(t.clone()) for t in init] for _ in range(2)]
         clock = FakeClock()
-        avgs = [GroupAverager(d, ps, f"audit_{cheat}", every=1, timeout=30.0, compression="int8", peer_id=f"peer-{i}", clock=clock) for i, (d, ps) in enumerate(zip((dht_a, dht_b), params))]
+        avgs = [
+            GroupAverager(
+                d, ps, f"audit_{cheat}", every=1, timeout=30.0, compression="int8", peer_id=f"peer-{i}", clock=clock
+            )
+            for i, (d, ps) in enumerate(zip((dht_a, dht_b), params))
+        ]
         try:
             with torch.no_grad():
                 for ps in params:
@@ -145,7 +164,10 @@ def test_a_member_that_sends_other_values_than_it_committed_to_or_will_not_prove
             if cheat == "poison_off_the_public_sample":
                 assert "a member sent other values than it committed to" in a.last_rejection
             else:
-                assert "did not prove what it sent: it refused to reveal its committed values: b reveals nothing" in a.last_rejection
+                assert (
+                    "did not prove what it sent: it refused to reveal its committed values: b reveals nothing"
+                    in a.last_rejection
+                )
                 assert [x.split(":")[0] for x in a.suspects] == [str(b.averager.peer_id)]
             assert all(torch.equal(p.detach(), x) for p, x in zip(params[0], before))  # the weights stay
         finally:

@@ -66,10 +66,17 @@ def test_rates_per_row_cut_the_error_of_uneven_rows_at_the_same_bytes() -> None:
     e_even = rel(state.decode(even, 1, 600, 0, dither_seed=5))
     e_rows = rel(state.decode(rows, 1, 600, 0, dither_seed=5, row_rates=True))
     assert e_rows < 0.6 * e_even, (e_rows, e_even)
-    assert rel(state.decode(rows, 1, 600, 0, dither_seed=6, row_rates=True)) > 1.5 * e_rows  # the seed is part of the code
+    assert (
+        rel(state.decode(rows, 1, 600, 0, dither_seed=6, row_rates=True)) > 1.5 * e_rows
+    )  # the seed is part of the code
     # errors average out over draws (the kept components and offsets are new each message)
     small = x[:, :40]
-    mean = torch.stack([state.decode(state.encode(small, 0, dither_seed=i, row_rates=True), 1, 40, 0, dither_seed=i, row_rates=True) for i in range(100)]).mean(0)
+    mean = torch.stack(
+        [
+            state.decode(state.encode(small, 0, dither_seed=i, row_rates=True), 1, 40, 0, dither_seed=i, row_rates=True)
+            for i in range(100)
+        ]
+    ).mean(0)
     one = state.decode(state.encode(small, 0, dither_seed=0, row_rates=True), 1, 40, 0, dither_seed=0, row_rates=True)
     assert float(((mean - small) ** 2).sum()) < 0.5 * float(((one - small) ** 2).sum())
 
@@ -78,10 +85,14 @@ def test_kept_components_are_fixed_by_seed_and_row_and_ascending() -> None:
     idx = torch.tensor([0, 5, 9])
     cols = rr._columns(123, idx, 576, 72)
     assert cols.shape == (3, 72) and bool((cols.diff(dim=1) > 0).all())
-    assert torch.equal(cols[1], rr._columns(123, torch.tensor([5]), 576, 72)[0])  # a row's set does not depend on the others
+    assert torch.equal(
+        cols[1], rr._columns(123, torch.tensor([5]), 576, 72)[0]
+    )  # a row's set does not depend on the others
     assert not torch.equal(cols, rr._columns(124, idx, 576, 72))
     hits = torch.bincount(rr._columns(7, torch.arange(4000), 576, 144).flatten(), minlength=576).double()
-    assert abs(float(hits.mean()) / 4000 - 0.25) < 1e-9 and float(hits.std() / hits.mean()) < 0.1  # each component about equally often
+    assert (
+        abs(float(hits.mean()) / 4000 - 0.25) < 1e-9 and float(hits.std() / hits.mean()) < 0.1
+    )  # each component about equally often
 
 
 def test_both_ends_read_the_row_rates_from_the_run_and_a_run_trains() -> None:
@@ -90,7 +101,9 @@ def test_both_ends_read_the_row_rates_from_the_run_and_a_run_trains() -> None:
     assert producer.row_rates("backward") and not producer.row_rates("forward")
     x = torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(2)) * torch.rand(4, 16, 1) ** 2
     payload, coder = producer.encode("backward", x, "stage0.r0", boundary=0, step=3, micro_batch=1)
-    msg = pb.GradientChunk(header=pb.MicroBatchHeader(sender="stage1.r0", step=3, micro_batch_id=1, boundary=0), grad=payload, coder=coder)
+    msg = pb.GradientChunk(
+        header=pb.MicroBatchHeader(sender="stage1.r0", step=3, micro_batch_id=1, boundary=0), grad=payload, coder=coder
+    )
     consumer.check(msg, expect_shape=(4, 16, 32), boundary=0, step=3, micro_batch=1)
     got = consumer.decode(msg, expect_shape=(4, 16, 32), boundary=0, step=3, micro_batch=1)
     assert float(((got - x) ** 2).sum() / (x**2).sum()) < 0.6
@@ -104,7 +117,13 @@ def test_both_ends_read_the_row_rates_from_the_run_and_a_run_trains() -> None:
         start = torch.randint(0, 256, (4, 1), generator=torch.Generator().manual_seed(10 * step + j))
         return (start + torch.arange(17)) % 256
 
-    cfg = TrainConfig(model=model, pipeline=PipelineConfig(micro_batch_size=4, micro_batches=2, seq_len=16, max_staleness=0), optim=OptimConfig(lr=1e-2), steps=8, mask=mask)
+    cfg = TrainConfig(
+        model=model,
+        pipeline=PipelineConfig(micro_batch_size=4, micro_batches=2, seq_len=16, max_staleness=0),
+        optim=OptimConfig(lr=1e-2),
+        steps=8,
+        mask=mask,
+    )
     runner = LocalPipelineRunner(cfg, load_causal_lm(model, seed=0), windows)
     losses = [r.loss for r in runner.run(8)]
     runner.close()

@@ -29,7 +29,12 @@ TEXT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog, said pee
 def test_the_example_configs_are_valid_swarm_runs(path: Path) -> None:
     cfg = load_run_toml(str(path))
     check_swarm(cfg)
-    assert not cfg.model.name.startswith("tiny-") and cfg.data.tokenizer == "model" and cfg.token_budget > 0 and cfg.checkpoint.every > 0
+    assert (
+        not cfg.model.name.startswith("tiny-")
+        and cfg.data.tokenizer == "model"
+        and cfg.token_budget > 0
+        and cfg.checkpoint.every > 0
+    )
 
 
 def test_there_are_examples_for_both_uses() -> None:
@@ -43,9 +48,15 @@ def test_there_are_examples_for_both_uses() -> None:
         ({"optim": {"lr": "3e-4"}}, "optim.lr"),
         ({"codec": {"scheme": "lowrank", "lowrank": {"rank": 2.5}}}, "codec.lowrank.rank"),
         ({"anchor": {"with_masked": 1}}, "anchor.with_masked"),
-        ({"codec": {"scheme": "transform"}, "anchor": {"every": 5}, "spectral": {"mode": "ef"}}, "spectral.mode"),  # no masked twin pass for it
+        (
+            {"codec": {"scheme": "transform"}, "anchor": {"every": 5}, "spectral": {"mode": "ef"}},
+            "spectral.mode",
+        ),  # no masked twin pass for it
         ({"codec": {"transform": {"grad_rounding": "round"}}}, "codec.transform.grad_rounding"),
-        ({"codec": {"scheme": "mask", "transform": {"bits": 3}}}, "codec.transform.bits"),  # a setting of a codec the run does not use
+        (
+            {"codec": {"scheme": "mask", "transform": {"bits": 3}}},
+            "codec.transform.bits",
+        ),  # a setting of a codec the run does not use
         ({"codec": {"bits": 3}}, "codec.bits"),  # a codec's own setting outside its table
         ({"mask": {"bits": 3}}, "mask.bits"),  # the former [mask] table, refused with the key's new home
         ({"data": {"path": "a", "dataset": "b"}}, "data.dataset"),
@@ -69,12 +80,32 @@ def test_a_bad_setting_names_its_field(data: dict, field: str) -> None:
 
 def test_the_bootstrap_refuses_a_bad_data_section_with_exit_2(tmp_path: Path) -> None:
     (tmp_path / "run.toml").write_text('[data]\npath = "x"\ndataset = "y"\n')
-    out = subprocess.run([sys.executable, "-m", "peer.cli", "bootstrap", "--config", str(tmp_path / "run.toml"), "--state-dir", str(tmp_path / "b")], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "peer.cli",
+            "bootstrap",
+            "--config",
+            str(tmp_path / "run.toml"),
+            "--state-dir",
+            str(tmp_path / "b"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "data.dataset='y'" in out.stderr and not (tmp_path / "b").exists()
 
 
 def test_the_new_sections_round_trip_through_the_trackers_json() -> None:
-    cfg = config_from_dict({"data": {"path": "/d", "tokenizer": "model", "heldout": 0.05}, "checkpoint": {"every": 7, "keep": 3}, "token_budget": 12345})
+    cfg = config_from_dict(
+        {
+            "data": {"path": "/d", "tokenizer": "model", "heldout": 0.05},
+            "checkpoint": {"every": 7, "keep": 3},
+            "token_budget": 12345,
+        }
+    )
     assert config_from_dict(json.loads(json.dumps(__import__("dataclasses").asdict(cfg)))) == cfg
 
 
@@ -90,10 +121,16 @@ def with_data(**kw) -> TrainConfig:
 def test_the_bootstrap_prepares_a_local_file_once_into_its_state_dir(tmp_path: Path) -> None:
     (tmp_path / "a.txt").write_text(DOCS)
     data = open_run_data(with_data(path=str(tmp_path / "a.txt")), tmp_path / "boot")
-    assert data.folder == tmp_path / "boot" / "data" and data.manifest.tokenizer == "bytes" and data.manifest.source == str(tmp_path / "a.txt")
+    assert (
+        data.folder == tmp_path / "boot" / "data"
+        and data.manifest.tokenizer == "bytes"
+        and data.manifest.source == str(tmp_path / "a.txt")
+    )
     assert 0.99 * len(DOCS) < data.manifest.tokens <= len(DOCS)  # every byte but the blank lines between documents
     (tmp_path / "a.txt").unlink()
-    assert open_run_data(with_data(path=str(tmp_path / "a.txt")), tmp_path / "boot").manifest == data.manifest  # a restart takes it again
+    assert (
+        open_run_data(with_data(path=str(tmp_path / "a.txt")), tmp_path / "boot").manifest == data.manifest
+    )  # a restart takes it again
 
 
 def test_a_missing_or_too_small_source_is_refused_with_its_name(tmp_path: Path) -> None:
@@ -131,7 +168,9 @@ def test_a_prepared_folder_is_taken_as_it_is_and_must_match_the_tokenizer(tmp_pa
 def tiny_model_folder(tmp_path: Path, layers: int = 3) -> Path:
     """A local pretrained-model folder (weights, config, the byte tokenizer), like an export."""
     folder = tmp_path / "model"
-    model = load_causal_lm(ModelConfig(name="tiny-llama", hidden_size=32, num_layers=layers, num_heads=2, max_seq_len=128))
+    model = load_causal_lm(
+        ModelConfig(name="tiny-llama", hidden_size=32, num_layers=layers, num_heads=2, max_seq_len=128)
+    )
     model.save_pretrained(folder)
     hf_byte_tokenizer(64).save_pretrained(folder)
     return folder
@@ -140,7 +179,10 @@ def tiny_model_folder(tmp_path: Path, layers: int = 3) -> Path:
 def test_the_models_own_tokenizer_and_real_dimensions(tmp_path: Path) -> None:
     folder = tiny_model_folder(tmp_path)
     (tmp_path / "t.txt").write_text(DOCS)
-    cfg = TrainConfig(model=ModelConfig(name=str(folder), max_seq_len=128), data=DataConfig(path=str(tmp_path / "t.txt"), tokenizer="model"))
+    cfg = TrainConfig(
+        model=ModelConfig(name=str(folder), max_seq_len=128),
+        data=DataConfig(path=str(tmp_path / "t.txt"), tokenizer="model"),
+    )
     data = open_run_data(cfg, tmp_path / "boot")
     assert data.manifest.tokenizer == str(folder)
     first = data.manifest.splits["train"].shards[0]
@@ -157,7 +199,13 @@ def test_the_tracker_ends_the_run_at_its_token_budget() -> None:
 
     def beat(pid: str, tokens: int) -> pb.Directive:
         p = t.peers[pid]
-        return t.report(pb.PeerReport(run_id="run-x", tokens=tokens, peer=pb.PeerInfo(peer_id=pid, stage=p.stage, address=p.address, state="active")))
+        return t.report(
+            pb.PeerReport(
+                run_id="run-x",
+                tokens=tokens,
+                peer=pb.PeerInfo(peer_id=pid, stage=p.stage, address=p.address, state="active"),
+            )
+        )
 
     assert beat("a", 900).kind == pb.Directive.CONTINUE and t.status().state == "running"
     assert beat("b", 5000).kind == pb.Directive.CONTINUE  # stage 1 counts no tokens of its own
@@ -180,10 +228,15 @@ def test_export_writes_the_tokenizer_the_run_trained_with(tmp_path: Path) -> Non
     tok = AutoTokenizer.from_pretrained(folder)
     tok.add_special_tokens({"pad_token": "<pad>"})  # so "its own" differs from a fresh byte tokenizer
     tok.save_pretrained(folder)
-    cfg = TrainConfig(model=ModelConfig(name=str(folder), num_stages=2, max_seq_len=128), data=DataConfig(tokenizer="model"))
+    cfg = TrainConfig(
+        model=ModelConfig(name=str(folder), num_stages=2, max_seq_len=128), data=DataConfig(tokenizer="model")
+    )
     stages = split_model(load_causal_lm(cfg.model), 2)
     shards = [Shard("run-x", f"p{i}", i, 2, 3, snapshot(s)) for i, s in enumerate(stages)]
     write_model(cfg, shards, tmp_path / "out")
     out = AutoTokenizer.from_pretrained(tmp_path / "out")
     assert isinstance(out, PreTrainedTokenizerFast) and out.pad_token == "<pad>"
-    assert json.loads((tmp_path / "out" / "anchormesh_export.json").read_text())["tokenizer"] == f"the model's own: {folder}"
+    assert (
+        json.loads((tmp_path / "out" / "anchormesh_export.json").read_text())["tokenizer"]
+        == f"the model's own: {folder}"
+    )

@@ -7,7 +7,16 @@ import copy
 import pytest
 import torch
 
-from peer.config import AnchorConfig, DPConfig, MaskConfig, ModelConfig, OptimConfig, PipelineConfig, SpectralConfig, TrainConfig
+from peer.config import (
+    AnchorConfig,
+    DPConfig,
+    MaskConfig,
+    ModelConfig,
+    OptimConfig,
+    PipelineConfig,
+    SpectralConfig,
+    TrainConfig,
+)
 from peer.model.loading import load_causal_lm
 from peer.model.stages import lm_loss, merged_state_dict
 from peer.pipeline.local import LocalPipelineRunner
@@ -29,7 +38,13 @@ def windows(step: int, replica: int, j: int) -> torch.Tensor:
 def reference_steps(model, steps: int, optim: OptimConfig, micro_batches: int, replicas: int = 1) -> list[float]:
     """Plain single-process training: the same windows, mean loss over micro-batches, AdamW."""
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, weight_decay=optim.weight_decay)
+    opt = torch.optim.AdamW(
+        model.parameters(),
+        lr=optim.lr,
+        betas=(optim.beta1, optim.beta2),
+        eps=optim.eps,
+        weight_decay=optim.weight_decay,
+    )
     losses = []
     for step in range(steps):
         opt.zero_grad()
@@ -68,7 +83,9 @@ def test_step_equals_single_process_step_with_masking_and_compression_off(num_st
     for replica in range(replicas):
         runner_state = merged_state_dict(runner.stages(replica))
         for name, p in ref_model.named_parameters():
-            torch.testing.assert_close(runner_state[name], p.detach(), rtol=1e-5, atol=1e-6, msg=f"replica {replica} {name}")
+            torch.testing.assert_close(
+                runner_state[name], p.detach(), rtol=1e-5, atol=1e-6, msg=f"replica {replica} {name}"
+            )
 
 
 def _train(cfg: TrainConfig, steps: int) -> tuple[list[float], LocalPipelineRunner]:
@@ -85,17 +102,66 @@ def _train(cfg: TrainConfig, steps: int) -> tuple[list[float], LocalPipelineRunn
         ("masked_prior_int8", dict(mask=MaskConfig(scheme="mask", drop=0.9, fill="token_prior", values="int8"))),
         ("masked_prior_rescale", dict(mask=MaskConfig(scheme="mask", drop=0.95, fill="prior_rescale"))),
         ("lowrank_int8", dict(mask=MaskConfig(scheme="lowrank", rank=8, values="int8", basis_refresh=4))),
-        ("lowrank_top_rows", dict(mask=MaskConfig(scheme="lowrank", rank=8, values="int8", basis_refresh=4, prior_rows=24))),  # a "large vocabulary": 23 token rows + 1 shared
-        ("transform", dict(mask=MaskConfig(scheme="transform", bits=2.0, grad_bits=1.0, basis_refresh=4))),  # refits every 4 steps after a dense warm-up
-        ("anchor_paper", dict(mask=MaskConfig(scheme="mask", drop=0.95), anchor=AnchorConfig(every=3), spectral=SpectralConfig(mode="paper"))),
-        ("anchor_ef_thread", dict(mask=MaskConfig(scheme="mask", drop=0.95), anchor=AnchorConfig(every=3, executor="thread"), spectral=SpectralConfig(mode="ef"))),
-        ("stale_lookahead", dict(mask=MaskConfig(scheme="mask", drop=0.9), pipeline=PipelineConfig(micro_batch_size=4, micro_batches=2, seq_len=32, max_staleness=2))),
-        ("dp_powersgd", dict(mask=MaskConfig(scheme="mask", drop=0.9), dp=DPConfig(replicas=2, scheme="powersgd", rank=4), pipeline=PipelineConfig(micro_batch_size=4, micro_batches=1, seq_len=32, max_staleness=0))),
-        ("dp_diloco", dict(mask=MaskConfig(scheme="mask", drop=0.9), dp=DPConfig(replicas=2, scheme="diloco", inner_steps=4), pipeline=PipelineConfig(micro_batch_size=4, micro_batches=1, seq_len=32, max_staleness=0))),
+        (
+            "lowrank_top_rows",
+            dict(mask=MaskConfig(scheme="lowrank", rank=8, values="int8", basis_refresh=4, prior_rows=24)),
+        ),  # a "large vocabulary": 23 token rows + 1 shared
+        (
+            "transform",
+            dict(mask=MaskConfig(scheme="transform", bits=2.0, grad_bits=1.0, basis_refresh=4)),
+        ),  # refits every 4 steps after a dense warm-up
+        (
+            "anchor_paper",
+            dict(
+                mask=MaskConfig(scheme="mask", drop=0.95),
+                anchor=AnchorConfig(every=3),
+                spectral=SpectralConfig(mode="paper"),
+            ),
+        ),
+        (
+            "anchor_ef_thread",
+            dict(
+                mask=MaskConfig(scheme="mask", drop=0.95),
+                anchor=AnchorConfig(every=3, executor="thread"),
+                spectral=SpectralConfig(mode="ef"),
+            ),
+        ),
+        (
+            "stale_lookahead",
+            dict(
+                mask=MaskConfig(scheme="mask", drop=0.9),
+                pipeline=PipelineConfig(micro_batch_size=4, micro_batches=2, seq_len=32, max_staleness=2),
+            ),
+        ),
+        (
+            "dp_powersgd",
+            dict(
+                mask=MaskConfig(scheme="mask", drop=0.9),
+                dp=DPConfig(replicas=2, scheme="powersgd", rank=4),
+                pipeline=PipelineConfig(micro_batch_size=4, micro_batches=1, seq_len=32, max_staleness=0),
+            ),
+        ),
+        (
+            "dp_diloco",
+            dict(
+                mask=MaskConfig(scheme="mask", drop=0.9),
+                dp=DPConfig(replicas=2, scheme="diloco", inner_steps=4),
+                pipeline=PipelineConfig(micro_batch_size=4, micro_batches=1, seq_len=32, max_staleness=0),
+            ),
+        ),
     ],
 )
 def test_training_variants_reduce_the_loss(name: str, kw: dict) -> None:
-    cfg = TrainConfig(**{"model": MODEL, "mask": MaskConfig(scheme="mask"), "optim": OptimConfig(lr=3e-3), "pipeline": PIPE, "steps": 12, **kw})
+    cfg = TrainConfig(
+        **{
+            "model": MODEL,
+            "mask": MaskConfig(scheme="mask"),
+            "optim": OptimConfig(lr=3e-3),
+            "pipeline": PIPE,
+            "steps": 12,
+            **kw,
+        }
+    )
     losses, runner = _train(cfg, 12)
     assert all(torch.isfinite(torch.tensor(losses)))
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
@@ -113,11 +179,17 @@ def test_training_variants_reduce_the_loss(name: str, kw: dict) -> None:
 
 def test_masked_link_carries_about_keep_times_the_dense_bytes() -> None:
     """Bytes counted by the transport: masked (drop 0.95, fp16) is ~1/20 of dense plus the token ids."""
-    dense = _train(TrainConfig(model=MODEL, mask=MaskConfig(scheme="mask"), pipeline=PIPE, steps=2), 2)[1].transport.total_bytes()
-    masked = _train(TrainConfig(model=MODEL, pipeline=PIPE, steps=2, mask=MaskConfig(scheme="mask", drop=0.95)), 2)[1].transport.total_bytes()
+    dense = _train(TrainConfig(model=MODEL, mask=MaskConfig(scheme="mask"), pipeline=PIPE, steps=2), 2)[
+        1
+    ].transport.total_bytes()
+    masked = _train(TrainConfig(model=MODEL, pipeline=PIPE, steps=2, mask=MaskConfig(scheme="mask", drop=0.95)), 2)[
+        1
+    ].transport.total_bytes()
     tokens = 2 * PIPE.micro_batches * PIPE.micro_batch_size * PIPE.seq_len
     hidden = 2 * 2 * tokens * MODEL.hidden_size  # fp16 values, forward + backward
-    ids = 1 * 2 * PIPE.micro_batches * PIPE.micro_batch_size * (PIPE.seq_len + 1)  # uint8 token windows (byte vocabulary), forward only
+    ids = (
+        1 * 2 * PIPE.micro_batches * PIPE.micro_batch_size * (PIPE.seq_len + 1)
+    )  # uint8 token windows (byte vocabulary), forward only
     assert hidden + ids <= dense < 1.05 * (hidden + ids)
     expected = 0.05 * hidden + ids
     assert 0.85 * expected < masked < 1.25 * expected, (masked, expected)

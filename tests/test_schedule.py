@@ -52,12 +52,16 @@ def test_bad_schedules_name_the_field(kw: dict, field: str) -> None:
 def test_pipelined_run_follows_the_schedule_like_single_process_training() -> None:
     optim = OptimConfig(lr=2e-3, grad_clip=0.0, schedule="cosine", warmup_steps=2, decay_steps=5, min_lr_ratio=0.2)
     pipe = PipelineConfig(micro_batch_size=4, micro_batches=2, seq_len=32, max_staleness=0)
-    cfg = TrainConfig(model=MODEL, mask=MaskConfig(scheme="mask", drop=0.0, values="fp32"), optim=optim, pipeline=pipe, steps=6)
+    cfg = TrainConfig(
+        model=MODEL, mask=MaskConfig(scheme="mask", drop=0.0, values="fp32"), optim=optim, pipeline=pipe, steps=6
+    )
     model = load_causal_lm(MODEL, seed=3)
     ref = copy.deepcopy(model)
     runner = LocalPipelineRunner(cfg, model, windows)
     runner.run()
-    opt = torch.optim.AdamW(ref.parameters(), lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, weight_decay=0.0)
+    opt = torch.optim.AdamW(
+        ref.parameters(), lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, weight_decay=0.0
+    )
     for step in range(6):
         for g in opt.param_groups:
             g["lr"] = lr_at(optim, step)
@@ -70,7 +74,17 @@ def test_pipelined_run_follows_the_schedule_like_single_process_training() -> No
     for name, p in ref.named_parameters():
         torch.testing.assert_close(state[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
     # and it differs from the constant-lr run: the schedule is what made them equal
-    const = LocalPipelineRunner(TrainConfig(model=MODEL, mask=MaskConfig(scheme="mask", drop=0.0, values="fp32"), optim=OptimConfig(lr=2e-3, grad_clip=0.0), pipeline=pipe, steps=6), load_causal_lm(MODEL, seed=3), windows)
+    const = LocalPipelineRunner(
+        TrainConfig(
+            model=MODEL,
+            mask=MaskConfig(scheme="mask", drop=0.0, values="fp32"),
+            optim=OptimConfig(lr=2e-3, grad_clip=0.0),
+            pipeline=pipe,
+            steps=6,
+        ),
+        load_causal_lm(MODEL, seed=3),
+        windows,
+    )
     const.run()
     other = merged_state_dict(const.stages(0))
     assert any(not torch.allclose(other[n], p.detach(), atol=1e-6) for n, p in ref.named_parameters())

@@ -34,7 +34,8 @@ def prepared(tmp_path_factory) -> PreparedData:
     tmp = tmp_path_factory.mktemp("prepared")
     rng = random.Random(0)
     text = "\n\n".join(
-        " ".join(rng.choice("a swarm of peers trains one model".split()) for _ in range(rng.randint(20, 80))) for _ in range(300)
+        " ".join(rng.choice("a swarm of peers trains one model".split()) for _ in range(rng.randint(20, 80)))
+        for _ in range(300)
     )
     (tmp / "corpus.txt").write_text(text)
     prepare(
@@ -53,23 +54,34 @@ def prepared(tmp_path_factory) -> PreparedData:
 def serve(data: PreparedData):
     """What the bootstrap's GetData answers, without gRPC: a healthy download."""
     files = DataFiles(data)
-    ctx = type("Ctx", (), {"is_active": lambda self: True, "abort": lambda self, code, text: (_ for _ in ()).throw(RuntimeError(text))})()
+    ctx = type(
+        "Ctx",
+        (),
+        {"is_active": lambda self: True, "abort": lambda self, code, text: (_ for _ in ()).throw(RuntimeError(text))},
+    )()
     return lambda name, offset: files.GetData(pb.DataRequest(name=name, offset=offset), ctx)
 
 
-def test_a_download_matching_the_manifest_is_used_and_the_disk_holds_a_bounded_number(prepared: PreparedData, tmp_path: Path) -> None:
+def test_a_download_matching_the_manifest_is_used_and_the_disk_holds_a_bounded_number(
+    prepared: PreparedData, tmp_path: Path
+) -> None:
     store = ShardStore(prepared.manifest, tmp_path / "cache", TrackerSource(serve(prepared)), keep=2)
     shards = prepared.manifest.splits["train"].shards
     assert len(shards) >= 4
     for s in shards[:4]:
         assert np.array_equal(store.tokens(s), prepared.tokens(s))
-    assert len(list((tmp_path / "cache").glob("*.bin"))) == 2 and store.downloaded == sum(s.tokens for s in shards[:4]) * 2
+    assert (
+        len(list((tmp_path / "cache").glob("*.bin"))) == 2 and store.downloaded == sum(s.tokens for s in shards[:4]) * 2
+    )
 
 
 @pytest.mark.parametrize(
-    "damage, why", [("flip", "content differs"), ("cut", "truncated"), ("extra", "oversized"), ("size", "the server says")]
+    "damage, why",
+    [("flip", "content differs"), ("cut", "truncated"), ("extra", "oversized"), ("size", "the server says")],
 )
-def test_a_bad_download_is_refused_and_leaves_nothing(prepared: PreparedData, tmp_path: Path, damage: str, why: str) -> None:
+def test_a_bad_download_is_refused_and_leaves_nothing(
+    prepared: PreparedData, tmp_path: Path, damage: str, why: str
+) -> None:
     good = serve(prepared)
 
     def bad(name: str, offset: int):
@@ -80,7 +92,9 @@ def test_a_bad_download_is_refused_and_leaves_nothing(prepared: PreparedData, tm
         elif damage == "cut":
             last.data = last.data[:-2]
         elif damage == "extra":
-            chunks.append(pb.DataChunk(name=name, total_bytes=last.total_bytes, offset=last.offset + len(last.data), data=b"xx"))
+            chunks.append(
+                pb.DataChunk(name=name, total_bytes=last.total_bytes, offset=last.offset + len(last.data), data=b"xx")
+            )
         else:
             for c in chunks:
                 c.total_bytes += 2
@@ -92,7 +106,9 @@ def test_a_bad_download_is_refused_and_leaves_nothing(prepared: PreparedData, tm
     assert not list((tmp_path / "cache").iterdir())
 
 
-def test_work_on_a_shard_that_cannot_be_had_goes_back_and_the_rest_trains(prepared: PreparedData, tmp_path: Path) -> None:
+def test_work_on_a_shard_that_cannot_be_had_goes_back_and_the_rest_trains(
+    prepared: PreparedData, tmp_path: Path
+) -> None:
     good, broken = serve(prepared), prepared.manifest.splits["train"].shards[0].name
 
     def fetch(name: str, offset: int):
@@ -101,7 +117,9 @@ def test_work_on_a_shard_that_cannot_be_had_goes_back_and_the_rest_trains(prepar
         return good(name, offset)
 
     windows = prepared.windows(SEQ).count
-    feed = WorkFeed(ShardStore(prepared.manifest, tmp_path / "cache", TrackerSource(fetch)), windows, SEQ, ready_target=8)
+    feed = WorkFeed(
+        ShardStore(prepared.manifest, tmp_path / "cache", TrackerSource(fetch)), windows, SEQ, ready_target=8
+    )
     per_shard = prepared.manifest.shard_tokens // (SEQ + 1)
     ids = [0, 1, per_shard, per_shard + 1, per_shard + 2]  # two in the broken shard 0, three in shard 1
     feed.add(ids)
@@ -121,8 +139,15 @@ def test_work_on_a_shard_that_cannot_be_had_goes_back_and_the_rest_trains(prepar
     assert batch.shape == (3, SEQ + 1) and np.array_equal(batch.numpy(), prepared.windows(SEQ).batch(ids[2:]))
 
 
-def test_released_work_trains_only_after_the_reply_and_a_broken_stream_puts_it_back(prepared: PreparedData, tmp_path: Path) -> None:
-    feed = WorkFeed(ShardStore(prepared.manifest, tmp_path / "cache", TrackerSource(serve(prepared))), prepared.windows(SEQ).count, SEQ, ready_target=4)
+def test_released_work_trains_only_after_the_reply_and_a_broken_stream_puts_it_back(
+    prepared: PreparedData, tmp_path: Path
+) -> None:
+    feed = WorkFeed(
+        ShardStore(prepared.manifest, tmp_path / "cache", TrackerSource(serve(prepared))),
+        prepared.windows(SEQ).count,
+        SEQ,
+        ready_target=4,
+    )
     feed.add([5, 6, 7, 8, 9, 10])
     feed.store.ensure(prepared.manifest.splits["train"].shards[0])
     held, _ = feed.for_report()
@@ -153,7 +178,10 @@ def test_data_dir_uses_matching_shards_and_refuses_paths_outside_it(prepared: Pr
     store = ShardStore(prepared.manifest, tmp_path / "cache", TrackerSource(fetch), data_dir=mine)
     for s in shards[:3]:
         assert np.array_equal(store.tokens(s), prepared.tokens(s))
-    assert fetched == [shards[1].name, shards[2].name]  # the good local copy was used; the others came from the bootstrap
+    assert fetched == [
+        shards[1].name,
+        shards[2].name,
+    ]  # the good local copy was used; the others came from the bootstrap
     assert (mine / shards[0].name).exists()  # the volunteer's file is never deleted
 
 
@@ -170,6 +198,9 @@ def test_the_bootstrap_serves_only_the_manifests_files_to_members(prepared: Prep
             for bad in ("manifest.json", "../tracker.json", "/etc/passwd"):
                 with pytest.raises(grpc.RpcError) as e:
                     list(stub.GetData(pb.DataRequest(name=bad), timeout=10))
-                assert e.value.code() == grpc.StatusCode.NOT_FOUND and "not a file of this run's prepared data" in e.value.details()
+                assert (
+                    e.value.code() == grpc.StatusCode.NOT_FOUND
+                    and "not a file of this run's prepared data" in e.value.details()
+                )
     finally:
         server.stop(0)

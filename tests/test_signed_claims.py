@@ -34,7 +34,9 @@ def test_only_an_untouched_member_claim_of_this_round_passes() -> None:
     }
     for field, altered in cases.items():
         assert b.check(altered, "run-s_stage1", "QmA", 1000.0, 30.0), field
-    assert "signature does not match" in b.check(claim, "run-s_stage1", "QmB", 1000.0, 30.0)  # re-keyed under another hivemind id
+    assert "signature does not match" in b.check(
+        claim, "run-s_stage1", "QmB", 1000.0, 30.0
+    )  # re-keyed under another hivemind id
     assert "signature does not match" in b.check(claim, "run-s_stage0", "QmA", 1000.0, 30.0)  # another stage group
     assert "replayed" in b.check(claim, "run-s_stage1", "QmA", 1100.0, 30.0)
     assert b.check({"peer": "peer-a", "root": b"", "n": 0}, "run-s_stage1", "QmA", 1000.0, 30.0) == "it is unsigned"
@@ -43,7 +45,9 @@ def test_only_an_untouched_member_claim_of_this_round_passes() -> None:
     forged = outsider.sign({"peer": "peer-x", "root": b"\x00" * 32, "n": 1}, "run-s_stage1", "QmX", 1000.0)
     assert "not issued by this run's tracker" in b.check(forged, "run-s_stage1", "QmX", 1000.0, 30.0)
     other_run = member(tracker, "peer-c", run_id="run-other")
-    assert "not issued" in b.check(other_run.sign({"peer": "peer-c", "root": b"\x00" * 32, "n": 1}, "p", "QmC", 1000.0), "p", "QmC", 1000.0, 30.0)
+    assert "not issued" in b.check(
+        other_run.sign({"peer": "peer-c", "root": b"\x00" * 32, "n": 1}, "p", "QmC", 1000.0), "p", "QmC", 1000.0, 30.0
+    )
     why = b.check_group({"QmA": claim, "QmB": cases["root"]}, "run-s_stage1", 1000.0, 30.0)
     assert why.startswith("the claim of peer-a (QmB) is refused")
 
@@ -70,8 +74,28 @@ def test_a_round_with_an_altered_claim_is_refused_and_an_untouched_one_is_taken(
         signer_b = member(tracker, "peer-b")
         if tamper:
             signer_b = Tampering(signer_b.identity, RUN, signer_b.certificate, signer_b.tracker_key)
-        a = GroupAverager(dht_a, pa, "signed", every=1, timeout=8.0, compression="none", peer_id="peer-a", clock=clock, signer=member(tracker, "peer-a"))
-        b = GroupAverager(dht_b, pb, "signed", every=1, timeout=8.0, compression="none", peer_id="peer-b", clock=clock, signer=signer_b)
+        a = GroupAverager(
+            dht_a,
+            pa,
+            "signed",
+            every=1,
+            timeout=8.0,
+            compression="none",
+            peer_id="peer-a",
+            clock=clock,
+            signer=member(tracker, "peer-a"),
+        )
+        b = GroupAverager(
+            dht_b,
+            pb,
+            "signed",
+            every=1,
+            timeout=8.0,
+            compression="none",
+            peer_id="peer-b",
+            clock=clock,
+            signer=signer_b,
+        )
         try:
             with torch.no_grad():  # different local training since the common start
                 for p in pa + pb:
@@ -81,10 +105,18 @@ def test_a_round_with_an_altered_claim_is_refused_and_an_untouched_one_is_taken(
             a._finish()
             b._finish()
             if tamper:
-                assert a.rounds == 0 and a.rejected == 1 and "signature does not match" in a.last_rejection, (a.rounds, a.last_rejection, a.last_error)
+                assert a.rounds == 0 and a.rejected == 1 and "signature does not match" in a.last_rejection, (
+                    a.rounds,
+                    a.last_rejection,
+                    a.last_error,
+                )
                 assert all(torch.equal(p.detach(), x) for p, x in zip(pa, before_a))  # the weights stay
             else:
-                assert a.rounds == b.rounds == 1 and a.rejected == b.rejected == 0, (a.last_error, a.last_rejection, b.last_rejection)
+                assert a.rounds == b.rounds == 1 and a.rejected == b.rejected == 0, (
+                    a.last_error,
+                    a.last_rejection,
+                    b.last_rejection,
+                )
         finally:
             a.shutdown()
             b.shutdown()

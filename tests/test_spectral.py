@@ -243,7 +243,9 @@ def test_correct_preserves_shape_dtype_and_is_finite(m, n, dtype, mode, alpha, r
     g = torch.Generator().manual_seed(seed)
     rank = int(rank_frac * min(m, n))
     sc = SpectralCorrection(SpectralConfig(mode=mode, alpha=alpha, rank=rank), {"w": torch.Size((m, n))})
-    sc.observe_anchor(0, {"w": torch.randn(m, n, generator=g).to(dtype)}, {"w": torch.randn(m, n, generator=g).to(dtype)})
+    sc.observe_anchor(
+        0, {"w": torch.randn(m, n, generator=g).to(dtype)}, {"w": torch.randn(m, n, generator=g).to(dtype)}
+    )
     G = torch.randn(m, n, generator=g).to(dtype)
     sc.correct_({"w": G})
     assert G.shape == (m, n) and G.dtype == dtype and bool(torch.isfinite(G).all())
@@ -290,7 +292,9 @@ def test_off_mode_equals_torch_adamw_step_for_step():
     no_decay = [p for p in b.parameters() if p.ndim < 2]
     ref = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=1e-2, betas=(0.8, 0.9), eps=1e-7,
+        lr=1e-2,
+        betas=(0.8, 0.9),
+        eps=1e-7,
     )
     for step in range(6):
         if step == 3:
@@ -315,7 +319,9 @@ def _spectral_opt(mode: str = "paper_ef"):
     model = _model()
     named = list(model.named_parameters())
     targets = {"0.weight", "2.weight"}
-    opt = StageOptimizer(named, targets, SpectralConfig(mode=mode, rank=2, tau=0.01), OptimConfig(lr=1e-2, weight_decay=0.01))
+    opt = StageOptimizer(
+        named, targets, SpectralConfig(mode=mode, rank=2, tau=0.01), OptimConfig(lr=1e-2, weight_decay=0.01)
+    )
     return model, named, targets, opt
 
 

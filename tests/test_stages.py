@@ -50,7 +50,17 @@ def test_tied_gpt2_head_grads_sum_to_the_shared_matrix() -> None:
     """A tied embedding/head becomes two copies; their gradients add up to the tied one."""
     from transformers import AutoModelForCausalLM, GPT2Config
 
-    cfg = GPT2Config(vocab_size=256, n_positions=64, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0, tie_word_embeddings=True)
+    cfg = GPT2Config(
+        vocab_size=256,
+        n_positions=64,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0,
+        embd_pdrop=0,
+        attn_pdrop=0,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
     window = torch.randint(0, 256, (2, 17))
@@ -100,7 +110,9 @@ def test_unknown_family_is_a_clear_error() -> None:
 def test_unsupported_local_model_type_is_refused(tmp_path) -> None:
     from transformers import BertConfig
 
-    BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32).save_pretrained(tmp_path)
+    BertConfig(
+        vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+    ).save_pretrained(tmp_path)
     with pytest.raises(ConfigError, match=r"model_type 'bert' is not supported"):
         load_causal_lm(ModelConfig(name=str(tmp_path)))
 

@@ -55,7 +55,11 @@ def test_exec_again_keeps_the_peer_s_id_and_key_and_runs_the_same_command(monkey
 
     # exec_again writes os.environ: a copy stands in for it, so nothing leaks into later tests'
     # subprocesses (every peer they start would take this id and key)
-    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in (restart.PEER_ID_ENV, STARTED_ENV, IDENTITY_ENV)})
+    monkeypatch.setattr(
+        os,
+        "environ",
+        {k: v for k, v in os.environ.items() if k not in (restart.PEER_ID_ENV, STARTED_ENV, IDENTITY_ENV)},
+    )
     monkeypatch.setattr(sys, "argv", ["anchormesh", "peer", "--tracker", "198.18.0.1:7000"])
     seen: list[tuple] = []
 
@@ -107,7 +111,9 @@ def test_a_group_averager_whose_fork_never_returns_calls_for_help(monkeypatch) -
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     try:
         t0 = time.monotonic()
-        avg = group.GroupAverager(dht, [torch.nn.Parameter(torch.zeros(4))], "test_stuck_fork", every=1, on_stuck=on_stuck)
+        avg = group.GroupAverager(
+            dht, [torch.nn.Parameter(torch.zeros(4))], "test_stuck_fork", every=1, on_stuck=on_stuck
+        )
         assert stuck == [True] and time.monotonic() - t0 < 15
         assert avg.averager.is_alive()
         avg.shutdown()
@@ -138,8 +144,12 @@ def test_a_block_that_holds_the_gil_ends_the_process_with_every_stack_written() 
     done = _python(code)
     assert done.returncode == 1 and time.monotonic() - t0 < 15, (done.returncode, done.stderr[-2000:])
     assert "returned" not in done.stdout
-    assert "has not finished after" not in done.stderr  # the Python watchdog never got the GIL: only the C timer could act
-    assert "Timeout" in done.stderr and "<module>" in done.stderr  # faulthandler's dump, from C, of the stuck main thread
+    assert (
+        "has not finished after" not in done.stderr
+    )  # the Python watchdog never got the GIL: only the C timer could act
+    assert (
+        "Timeout" in done.stderr and "<module>" in done.stderr
+    )  # faulthandler's dump, from C, of the stuck main thread
 
 
 def test_a_block_that_finishes_disarms_the_exit() -> None:

@@ -16,7 +16,11 @@ from peer.model.stages import split_model
 from peer.pipeline.worker import StageWorker
 from peer.wire import anchormesh_pb2 as pb
 
-CFG = TrainConfig(model=ModelConfig(name="tiny-llama", num_stages=2, hidden_size=32, num_layers=2, num_heads=2, max_seq_len=16), mask=MaskConfig(scheme="mask"), pipeline=PipelineConfig(micro_batch_size=2, seq_len=8, max_staleness=0))
+CFG = TrainConfig(
+    model=ModelConfig(name="tiny-llama", num_stages=2, hidden_size=32, num_layers=2, num_heads=2, max_seq_len=16),
+    mask=MaskConfig(scheme="mask"),
+    pipeline=PipelineConfig(micro_batch_size=2, seq_len=8, max_staleness=0),
+)
 
 
 class FakeAverager:
@@ -45,7 +49,9 @@ def take(daemon: PeerDaemon, *states) -> list[str]:
 
 def donor_state(stage) -> tuple[dict, list[torch.Tensor]]:
     params = [p.detach() + 0.005 for _, p in stage.named_parameters()]  # a few steps of training away
-    moments = [torch.full_like(p, 0.5) for _, p in stage.named_parameters()] + [torch.full_like(p, 0.25) for _, p in stage.named_parameters()]
+    moments = [torch.full_like(p, 0.5) for _, p in stage.named_parameters()] + [
+        torch.full_like(p, 0.25) for _, p in stage.named_parameters()
+    ]
     return {"version": 42, "adam_step": 40.0}, params + moments
 
 
@@ -96,7 +102,9 @@ def test_no_donor_keeps_the_initial_weights(daemon: PeerDaemon) -> None:
     assert all(torch.equal(a, b) for a, b in zip(before, daemon.worker.stage.parameters()))
 
 
-@pytest.mark.parametrize("poison", ["huge_weights", "negative_second_moment", "first_moment_over_bound", "step_past_the_run"])
+@pytest.mark.parametrize(
+    "poison", ["huge_weights", "negative_second_moment", "first_moment_over_bound", "step_past_the_run"]
+)
 def test_a_poisoned_state_is_refused_whole(daemon: PeerDaemon, poison: str) -> None:
     """What an outsider offered a joiner (reproduced): version 2^62, weights of 1e30, a negative
     second moment (NaN after one AdamW step), a first moment no gradient sequence gives."""
@@ -149,7 +157,9 @@ def test_a_hostile_state_from_a_lone_donor_is_refused_and_the_donor_named(daemon
         assert take(daemon, hostile(daemon, kind)) == ["d0"]
         assert all(torch.equal(a, b) for a, b in zip(before, daemon.worker.stage.parameters()))
         assert daemon.worker.version == 0 and daemon.resumed_from == "initial weights"
-        assert daemon.state_sync.refused[-1].startswith("d0: no stage mate to compare with, and it is far from this peer's own weights")
+        assert daemon.state_sync.refused[-1].startswith(
+            "d0: no stage mate to compare with, and it is far from this peer's own weights"
+        )
     assert "cosine -1.00" in daemon.state_sync.refused[0] and daemon.state_sync.refused_count == 2
 
 
@@ -167,7 +177,9 @@ def take_judged(daemon: PeerDaemon, *states) -> list[str]:
         return tensors[: len(tensors) // 3]
 
     daemon.averager = daemon.averager or FakeAverager()
-    daemon.state_sync.load_group_state([pb.PeerInfo(peer_id=f"d{i}", step=50) for i in range(len(states))], download, weights)
+    daemon.state_sync.load_group_state(
+        [pb.PeerInfo(peer_id=f"d{i}", step=50) for i in range(len(states))], download, weights
+    )
     return asked
 
 
@@ -194,5 +206,12 @@ def test_a_lone_replica_holder_is_judged_by_the_single_donor_policy(daemon: Peer
     daemon.averager = FakeAverager()
     holder = pb.PeerInfo(peer_id="h", step=42)
     for state, taken in ((hostile(daemon, "negated"), False), (donor_state(daemon.worker.stage), True)):
-        assert daemon.state_sync.load_single(holder, lambda h, s=state: daemon.state_sync.apply_state(*s, f"the replica {h.peer_id} holds")) is taken
-    assert daemon.worker.version == 42 and list(daemon.state_sync.refused)[0].startswith("h: no stage mate to compare with")
+        assert (
+            daemon.state_sync.load_single(
+                holder, lambda h, s=state: daemon.state_sync.apply_state(*s, f"the replica {h.peer_id} holds")
+            )
+            is taken
+        )
+    assert daemon.worker.version == 42 and list(daemon.state_sync.refused)[0].startswith(
+        "h: no stage mate to compare with"
+    )

@@ -14,7 +14,9 @@ from peer.dp.robust import trimmed_mean
 from peer.dp.steering import BIAS_MEMBERS, BiasTracker, away_from_own
 
 
-def rounds(steps: list[int], bias: float, count: int, seed: int = 0, n: int = 60_000) -> tuple[BiasTracker, int | None, int]:
+def rounds(
+    steps: list[int], bias: float, count: int, seed: int = 0, n: int = 60_000
+) -> tuple[BiasTracker, int | None, int]:
     """`count` rounds of members taking `steps` local steps each (update: steps x a common
     direction that drifts from round to round, plus noise growing as sqrt(steps)); the last
     member adds `bias` times the observer's per-coordinate spread along a fixed direction.
@@ -68,18 +70,25 @@ def test_a_member_adding_a_small_bias_every_round_is_named(steps: list[int]) -> 
     pace is not scored, see steering.BIAS_PACE.)"""
     tracker, first, refused = rounds(steps, 0.3, 60)
     assert refused == 0
-    assert set(tracker.named) == {f"m{len(steps) - 1}"} and first is not None and first <= 40, (first, {k: round(tracker.z(k), 1) for k in tracker.scores})
+    assert set(tracker.named) == {f"m{len(steps) - 1}"} and first is not None and first <= 40, (
+        first,
+        {k: round(tracker.z(k), 1) for k in tracker.scores},
+    )
 
 
 def test_a_member_far_from_this_peer_s_own_update_is_named_and_a_still_one_is_not_judged() -> None:
     own = torch.randn(4096)
-    assert away_from_own(-0.45 * own + 0.9 * torch.randn(4096), own, 1e-6).startswith("its update is far from this peer's own")
+    assert away_from_own(-0.45 * own + 0.9 * torch.randn(4096), own, 1e-6).startswith(
+        "its update is far from this peer's own"
+    )
     assert away_from_own(0.1 * own + torch.randn(4096), own, 1e-6) == ""
     assert away_from_own(-own, torch.zeros(4096), 1e-6) == ""  # this peer did not move: no direction to judge
 
 
 @pytest.mark.parametrize("bias", [0.5, 0.0])
-def test_on_real_rounds_a_biased_member_is_named_in_the_status_and_every_round_is_taken(bias: float, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_on_real_rounds_a_biased_member_is_named_in_the_status_and_every_round_is_taken(
+    bias: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Three members on real hivemind rounds; c adds half the honest spread along one fixed
     direction every round. Every round is taken by a (nothing in any one round is wrong), and
     within 8 rounds a names c: in its suspects (the status's `dp_suspects`) and `leaning`.
@@ -101,7 +110,11 @@ def test_on_real_rounds_a_biased_member_is_named_in_the_status_and_every_round_i
                 common = [0.7 * x + 0.3 * 0.01 * torch.randn(x.shape, generator=g) for x in common]
                 for i, ps in enumerate(params):
                     for p, x, d in zip(ps, common, direction):
-                        p.add_(x + 0.01 * torch.randn(x.shape, generator=g) + (bias * 0.01 * d * d.numel() ** 0.5 / size * len(init) ** -0.5 if i == 2 else 0))
+                        p.add_(
+                            x
+                            + 0.01 * torch.randn(x.shape, generator=g)
+                            + (bias * 0.01 * d * d.numel() ** 0.5 / size * len(init) ** -0.5 if i == 2 else 0)
+                        )
             if step == 0:
                 offer(avgs, clock)
             else:
@@ -118,4 +131,7 @@ def test_on_real_rounds_a_biased_member_is_named_in_the_status_and_every_round_i
             assert a.leaning == 0 and not a.suspects and step == 7, {k: round(a.bias.z(k), 1) for k in a.bias.scores}
             return
         named = str(c.averager.peer_id)
-        assert a.leaning == 1 and [x.split(":")[0] for x in a.suspects] == [named], (list(a.suspects), {k: round(a.bias.z(k), 1) for k in a.bias.scores})
+        assert a.leaning == 1 and [x.split(":")[0] for x in a.suspects] == [named], (
+            list(a.suspects),
+            {k: round(a.bias.z(k), 1) for k in a.bias.scores},
+        )

@@ -36,7 +36,10 @@ def build():
     transport = LocalTransport()
     names = ["p0", "p1", "p1b", "p2"]
     stage_of = {"p0": 0, "p1": 1, "p1b": 1, "p2": 2}
-    workers = {n: StageWorker(copy.deepcopy(stages[stage_of[n]]), 0, CFG, transport, "run", peer_id=n, local_steps=True) for n in names}
+    workers = {
+        n: StageWorker(copy.deepcopy(stages[stage_of[n]]), 0, CFG, transport, "run", peer_id=n, local_steps=True)
+        for n in names
+    }
     siblings = {"p0": [], "p1": ["p1b"], "p1b": ["p1"], "p2": []}
     anchors = {n: SwarmAnchor(w, M, lambda n=n: siblings[n]) for n, w in workers.items()}
     return model, transport, workers, anchors
@@ -128,8 +131,14 @@ def test_an_older_anchor_from_a_sibling_is_skipped() -> None:
     run_until_quiet(workers, anchors)
     a = anchors["p1b"]
     assert a.newest_id == 2
-    old = pb.AnchorPrior(header=pb.MicroBatchHeader(run_id="run", step=30, micro_batch_id=1, sender="p1"), stage=1,
-                         grads=[pb.NamedTensor(name=n, tensor=tensor_to_proto(torch.zeros(s, dtype=torch.bfloat16))) for n, s in a.shapes.items()])
+    old = pb.AnchorPrior(
+        header=pb.MicroBatchHeader(run_id="run", step=30, micro_batch_id=1, sender="p1"),
+        stage=1,
+        grads=[
+            pb.NamedTensor(name=n, tensor=tensor_to_proto(torch.zeros(s, dtype=torch.bfloat16)))
+            for n, s in a.shapes.items()
+        ],
+    )
     a.validate("prior", old)
     a.inbox["prior"].append(old)
     a.apply_priors()
@@ -141,8 +150,13 @@ def test_anchor_ids_above_what_the_tracker_issued_are_refused() -> None:
     prior (ids must increase); with the tracker's ceiling known, it is refused on the wire."""
     _, _, workers, anchors = build()
     a = anchors["p1b"]
-    grads = [pb.NamedTensor(name=n, tensor=tensor_to_proto(torch.zeros(s, dtype=torch.bfloat16))) for n, s in a.shapes.items()]
-    forged = pb.AnchorPrior(header=pb.MicroBatchHeader(run_id="run", step=3, micro_batch_id=2**60, sender="p1"), stage=1, grads=grads)
+    grads = [
+        pb.NamedTensor(name=n, tensor=tensor_to_proto(torch.zeros(s, dtype=torch.bfloat16)))
+        for n, s in a.shapes.items()
+    ]
+    forged = pb.AnchorPrior(
+        header=pb.MicroBatchHeader(run_id="run", step=3, micro_batch_id=2**60, sender="p1"), stage=1, grads=grads
+    )
     a.validate("prior", forged)  # no ceiling heard yet: as before
     a.issued = 5
     with pytest.raises(WireError, match="issued only up to 5"):
@@ -150,8 +164,11 @@ def test_anchor_ids_above_what_the_tracker_issued_are_refused() -> None:
     forged.header.micro_batch_id = 7  # within the slack: issued since this peer's last heartbeat
     a.validate("prior", forged)
     win = windows()[0]
-    fwd = pb.ActivationChunk(header=pb.MicroBatchHeader(run_id="run", step=2**50, micro_batch_id=0, sender="p0", boundary=0, dense=True),
-                             hidden=tensor_to_proto(torch.zeros(2, 8, 32).half()), token_ids=tensor_to_proto(win))
+    fwd = pb.ActivationChunk(
+        header=pb.MicroBatchHeader(run_id="run", step=2**50, micro_batch_id=0, sender="p0", boundary=0, dense=True),
+        hidden=tensor_to_proto(torch.zeros(2, 8, 32).half()),
+        token_ids=tensor_to_proto(win),
+    )
     anchors["p1"].issued = 5
     with pytest.raises(WireError, match="issued only up to 5"):
         anchors["p1"].validate("anchor_forward", fwd)
@@ -161,8 +178,11 @@ def test_bad_anchor_messages_are_refused_by_name() -> None:
     _, _, workers, anchors = build()
     a1 = anchors["p1"]
     win = windows()[0]
-    good = pb.ActivationChunk(header=pb.MicroBatchHeader(run_id="run", step=1, micro_batch_id=0, sender="p0", boundary=0, dense=True),
-                              hidden=tensor_to_proto(torch.zeros(2, 8, 32).half()), token_ids=tensor_to_proto(win))
+    good = pb.ActivationChunk(
+        header=pb.MicroBatchHeader(run_id="run", step=1, micro_batch_id=0, sender="p0", boundary=0, dense=True),
+        hidden=tensor_to_proto(torch.zeros(2, 8, 32).half()),
+        token_ids=tensor_to_proto(win),
+    )
     a1.validate("anchor_forward", good)
     cases = {
         "header.dense=false": dict(dense=False),
@@ -190,7 +210,9 @@ def test_bad_anchor_messages_are_refused_by_name() -> None:
         a1.validate("anchor_forward", bad)
     # a gradient for a pass that is gone is not refused on the wire (that would end the sender's
     # stream); the loop drops it with a message
-    late = pb.GradientChunk(header=pb.MicroBatchHeader(run_id="run", step=1, boundary=1), grad=tensor_to_proto(torch.zeros(2, 8, 32).half()))
+    late = pb.GradientChunk(
+        header=pb.MicroBatchHeader(run_id="run", step=1, boundary=1), grad=tensor_to_proto(torch.zeros(2, 8, 32).half())
+    )
     a1.validate("anchor_backward", late)
     a1.inbox["anchor_backward"].append(late)
     with pytest.raises(WireError, match="its pass is gone"):
@@ -207,7 +229,9 @@ def test_bad_anchor_messages_are_refused_by_name() -> None:
         a1.validate("prior", prior)
     name, shape = next(iter(a1.shapes.items()))
     del prior.grads[:]
-    prior.grads.append(pb.NamedTensor(name=name, tensor=tensor_to_proto(torch.full(shape, float("inf"), dtype=torch.bfloat16))))
+    prior.grads.append(
+        pb.NamedTensor(name=name, tensor=tensor_to_proto(torch.full(shape, float("inf"), dtype=torch.bfloat16)))
+    )
     with pytest.raises(AnchormeshError, match="(?i)inf|finite"):
         a1.validate("prior", prior)
 

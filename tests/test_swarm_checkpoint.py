@@ -18,28 +18,70 @@ from peer.demo.swarm import start_process, stop_processes, wait_for_bootstrap
 from peer.store.checkpoint import ShardCheckpoints
 
 BUDGET_STEPS = 60
-RUN_TOML = tiny_run_toml(top=f"token_budget = {BUDGET_STEPS * TOKENS_PER_STEP}\n", extra="""
+RUN_TOML = tiny_run_toml(
+    top=f"token_budget = {BUDGET_STEPS * TOKENS_PER_STEP}\n",
+    extra="""
 [optim]
 lr = 3e-3
 [checkpoint]
 every = 4
 keep = 2
-""")
+""",
+)
 
 
 def test_a_killed_peer_resumes_from_its_checkpoint_and_the_run_ends_at_its_budget(tmp_path: Path) -> None:
     (tmp_path / "run.toml").write_text(RUN_TOML)
     procs: list[subprocess.Popen] = []
     try:
-        procs.append(start_process(["bootstrap", "--config", str(tmp_path / "run.toml"), "--state-dir", str(tmp_path / "boot"), "--peer-timeout", "3"], tmp_path / "boot.log"))
+        procs.append(
+            start_process(
+                [
+                    "bootstrap",
+                    "--config",
+                    str(tmp_path / "run.toml"),
+                    "--state-dir",
+                    str(tmp_path / "boot"),
+                    "--peer-timeout",
+                    "3",
+                ],
+                tmp_path / "boot.log",
+            )
+        )
         boot = wait_for_bootstrap(tmp_path / "boot", procs[0], tmp_path / "boot.log")
         tracker, run_id = boot["tracker"], boot["run_id"]
-        procs.append(start_process(["peer", "--tracker", tracker, "--token", f"@{tmp_path}/boot/bootstrap.json", "--state-dir", str(tmp_path / "p0")], tmp_path / "p0.log"))
+        procs.append(
+            start_process(
+                [
+                    "peer",
+                    "--tracker",
+                    tracker,
+                    "--token",
+                    f"@{tmp_path}/boot/bootstrap.json",
+                    "--state-dir",
+                    str(tmp_path / "p0"),
+                ],
+                tmp_path / "p0.log",
+            )
+        )
         wait_for_status(tracker, lambda s: any(p["state"] in ("active", "idle") for p in s["peers"]), tmp_path)
         # from here stage 0 runs in short bursts (SIGSTOP between them): on an idle machine the
         # tiny run does its whole budget in about a second, faster than a poll would catch it mid-run
         procs[1].send_signal(signal.SIGSTOP)
-        procs.append(start_process(["peer", "--tracker", tracker, "--token", f"@{tmp_path}/boot/bootstrap.json", "--state-dir", str(tmp_path / "p1")], tmp_path / "p1.log"))
+        procs.append(
+            start_process(
+                [
+                    "peer",
+                    "--tracker",
+                    tracker,
+                    "--token",
+                    f"@{tmp_path}/boot/bootstrap.json",
+                    "--state-dir",
+                    str(tmp_path / "p1"),
+                ],
+                tmp_path / "p1.log",
+            )
+        )
         stage1 = ShardCheckpoints(tmp_path / "p1", run_id, 1)
         deadline = time.monotonic() + 120
         while not stage1.steps() or stage1.steps()[0] < 8:  # two checkpoints of stage 1 on disk
@@ -54,7 +96,20 @@ def test_a_killed_peer_resumes_from_its_checkpoint_and_the_run_ends_at_its_budge
         killed_at = stage1.steps()[0]
         assert killed_at < BUDGET_STEPS - 8
         wait_for_status(tracker, lambda s: s["state"] == "paused", tmp_path)  # stage 1 has no live peer
-        procs.append(start_process(["peer", "--tracker", tracker, "--token", f"@{tmp_path}/boot/bootstrap.json", "--state-dir", str(tmp_path / "p1")], tmp_path / "p1b.log"))
+        procs.append(
+            start_process(
+                [
+                    "peer",
+                    "--tracker",
+                    tracker,
+                    "--token",
+                    f"@{tmp_path}/boot/bootstrap.json",
+                    "--state-dir",
+                    str(tmp_path / "p1"),
+                ],
+                tmp_path / "p1b.log",
+            )
+        )
         s = wait_for_status(tracker, lambda s: s["state"] == "done", tmp_path, timeout=180)
         assert "token budget" in s["reason"] and s["tokens"] >= BUDGET_STEPS * TOKENS_PER_STEP
         for p in procs[1:]:
@@ -63,7 +118,9 @@ def test_a_killed_peer_resumes_from_its_checkpoint_and_the_run_ends_at_its_budge
         restarted = (tmp_path / "p1b.log").read_text()
         assert f"took the stage state of checkpoint {stage1.dir} at step" in restarted, restarted[-3000:]
         resumed = int(restarted.split(f"took the stage state of checkpoint {stage1.dir} at step ")[1].split()[0])
-        assert resumed >= 8 and resumed <= killed_at + 4  # its newest whole checkpoint (one may have landed while it died)
+        assert (
+            resumed >= 8 and resumed <= killed_at + 4
+        )  # its newest whole checkpoint (one may have landed while it died)
         s = status_json(tracker)
         assert 0 < s["pp_state_bytes_per_token"] < s["pp_bytes_per_token"]  # the low-rank bases shipped, counted apart
         left = {p["id"]: p for p in s["peers"] if p["state"] == "left"}
@@ -78,7 +135,22 @@ def test_a_killed_peer_resumes_from_its_checkpoint_and_the_run_ends_at_its_budge
             newest[stage] = ck.newest()
         assert newest[0].step >= BUDGET_STEPS and newest[1].step > resumed
         # the run is over and its peers gone: its checkpoints still make a model
-        out = subprocess.run([sys.executable, "-m", "peer.cli", "export", "--checkpoints", str(tmp_path / "p0"), str(tmp_path / "p1"), "--out", str(tmp_path / "model")], capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "peer.cli",
+                "export",
+                "--checkpoints",
+                str(tmp_path / "p0"),
+                str(tmp_path / "p1"),
+                "--out",
+                str(tmp_path / "model"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert out.returncode == 0, out.stderr[-3000:]
         from transformers import AutoModelForCausalLM
 
@@ -89,7 +161,21 @@ def test_a_killed_peer_resumes_from_its_checkpoint_and_the_run_ends_at_its_budge
         assert sum(len(ck.hf_names) for ck in newest.values()) == len(params)
         record = json.loads((tmp_path / "model" / "anchormesh_export.json").read_text())
         assert [st["step"] for st in record["stages"]] == [newest[0].step, newest[1].step]
-        out = subprocess.run([sys.executable, "-m", "peer.cli", "export", "--checkpoints", str(tmp_path / "p0"), "--out", str(tmp_path / "m2")], capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "peer.cli",
+                "export",
+                "--checkpoints",
+                str(tmp_path / "p0"),
+                "--out",
+                str(tmp_path / "m2"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert out.returncode == 1 and "anchormesh export: error: stage 1: no checkpoint that fits" in out.stderr
     finally:
         stop_processes(procs, grace_s=10)

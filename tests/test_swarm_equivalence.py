@@ -60,13 +60,33 @@ def swarm_losses(tmp: Path, dtype: str) -> list[float]:
         tracker = wait_for_bootstrap(tmp / "boot", boot, tmp / "boot.log", timeout_s=90)["tracker"]
         deadline = time.monotonic() + 90
         # the first peer to join gets stage 0; its state dir keeps the ids of the windows it trains (windows.log)
-        p0 = start("peer", "--tracker", tracker, "--token", f"@{tmp}/boot/bootstrap.json", "--max-steps", str(STEPS), "--state-dir", str(tmp / "p0"), log="p0.log",
-                   ANCHORMESH_PEER_ID=STAGE0_ID)
+        p0 = start(
+            "peer",
+            "--tracker",
+            tracker,
+            "--token",
+            f"@{tmp}/boot/bootstrap.json",
+            "--max-steps",
+            str(STEPS),
+            "--state-dir",
+            str(tmp / "p0"),
+            log="p0.log",
+            ANCHORMESH_PEER_ID=STAGE0_ID,
+        )
         while "joined" not in (tmp / "p0.log").read_text():
             assert time.monotonic() < deadline and p0.poll() is None, (tmp / "p0.log").read_text()
             time.sleep(0.2)
         # stage 1 has no step limit: it must stay to answer stage 0's retries until stage 0 is done
-        start("peer", "--tracker", tracker, "--token", f"@{tmp}/boot/bootstrap.json", "--state-dir", str(tmp / "p1"), log="p1.log")
+        start(
+            "peer",
+            "--tracker",
+            tracker,
+            "--token",
+            f"@{tmp}/boot/bootstrap.json",
+            "--state-dir",
+            str(tmp / "p1"),
+            log="p1.log",
+        )
         p0.wait(timeout=240)
         assert "stage 0" in (tmp / "p0.log").read_text() and "stage 1" in (tmp / "p1.log").read_text()
         metrics = tmp / "p1" / "metrics.jsonl"
@@ -87,13 +107,17 @@ def runner_losses(tmp: Path) -> list[float]:
     cfg = load_run_toml(str(tmp / "run.toml"))
     p = cfg.pipeline
     windows = PreparedData(tmp / "boot" / "data").windows(p.seq_len)
-    logged = [[int(i) % len(windows) for i in line.split()] for line in (tmp / "p0" / "windows.log").read_text().splitlines()]
+    logged = [
+        [int(i) % len(windows) for i in line.split()] for line in (tmp / "p0" / "windows.log").read_text().splitlines()
+    ]
     assert len(logged) >= STEPS * p.micro_batches and all(len(ids) == p.micro_batch_size for ids in logged), logged
 
     def batch_fn(step: int, replica: int, j: int) -> torch.Tensor:
         return torch.from_numpy(windows.batch(logged[step * p.micro_batches + j]).astype(np.int64))
 
-    runner = LocalPipelineRunner(cfg, load_causal_lm(cfg.model, seed=cfg.seed), batch_fn, placement=resolve_placement("cpu", cfg.compute))
+    runner = LocalPipelineRunner(
+        cfg, load_causal_lm(cfg.model, seed=cfg.seed), batch_fn, placement=resolve_placement("cpu", cfg.compute)
+    )
     try:
         return [r.loss for r in runner.run(STEPS)]
     finally:
@@ -106,4 +130,6 @@ def test_masking_off_swarm_loss_curve_equals_the_local_runner(tmp_path: Path, dt
     local = runner_losses(tmp_path)
     assert local[-1] < local[0]  # it trains
     for step, (a, b) in enumerate(zip(swarm, local)):
-        assert abs(a - b) <= 1e-4 * abs(b) + 1e-5, f"step {step}: swarm {a} vs local runner {b}\nswarm {swarm}\nlocal {local}"
+        assert abs(a - b) <= 1e-4 * abs(b) + 1e-5, (
+            f"step {step}: swarm {a} vs local runner {b}\nswarm {swarm}\nlocal {local}"
+        )

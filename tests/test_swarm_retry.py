@@ -15,14 +15,22 @@ from peer.model.stages import split_model
 from peer.pipeline.transport import LocalTransport
 from peer.pipeline.worker import StageWorker
 
-CFG = TrainConfig(model=ModelConfig(name="tiny-llama", num_stages=2, hidden_size=32, num_layers=2, num_heads=2, max_seq_len=16), mask=MaskConfig(scheme="mask"), pipeline=PipelineConfig(micro_batch_size=2, micro_batches=2, seq_len=8, max_staleness=0))
+CFG = TrainConfig(
+    model=ModelConfig(name="tiny-llama", num_stages=2, hidden_size=32, num_layers=2, num_heads=2, max_seq_len=16),
+    mask=MaskConfig(scheme="mask"),
+    pipeline=PipelineConfig(micro_batch_size=2, micro_batches=2, seq_len=8, max_staleness=0),
+)
 
 
 def test_a_retried_micro_batch_gets_its_gradient_again_and_counts_once() -> None:
     stages = split_model(load_causal_lm(CFG.model, seed=0), 2)
     t = LocalTransport()
-    a = StageWorker(stages[0], 0, CFG, t, "run", peer_id="a", next_hop=lambda: "b", resolve=lambda s: s, local_steps=True)
-    b = StageWorker(stages[1], 0, CFG, t, "run", peer_id="b", next_hop=lambda: None, resolve=lambda s: s, local_steps=True)
+    a = StageWorker(
+        stages[0], 0, CFG, t, "run", peer_id="a", next_hop=lambda: "b", resolve=lambda s: s, local_steps=True
+    )
+    b = StageWorker(
+        stages[1], 0, CFG, t, "run", peer_id="b", next_hop=lambda: None, resolve=lambda s: s, local_steps=True
+    )
     window = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
     a.inject(window, 0, 0)
     sent = t._queues[("b", "forward")][0]
@@ -50,11 +58,21 @@ def test_a_retried_micro_batch_gets_its_gradient_again_and_counts_once() -> None
 
 def _swarm_pair(correction: str) -> tuple[StageWorker, StageWorker, list[torch.Tensor]]:
     """Stage 0 and stage 1 as swarm workers (local steps) at max_staleness 1, and four windows."""
-    cfg = TrainConfig(model=CFG.model, mask=MaskConfig(scheme="mask"), pipeline=PipelineConfig(micro_batch_size=2, micro_batches=2, seq_len=8, max_staleness=1, staleness_correction=correction))
+    cfg = TrainConfig(
+        model=CFG.model,
+        mask=MaskConfig(scheme="mask"),
+        pipeline=PipelineConfig(
+            micro_batch_size=2, micro_batches=2, seq_len=8, max_staleness=1, staleness_correction=correction
+        ),
+    )
     stages = split_model(load_causal_lm(cfg.model, seed=0), 2)
     t = LocalTransport()
-    a = StageWorker(stages[0], 0, cfg, t, "run", peer_id="a", next_hop=lambda: "b", resolve=lambda s: s, local_steps=True)
-    b = StageWorker(stages[1], 0, cfg, t, "run", peer_id="b", next_hop=lambda: None, resolve=lambda s: s, local_steps=True)
+    a = StageWorker(
+        stages[0], 0, cfg, t, "run", peer_id="a", next_hop=lambda: "b", resolve=lambda s: s, local_steps=True
+    )
+    b = StageWorker(
+        stages[1], 0, cfg, t, "run", peer_id="b", next_hop=lambda: None, resolve=lambda s: s, local_steps=True
+    )
     return a, b, [torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(i)) for i in range(4)]
 
 
@@ -87,7 +105,9 @@ def test_stage_0_one_step_ahead_takes_its_backward_on_the_weights_its_forward_sa
     assert ahead.stash is not None and all(torch.equal(ahead.stash[n], before[n]) for n in before)
     assert a.backward_one()  # step 1's micro-batch: exact for the weights it saw
     grads = a.grad_buf[-1]
-    assert set(grads) == set(before) and all(torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads.values() if g.dim() > 1)
+    assert set(grads) == set(before) and all(
+        torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads.values() if g.dim() > 1
+    )
 
 
 @pytest.mark.parametrize("correction", ["lookahead", "none"])
@@ -107,7 +127,9 @@ def test_stage_0_one_step_ahead_runs_on_weights_extrapolated_by_the_last_update(
     a.inject(windows[2], 1, 0)  # the current step: delay 0
     a.inject(windows[3], 2, 0)  # one step ahead of version 1
     now, ahead = a.inflight[(1, 0)].stash, a.inflight[(2, 0)].stash
-    assert now is not None and ahead is not None and (now is not ahead) == (correction == "lookahead")  # "none": one stash for both
+    assert (
+        now is not None and ahead is not None and (now is not ahead) == (correction == "lookahead")
+    )  # "none": one stash for both
     assert all(torch.equal(now[n], w1[n]) for n in w1)
     moved = [n for n in w1 if not torch.equal(w1[n], w0[n])]
     assert moved, "the step moved no weight"

@@ -27,7 +27,10 @@ class Clock:
 
 def make(anchor_every: int = 0, stages: int = 2, layers: int = 4) -> tuple[Tracker, Clock]:
     clock = Clock()
-    cfg = TrainConfig(model=ModelConfig(num_stages=stages, num_layers=layers), anchor=AnchorConfig(every=anchor_every, micro_batches=3))
+    cfg = TrainConfig(
+        model=ModelConfig(num_stages=stages, num_layers=layers),
+        anchor=AnchorConfig(every=anchor_every, micro_batches=3),
+    )
     return Tracker("run-x", cfg, peer_timeout_s=30.0, move_cooldown_s=20.0, clock=clock), clock
 
 
@@ -37,7 +40,9 @@ def join(t: Tracker, pid: str) -> pb.Assignment:
 
 def beat(t: Tracker, pid: str, *, capacity: float = 0.0, step: int = 0, state: str = "active") -> pb.Directive:
     p = t.peers[pid]
-    info = pb.PeerInfo(peer_id=pid, stage=p.stage, address=p.address, state=state, step=step, capacity_tokens_per_s=capacity)
+    info = pb.PeerInfo(
+        peer_id=pid, stage=p.stage, address=p.address, state=state, step=step, capacity_tokens_per_s=capacity
+    )
     return t.report(pb.PeerReport(run_id="run-x", peer=info, tokens=step * 100))
 
 
@@ -198,7 +203,9 @@ def test_anchor_jobs_go_to_stage_zero_every_k_steps() -> None:
     assert beat(t, "a", step=10).anchor_id == 2
     s = t.status()
     assert s.anchors_launched == 2 and s.anchor_age_steps == -1  # launched, none folded in yet
-    info = pb.PeerInfo(peer_id="b", stage=1, address=t.peers["b"].address, state="active", step=9, anchor_id=1, anchor_bytes_out=500)
+    info = pb.PeerInfo(
+        peer_id="b", stage=1, address=t.peers["b"].address, state="active", step=9, anchor_id=1, anchor_bytes_out=500
+    )
     t.report(pb.PeerReport(run_id="run-x", peer=info, tokens=0))
     s = t.status()  # anchor 1 was launched at run step 5; the run is at step 10
     assert (s.anchor_step, s.anchor_age_steps) == (5, 5) and s.anchor_bytes_per_token == pytest.approx(500 / 1000)
@@ -223,7 +230,15 @@ def test_status_reports_dp_bytes_and_compression() -> None:
     join(t, "b")
     for pid, sent, dense in (("a", 1000, 40_000), ("b", 1000, 20_000)):
         p = t.peers[pid]
-        info = pb.PeerInfo(peer_id=pid, stage=p.stage, address=p.address, state="active", step=10, dp_bytes_out=sent, dp_dense_bytes=dense)
+        info = pb.PeerInfo(
+            peer_id=pid,
+            stage=p.stage,
+            address=p.address,
+            state="active",
+            step=10,
+            dp_bytes_out=sent,
+            dp_dense_bytes=dense,
+        )
         t.report(pb.PeerReport(run_id="run-x", peer=info, tokens=500 if pid == "a" else 0))
     s = t.status()
     assert s.dp_compression == pytest.approx(30.0) and s.dp_bytes_per_token == pytest.approx(2000 / 500)
@@ -238,7 +253,9 @@ def test_evaluation_passes_go_to_stage_zero_every_eval_every_steps() -> None:
     assert beat(t, "a", step=50).eval_id == 1
     assert beat(t, "a", step=51).eval_id == 0
     assert math.isnan(t.status().eval_loss) and t.status().eval_step == -1
-    info = pb.PeerInfo(peer_id="b", stage=1, address=t.peers["b"].address, state="active", step=52, eval_id=1, eval_loss=2.5)
+    info = pb.PeerInfo(
+        peer_id="b", stage=1, address=t.peers["b"].address, state="active", step=52, eval_id=1, eval_loss=2.5
+    )
     t.report(pb.PeerReport(run_id="run-x", peer=info, tokens=0))
     s = t.status()
     assert (s.eval_loss, s.eval_step) == (2.5, 50)
@@ -247,17 +264,34 @@ def test_evaluation_passes_go_to_stage_zero_every_eval_every_steps() -> None:
 def test_averaging_suspects_are_named_by_run_peer_id_and_counted() -> None:
     t, _ = make()
     for pid, hid in (("a", "12D3KooWA"), ("b", "12D3KooWB")):
-        t.join(pb.JoinRequest(peer_id=pid, grpc_address="h:1", **build_fields(), dht_maddrs=[f"/ip4/127.0.0.1/tcp/1/p2p/{hid}"]))
+        t.join(
+            pb.JoinRequest(
+                peer_id=pid, grpc_address="h:1", **build_fields(), dht_maddrs=[f"/ip4/127.0.0.1/tcp/1/p2p/{hid}"]
+            )
+        )
     t.peers["b"].stage = 0  # one stage group
-    info = pb.PeerInfo(peer_id="a", stage=0, state="active", dp_suspects=["12D3KooWB: its update points against the rest of the group (cosine -0.93)", "12D3KooWZ: sent NaN or Inf"])
+    info = pb.PeerInfo(
+        peer_id="a",
+        stage=0,
+        state="active",
+        dp_suspects=[
+            "12D3KooWB: its update points against the rest of the group (cosine -0.93)",
+            "12D3KooWZ: sent NaN or Inf",
+        ],
+    )
     t.report(pb.PeerReport(run_id="run-x", peer=info))
     beat(t, "b")
     peers = {p.peer_id: p for p in t.status().peers}
-    assert list(peers["a"].dp_suspects) == ["b: its update points against the rest of the group (cosine -0.93)", "unknown DHT peer 12D3KooWZ: sent NaN or Inf"]
+    assert list(peers["a"].dp_suspects) == [
+        "b: its update points against the rest of the group (cosine -0.93)",
+        "unknown DHT peer 12D3KooWZ: sent NaN or Inf",
+    ]
     assert (peers["b"].dp_flagged, peers["a"].dp_flagged) == (1, 0)
     t.peers["b"].key = bytes(range(32)).hex()
     t.ban("b", "sign-flipped updates")
-    assert list(beat(t, "a").banned_dht) == ["12D3KooWB"]  # stage mates refuse rounds that include its averaging process
+    assert list(beat(t, "a").banned_dht) == [
+        "12D3KooWB"
+    ]  # stage mates refuse rounds that include its averaging process
 
 
 def test_a_peer_gets_only_a_stage_its_memory_fits() -> None:
@@ -267,15 +301,26 @@ def test_a_peer_gets_only_a_stage_its_memory_fits() -> None:
     gib = 2**30
 
     def ask(pid: str, memory_gib: float, needs_gib: list[float]) -> pb.Assignment:
-        return t.join(pb.JoinRequest(peer_id=pid, grpc_address=f"h:{len(t.peers)}", **build_fields(), device="cuda:0 Test GPU bf16",
-                                     memory_bytes=int(memory_gib * gib), stage_memory_bytes=[int(n * gib) for n in needs_gib]))
+        return t.join(
+            pb.JoinRequest(
+                peer_id=pid,
+                grpc_address=f"h:{len(t.peers)}",
+                **build_fields(),
+                device="cuda:0 Test GPU bf16",
+                memory_bytes=int(memory_gib * gib),
+                stage_memory_bytes=[int(n * gib) for n in needs_gib],
+            )
+        )
 
     needs = [9.0, 6.0, 12.0]  # the embeddings and the head make the ends heavier
     assert ask("small", 8.0, needs).stage == 1  # fits stage 1 only, though stages 0 and 2 are empty
     assert ask("mid", 10.0, needs).stage == 0  # fits 0 and 1; stage 0 is emptier
     assert ask("big", 24.0, needs).stage == 2
     assert join(t, "no-plan").stage in (0, 1, 2)  # an old peer without a plan: any stage
-    with pytest.raises(JoinRefused, match=r"tiny on cuda:0 Test GPU bf16: 4.0 GiB, the smallest stage \(stage 1\) needs 6.0 GiB.*activation_checkpointing"):
+    with pytest.raises(
+        JoinRefused,
+        match=r"tiny on cuda:0 Test GPU bf16: 4.0 GiB, the smallest stage \(stage 1\) needs 6.0 GiB.*activation_checkpointing",
+    ):
         ask("tiny", 4.0, needs)
     with pytest.raises(JoinRefused, match="3 stages"):
         ask("wrong", 4.0, [1.0])
@@ -348,9 +393,18 @@ def test_an_honest_tiny_stage_may_claim_more_capacity_than_the_pipeline_steps() 
     t = Tracker("run-x", cfg, peer_timeout_s=30.0, clock=clock)
     join(t, "a"), join(t, "b")
     per_step = cfg.pipeline.micro_batches * cfg.pipeline.micro_batch_size * cfg.pipeline.seq_len
-    for step, capacity, taken in ((1, 150.0 * per_step, 150.0 * per_step), (2, 2000.0 * per_step, MAX_CAPACITY_FACTOR * MAX_STEPS_PER_S * per_step)):
+    for step, capacity, taken in (
+        (1, 150.0 * per_step, 150.0 * per_step),
+        (2, 2000.0 * per_step, MAX_CAPACITY_FACTOR * MAX_STEPS_PER_S * per_step),
+    ):
         clock.t += 1.0
-        t.report(pb.PeerReport(run_id="run-x", peer=pb.PeerInfo(peer_id="a", stage=0, state="active", step=step, capacity_tokens_per_s=capacity), tokens=step * per_step))
+        t.report(
+            pb.PeerReport(
+                run_id="run-x",
+                peer=pb.PeerInfo(peer_id="a", stage=0, state="active", step=step, capacity_tokens_per_s=capacity),
+                tokens=step * per_step,
+            )
+        )
         assert t.peers["a"].capacity == taken and t.peers["a"].step == step and t.peers["a"].refused_reports == 0
 
 
@@ -369,7 +423,14 @@ def test_a_run_that_stalled_takes_its_members_reports_again_when_it_moves() -> N
     def both(step: int, capacity: float, rate: float) -> pb.Directive:
         out = None
         for pid in ("a", "b"):
-            info = pb.PeerInfo(peer_id=pid, stage=t.peers[pid].stage, state="active", step=step, capacity_tokens_per_s=capacity, tokens_per_s=rate)
+            info = pb.PeerInfo(
+                peer_id=pid,
+                stage=t.peers[pid].stage,
+                state="active",
+                step=step,
+                capacity_tokens_per_s=capacity,
+                tokens_per_s=rate,
+            )
             out = t.report(pb.PeerReport(run_id="run-x", peer=info, tokens=step * 256))
         return out
 
@@ -401,7 +462,11 @@ def test_directives_and_join_replies_carry_the_newest_issued_anchor_id() -> None
 def test_directives_list_the_stage_groups_hivemind_ids() -> None:
     t, _ = make(stages=2)
     for pid, hid in (("a", "QmA"), ("b", "QmB"), ("c", "QmC")):
-        t.join(pb.JoinRequest(peer_id=pid, grpc_address=f"h:{pid}", **build_fields(), dht_maddrs=[f"/ip4/1.2.3.4/tcp/1/p2p/{hid}"]))
+        t.join(
+            pb.JoinRequest(
+                peer_id=pid, grpc_address=f"h:{pid}", **build_fields(), dht_maddrs=[f"/ip4/1.2.3.4/tcp/1/p2p/{hid}"]
+            )
+        )
     stage_of = {pid: t.peers[pid].stage for pid in "abc"}
     d = beat(t, "a")
     assert set(d.member_dht) == {f"Qm{p.upper()}" for p in "abc" if stage_of[p] == stage_of["a"]}
@@ -454,16 +519,33 @@ def test_a_peer_s_startup_time_reaches_the_status_and_nonsense_does_not() -> Non
     t = Tracker("run-x", TrainConfig(model=ModelConfig(num_stages=2, num_layers=4)), peer_timeout_s=30.0, clock=clock)
     join(t, "a")
     for sent, shown in ((12.5, 12.5), (float("nan"), 0.0), (-3.0, 0.0), (1e12, 0.0)):
-        t.report(pb.PeerReport(run_id="run-x", peer=pb.PeerInfo(peer_id="a", stage=0, state="active", step=1, startup_s=sent), tokens=0))
+        t.report(
+            pb.PeerReport(
+                run_id="run-x", peer=pb.PeerInfo(peer_id="a", stage=0, state="active", step=1, startup_s=sent), tokens=0
+            )
+        )
         assert t.status().peers[0].startup_s == shown
 
 
 def test_a_peer_s_startup_phases_reach_the_status_bounded() -> None:
     t = Tracker("run-x", TrainConfig(model=ModelConfig(num_stages=2, num_layers=4)), peer_timeout_s=30.0, clock=Clock())
     join(t, "a")
-    sent = [pb.StartupPhase(name="imports", seconds=4.0), pb.StartupPhase(name="dht", seconds=float("nan")), pb.StartupPhase(name="x" * 500, seconds=-1.0),
-            *[pb.StartupPhase(name=f"p{i}", seconds=0.5) for i in range(40)]]
-    t.report(pb.PeerReport(run_id="run-x", peer=pb.PeerInfo(peer_id="a", stage=0, state="active", step=1, startup_s=9.0, startup_phases=sent), tokens=0))
+    sent = [
+        pb.StartupPhase(name="imports", seconds=4.0),
+        pb.StartupPhase(name="dht", seconds=float("nan")),
+        pb.StartupPhase(name="x" * 500, seconds=-1.0),
+        *[pb.StartupPhase(name=f"p{i}", seconds=0.5) for i in range(40)],
+    ]
+    t.report(
+        pb.PeerReport(
+            run_id="run-x",
+            peer=pb.PeerInfo(peer_id="a", stage=0, state="active", step=1, startup_s=9.0, startup_phases=sent),
+            tokens=0,
+        )
+    )
     shown = t.status().peers[0].startup_phases
-    assert [(p.name, p.seconds) for p in shown[:2]] == [("imports", 4.0), ("p0", 0.5)]  # NaN and negative seconds dropped
+    assert [(p.name, p.seconds) for p in shown[:2]] == [
+        ("imports", 4.0),
+        ("p0", 0.5),
+    ]  # NaN and negative seconds dropped
     assert len(shown) == 14  # of the first 16 sent, the two nonsense ones dropped

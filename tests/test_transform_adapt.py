@@ -74,12 +74,15 @@ def test_fewer_bits_cost_fewer_bytes_and_more_error_and_decode_where_the_receive
     assert errors[0] < errors[1] < errors[2] < 0.5, errors
 
 
-@pytest.mark.parametrize("row_bits, floor, match", [
-    (72, None, r"row_bits=72: .*none \(this run does not adapt"),  # the receiver does not adapt
-    (48, 60, r"row_bits=48: .*in \[60, 96\)"),  # below its floor
-    (73, 48, r"row_bits=73: .*multiples of 48/8"),  # off the grid
-    (102, 48, r"row_bits=102: .*in \[48, 96\)"),  # above the coder's own bits
-])
+@pytest.mark.parametrize(
+    "row_bits, floor, match",
+    [
+        (72, None, r"row_bits=72: .*none \(this run does not adapt"),  # the receiver does not adapt
+        (48, 60, r"row_bits=48: .*in \[60, 96\)"),  # below its floor
+        (73, 48, r"row_bits=73: .*multiples of 48/8"),  # off the grid
+        (102, 48, r"row_bits=102: .*in \[48, 96\)"),  # above the coder's own bits
+    ],
+)
 def test_a_budget_the_receiver_would_not_send_is_refused(row_bits: int, floor: int | None, match: str) -> None:
     state = learner_state(bits=2.0)
     x = correlated(2, seed=6)
@@ -94,14 +97,32 @@ def test_a_budget_the_receiver_would_not_send_is_refused(row_bits: int, floor: i
 def test_the_floor_is_min_keep_on_the_grid_and_grad_min_bits_for_gradients() -> None:
     links = TransformLinks(MaskConfig(scheme="transform", bits=3.0, grad_bits=1.0, min_keep=0.6), H, True, True)
     assert links.min_row_bits("forward") == 90  # 0.6 of 144 bits is 86.4: up to the grid of H/8 = 6 bits
-    assert links.min_row_bits("backward") is None  # 1-bit gradients at the default floor (grad_min_bits 1) cannot send fewer
-    low = TransformLinks(MaskConfig(scheme="transform", bits=3.0, grad_bits=1.0, min_keep=0.6, grad_min_bits=0.125), H, True, True)
+    assert (
+        links.min_row_bits("backward") is None
+    )  # 1-bit gradients at the default floor (grad_min_bits 1) cannot send fewer
+    low = TransformLinks(
+        MaskConfig(scheme="transform", bits=3.0, grad_bits=1.0, min_keep=0.6, grad_min_bits=0.125), H, True, True
+    )
     assert low.min_row_bits("backward") == 30  # 0.6 of 48 is 28.8: min_keep rules once grad_min_bits allows it
     both = TransformLinks(MaskConfig(scheme="transform", bits=2.0, grad_bits=2.0, min_keep=0.25), H, True, True)
-    assert (both.min_row_bits("forward"), both.min_row_bits("backward")) == (H // 2, H)  # activations to half a bit per value, gradients to one
-    assert TransformLinks(MaskConfig(scheme="transform", bits=2.0, grad_bits=2.0, min_keep=0.1, grad_min_bits=0.3), H, True, True).min_row_bits("backward") == 18  # 0.3 up to the grid (0.375) above min_keep's 0.2 (0.25)
-    assert TransformLinks(MaskConfig(scheme="transform", bits=2.0, min_keep=0.01), H, True, False).min_row_bits("forward") == H // 8  # one grid step
-    assert TransformLinks(MaskConfig(scheme="transform", bits=2.0, adapt=False), H, True, False).min_row_bits("forward") is None
+    assert (both.min_row_bits("forward"), both.min_row_bits("backward")) == (
+        H // 2,
+        H,
+    )  # activations to half a bit per value, gradients to one
+    assert (
+        TransformLinks(
+            MaskConfig(scheme="transform", bits=2.0, grad_bits=2.0, min_keep=0.1, grad_min_bits=0.3), H, True, True
+        ).min_row_bits("backward")
+        == 18
+    )  # 0.3 up to the grid (0.375) above min_keep's 0.2 (0.25)
+    assert (
+        TransformLinks(MaskConfig(scheme="transform", bits=2.0, min_keep=0.01), H, True, False).min_row_bits("forward")
+        == H // 8
+    )  # one grid step
+    assert (
+        TransformLinks(MaskConfig(scheme="transform", bits=2.0, adapt=False), H, True, False).min_row_bits("forward")
+        is None
+    )
 
 
 def test_below_a_bit_per_value_the_weakest_components_go_unsent_and_decode_to_their_mean() -> None:
@@ -110,10 +131,14 @@ def test_below_a_bit_per_value_the_weakest_components_go_unsent_and_decode_to_th
     assert int(half.bits.sum()) == H // 2 and int((half.bits == 0).sum()) > 0
     assert float(state.std[half.bits == 0].max()) <= float(state.std[half.bits > 0].min())  # the weakest ones
     x = correlated(6, seed=7)
-    fwd = dict(KEY, channel="forward", msg_stats=True)  # activations: below a bit per value the same weakest components every message
+    fwd = dict(
+        KEY, channel="forward", msg_stats=True
+    )  # activations: below a bit per value the same weakest components every message
     msg = tw.encode(state, x, sink=1, stochastic=False, row_bits=H // 2, **fwd)
     out = tw.decode(msg, state, expect_shape=tuple(x.shape), sink=1, min_row_bits=H // 2, **fwd)
-    full = tw.decode(tw.encode(state, x, sink=1, stochastic=False, **fwd), state, expect_shape=tuple(x.shape), sink=1, **fwd)
+    full = tw.decode(
+        tw.encode(state, x, sink=1, stochastic=False, **fwd), state, expect_shape=tuple(x.shape), sink=1, **fwd
+    )
     assert _rel(full[:, 1:], x[:, 1:]) < _rel(out[:, 1:], x[:, 1:]) < 0.5
     # an unsent component decodes to the message's own mean of it
     rows = out[:, 1:].reshape(-1, H) - state.mean
@@ -127,7 +152,15 @@ def test_a_slow_link_sends_fewer_bits_both_ways_and_the_pipeline_still_learns() 
     stage 0 (backward) are slow, the one into stage 2 fast. The slow ones drop to their floors
     (half a bit per value each way), the fast one keeps two, every message decodes, and the loss falls."""
     model = MODEL.__class__(**{**MODEL.__dict__, "num_stages": 3, "num_layers": 3})
-    mask = MaskConfig(scheme="transform", bits=2.0, grad_bits=2.0, grad_outliers=0.0, basis_refresh=4, min_keep=0.25, grad_min_bits=0.5)
+    mask = MaskConfig(
+        scheme="transform",
+        bits=2.0,
+        grad_bits=2.0,
+        grad_outliers=0.0,
+        basis_refresh=4,
+        min_keep=0.25,
+        grad_min_bits=0.5,
+    )
     cfg = TrainConfig(model=model, pipeline=PIPE, steps=12, optim=OptimConfig(lr=3e-3), mask=mask)
     links = SlowLinks({(1, "forward"): 1.0, (0, "backward"): 1.0, (2, "forward"): 1e12, (1, "backward"): 1e12})
     runner = LocalPipelineRunner(cfg, load_causal_lm(model, seed=3), windows, transport=links)
@@ -138,7 +171,12 @@ def test_a_slow_link_sends_fewer_bits_both_ways_and_the_pipeline_still_learns() 
     assert s1.keep_sent == {(2, 0): 1.0, (0, 0): 0.25}  # forward fast, backward slow: at the floor
     assert s2.keep_sent == {(1, 0): 1.0}  # its gradients into stage 1: a fast link
     # what the receivers decoded: the run's bits (0) until the first step timed the compute, then the floor
-    assert links.row_bits == {(1, "forward"): {0, H_TOY // 2}, (0, "backward"): {0, H_TOY // 2}, (2, "forward"): {0}, (1, "backward"): {0}}
+    assert links.row_bits == {
+        (1, "forward"): {0, H_TOY // 2},
+        (0, "backward"): {0, H_TOY // 2},
+        (2, "forward"): {0},
+        (1, "backward"): {0},
+    }
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3, losses
 
 
@@ -155,7 +193,9 @@ def test_a_fast_link_sends_the_run_s_bits_even_off_the_grid() -> None:
     stage0 = SimpleNamespace(index=0, is_last=False, hidden_size=H, vocab_size=256)
     link = TransformLink(mask, stage0, CPU_FP32, SlowLinks({(1, "forward"): 1e12, (2, "forward"): 20.0}), clock)
     assert link.row_bits_for((1, 0), "forward", (2, 9, H), 0) == 110
-    assert link.row_bits_for((2, 0), "forward", (2, 9, H), 0) == 30  # 20 B/s carries nothing: the floor, 0.25 of 110 up to the grid
+    assert (
+        link.row_bits_for((2, 0), "forward", (2, 9, H), 0) == 30
+    )  # 20 B/s carries nothing: the floor, 0.25 of 110 up to the grid
     assert link.keep_sent == {(1, 0): 1.0, (2, 0): 30 / 110}
 
 
@@ -197,13 +237,28 @@ def test_a_gradient_below_a_bit_per_value_leaves_out_other_directions_every_mess
     for mb in range(300):
         key = dict(boundary=0, step=1, micro_batch=mb)
         msg = tw.encode(state, x, sink=0, stochastic=False, dither=True, row_bits=quarter, **key)
-        sums["shuffled"] += tw.decode(msg, state, expect_shape=tuple(x.shape), sink=0, dither=True, min_row_bits=quarter, **key)
+        sums["shuffled"] += tw.decode(
+            msg, state, expect_shape=tuple(x.shape), sink=0, dither=True, min_row_bits=quarter, **key
+        )
         seed = tw._rounding_seed(0, 1, mb)  # the same budget without the permutation: TransformState's own path
         low = state.at_budget(quarter)
         sums["fixed"] += low.decode(low.encode(x, 0, dither_seed=seed), *x.shape[:2], 0, dither_seed=seed)
-    cos = {k: float(torch.nn.functional.cosine_similarity(v.reshape(-1, H), x.reshape(-1, H)).min()) for k, v in sums.items()}
+    cos = {
+        k: float(torch.nn.functional.cosine_similarity(v.reshape(-1, H), x.reshape(-1, H)).min())
+        for k, v in sums.items()
+    }
     assert cos["shuffled"] > 0.97 and cos["fixed"] < 0.7, cos  # sqrt(1/4) of a row's energy survives a fixed projection
     # and the receiver refuses a gradient budget below the floor, as for activations
     msg = tw.encode(state, x, sink=0, stochastic=False, dither=True, row_bits=H // 8, boundary=0, step=1, micro_batch=0)
     with pytest.raises(WireError, match="Compression.row_bits"):
-        tw.decode(msg, state, expect_shape=tuple(x.shape), sink=0, dither=True, min_row_bits=quarter, boundary=0, step=1, micro_batch=0)
+        tw.decode(
+            msg,
+            state,
+            expect_shape=tuple(x.shape),
+            sink=0,
+            dither=True,
+            min_row_bits=quarter,
+            boundary=0,
+            step=1,
+            micro_batch=0,
+        )

@@ -49,7 +49,9 @@ def test_allocation_is_the_greedy_reverse_water_filling() -> None:
     bits = allocate(var, 100)
     naive = torch.zeros(40, dtype=torch.long)  # one bit at a time, where it removes the most error
     for _ in range(100):
-        gain = torch.tensor([float(var[i]) * (MSE[int(b)] - MSE[min(int(b) + 1, 8)]) if b < 8 else -1.0 for i, b in enumerate(naive)])
+        gain = torch.tensor(
+            [float(var[i]) * (MSE[int(b)] - MSE[min(int(b) + 1, 8)]) if b < 8 else -1.0 for i, b in enumerate(naive)]
+        )
         naive[int(gain.argmax())] += 1
     assert int(bits.sum()) == 100
     assert torch.equal(bits, naive)
@@ -66,7 +68,11 @@ def test_error_falls_with_bits_and_the_sink_travels_in_bf16() -> None:
         torch.testing.assert_close(y[:, 0], x[:, 0].bfloat16().float())
     assert errs == sorted(errs, reverse=True) and errs[-1] < 0.05, errs
     state = learner_state(3.0)
-    assert len(state.encode(x, sink=1)) == state.payload_bytes(4, 17, 1) == 4 * H * 2 + 4 * 16 * 2 + math.ceil(4 * 16 * int(state.bits.sum()) / 8)
+    assert (
+        len(state.encode(x, sink=1))
+        == state.payload_bytes(4, 17, 1)
+        == 4 * H * 2 + 4 * 16 * 2 + math.ceil(4 * 16 * int(state.bits.sum()) / 8)
+    )
 
 
 def test_stochastic_rounding_is_unbiased_where_components_have_bits() -> None:
@@ -77,7 +83,12 @@ def test_stochastic_rounding_is_unbiased_where_components_have_bits() -> None:
     x = correlated(2, seed=5)
     resid = x[:, 1:] - state.mean
     floor = float((resid - resid @ state.rotation @ state.rotation.T).norm())
-    mean = torch.stack([state.decode(state.encode(x, 1, stochastic=True, generator=torch.Generator().manual_seed(i)), 2, 17, 1) for i in range(300)]).mean(0)
+    mean = torch.stack(
+        [
+            state.decode(state.encode(x, 1, stochastic=True, generator=torch.Generator().manual_seed(i)), 2, 17, 1)
+            for i in range(300)
+        ]
+    ).mean(0)
     nearest = state.decode(state.encode(x, 1), 2, 17, 1)
     assert float((mean - x)[:, 1:].norm()) < 1.1 * floor < 1.1 / 1.3 * float((nearest - x)[:, 1:].norm())
     assert floor < 0.02 * float(resid.norm())  # int8 columns: about 1 % of the signal
@@ -89,7 +100,9 @@ def test_the_learner_fits_early_refits_once_it_spans_every_direction_then_on_its
     assert learner.maybe_refresh(0) is None  # 7 rows < H / 4: dense until then
     learner.observe(correlated(1), sink=1)
     first = learner.maybe_refresh(0)
-    assert first.version == 1 and int(first.bits.min()) == 1  # every direction gets a bit, even those 23 rows do not span
+    assert (
+        first.version == 1 and int(first.bits.min()) == 1
+    )  # every direction gets a bit, even those 23 rows do not span
     assert learner.maybe_refresh(1) is None
     learner.observe(correlated(10), sink=1)
     assert learner.maybe_refresh(1).version == 2  # 2 H rows now: refit before the cadence
@@ -116,7 +129,12 @@ def test_the_gradient_coder_is_a_fixed_random_rotation_with_even_bits() -> None:
     x = torch.randn(2, 40, H, generator=g) * torch.logspace(-6, -3, H)  # a lopsided, tiny gradient
     z = (x.reshape(-1, H) / x.reshape(-1, H).pow(2).mean(1, keepdim=True).sqrt()) @ state.rotation
     assert 0.7 < float(z.var()) < 1.3
-    mean = torch.stack([state.decode(state.encode(x, 0, stochastic=True, generator=torch.Generator().manual_seed(i)), 2, 40, 0) for i in range(200)]).mean(0)
+    mean = torch.stack(
+        [
+            state.decode(state.encode(x, 0, stochastic=True, generator=torch.Generator().manual_seed(i)), 2, 40, 0)
+            for i in range(200)
+        ]
+    ).mean(0)
     one = state.decode(state.encode(x, 0, stochastic=True, generator=torch.Generator().manual_seed(0)), 2, 40, 0)
     assert float((mean - x).norm()) < 0.75 * float((one - x).norm())
 
@@ -133,13 +151,17 @@ def test_subtractive_dither_halves_stochastic_rounding_s_error_and_stays_unbiase
     def rel(d: torch.Tensor) -> float:
         return float(((d - x) ** 2).mean() / (x**2).mean())
 
-    stochastic = rel(state.decode(state.encode(x, 0, stochastic=True, generator=torch.Generator().manual_seed(0)), 2, 40, 0))
+    stochastic = rel(
+        state.decode(state.encode(x, 0, stochastic=True, generator=torch.Generator().manual_seed(0)), 2, 40, 0)
+    )
     payload = state.encode(x, 0, dither_seed=11)
     assert len(payload) == state.payload_bytes(2, 40, 0)
     dithered = rel(state.decode(payload, 2, 40, 0, dither_seed=11))
     assert 0.35 < dithered / stochastic < 0.65, (dithered, stochastic)
     assert rel(state.decode(payload, 2, 40, 0, dither_seed=12)) > 2 * dithered
-    mean = torch.stack([state.decode(state.encode(x, 0, dither_seed=i), 2, 40, 0, dither_seed=i) for i in range(200)]).mean(0)
+    mean = torch.stack(
+        [state.decode(state.encode(x, 0, dither_seed=i), 2, 40, 0, dither_seed=i) for i in range(200)]
+    ).mean(0)
     assert rel(mean) < 0.05 * dithered
 
 
@@ -151,7 +173,9 @@ def test_dither_offsets_are_uniform_and_fixed_by_seed_row_and_column() -> None:
     u = dither(2**40 + 5, 5000, cols, H)
     assert u.shape == (5000, 3) and float(u.min()) >= 0.0 and float(u.max()) < 1.0
     assert abs(float(u.mean()) - 0.5) < 0.01 and abs(float(u.var()) - 1 / 12) < 0.003
-    assert torch.equal(u[:, 1], dither(2**40 + 5, 5000, torch.tensor([7]), H)[:, 0])  # a column's offsets do not depend on the others
+    assert torch.equal(
+        u[:, 1], dither(2**40 + 5, 5000, torch.tensor([7]), H)[:, 0]
+    )  # a column's offsets do not depend on the others
     assert not torch.equal(u, dither(2**40 + 6, 5000, cols, H)) and not torch.equal(u, dither(5, 5000, cols, H))
 
 
@@ -166,7 +190,11 @@ def test_both_ends_of_a_link_dither_by_the_run_s_config_and_a_run_trains() -> No
         mask = MaskConfig(scheme="transform", grad_bits=2.0, grad_rounding=rounding, grad_step_scale=2.0)
         producer, consumer = TransformLinks(mask, 32, False, True), TransformLinks(mask, 32, True, False)
         payload, coder = producer.encode("backward", x, "stage0.r0", boundary=0, step=3, micro_batch=1)
-        msg = pb.GradientChunk(header=pb.MicroBatchHeader(sender="stage1.r0", step=3, micro_batch_id=1, boundary=0), grad=payload, coder=coder)
+        msg = pb.GradientChunk(
+            header=pb.MicroBatchHeader(sender="stage1.r0", step=3, micro_batch_id=1, boundary=0),
+            grad=payload,
+            coder=coder,
+        )
         got = consumer.decode(msg, expect_shape=(4, 16, 32), boundary=0, step=3, micro_batch=1)
         err[rounding] = float(((got - x) ** 2).mean() / (x**2).mean())
     assert 0.35 < err["dither"] / err["stochastic"] < 0.65, err
@@ -177,13 +205,21 @@ def test_both_ends_of_a_link_dither_by_the_run_s_config_and_a_run_trains() -> No
 
     losses = {}
     for rounding in ("stochastic", "dither"):
-        cfg = TrainConfig(model=MODEL, pipeline=PIPE, optim=OptimConfig(lr=1e-2), steps=8, mask=MaskConfig(scheme="transform", grad_rounding=rounding))
+        cfg = TrainConfig(
+            model=MODEL,
+            pipeline=PIPE,
+            optim=OptimConfig(lr=1e-2),
+            steps=8,
+            mask=MaskConfig(scheme="transform", grad_rounding=rounding),
+        )
         runner = LocalPipelineRunner(cfg, load_causal_lm(MODEL, seed=0), windows)
         losses[rounding] = [r.loss for r in runner.run(8)]
         runner.close()
     assert all(math.isfinite(v) for v in losses["dither"])
     assert losses["dither"][-1] < losses["dither"][0]
-    assert losses["dither"][0] == pytest.approx(losses["stochastic"][0])  # the first forward is the same: only gradients differ
+    assert losses["dither"][0] == pytest.approx(
+        losses["stochastic"][0]
+    )  # the first forward is the same: only gradients differ
 
 
 def test_the_gradients_step_width_travels_with_their_coder() -> None:
@@ -195,12 +231,26 @@ def test_the_gradients_step_width_travels_with_their_coder() -> None:
     x = torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(5))
     err = {}
     for scale in (1.0, 2.0):
-        producer = TransformLinks(MaskConfig(scheme="transform", grad_bits=1.0, grad_rounding="dither", grad_step_scale=scale), 32, False, True)
-        consumer = TransformLinks(MaskConfig(scheme="transform", grad_bits=1.0, grad_rounding="dither"), 32, True, False)  # its own scale: the default
+        producer = TransformLinks(
+            MaskConfig(scheme="transform", grad_bits=1.0, grad_rounding="dither", grad_step_scale=scale),
+            32,
+            False,
+            True,
+        )
+        consumer = TransformLinks(
+            MaskConfig(scheme="transform", grad_bits=1.0, grad_rounding="dither"), 32, True, False
+        )  # its own scale: the default
         payload, coder = producer.encode("backward", x, "stage0.r0", boundary=0, step=2, micro_batch=0)
         assert coder.run_rotation and not coder.HasField("rotation")  # the run's rotation: each end makes it
-        assert torch.equal(tw.coder_from_proto(coder, 32, row_budget(1.0, 32), run_rotation=run_rotation(32, 0)).std, torch.full((32,), scale))
-        msg = pb.GradientChunk(header=pb.MicroBatchHeader(sender="stage1.r0", step=2, micro_batch_id=0, boundary=0), grad=payload, coder=coder)
+        assert torch.equal(
+            tw.coder_from_proto(coder, 32, row_budget(1.0, 32), run_rotation=run_rotation(32, 0)).std,
+            torch.full((32,), scale),
+        )
+        msg = pb.GradientChunk(
+            header=pb.MicroBatchHeader(sender="stage1.r0", step=2, micro_batch_id=0, boundary=0),
+            grad=payload,
+            coder=coder,
+        )
         got = consumer.decode(msg, expect_shape=(4, 16, 32), boundary=0, step=2, micro_batch=0)
         err[scale] = float(((got - x) ** 2).mean() / (x**2).mean())
     assert 0.35 < err[1.0] / err[2.0] < 0.65, err
@@ -227,8 +277,12 @@ def test_activations_dither_by_mask_act_rounding_with_their_own_offsets() -> Non
     assert 0.6 < dithered / nearest < 1.6, (dithered, nearest)
     assert rel(roundtrip(3, True, decode_as="backward")) > 1.5 * dithered
     mean = torch.stack([roundtrip(step, True) for step in range(100)]).mean(0)
-    assert rel(mean) < 0.5 * nearest  # unbiased inside the range (what is left: clipped values); nearest rounding's error never averages out
-    links = TransformLinks(MaskConfig(scheme="transform", act_rounding="dither", grad_rounding="stochastic"), H, True, True)
+    assert (
+        rel(mean) < 0.5 * nearest
+    )  # unbiased inside the range (what is left: clipped values); nearest rounding's error never averages out
+    links = TransformLinks(
+        MaskConfig(scheme="transform", act_rounding="dither", grad_rounding="stochastic"), H, True, True
+    )
     assert links.dithers("forward") and not links.dithers("backward")
     with pytest.raises(ConfigError, match="codec.transform.act_rounding"):
         MaskConfig(scheme="transform", act_rounding="stochastic")
@@ -278,7 +332,9 @@ def test_payload_checks() -> None:
     state = learner_state()
     x = correlated(2)
     good = tw.encode(state, x, sink=1, stochastic=False, **KEY)
-    torch.testing.assert_close(tw.decode(good, state, expect_shape=(2, 17, H), sink=1, **KEY), state.decode(good.payload, 2, 17, 1))
+    torch.testing.assert_close(
+        tw.decode(good, state, expect_shape=(2, 17, H), sink=1, **KEY), state.decode(good.payload, 2, 17, 1)
+    )
     warm = tw.encode(None, x, sink=1, stochastic=False, **KEY)
     assert warm.dtype == pb.BFLOAT16 and len(warm.payload) == x.numel() * 2
     torch.testing.assert_close(tw.decode(warm, None, expect_shape=(2, 17, H), sink=1, **KEY), x.bfloat16().float())
@@ -333,7 +389,13 @@ def test_the_link_warms_up_dense_then_codes_and_a_bad_coder_changes_nothing() ->
     def windows(step: int, replica: int, j: int) -> torch.Tensor:
         return torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(10 * step + j))
 
-    cfg = TrainConfig(model=MODEL, pipeline=PIPE, optim=OptimConfig(lr=1e-3), steps=6, mask=MaskConfig(scheme="transform", bits=2.0, grad_bits=1.0, basis_refresh=3))
+    cfg = TrainConfig(
+        model=MODEL,
+        pipeline=PIPE,
+        optim=OptimConfig(lr=1e-3),
+        steps=6,
+        mask=MaskConfig(scheme="transform", bits=2.0, grad_bits=1.0, basis_refresh=3),
+    )
     runner = LocalPipelineRunner(cfg, load_causal_lm(MODEL, seed=0), windows)
     send = runner.transport.send
 
@@ -349,7 +411,9 @@ def test_the_link_warms_up_dense_then_codes_and_a_bad_coder_changes_nothing() ->
         kinds = [k for c, k, _ in seen if c == channel]
         assert set(kinds) == {pb.Compression.TRANSFORM}  # the first micro-batch has >= H / 4 rows: no dense warm-up
     forward = [v for c, _, v in seen if c == "forward" and v]
-    assert forward == sorted(set(forward)) and len(forward) >= 2, forward  # each version once: early fit(s), then every 3 steps
+    assert forward == sorted(set(forward)) and len(forward) >= 2, (
+        forward
+    )  # each version once: early fit(s), then every 3 steps
     assert [v for c, _, v in seen if c == "backward" and v] == [1]  # the gradients' coder: made once, shipped once
 
     receiver = runner.workers[1][0]
@@ -357,9 +421,13 @@ def test_the_link_warms_up_dense_then_codes_and_a_bad_coder_changes_nothing() ->
     weights = {n: p.detach().clone() for n, p in receiver.stage.named_parameters()}
     sender = runner.workers[0][0].link.links
     state = sender.learners["forward"].current
-    msg = pb.ActivationChunk(header=pb.MicroBatchHeader(run_id=receiver.run_id, step=6, micro_batch_id=0, sender="stage0.r0", boundary=0))
+    msg = pb.ActivationChunk(
+        header=pb.MicroBatchHeader(run_id=receiver.run_id, step=6, micro_batch_id=0, sender="stage0.r0", boundary=0)
+    )
     msg.token_ids.CopyFrom(tw.tensor_to_proto(windows(6, 0, 0).to(torch.uint8)))
-    msg.hidden.CopyFrom(tw.encode(state, torch.randn(4, 16, 32), sink=1, stochastic=False, boundary=0, step=6, micro_batch=0))
+    msg.hidden.CopyFrom(
+        tw.encode(state, torch.randn(4, 16, 32), sink=1, stochastic=False, boundary=0, step=6, micro_batch=0)
+    )
     broken = tw.coder_to_proto(state)
     broken.version = state.version + 1
     broken.bits = bytes([8] * 32)
@@ -369,7 +437,6 @@ def test_the_link_warms_up_dense_then_codes_and_a_bad_coder_changes_nothing() ->
     assert {k: dict(v) for k, v in receiver.link.links.coders.items()} == before
     assert all(torch.equal(p, weights[n]) for n, p in receiver.stage.named_parameters())
     runner.close()
-
 
 
 def test_a_gain_that_overflows_once_decoded_is_refused() -> None:
@@ -424,14 +491,18 @@ def test_activations_may_carry_their_own_statistics() -> None:
     assert rel(state.decode(payload, 3, 20, 1, msg_stats=True)) < 0.5 * coder_err
     n_head, rows = 3 * 1 * H * 2, 3 * 19
     bad = bytearray(payload)
-    bad[n_head + 2 * rows + 2 * H : n_head + 2 * rows + 2 * H + 2] = torch.tensor([-1.0], dtype=torch.bfloat16).view(torch.int16).numpy().tobytes()
+    bad[n_head + 2 * rows + 2 * H : n_head + 2 * rows + 2 * H + 2] = (
+        torch.tensor([-1.0], dtype=torch.bfloat16).view(torch.int16).numpy().tobytes()
+    )
     with pytest.raises(WireError, match="stds"):
         state.check(bytes(bad), 3, 20, 1, msg_stats=True)
     mask = MaskConfig(scheme="transform", act_stats="message")
     producer, consumer = TransformLinks(mask, H, True, False), TransformLinks(mask, H, False, True)
     producer.learners["forward"].current = state
     msg, coder = producer.encode("forward", x, "stage1.r0", boundary=0, step=1, micro_batch=0)
-    chunk = pb.ActivationChunk(header=pb.MicroBatchHeader(sender="stage0.r0", step=1, micro_batch_id=0, boundary=0), hidden=msg, coder=coder)
+    chunk = pb.ActivationChunk(
+        header=pb.MicroBatchHeader(sender="stage0.r0", step=1, micro_batch_id=0, boundary=0), hidden=msg, coder=coder
+    )
     got = consumer.decode(chunk, expect_shape=(3, 20, H), boundary=0, step=1, micro_batch=0)
     assert rel(got) < 0.5 * coder_err and producer.msg_stats("forward") and not producer.msg_stats("backward")
     with pytest.raises(ConfigError, match="codec.transform.act_stats"):
@@ -451,8 +522,12 @@ def test_the_gradients_coder_ships_without_the_run_s_rotation_and_nothing_else_m
     x = torch.randn(2, 8, H, generator=torch.Generator().manual_seed(3))
     payload, coder = producer.encode("backward", x, "stage0.r0", boundary=0, step=1, micro_batch=0)
     full = tw.coder_to_proto(producer.learners["backward"].current)
-    assert coder.ByteSize() < 8 * H and full.ByteSize() > H * H  # mean, stds and bits (4 KB), against the int8 rotation (0.33 MB)
-    msg = pb.GradientChunk(header=pb.MicroBatchHeader(sender="stage1.r0", step=1, micro_batch_id=0, boundary=0), grad=payload, coder=coder)
+    assert (
+        coder.ByteSize() < 8 * H and full.ByteSize() > H * H
+    )  # mean, stds and bits (4 KB), against the int8 rotation (0.33 MB)
+    msg = pb.GradientChunk(
+        header=pb.MicroBatchHeader(sender="stage1.r0", step=1, micro_batch_id=0, boundary=0), grad=payload, coder=coder
+    )
     got = consumer.decode(msg, expect_shape=(2, 8, H), boundary=0, step=1, micro_batch=0)
     shipped = TransformLinks(mask, H, True, False)  # the same coder with its rotation shipped: the same values
     msg_full = pb.GradientChunk(header=msg.header, grad=payload, coder=full)

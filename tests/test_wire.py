@@ -85,7 +85,9 @@ def test_round_trip_property(shape: list[int], dtype: torch.dtype) -> None:
 def test_messages_round_trip() -> None:
     x = torch.randn(2, 3, 4)
     chunk = pb.ActivationChunk(
-        header=pb.MicroBatchHeader(run_id="r", micro_batch_id=9, step=3, sender="p", signature=b"s", boundary=1, dense=True),
+        header=pb.MicroBatchHeader(
+            run_id="r", micro_batch_id=9, step=3, sender="p", signature=b"s", boundary=1, dense=True
+        ),
         hidden=tensor_to_proto(x),
         token_ids=tensor_to_proto(torch.zeros(2, 3, dtype=torch.int64)),
     )

@@ -23,25 +23,38 @@ def golden() -> str:
     g = torch.Generator().manual_seed(0)
     x = (torch.randint(-64, 64, (2, 8, 64), generator=g).float() / 16).contiguous()
     h = hashlib.sha256()
-    for cfg in (MaskConfig(scheme="mask", drop=0.9, values="int8", seed=3), MaskConfig(scheme="mask", drop=0.5, values="fp16", seed=4)):
+    for cfg in (
+        MaskConfig(scheme="mask", drop=0.9, values="int8", seed=3),
+        MaskConfig(scheme="mask", drop=0.5, values="fp16", seed=4),
+    ):
         h.update(MaskCodec(cfg).encode(x, boundary=1, step=2, micro_batch=3).SerializeToString())
     coder = random_coder(64, 64, seed=7)
     h.update(coder.encode(x, sink=1, dither_seed=11))
     h.update(coder.encode(x, sink=1, dither_seed=11, msg_stats=True))
-    h.update(random_coder(64, 128, seed=8).encode(x, sink=0, stochastic=True, generator=torch.Generator().manual_seed(5)))
+    h.update(
+        random_coder(64, 128, seed=8).encode(x, sink=0, stochastic=True, generator=torch.Generator().manual_seed(5))
+    )
     return h.hexdigest()
 
 
 def test_encoded_messages_are_pinned_to_the_wire_version() -> None:
     version, digest = wire_version(), golden()
     assert version.startswith(f"w{WIRE_EPOCH}-") and len(version) == len("w1-") + 10
-    assert version in PINNED, f"the wire version is now {version}: pin it here as PINNED[{version!r}] = {digest!r} (old peers will be refused at Join)"
-    assert PINNED[version] == digest, f"the encoding changed (golden {digest}) but the wire version {version} did not: bump WIRE_EPOCH in peer/wire/version.py, then pin the new version"
+    assert version in PINNED, (
+        f"the wire version is now {version}: pin it here as PINNED[{version!r}] = {digest!r} (old peers will be refused at Join)"
+    )
+    assert PINNED[version] == digest, (
+        f"the encoding changed (golden {digest}) but the wire version {version} did not: bump WIRE_EPOCH in peer/wire/version.py, then pin the new version"
+    )
 
 
 def test_a_join_request_says_what_the_build_is_and_can_run() -> None:
     fields = build_fields()
-    assert fields["wire_version"] == wire_version() and set(codecs()) >= {"mask", "lowrank", "transform"} and fields["codecs"] == codecs()
+    assert (
+        fields["wire_version"] == wire_version()
+        and set(codecs()) >= {"mask", "lowrank", "transform"}
+        and fields["codecs"] == codecs()
+    )
 
 
 def test_a_member_of_another_wire_version_is_refused_on_every_call_naming_both() -> None:

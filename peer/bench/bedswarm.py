@@ -45,10 +45,10 @@ def write_toml(data: dict, path: Path) -> None:
 
 class BedSwarm:
     """Args:
-        bed: a NetBed that is up, with 1 + peers hosts.
-        config: run.toml path (None: the default run).
-        workdir: logs and state go here.
-        threads: torch threads per peer (many peers share few cores).
+    bed: a NetBed that is up, with 1 + peers hosts.
+    config: run.toml path (None: the default run).
+    workdir: logs and state go here.
+    threads: torch threads per peer (many peers share few cores).
     """
 
     def __init__(self, bed: NetBed, config: Path | None, workdir: Path, threads: int = 1) -> None:
@@ -58,19 +58,52 @@ class BedSwarm:
         env = {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
         boot = bed.hosts[0]
         state = workdir / "bootstrap"
-        args = ["bootstrap", "--host", boot.address, "--state-dir", str(state)] + (["--config", str(config)] if config else [])
+        args = ["bootstrap", "--host", boot.address, "--state-dir", str(state)] + (
+            ["--config", str(config)] if config else []
+        )
         self.bootstrap = bed.popen(0, py + args, workdir / "bootstrap.log", env)
         info_path = state / "bootstrap.json"
-        self._wait(lambda: info_path.exists(), 60, "the bootstrap to write bootstrap.json", self.bootstrap, workdir / "bootstrap.log")
+        self._wait(
+            lambda: info_path.exists(),
+            60,
+            "the bootstrap to write bootstrap.json",
+            self.bootstrap,
+            workdir / "bootstrap.log",
+        )
         self.info = json.loads(info_path.read_text())
         self.peers = []
         for h in bed.hosts[1:]:
             log = workdir / f"peer{h.index}.log"
-            argv = py + ["peer", "--initial-peers", self.info["dht_maddrs"][0], "--host", h.address, "--state-dir", str(workdir / f"peer{h.index}")]
-            self.peers.append(bed.popen(h.index, argv, log, {**env, "ANCHORMESH_PEER_ID": f"bed-peer{h.index}", "ANCHORMESH_TOKEN": self.info["token"], "ANCHORMESH_TRACKER_KEY": self.info["tracker_key"]}))
+            argv = py + [
+                "peer",
+                "--initial-peers",
+                self.info["dht_maddrs"][0],
+                "--host",
+                h.address,
+                "--state-dir",
+                str(workdir / f"peer{h.index}"),
+            ]
+            self.peers.append(
+                bed.popen(
+                    h.index,
+                    argv,
+                    log,
+                    {
+                        **env,
+                        "ANCHORMESH_PEER_ID": f"bed-peer{h.index}",
+                        "ANCHORMESH_TOKEN": self.info["token"],
+                        "ANCHORMESH_TRACKER_KEY": self.info["tracker_key"],
+                    },
+                )
+            )
         self.latest: dict | None = None
         self._watch_log = workdir / "status.jsonl"
-        self._watcher = bed.popen(0, py + ["status", "--tracker", self.info["tracker"], "--token", f"@{info_path}", "--json", "--watch"], self._watch_log, env)
+        self._watcher = bed.popen(
+            0,
+            py + ["status", "--tracker", self.info["tracker"], "--token", f"@{info_path}", "--json", "--watch"],
+            self._watch_log,
+            env,
+        )
         self._reader = threading.Thread(target=self._follow, daemon=True)
         self._reader.start()
 
@@ -90,11 +123,19 @@ class BedSwarm:
             time.sleep(0.2)
 
     @staticmethod
-    def _wait(cond: Callable[[], bool], timeout_s: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None) -> None:
+    def _wait(
+        cond: Callable[[], bool],
+        timeout_s: float,
+        what: str,
+        proc: subprocess.Popen | None = None,
+        log: Path | None = None,
+    ) -> None:
         deadline = time.monotonic() + timeout_s
         while not cond():
             if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"waiting for {what}: the process exited ({proc.returncode}); its log:\n{log.read_text()[-3000:] if log else ''}")
+                raise RuntimeError(
+                    f"waiting for {what}: the process exited ({proc.returncode}); its log:\n{log.read_text()[-3000:] if log else ''}"
+                )
             if time.monotonic() > deadline:
                 raise TimeoutError(f"waited {timeout_s:.0f}s for {what}; logs in {Path(log).parent if log else '?'}")
             time.sleep(0.2)
@@ -104,5 +145,11 @@ class BedSwarm:
         dead = [p for p in [self.bootstrap, *self.peers] if p.poll() is not None]
         if dead:
             raise RuntimeError(f"waiting for {what}: {len(dead)} swarm process(es) exited; logs in {self.workdir}")
-        self._wait(lambda: self.latest is not None and cond(self.latest), timeout_s, what, self.bootstrap, self.workdir / "bootstrap.log")
+        self._wait(
+            lambda: self.latest is not None and cond(self.latest),
+            timeout_s,
+            what,
+            self.bootstrap,
+            self.workdir / "bootstrap.log",
+        )
         return self.latest

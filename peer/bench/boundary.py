@@ -78,7 +78,9 @@ def _explained(h: Tensor, approx: Tensor) -> float:
     return float(1 - (h - approx).pow(2).sum() / (h - h.mean(0)).pow(2).sum())
 
 
-def boundary_stats(h: Tensor, ids: Tensor, h_cal: Tensor, ids_cal: Tensor, decode: Callable[[list[int]], str] | None = None) -> dict:
+def boundary_stats(
+    h: Tensor, ids: Tensor, h_cal: Tensor, ids_cal: Tensor, decode: Callable[[list[int]], str] | None = None
+) -> dict:
     """What the boundary activation looks like (eval windows h [N, T, H]; calibration for fits)."""
     H = h.shape[-1]
     rest = h[:, SINK:].reshape(-1, H)
@@ -105,10 +107,17 @@ def boundary_stats(h: Tensor, ids: Tensor, h_cal: Tensor, ids_cal: Tensor, decod
     mu = cal_rest.mean(0)
     _, vecs = pca(cal_rest - mu)
     ids_eval = ids[:, SINK:].reshape(-1)
-    pca_explained = {str(r): round(_explained(rest, mu + (rest - mu) @ vecs[:, :r] @ vecs[:, :r].T), 4) for r in (16, 32, 64, 128, 256) if r <= H}
+    pca_explained = {
+        str(r): round(_explained(rest, mu + (rest - mu) @ vecs[:, :r] @ vecs[:, :r].T), 4)
+        for r in (16, 32, 64, 128, 256)
+        if r <= H
+    }
     return {
         "channel_rms_median": _sig(med_ch),
-        "channel_rms_top10": [{"channel": int(c), "rms": _sig(float(v)), "x_median_channel": _sig(float(v) / med_ch, 3)} for v, c in zip(top.values, top.indices)],
+        "channel_rms_top10": [
+            {"channel": int(c), "rms": _sig(float(v)), "x_median_channel": _sig(float(v) / med_ch, 3)}
+            for v, c in zip(top.values, top.indices)
+        ],
         "massive": {
             "threshold_abs": _sig(MASSIVE * med_abs),
             "median_abs": _sig(med_abs),
@@ -117,7 +126,9 @@ def boundary_stats(h: Tensor, ids: Tensor, h_cal: Tensor, ids_cal: Tensor, decod
             "count": len(big),
             "at_sink_position": at_sink,
             "elsewhere": len(elsewhere),
-            "elsewhere_positions_frac": round(len({(n, t) for n, t in elsewhere[:, :2].tolist()}) / max(1, rest.shape[0]), 5),
+            "elsewhere_positions_frac": round(
+                len({(n, t) for n, t in elsewhere[:, :2].tolist()}) / max(1, rest.shape[0]), 5
+            ),
             "channels": sorted({int(c) for c in big[:, 2].tolist()}),
             "elsewhere_tokens": [decode([t]) for t in massive_tokens[:12]] if decode else massive_tokens[:12],
         },
@@ -126,10 +137,24 @@ def boundary_stats(h: Tensor, ids: Tensor, h_cal: Tensor, ids_cal: Tensor, decod
             "energy_frac_pos1_3": round(float(energy[:, 1:4].sum() / energy.sum()), 4),
             "uniform_share_per_position": round(1 / h.shape[1], 5),
             "pos0_norm_x_median_token": round(float(norms[:, 0].median() / norms[:, SINK:].median()), 1),
-            "pos0_top_channels": [{"channel": int(c), "mean_abs": _sig(float(v)), "x_median_abs": _sig(float(v) / med_abs, 3)} for v, c in zip(sink_top.values, sink_top.indices)],
+            "pos0_top_channels": [
+                {"channel": int(c), "mean_abs": _sig(float(v)), "x_median_abs": _sig(float(v) / med_abs, 3)}
+                for v, c in zip(sink_top.values, sink_top.indices)
+            ],
         },
-        "token_norm_quantiles_nonsink": {q: _sig(float(v)) for q, v in zip(("p01", "p50", "p99", "max"), (*norms[:, SINK:].flatten().quantile(torch.tensor([0.01, 0.5, 0.99])).tolist(), float(norms[:, SINK:].max())))},
-        "project_token_prior_variance_explained_all_positions": round(_explained(h.reshape(-1, H), prior_all.fill(ids).reshape(-1, H)), 4),
+        "token_norm_quantiles_nonsink": {
+            q: _sig(float(v))
+            for q, v in zip(
+                ("p01", "p50", "p99", "max"),
+                (
+                    *norms[:, SINK:].flatten().quantile(torch.tensor([0.01, 0.5, 0.99])).tolist(),
+                    float(norms[:, SINK:].max()),
+                ),
+            )
+        },
+        "project_token_prior_variance_explained_all_positions": round(
+            _explained(h.reshape(-1, H), prior_all.fill(ids).reshape(-1, H)), 4
+        ),
         "variance_explained_nonsink": {
             "project_token_prior": round(_explained(rest, project_prior.fill(ids[:, SINK:]).reshape(-1, H)), 4),
             "shrunk_token_mean": round(_explained(rest, tm(ids_eval)), 4),
@@ -159,7 +184,9 @@ def _measure(codec: Codec, chain: Chain, j: int, h: Tensor, ids: Tensor, targets
     coder = codec.inner if isinstance(codec, Sink) else codec
     if isinstance(coder, KLT):  # what entropy-coding its symbols would send instead
         coded = h.shape[0] * (h.shape[1] - (codec.n if coder is not codec else 0))
-        row["entropy_bytes_per_token"] = round((nbytes - coded * coder.row_bytes() + coded * coder.entropy_bytes) / (h.shape[0] * h.shape[1]), 2)
+        row["entropy_bytes_per_token"] = round(
+            (nbytes - coded * coder.row_bytes() + coded * coder.entropy_bytes) / (h.shape[0] * h.shape[1]), 2
+        )
     row["seconds"] = round(time.monotonic() - t0, 1)
     return row
 
@@ -210,7 +237,11 @@ def run_boundary(
 
     if threads is not None:
         torch.set_num_threads(threads)
-    for flag, value, least in (("--seq-len", seq_len, 2), ("--eval-tokens", eval_tokens, 1), ("--calib-tokens", calib_tokens, 1)):
+    for flag, value, least in (
+        ("--seq-len", seq_len, 2),
+        ("--eval-tokens", eval_tokens, 1),
+        ("--calib-tokens", calib_tokens, 1),
+    ):
         if value < least:
             raise ConfigError(flag, value, f"must be >= {least}")
     cfg = model if isinstance(model, ModelConfig) else ModelConfig(name=model)
@@ -218,7 +249,9 @@ def run_boundary(
         try:
             boundaries = [int(b) for b in boundaries.split(",") if b.strip()]
         except ValueError:
-            raise ConfigError("--boundaries", boundaries, "must be comma-separated layer counts, e.g. 5,10,15") from None
+            raise ConfigError(
+                "--boundaries", boundaries, "must be comma-separated layer counts, e.g. 5,10,15"
+            ) from None
     if boundaries is None:
         boundaries = QUICK_BOUNDARIES if quick else DEFAULT_BOUNDARIES
     if quick:
@@ -237,14 +270,27 @@ def run_boundary(
     boundaries = sorted({int(b) for b in boundaries})
     n_layers = lm.config.num_hidden_layers
     if boundaries and boundaries[-1] >= n_layers:
-        log.warning("boundaries at or beyond the model's %d layers dropped: %s", n_layers, [b for b in boundaries if b >= n_layers])
+        log.warning(
+            "boundaries at or beyond the model's %d layers dropped: %s",
+            n_layers,
+            [b for b in boundaries if b >= n_layers],
+        )
         boundaries = [b for b in boundaries if b < n_layers]
     chain = Chain(lm, boundaries)
     vocab, hidden = lm.config.vocab_size, lm.config.hidden_size
     del lm
     ids, source, decode = token_ids(cfg.name, Path(corpus) if corpus is not None else None)
     calib, evals = split_windows(ids, seq_len, n_calib, n_eval)
-    log.info("%s: %d layers, hidden %d; %d calibration and %d eval windows of %d tokens from %s", cfg.name, n_layers, hidden, n_calib, n_eval, seq_len, source)
+    log.info(
+        "%s: %d layers, hidden %d; %d calibration and %d eval windows of %d tokens from %s",
+        cfg.name,
+        n_layers,
+        hidden,
+        n_calib,
+        n_eval,
+        seq_len,
+        source,
+    )
     h_cal = chain.hidden(calib[:, :-1])
     h_eval = chain.hidden(evals[:, :-1])
     x_cal, x_eval, y_eval = calib[:, :-1], evals[:, :-1], evals[:, 1:]
@@ -265,13 +311,32 @@ def run_boundary(
                 log.info("L%d: calibration gradients (%.0fs)", b, time.monotonic() - t0)
             codec.fit(h_cal[j], x_cal, grad if codec.needs_grad else None)
             if name == "dense_fp32":  # the unsplit chain's loss, measured once
-                row = {"eval_loss": round(dense, 4), "vs_dense_pct": 0.0, "bytes_per_token": 4 * hidden, "ratio_vs_fp32": 1.0, "ratio_vs_bf16": 0.5,
-                       "variance_explained": 1.0, "token_rel_err": 0.0, "sink_rel_err": 0.0, "shared_bytes": 0}
+                row = {
+                    "eval_loss": round(dense, 4),
+                    "vs_dense_pct": 0.0,
+                    "bytes_per_token": 4 * hidden,
+                    "ratio_vs_fp32": 1.0,
+                    "ratio_vs_bf16": 0.5,
+                    "variance_explained": 1.0,
+                    "token_rel_err": 0.0,
+                    "sink_rel_err": 0.0,
+                    "shared_bytes": 0,
+                }
             else:
                 row = _measure(codec, chain, j, h_eval[j], x_eval, y_eval, dense)
             row["note"] = table[name].note
             out[name] = row
-            log.info("L%d %-32s loss %.4f (%+.1f%%)  %7.1f B/token  %5.1fx fp32  ve %.3f  (%.0fs)", b, name, row["eval_loss"], row["vs_dense_pct"], row["bytes_per_token"], row["ratio_vs_fp32"], row["variance_explained"], time.monotonic() - t0)
+            log.info(
+                "L%d %-32s loss %.4f (%+.1f%%)  %7.1f B/token  %5.1fx fp32  ve %.3f  (%.0fs)",
+                b,
+                name,
+                row["eval_loss"],
+                row["vs_dense_pct"],
+                row["bytes_per_token"],
+                row["ratio_vs_fp32"],
+                row["variance_explained"],
+                time.monotonic() - t0,
+            )
         results[str(b)] = out
         best[str(b)] = _best(out)
         smallest[str(b)] = _smallest(out)
@@ -293,7 +358,7 @@ def run_boundary(
             "dense_bf16_bytes_per_token": 2 * hidden,
             "sink_positions": SINK,
             "bytes_rule": "per token: all values, coefficients, per-token scales and (sink+ rows) the sink row amortised over seq_len; "
-                          "shared_bytes (basis, prior, channel scales, indices: fitted once) are not per token; token ids are sent by every scheme and not counted",
+            "shared_bytes (basis, prior, channel scales, indices: fitted once) are not per token; token ids are sent by every scheme and not counted",
             "quick": quick,
             "seconds": round(time.monotonic() - t0, 1),
         },

@@ -25,7 +25,9 @@ class Chain:
             raise ConfigError("boundaries", boundaries, f"must be increasing layer counts in [1, {n - 1}]")
         edges = [0, *boundaries, n]
         self.boundaries = list(boundaries)
-        self.segments = [StageModule(model, i, edges[i], edges[i + 1], len(edges) - 1).eval() for i in range(len(edges) - 1)]
+        self.segments = [
+            StageModule(model, i, edges[i], edges[i + 1], len(edges) - 1).eval() for i in range(len(edges) - 1)
+        ]
 
     @torch.no_grad()
     def hidden(self, ids: Tensor, batch: int = 4) -> list[Tensor]:
@@ -86,7 +88,11 @@ def token_ids(model: str, corpus: Path | None) -> tuple[Tensor, str, Callable[[l
     else:
         data, source = default_corpus("b")
     if model.startswith("tiny-"):
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8).long(), source, lambda ids: bytes(ids).decode("utf-8", "replace")
+        return (
+            torch.frombuffer(bytearray(data), dtype=torch.uint8).long(),
+            source,
+            lambda ids: bytes(ids).decode("utf-8", "replace"),
+        )
     from peer.model.source import load_tokenizer
 
     tok = load_tokenizer(model)
@@ -102,7 +108,11 @@ def split_windows(ids: Tensor, seq_len: int, n_calib: int, n_eval: int) -> tuple
     def spread(part: Tensor, n: int, what: str) -> Tensor:
         slots = len(part) // w
         if slots < n:
-            raise ConfigError("corpus", None, f"its {what} half holds {slots} windows of {w} tokens; need {n} (use a larger corpus or fewer tokens)")
+            raise ConfigError(
+                "corpus",
+                None,
+                f"its {what} half holds {slots} windows of {w} tokens; need {n} (use a larger corpus or fewer tokens)",
+            )
         starts = [(k * slots // n) * w for k in range(n)]
         return torch.stack([part[s : s + w] for s in starts])
 

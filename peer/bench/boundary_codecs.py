@@ -38,7 +38,9 @@ class Codec:
         return False
 
     def fit(self, h: Tensor, ids: Tensor, grad: Tensor | None = None) -> None:
-        self._fit(h.reshape(-1, h.shape[-1]), ids.reshape(-1), None if grad is None else grad.reshape(-1, grad.shape[-1]))
+        self._fit(
+            h.reshape(-1, h.shape[-1]), ids.reshape(-1), None if grad is None else grad.reshape(-1, grad.shape[-1])
+        )
 
     def code(self, h: Tensor, ids: Tensor) -> tuple[Tensor, float]:
         out, nbytes = self._code(h.reshape(-1, h.shape[-1]), ids.reshape(-1))
@@ -212,7 +214,9 @@ class KLT(_Centered):
     every backward pass, so it can keep G itself.
     """
 
-    def __init__(self, bits_per_value: float, center: str = "mean", max_bits: int = 8, fisher: float | None = None) -> None:
+    def __init__(
+        self, bits_per_value: float, center: str = "mean", max_bits: int = 8, fisher: float | None = None
+    ) -> None:
         super().__init__(center)
         self.bits_per_value, self.max_bits, self.fisher = bits_per_value, max_bits, fisher
         self.entropy_bytes: float | None = None

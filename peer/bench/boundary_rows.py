@@ -64,7 +64,13 @@ class ProjectLowRank(Codec):
         else:
             mu = x.mean(0)
             _, vecs = pca(x - mu)
-            self.state = BasisState(1, to_fp16(mu[None]), to_fp16(vecs[:, : self.rank]).contiguous(), torch.zeros(0, dtype=torch.int32), vocab)
+            self.state = BasisState(
+                1,
+                to_fp16(mu[None]),
+                to_fp16(vecs[:, : self.rank]).contiguous(),
+                torch.zeros(0, dtype=torch.int32),
+                vocab,
+            )
         s = self.state
         self.shared_bytes = (s.prior.numel() + s.basis.numel()) * 2 + (0 if s.row_ids is None else len(s.row_ids) * 4)
 
@@ -93,13 +99,28 @@ def row_table() -> dict[str, Row]:
         "dense_bf16": R(lambda: Dense(torch.bfloat16), "every value in bf16 (2x)"),
         "mask_m95_zero": R(lambda: ProjectMask(0.95, "zero"), "project: the paper's M95, fp16 values, zero fill"),
         "mask_m90_zero": R(lambda: ProjectMask(0.90, "zero"), "project: M90, fp16 values, zero fill"),
-        "mask_m90_token_prior": R(lambda: ProjectMask(0.90, "token_prior"), "project: M90, dropped entries from the TokenPrior (fitted densely on calibration)"),
-        "mask_m90_prior_rescale": R(lambda: ProjectMask(0.90, "prior_rescale"), "project: M90, unbiased around the TokenPrior"),
-        "lowrank_mean_r64": R(lambda: ProjectLowRank(64, "mean"), "project BasisState: rank 64 around the calibration mean, fp16 coefficients"),
-        "lowrank_prior_r64": R(lambda: ProjectLowRank(64, "token"), "project BasisLearner: token prior + rank 64, fp16 coefficients"),
-        "lowrank_prior_r128": R(lambda: ProjectLowRank(128, "token"), "project BasisLearner: token prior + rank 128, fp16 coefficients"),
+        "mask_m90_token_prior": R(
+            lambda: ProjectMask(0.90, "token_prior"),
+            "project: M90, dropped entries from the TokenPrior (fitted densely on calibration)",
+        ),
+        "mask_m90_prior_rescale": R(
+            lambda: ProjectMask(0.90, "prior_rescale"), "project: M90, unbiased around the TokenPrior"
+        ),
+        "lowrank_mean_r64": R(
+            lambda: ProjectLowRank(64, "mean"),
+            "project BasisState: rank 64 around the calibration mean, fp16 coefficients",
+        ),
+        "lowrank_prior_r64": R(
+            lambda: ProjectLowRank(64, "token"), "project BasisLearner: token prior + rank 64, fp16 coefficients"
+        ),
+        "lowrank_prior_r128": R(
+            lambda: ProjectLowRank(128, "token"), "project BasisLearner: token prior + rank 128, fp16 coefficients"
+        ),
         # the same project codec once the sink position travels dense and is kept out of the fit
-        "sink+lowrank_prior_r128": R(lambda: Sink(ProjectLowRank(128, "token")), "project BasisLearner fitted without the sink; sink row dense bf16"),
+        "sink+lowrank_prior_r128": R(
+            lambda: Sink(ProjectLowRank(128, "token")),
+            "project BasisLearner fitted without the sink; sink row dense bf16",
+        ),
         # per-token quantisers
         "sink+int8": R(lambda: Sink(Quant(8, channel_scale=False)), "int8 absmax per token"),
         "sink+int4_ch": R(lambda: Sink(Quant(4)), "per-channel scale, then 4-bit per token (RMS scale)"),
@@ -116,11 +137,19 @@ def row_table() -> dict[str, Row]:
         "sink+pca_r256": R(lambda: Sink(PCA(256)), "rank 256 around the mean, fp16 coefficients"),
         "sink+pca_r128_int8": R(lambda: Sink(PCA(128, "int8")), "rank 128, int8 coefficients"),
         "sink+pca_r200_int8": R(lambda: Sink(PCA(200, "int8")), "rank 200, int8 coefficients"),
-        "sink+out8+pca_r128_int8": R(lambda: Sink(Outliers(8, PCA(128, "int8"))), "8 channels bf16, rank 128 int8 on the rest"),
-        "sink+prior+pca_r128_int8": R(lambda: Sink(PCA(128, "int8", center="token")), "rank 128 int8 around a shrunk per-token mean"),
+        "sink+out8+pca_r128_int8": R(
+            lambda: Sink(Outliers(8, PCA(128, "int8"))), "8 channels bf16, rank 128 int8 on the rest"
+        ),
+        "sink+prior+pca_r128_int8": R(
+            lambda: Sink(PCA(128, "int8", center="token")), "rank 128 int8 around a shrunk per-token mean"
+        ),
         # low rank + quantised residual
-        "sink+pca_r64_int8+int2_ch": R(lambda: Sink(Residual(PCA(64, "int8"), Quant(2))), "rank 64 int8, then the residual 2-bit"),
-        "sink+pca_r128_int8+ternary_ch": R(lambda: Sink(Residual(PCA(128, "int8"), Quant("ternary"))), "rank 128 int8, then the residual ternary"),
+        "sink+pca_r64_int8+int2_ch": R(
+            lambda: Sink(Residual(PCA(64, "int8"), Quant(2))), "rank 64 int8, then the residual 2-bit"
+        ),
+        "sink+pca_r128_int8+ternary_ch": R(
+            lambda: Sink(Residual(PCA(128, "int8"), Quant("ternary"))), "rank 128 int8, then the residual ternary"
+        ),
         # transform coding: all components, bits where the variance is
         "sink+klt_1.0b": R(lambda: Sink(KLT(1.0)), "KLT, 1.0 bit/value on average (water-filled)"),
         "sink+klt_1.5b": R(lambda: Sink(KLT(1.5)), "KLT, 1.5 bits/value"),
@@ -128,21 +157,58 @@ def row_table() -> dict[str, Row]:
         "sink+klt_2.5b": R(lambda: Sink(KLT(2.5)), "KLT, 2.5 bits/value"),
         "sink+klt_3.0b": R(lambda: Sink(KLT(3.0)), "KLT, 3.0 bits/value"),
         "sink+klt_4.0b": R(lambda: Sink(KLT(4.0)), "KLT, 4.0 bits/value"),
-        "sink+prior+klt_1.5b": R(lambda: Sink(KLT(1.5, center="token")), "KLT 1.5 bits/value around a shrunk per-token mean"),
-        "sink+prior+klt_2.0b": R(lambda: Sink(KLT(2.0, center="token")), "KLT 2.0 bits/value around a shrunk per-token mean"),
-        "sink+prior+klt_3.0b": R(lambda: Sink(KLT(3.0, center="token")), "KLT 3.0 bits/value around a shrunk per-token mean"),
-        "sink+fisher_klt_2.0b": R(lambda: Sink(KLT(2.0, fisher=0.01)), "KLT 2.0 bits/value in the loss-gradient metric (ridge 0.01)"),
-        "sink+fisher_klt_2.5b": R(lambda: Sink(KLT(2.5, fisher=0.01)), "KLT 2.5 bits/value in the loss-gradient metric"),
-        "sink+prior+fisher_klt_1.5b": R(lambda: Sink(KLT(1.5, center="token", fisher=0.01)), "KLT 1.5 bits/value, token prior, gradient metric"),
-        "sink+prior+fisher_klt_2.0b": R(lambda: Sink(KLT(2.0, center="token", fisher=0.01)), "KLT 2.0 bits/value, token prior, gradient metric"),
-        "sink+prior+fisher_klt_2.5b": R(lambda: Sink(KLT(2.5, center="token", fisher=0.01)), "KLT 2.5 bits/value, token prior, gradient metric"),
+        "sink+prior+klt_1.5b": R(
+            lambda: Sink(KLT(1.5, center="token")), "KLT 1.5 bits/value around a shrunk per-token mean"
+        ),
+        "sink+prior+klt_2.0b": R(
+            lambda: Sink(KLT(2.0, center="token")), "KLT 2.0 bits/value around a shrunk per-token mean"
+        ),
+        "sink+prior+klt_3.0b": R(
+            lambda: Sink(KLT(3.0, center="token")), "KLT 3.0 bits/value around a shrunk per-token mean"
+        ),
+        "sink+fisher_klt_2.0b": R(
+            lambda: Sink(KLT(2.0, fisher=0.01)), "KLT 2.0 bits/value in the loss-gradient metric (ridge 0.01)"
+        ),
+        "sink+fisher_klt_2.5b": R(
+            lambda: Sink(KLT(2.5, fisher=0.01)), "KLT 2.5 bits/value in the loss-gradient metric"
+        ),
+        "sink+prior+fisher_klt_1.5b": R(
+            lambda: Sink(KLT(1.5, center="token", fisher=0.01)), "KLT 1.5 bits/value, token prior, gradient metric"
+        ),
+        "sink+prior+fisher_klt_2.0b": R(
+            lambda: Sink(KLT(2.0, center="token", fisher=0.01)), "KLT 2.0 bits/value, token prior, gradient metric"
+        ),
+        "sink+prior+fisher_klt_2.5b": R(
+            lambda: Sink(KLT(2.5, center="token", fisher=0.01)), "KLT 2.5 bits/value, token prior, gradient metric"
+        ),
         # outlier channels dense, then the KLT on the rest (bits/value of the other W - 8 channels)
-        "sink+out8+klt_2.75b": R(lambda: Sink(Outliers(8, KLT(2.75))), "8 largest-RMS channels bf16, KLT 2.75 bits/value on the rest"),
-        "sink+out8+prior+klt_1.25b": R(lambda: Sink(Outliers(8, KLT(1.25, center="token"))), "8 channels bf16, KLT 1.25 bits/value around a per-token mean (>= 10x vs bf16)"),
-        "sink+out8+prior+klt_2.25b": R(lambda: Sink(Outliers(8, KLT(2.25, center="token"))), "8 channels bf16, KLT 2.25 bits/value around a per-token mean"),
-        "sink+out8+prior+klt_2.75b": R(lambda: Sink(Outliers(8, KLT(2.75, center="token"))), "8 channels bf16, KLT 2.75 bits/value around a per-token mean"),
+        "sink+out8+klt_2.75b": R(
+            lambda: Sink(Outliers(8, KLT(2.75))), "8 largest-RMS channels bf16, KLT 2.75 bits/value on the rest"
+        ),
+        "sink+out8+prior+klt_1.25b": R(
+            lambda: Sink(Outliers(8, KLT(1.25, center="token"))),
+            "8 channels bf16, KLT 1.25 bits/value around a per-token mean (>= 10x vs bf16)",
+        ),
+        "sink+out8+prior+klt_2.25b": R(
+            lambda: Sink(Outliers(8, KLT(2.25, center="token"))),
+            "8 channels bf16, KLT 2.25 bits/value around a per-token mean",
+        ),
+        "sink+out8+prior+klt_2.75b": R(
+            lambda: Sink(Outliers(8, KLT(2.75, center="token"))),
+            "8 channels bf16, KLT 2.75 bits/value around a per-token mean",
+        ),
         "klt_2.0b": R(lambda: KLT(2.0), "KLT 2.0 bits/value WITHOUT the sink split (fitted on all positions)"),
     }
 
 
-QUICK_ROWS = ("dense_fp32", "mask_m95_zero", "lowrank_prior_r64", "sink+lowrank_prior_r128", "sink+int3_ch", "sink+pca_r64", "sink+klt_2.0b", "sink+out8+prior+klt_2.25b", "klt_2.0b")
+QUICK_ROWS = (
+    "dense_fp32",
+    "mask_m95_zero",
+    "lowrank_prior_r64",
+    "sink+lowrank_prior_r128",
+    "sink+int3_ch",
+    "sink+pca_r64",
+    "sink+klt_2.0b",
+    "sink+out8+prior+klt_2.25b",
+    "klt_2.0b",
+)

@@ -58,8 +58,12 @@ class RsaRunAuthorizer(TokenAuthorizerBase):
 
     def is_token_valid(self, access_token: AccessToken) -> bool:
         expires = _expiry(access_token)
-        return (access_token.username == USERNAME and expires is not None and expires > time.time()
-                and hmac.compare_digest(access_token.signature, self._hmac(access_token)))
+        return (
+            access_token.username == USERNAME
+            and expires is not None
+            and expires > time.time()
+            and hmac.compare_digest(access_token.signature, self._hmac(access_token))
+        )
 
     def does_token_need_refreshing(self, access_token: AccessToken) -> bool:
         expires = _expiry(access_token)
@@ -69,9 +73,14 @@ class RsaRunAuthorizer(TokenAuthorizerBase):
 def typical_request() -> dht_pb2.StoreRequest:
     """A store of two keys, as a DHT node sends them (node id, subkeys, values, expiries), unsigned."""
     now = time.time()
-    return dht_pb2.StoreRequest(keys=[bytes(range(20)), bytes(range(20, 40))], subkeys=[b"\xc0", b"\xa4peer"],
-                                values=[b"\x82\xa7address\xb3/ip4/10.0.0.2/tcp/7001\xa5stage\x01", b"\x93\x01\x02\x03"],
-                                expiration_time=[now + 60, now + 60], in_cache=[False, False], peer=dht_pb2.NodeInfo(node_id=bytes(range(7, 27))))
+    return dht_pb2.StoreRequest(
+        keys=[bytes(range(20)), bytes(range(20, 40))],
+        subkeys=[b"\xc0", b"\xa4peer"],
+        values=[b"\x82\xa7address\xb3/ip4/10.0.0.2/tcp/7001\xa5stage\x01", b"\x93\x01\x02\x03"],
+        expiration_time=[now + 60, now + 60],
+        in_cache=[False, False],
+        peer=dht_pb2.NodeInfo(node_id=bytes(range(7, 27))),
+    )
 
 
 def _drive(coro: Coroutine[Any, Any, Any]) -> Any:
@@ -112,7 +121,9 @@ def primitives(reps: int) -> dict:
     ):
         s, v = _median_us(sign, reps), _median_us(check, reps)
         out[name] = {"sign_us": round(s, 1), "verify_us": round(v, 1), "sign_plus_verify_us": round(s + v, 1)}
-    out["ratio_rsa_over_ed25519"] = round(out["rsa2048_pss"]["sign_plus_verify_us"] / out["ed25519"]["sign_plus_verify_us"], 1)
+    out["ratio_rsa_over_ed25519"] = round(
+        out["rsa2048_pss"]["sign_plus_verify_us"] / out["ed25519"]["sign_plus_verify_us"], 1
+    )
     return out
 
 
@@ -139,8 +150,11 @@ def authorizers(reps: int) -> dict:
 
         req = typical_request()
         _drive(client.sign_request(req, None))
-        out[name] = {"signed_request_bytes": len(req.SerializeToString()),
-                     "request_us": round(_median_us(request, reps), 1), "rpc_us": round(_median_us(rpc, reps), 1)}
+        out[name] = {
+            "signed_request_bytes": len(req.SerializeToString()),
+            "request_us": round(_median_us(request, reps), 1),
+            "rpc_us": round(_median_us(rpc, reps), 1),
+        }
     out["ratio_request"] = round(out["hivemind_rsa"]["request_us"] / out["run_ed25519"]["request_us"], 1)
     out["ratio_rpc"] = round(out["hivemind_rsa"]["rpc_us"] / out["run_ed25519"]["rpc_us"], 1)
     return out
@@ -150,7 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m peer.bench.dht_auth_cost", description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=400, help="operations timed per figure (median taken)")
     args = parser.parse_args(argv)
-    result = {"reps": args.reps, "unit": "microseconds of thread CPU time, median", "primitives": primitives(args.reps), "authorizers": authorizers(args.reps)}
+    result = {
+        "reps": args.reps,
+        "unit": "microseconds of thread CPU time, median",
+        "primitives": primitives(args.reps),
+        "authorizers": authorizers(args.reps),
+    }
     json.dump(result, sys.stdout, indent=2)
     print()
     return 0

@@ -40,12 +40,29 @@ from peer.model.placement import Placement, parse_device
 log = logging.getLogger("anchormesh.bench.gpu")
 
 # Llama-3.2-1B's published config (hidden 2048, 16 layers, GQA 32/8, vocab 128256, tied head)
-LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                vocab_size=128256, tie_word_embeddings=True, max_position_embeddings=2048, rope_theta=500000.0)
+LLAMA_1B = dict(
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    tie_word_embeddings=True,
+    max_position_embeddings=2048,
+    rope_theta=500000.0,
+)
 # the 1B's width, heads and vocabulary with 4 of its 16 layers: what a 2-core CPU box can measure
 LLAMA_1B_4L = {**LLAMA_1B, "num_hidden_layers": 4}
-SMALL = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-             vocab_size=4096, tie_word_embeddings=True, max_position_embeddings=512)
+SMALL = dict(
+    hidden_size=256,
+    intermediate_size=688,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=4096,
+    tie_word_embeddings=True,
+    max_position_embeddings=512,
+)
 SHAPES = {"llama-3.2-1b": LLAMA_1B, "llama-3.2-1b-4l": LLAMA_1B_4L, "small": SMALL}
 PARTS = ("precision", "swarm", "memory_refusal")
 
@@ -73,7 +90,9 @@ def cpu_peak_bytes(step) -> int:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
     now = peak = 0
-    for e in sorted(prof.events(), key=lambda e: e.time_range.start):  # op granularity: each op's own net bytes, frees outside ops
+    for e in sorted(
+        prof.events(), key=lambda e: e.time_range.start
+    ):  # op granularity: each op's own net bytes, frees outside ops
         now += e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage
         peak = max(peak, now)
     return before + peak
@@ -91,7 +110,9 @@ def _shape_dir(shape: dict, root: Path) -> Path:
 def _pipeline(device: torch.device, quick: bool) -> PipelineConfig:
     if device.type == "cuda":
         return PipelineConfig(micro_batch_size=4, micro_batches=4, seq_len=512, eval_every=0, max_staleness=0)
-    return PipelineConfig(micro_batch_size=2, micro_batches=2, seq_len=64 if quick else 128, eval_every=0, max_staleness=0)
+    return PipelineConfig(
+        micro_batch_size=2, micro_batches=2, seq_len=64 if quick else 128, eval_every=0, max_staleness=0
+    )
 
 
 def precision(device: torch.device, shape: dict, root: Path, steps: int, quick: bool) -> dict:
@@ -102,13 +123,30 @@ def precision(device: torch.device, shape: dict, root: Path, steps: int, quick: 
 
     folder = _shape_dir(shape, root)
     pipe = _pipeline(device, quick)
-    cfg = TrainConfig(model=ModelConfig(name=str(folder), num_stages=2, num_layers=shape["num_hidden_layers"], hidden_size=shape["hidden_size"],
-                                        num_heads=shape["num_attention_heads"], max_seq_len=pipe.seq_len),
-                      mask=MaskConfig(scheme="lowrank", rank=64, values="int8", basis_refresh=100), optim=OptimConfig(lr=1e-4), pipeline=pipe, steps=steps)
+    cfg = TrainConfig(
+        model=ModelConfig(
+            name=str(folder),
+            num_stages=2,
+            num_layers=shape["num_hidden_layers"],
+            hidden_size=shape["hidden_size"],
+            num_heads=shape["num_attention_heads"],
+            max_seq_len=pipe.seq_len,
+        ),
+        mask=MaskConfig(scheme="lowrank", rank=64, values="int8", basis_refresh=100),
+        optim=OptimConfig(lr=1e-4),
+        pipeline=pipe,
+        steps=steps,
+    )
     gen = torch.Generator().manual_seed(0)
-    windows = [torch.randint(0, shape["vocab_size"], (pipe.micro_batch_size, pipe.seq_len + 1), generator=gen) for _ in range(8)]
-    modes = {"fp32": Placement(device=device), "bf16": Placement(device=device, compute_dtype=torch.bfloat16),
-             "bf16_checkpointing": Placement(device=device, compute_dtype=torch.bfloat16, checkpointing=True)}
+    windows = [
+        torch.randint(0, shape["vocab_size"], (pipe.micro_batch_size, pipe.seq_len + 1), generator=gen)
+        for _ in range(8)
+    ]
+    modes = {
+        "fp32": Placement(device=device),
+        "bf16": Placement(device=device, compute_dtype=torch.bfloat16),
+        "bf16_checkpointing": Placement(device=device, compute_dtype=torch.bfloat16, checkpointing=True),
+    }
     out = {}
     for name, placement in modes.items():
         t0 = time.monotonic()
@@ -118,7 +156,9 @@ def precision(device: torch.device, shape: dict, root: Path, steps: int, quick: 
         with torch.device(device):
             torch.manual_seed(0)
             model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-        runner = LocalPipelineRunner(cfg, model, lambda step, r, j: windows[(step * pipe.micro_batches + j) % len(windows)], placement=placement)
+        runner = LocalPipelineRunner(
+            cfg, model, lambda step, r, j: windows[(step * pipe.micro_batches + j) % len(windows)], placement=placement
+        )
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -147,15 +187,27 @@ def precision(device: torch.device, shape: dict, root: Path, steps: int, quick: 
             peak = cpu_peak_bytes(functools.partial(runner.run, 3 + steps))
         out[name] = {
             "tokens_per_s": steps * pipe.micro_batches * pipe.micro_batch_size * pipe.seq_len / seconds,
-            "loss_first": reports[0].loss, "loss_last": reports[-1].loss,
-            "planned_gib": planned / GIB, "planned_per_stage_gib": [p.total / GIB for p in plans],
-            "peak_gib": peak / GIB, "peak_over_plan": peak / planned,
-            "peak_measured_by": "torch.cuda.max_memory_allocated" if device.type == "cuda" else "live tensor storages + the profiler's allocation peak over one step",
+            "loss_first": reports[0].loss,
+            "loss_last": reports[-1].loss,
+            "planned_gib": planned / GIB,
+            "planned_per_stage_gib": [p.total / GIB for p in plans],
+            "peak_gib": peak / GIB,
+            "peak_over_plan": peak / planned,
+            "peak_measured_by": "torch.cuda.max_memory_allocated"
+            if device.type == "cuda"
+            else "live tensor storages + the profiler's allocation peak over one step",
             "host_syncs": syncs if device.type == "cuda" else None,
             "host_syncs_per_micro_batch": syncs / micro_batches if device.type == "cuda" else None,
             "seconds": time.monotonic() - t0,
         }
-        log.info("precision %s: %.0f tokens/s, planned %.2f GiB, peak %.2f GiB (%.0fs)", name, out[name]["tokens_per_s"], planned / GIB, peak / GIB, out[name]["seconds"])
+        log.info(
+            "precision %s: %.0f tokens/s, planned %.2f GiB, peak %.2f GiB (%.0fs)",
+            name,
+            out[name]["tokens_per_s"],
+            planned / GIB,
+            peak / GIB,
+            out[name]["seconds"],
+        )
         runner.close()
         del runner
         gc.collect()  # the next mode builds its model in this memory
@@ -224,9 +276,23 @@ def swarm(device: str, root: Path, steps: int = 40, kill_at: int = 20, timeout_s
 
     result: dict = {"device": device, "steps": steps}
     try:
-        procs.append(start_process(["bootstrap", "--config", str(root / "run.toml"), "--state-dir", str(root / "boot")], root / "boot.log"))
+        procs.append(
+            start_process(
+                ["bootstrap", "--config", str(root / "run.toml"), "--state-dir", str(root / "boot")], root / "boot.log"
+            )
+        )
         info = wait_for_bootstrap(root / "boot", procs[0], root / "boot.log")
-        peer_args = lambda i: ["peer", "--tracker", info["tracker"], "--token", info["token"], "--device", device, "--state-dir", str(root / f"peer{i}")]  # noqa: E731
+        peer_args = lambda i: [
+            "peer",
+            "--tracker",
+            info["tracker"],
+            "--token",
+            info["token"],
+            "--device",
+            device,
+            "--state-dir",
+            str(root / f"peer{i}"),
+        ]  # noqa: E731
         peers = {i: start_process(peer_args(i), root / f"peer{i}.log") for i in range(4)}
         procs += peers.values()
         s = wait(lambda s: s["step"] >= 1, "the first step")
@@ -234,27 +300,51 @@ def swarm(device: str, root: Path, steps: int = 40, kill_at: int = 20, timeout_s
         s = wait(lambda s: s["step"] >= kill_at, f"step {kill_at}")
         victim = next(p for p in s["peers"] if p["stage"] == 1 and p["state"] in ("active", "idle"))
         index = next(i for i in range(4) if victim["id"] in (root / f"peer{i}.log").read_text())
-        peers[index].send_signal(signal.SIGKILL)  # its process group (p2pd, hivemind's children) is killed by stop_processes
+        peers[index].send_signal(
+            signal.SIGKILL
+        )  # its process group (p2pd, hivemind's children) is killed by stop_processes
         peers[index].wait(10)
         result["killed"] = {"peer": victim["id"], "at_step": s["step"]}
         procs.append(start_process(peer_args(index), root / f"peer{index}-restart.log"))
+
         def done(s: dict) -> bool:  # 4 live peers at `steps`, each with a round behind it
             live = [p for p in s["peers"] if p["state"] in ("active", "idle")]
             return s["step"] >= steps and len(live) >= 4 and all(p["dp_rounds"] for p in live)
 
         s = wait(done, f"step {steps} with 4 live peers that each averaged")
         restart_log = (root / f"peer{index}-restart.log").read_text()
-        result["dp_refusals"] = [line.split("anchormesh.")[-1][:300] for f in sorted(root.glob("peer*.log")) for line in f.read_text().splitlines() if "result rejected" in line]
+        result["dp_refusals"] = [
+            line.split("anchormesh.")[-1][:300]
+            for f in sorted(root.glob("peer*.log"))
+            for line in f.read_text().splitlines()
+            if "result rejected" in line
+        ]
         live = [p for p in s["peers"] if p["state"] in ("active", "idle")]
-        result.update({
-            "step": s["step"], "loss": s["loss"], "eval_loss": s["eval_loss"], "anchor_age_steps": s["anchor_age_steps"],
-            "anchor_priors_folded": sum(1 for p in live if p["anchor_id"]),
-            "dp_rounds": {p["id"]: p["dp_rounds"] for p in live}, "dp_rejected": sum(p["dp_rejected"] for p in live),
-            "devices": sorted({p["device"] or "" for p in live}),
-            "restart_resumed_from": "checkpoint" if "took the stage state of checkpoint" in restart_log else "group" if "took the stage state of a group member" in restart_log else None,
-            "seconds": time.monotonic() - t0,
-        })
-        result["ok"] = bool(min(result["dp_rounds"].values()) > 0 and result["dp_rejected"] == 0 and result["anchor_priors_folded"] and result["eval_loss"] is not None and result["restart_resumed_from"])
+        result.update(
+            {
+                "step": s["step"],
+                "loss": s["loss"],
+                "eval_loss": s["eval_loss"],
+                "anchor_age_steps": s["anchor_age_steps"],
+                "anchor_priors_folded": sum(1 for p in live if p["anchor_id"]),
+                "dp_rounds": {p["id"]: p["dp_rounds"] for p in live},
+                "dp_rejected": sum(p["dp_rejected"] for p in live),
+                "devices": sorted({p["device"] or "" for p in live}),
+                "restart_resumed_from": "checkpoint"
+                if "took the stage state of checkpoint" in restart_log
+                else "group"
+                if "took the stage state of a group member" in restart_log
+                else None,
+                "seconds": time.monotonic() - t0,
+            }
+        )
+        result["ok"] = bool(
+            min(result["dp_rounds"].values()) > 0
+            and result["dp_rejected"] == 0
+            and result["anchor_priors_folded"]
+            and result["eval_loss"] is not None
+            and result["restart_resumed_from"]
+        )
     except (TimeoutError, RuntimeError, StopIteration) as exc:
         result.update({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
     finally:
@@ -268,14 +358,26 @@ def memory_refusal(device: str, root: Path) -> dict:
     from peer.demo.swarm import start_process, stop_processes, wait_for_bootstrap
 
     (root / "run.toml").write_text(SWARM_RUN.format(hidden=64) + "[compute]\nmemory_budget_gib = 0.001\n")
-    procs = [start_process(["bootstrap", "--config", str(root / "run.toml"), "--state-dir", str(root / "boot")], root / "boot.log")]
+    procs = [
+        start_process(
+            ["bootstrap", "--config", str(root / "run.toml"), "--state-dir", str(root / "boot")], root / "boot.log"
+        )
+    ]
     try:
         info = wait_for_bootstrap(root / "boot", procs[0], root / "boot.log")
-        procs.append(start_process(["peer", "--tracker", info["tracker"], "--token", info["token"], "--device", device], root / "peer.log"))
+        procs.append(
+            start_process(
+                ["peer", "--tracker", info["tracker"], "--token", info["token"], "--device", device], root / "peer.log"
+            )
+        )
         rc = procs[1].wait(timeout=120)
         text = (root / "peer.log").read_text()
         line = next((x for x in text.splitlines() if "no stage of this run fits" in x), "")
-        return {"exit_code": rc, "message": line[-400:], "ok": rc == 2 and "needs" in line and "GiB" in line and "joined" not in text}
+        return {
+            "exit_code": rc,
+            "message": line[-400:],
+            "ok": rc == 2 and "needs" in line and "GiB" in line and "joined" not in text,
+        }
     finally:
         stop_processes(procs)
 
@@ -285,8 +387,15 @@ def run(device: str = "auto", parts: tuple[str, ...] = PARTS, quick: bool = Fals
     shape_name = shape or ("llama-3.2-1b" if dev.type == "cuda" else "small")
     dims = SHAPES[shape_name]
     t0 = time.monotonic()
-    result: dict = {"device": str(dev), "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
-                    "cuda": torch.version.cuda, "shape": shape_name, "model_dims": dims, "seq_len": _pipeline(dev, quick).seq_len}
+    result: dict = {
+        "device": str(dev),
+        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "shape": shape_name,
+        "model_dims": dims,
+        "seq_len": _pipeline(dev, quick).seq_len,
+    }
     with tempfile.TemporaryDirectory(prefix="anchormesh-gpu-") as tmp:
         root = Path(tmp)
         for part in parts:

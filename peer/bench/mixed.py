@@ -38,18 +38,31 @@ MAX_RANK = 64
 MIN_KEEP = 0.125
 
 
-def mixed_config(mode: str, stages: int, steps: int, dp_every: int, codec: str = "transform", grad_min_bits: float = 1.0) -> dict:
+def mixed_config(
+    mode: str, stages: int, steps: int, dp_every: int, codec: str = "transform", grad_min_bits: float = 1.0
+) -> dict:
     """run.toml content of one mode (see the module docstring)."""
     if mode not in MIXED_MODES:
         raise ConfigError("mode", mode, f"must be one of {', '.join(MIXED_MODES)}")
     if codec not in MIXED_CODECS:
         raise ConfigError("--codec", codec, f"must be one of {', '.join(MIXED_CODECS)}")
     if grad_min_bits != 1.0 and codec != "transform":
-        raise ConfigError("--grad-min-bits", grad_min_bits, "applies to --codec transform only (the low-rank codec's gradients adapt with min_keep)")
+        raise ConfigError(
+            "--grad-min-bits",
+            grad_min_bits,
+            "applies to --codec transform only (the low-rank codec's gradients adapt with min_keep)",
+        )
     cfg = mode_config("masked_dp", stages, steps, dp_every)
     adapt = mode == "adaptive"
-    pp = cfg["mask"] if codec == "transform" else {"scheme": "lowrank", "rank": MAX_RANK, "values": "int8"}  # transform: the recommended run's codec
-    cfg["mask"] = {**pp, "adapt": adapt, "min_keep": MIN_KEEP, **({"grad_min_bits": grad_min_bits} if grad_min_bits != 1.0 else {})}
+    pp = (
+        cfg["mask"] if codec == "transform" else {"scheme": "lowrank", "rank": MAX_RANK, "values": "int8"}
+    )  # transform: the recommended run's codec
+    cfg["mask"] = {
+        **pp,
+        "adapt": adapt,
+        "min_keep": MIN_KEEP,
+        **({"grad_min_bits": grad_min_bits} if grad_min_bits != 1.0 else {}),
+    }
     cfg["dp"] = {"inner_steps": dp_every, "outer_compression": "int8", "link_share": 0.2 if adapt else 0.0}
     return cfg
 
@@ -60,18 +73,32 @@ def slow_hosts(status: dict) -> list[int]:
     for p in status["peers"]:
         if p["state"] in ("active", "idle") and p["id"].startswith("bed-peer"):
             by_stage.setdefault(p["stage"], []).append(p["id"])
-    return sorted(int(ids[1].removeprefix("bed-peer")) for ids in (sorted(v) for v in by_stage.values()) if len(ids) > 1)
+    return sorted(
+        int(ids[1].removeprefix("bed-peer")) for ids in (sorted(v) for v in by_stage.values()) if len(ids) > 1
+    )
 
 
-def run_mixed(quick: bool, bandwidth_mbit: float | None, slow_factor: float, stages: int, replicas: int, workdir: Path | None = None, codec: str = "transform",
-              grad_min_bits: float = 1.0) -> dict:
+def run_mixed(
+    quick: bool,
+    bandwidth_mbit: float | None,
+    slow_factor: float,
+    stages: int,
+    replicas: int,
+    workdir: Path | None = None,
+    codec: str = "transform",
+    grad_min_bits: float = 1.0,
+) -> dict:
     """compute_bound, then fixed and adaptive on mixed links; returns the JSON."""
     if replicas < 2:
-        raise ConfigError("--replicas", replicas, "must be >= 2 (the second peer of each stage group gets the slow link)")
+        raise ConfigError(
+            "--replicas", replicas, "must be >= 2 (the second peer of each stage group gets the slow link)"
+        )
     if not slow_factor > 1:
         raise ConfigError("--slow-factor", slow_factor, "must be > 1 (how many times slower the slow links are)")
     check_bed_args("bench mixed", stages, bandwidth_mbit)
-    MaskConfig(**mixed_config("adaptive", stages, 1, 1, codec, grad_min_bits)["mask"])  # a bad --codec or --grad-min-bits fails before any namespace exists
+    MaskConfig(
+        **mixed_config("adaptive", stages, 1, 1, codec, grad_min_bits)["mask"]
+    )  # a bad --codec or --grad-min-bits fails before any namespace exists
     # longer than bench throughput's quick run: a self-tuned swarm does 30 steps in ~8 s, too
     # short a window for 1 s status lines and for its (rarer) averaging rounds
     warmup, steps, dp_every = (10, 70, 5) if quick else (10, 150, 10)
@@ -88,12 +115,29 @@ def run_mixed(quick: bool, bandwidth_mbit: float | None, slow_factor: float, sta
             for i in slowed[mode]:
                 bed.set_rate(i, fast / slow_factor)
 
-        return measure_mode(mode, [fast] * (1 + n), stages, replicas, warmup, steps, dp_every, workdir, subnet, timeout_s,
-                            config=mixed_config(mode, stages, steps, dp_every, codec, grad_min_bits), reshape=reshape if fast is not None else None)
+        return measure_mode(
+            mode,
+            [fast] * (1 + n),
+            stages,
+            replicas,
+            warmup,
+            steps,
+            dp_every,
+            workdir,
+            subnet,
+            timeout_s,
+            config=mixed_config(mode, stages, steps, dp_every, codec, grad_min_bits),
+            reshape=reshape if fast is not None else None,
+        )
 
     out["modes"]["compute_bound"] = cb = measure("compute_bound", None, 20)
-    fast = bandwidth_mbit or equivalent_mbit(GpuScenario(), stages, cb["peer_capacity_tokens_per_s"] or cb["tokens_per_s"] / replicas)
-    print(f"links: {fast:.2f} Mbit/s fast, {fast / slow_factor:.2f} Mbit/s slow (the second peer of each stage)", flush=True)
+    fast = bandwidth_mbit or equivalent_mbit(
+        GpuScenario(), stages, cb["peer_capacity_tokens_per_s"] or cb["tokens_per_s"] / replicas
+    )
+    print(
+        f"links: {fast:.2f} Mbit/s fast, {fast / slow_factor:.2f} Mbit/s slow (the second peer of each stage)",
+        flush=True,
+    )
     for i, mode in enumerate(("fixed", "adaptive")):
         out["modes"][mode] = measure(mode, fast, 21 + i)
     m = out["modes"]
@@ -104,9 +148,23 @@ def run_mixed(quick: bool, bandwidth_mbit: float | None, slow_factor: float, sta
         "eval_loss_vs_compute_bound": {k: v["eval_loss"] / cb["eval_loss"] - 1 for k, v in m.items()},
     }
     out["setup"] = {
-        "quick": quick, "stages": stages, "replicas": replicas, "hosts": 1 + n, "warmup_steps": warmup, "steps": steps, "dp_every": dp_every,
-        "fast_mbit": fast, "slow_mbit": fast / slow_factor, "slow_factor": slow_factor, "bandwidth_given": bandwidth_mbit is not None,
-        "slowed_hosts": slowed, "codec": codec, "max_rank": MAX_RANK if codec == "lowrank" else None, "min_keep": MIN_KEEP, "grad_min_bits": grad_min_bits, "link_share": 0.2,
+        "quick": quick,
+        "stages": stages,
+        "replicas": replicas,
+        "hosts": 1 + n,
+        "warmup_steps": warmup,
+        "steps": steps,
+        "dp_every": dp_every,
+        "fast_mbit": fast,
+        "slow_mbit": fast / slow_factor,
+        "slow_factor": slow_factor,
+        "bandwidth_given": bandwidth_mbit is not None,
+        "slowed_hosts": slowed,
+        "codec": codec,
+        "max_rank": MAX_RANK if codec == "lowrank" else None,
+        "min_keep": MIN_KEEP,
+        "grad_min_bits": grad_min_bits,
+        "link_share": 0.2,
         "scaling_rule": "fast link = bench throughput's GPU-equivalent of 200 Mbit/s (see its setup.scaling_rule) unless --bandwidth-mbit",
         "workdir": str(workdir),
     }

@@ -65,9 +65,9 @@ class Host:
 
 class NetBed:
     """Args:
-        rates_mbit: one entry per host: its link's bandwidth in Mbit/s each way, None = unshaped.
-        subnet: third octet of the 198.18.<subnet>.0/24 segment (two beds at once need two).
-        burst_kb: tbf bucket; small enough that the rate holds over a micro-batch.
+    rates_mbit: one entry per host: its link's bandwidth in Mbit/s each way, None = unshaped.
+    subnet: third octet of the 198.18.<subnet>.0/24 segment (two beds at once need two).
+    burst_kb: tbf bucket; small enough that the rate holds over a micro-batch.
     """
 
     latency_ms = 50  # tbf's queue bound: a full queue drains in this long at the rate
@@ -78,7 +78,10 @@ class NetBed:
         self.tag = f"{os.getpid() % 100000}{_instances}"
         self.hub = f"am{self.tag}hub"
         self.burst_kb = burst_kb
-        self.hosts = [Host(i, f"am{self.tag}h{i}", f"198.18.{subnet}.{i + 1}", f"am{self.tag}p{i}", r) for i, r in enumerate(rates_mbit)]
+        self.hosts = [
+            Host(i, f"am{self.tag}h{i}", f"198.18.{subnet}.{i + 1}", f"am{self.tag}p{i}", r)
+            for i, r in enumerate(rates_mbit)
+        ]
         self.procs: list[subprocess.Popen] = []
         self._up = False
 
@@ -162,7 +165,22 @@ class NetBed:
             subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"], capture_output=True)
             if rate_mbit is not None:
                 # latency bounds the queue: a full queue at the rate drains in latency_ms
-                self._ns(ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate_mbit}mbit", "burst", f"{self.burst_kb}kb", "latency", f"{self.latency_ms}ms")
+                self._ns(
+                    ns,
+                    "tc",
+                    "qdisc",
+                    "add",
+                    "dev",
+                    dev,
+                    "root",
+                    "tbf",
+                    "rate",
+                    f"{rate_mbit}mbit",
+                    "burst",
+                    f"{self.burst_kb}kb",
+                    "latency",
+                    f"{self.latency_ms}ms",
+                )
 
     def counters(self) -> dict[int, tuple[int, int]]:
         """Per host: (bytes sent, bytes received) on its eth0 since the bed came up."""
@@ -176,6 +194,12 @@ class NetBed:
     def popen(self, index: int, argv: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
         """Start `argv` inside host `index` (own session, output to `log`)."""
         full_env = {**os.environ, **(env or {})}
-        p = subprocess.Popen(["ip", "netns", "exec", self.hosts[index].ns, *argv], stdout=open(log, "w"), stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+        p = subprocess.Popen(
+            ["ip", "netns", "exec", self.hosts[index].ns, *argv],
+            stdout=open(log, "w"),
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            start_new_session=True,
+        )
         self.procs.append(p)
         return p

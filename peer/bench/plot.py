@@ -22,7 +22,13 @@ from peer.bench.project_model import DEFAULT_MFU, resolve_model
 from peer.bench.throughput import mode_config
 from peer.errors import ConfigError
 
-STYLE = {"dense_sync": "tab:purple", "dense": "tab:red", "masked": "tab:blue", "masked_dp": "tab:green", "compute_bound": "tab:gray"}
+STYLE = {
+    "dense_sync": "tab:purple",
+    "dense": "tab:red",
+    "masked": "tab:blue",
+    "masked_dp": "tab:green",
+    "compute_bound": "tab:gray",
+}
 
 
 def _matplotlib():
@@ -45,12 +51,29 @@ def _load_measured(path: Path) -> dict:
     except json.JSONDecodeError as exc:
         raise ConfigError("--json", str(path), f"not JSON: {exc}") from None
     modes = data.get("modes") if isinstance(data, dict) else None
-    if not isinstance(modes, dict) or "compute_bound" not in modes or not isinstance(data.get("setup"), dict) or not data["setup"].get("bandwidth_mbit"):
-        raise ConfigError("--json", str(path), "not a `bench throughput` result with a compute_bound mode (needed to scale the points)")
+    if (
+        not isinstance(modes, dict)
+        or "compute_bound" not in modes
+        or not isinstance(data.get("setup"), dict)
+        or not data["setup"].get("bandwidth_mbit")
+    ):
+        raise ConfigError(
+            "--json",
+            str(path),
+            "not a `bench throughput` result with a compute_bound mode (needed to scale the points)",
+        )
     return data
 
 
-def plot(out: Path, measured: Path | None = None, model: str = "llama-3.2-1b", gpu: str = "rtx4090", points: int = 24, lo_mbit: float = 25.0, hi_mbit: float = 1000.0):
+def plot(
+    out: Path,
+    measured: Path | None = None,
+    model: str = "llama-3.2-1b",
+    gpu: str = "rtx4090",
+    points: int = 24,
+    lo_mbit: float = 25.0,
+    hi_mbit: float = 1000.0,
+):
     """Render the plot to `out` (a .png) and return the matplotlib Figure."""
     out = Path(out)
     if out.suffix.lower() != ".png":
@@ -68,27 +91,64 @@ def plot(out: Path, measured: Path | None = None, model: str = "llama-3.2-1b", g
     proj = {m: [P.project_mode(costs, m, x) for x in xs] for m in P.PROJECT_MODES}
 
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 7), dpi=100, sharex=True, gridspec_kw={"height_ratios": [3, 1.2]})
-    width = {"masked": 5, "masked_dp": 1.8}  # masked and masked_dp often coincide: the wide one shows under the narrow one
+    width = {
+        "masked": 5,
+        "masked_dp": 1.8,
+    }  # masked and masked_dp often coincide: the wide one shows under the narrow one
     for m in P.PROJECT_MODES:
         ls = "--" if m == "compute_bound" else "-." if m == P.SYNC else "-"
-        ax.plot(xs, [r["tokens_per_s"] for r in proj[m]], color=STYLE[m], lw=width.get(m, 2), alpha=0.5 if m == "masked" else 1.0, ls=ls, label=f"{m} (projected)")
+        ax.plot(
+            xs,
+            [r["tokens_per_s"] for r in proj[m]],
+            color=STYLE[m],
+            lw=width.get(m, 2),
+            alpha=0.5 if m == "masked" else 1.0,
+            ls=ls,
+            label=f"{m} (projected)",
+        )
     for m in ("dense", "masked", "masked_dp"):  # the same mode if DP had to keep its cadence
         kept = [r["dp_kept"]["tokens_per_s"] for r in proj[m]]
         if any(abs(k / r["tokens_per_s"] - 1) > 0.01 for k, r in zip(kept, proj[m])):
-            ax.plot(xs, kept, color=STYLE[m], lw=1, ls=":", label=f"{m}, DP kept at every {proj[m][0]['dp']['inner_steps']} step(s)")
+            ax.plot(
+                xs,
+                kept,
+                color=STYLE[m],
+                lw=1,
+                ls=":",
+                label=f"{m}, DP kept at every {proj[m][0]['dp']['inner_steps']} step(s)",
+            )
     if data:
         cb_gpu = proj["compute_bound"][0]["tokens_per_s"]
         cb_cpu = data["modes"]["compute_bound"]["tokens_per_s"]
-        hidden_cpu = (setup.get("model") or {}).get("hidden", mode_config("dense", stages, 1, 1)["model"]["hidden_size"])
+        hidden_cpu = (setup.get("model") or {}).get(
+            "hidden", mode_config("dense", stages, 1, 1)["model"]["hidden_size"]
+        )
         speed = cb_gpu / cb_cpu
         for m, r in data["modes"].items():
             if m not in STYLE or m == "compute_bound" or not r.get("tokens_per_s"):
                 continue  # compute_bound is unshaped, and on its line by construction
             bw = r.get("rate_mbit") or setup["bandwidth_mbit"]
             x = bw * dims.hidden / hidden_cpu * speed
-            ax.plot([x], [r["tokens_per_s"] * speed], ls="none", marker="o", ms=8, mfc="white", mec=STYLE[m], mew=2, label=f"{m} measured (CPU bed, scaled)")
+            ax.plot(
+                [x],
+                [r["tokens_per_s"] * speed],
+                ls="none",
+                marker="o",
+                ms=8,
+                mfc="white",
+                mec=STYLE[m],
+                mew=2,
+                label=f"{m} measured (CPU bed, scaled)",
+            )
     for m in ("dense", "masked", "masked_dp"):
-        ax2.plot(xs, [r["dp_every_achieved"] for r in proj[m]], color=STYLE[m], lw=width.get(m, 2), alpha=0.5 if m == "masked" else 1.0, label=f"{m}: steps per DP round")
+        ax2.plot(
+            xs,
+            [r["dp_every_achieved"] for r in proj[m]],
+            color=STYLE[m],
+            lw=width.get(m, 2),
+            alpha=0.5 if m == "masked" else 1.0,
+            label=f"{m}: steps per DP round",
+        )
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax2.set_yscale("log")
@@ -102,13 +162,21 @@ def plot(out: Path, measured: Path | None = None, model: str = "llama-3.2-1b", g
     ax2.grid(True, which="both", alpha=0.3)
     ax2.legend(fontsize=7, loc="upper right")
     where = device.label if device.peak_tflops is None else f"{device.label} at {mfu:.0%} MFU"
-    ax.set_title(f"{dims.name} on {where}, {stages} stages x {replicas} peers, micro-batch {shape.micro_batch_size}x{shape.seq_len} x{shape.micro_batches}", fontsize=10)
+    ax.set_title(
+        f"{dims.name} on {where}, {stages} stages x {replicas} peers, micro-batch {shape.micro_batch_size}x{shape.seq_len} x{shape.micro_batches}",
+        fontsize=10,
+    )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="lower right", ncol=2)
-    fig.text(0.01, 0.005, "projection: peer/bench/project.py (the app's schedule simulated; DP rounds run in the background, as often as half the link allows; dotted: DP must keep its cadence)", fontsize=6, alpha=0.7)
+    fig.text(
+        0.01,
+        0.005,
+        "projection: peer/bench/project.py (the app's schedule simulated; DP rounds run in the background, as often as half the link allows; dotted: DP must keep its cadence)",
+        fontsize=6,
+        alpha=0.7,
+    )
     fig.tight_layout(rect=(0, 0.02, 1, 1))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, format="png")
     plt.close(fig)
     return fig
-

@@ -33,7 +33,21 @@ from peer.bench.throughput import MODES, mode_config
 from peer.errors import ConfigError
 
 HZ = os.sysconf("SC_CLK_TCK")
-IDLE_LEAVES = ("Condition.wait", "channel_spin", "Event.wait", "sleep", "select", "poll (", "_recv", "recv (", "epoll", "_run_once", "run_forever", "readinto", "_wait_for_tstate_lock")
+IDLE_LEAVES = (
+    "Condition.wait",
+    "channel_spin",
+    "Event.wait",
+    "sleep",
+    "select",
+    "poll (",
+    "_recv",
+    "recv (",
+    "epoll",
+    "_run_once",
+    "run_forever",
+    "readinto",
+    "_wait_for_tstate_lock",
+)
 PARTS = (  # innermost match wins, walking from the leaf up
     ("codec", ("peer/codec/",)),
     ("wire serialization / validation", ("SerializeToString", "ParseFromString", "FromString", "peer/wire/tensors.py")),
@@ -55,8 +69,8 @@ def _processes() -> dict[int, tuple[int, float, str]]:
             st = open(f"/proc/{d}/stat").read()
         except OSError:
             continue
-        fields = st[st.rindex(")") + 2:].split()
-        out[int(d)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / HZ, st[st.index("(") + 1:st.rindex(")")])
+        fields = st[st.rindex(")") + 2 :].split()
+        out[int(d)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / HZ, st[st.index("(") + 1 : st.rindex(")")])
     return out
 
 
@@ -98,7 +112,11 @@ def breakdown(raw_files: list[Path]) -> dict:
         part = next((name for fr in reversed(frames) for name, pats in PARTS if any(p in fr for p in pats)), "other")
         parts[part] += n
     busy = sum(parts.values())
-    return {"on_cpu_samples": busy, "idle_samples": idle, "shares": {k: round(v / busy, 3) for k, v in parts.most_common()} if busy else {}}
+    return {
+        "on_cpu_samples": busy,
+        "idle_samples": idle,
+        "shares": {k: round(v / busy, 3) for k, v in parts.most_common()} if busy else {},
+    }
 
 
 def children_breakdown(raw_files: list[Path], top: int = 8) -> dict:
@@ -107,15 +125,31 @@ def children_breakdown(raw_files: list[Path], top: int = 8) -> dict:
     kinds: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     idle = collections.Counter()
     for frames, n, waiting in samples(raw_files):
-        kind = "averager" if any("averaging/" in fr for fr in frames) else "dht" if any("hivemind/dht" in fr for fr in frames) else "other"
+        kind = (
+            "averager"
+            if any("averaging/" in fr for fr in frames)
+            else "dht"
+            if any("hivemind/dht" in fr for fr in frames)
+            else "other"
+        )
         if waiting:
             idle[kind] += n
             continue
         kinds[kind][frames[-1].split(" (")[0] + " (" + frames[-1].rsplit("/", 1)[-1]] += n
-    return {k: {"on_cpu_samples": sum(c.values()), "idle_samples": idle[k], "top": dict(c.most_common(top))} for k, c in sorted(kinds.items())}
+    return {
+        k: {"on_cpu_samples": sum(c.values()), "idle_samples": idle[k], "top": dict(c.most_common(top))}
+        for k, c in sorted(kinds.items())
+    }
 
 
-def run_profile(mode: str, bandwidth_mbit: float | None, dp_every: int = 5, seconds: float = 25.0, warmup: int = 8, dp_min_period_s: float | None = None) -> dict:
+def run_profile(
+    mode: str,
+    bandwidth_mbit: float | None,
+    dp_every: int = 5,
+    seconds: float = 25.0,
+    warmup: int = 8,
+    dp_min_period_s: float | None = None,
+) -> dict:
     if mode not in MODES:
         raise ConfigError("--mode", mode, f"must be one of {', '.join(MODES)}")
     why = available()
@@ -132,13 +166,40 @@ def run_profile(mode: str, bandwidth_mbit: float | None, dp_every: int = 5, seco
     rate = None if mode == "compute_bound" else bandwidth_mbit
     with NetBed([rate] * 5, subnet=30) as bed:
         swarm = BedSwarm(bed, cfg, work / "swarm")
-        s0 = swarm.wait_status(lambda s: s["step"] >= warmup and sum(p["state"] in ("active", "idle") for p in s["peers"]) == 4, 300, f"4 live peers and step {warmup}")
+        s0 = swarm.wait_status(
+            lambda s: s["step"] >= warmup and sum(p["state"] in ("active", "idle") for p in s["peers"]) == 4,
+            300,
+            f"4 live peers and step {warmup}",
+        )
         roots = [p.pid for p in swarm.peers]
         before = _processes()
-        kids = [pid for root in roots for pid in _tree(root, before) if pid != root and not before[pid][2].startswith("p2pd")]
+        kids = [
+            pid
+            for root in roots
+            for pid in _tree(root, before)
+            if pid != root and not before[pid][2].startswith("p2pd")
+        ]
 
         def record(pid: int, out: Path) -> subprocess.Popen:
-            return subprocess.Popen([spy, "record", "-d", str(int(seconds)), "-r", "40", "-f", "raw", "-o", str(out), "-p", str(pid), "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            return subprocess.Popen(
+                [
+                    spy,
+                    "record",
+                    "-d",
+                    str(int(seconds)),
+                    "-r",
+                    "40",
+                    "-f",
+                    "raw",
+                    "-o",
+                    str(out),
+                    "-p",
+                    str(pid),
+                    "--nonblocking",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
 
         spies = [record(pid, work / f"spy{i}.txt") for i, pid in enumerate(roots)] if spy else []
         spies += [record(pid, work / f"kid{i}.txt") for i, pid in enumerate(kids)] if spy else []
@@ -165,8 +226,12 @@ def run_profile(mode: str, bandwidth_mbit: float | None, dp_every: int = 5, seco
         "steps": [s0["step"], s1["step"]],
         "cpu_seconds": {k: round(v, 2) for k, v in cpu.most_common()},
         "cpu_share_of_machine": {k: round(v / ((os.cpu_count() or 1) * dt), 3) for k, v in cpu.most_common()},
-        "peer_main_process": breakdown(sorted(work.glob("spy*.txt"))) if spy else "py-spy not installed (pip install py-spy)",
-        "hivemind_python_children": children_breakdown(sorted(work.glob("kid*.txt"))) if spy else "py-spy not installed",
+        "peer_main_process": breakdown(sorted(work.glob("spy*.txt")))
+        if spy
+        else "py-spy not installed (pip install py-spy)",
+        "hivemind_python_children": children_breakdown(sorted(work.glob("kid*.txt")))
+        if spy
+        else "py-spy not installed",
         "workdir": str(work),
     }
 

@@ -119,9 +119,21 @@ def scaled(c: Costs, factor: float) -> Costs:
     """`c` with every CPU cost (compute on "cpu", codec everywhere) times `factor`: this machine's
     CPU running slower (or faster) now than when it was measured (the bed test measures that)."""
     k = factor if c.device.peak_tflops is None else 1.0
-    compute = StageCompute([x * k for x in c.compute.fwd], [x * k for x in c.compute.bwd], [x * k for x in c.compute.opt], c.compute.how)
-    codec = {m: replace(v, send_fwd=v.send_fwd * factor, recv_fwd=v.recv_fwd * factor, send_bwd=v.send_bwd * factor, recv_bwd=v.recv_bwd * factor,
-                        refresh=v.refresh * factor, ship_basis=v.ship_basis * factor) for m, v in c.codec.items()}
+    compute = StageCompute(
+        [x * k for x in c.compute.fwd], [x * k for x in c.compute.bwd], [x * k for x in c.compute.opt], c.compute.how
+    )
+    codec = {
+        m: replace(
+            v,
+            send_fwd=v.send_fwd * factor,
+            recv_fwd=v.recv_fwd * factor,
+            send_bwd=v.send_bwd * factor,
+            recv_bwd=v.recv_bwd * factor,
+            refresh=v.refresh * factor,
+            ship_basis=v.ship_basis * factor,
+        )
+        for m, v in c.codec.items()
+    }
     return replace(c, compute=compute, codec=codec)
 
 
@@ -129,15 +141,34 @@ def _dp_of(mode: str, dp_every: int) -> dict:
     return mode_config(mode, 2, 1, dp_every)["dp"]
 
 
-def measure_costs(dims: ModelDims, shape: Shape, stages: int, replicas: int, device: Device, mfu: float | None, dp_every: int, names: Names = SWARM_NAMES) -> Costs:
+def measure_costs(
+    dims: ModelDims,
+    shape: Shape,
+    stages: int,
+    replicas: int,
+    device: Device,
+    mfu: float | None,
+    dp_every: int,
+    names: Names = SWARM_NAMES,
+) -> Costs:
     """Compute (measured or from FLOPs), codec cost (measured) and message sizes of every mode."""
     if stages < 2:
         raise ConfigError("--stages", stages, "must be >= 2 (a pipeline needs a link)")
     if stages > dims.layers:
         raise ConfigError("--stages", stages, f"must be <= the model's {dims.layers} layers")
-    compute = measure_cpu_compute(dims, shape, stages) if device.peak_tflops is None else gpu_compute(dims, shape, stages, device, mfu)
+    compute = (
+        measure_cpu_compute(dims, shape, stages)
+        if device.peak_tflops is None
+        else gpu_compute(dims, shape, stages, device, mfu)
+    )
     # one measurement per codec the modes use (dense's fp16 mask codec, the compressed modes' scheme)
-    gpu = None if device.peak_tflops is None else SimpleNamespace(flops_per_s=device.peak_tflops * 1e12 * (mfu if mfu is not None else DEFAULT_MFU), mem_gbps=device.mem_gbps)
+    gpu = (
+        None
+        if device.peak_tflops is None
+        else SimpleNamespace(
+            flops_per_s=device.peak_tflops * 1e12 * (mfu if mfu is not None else DEFAULT_MFU), mem_gbps=device.mem_gbps
+        )
+    )
     measured = {}
     for m in MODES:
         scheme = mode_mask(m).scheme
@@ -168,15 +199,28 @@ def _tasks(c: Costs, mode: str) -> Tasks:
         bwd.append(0.0 if last else cc.recv_bwd + c.compute.bwd[s] + (0.0 if first else cc.send_bwd))
     # the basis message is rare: frame the common message and add the pair's bytes at the same overhead ratio
     act_wire = f.wire(mb.activation) * act_app / mb.activation
-    return Tasks(fwd, bwd, list(c.compute.opt), [act_wire] * (K - 1), [f.wire(mb.gradient)] * (K - 1),
-                 [f.acks(mb.activation) * act_app / mb.activation] * (K - 1), [f.acks(mb.gradient)] * (K - 1))
+    return Tasks(
+        fwd,
+        bwd,
+        list(c.compute.opt),
+        [act_wire] * (K - 1),
+        [f.wire(mb.gradient)] * (K - 1),
+        [f.acks(mb.activation) * act_app / mb.activation] * (K - 1),
+        [f.acks(mb.gradient)] * (K - 1),
+    )
 
 
 SYNC = "dense_sync"  # the baseline a user would run instead: projected only (the swarm has no synchronous mode)
 PROJECT_MODES = (SYNC, *MODES)
 
 
-def project_sync(c: Costs, bandwidth_mbit: float | None, burst_bytes: float = 0.0, shared_cores: float | None = None, queue_s: float = 0.0) -> dict:
+def project_sync(
+    c: Costs,
+    bandwidth_mbit: float | None,
+    burst_bytes: float = 0.0,
+    shared_cores: float | None = None,
+    queue_s: float = 0.0,
+) -> dict:
     """`dense_sync`: stock pipeline + data parallelism, the research's 9x / 40x baseline. Dense
     fp16 activations (dense's messages and codec costs), R fixed pipelines flushed every step
     (GPipe), and before every optimizer step an fp32 gradient all-reduce of each stage group
@@ -197,7 +241,10 @@ def project_sync(c: Costs, bandwidth_mbit: float | None, burst_bytes: float = 0.
         "step_s": sched.step_s,
         "allreduce_s_per_step": max(sync_s),
         "wire_bytes_per_token": (pp_wire + R * sum(wire)) / tokens_step,
-        "app_bytes_per_token": {"pp": M * R * (K - 1) * (c.bytes["dense"].activation + c.bytes["dense"].gradient) / tokens_step, "dp": R * sum(allreduce) / tokens_step},
+        "app_bytes_per_token": {
+            "pp": M * R * (K - 1) * (c.bytes["dense"].activation + c.bytes["dense"].gradient) / tokens_step,
+            "dp": R * sum(allreduce) / tokens_step,
+        },
         "bandwidth_mbit": bandwidth_mbit,
         "pp": mode_config("dense", 2, 1, c.dp_every)["mask"],
         "dp": {"inner_steps": 1, "outer_compression": "none", "synchronous": True},
@@ -206,7 +253,14 @@ def project_sync(c: Costs, bandwidth_mbit: float | None, burst_bytes: float = 0.
     }
 
 
-def project_mode(c: Costs, mode: str, bandwidth_mbit: float | None, burst_bytes: float = 0.0, shared_cores: float | None = None, queue_s: float = 0.0) -> dict:
+def project_mode(
+    c: Costs,
+    mode: str,
+    bandwidth_mbit: float | None,
+    burst_bytes: float = 0.0,
+    shared_cores: float | None = None,
+    queue_s: float = 0.0,
+) -> dict:
     """One mode's prediction at `bandwidth_mbit` (None: unshaped links; compute_bound always is)."""
     if mode == SYNC:
         return project_sync(c, bandwidth_mbit, burst_bytes, shared_cores, queue_s)
@@ -225,7 +279,14 @@ def project_mode(c: Costs, mode: str, bandwidth_mbit: float | None, burst_bytes:
     if shared_cores:
         compute_s = max(compute_s / min(1.0, shared_cores), R * sum(compute) / shared_cores)
     # host of stage s uploads activations to s+1, gradients to s-1, ACKs of what it receives
-    up = [M * ((tasks.act_wire[s] + tasks.grad_ack[s] if s < K - 1 else 0.0) + (tasks.grad_wire[s - 1] + tasks.act_ack[s - 1] if s > 0 else 0.0)) for s in range(K)]
+    up = [
+        M
+        * (
+            (tasks.act_wire[s] + tasks.grad_ack[s] if s < K - 1 else 0.0)
+            + (tasks.grad_wire[s - 1] + tasks.act_ack[s - 1] if s > 0 else 0.0)
+        )
+        for s in range(K)
+    ]
     if bandwidth_mbit is None:
         link_s = dp_s = 0.0
         rate = None
@@ -238,20 +299,49 @@ def project_mode(c: Costs, mode: str, bandwidth_mbit: float | None, burst_bytes:
 
     @functools.lru_cache(maxsize=None)  # the DP models ask for the whole link and half of it more than once
     def run(rate_pp: float | None) -> Schedule:
-        return simulate(tasks, K, R, M, c.shape.tokens, rate_pp, burst_bytes, shared_cores, queue_s, staleness=c.shape.max_staleness)
+        return simulate(
+            tasks, K, R, M, c.shape.tokens, rate_pp, burst_bytes, shared_cores, queue_s, staleness=c.shape.max_staleness
+        )
 
     kept = run(rate) if rate is None or dp_s == 0.0 else dp_kept(run, rate, max(dp_wire_step), bound_s, tokens_step)
     app, every, app_bound, shared = kept, float(dp["inner_steps"]), bound, None
-    if rate is not None and dp_s > 0.0 and c.link_share > 0.0:  # the swarm's default: rounds spaced to a share of the link
+    if (
+        rate is not None and dp_s > 0.0 and c.link_share > 0.0
+    ):  # the swarm's default: rounds spaced to a share of the link
         busiest = max(range(K), key=lambda s: dp_wire_step[s])
-        shared = dp_shared(run, rate, dp_round[busiest], dp_wire_step[busiest] * dp["inner_steps"], max(up), dp["inner_steps"], c.link_share, c.min_period_s, tokens_step)
+        shared = dp_shared(
+            run,
+            rate,
+            dp_round[busiest],
+            dp_wire_step[busiest] * dp["inner_steps"],
+            max(up),
+            dp["inner_steps"],
+            c.link_share,
+            c.min_period_s,
+            tokens_step,
+        )
         app, every = shared.schedule, shared.every
-        app_bound = "link" if link_s > compute_s else ("dp" if shared.busy > 0 and max(up) / (rate / 2) > compute_s else "compute")
-    elif rate is not None and dp_s > 0.0:  # dp.link_share 0 (the throughput bench's modes): as often as the averager manages
+        app_bound = (
+            "link"
+            if link_s > compute_s
+            else ("dp" if shared.busy > 0 and max(up) / (rate / 2) > compute_s else "compute")
+        )
+    elif (
+        rate is not None and dp_s > 0.0
+    ):  # dp.link_share 0 (the throughput bench's modes): as often as the averager manages
         app, every, split = dp_greedy(run, kept, rate, max(dp_wire_step), max(up), dp["inner_steps"])
         if split:
             app_bound = "dp" if max(up) / (rate / 2) > compute_s else "compute"
-    pp_app = M * R * (K - 1) * (c.bytes[mode].activation + c.bytes[mode].gradient + (R * c.bytes[mode].basis / (mode_mask(mode).basis_refresh * M) if c.bytes[mode].basis else 0.0))
+    pp_app = (
+        M
+        * R
+        * (K - 1)
+        * (
+            c.bytes[mode].activation
+            + c.bytes[mode].gradient
+            + (R * c.bytes[mode].basis / (mode_mask(mode).basis_refresh * M) if c.bytes[mode].basis else 0.0)
+        )
+    )
     pp_wire = tasks.pp_wire_per_step(R, M)
     dp_app = R * sum(dp_app_step)
     slow = dp["inner_steps"] / every  # DP bytes per step at the achieved cadence, relative to the configured one
@@ -259,7 +349,9 @@ def project_mode(c: Costs, mode: str, bandwidth_mbit: float | None, burst_bytes:
         "tokens_per_s": app.tokens_per_s,
         "bound": app_bound,
         "dp_every_achieved": every if dp_s > 0.0 else None,
-        "dp_link": None if shared is None else {"link_share": c.link_share, "period_s": shared.period_s, "busy": shared.busy},
+        "dp_link": None
+        if shared is None
+        else {"link_share": c.link_share, "period_s": shared.period_s, "busy": shared.busy},
         "tokens_per_s_bound": tokens_step / bound_s,
         "step_s": app.step_s,
         "busy_s_per_step": {"compute": compute_s, "link": link_s, "dp": dp_s},
@@ -279,18 +371,35 @@ def project_mode(c: Costs, mode: str, bandwidth_mbit: float | None, burst_bytes:
     }
 
 
-def project(costs: Costs, bandwidth_mbit: float, modes: tuple[str, ...] = PROJECT_MODES, burst_bytes: float = 0.0, shared_cores: float | None = None, queue_s: float = 0.0) -> dict:
+def project(
+    costs: Costs,
+    bandwidth_mbit: float,
+    modes: tuple[str, ...] = PROJECT_MODES,
+    burst_bytes: float = 0.0,
+    shared_cores: float | None = None,
+    queue_s: float = 0.0,
+) -> dict:
     """The JSON of `bench project` for measured/derived `costs` at one bandwidth; each mode's
     tokens/s also as a ratio to `dense_sync`, `dense` and `compute_bound` (those projected)."""
     c = costs
     out = {m: project_mode(c, m, bandwidth_mbit, burst_bytes, shared_cores, queue_s) for m in modes}
     for r in out.values():
-        r["vs"] = {b: r["tokens_per_s"] / out[b]["tokens_per_s"] for b in (SYNC, "dense", "compute_bound") if b in out and out[b]["tokens_per_s"] > 0}
-    codec = {k: asdict(v) for k, v in {"dense": c.codec["dense"], mode_mask("masked").scheme: c.codec["masked"]}.items()}
+        r["vs"] = {
+            b: r["tokens_per_s"] / out[b]["tokens_per_s"]
+            for b in (SYNC, "dense", "compute_bound")
+            if b in out and out[b]["tokens_per_s"] > 0
+        }
+    codec = {
+        k: asdict(v) for k, v in {"dense": c.codec["dense"], mode_mask("masked").scheme: c.codec["masked"]}.items()
+    }
     return {
         "modes": out,
         "setup": {
-            "model": {**asdict(c.dims), "params": c.dims.params(), "stage_params": [c.dims.stage_params(s, c.stages) for s in range(c.stages)]},
+            "model": {
+                **asdict(c.dims),
+                "params": c.dims.params(),
+                "stage_params": [c.dims.stage_params(s, c.stages) for s in range(c.stages)],
+            },
             "device": asdict(c.device),
             "mfu": c.mfu,
             "bandwidth_mbit": bandwidth_mbit,
@@ -299,7 +408,12 @@ def project(costs: Costs, bandwidth_mbit: float, modes: tuple[str, ...] = PROJEC
             "micro_batch": asdict(c.shape),
             "dp_every": c.dp_every,
             "dp_link_share": c.link_share,
-            "compute": {"fwd_s": c.compute.fwd, "bwd_s": c.compute.bwd, "optimizer_s": c.compute.opt, "how": c.compute.how},
+            "compute": {
+                "fwd_s": c.compute.fwd,
+                "bwd_s": c.compute.bwd,
+                "optimizer_s": c.compute.opt,
+                "how": c.compute.how,
+            },
             "codec_s": codec,
             "message_bytes": {m: asdict(b) for m, b in c.bytes.items()},
             "framing": asdict(c.framing),
@@ -311,8 +425,17 @@ def project(costs: Costs, bandwidth_mbit: float, modes: tuple[str, ...] = PROJEC
     }
 
 
-def check_args(device: str, bandwidth_mbit: float, stages: int, replicas: int, mfu: float | None, dp_every: int, shared_cores: int | None = None, max_staleness: int | None = None,
-               link_share: float = 0.0) -> Device:
+def check_args(
+    device: str,
+    bandwidth_mbit: float,
+    stages: int,
+    replicas: int,
+    mfu: float | None,
+    dp_every: int,
+    shared_cores: int | None = None,
+    max_staleness: int | None = None,
+    link_share: float = 0.0,
+) -> Device:
     """Every flag checked before anything is measured; ConfigError names the flag."""
     if device not in DEVICES:
         raise ConfigError("--gpu", device, f"unknown; known: {', '.join(DEVICES)}")
@@ -333,7 +456,11 @@ def check_args(device: str, bandwidth_mbit: float, stages: int, replicas: int, m
     if max_staleness is not None:
         check_max_staleness(max_staleness)
     if not 0.0 <= link_share <= 1.0:
-        raise ConfigError("--link-share", link_share, "must be in [0, 1]: the share of the link's time averaging rounds may take (0 = no bound)")
+        raise ConfigError(
+            "--link-share",
+            link_share,
+            "must be in [0, 1]: the share of the link's time averaging rounds may take (0 = no bound)",
+        )
     return DEVICES[device]
 
 
@@ -351,18 +478,40 @@ def mfu_from_gpu_run(path: Path, device: Device) -> tuple[float, str]:
         tokens_per_s = float(run["precision"]["bf16"]["tokens_per_s"])
         seq_len = int(run.get("seq_len", 512))
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ConfigError("--mfu-from", str(path), f"not an `anchormesh bench gpu` result with a bf16 precision row ({exc})") from None
+        raise ConfigError(
+            "--mfu-from", str(path), f"not an `anchormesh bench gpu` result with a bf16 precision row ({exc})"
+        ) from None
     if run.get("shape") != "llama-3.2-1b":
-        raise ConfigError("--mfu-from", str(path), f"measured on shape {run.get('shape')!r}; the MFU is taken from the llama-3.2-1b shape")
+        raise ConfigError(
+            "--mfu-from",
+            str(path),
+            f"measured on shape {run.get('shape')!r}; the MFU is taken from the llama-3.2-1b shape",
+        )
     dims = KNOWN_MODELS["llama-3.2-1b"]
-    flops = 6 * dims.layer_params() * dims.layers + 12 * dims.hidden * seq_len * dims.layers + 6 * dims.vocab * dims.hidden
+    flops = (
+        6 * dims.layer_params() * dims.layers + 12 * dims.hidden * seq_len * dims.layers + 6 * dims.vocab * dims.hidden
+    )
     mfu = tokens_per_s * flops / (device.peak_tflops * 1e12)
-    return min(mfu, 1.0), f"measured by `anchormesh bench gpu` on {run.get('device_name', '?')} ({path}): {tokens_per_s:,.0f} bf16 tokens/s"
+    return (
+        min(mfu, 1.0),
+        f"measured by `anchormesh bench gpu` on {run.get('device_name', '?')} ({path}): {tokens_per_s:,.0f} bf16 tokens/s",
+    )
 
 
-def run_project(model: str, device: str, bandwidth_mbit: float, stages: int = 2, replicas: int = 2, mfu: float | None = None, dp_every: int = 10,
-                shared_cores: int | None = None, burst_kb: float = 0.0, mfu_from: Path | None = None, max_staleness: int | None = None,
-                link_share: float | None = None) -> dict:
+def run_project(
+    model: str,
+    device: str,
+    bandwidth_mbit: float,
+    stages: int = 2,
+    replicas: int = 2,
+    mfu: float | None = None,
+    dp_every: int = 10,
+    shared_cores: int | None = None,
+    burst_kb: float = 0.0,
+    mfu_from: Path | None = None,
+    max_staleness: int | None = None,
+    link_share: float | None = None,
+) -> dict:
     """`anchormesh bench project`: resolve, measure, project (see the module docstring). A GPU's
     MFU is `--mfu`, else what a `bench gpu` run on that device measured (`--mfu-from`, or
     docs/gpu-bench-<device>.json when it exists), else 40%."""
@@ -391,5 +540,3 @@ def main_json(path: Path | None, **kwargs) -> dict:
     from peer.bench import emit_json
 
     return emit_json(run_project(**kwargs), path)
-
-

@@ -38,14 +38,20 @@ def link_codec(mask):
     from peer.codec.mask import MaskCodec
     from peer.config import MaskConfig
 
-    return MaskCodec(MaskConfig(scheme="mask", values=mask.values, seed=mask.seed)) if mask.scheme == "lowrank" else MaskCodec(mask)
+    return (
+        MaskCodec(MaskConfig(scheme="mask", values=mask.values, seed=mask.seed))
+        if mask.scheme == "lowrank"
+        else MaskCodec(mask)
+    )
 
 
 def _payload(codec, shape: tuple[int, ...], boundary: int, names: Names, n_bytes: int):
     """A TensorPayload as `codec.encode` makes it for a tensor of `shape`, with a payload of n bytes."""
     import torch
 
-    msg = codec.encode(torch.zeros((1,) * len(shape)), boundary=boundary, step=names.step, micro_batch=names.micro_batch_id)
+    msg = codec.encode(
+        torch.zeros((1,) * len(shape)), boundary=boundary, step=names.step, micro_batch=names.micro_batch_id
+    )
     del msg.shape[:]
     msg.shape.extend(shape)
     msg.payload = b"\0" * n_bytes
@@ -80,15 +86,21 @@ class MessageBytes:
     activation: int
     gradient: int
     basis: int  # extra bytes of the message that ships a new (prior, basis) pair or activation coder; 0 without one
-    grad_coder: int = 0  # extra bytes of the gradient that ships the gradients' coder (transform: once per link and run)
+    grad_coder: int = (
+        0  # extra bytes of the gradient that ships the gradients' coder (transform: once per link and run)
+    )
 
 
-def message_bytes(mode: str, dims: ModelDims, shape: Shape, boundary: int = 0, names: Names = SWARM_NAMES) -> MessageBytes:
+def message_bytes(
+    mode: str, dims: ModelDims, shape: Shape, boundary: int = 0, names: Names = SWARM_NAMES
+) -> MessageBytes:
     """Sizes of the ActivationChunk and GradientChunk one micro-batch sends over `boundary`."""
     return mask_message_bytes(mode_mask(mode), dims, shape, boundary, names)
 
 
-def mask_message_bytes(mask, dims: ModelDims, shape: Shape, boundary: int = 0, names: Names = SWARM_NAMES) -> MessageBytes:
+def mask_message_bytes(
+    mask, dims: ModelDims, shape: Shape, boundary: int = 0, names: Names = SWARM_NAMES
+) -> MessageBytes:
     """`message_bytes` for any drop-0 MaskConfig (`bench quality` sizes its rows' codecs with it)."""
     import torch
 
@@ -100,7 +112,13 @@ def mask_message_bytes(mask, dims: ModelDims, shape: Shape, boundary: int = 0, n
     codec = link_codec(mask)
     B, T = shape.micro_batch_size, shape.seq_len
     width = mask.rank if mask.scheme == "lowrank" else dims.hidden
-    header = pb.MicroBatchHeader(run_id=names.run_id, micro_batch_id=names.micro_batch_id, step=names.step, sender=names.sender, boundary=boundary)
+    header = pb.MicroBatchHeader(
+        run_id=names.run_id,
+        micro_batch_id=names.micro_batch_id,
+        step=names.step,
+        sender=names.sender,
+        boundary=boundary,
+    )
     ids = tensor_to_proto(torch.zeros(B, T + 1, dtype=token_dtype(dims.vocab)))
     act = pb.ActivationChunk(header=header, token_ids=ids)
     act.hidden.CopyFrom(_payload(codec, (B, T, width), boundary, names, link_payload_bytes(mask, B * T * width)))
@@ -127,7 +145,9 @@ def transform_coders(mask, hidden: int, version: int = 1):
     from peer.codec.grad_coder import FixedCoder, random_coder
     from peer.codec.transform import row_budget
 
-    return random_coder(hidden, row_budget(mask.bits, hidden), seed=mask.seed, version=version), FixedCoder(hidden, mask.grad_bits, seed=mask.seed, step_scale=mask.grad_step_scale).current
+    return random_coder(hidden, row_budget(mask.bits, hidden), seed=mask.seed, version=version), FixedCoder(
+        hidden, mask.grad_bits, seed=mask.seed, step_scale=mask.grad_step_scale
+    ).current
 
 
 def _transform_bytes(mask, dims: ModelDims, shape: Shape, boundary: int, names: Names) -> MessageBytes:
@@ -142,20 +162,50 @@ def _transform_bytes(mask, dims: ModelDims, shape: Shape, boundary: int, names: 
     B, T, H = shape.micro_batch_size, shape.seq_len, dims.hidden
     act_coder, grad_coder = transform_coders(mask, H, version=max(1, names.basis_version))
     key = dict(boundary=boundary, step=names.step, micro_batch=names.micro_batch_id)
-    header = pb.MicroBatchHeader(run_id=names.run_id, micro_batch_id=names.micro_batch_id, step=names.step, sender=names.sender, boundary=boundary)
+    header = pb.MicroBatchHeader(
+        run_id=names.run_id,
+        micro_batch_id=names.micro_batch_id,
+        step=names.step,
+        sender=names.sender,
+        boundary=boundary,
+    )
     ids = tensor_to_proto(torch.zeros(B, T + 1, dtype=token_dtype(dims.vocab)))
     row = torch.zeros(1, T, H)  # payloads grow by whole sequences: one is encoded, the rest sized
     links = TransformLinks(mask, H, produces_forward=False, produces_backward=False)  # the link's own rules
     stats, rates = links.msg_stats("forward"), links.row_rates("backward")
-    act = pb.ActivationChunk(header=header, token_ids=ids, hidden=_batched(tw.encode(act_coder, row, sink=mask.sink, stochastic=False, msg_stats=stats, **key), act_coder, B, T, mask.sink, stats))
+    act = pb.ActivationChunk(
+        header=header,
+        token_ids=ids,
+        hidden=_batched(
+            tw.encode(act_coder, row, sink=mask.sink, stochastic=False, msg_stats=stats, **key),
+            act_coder,
+            B,
+            T,
+            mask.sink,
+            stats,
+        ),
+    )
     # mask.grad_outliers: a pretrained model's gradient rows at its first positions travel dense (SmolLM2's
     # massive activations sit there: on Python and licence text at 64-2,048 tokens no other row passed 20x);
     # a tiny model built from a config has none
     pretrained = not dims.name.startswith(TINY_MODEL_PREFIX)
     firsts = torch.arange(0, B * T, T) if mask.scheme == "transform" and mask.grad_outliers and pretrained else None
-    grad = pb.GradientChunk(header=header, grad=_batched(tw.encode(grad_coder, row, sink=0, stochastic=True, dither=rates, row_rates=rates, **key), grad_coder, B, T, 0, row_rates=rates, dense_rows=firsts))
+    grad = pb.GradientChunk(
+        header=header,
+        grad=_batched(
+            tw.encode(grad_coder, row, sink=0, stochastic=True, dither=rates, row_rates=rates, **key),
+            grad_coder,
+            B,
+            T,
+            0,
+            row_rates=rates,
+            dense_rows=firsts,
+        ),
+    )
     coder_act = pb.ActivationChunk(coder=tw.coder_to_proto(act_coder)).ByteSize()
-    coder_grad = pb.GradientChunk(coder=tw.coder_to_proto(grad_coder, run_rotation=True)).ByteSize()  # its rotation is the run's: not shipped
+    coder_grad = pb.GradientChunk(
+        coder=tw.coder_to_proto(grad_coder, run_rotation=True)
+    ).ByteSize()  # its rotation is the run's: not shipped
     return MessageBytes(act.ByteSize(), grad.ByteSize(), coder_act, coder_grad)
 
 
@@ -165,7 +215,9 @@ def _batched(one, state, B: int, T: int, sink: int, msg_stats: bool = False, row
     one.shape[0] = B
     if dense_rows is not None:
         one.compression.dense_rows.extend(dense_rows.tolist())
-    one.payload = b"\0" * state.payload_bytes(B, T, sink, msg_stats, row_rates, dense=0 if dense_rows is None else len(dense_rows))
+    one.payload = b"\0" * state.payload_bytes(
+        B, T, sink, msg_stats, row_rates, dense=0 if dense_rows is None else len(dense_rows)
+    )
     return one
 
 

@@ -29,7 +29,12 @@ class CodecCost:
     device_s: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
     device_flops: float = 0.0
     device_values: int = 0
-    device_passes: tuple[int, int, int, int] = (0, 0, 0, 0)  # per cost: DEVICE_PASSES, plus DITHER_PASSES where that direction dithers
+    device_passes: tuple[int, int, int, int] = (
+        0,
+        0,
+        0,
+        0,
+    )  # per cost: DEVICE_PASSES, plus DITHER_PASSES where that direction dithers
 
 
 DEVICE_PASSES = 24  # elementwise passes of 4 bytes per value in a transform encode or decode (quantise, round, clamp, pack's shifts; unpack's)
@@ -72,13 +77,25 @@ def measure_codec(mode: str, dims: ModelDims, shape: Shape, names: Names = SWARM
         ids = window[:, :-1]
         out = torch.randn(b, T, H, generator=gen)
         rows, with_ids = prior_rows(mask, V)
-        learner = BasisLearner(V, H, mask.rank, mask.basis_refresh, **({"max_rows": mask.prior_rows} if with_ids else {})) if lowrank else None
+        learner = (
+            BasisLearner(V, H, mask.rank, mask.basis_refresh, **({"max_rows": mask.prior_rows} if with_ids else {}))
+            if lowrank
+            else None
+        )
         if learner is not None:
             while sum(r.shape[0] for r in learner.rows) < learner.buffer_tokens:
                 learner.observe(torch.randn(b, T, H, generator=gen), ids)
-            refresh = time_call(lambda: learner.maybe_refresh(learner._last_refresh_step + mask.basis_refresh if learner._last_refresh_step is not None else 0), min_s=0.0, max_reps=3)
+            refresh = time_call(
+                lambda: learner.maybe_refresh(
+                    learner._last_refresh_step + mask.basis_refresh if learner._last_refresh_step is not None else 0
+                ),
+                min_s=0.0,
+                max_reps=3,
+            )
         state = learner.current if learner is not None else None
-        header = pb.MicroBatchHeader(run_id=names.run_id, micro_batch_id=names.micro_batch_id, step=names.step, sender=names.sender, boundary=0)
+        header = pb.MicroBatchHeader(
+            run_id=names.run_id, micro_batch_id=names.micro_batch_id, step=names.step, sender=names.sender, boundary=0
+        )
 
         def send_fwd() -> bytes:
             msg = pb.ActivationChunk(header=header, token_ids=tensor_to_proto(window.to(token_dtype(V))))
@@ -133,6 +150,7 @@ def measure_codec(mode: str, dims: ModelDims, shape: Shape, names: Names = SWARM
         t_send_bwd, t_recv_bwd = time_call(send_bwd), time_call(recv_bwd)
         ship = 0.0
         if state is not None:
+
             def ship_pair():
                 m = pb.ActivationChunk(basis_version=state.version)
                 m.basis_prior.CopyFrom(tensor_to_proto(state.prior.half()))
@@ -148,7 +166,15 @@ def measure_codec(mode: str, dims: ModelDims, shape: Shape, names: Names = SWARM
                         proto_to_tensor(m2.basis_prior_ids)
 
             ship = time_call(ship_pair, min_s=0.0, max_reps=3)
-    return CodecCost(t_send_fwd * scale, t_recv_fwd * scale, t_send_bwd * scale, t_recv_bwd * scale, refresh if lowrank else 0.0, ship, scale)
+    return CodecCost(
+        t_send_fwd * scale,
+        t_recv_fwd * scale,
+        t_send_bwd * scale,
+        t_recv_bwd * scale,
+        refresh if lowrank else 0.0,
+        ship,
+        scale,
+    )
 
 
 def measure_transform_codec(mask, dims: ModelDims, shape: Shape, names: Names = SWARM_NAMES) -> CodecCost:
@@ -176,13 +202,23 @@ def measure_transform_codec(mask, dims: ModelDims, shape: Shape, names: Names = 
         learner = sender.learners["forward"]
         while sum(len(r) for r in learner.rows) < learner.buffer_rows:
             learner.observe(torch.randn(b, T, H, generator=gen), mask.sink)
-        refresh = time_call(lambda: learner.maybe_refresh(10**9 if learner._last_fit is None else learner._last_fit + mask.basis_refresh), min_s=0.0, max_reps=3)
-        header = pb.MicroBatchHeader(run_id=names.run_id, micro_batch_id=names.micro_batch_id, step=names.step, sender=names.sender, boundary=0)
+        refresh = time_call(
+            lambda: learner.maybe_refresh(
+                10**9 if learner._last_fit is None else learner._last_fit + mask.basis_refresh
+            ),
+            min_s=0.0,
+            max_reps=3,
+        )
+        header = pb.MicroBatchHeader(
+            run_id=names.run_id, micro_batch_id=names.micro_batch_id, step=names.step, sender=names.sender, boundary=0
+        )
         window = torch.randint(0, V, (b, T + 1), generator=gen)
         first = pb.ActivationChunk(header=header)
         first.hidden.CopyFrom(sender.encode("forward", out, "next", **key)[0])
         first.coder.CopyFrom(tw.coder_to_proto(learner.current))
-        receiver.decode(first, expect_shape=(b, T, H), **key)  # the receiver holds the coder, as after the first message
+        receiver.decode(
+            first, expect_shape=(b, T, H), **key
+        )  # the receiver holds the coder, as after the first message
 
         def send_fwd() -> bytes:
             msg = pb.ActivationChunk(header=header, token_ids=tensor_to_proto(window.to(token_dtype(V))))
@@ -199,7 +235,9 @@ def measure_transform_codec(mask, dims: ModelDims, shape: Shape, names: Names = 
             return receiver.decode(m, expect_shape=(b, T, H), **key)
 
         g_out = torch.randn(b, T, H, generator=gen)
-        gheader = pb.MicroBatchHeader(run_id=names.run_id, micro_batch_id=names.micro_batch_id, step=names.step, sender=names.sender, boundary=0)
+        gheader = pb.MicroBatchHeader(
+            run_id=names.run_id, micro_batch_id=names.micro_batch_id, step=names.step, sender=names.sender, boundary=0
+        )
         first = pb.GradientChunk(header=gheader)
         payload, coder = receiver.encode("backward", g_out, "prev", **key)
         first.grad.CopyFrom(payload)
@@ -223,7 +261,9 @@ def measure_transform_codec(mask, dims: ModelDims, shape: Shape, names: Names = 
         def ship() -> None:
             raw = pb.ActivationChunk(coder=tw.coder_to_proto(learner.current)).SerializeToString()
             for _ in range(2):  # validate, then decode: each takes the coder
-                tw.coder_from_proto(parse_message(pb.ActivationChunk, raw, MAX_MESSAGE_BYTES).coder, H, sender.max_bits("forward"))
+                tw.coder_from_proto(
+                    parse_message(pb.ActivationChunk, raw, MAX_MESSAGE_BYTES).coder, H, sender.max_bits("forward")
+                )
 
         act_state, grad_state = learner.current, receiver.learners["backward"].current
         # the device's share rounds as the link does (a dither's offsets are device work too)
@@ -235,22 +275,53 @@ def measure_transform_codec(mask, dims: ModelDims, shape: Shape, names: Names = 
             return act_state.encode(out, mask.sink, dither_seed=act_seed, msg_stats=stats)
 
         def grad_encode() -> bytes:
-            return grad_state.encode(g_out, 0, stochastic=True, generator=torch.Generator().manual_seed(0), dither_seed=grad_seed, row_rates=rates)
+            return grad_state.encode(
+                g_out,
+                0,
+                stochastic=True,
+                generator=torch.Generator().manual_seed(0),
+                dither_seed=grad_seed,
+                row_rates=rates,
+            )
 
         act_payload, grad_payload = act_encode(), grad_encode()
 
-        def expand(state, payload, sink: int, seed: int | None, msg_stats: bool = False, row_rates: bool = False) -> float:  # decode less its host parse: the device's share
-            return max(0.0, time_call(lambda: state.decode(payload, b, T, sink, dither_seed=seed, msg_stats=msg_stats, row_rates=row_rates))
-                       - time_call(lambda: state.check(payload, b, T, sink, msg_stats, row_rates)))
+        def expand(
+            state, payload, sink: int, seed: int | None, msg_stats: bool = False, row_rates: bool = False
+        ) -> float:  # decode less its host parse: the device's share
+            return max(
+                0.0,
+                time_call(
+                    lambda: state.decode(
+                        payload, b, T, sink, dither_seed=seed, msg_stats=msg_stats, row_rates=row_rates
+                    )
+                )
+                - time_call(lambda: state.check(payload, b, T, sink, msg_stats, row_rates)),
+            )
 
-        device = (time_call(act_encode), expand(act_state, act_payload, mask.sink, act_seed, stats), time_call(grad_encode), expand(grad_state, grad_payload, 0, grad_seed, row_rates=rates))
+        device = (
+            time_call(act_encode),
+            expand(act_state, act_payload, mask.sink, act_seed, stats),
+            time_call(grad_encode),
+            expand(grad_state, grad_payload, 0, grad_seed, row_rates=rates),
+        )
         costs = [time_call(f) for f in (send_fwd, recv_fwd, send_bwd, recv_bwd)]
         shipping = time_call(ship, min_s=0.0, max_reps=3)
     # each cost is its host part (messages, bytes, parses, checks) plus its device part; the host
     # part is the difference, floored at 0 (both are timed: at small shapes it is within noise)
-    return CodecCost(*(c * scale for c in costs), refresh, shipping, scale,
-                     device_s=tuple(min(d, c) * scale for d, c in zip(device, costs)), device_flops=2.0 * B * T * H * H, device_values=B * T * H,
-                     device_passes=tuple(DEVICE_PASSES + (DITHER_PASSES if seed is not None else 0) for seed in (act_seed, act_seed, grad_seed, grad_seed)))
+    return CodecCost(
+        *(c * scale for c in costs),
+        refresh,
+        shipping,
+        scale,
+        device_s=tuple(min(d, c) * scale for d, c in zip(device, costs)),
+        device_flops=2.0 * B * T * H * H,
+        device_values=B * T * H,
+        device_passes=tuple(
+            DEVICE_PASSES + (DITHER_PASSES if seed is not None else 0)
+            for seed in (act_seed, act_seed, grad_seed, grad_seed)
+        ),
+    )
 
 
 def on_device(cost: CodecCost, device) -> CodecCost:
@@ -261,6 +332,11 @@ def on_device(cost: CodecCost, device) -> CodecCost:
 
     if device is None or not cost.device_values:
         return cost
-    on = [cost.device_flops / device.flops_per_s + passes * 4 * cost.device_values / (device.mem_gbps * 1e9) for passes in cost.device_passes]
-    four = [c - d + o for c, d, o in zip((cost.send_fwd, cost.recv_fwd, cost.send_bwd, cost.recv_bwd), cost.device_s, on)]
+    on = [
+        cost.device_flops / device.flops_per_s + passes * 4 * cost.device_values / (device.mem_gbps * 1e9)
+        for passes in cost.device_passes
+    ]
+    four = [
+        c - d + o for c, d, o in zip((cost.send_fwd, cost.recv_fwd, cost.send_bwd, cost.recv_bwd), cost.device_s, on)
+    ]
     return replace(cost, send_fwd=four[0], recv_fwd=four[1], send_bwd=four[2], recv_bwd=four[3], device_s=tuple(on))

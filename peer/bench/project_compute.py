@@ -66,13 +66,36 @@ def _build_stages(dims: ModelDims, seq_len: int) -> list:
     from peer.model.stages import split_model
 
     if dims.family == "gpt2":
-        config = GPT2Config(vocab_size=dims.vocab, n_positions=max(seq_len, dims.max_positions), n_embd=dims.hidden, n_layer=3, n_head=dims.heads, n_inner=dims.intermediate, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False)
+        config = GPT2Config(
+            vocab_size=dims.vocab,
+            n_positions=max(seq_len, dims.max_positions),
+            n_embd=dims.hidden,
+            n_layer=3,
+            n_head=dims.heads,
+            n_inner=dims.intermediate,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            tie_word_embeddings=False,
+        )
     else:
         cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}.get(dims.family)
         if cls is None:
-            raise ConfigError("--model", dims.name, f"family {dims.family!r} cannot be timed here; supported: llama, qwen2, mistral, gpt2")
-        config = cls(vocab_size=dims.vocab, hidden_size=dims.hidden, intermediate_size=dims.intermediate, num_hidden_layers=3, num_attention_heads=dims.heads,
-                     num_key_value_heads=dims.kv_heads, max_position_embeddings=seq_len, tie_word_embeddings=False)
+            raise ConfigError(
+                "--model",
+                dims.name,
+                f"family {dims.family!r} cannot be timed here; supported: llama, qwen2, mistral, gpt2",
+            )
+        config = cls(
+            vocab_size=dims.vocab,
+            hidden_size=dims.hidden,
+            intermediate_size=dims.intermediate,
+            num_hidden_layers=3,
+            num_attention_heads=dims.heads,
+            num_key_value_heads=dims.kv_heads,
+            max_position_embeddings=seq_len,
+            tie_word_embeddings=False,
+        )
     with torch.random.fork_rng():
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
@@ -118,7 +141,17 @@ def measure_cpu_compute(dims: ModelDims, shape: Shape, stages: int) -> StageComp
         def fb_last():
             lm_loss(last(h.detach().requires_grad_(True)), targets).backward()
 
-        t = {name: time_call(fn) for name, fn in [("f0", fwd_first), ("fb0", fb_first), ("fm", fwd_mid), ("fbm", fb_mid), ("fl", fwd_last), ("fbl", fb_last)]}
+        t = {
+            name: time_call(fn)
+            for name, fn in [
+                ("f0", fwd_first),
+                ("fb0", fb_first),
+                ("fm", fwd_mid),
+                ("fbm", fb_mid),
+                ("fl", fwd_last),
+                ("fbl", fb_last),
+            ]
+        }
         layer_f, layer_b = t["fm"], max(t["fbm"] - t["fm"], 0.0)
         embed_f, embed_b = max(t["f0"] - t["fm"], 0.0), max(t["fb0"] - t["f0"] - layer_b, 0.0)
         head_f, head_b = max(t["fl"] - t["fm"], 0.0), max(t["fbl"] - t["fl"] - layer_b, 0.0)
@@ -140,8 +173,10 @@ def measure_cpu_compute(dims: ModelDims, shape: Shape, stages: int) -> StageComp
         fwd.append(n * layer_f + (embed_f if i == 0 else 0.0) + (head_f if i == stages - 1 else 0.0))
         bwd.append(n * layer_b + (embed_b if i == 0 else 0.0) + (head_b if i == stages - 1 else 0.0))
         optim.append(per_param * dims.stage_params(i, stages))
-    how = (f"measured here, 1 thread: decoder layer {layer_f * 1e3:.2f} ms forward + {layer_b * 1e3:.2f} ms backward, embedding {embed_f * 1e3:.2f} + {embed_b * 1e3:.2f} ms, "
-           f"norm+head+loss {head_f * 1e3:.2f} + {head_b * 1e3:.2f} ms per micro-batch; AdamW {per_param * 1e9:.2f} ns per parameter")
+    how = (
+        f"measured here, 1 thread: decoder layer {layer_f * 1e3:.2f} ms forward + {layer_b * 1e3:.2f} ms backward, embedding {embed_f * 1e3:.2f} + {embed_b * 1e3:.2f} ms, "
+        f"norm+head+loss {head_f * 1e3:.2f} + {head_b * 1e3:.2f} ms per micro-batch; AdamW {per_param * 1e9:.2f} ns per parameter"
+    )
     return StageCompute(fwd, bwd, optim, how)
 
 

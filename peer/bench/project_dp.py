@@ -58,7 +58,9 @@ def dp_kept(run: Run, rate: float, dp_bps_step: float, bound_s: float, tokens_st
     return Schedule(hi, tokens_step / hi)
 
 
-def dp_greedy(run: Run, kept: Schedule, rate: float, dp_bps_step: float, pp_up_step: float, inner_steps: int) -> tuple[Schedule, float, bool]:
+def dp_greedy(
+    run: Run, kept: Schedule, rate: float, dp_bps_step: float, pp_up_step: float, inner_steps: int
+) -> tuple[Schedule, float, bool]:
     """Rounds as often as they manage (`dp.link_share = 0`): the schedule, steps per round, and
     whether the link is split (DP needs more than half of it at its cadence)."""
     if rate - dp_bps_step / kept.step_s >= rate / 2:
@@ -68,7 +70,17 @@ def dp_greedy(run: Run, kept: Schedule, rate: float, dp_bps_step: float, pp_up_s
     return app, max(float(inner_steps), dp_bps_step * inner_steps / (dp_rate * app.step_s)), True
 
 
-def dp_shared(run: Run, rate: float, round_app: float, round_wire: float, pp_up_step: float, inner_steps: int, link_share: float, min_period_s: float, tokens_step: float) -> SharedLink:
+def dp_shared(
+    run: Run,
+    rate: float,
+    round_app: float,
+    round_wire: float,
+    pp_up_step: float,
+    inner_steps: int,
+    link_share: float,
+    min_period_s: float,
+    tokens_step: float,
+) -> SharedLink:
     """Rounds spaced by `link_share` (module docstring); `round_app` / `round_wire`: one round's
     bytes per peer each way, as the averager counts them / on the wire; `pp_up_step`: the
     busiest host's PP upload per step."""
@@ -78,7 +90,9 @@ def dp_shared(run: Run, rate: float, round_app: float, round_wire: float, pp_up_
     step_s, period, busy = full.step_s, 0.0, 0.0
     for _ in range(8):  # the period depends on the step time through `inner_steps` steps: settle it
         slot = slot_period(inner_steps, step_s, int(round_app), rate, link_share, min_period_s)
-        period = slot * math.ceil(duration / slot - 1e-9)  # a round longer than a slot holds the group until the next boundary
+        period = slot * math.ceil(
+            duration / slot - 1e-9
+        )  # a round longer than a slot holds the group until the next boundary
         busy = duration / period
         new = tokens_step / (busy * half.tokens_per_s + (1 - busy) * full.tokens_per_s)
         if abs(new - step_s) <= 1e-6 * step_s:

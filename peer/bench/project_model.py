@@ -23,10 +23,22 @@ class Device:
 
 
 DEVICES: dict[str, Device] = {
-    "rtx4090": Device("rtx4090", GpuScenario.gpu, GpuScenario.peak_tflops, 1008.0, "NVIDIA Ada whitepaper: 165.2 TFLOP/s dense bf16 (fp32 accumulate), 1008 GB/s"),
+    "rtx4090": Device(
+        "rtx4090",
+        GpuScenario.gpu,
+        GpuScenario.peak_tflops,
+        1008.0,
+        "NVIDIA Ada whitepaper: 165.2 TFLOP/s dense bf16 (fp32 accumulate), 1008 GB/s",
+    ),
     "a100": Device("a100", "A100 80GB SXM", 312.0, 2039.0, "NVIDIA A100 datasheet: 312 TFLOP/s dense bf16, 2039 GB/s"),
     "h100": Device("h100", "H100 SXM", 989.4, 3350.0, "NVIDIA H100 datasheet: 989.4 TFLOP/s dense bf16, 3.35 TB/s"),
-    "h200": Device("h200", "H200 SXM", 989.4, 4800.0, "NVIDIA H200 datasheet: 989 TFLOP/s dense bf16 (the H100's tensor cores), 4.8 TB/s"),
+    "h200": Device(
+        "h200",
+        "H200 SXM",
+        989.4,
+        4800.0,
+        "NVIDIA H200 datasheet: 989 TFLOP/s dense bf16 (the H100's tensor cores), 4.8 TB/s",
+    ),
     "cpu": Device("cpu", "this machine's CPU, one torch thread per peer (measured)", None, None, "measured here"),
 }
 DEFAULT_MFU = GpuScenario.mfu
@@ -67,13 +79,22 @@ class ModelDims:
 
     def params(self) -> int:
         """Unique parameters of the whole model (a tied head counted once)."""
-        return self.embed_params() + self.layers * self.layer_params() + self.head_params() - (self.vocab * self.hidden if self.tied else 0)
+        return (
+            self.embed_params()
+            + self.layers * self.layer_params()
+            + self.head_params()
+            - (self.vocab * self.hidden if self.tied else 0)
+        )
 
     def stage_params(self, index: int, stages: int) -> int:
         from peer.model.stages import layer_ranges
 
         a, b = layer_ranges(self.layers, stages)[index]
-        return (b - a) * self.layer_params() + (self.embed_params() if index == 0 else 0) + (self.head_params() if index == stages - 1 else 0)
+        return (
+            (b - a) * self.layer_params()
+            + (self.embed_params() if index == 0 else 0)
+            + (self.head_params() if index == stages - 1 else 0)
+        )
 
 
 _HF = "the model's config.json on the Hugging Face hub"
@@ -110,20 +131,70 @@ def _tiny_dims(name: str, hidden: int, layers: int, heads: int, max_seq_len: int
     from peer.config import ModelConfig
     from peer.model.loading import TINY_PREFIX, tiny_config
 
-    family = name[len(TINY_PREFIX):]
-    c = tiny_config(family, ModelConfig(name=name, num_stages=1, hidden_size=hidden, num_layers=layers, num_heads=heads, max_seq_len=max_seq_len))
+    family = name[len(TINY_PREFIX) :]
+    c = tiny_config(
+        family,
+        ModelConfig(
+            name=name, num_stages=1, hidden_size=hidden, num_layers=layers, num_heads=heads, max_seq_len=max_seq_len
+        ),
+    )
     if family == "gpt2":
-        return ModelDims(name, "gpt2", c.n_embd, c.n_layer, c.n_head, c.n_head, 4 * c.n_embd, c.vocab_size, False, max_positions=c.n_positions, source="built from a config (peer/model/loading.py)")
-    return ModelDims(name, family, c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.intermediate_size, c.vocab_size, bool(c.tie_word_embeddings), qkv_bias=family == "qwen2", source="built from a config (peer/model/loading.py)")
+        return ModelDims(
+            name,
+            "gpt2",
+            c.n_embd,
+            c.n_layer,
+            c.n_head,
+            c.n_head,
+            4 * c.n_embd,
+            c.vocab_size,
+            False,
+            max_positions=c.n_positions,
+            source="built from a config (peer/model/loading.py)",
+        )
+    return ModelDims(
+        name,
+        family,
+        c.hidden_size,
+        c.num_hidden_layers,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.intermediate_size,
+        c.vocab_size,
+        bool(c.tie_word_embeddings),
+        qkv_bias=family == "qwen2",
+        source="built from a config (peer/model/loading.py)",
+    )
 
 
 def dims_of_config(c, name: str, source: str) -> ModelDims:
     """Dims of a transformers config object (a loaded model's `.config`, or one read from disk)."""
     if c.model_type == "gpt2":
-        return ModelDims(name, "gpt2", c.n_embd, c.n_layer, c.n_head, c.n_head, c.n_inner or 4 * c.n_embd, c.vocab_size, bool(c.tie_word_embeddings), max_positions=c.n_positions, source=source)
+        return ModelDims(
+            name,
+            "gpt2",
+            c.n_embd,
+            c.n_layer,
+            c.n_head,
+            c.n_head,
+            c.n_inner or 4 * c.n_embd,
+            c.vocab_size,
+            bool(c.tie_word_embeddings),
+            max_positions=c.n_positions,
+            source=source,
+        )
     return ModelDims(
-        name, c.model_type, c.hidden_size, c.num_hidden_layers, c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
-        c.intermediate_size, c.vocab_size, bool(c.tie_word_embeddings), qkv_bias=c.model_type == "qwen2", source=source,
+        name,
+        c.model_type,
+        c.hidden_size,
+        c.num_hidden_layers,
+        c.num_attention_heads,
+        getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+        c.intermediate_size,
+        c.vocab_size,
+        bool(c.tie_word_embeddings),
+        qkv_bias=c.model_type == "qwen2",
+        source=source,
     )
 
 
@@ -143,7 +214,11 @@ def _named_dims(name: str, stages: int) -> ModelDims:
         return _tiny_dims(name, cfg["hidden_size"], cfg["num_layers"], cfg["num_heads"], cfg["max_seq_len"])
     if Path(name).is_dir() and (Path(name) / "config.json").exists():
         return _hf_dims(name)
-    raise ConfigError("--model", name, f"unknown model: give a run.toml, a local model folder or one of tiny-llama, {', '.join(k for k in KNOWN_MODELS)}")
+    raise ConfigError(
+        "--model",
+        name,
+        f"unknown model: give a run.toml, a local model folder or one of tiny-llama, {', '.join(k for k in KNOWN_MODELS)}",
+    )
 
 
 def resolve_model(spec: str, stages: int) -> tuple[ModelDims, Shape, str]:
@@ -167,5 +242,9 @@ def resolve_model(spec: str, stages: int) -> tuple[ModelDims, Shape, str]:
     dims = _named_dims(spec, stages)
     if spec.startswith("tiny-"):
         p = _bench_pipeline()
-        return dims, Shape(p["micro_batch_size"], p["seq_len"], p["micro_batches"]), "the throughput bench's tiny model and pipeline"
+        return (
+            dims,
+            Shape(p["micro_batch_size"], p["seq_len"], p["micro_batches"]),
+            "the throughput bench's tiny model and pipeline",
+        )
     return dims, Shape(4, GpuScenario.seq_len, 2), "published dims; pipeline 4 x 2048, 2 micro-batches"

@@ -25,7 +25,12 @@ class Tasks:
 
     def pp_wire_per_step(self, replicas: int, micro_batches: int) -> float:
         """Pipeline bytes on the wire per step, all links and peers: both directions and their ACKs."""
-        return micro_batches * replicas * len(self.act_wire) * (self.act_wire[0] + self.grad_wire[0] + self.act_ack[0] + self.grad_ack[0])
+        return (
+            micro_batches
+            * replicas
+            * len(self.act_wire)
+            * (self.act_wire[0] + self.grad_wire[0] + self.act_ack[0] + self.grad_ack[0])
+        )
 
 
 @dataclass
@@ -46,9 +51,21 @@ class _Link:
         return min(burst, self.tokens + (now - self.at) * rate)
 
 
-def simulate(tasks: Tasks, stages: int, replicas: int, micro_batches: int, tokens_per_mb: int, rate_bytes_s: float | None,
-             burst_bytes: float = 0.0, shared_cores: float | None = None, queue_s: float = 0.0, steps: int | None = None, seed: int = 0,
-             sync_s: list[float] | None = None, staleness: int = 0) -> Schedule:
+def simulate(
+    tasks: Tasks,
+    stages: int,
+    replicas: int,
+    micro_batches: int,
+    tokens_per_mb: int,
+    rate_bytes_s: float | None,
+    burst_bytes: float = 0.0,
+    shared_cores: float | None = None,
+    queue_s: float = 0.0,
+    steps: int | None = None,
+    seed: int = 0,
+    sync_s: list[float] | None = None,
+    staleness: int = 0,
+) -> Schedule:
     """Event simulation of the swarm's schedule (module docstring); tokens/s of all stage-0 peers.
 
     Each peer is a serial worker: a step when M micro-batches are done, else the oldest backward,
@@ -99,14 +116,21 @@ def simulate(tasks: Tasks, stages: int, replicas: int, micro_batches: int, token
         if done[p] >= M:
             if sync_s is None:
                 return tasks.step[s], "step", None
-            if all(done[(s, j)] >= M or version[(s, j)] > version[p] for j in range(R)):  # the all-reduce waits for the whole group
+            if all(
+                done[(s, j)] >= M or version[(s, j)] > version[p] for j in range(R)
+            ):  # the all-reduce waits for the whole group
                 return tasks.step[s] + sync_s[s], "step", None
             return None
         if bwd_q[p]:
             return tasks.bwd[s], "bwd", bwd_q[p].popleft()
         if s > 0 and fwd_q[p]:
             return tasks.fwd[s], "fwd", fwd_q[p].popleft()
-        if s == 0 and next_mb[p] // M - version[p] <= staleness and inflight[p] < M * (staleness + 1) and (sync_s is None or min(version.values()) >= version[p]):
+        if (
+            s == 0
+            and next_mb[p] // M - version[p] <= staleness
+            and inflight[p] < M * (staleness + 1)
+            and (sync_s is None or min(version.values()) >= version[p])
+        ):
             return tasks.fwd[0], "inject", None
         return None
 
@@ -117,7 +141,9 @@ def simulate(tasks: Tasks, stages: int, replicas: int, micro_batches: int, token
             seq += 1
             return
         busy = on_link.get((src, dst))
-        if queue_s and busy is not None and busy[0] > now and not busy[2]:  # queued behind a transfer in progress: it arrives late
+        if (
+            queue_s and busy is not None and busy[0] > now and not busy[2]
+        ):  # queued behind a transfer in progress: it arrives late
             end, event, _ = busy
             cancelled.add(event[1])
             moved = (end + min(queue_s, nbytes / rate_bytes_s), seq, *event[2:])
@@ -186,7 +212,11 @@ def simulate(tasks: Tasks, stages: int, replicas: int, micro_batches: int, token
         first = min(running, key=lambda q: running[q][0]) if running else None
         t_cpu = now + running[first][0] / speed if running else math.inf
         t_evt = events[0][0] if events else math.inf
-        t_link = min([l.free_at for l in (*up.values(), *down.values()) if l.free_at > now], default=math.inf) if pending else math.inf
+        t_link = (
+            min([l.free_at for l in (*up.values(), *down.values()) if l.free_at > now], default=math.inf)
+            if pending
+            else math.inf
+        )
         t_next = min(t_cpu, t_evt, t_link)
         if t_next == math.inf:
             raise RuntimeError("the simulated pipeline stalled (a bug in the schedule model)")

@@ -50,11 +50,19 @@ def setup_for(quick: bool, model: str | None = None) -> QualitySetup:
     if model and not model.startswith(TINY_MODEL_PREFIX):
         dims = resolve_dims(ModelConfig(name=model, num_stages=2, max_seq_len=256))
         if quick:
-            return QualitySetup(dims, 0, 40, 4, 2, 64, 0.0, 1e-4, 8, anchor_every=10, lowrank_rank=min(64, dims.hidden_size // 2))
-        return QualitySetup(dims, 0, 300, 8, 1, 256, 0.0, 1e-4, 32, anchor_every=20, lowrank_rank=min(64, dims.hidden_size // 2))
+            return QualitySetup(
+                dims, 0, 40, 4, 2, 64, 0.0, 1e-4, 8, anchor_every=10, lowrank_rank=min(64, dims.hidden_size // 2)
+            )
+        return QualitySetup(
+            dims, 0, 300, 8, 1, 256, 0.0, 1e-4, 32, anchor_every=20, lowrank_rank=min(64, dims.hidden_size // 2)
+        )
     if quick:
-        return QualitySetup(ModelConfig(hidden_size=128, num_layers=4, num_heads=4, max_seq_len=128), 300, 120, 8, 2, 128, 3e-3, 1e-3, 8)
-    return QualitySetup(ModelConfig(hidden_size=192, num_layers=6, num_heads=6, max_seq_len=256), 1200, 400, 8, 4, 256, 2e-3, 6e-4, 32)
+        return QualitySetup(
+            ModelConfig(hidden_size=128, num_layers=4, num_heads=4, max_seq_len=128), 300, 120, 8, 2, 128, 3e-3, 1e-3, 8
+        )
+    return QualitySetup(
+        ModelConfig(hidden_size=192, num_layers=6, num_heads=6, max_seq_len=256), 1200, 400, 8, 4, 256, 2e-3, 6e-4, 32
+    )
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -67,7 +75,11 @@ def _fmt_bytes(b: float | None) -> str:
 
 def _describe(o: OptimConfig) -> str:
     """The adaptation's optimizer in words, for OUT's setup."""
-    sched = "constant" if o.schedule == "constant" else f"{o.schedule} to {o.min_lr_ratio:g} x lr at step {o.decay_steps}, warmup {o.warmup_steps} steps"
+    sched = (
+        "constant"
+        if o.schedule == "constant"
+        else f"{o.schedule} to {o.min_lr_ratio:g} x lr at step {o.decay_steps}, warmup {o.warmup_steps} steps"
+    )
     return f"AdamW lr {o.lr:g} {sched} (betas {o.beta1:g}/{o.beta2:g}, clip {o.grad_clip:g}, no weight decay)"
 
 
@@ -109,8 +121,18 @@ def pretrain(setup: QualitySetup, corpus_a: TokenStream, key: str) -> dict[str, 
     return state
 
 
-def run_row(name: str, cfg: TrainConfig, fresh_model: Callable[[], torch.nn.Module], setup: QualitySetup, corpus_b: TokenStream | None, eval_b: list, eval_a: list, curve_steps: tuple[int, ...] = (),
-            placement: Placement = CPU_FP32, batch_fn: Callable[..., torch.Tensor] | None = None) -> dict:
+def run_row(
+    name: str,
+    cfg: TrainConfig,
+    fresh_model: Callable[[], torch.nn.Module],
+    setup: QualitySetup,
+    corpus_b: TokenStream | None,
+    eval_b: list,
+    eval_a: list,
+    curve_steps: tuple[int, ...] = (),
+    placement: Placement = CPU_FP32,
+    batch_fn: Callable[..., torch.Tensor] | None = None,
+) -> dict:
     """Train one row and evaluate it; `curve_steps`: also evaluate on held-out B after those
     steps; `placement`: where the stages train (the GPU of `--device`); `batch_fn(step, replica,
     j, bs=, T=)`: the row's windows instead of random windows of `corpus_b`."""
@@ -122,7 +144,11 @@ def run_row(name: str, cfg: TrainConfig, fresh_model: Callable[[], torch.nn.Modu
     runner = LocalPipelineRunner(
         cfg,
         model,
-        lambda step, r, j: batch(step, r, j, bs=bs, T=T) if cfg.dp.replicas == 1 else batch(step, 0, r * cfg.pipeline.micro_batches + j, bs=bs, T=T),
+        lambda step, r, j: (
+            batch(step, r, j, bs=bs, T=T)
+            if cfg.dp.replicas == 1
+            else batch(step, 0, r * cfg.pipeline.micro_batches + j, bs=bs, T=T)
+        ),
         anchor_batch_fn=lambda step, j: batch(step, 99, m_dense + j, bs=bs, T=T),
         placement=placement,
     )
@@ -218,7 +244,16 @@ def release_memory() -> None:
 # rows, the former codec, the default codec with and without anchors, compressed DP) and the
 # default run's row. The other rows are explorations; with a pretrained model every row takes
 # 2.5-6 minutes on 2 cores; the first seven took 26.5 minutes (docs/benchmarks.md).
-QUICK_ROWS = ("dense", "masked", "masked_anchor", "lowrank", "transform", "transform_anchor", "transform_dp", "transform_stale1")
+QUICK_ROWS = (
+    "dense",
+    "masked",
+    "masked_anchor",
+    "lowrank",
+    "transform",
+    "transform_anchor",
+    "transform_dp",
+    "transform_stale1",
+)
 # the recommended run (peer/config.py's defaults: what a run.toml naming only its model runs, the
 # demo, the swarm without --config on the tiny model): built from those defaults in quality_rows.py
 DEFAULT_ROW = "transform_stale1"
@@ -226,7 +261,9 @@ TASKS = ("adapt", "continual")  # domain adaptation (train on corpus B), continu
 TOKENIZE_BYTES = 1_000_000  # corpus bytes a pretrained model's tokenizer reads per corpus (~300 k tokens of Python)
 
 
-def _corpora(setup: QualitySetup, corpus_a: str | None, corpus_b: str | None, swap: bool = False) -> tuple[TokenStream, TokenStream, dict]:
+def _corpora(
+    setup: QualitySetup, corpus_a: str | None, corpus_b: str | None, swap: bool = False
+) -> tuple[TokenStream, TokenStream, dict]:
     """Corpus A (the other text) and B (what the rows train on) as token streams: bytes for the
     toy, the model's own tokenizer for a pretrained model. `corpus_a` / `corpus_b` are the
     general and the domain text as the user names them; adaptation trains on the domain text,
@@ -240,10 +277,17 @@ def _corpora(setup: QualitySetup, corpus_a: str | None, corpus_b: str | None, sw
     tok = load_tokenizer(setup.model.name)
 
     def ids(data: bytes) -> torch.Tensor:
-        return torch.tensor(tok(data[:TOKENIZE_BYTES].decode("utf-8", errors="replace"), add_special_tokens=False)["input_ids"], dtype=torch.long)
+        return torch.tensor(
+            tok(data[:TOKENIZE_BYTES].decode("utf-8", errors="replace"), add_special_tokens=False)["input_ids"],
+            dtype=torch.long,
+        )
 
     a, b = ids(data_a), ids(data_b)
-    return TokenStream(a), TokenStream(b), {**info, "tokenizer": "model", "corpus_a_tokens": len(a), "corpus_b_tokens": len(b)}
+    return (
+        TokenStream(a),
+        TokenStream(b),
+        {**info, "tokenizer": "model", "corpus_a_tokens": len(a), "corpus_b_tokens": len(b)},
+    )
 
 
 def chosen_rows(quick: bool, only: list[str] | None) -> list[str] | None:
@@ -253,8 +297,18 @@ def chosen_rows(quick: bool, only: list[str] | None) -> list[str] | None:
     return only if only is not None else list(QUICK_ROWS)
 
 
-def run_quality(quick: bool, corpus_a: str | None, corpus_b: str | None, only: list[str] | None = None, model: str | None = None, seed: int = 0, lr: float | None = None, schedule: str | None = None,
-                device: str = "cpu", task: str = "adapt") -> dict:
+def run_quality(
+    quick: bool,
+    corpus_a: str | None,
+    corpus_b: str | None,
+    only: list[str] | None = None,
+    model: str | None = None,
+    seed: int = 0,
+    lr: float | None = None,
+    schedule: str | None = None,
+    device: str = "cpu",
+    task: str = "adapt",
+) -> dict:
     """The rows' JSON. `seed`: another data order (and, for the toy, another pretraining): a
     replicate of the same comparison, since one run's rows differ by about its own noise.
     `lr`, `schedule`: the adaptation's peak lr and lr schedule instead of the setup's.
@@ -266,7 +320,11 @@ def run_quality(quick: bool, corpus_a: str | None, corpus_b: str | None, only: l
     if task not in TASKS:
         raise ConfigError("--task", task, f"must be one of {', '.join(TASKS)}")
     if task == "continual" and (not model or model.startswith(TINY_MODEL_PREFIX)):
-        raise ConfigError("--task", task, "continual pretraining needs a pretrained model (--model NAME): the toy is pretrained here on the general text itself")
+        raise ConfigError(
+            "--task",
+            task,
+            "continual pretraining needs a pretrained model (--model NAME): the toy is pretrained here on the general text itself",
+        )
     placement = resolve_placement(device, ComputeConfig())  # a bad --device exits here, before the model loads
     setup = replace(setup_for(quick, model), seed=seed)
     setup = replace(setup, adapt_lr=setup.adapt_lr if lr is None else lr, schedule=schedule or setup.schedule)
@@ -274,12 +332,22 @@ def run_quality(quick: bool, corpus_a: str | None, corpus_b: str | None, only: l
     table, only = rows(setup), chosen_rows(quick, only)
     unknown = sorted(set(only or ()) - set(table))
     if unknown:  # before the model loads
-        raise ConfigError("--rows", ",".join(only or ()), f"unknown row(s) {', '.join(unknown)}; the rows are {', '.join(table)} (or all)")
+        raise ConfigError(
+            "--rows",
+            ",".join(only or ()),
+            f"unknown row(s) {', '.join(unknown)}; the rows are {', '.join(table)} (or all)",
+        )
     stream_a, stream_b, corpora = _corpora(setup, corpus_a, corpus_b, swap=task == "continual")
     t0 = time.perf_counter()
     if setup.pretrain_steps:  # the toy: pretrained here on corpus A, cached
-        pre = {k: v for k, v in asdict(setup).items() if k in ("model", "pretrain_steps", "micro_batch_size", "micro_batches", "seq_len", "pretrain_lr", "seed")}
-        key = hashlib.sha256(json.dumps(pre, sort_keys=True).encode() + hashlib.sha256(stream_a.train.numpy().tobytes()).digest()).hexdigest()[:16]
+        pre = {
+            k: v
+            for k, v in asdict(setup).items()
+            if k in ("model", "pretrain_steps", "micro_batch_size", "micro_batches", "seq_len", "pretrain_lr", "seed")
+        }
+        key = hashlib.sha256(
+            json.dumps(pre, sort_keys=True).encode() + hashlib.sha256(stream_a.train.numpy().tobytes()).digest()
+        ).hexdigest()[:16]
         base_state = pretrain(setup, stream_a, key)
         base = load_causal_lm(setup.model, seed=setup.seed)
         base.load_state_dict(base_state)
@@ -292,10 +360,22 @@ def run_quality(quick: bool, corpus_a: str | None, corpus_b: str | None, only: l
 
     base_stages = split_model(base, setup.model.num_stages)
     out = {
-        "setup": {**asdict(setup), **corpora, "pretrain_seconds": pretrain_s, "eval": "dense forward of the trained stages on held-out windows", "threads": torch.get_num_threads(),
-                  "optimizer": _describe(setup.optim()), "task": task, "device": str(placement.device), "compute_dtype": DTYPE_NAMES[placement.compute_dtype],
-                  "tokens_per_step": setup.micro_batch_size * setup.micro_batches * setup.seq_len},
-        "pretrained": {"eval_loss": evaluate_stages(base_stages, eval_b), "eval_loss_a": evaluate_stages(base_stages, eval_a)},
+        "setup": {
+            **asdict(setup),
+            **corpora,
+            "pretrain_seconds": pretrain_s,
+            "eval": "dense forward of the trained stages on held-out windows",
+            "threads": torch.get_num_threads(),
+            "optimizer": _describe(setup.optim()),
+            "task": task,
+            "device": str(placement.device),
+            "compute_dtype": DTYPE_NAMES[placement.compute_dtype],
+            "tokens_per_step": setup.micro_batch_size * setup.micro_batches * setup.seq_len,
+        },
+        "pretrained": {
+            "eval_loss": evaluate_stages(base_stages, eval_b),
+            "eval_loss_a": evaluate_stages(base_stages, eval_a),
+        },
         "default_row": DEFAULT_ROW,
         "runs": {},
     }
@@ -305,23 +385,38 @@ def run_quality(quick: bool, corpus_a: str | None, corpus_b: str | None, only: l
         if only and name not in only:
             continue
         curve_steps = tuple(setup.adapt_steps * k // 8 for k in (1, 2, 4, 6)) if name == "dense" else ()
-        result = run_row(name, cfg, lambda: copy.deepcopy(base), setup, stream_b, eval_b, eval_a, curve_steps, placement)
+        result = run_row(
+            name, cfg, lambda: copy.deepcopy(base), setup, stream_b, eval_b, eval_a, curve_steps, placement
+        )
         if name == "dense":
-            result["eval_curve"] = {0: out["pretrained"]["eval_loss"], **result["eval_curve"], setup.adapt_steps: result["eval_loss"]}
+            result["eval_curve"] = {
+                0: out["pretrained"]["eval_loss"],
+                **result["eval_curve"],
+                setup.adapt_steps: result["eval_loss"],
+            }
         release_memory()
         result["rss_gb_after"] = rss_gb()
         out["runs"][name] = result
-        print(f"{name:>24}: eval_loss {result['eval_loss']:.4f}  eval_loss_a {result['eval_loss_a']:.4f}  pp B/token measured {result['pp_bytes_per_token']:.1f} at {result['seq_len']} tokens (stream {result['pp_stream_bytes_per_token']:.1f}); at {MODELLED_SEQ} tokens {_fmt_bytes(result['pp_bytes_per_token_modelled'])} modelled)  dp B/step {result['dp_bytes_per_step']:.0f}  {result['seconds']:.1f}s", flush=True)
+        print(
+            f"{name:>24}: eval_loss {result['eval_loss']:.4f}  eval_loss_a {result['eval_loss_a']:.4f}  pp B/token measured {result['pp_bytes_per_token']:.1f} at {result['seq_len']} tokens (stream {result['pp_stream_bytes_per_token']:.1f}); at {MODELLED_SEQ} tokens {_fmt_bytes(result['pp_bytes_per_token_modelled'])} modelled)  dp B/step {result['dp_bytes_per_step']:.0f}  {result['seconds']:.1f}s",
+            flush=True,
+        )
     dense = out["runs"].get("dense")
     if dense:
         shape = Shape(setup.micro_batch_size, setup.seq_len, setup.micro_batches)
-        out["equal_wall_clock"] = equal_wall_clock(out["runs"], model_dims(base.config), shape, setup.model.num_stages, setup.adapt_steps)
+        out["equal_wall_clock"] = equal_wall_clock(
+            out["runs"], model_dims(base.config), shape, setup.model.num_stages, setup.adapt_steps
+        )
         out["vs_dense"] = {
             name: {
                 "eval_loss_ratio": r["eval_loss"] / dense["eval_loss"],
-                "pp_bytes_reduction": dense["pp_bytes_per_token"] / r["pp_bytes_per_token"],  # measured, everything on the wire
-                "pp_stream_bytes_reduction": dense["pp_stream_bytes_per_token"] / r["pp_stream_bytes_per_token"],  # measured, coder refits left out
-                "pp_bytes_reduction_modelled": _ratio(dense["pp_bytes_per_token_modelled"], r["pp_bytes_per_token_modelled"]),  # at MODELLED_SEQ tokens
+                "pp_bytes_reduction": dense["pp_bytes_per_token"]
+                / r["pp_bytes_per_token"],  # measured, everything on the wire
+                "pp_stream_bytes_reduction": dense["pp_stream_bytes_per_token"]
+                / r["pp_stream_bytes_per_token"],  # measured, coder refits left out
+                "pp_bytes_reduction_modelled": _ratio(
+                    dense["pp_bytes_per_token_modelled"], r["pp_bytes_per_token_modelled"]
+                ),  # at MODELLED_SEQ tokens
             }
             for name, r in out["runs"].items()
         }

@@ -38,7 +38,15 @@ def curve_value(curve: dict[int, float], step: float) -> float:
     return points[0][1]
 
 
-def equal_wall_clock(runs: dict[str, dict], dims: ModelDims, shape: Shape, stages: int, steps: int, device: str = DEVICE, link_mbit: float = LINK_MBIT) -> dict:
+def equal_wall_clock(
+    runs: dict[str, dict],
+    dims: ModelDims,
+    shape: Shape,
+    stages: int,
+    steps: int,
+    device: str = DEVICE,
+    link_mbit: float = LINK_MBIT,
+) -> dict:
     """Per row: modelled seconds per step (compute, link, step) and its eval loss against dense's
     at the same wall clock. Needs the `dense` row with its `eval_curve`."""
     dense = runs.get("dense")
@@ -55,14 +63,27 @@ def equal_wall_clock(runs: dict[str, dict], dims: ModelDims, shape: Shape, stage
 
     _, t_dense = step_s(dense)
     curve = {int(k): v for k, v in dense["eval_curve"].items()}
-    out = {"device": dev.label, "mfu": DEFAULT_MFU, "link_mbit": link_mbit, "compute_s_per_step": compute, "model": __doc__.split("\n\n")[1].replace("\n", " "), "rows": {}}
+    out = {
+        "device": dev.label,
+        "mfu": DEFAULT_MFU,
+        "link_mbit": link_mbit,
+        "compute_s_per_step": compute,
+        "model": __doc__.split("\n\n")[1].replace("\n", " "),
+        "rows": {},
+    }
     for name, r in runs.items():
         if r.get("dp_bytes_per_step"):  # DP rows: another link (the group's) and another clock; not modelled here
             continue
         link, t = step_s(r)
         dense_steps = steps * t / t_dense
         dense_loss = curve_value(curve, dense_steps)
-        out["rows"][name] = {"link_s_per_step": link, "step_s": t, "dense_steps_in_same_time": dense_steps, "dense_eval_loss_then": dense_loss, "vs_dense_same_time": r["eval_loss"] / dense_loss}
+        out["rows"][name] = {
+            "link_s_per_step": link,
+            "step_s": t,
+            "dense_steps_in_same_time": dense_steps,
+            "dense_eval_loss_then": dense_loss,
+            "vs_dense_same_time": r["eval_loss"] / dense_loss,
+        }
     return out
 
 

@@ -5,7 +5,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from peer.config import TINY_RUN, AnchorConfig, DPConfig, MaskConfig, ModelConfig, OptimConfig, PipelineConfig, SpectralConfig, TrainConfig, recommended_mask
+from peer.config import (
+    TINY_RUN,
+    AnchorConfig,
+    DPConfig,
+    MaskConfig,
+    ModelConfig,
+    OptimConfig,
+    PipelineConfig,
+    SpectralConfig,
+    TrainConfig,
+    recommended_mask,
+)
 
 
 @dataclass
@@ -31,34 +42,54 @@ class QualitySetup:
         """The adaptation's AdamW and lr schedule, the same for every row."""
         if self.schedule == "constant":
             return OptimConfig(lr=self.adapt_lr)
-        return OptimConfig(lr=self.adapt_lr, schedule=self.schedule, warmup_steps=max(1, self.adapt_steps // 10), decay_steps=self.adapt_steps)
+        return OptimConfig(
+            lr=self.adapt_lr,
+            schedule=self.schedule,
+            warmup_steps=max(1, self.adapt_steps // 10),
+            decay_steps=self.adapt_steps,
+        )
 
 
 def rows(setup: QualitySetup) -> dict[str, TrainConfig]:
     """The compared runs. DP rows keep the token budget: 2 replicas x half the micro-batches."""
     m = setup.micro_batches
     # the rows' base is synchronous and dense; the default row takes the recommended run's settings
-    pipe = PipelineConfig(micro_batch_size=setup.micro_batch_size, micro_batches=m, seq_len=setup.seq_len, max_staleness=0)
+    pipe = PipelineConfig(
+        micro_batch_size=setup.micro_batch_size, micro_batches=m, seq_len=setup.seq_len, max_staleness=0
+    )
     pipe_dp = replace(pipe, micro_batches=max(1, m // 2))
     stale1 = replace(pipe, max_staleness=1)  # stage 0 one step ahead, as the swarm's default run
     recommended = PipelineConfig()
-    default_pipe = replace(pipe, max_staleness=recommended.max_staleness, staleness_correction=recommended.staleness_correction)
+    default_pipe = replace(
+        pipe, max_staleness=recommended.max_staleness, staleness_correction=recommended.staleness_correction
+    )
     optim = setup.optim()
     anchor = AnchorConfig(every=setup.anchor_every, micro_batches=max(1, m // 2))
     mask = MaskConfig(scheme="mask", drop=setup.drop)
     # DiLoCo H=10 with int8 deltas. Outer step = plain averaging (lr 1, no momentum): with only
     # ~adapt_steps/10 outer steps, Nesterov (0.7, 0.9) measured worse here (1.89 vs 1.76 on lowrank_dp).
-    dp = DPConfig(replicas=2, scheme="diloco", inner_steps=10, outer_lr=1.0, outer_momentum=0.0, outer_compression="int8")
+    dp = DPConfig(
+        replicas=2, scheme="diloco", inner_steps=10, outer_lr=1.0, outer_momentum=0.0, outer_compression="int8"
+    )
 
     def cfg(**kw) -> TrainConfig:
-        base = dict(model=setup.model, mask=MaskConfig(scheme="mask"), pipeline=pipe, optim=optim, steps=setup.adapt_steps, seed=setup.seed)
+        base = dict(
+            model=setup.model,
+            mask=MaskConfig(scheme="mask"),
+            pipeline=pipe,
+            optim=optim,
+            steps=setup.adapt_steps,
+            seed=setup.seed,
+        )
         base.update(kw)
         return TrainConfig(**base)
 
     lowrank = MaskConfig(scheme="lowrank", rank=setup.lowrank_rank, values="int8")
     transform = recommended_mask(setup.model.name)  # the recommended run's codec (the tiny models: TINY_RUN's)
     rows_mask = replace(transform, grad_rates="row", grad_rounding="dither")
-    two_bit = MaskConfig(**TINY_RUN["mask"])  # the tiny models' codec: 2-bit stochastic gradients, the coder's statistics
+    two_bit = MaskConfig(
+        **TINY_RUN["mask"]
+    )  # the tiny models' codec: 2-bit stochastic gradients, the coder's statistics
     return {
         # the paper's method, as DESIGN.md §4 states it
         "dense": cfg(),
@@ -78,17 +109,29 @@ def rows(setup: QualitySetup) -> dict[str, TrainConfig]:
         "transform_dither": cfg(mask=replace(two_bit, grad_rounding="dither")),
         "transform_grad1_dither": cfg(mask=replace(two_bit, grad_bits=1.0, grad_rounding="dither")),
         # dither's steps at the Gaussian-optimal width (mask.grad_step_scale 1): half the noise again
-        "transform_grad1_dither_s1": cfg(mask=replace(two_bit, grad_bits=1.0, grad_rounding="dither", grad_step_scale=1.0)),  # the default's gradients, the coder's statistics
-        "transform_grad1_dither_s15": cfg(mask=replace(two_bit, grad_bits=1.0, grad_rounding="dither", grad_step_scale=1.5)),
+        "transform_grad1_dither_s1": cfg(
+            mask=replace(two_bit, grad_bits=1.0, grad_rounding="dither", grad_step_scale=1.0)
+        ),  # the default's gradients, the coder's statistics
+        "transform_grad1_dither_s15": cfg(
+            mask=replace(two_bit, grad_bits=1.0, grad_rounding="dither", grad_step_scale=1.5)
+        ),
         "transform_dither_s1": cfg(mask=replace(two_bit, grad_rounding="dither", grad_step_scale=1.0)),
-        "transform_b15_g15_s1": cfg(mask=replace(two_bit, bits=1.5, grad_bits=1.5, grad_rounding="dither", grad_step_scale=1.0)),  # 2 + 1 bits' bytes, split evenly
+        "transform_b15_g15_s1": cfg(
+            mask=replace(two_bit, bits=1.5, grad_bits=1.5, grad_rounding="dither", grad_step_scale=1.0)
+        ),  # 2 + 1 bits' bytes, split evenly
         # and the activations with subtractive dither too (mask.act_rounding): an error independent of the value
-        "transform_grad1_dither_both": cfg(mask=replace(two_bit, grad_bits=1.0, grad_rounding="dither", act_rounding="dither")),
+        "transform_grad1_dither_both": cfg(
+            mask=replace(two_bit, grad_bits=1.0, grad_rounding="dither", act_rounding="dither")
+        ),
         # probes: each direction alone (the other at 8 bits), and the codec's path at 8 bits both ways
         "probe_act2_only": cfg(mask=replace(two_bit, grad_bits=8.0)),
-        "probe_act2_msgstats": cfg(mask=replace(two_bit, grad_bits=8.0, act_stats="message")),  # each message's own component statistics (mask.act_stats)
+        "probe_act2_msgstats": cfg(
+            mask=replace(two_bit, grad_bits=8.0, act_stats="message")
+        ),  # each message's own component statistics (mask.act_stats)
         "transform_msgstats": cfg(mask=replace(transform, act_stats="message")),  # on a real model: the default
-        "probe_act2_refresh2": cfg(mask=replace(two_bit, grad_bits=8.0, basis_refresh=2)),  # the activations' coder refitted every 2 steps instead of 20
+        "probe_act2_refresh2": cfg(
+            mask=replace(two_bit, grad_bits=8.0, basis_refresh=2)
+        ),  # the activations' coder refitted every 2 steps instead of 20
         "probe_grad1_dither_only": cfg(mask=replace(two_bit, bits=8.0, grad_bits=1.0, grad_rounding="dither")),
         "probe_grad1_only": cfg(mask=replace(transform, bits=8.0)),  # the default's gradients alone (8-bit activations)
         "probe_8bit_both": cfg(mask=replace(two_bit, bits=8.0, grad_bits=8.0)),
@@ -98,7 +141,9 @@ def rows(setup: QualitySetup) -> dict[str, TrainConfig]:
         "transform_anchor_r8": cfg(mask=transform, anchor=anchor, spectral=SpectralConfig(mode="paper", rank=8)),
         # stage 0 one step ahead of its applied gradients (pipeline.max_staleness 1): the pipeline no longer drains every step
         # the recommended run (peer/config.py defaults: bench quality's DEFAULT_ROW): its codec, staleness, no anchors
-        "transform_stale1": cfg(mask=transform, pipeline=default_pipe, anchor=AnchorConfig(), spectral=SpectralConfig()),
+        "transform_stale1": cfg(
+            mask=transform, pipeline=default_pipe, anchor=AnchorConfig(), spectral=SpectralConfig()
+        ),
         # each gradient row its own rate (mask.grad_rates "row", dithered), the same bits per message
         "transform_rows": cfg(mask=rows_mask),
         "transform_rows_stale1": cfg(mask=rows_mask, pipeline=stale1),
@@ -109,21 +154,33 @@ def rows(setup: QualitySetup) -> dict[str, TrainConfig]:
         "transform_stale1_gs075": cfg(mask=replace(transform, grad_step_scale=0.75), pipeline=stale1),
         "transform_stale1_gs15": cfg(mask=replace(transform, grad_step_scale=1.5), pipeline=stale1),
         "transform_stale1_gs2": cfg(mask=replace(transform, grad_step_scale=2.0), pipeline=stale1),
-        "transform_stale1_b15_g15": cfg(mask=replace(transform, bits=1.5, grad_bits=1.5), pipeline=stale1),  # the same bytes, split evenly
+        "transform_stale1_b15_g15": cfg(
+            mask=replace(transform, bits=1.5, grad_bits=1.5), pipeline=stale1
+        ),  # the same bytes, split evenly
         # the gradients' rotation drawn per message (a signed permutation before the fixed one: mask.grad_rotation),
         # and nearest rounding instead of dither (less noise; its bias is the one the rotation turns into noise)
-        "transform_stale1_near_msg": cfg(mask=replace(transform, grad_rounding="nearest", grad_rotation="message"), pipeline=stale1),
+        "transform_stale1_near_msg": cfg(
+            mask=replace(transform, grad_rounding="nearest", grad_rotation="message"), pipeline=stale1
+        ),
         "transform_stale1_msg": cfg(mask=replace(transform, grad_rotation="message"), pipeline=stale1),
         # one more bit on one side (~8x instead of 10x at 2,048 tokens): what continual pretraining's gap costs in bytes
         "transform_stale1_b3": cfg(mask=replace(transform, bits=3.0), pipeline=stale1),
         "transform_stale1_g2": cfg(mask=replace(transform, grad_bits=2.0), pipeline=stale1),
-        "transform_stale1_8bit": cfg(mask=replace(transform, bits=8.0, grad_bits=8.0), pipeline=stale1),  # the default row's path with bits to spare: what its structure costs
-        "transform_stale1_stash": cfg(mask=transform, pipeline=replace(pipe, max_staleness=1, staleness_correction="none")),  # plain stashing, as the swarm's stage 0 did before 2026-12-06
+        "transform_stale1_8bit": cfg(
+            mask=replace(transform, bits=8.0, grad_bits=8.0), pipeline=stale1
+        ),  # the default row's path with bits to spare: what its structure costs
+        "transform_stale1_stash": cfg(
+            mask=transform, pipeline=replace(pipe, max_staleness=1, staleness_correction="none")
+        ),  # plain stashing, as the swarm's stage 0 did before 2026-12-06
         "dense_stale1": cfg(pipeline=stale1),  # what the staleness alone costs, with the look-ahead
-        "dense_stale1_stash": cfg(pipeline=replace(pipe, max_staleness=1, staleness_correction="none")),  # and with plain stashing
+        "dense_stale1_stash": cfg(
+            pipeline=replace(pipe, max_staleness=1, staleness_correction="none")
+        ),  # and with plain stashing
         # data parallel, same token budget: 2 replicas x half the micro-batches
         "dense_dp": cfg(dp=DPConfig(replicas=2, scheme="dense"), pipeline=pipe_dp),
-        "masked_anchor_dp": cfg(mask=mask, anchor=anchor, spectral=SpectralConfig(mode="paper"), dp=dp, pipeline=pipe_dp),
+        "masked_anchor_dp": cfg(
+            mask=mask, anchor=anchor, spectral=SpectralConfig(mode="paper"), dp=dp, pipeline=pipe_dp
+        ),
         "lowrank_dp": cfg(mask=lowrank, dp=dp, pipeline=pipe_dp),
         "transform_dp": cfg(mask=transform, dp=dp, pipeline=pipe_dp),
     }

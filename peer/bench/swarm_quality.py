@@ -68,7 +68,17 @@ def prepare_data(folder: Path, model: str, source: str, seq_len: int) -> Prepare
     """The corpus tokenized once with the model's tokenizer: eval and confirmation documents held out."""
     from peer.dataset.prepare import prepare
 
-    prepare(source, tokenizer_of(model), folder, force=True, max_bytes=CORPUS_BYTES, show_progress=False, eval_fraction=HELDOUT_FRACTION, confirm_fraction=HELDOUT_FRACTION, min_heldout_tokens=16 * (seq_len + 1))
+    prepare(
+        source,
+        tokenizer_of(model),
+        folder,
+        force=True,
+        max_bytes=CORPUS_BYTES,
+        show_progress=False,
+        eval_fraction=HELDOUT_FRACTION,
+        confirm_fraction=HELDOUT_FRACTION,
+        min_heldout_tokens=16 * (seq_len + 1),
+    )
     return PreparedData(folder, tokenizer=tokenizer_of(model))
 
 
@@ -102,10 +112,26 @@ def swarm_toml(model: str, setup: QualitySetup, data: Path, replicas: int, swarm
     tiny = model.startswith(TINY_MODEL_PREFIX)
     budget = setup.adapt_steps * setup.micro_batches * setup.micro_batch_size * setup.seq_len
     sections: dict[str, dict] = {
-        "model": {"name": model, "num_stages": setup.model.num_stages, "max_seq_len": max(setup.seq_len, setup.model.max_seq_len if tiny else 64),
-                  **({"hidden_size": setup.model.hidden_size, "num_layers": setup.model.num_layers, "num_heads": setup.model.num_heads} if tiny else {})},
+        "model": {
+            "name": model,
+            "num_stages": setup.model.num_stages,
+            "max_seq_len": max(setup.seq_len, setup.model.max_seq_len if tiny else 64),
+            **(
+                {
+                    "hidden_size": setup.model.hidden_size,
+                    "num_layers": setup.model.num_layers,
+                    "num_heads": setup.model.num_heads,
+                }
+                if tiny
+                else {}
+            ),
+        },
         "optim": {"lr": setup.adapt_lr},
-        "pipeline": {"micro_batch_size": setup.micro_batch_size, "micro_batches": setup.micro_batches // replicas, "seq_len": setup.seq_len},
+        "pipeline": {
+            "micro_batch_size": setup.micro_batch_size,
+            "micro_batches": setup.micro_batches // replicas,
+            "seq_len": setup.seq_len,
+        },
         "data": {"prepared": str(data)},
         # only the exit checkpoint (the weights scored), and no replica of another stage's state:
         # a durability feature that holds that state (0.8 GB for SmolLM2's stage 1) and pulls it
@@ -144,10 +170,22 @@ def run_swarm(work: Path, toml: str, peers: int, timeout_s: float, budget: int =
     peak: dict[int, float] = {}  # process -> the most resident memory seen, GB (a peer killed for memory shows here)
     peak_tree: dict[int, float] = {}  # process -> the most Pss of it and its children (averaging process, p2pd), GB
     try:
-        procs.append(start_process(["bootstrap", "--config", str(work / "run.toml"), "--state-dir", str(work / "boot")], work / "boot.log"))
+        procs.append(
+            start_process(
+                ["bootstrap", "--config", str(work / "run.toml"), "--state-dir", str(work / "boot")], work / "boot.log"
+            )
+        )
         info = wait_for_bootstrap(work / "boot", procs[0], work / "boot.log", timeout_s=300)
         for i in range(peers):
-            args = ["peer", "--tracker", info["tracker"], "--token", f"@{work}/boot/bootstrap.json", "--state-dir", str(work / f"p{i}")]
+            args = [
+                "peer",
+                "--tracker",
+                info["tracker"],
+                "--token",
+                f"@{work}/boot/bootstrap.json",
+                "--state-dir",
+                str(work / f"p{i}"),
+            ]
             procs.append(start_process(args, work / f"p{i}.log", **PEER_ENV))
         with tracker_channel(info["tracker"], Credentials(token=info["token"])) as channel:
             stub = pbg.StatusStub(channel)
@@ -174,7 +212,10 @@ def run_swarm(work: Path, toml: str, peers: int, timeout_s: float, budget: int =
                     rate = last.tokens / (now - first_step) if first_step and now > first_step else 0.0
                     eta = f", ETA {(budget - last.tokens) / rate:.0f} s" if budget and rate else ""
                     loss = f", loss {last.loss:.3f}" if last.loss == last.loss and last.step else ""
-                    print(f"  step {last.step}, {last.tokens} tokens{loss}, {rate:.0f} tokens/s{eta} ({now - t0:.0f} s since launch)", flush=True)
+                    print(
+                        f"  step {last.step}, {last.tokens} tokens{loss}, {rate:.0f} tokens/s{eta} ({now - t0:.0f} s since launch)",
+                        flush=True,
+                    )
                 time.sleep(2.0)
     finally:
         stop_processes(procs)
@@ -182,9 +223,42 @@ def run_swarm(work: Path, toml: str, peers: int, timeout_s: float, budget: int =
         raise RuntimeError(f"the tracker never answered (logs in {work})")
     s = status_dict(last)
     return {
-        "status": {k: s.get(k) for k in ("state", "reason", "step", "tokens", "loss", "pp_bytes_per_token", "pp_state_bytes_per_token", "dp_bytes_per_token", "anchor_bytes_per_token", "config_digest")},
+        "status": {
+            k: s.get(k)
+            for k in (
+                "state",
+                "reason",
+                "step",
+                "tokens",
+                "loss",
+                "pp_bytes_per_token",
+                "pp_state_bytes_per_token",
+                "dp_bytes_per_token",
+                "anchor_bytes_per_token",
+                "config_digest",
+            )
+        },
         # per peer, from its own counters: where the bytes went, and what the link tuner chose
-        "peers": [{k: p.get(k) for k in ("id", "stage", "state", "step", "bytes_in", "bytes_out", "anchor_bytes_out", "pp_state_bytes_out", "dp_bytes_out", "link_mbit", "pp_keep", "reason")} for p in s.get("peers", [])],
+        "peers": [
+            {
+                k: p.get(k)
+                for k in (
+                    "id",
+                    "stage",
+                    "state",
+                    "step",
+                    "bytes_in",
+                    "bytes_out",
+                    "anchor_bytes_out",
+                    "pp_state_bytes_out",
+                    "dp_bytes_out",
+                    "link_mbit",
+                    "pp_keep",
+                    "reason",
+                )
+            }
+            for p in s.get("peers", [])
+        ],
         "seconds": done - t0 if done else None,
         "startup_s": first_step - t0 if first_step else None,
         "train_seconds": done - first_step if done and first_step else None,
@@ -222,7 +296,12 @@ def swarm_weights(work: Path, peers: int, num_stages: int) -> dict[int, list[tup
     return out
 
 
-def evaluate_swarm(base: torch.nn.Module, weights: dict[int, list[tuple[str, list[torch.Tensor]]]], eval_b: list[torch.Tensor], chains: bool = True) -> dict:
+def evaluate_swarm(
+    base: torch.nn.Module,
+    weights: dict[int, list[tuple[str, list[torch.Tensor]]]],
+    eval_b: list[torch.Tensor],
+    chains: bool = True,
+) -> dict:
     """Eval loss of the stage groups' averaged weights, and (with `chains`) of every chain of one
     peer per stage: how far the replicas drifted since their last averaging round."""
     stages = split_model(copy.deepcopy(base), len(weights))
@@ -237,12 +316,29 @@ def evaluate_swarm(base: torch.nn.Module, weights: dict[int, list[tuple[str, lis
                 _load(stages[0], w0, name0)
                 _load(stages[1], w1, name1)
                 per_chain[f"{name0} + {name1}"] = evaluate_stages(stages, eval_b)
-    return {"eval_loss": averaged, "eval_loss_chains": per_chain, "peers_per_stage": {s: [n for n, _ in got] for s, got in weights.items()}}
+    return {
+        "eval_loss": averaged,
+        "eval_loss_chains": per_chain,
+        "peers_per_stage": {s: [n for n, _ in got] for s, got in weights.items()},
+    }
 
 
-def run_swarm_quality(model: str, work: Path, task: str = "adapt", seed: int = 0, corpus: str | None = None, replicas: int = 2, steps: int | None = None,
-                      eval_windows: int = 128, swarms: tuple[str, ...] = SWARMS, in_process: tuple[str, ...] = IN_PROCESS_ROWS, timeout_s: float = 3600.0,
-                      reuse: dict | None = None, seq_len: int | None = PipelineConfig().seq_len, chains: bool = False) -> dict:
+def run_swarm_quality(
+    model: str,
+    work: Path,
+    task: str = "adapt",
+    seed: int = 0,
+    corpus: str | None = None,
+    replicas: int = 2,
+    steps: int | None = None,
+    eval_windows: int = 128,
+    swarms: tuple[str, ...] = SWARMS,
+    in_process: tuple[str, ...] = IN_PROCESS_ROWS,
+    timeout_s: float = 3600.0,
+    reuse: dict | None = None,
+    seq_len: int | None = PipelineConfig().seq_len,
+    chains: bool = False,
+) -> dict:
     """The result's JSON (see the module docstring). `steps`: the rows' steps (default: the quick
     setup's 40); `chains`: also score every chain of one peer per stage (a forward pass over the
     eval set each); `eval_windows`: fixed eval windows of the prepared eval split every row is scored
@@ -253,21 +349,39 @@ def run_swarm_quality(model: str, work: Path, task: str = "adapt", seed: int = 0
 
     setup = replace(setup_for(True, model), seed=seed)
     if seq_len is not None:  # the same tokens per micro-batch in windows of seq_len
-        setup = replace(setup, micro_batch_size=max(1, setup.micro_batch_size * setup.seq_len // seq_len), seq_len=seq_len)
+        setup = replace(
+            setup, micro_batch_size=max(1, setup.micro_batch_size * setup.seq_len // seq_len), seq_len=seq_len
+        )
     if steps is not None:
         setup = replace(setup, adapt_steps=steps)
     table = rows(setup)
     unknown = sorted(set(in_process) - set(table)) + sorted(set(swarms) - set(SWARMS))
     if unknown:
-        raise ConfigError("--rows", ",".join(unknown), f"unknown; in-process rows: {', '.join(table)}; swarms: {', '.join(SWARMS)}")
+        raise ConfigError(
+            "--rows", ",".join(unknown), f"unknown; in-process rows: {', '.join(table)}; swarms: {', '.join(SWARMS)}"
+        )
     source = corpus or default_source(task)
     data = prepare_data(work / "data", model, source, setup.seq_len)
-    eval_b = [torch.from_numpy(w) for w in np.array_split(data.eval_windows(setup.seq_len, eval_windows), max(1, eval_windows // setup.micro_batch_size))]
+    eval_b = [
+        torch.from_numpy(w)
+        for w in np.array_split(
+            data.eval_windows(setup.seq_len, eval_windows), max(1, eval_windows // setup.micro_batch_size)
+        )
+    ]
     eval_tokens = sum(int(b[:, 1:].numel()) for b in eval_b)
     base = load_causal_lm(setup.model, seed=setup.seed)
     out: dict = {
-        "setup": {**asdict(setup), "task": task, "source": source, "manifest_tokens": {k: v.tokens for k, v in data.manifest.splits.items()}, "eval_tokens": eval_tokens,
-                  "replicas": replicas, "peer_env": PEER_ENV, "token_budget": setup.adapt_steps * setup.micro_batches * setup.micro_batch_size * setup.seq_len, "threads": torch.get_num_threads()},
+        "setup": {
+            **asdict(setup),
+            "task": task,
+            "source": source,
+            "manifest_tokens": {k: v.tokens for k, v in data.manifest.splits.items()},
+            "eval_tokens": eval_tokens,
+            "replicas": replicas,
+            "peer_env": PEER_ENV,
+            "token_budget": setup.adapt_steps * setup.micro_batches * setup.micro_batch_size * setup.seq_len,
+            "threads": torch.get_num_threads(),
+        },
         "pretrained": {"eval_loss": evaluate_stages(split_model(copy.deepcopy(base), setup.model.num_stages), eval_b)},
         "in_process": {},
         "swarm": {},
@@ -281,22 +395,55 @@ def run_swarm_quality(model: str, work: Path, task: str = "adapt", seed: int = 0
         out["in_process"], out["swarm"] = dict(reuse.get("in_process", {})), dict(reuse.get("swarm", {}))
     batch = window_batches(data, setup)
     for name in (r for r in in_process if r not in out["in_process"]):
-        cfg = replace(table[name], mask=replace(table[name].mask, seed=setup.seed))  # the seed draws the codec's randomness too
-        r = run_row(name, cfg, lambda: load_causal_lm(setup.model, seed=setup.seed), setup, None, eval_b, eval_b[:1], batch_fn=batch)
+        cfg = replace(
+            table[name], mask=replace(table[name].mask, seed=setup.seed)
+        )  # the seed draws the codec's randomness too
+        r = run_row(
+            name,
+            cfg,
+            lambda: load_causal_lm(setup.model, seed=setup.seed),
+            setup,
+            None,
+            eval_b,
+            eval_b[:1],
+            batch_fn=batch,
+        )
         r.pop("eval_loss_a", None)
         release_memory()
         r["rss_gb_after"] = rss_gb()
         out["in_process"][name] = r
-        print(f"in-process {name:>18}: eval_loss {r['eval_loss']:.4f}  pp B/token {r['pp_bytes_per_token']:.1f}  {r['seconds']:.0f} s", flush=True)
+        print(
+            f"in-process {name:>18}: eval_loss {r['eval_loss']:.4f}  pp B/token {r['pp_bytes_per_token']:.1f}  {r['seconds']:.0f} s",
+            flush=True,
+        )
     del base  # the swarms' peers need the memory: reloaded for each swarm's evaluation
     release_memory()
     for name in (r for r in swarms if r not in out["swarm"]):
-        print(f"swarm {name}: {setup.model.num_stages} stages x {replicas} peers, budget {out['setup']['token_budget']} tokens", flush=True)
-        r = run_swarm(work / f"swarm-{name}", swarm_toml(model, setup, data.folder, replicas, name), setup.model.num_stages * replicas, timeout_s, out["setup"]["token_budget"])
-        r.update(evaluate_swarm(load_causal_lm(setup.model, seed=setup.seed), swarm_weights(work / f"swarm-{name}", setup.model.num_stages * replicas, setup.model.num_stages), eval_b, chains))
+        print(
+            f"swarm {name}: {setup.model.num_stages} stages x {replicas} peers, budget {out['setup']['token_budget']} tokens",
+            flush=True,
+        )
+        r = run_swarm(
+            work / f"swarm-{name}",
+            swarm_toml(model, setup, data.folder, replicas, name),
+            setup.model.num_stages * replicas,
+            timeout_s,
+            out["setup"]["token_budget"],
+        )
+        r.update(
+            evaluate_swarm(
+                load_causal_lm(setup.model, seed=setup.seed),
+                swarm_weights(work / f"swarm-{name}", setup.model.num_stages * replicas, setup.model.num_stages),
+                eval_b,
+                chains,
+            )
+        )
         release_memory()
         out["swarm"][name] = r
-        print(f"swarm {name:>18}: eval_loss {r['eval_loss']:.4f}  pp B/token {r['status']['pp_bytes_per_token']:.1f}  {r['seconds']:.0f} s", flush=True)
+        print(
+            f"swarm {name:>18}: eval_loss {r['eval_loss']:.4f}  pp B/token {r['status']['pp_bytes_per_token']:.1f}  {r['seconds']:.0f} s",
+            flush=True,
+        )
     out["summary"] = summary(out)
     return out
 
@@ -312,13 +459,25 @@ def summary(out: dict) -> dict:
     run longer than the benchmark's spreads over more tokens)."""
     sw, ip = out["swarm"], out["in_process"]
     bpt = {k: v["status"]["pp_bytes_per_token"] for k, v in sw.items()}
-    stream = {k: v["status"]["pp_bytes_per_token"] - (v["status"].get("pp_state_bytes_per_token") or 0.0) for k, v in sw.items()}
+    stream = {
+        k: v["status"]["pp_bytes_per_token"] - (v["status"].get("pp_state_bytes_per_token") or 0.0)
+        for k, v in sw.items()
+    }
     return {
         "swarm_gap": _gap(sw, "recommended", "dense"),
         "in_process_gap": _gap(ip, DEFAULT_ROW, "dense"),
         "in_process_gap_dp": _gap(ip, "transform_dp", "dense_dp"),
-        "swarm_pp_bytes_reduction": bpt["dense"] / bpt["recommended"] if bpt.get("dense") and bpt.get("recommended") else None,
-        "in_process_pp_bytes_reduction": ip["dense"]["pp_bytes_per_token"] / ip[DEFAULT_ROW]["pp_bytes_per_token"] if "dense" in ip and DEFAULT_ROW in ip else None,
-        "swarm_pp_stream_reduction": stream["dense"] / stream["recommended"] if stream.get("dense") and stream.get("recommended") else None,
-        "in_process_pp_stream_reduction": ip["dense"]["pp_stream_bytes_per_token"] / ip[DEFAULT_ROW]["pp_stream_bytes_per_token"] if "dense" in ip and DEFAULT_ROW in ip else None,
+        "swarm_pp_bytes_reduction": bpt["dense"] / bpt["recommended"]
+        if bpt.get("dense") and bpt.get("recommended")
+        else None,
+        "in_process_pp_bytes_reduction": ip["dense"]["pp_bytes_per_token"] / ip[DEFAULT_ROW]["pp_bytes_per_token"]
+        if "dense" in ip and DEFAULT_ROW in ip
+        else None,
+        "swarm_pp_stream_reduction": stream["dense"] / stream["recommended"]
+        if stream.get("dense") and stream.get("recommended")
+        else None,
+        "in_process_pp_stream_reduction": ip["dense"]["pp_stream_bytes_per_token"]
+        / ip[DEFAULT_ROW]["pp_stream_bytes_per_token"]
+        if "dense" in ip and DEFAULT_ROW in ip
+        else None,
     }

@@ -51,12 +51,20 @@ def run_rank(args: argparse.Namespace) -> None:
     cfg = config_from_dict(json.loads(Path(args.config).read_text()))
     K, R = cfg.model.num_stages, args.replicas
     stage_i, replica = divmod(args.rank, R)
-    dist.init_process_group("gloo", init_method=f"tcp://{args.master}:{PORT}", rank=args.rank, world_size=K * R, timeout=datetime.timedelta(seconds=args.timeout_s))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{args.master}:{PORT}",
+        rank=args.rank,
+        world_size=K * R,
+        timeout=datetime.timedelta(seconds=args.timeout_s),
+    )
     groups = [dist.new_group([s * R + j for j in range(R)]) for s in range(K)]  # every rank makes every group, in order
     stage = split_model(load_causal_lm(cfg.model, seed=cfg.seed), K)[stage_i]  # the same weights on every replica
     stage.train()
     params = [p for p in stage.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), weight_decay=cfg.optim.weight_decay)
+    opt = torch.optim.AdamW(
+        params, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), weight_decay=cfg.optim.weight_decay
+    )
     p = cfg.pipeline
     B, T, M, H, V = p.micro_batch_size, p.seq_len, p.micro_batches, stage.hidden_size, stage.vocab_size
     prev, nxt = (stage_i - 1) * R + replica, (stage_i + 1) * R + replica
@@ -106,18 +114,46 @@ def run_rank(args: argparse.Namespace) -> None:
         if args.rank == 0 and step % 5 == 0:
             print(f"step {step}: {times[-1]:.2f}s", flush=True)
     # each replica's weights after the run: the all-reduce keeps a stage group's identical
-    Path(f"{args.out}.rank{args.rank}").write_text(json.dumps({"stage": stage_i, "replica": replica, "weights_sum": float(sum(q.detach().double().sum() for q in params)),
-                                                               "weights_abs_sum": float(sum(q.detach().double().abs().sum() for q in params)), "last_loss": losses[-1] if losses else None}))
+    Path(f"{args.out}.rank{args.rank}").write_text(
+        json.dumps(
+            {
+                "stage": stage_i,
+                "replica": replica,
+                "weights_sum": float(sum(q.detach().double().sum() for q in params)),
+                "weights_abs_sum": float(sum(q.detach().double().abs().sum() for q in params)),
+                "last_loss": losses[-1] if losses else None,
+            }
+        )
+    )
     if args.rank == 0:
         measured = sum(times[args.warmup :])
         tokens = args.steps * R * M * B * T
-        Path(args.out).write_text(json.dumps({"tokens_per_s": tokens / measured, "tokens_measured": tokens, "seconds_measured": measured, "step_s": times[args.warmup :]}))
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "tokens_per_s": tokens / measured,
+                    "tokens_measured": tokens,
+                    "seconds_measured": measured,
+                    "step_s": times[args.warmup :],
+                }
+            )
+        )
     if losses and replica == 0:
         print(f"last loss {losses[-1]:.4f}", flush=True)
     dist.destroy_process_group()
 
 
-def measure_sync(config: dict, rate_mbit: float | None, stages: int, replicas: int, warmup: int, steps: int, workdir: Path, subnet: int, timeout_s: float) -> dict:
+def measure_sync(
+    config: dict,
+    rate_mbit: float | None,
+    stages: int,
+    replicas: int,
+    warmup: int,
+    steps: int,
+    workdir: Path,
+    subnet: int,
+    timeout_s: float,
+) -> dict:
     """Run the baseline on a fresh bed of `stages * replicas` hosts (every link at `rate_mbit`)
     and return its tokens/s and the bytes that crossed the links."""
     import sys
@@ -131,14 +167,40 @@ def measure_sync(config: dict, rate_mbit: float | None, stages: int, replicas: i
     for old in (out_path, *(Path(f"{out_path}.rank{i}") for i in range(n))):
         old.unlink(missing_ok=True)
     t_start = time.monotonic()
-    print(f"[dense_sync] {n} ranks (gloo), links {f'{rate_mbit:.2f} Mbit/s' if rate_mbit else 'unshaped'}; warm-up {warmup} steps, measure {steps}", flush=True)
+    print(
+        f"[dense_sync] {n} ranks (gloo), links {f'{rate_mbit:.2f} Mbit/s' if rate_mbit else 'unshaped'}; warm-up {warmup} steps, measure {steps}",
+        flush=True,
+    )
     with NetBed([rate_mbit] * n, subnet=subnet) as bed:
         master = bed.hosts[0].address
         procs = []
         for rank in range(n):
-            argv = [sys.executable, "-m", "peer.bench.sync_baseline", "--rank", str(rank), "--replicas", str(replicas), "--master", master, "--config", str(cfg_path),
-                    "--warmup", str(warmup), "--steps", str(steps), "--out", str(out_path), "--timeout-s", str(timeout_s)]
-            procs.append(bed.popen(rank, argv, workdir / f"rank{rank}.log", env={"GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}))
+            argv = [
+                sys.executable,
+                "-m",
+                "peer.bench.sync_baseline",
+                "--rank",
+                str(rank),
+                "--replicas",
+                str(replicas),
+                "--master",
+                master,
+                "--config",
+                str(cfg_path),
+                "--warmup",
+                str(warmup),
+                "--steps",
+                str(steps),
+                "--out",
+                str(out_path),
+                "--timeout-s",
+                str(timeout_s),
+            ]
+            procs.append(
+                bed.popen(
+                    rank, argv, workdir / f"rank{rank}.log", env={"GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
+                )
+            )
         c0 = bed.counters()
         deadline = time.monotonic() + timeout_s
         while any(p.poll() is None for p in procs):
@@ -166,7 +228,10 @@ def measure_sync(config: dict, rate_mbit: float | None, stages: int, replicas: i
         "wall_s": time.monotonic() - t_start,
         "ranks": ranks,
     }
-    print(f"[dense_sync] {result['tokens_per_s']:,.0f} tok/s, {result['wire_bytes_per_token']:.0f} wire B/token ({result['wall_s']:.0f}s)", flush=True)
+    print(
+        f"[dense_sync] {result['tokens_per_s']:,.0f} tok/s, {result['wire_bytes_per_token']:.0f} wire B/token ({result['wall_s']:.0f}s)",
+        flush=True,
+    )
     return result
 
 

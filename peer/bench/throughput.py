@@ -95,7 +95,12 @@ def mode_config(mode: str, stages: int, steps: int, dp_every: int, seed: int = 0
     # settings pinned against the tiny model's profile (TINY_RUN): the bed carries the bytes a real model's run sends
     compressed_pp = {"scheme": "transform", "adapt": False, **{k: getattr(MaskConfig(), k) for k in TINY_RUN["mask"]}}
     dense_pp = {"scheme": "mask", "drop": 0.0, "values": "fp16", "adapt": False}
-    dense_dp = {"inner_steps": 1, "outer_compression": "none", "link_share": 0.0, "min_period_s": 1.0}  # every step, as far as hivemind allows
+    dense_dp = {
+        "inner_steps": 1,
+        "outer_compression": "none",
+        "link_share": 0.0,
+        "min_period_s": 1.0,
+    }  # every step, as far as hivemind allows
     compressed_dp = {"inner_steps": dp_every, "outer_compression": "int8", "link_share": 0.0}
     mask, dp = {
         "dense": (dense_pp, dense_dp),
@@ -105,12 +110,26 @@ def mode_config(mode: str, stages: int, steps: int, dp_every: int, seed: int = 0
     }[mode]
     return {
         "seed": seed,
-        "model": {"name": "tiny-llama", "num_stages": stages, "hidden_size": TINY_HIDDEN, "num_layers": 2 * stages, "num_heads": 4, "max_seq_len": 128},
+        "model": {
+            "name": "tiny-llama",
+            "num_stages": stages,
+            "hidden_size": TINY_HIDDEN,
+            "num_layers": 2 * stages,
+            "num_heads": 4,
+            "max_seq_len": 128,
+        },
         "mask": mask,
         "dp": dp,
         "anchor": {"every": 0},
         "optim": {"lr": 2e-3},
-        "pipeline": {"micro_batch_size": 8, "micro_batches": 2, "seq_len": 128, "eval_every": steps, "eval_batches": 8, "max_staleness": max_staleness},
+        "pipeline": {
+            "micro_batch_size": 8,
+            "micro_batches": 2,
+            "seq_len": 128,
+            "eval_every": steps,
+            "eval_batches": 8,
+            "max_staleness": max_staleness,
+        },
     }
 
 
@@ -131,8 +150,18 @@ def _rates_text(rates: list[float | None]) -> str:
 
 
 def measure_mode(
-    mode: str, rates: list[float | None], stages: int, replicas: int, warmup: int, steps: int, dp_every: int, workdir: Path, subnet: int, timeout_s: float,
-    config: dict | None = None, reshape: Callable[[NetBed, dict], None] | None = None,
+    mode: str,
+    rates: list[float | None],
+    stages: int,
+    replicas: int,
+    warmup: int,
+    steps: int,
+    dp_every: int,
+    workdir: Path,
+    subnet: int,
+    timeout_s: float,
+    config: dict | None = None,
+    reshape: Callable[[NetBed, dict], None] | None = None,
 ) -> dict:
     """Run one mode in a fresh bed (host i's link at rates[i] Mbit/s, None = unshaped; host 0 is
     the bootstrap's) and measure it (see the module docstring). `config`: run.toml content
@@ -143,7 +172,10 @@ def measure_mode(
     n = stages * replicas
     if len(rates) != 1 + n:
         raise ConfigError("rates", len(rates), f"must name 1 + {n} hosts (the bootstrap and {n} peers)")
-    print(f"[{mode}] {n} peers + bootstrap, links {_rates_text(rates)}; warm-up to step {warmup}, measure to step {steps}", flush=True)
+    print(
+        f"[{mode}] {n} peers + bootstrap, links {_rates_text(rates)}; warm-up to step {warmup}, measure to step {steps}",
+        flush=True,
+    )
     t_start = time.monotonic()
     with NetBed(rates, subnet=subnet) as bed:
         swarm = BedSwarm(bed, cfg_path, workdir / mode)
@@ -152,7 +184,11 @@ def measure_mode(
             up = swarm.wait_status(lambda s: _live(s) == n, timeout_s, f"{n} live peers")
             reshape(bed, up)
             start = up["step"]
-        s0 = swarm.wait_status(lambda s: s["step"] >= start + warmup and _live(s) == n, timeout_s, f"{n} live peers and step {start + warmup}")
+        s0 = swarm.wait_status(
+            lambda s: s["step"] >= start + warmup and _live(s) == n,
+            timeout_s,
+            f"{n} live peers and step {start + warmup}",
+        )
         c0 = bed.counters()
         last_print = time.monotonic()
 
@@ -168,7 +204,11 @@ def measure_mode(
 
         s1 = swarm.wait_status(progress, timeout_s, f"step {steps}")
         c1 = bed.counters()
-        s2 = swarm.wait_status(lambda s: (s["eval_step"] or -1) >= steps and s["eval_loss"] is not None, timeout_s, f"the evaluation launched at step {steps}")
+        s2 = swarm.wait_status(
+            lambda s: (s["eval_step"] or -1) >= steps and s["eval_loss"] is not None,
+            timeout_s,
+            f"the evaluation launched at step {steps}",
+        )
     tokens = s1["tokens"] - s0["tokens"]
     seconds = s1["uptime_s"] - s0["uptime_s"]
     wire = sum(c1[i][0] - c0[i][0] for i in c1)
@@ -180,20 +220,48 @@ def measure_mode(
         "rate_mbit": rates[1] if len(set(rates[1:])) == 1 else None,
         "tokens_measured": tokens,
         "seconds_measured": seconds,
-        "app_bytes_per_token": {"pp": s1["pp_bytes_per_token"], "dp": s1["dp_bytes_per_token"], "anchor": s1["anchor_bytes_per_token"]},
+        "app_bytes_per_token": {
+            "pp": s1["pp_bytes_per_token"],
+            "dp": s1["dp_bytes_per_token"],
+            "anchor": s1["anchor_bytes_per_token"],
+        },
         "pp_compression": s1["pp_compression"],
         "train_loss": s1["loss"],
-        "peer_startup_s": _median([p["startup_s"] for p in s1["peers"] if p["state"] in ("active", "idle") and p.get("startup_s")]),  # process start to first step
-        "peer_startup_phases_s": startup_phases([p.get("startup_phases") for p in s1["peers"] if p["state"] in ("active", "idle")]),  # where it went
-        "peer_capacity_tokens_per_s": _median([p["capacity_tokens_per_s"] for p in s1["peers"] if p["state"] in ("active", "idle") and p["capacity_tokens_per_s"] > 0]),
+        "peer_startup_s": _median(
+            [p["startup_s"] for p in s1["peers"] if p["state"] in ("active", "idle") and p.get("startup_s")]
+        ),  # process start to first step
+        "peer_startup_phases_s": startup_phases(
+            [p.get("startup_phases") for p in s1["peers"] if p["state"] in ("active", "idle")]
+        ),  # where it went
+        "peer_capacity_tokens_per_s": _median(
+            [
+                p["capacity_tokens_per_s"]
+                for p in s1["peers"]
+                if p["state"] in ("active", "idle") and p["capacity_tokens_per_s"] > 0
+            ]
+        ),
         "wall_s": time.monotonic() - t_start,
         "peers": [
-            {"id": p["id"], "stage": p["stage"], "host_rate_mbit": bed.hosts[int(p["id"].removeprefix("bed-peer"))].rate_mbit if p["id"].startswith("bed-peer") else None,
-             "tokens_per_s": p["tokens_per_s"], "link_mbit": p.get("link_mbit"), "pp_keep": p.get("pp_keep"), "dp_period_s": p.get("dp_period_s"), "dp_rounds": p["dp_rounds"]}
-            for p in s1["peers"] if p["state"] in ("active", "idle")
+            {
+                "id": p["id"],
+                "stage": p["stage"],
+                "host_rate_mbit": bed.hosts[int(p["id"].removeprefix("bed-peer"))].rate_mbit
+                if p["id"].startswith("bed-peer")
+                else None,
+                "tokens_per_s": p["tokens_per_s"],
+                "link_mbit": p.get("link_mbit"),
+                "pp_keep": p.get("pp_keep"),
+                "dp_period_s": p.get("dp_period_s"),
+                "dp_rounds": p["dp_rounds"],
+            }
+            for p in s1["peers"]
+            if p["state"] in ("active", "idle")
         ],
     }
-    print(f"[{mode}] {result['tokens_per_s']:,.0f} tok/s, {result['wire_bytes_per_token']:.0f} wire B/token, eval loss {result['eval_loss']:.4f} at step {result['eval_step']} ({result['wall_s']:.0f}s)", flush=True)
+    print(
+        f"[{mode}] {result['tokens_per_s']:,.0f} tok/s, {result['wire_bytes_per_token']:.0f} wire B/token, eval loss {result['eval_loss']:.4f} at step {result['eval_step']} ({result['wall_s']:.0f}s)",
+        flush=True,
+    )
     return result
 
 
@@ -201,7 +269,9 @@ def startup_phases(per_peer: list[dict | None]) -> dict[str, float]:
     """Each startup phase's median seconds over the peers that reported one (a phase a peer
     skipped, e.g. a group state download, counts over the peers that had it)."""
     names = list(dict.fromkeys(name for phases in per_peer if phases for name in phases))
-    return {name: round(_median([phases[name] for phases in per_peer if phases and name in phases]), 2) for name in names}
+    return {
+        name: round(_median([phases[name] for phases in per_peer if phases and name in phases]), 2) for name in names
+    }
 
 
 def check_max_staleness(max_staleness: int) -> None:
@@ -221,9 +291,15 @@ def check_bed_args(what: str, stages: int, bandwidth_mbit: float | None) -> None
         raise ConfigError(what, "network namespaces", why)
 
 
-RATIOS = {"masked_vs_dense": ("masked", "dense"), "masked_dp_vs_dense": ("masked_dp", "dense"), "masked_dp_vs_compute_bound": ("masked_dp", "compute_bound"),
-          "masked_vs_dense_sync": ("masked", SYNC), "masked_dp_vs_dense_sync": ("masked_dp", SYNC), "dense_vs_dense_sync": ("dense", SYNC),
-          "compute_bound_vs_dense_sync": ("compute_bound", SYNC)}
+RATIOS = {
+    "masked_vs_dense": ("masked", "dense"),
+    "masked_dp_vs_dense": ("masked_dp", "dense"),
+    "masked_dp_vs_compute_bound": ("masked_dp", "compute_bound"),
+    "masked_vs_dense_sync": ("masked", SYNC),
+    "masked_dp_vs_dense_sync": ("masked_dp", SYNC),
+    "dense_vs_dense_sync": ("dense", SYNC),
+    "compute_bound_vs_dense_sync": ("compute_bound", SYNC),
+}
 
 
 def combine_repeats(repeats: list[dict[str, dict]]) -> tuple[dict[str, dict], dict[str, dict]]:
@@ -245,8 +321,17 @@ def combine_repeats(repeats: list[dict[str, dict]]) -> tuple[dict[str, dict], di
     return modes, ratios
 
 
-def run_throughput(quick: bool, bandwidth_mbit: float | None, stages: int, replicas: int, modes: list[str] | None = None, workdir: Path | None = None, repeat: int | None = None,
-                   max_staleness: int = 0, steps: int | None = None) -> dict:
+def run_throughput(
+    quick: bool,
+    bandwidth_mbit: float | None,
+    stages: int,
+    replicas: int,
+    modes: list[str] | None = None,
+    workdir: Path | None = None,
+    repeat: int | None = None,
+    max_staleness: int = 0,
+    steps: int | None = None,
+) -> dict:
     """All modes, compute_bound first (it sets the GPU-equivalent bandwidth), `repeat` times
     interleaved (A B C D A B C D ...; default 1 with `quick`, else 3); the swarm's modes with
     `max_staleness` (dense_sync is GPipe: it flushes every step) and measured to run step `steps`
@@ -260,7 +345,11 @@ def run_throughput(quick: bool, bandwidth_mbit: float | None, stages: int, repli
     warmup, default_steps, dp_every = (6, 30, 5) if quick else (10, 100, 10)
     steps = default_steps if steps is None else steps
     if steps < warmup + 10:
-        raise ConfigError("--steps", steps, f"must be >= {warmup + 10}: the warm-up ends at step {warmup}, and a window of fewer than 10 steps measures noise")
+        raise ConfigError(
+            "--steps",
+            steps,
+            f"must be >= {warmup + 10}: the warm-up ends at step {warmup}, and a window of fewer than 10 steps measures noise",
+        )
     modes = modes or list(ALL_MODES)
     for m in modes:
         if m not in ALL_MODES:
@@ -278,22 +367,59 @@ def run_throughput(quick: bool, bandwidth_mbit: float | None, stages: int, repli
         (workdir / f"r{r}").mkdir(parents=True, exist_ok=True)
         if "compute_bound" in modes or (rate is None and r == 0):
             print(f"compute_bound{tag}", flush=True)
-            got["compute_bound"] = measure_mode("compute_bound", [None] * (1 + stages * replicas), stages, replicas, warmup, steps, dp_every, workdir / f"r{r}", 10, timeout_s,
-                                                config=mode_config("compute_bound", stages, steps, dp_every, max_staleness=max_staleness))
+            got["compute_bound"] = measure_mode(
+                "compute_bound",
+                [None] * (1 + stages * replicas),
+                stages,
+                replicas,
+                warmup,
+                steps,
+                dp_every,
+                workdir / f"r{r}",
+                10,
+                timeout_s,
+                config=mode_config("compute_bound", stages, steps, dp_every, max_staleness=max_staleness),
+            )
         if rate is None:  # from the first compute_bound run: every repeat runs on the same links
             cb = got["compute_bound"]
-            per_peer = cb["peer_capacity_tokens_per_s"] or cb["tokens_per_s"] / replicas  # no capacity measured: the throughput (under-states it)
+            per_peer = (
+                cb["peer_capacity_tokens_per_s"] or cb["tokens_per_s"] / replicas
+            )  # no capacity measured: the throughput (under-states it)
             rate = equivalent_mbit(scenario, stages, per_peer)
-            print(f"GPU-equivalent bandwidth: {rate:.2f} Mbit/s stands for {scenario.link_mbit:.0f} Mbit/s ({scenario.model} on an {scenario.gpu})", flush=True)
+            print(
+                f"GPU-equivalent bandwidth: {rate:.2f} Mbit/s stands for {scenario.link_mbit:.0f} Mbit/s ({scenario.model} on an {scenario.gpu})",
+                flush=True,
+            )
         for i, mode in enumerate(m for m in modes if m != "compute_bound"):
             print(f"{mode}{tag}", flush=True)
             if mode == SYNC:  # a few steps suffice: every step is the same flush and all-reduce
                 from peer.bench.sync_baseline import measure_sync
 
-                got[mode] = measure_sync(mode_config("dense", stages, steps, dp_every), rate, stages, replicas, 2, 6 if quick else 15, workdir / f"r{r}" / SYNC, 11 + i, timeout_s)
+                got[mode] = measure_sync(
+                    mode_config("dense", stages, steps, dp_every),
+                    rate,
+                    stages,
+                    replicas,
+                    2,
+                    6 if quick else 15,
+                    workdir / f"r{r}" / SYNC,
+                    11 + i,
+                    timeout_s,
+                )
             else:
-                got[mode] = measure_mode(mode, [rate] * (1 + stages * replicas), stages, replicas, warmup, steps, dp_every, workdir / f"r{r}", 11 + i, timeout_s,
-                                         config=mode_config(mode, stages, steps, dp_every, max_staleness=max_staleness))
+                got[mode] = measure_mode(
+                    mode,
+                    [rate] * (1 + stages * replicas),
+                    stages,
+                    replicas,
+                    warmup,
+                    steps,
+                    dp_every,
+                    workdir / f"r{r}",
+                    11 + i,
+                    timeout_s,
+                    config=mode_config(mode, stages, steps, dp_every, max_staleness=max_staleness),
+                )
         if "compute_bound" not in modes:
             got.pop("compute_bound", None)
         repeats.append(got)
@@ -301,7 +427,11 @@ def run_throughput(quick: bool, bandwidth_mbit: float | None, stages: int, repli
     out["modes"] = m
     out["ratios"] = {
         **{name: spread[name]["median"] if name in spread else None for name in RATIOS},
-        "eval_loss_vs_dense": {k: v["eval_loss"] / m["dense"]["eval_loss"] - 1 for k, v in m.items() if v.get("eval_loss") is not None} if "dense" in m else None,
+        "eval_loss_vs_dense": {
+            k: v["eval_loss"] / m["dense"]["eval_loss"] - 1 for k, v in m.items() if v.get("eval_loss") is not None
+        }
+        if "dense" in m
+        else None,
     }
     out["ratio_spread"] = spread
     out["setup"] = {
@@ -325,7 +455,12 @@ def run_throughput(quick: bool, bandwidth_mbit: float | None, stages: int, repli
             "gpu_stage_tokens_per_s = peak_flops * mfu / (flops_per_token / stages): the dense "
             "link-time / compute-time ratio per token and stage equals the GPU scenario's"
         ),
-        "gpu_scenario": {**asdict(scenario), "flops_per_token": scenario.flops_per_token(), "stage_tokens_per_s": scenario.stage_tokens_per_s(stages), "rho": scenario.rho(stages)},
+        "gpu_scenario": {
+            **asdict(scenario),
+            "flops_per_token": scenario.flops_per_token(),
+            "stage_tokens_per_s": scenario.stage_tokens_per_s(stages),
+            "rho": scenario.rho(stages),
+        },
         "shaping": "tc tbf on every host's eth0 (upload) and its bridge port (download), burst 32 KiB; no added latency (netem unavailable)",
         "wire_bytes": "sum of all hosts' eth0 tx byte counters (ip -s link) over the measured window / tokens in it",
         "workdir": str(workdir),

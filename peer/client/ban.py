@@ -23,7 +23,9 @@ def run_ban(bootstrap_json: Path, peer: str, reason: str = "", unban: bool = Fal
         info = json.loads(bootstrap_json.read_text())
         tracker, operator = info["tracker"], info["operator"]
     except (OSError, ValueError, KeyError) as exc:
-        raise ConfigError("--bootstrap", str(bootstrap_json), f"not a readable bootstrap.json with the operator key ({exc})") from None
+        raise ConfigError(
+            "--bootstrap", str(bootstrap_json), f"not a readable bootstrap.json with the operator key ({exc})"
+        ) from None
     tls_ca = info["tls_ca"].encode() if info.get("tls_ca") else None
     with auth.tracker_channel(tracker, auth.Credentials(operator=operator), tls_ca=tls_ca) as channel:
         try:

@@ -56,8 +56,11 @@ class History:
     def add(self, status: dict) -> bool:
         """Record one status; False if it was a duplicate and ignored."""
         s = Sample(
-            float(status.get("uptime_s") or 0.0), int(status.get("step") or 0),
-            _finite(status.get("loss")), _finite(status.get("eval_loss")), float(status.get("tokens_per_s") or 0.0),
+            float(status.get("uptime_s") or 0.0),
+            int(status.get("step") or 0),
+            _finite(status.get("loss")),
+            _finite(status.get("eval_loss")),
+            float(status.get("tokens_per_s") or 0.0),
         )
         if self.samples:
             last = self.samples[-1]
@@ -73,8 +76,6 @@ class History:
 
     def series(self, field: str) -> list[float | None]:
         return [getattr(s, field) for s in self.samples]
-
-
 
 
 def sparkline(values: Iterable[float | None], width: int) -> str:
@@ -122,7 +123,9 @@ def _summary(s: dict) -> Group:
     if s.get("eval_step") is not None and _finite(s.get("eval_loss")) is not None:
         eval_txt += f" (at step {s['eval_step']})"
     dp = f"{s.get('dp_bytes_per_token', 0):.1f} B/token"
-    dp += f" ({s['dp_compression']:.0f}x vs fp32 all-reduce every step)" if s.get("dp_compression") else " (no round yet)"
+    dp += (
+        f" ({s['dp_compression']:.0f}x vs fp32 all-reduce every step)" if s.get("dp_compression") else " (no round yet)"
+    )
     pairs = Table.grid(padding=(0, 2))
     for style in ("dim", "", "dim", ""):
         pairs.add_column(style=style, justify="right" if style else "left", min_width=LABEL_WIDTH if style else None)
@@ -135,8 +138,14 @@ def _summary(s: dict) -> Group:
     lines.add_column()
     m = s.get("model") or {}
     if m.get("name"):
-        lines.add_row("model", f"{m['name']}: {m.get('num_layers', '?')} layers, hidden {m.get('hidden_size', '?')}, {m.get('num_stages', '?')} stages, tokenizer {m.get('tokenizer') or '?'}")
-    lines.add_row("PP", f"{s.get('pp_bytes_per_token', 0):.1f} B/token ({s.get('pp_compression', 0):.1f}x vs dense fp16; codec state {s.get('pp_state_bytes_per_token', 0):.1f} of it)")
+        lines.add_row(
+            "model",
+            f"{m['name']}: {m.get('num_layers', '?')} layers, hidden {m.get('hidden_size', '?')}, {m.get('num_stages', '?')} stages, tokenizer {m.get('tokenizer') or '?'}",
+        )
+    lines.add_row(
+        "PP",
+        f"{s.get('pp_bytes_per_token', 0):.1f} B/token ({s.get('pp_compression', 0):.1f}x vs dense fp16; codec state {s.get('pp_state_bytes_per_token', 0):.1f} of it)",
+    )
     lines.add_row("DP", dp)
     lines.add_row("anchor", _anchor_text(s))
     return Group(pairs, lines)
@@ -146,7 +155,11 @@ class Curves:
     """Sparklines of train loss, eval loss and tokens/s with now/min/max, as wide as the space
     rich gives them (a fixed width would be cut off on a narrow terminal)."""
 
-    ROWS = (("train loss", "loss", "{:.3f}", "magenta"), ("eval loss", "eval_loss", "{:.3f}", "blue"), ("tok/s", "tokens_per_s", "{:,.0f}", "cyan"))
+    ROWS = (
+        ("train loss", "loss", "{:.3f}", "magenta"),
+        ("eval loss", "eval_loss", "{:.3f}", "blue"),
+        ("tok/s", "tokens_per_s", "{:,.0f}", "cyan"),
+    )
     SPAN, MIN_SPARK = 38, 8
 
     def __init__(self, history: History) -> None:
@@ -164,7 +177,11 @@ class Curves:
         grid.add_column(style="dim", no_wrap=True)
         for label, field, fmt, style in self.ROWS:
             vals = [v for v in self.history.series(field) if v is not None]
-            span = f"now {fmt.format(vals[-1])}  min {fmt.format(min(vals))}  max {fmt.format(max(vals))}" if vals else "no data yet"
+            span = (
+                f"now {fmt.format(vals[-1])}  min {fmt.format(min(vals))}  max {fmt.format(max(vals))}"
+                if vals
+                else "no data yet"
+            )
             grid.add_row(label, Text(sparkline(vals, width) or "·", style=style), span)
         yield grid
 
@@ -172,7 +189,15 @@ class Curves:
 def _stage_table(s: dict) -> Table:
     """One row per stage; no peer in red, a bottleneck (the `problems` rule) in yellow."""
     table = Table(title="stages", box=box.SIMPLE_HEAD, show_edge=False, title_justify="left", title_style="bold")
-    for name, justify in (("stage", "right"), ("peers", "right"), ("tok/s", "right"), ("capacity tok/s", "right"), ("queue", "right"), ("averaging", "left"), ("", "left")):
+    for name, justify in (
+        ("stage", "right"),
+        ("peers", "right"),
+        ("tok/s", "right"),
+        ("capacity tok/s", "right"),
+        ("queue", "right"),
+        ("averaging", "left"),
+        ("", "left"),
+    ):
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
     slow = {st["index"] for st, _ in _bottlenecks(s)}
     for st in s.get("stages", []):
@@ -183,8 +208,14 @@ def _stage_table(s: dict) -> Table:
         else:
             style, note = "", ""
         table.add_row(
-            str(st["index"]), str(st.get("peers", 0)), f"{st.get('tokens_per_s', 0):,.0f}",
-            f"{st.get('capacity_tokens_per_s', 0):,.0f}", str(st.get("queue_depth", 0)), st.get("averaging", ""), note, style=style,
+            str(st["index"]),
+            str(st.get("peers", 0)),
+            f"{st.get('tokens_per_s', 0):,.0f}",
+            f"{st.get('capacity_tokens_per_s', 0):,.0f}",
+            str(st.get("queue_depth", 0)),
+            st.get("averaging", ""),
+            note,
+            style=style,
         )
     return table
 
@@ -193,9 +224,23 @@ def _peer_table(s: dict, with_address: bool = True) -> Table:
     """One row per peer the tracker knows, state coloured; silent live peers' last-seen in red.
 
     On a narrow terminal the address column goes, so the others are not cut to "…"."""
-    table = Table(title="peers", box=box.SIMPLE_HEAD, show_edge=False, title_justify="left", title_style="bold", padding=(0, 1))
-    cols = [("peer", "left"), ("stage", "right"), ("state", "left"), ("address", "left"), ("seen", "right"), ("step", "right"),
-            ("tok/s", "right"), ("MB in", "right"), ("MB out", "right"), ("link", "right"), ("dp", "right"), ("note", "left")]
+    table = Table(
+        title="peers", box=box.SIMPLE_HEAD, show_edge=False, title_justify="left", title_style="bold", padding=(0, 1)
+    )
+    cols = [
+        ("peer", "left"),
+        ("stage", "right"),
+        ("state", "left"),
+        ("address", "left"),
+        ("seen", "right"),
+        ("step", "right"),
+        ("tok/s", "right"),
+        ("MB in", "right"),
+        ("MB out", "right"),
+        ("link", "right"),
+        ("dp", "right"),
+        ("note", "left"),
+    ]
     if not with_address:
         cols.remove(("address", "left"))
     for name, justify in cols:
@@ -205,10 +250,17 @@ def _peer_table(s: dict, with_address: bool = True) -> Table:
         seen = p.get("last_seen_s") or 0.0
         live = state in LIVE_STATES
         cells: list[str | Text] = [
-            p["id"], str(p.get("stage", "")), Text(state, style=STATE_STYLE.get(state, "")), p.get("address", ""),
+            p["id"],
+            str(p.get("stage", "")),
+            Text(state, style=STATE_STYLE.get(state, "")),
+            p.get("address", ""),
             Text(f"{seen:.1f}s", style="red" if live and seen > SILENT_PEER_S else "" if live else "dim"),
-            f"{p.get('step', 0):,}", f"{p.get('tokens_per_s', 0):,.0f}",
-            f"{p.get('bytes_in', 0) / 1e6:,.2f}", f"{p.get('bytes_out', 0) / 1e6:,.2f}", link_cell(p.get("link_mbit"), p.get("pp_keep")), dp_cell(p.get("dp_rounds", 0), p.get("dp_period_s")),
+            f"{p.get('step', 0):,}",
+            f"{p.get('tokens_per_s', 0):,.0f}",
+            f"{p.get('bytes_in', 0) / 1e6:,.2f}",
+            f"{p.get('bytes_out', 0) / 1e6:,.2f}",
+            link_cell(p.get("link_mbit"), p.get("pp_keep")),
+            dp_cell(p.get("dp_rounds", 0), p.get("dp_period_s")),
             Text(p.get("reason", ""), style="dim"),
         ]
         if not with_address:
@@ -220,7 +272,9 @@ def _peer_table(s: dict, with_address: bool = True) -> Table:
 def _problems_panel(s: dict) -> Panel:
     found = problems(s)
     if not found:
-        return Panel(Text("no problems", style="bold green"), title="problems", border_style="green", title_align="left")
+        return Panel(
+            Text("no problems", style="bold green"), title="problems", border_style="green", title_align="left"
+        )
     body = Table.grid(padding=(0, 1))  # a bullet column, so a wrapped message stays indented
     body.add_column(style="red")
     body.add_column(style="red")
@@ -241,7 +295,12 @@ class Dashboard:
         s = self.status
         top = Group(_summary(s), Text(), Curves(self.history))
         config = f"  config {escape(str(s['config_digest']))}" if s.get("config_digest") else ""
-        yield Panel(top, title=f"anchormesh run [bold]{escape(str(s.get('run_id', '?')))}[/bold]{config}", title_align="left", border_style="blue")
+        yield Panel(
+            top,
+            title=f"anchormesh run [bold]{escape(str(s.get('run_id', '?')))}[/bold]{config}",
+            title_align="left",
+            border_style="blue",
+        )
         yield _stage_table(s)
         yield Text()
         yield _peer_table(s, with_address=options.max_width >= self.NARROW)

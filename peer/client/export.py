@@ -57,7 +57,9 @@ def _one_line(text: str | None) -> str:
     return " ".join((text or "").split())
 
 
-def ask_tracker(tracker: str, timeout_s: float = 10.0, creds: auth.Credentials | None = None, tls_ca: bytes | None = None) -> tuple[pb.RunConfig, pb.RunStatus]:
+def ask_tracker(
+    tracker: str, timeout_s: float = 10.0, creds: auth.Credentials | None = None, tls_ca: bytes | None = None
+) -> tuple[pb.RunConfig, pb.RunStatus]:
     """The run's config and status; ExportError when the tracker does not answer or refuses."""
     with auth.tracker_channel(tracker, creds, tls_ca=tls_ca) as channel:
         try:
@@ -68,7 +70,9 @@ def ask_tracker(tracker: str, timeout_s: float = 10.0, creds: auth.Credentials |
                 raise ExportError(f"tracker {tracker} does not serve GetConfig (an older anchormesh?)") from None
             if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                 raise ExportError(f"tracker {tracker} refused: {exc.code().name}: {_one_line(exc.details())}") from None
-            raise ExportError(f"tracker {tracker} unreachable ({exc.code().name}: {_one_line(exc.details())})") from None
+            raise ExportError(
+                f"tracker {tracker} unreachable ({exc.code().name}: {_one_line(exc.details())})"
+            ) from None
     return run, status
 
 
@@ -81,22 +85,38 @@ def candidates(status: pb.RunStatus, num_stages: int) -> list[list[pb.PeerInfo]]
     missing = [s for s in range(num_stages) if not by_stage[s]]
     if missing:
         which = f"stage {missing[0]} has" if len(missing) == 1 else f"stages {', '.join(map(str, missing))} have"
-        raise ExportError(f"{which} no live peer (run {status.run_id} is {status.state or 'unknown'}): nothing to export from")
+        raise ExportError(
+            f"{which} no live peer (run {status.run_id} is {status.state or 'unknown'}): nothing to export from"
+        )
     return [sorted(peers, key=lambda p: (-p.step, p.peer_id)) for peers in by_stage]
 
 
-def download(peer: pb.PeerInfo, run_id: str, timeout_s: float, progress: bool = True, creds: auth.Credentials | None = None, tls_ca: bytes | None = None) -> Shard:
+def download(
+    peer: pb.PeerInfo,
+    run_id: str,
+    timeout_s: float,
+    progress: bool = True,
+    creds: auth.Credentials | None = None,
+    tls_ca: bytes | None = None,
+) -> Shard:
     """One peer's stage weights over GetShard, with a byte progress bar."""
     options = [("grpc.max_receive_message_length", MAX_SHARD_MESSAGE)]
     with auth.open_channel(peer.address, creds, options, tls_ca) as channel:
-        call = channel.unary_stream("/anchormesh.v1.Stage/GetShard", request_serializer=pb.ShardRequest.SerializeToString, response_deserializer=pb.ShardChunk.FromString)
+        call = channel.unary_stream(
+            "/anchormesh.v1.Stage/GetShard",
+            request_serializer=pb.ShardRequest.SerializeToString,
+            response_deserializer=pb.ShardChunk.FromString,
+        )
         bar = byte_bar(f"stage {peer.stage} <- {peer.peer_id}", show=None if progress else False)
         try:
+
             def advance(n: int, total: int) -> None:
                 bar.total = total
                 bar.update(n)
 
-            return read_shard(call(pb.ShardRequest(run_id=run_id, sender="anchormesh-export"), timeout=timeout_s), advance)
+            return read_shard(
+                call(pb.ShardRequest(run_id=run_id, sender="anchormesh-export"), timeout=timeout_s), advance
+            )
         finally:
             bar.close()
 
@@ -108,7 +128,7 @@ def hf_config(cfg: TrainConfig):
     from peer.model.source import pretrained_config
 
     if cfg.model.name.startswith(TINY_PREFIX):
-        config = tiny_config(cfg.model.name[len(TINY_PREFIX):], cfg.model)
+        config = tiny_config(cfg.model.name[len(TINY_PREFIX) :], cfg.model)
         # the byte vocabulary has no special tokens: Llama's default bos/eos ids (1, 2) would be bytes
         config.bos_token_id = config.eos_token_id = config.pad_token_id = None
     else:
@@ -126,7 +146,10 @@ def expected_shapes(config, num_stages: int) -> list[dict[str, tuple[int, ...]]]
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    return [{stage.hf_names[n]: tuple(p.shape) for n, p in stage.named_parameters()} for stage in split_model(model, num_stages)]
+    return [
+        {stage.hf_names[n]: tuple(p.shape) for n, p in stage.named_parameters()}
+        for stage in split_model(model, num_stages)
+    ]
 
 
 def check_fits(shard: Shard, stage: int, num_stages: int, run_id: str, want: dict[str, tuple[int, ...]]) -> None:
@@ -134,10 +157,14 @@ def check_fits(shard: Shard, stage: int, num_stages: int, run_id: str, want: dic
     if shard.run_id != run_id:
         raise ShardError(f"it is of run {shard.run_id!r}, not {run_id!r}")
     if (shard.stage, shard.num_stages) != (stage, num_stages):
-        raise ShardError(f"it is stage {shard.stage} of {shard.num_stages}, not stage {stage} of {num_stages} (the peer moved?)")
+        raise ShardError(
+            f"it is stage {shard.stage} of {shard.num_stages}, not stage {stage} of {num_stages} (the peer moved?)"
+        )
     missing, extra = sorted(set(want) - set(shard.tensors)), sorted(set(shard.tensors) - set(want))
     if missing or extra:
-        raise ShardError(f"tensors missing: {', '.join(missing[:3]) or 'none'}; unexpected: {', '.join(extra[:3]) or 'none'}")
+        raise ShardError(
+            f"tensors missing: {', '.join(missing[:3]) or 'none'}; unexpected: {', '.join(extra[:3]) or 'none'}"
+        )
     for name, t in shard.tensors.items():
         if tuple(t.shape) != want[name] or not t.is_floating_point():
             raise ShardError(f"{name} is {t.dtype} {list(t.shape)}, the model needs a float {list(want[name])}")
@@ -145,7 +172,9 @@ def check_fits(shard: Shard, stage: int, num_stages: int, run_id: str, want: dic
             raise ShardError(f"{name} holds NaN or Inf")
 
 
-def gather(tracker: str, timeout_s: float = 300.0, progress: bool = True, token: str | None = None, tls_ca: bytes | None = None) -> tuple[TrainConfig, str, list[Shard]]:
+def gather(
+    tracker: str, timeout_s: float = 300.0, progress: bool = True, token: str | None = None, tls_ca: bytes | None = None
+) -> tuple[TrainConfig, str, list[Shard]]:
     """The run's config, run id and one checked shard per stage, each from its most-trained live
     peer; `token` is the run token (the tracker and the peers hand weights only to its holders)."""
     if not token:
@@ -153,7 +182,11 @@ def gather(tracker: str, timeout_s: float = 300.0, progress: bool = True, token:
     creds = auth.Credentials(token=token)
     run, status = ask_tracker(tracker, creds=creds, tls_ca=tls_ca)
     if run.code_version != __version__:
-        log.warning("the tracker runs anchormesh %s, this is %s: the model may not be cut the same way", run.code_version, __version__)
+        log.warning(
+            "the tracker runs anchormesh %s, this is %s: the model may not be cut the same way",
+            run.code_version,
+            __version__,
+        )
     cfg = config_from_dict(json.loads(run.run_config_json))
     K = cfg.model.num_stages
     peers = candidates(status, K)
@@ -172,7 +205,15 @@ def gather(tracker: str, timeout_s: float = 300.0, progress: bool = True, token:
                 reasons.append(f"the shard of peer {peer.peer_id} does not fit the run's model: {exc}")
             else:
                 size = sum(t.numel() * t.element_size() for t in shard.tensors.values())
-                log.info("stage %d: %d tensors (%.1f MB) from %s at step %d in %.1fs", s, len(shard.tensors), size / 1e6, peer.peer_id, shard.step, time.monotonic() - t0)
+                log.info(
+                    "stage %d: %d tensors (%.1f MB) from %s at step %d in %.1fs",
+                    s,
+                    len(shard.tensors),
+                    size / 1e6,
+                    peer.peer_id,
+                    shard.step,
+                    time.monotonic() - t0,
+                )
                 shards.append(shard)
                 break
             log.warning("stage %d: %s", s, reasons[-1])
@@ -194,7 +235,9 @@ def write_model(cfg: TrainConfig, shards: list[Shard], out: Path) -> None:
     model = AutoModelForCausalLM.from_config(hf_config(cfg), dtype=torch.float32, attn_implementation="sdpa")
     params = dict(model.named_parameters())
     if set(params) != set(merged):  # expected_shapes cut this same config: only a bug gets here
-        raise ExportError(f"the merged shards do not name the model's parameters: missing {sorted(set(params) - set(merged))[:3]}, extra {sorted(set(merged) - set(params))[:3]}")
+        raise ExportError(
+            f"the merged shards do not name the model's parameters: missing {sorted(set(params) - set(merged))[:3]}, extra {sorted(set(merged) - set(params))[:3]}"
+        )
     with torch.no_grad():
         for name, p in params.items():
             p.copy_(merged[name])
@@ -206,21 +249,36 @@ def write_model(cfg: TrainConfig, shards: list[Shard], out: Path) -> None:
         try:
             load_tokenizer(cfg.model.name).save_pretrained(out)
         except ConfigError as exc:
-            raise ExportError(f"cannot load the tokenizer of {cfg.model.name} to export with the model: {exc}") from None
+            raise ExportError(
+                f"cannot load the tokenizer of {cfg.model.name} to export with the model: {exc}"
+            ) from None
         tokenizer_note = f"the model's own: {cfg.model.name}"
     else:
         hf_byte_tokenizer(cfg.model.max_seq_len).save_pretrained(out)
         tokenizer_note = "bytes: token id = byte value (peer/model/tokenizer.py), no special tokens"
-    (out / "anchormesh_export.json").write_text(json.dumps({
-        "run_id": shards[0].run_id,
-        "time": time.time(),
-        "code_version": __version__,
-        "stages": [{"stage": sh.stage, "peer_id": sh.peer_id, "step": sh.step} for sh in shards],
-        "tokenizer": tokenizer_note,
-    }, indent=2) + "\n")
+    (out / "anchormesh_export.json").write_text(
+        json.dumps(
+            {
+                "run_id": shards[0].run_id,
+                "time": time.time(),
+                "code_version": __version__,
+                "stages": [{"stage": sh.stage, "peer_id": sh.peer_id, "step": sh.step} for sh in shards],
+                "tokenizer": tokenizer_note,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
 
 
-def export(tracker: str, out: Path, timeout_s: float = 300.0, progress: bool = True, token: str | None = None, tls_ca: bytes | None = None) -> ExportResult:
+def export(
+    tracker: str,
+    out: Path,
+    timeout_s: float = 300.0,
+    progress: bool = True,
+    token: str | None = None,
+    tls_ca: bytes | None = None,
+) -> ExportResult:
     """Gather the newest shards from the swarm behind `tracker` and write a Hugging Face folder."""
     cfg, run_id, shards = gather(tracker, timeout_s, progress, token, tls_ca)
     write_model(cfg, shards, out)
@@ -241,7 +299,9 @@ def gather_checkpoints(dirs: list[Path], run_id: str | None = None) -> tuple[Tra
         for rid, folder in run_dirs(d).items():
             runs.setdefault(rid, []).append(folder)
     if not runs:
-        raise ExportError(f"no checkpoints under {', '.join(map(str, dirs))} (a peer writes them to --state-dir/checkpoints/RUN/stageK/)")
+        raise ExportError(
+            f"no checkpoints under {', '.join(map(str, dirs))} (a peer writes them to --state-dir/checkpoints/RUN/stageK/)"
+        )
     if run_id is None:
         if len(runs) > 1:
             raise ExportError(f"checkpoints of several runs ({', '.join(sorted(runs))}): choose one with --run")
@@ -257,12 +317,21 @@ def gather_checkpoints(dirs: list[Path], run_id: str | None = None) -> tuple[Tra
     except (ValueError, KeyError, TypeError, AnchormeshError) as exc:
         raise ExportError(f"{info}: not a readable run record ({exc})") from None
     if record.get("code_version") != __version__:
-        log.warning("the checkpoints were written by anchormesh %s, this is %s: the model may not be cut the same way", record.get("code_version"), __version__)
+        log.warning(
+            "the checkpoints were written by anchormesh %s, this is %s: the model may not be cut the same way",
+            record.get("code_version"),
+            __version__,
+        )
     K = cfg.model.num_stages
     want = expected_shapes(hf_config(cfg), K)
     shards: list[Shard] = []
     for s in range(K):
-        found = [(step, ck) for f in runs[run_id] for ck in [ShardCheckpoints(f.parent.parent, run_id, s)] for step in ck.steps()]
+        found = [
+            (step, ck)
+            for f in runs[run_id]
+            for ck in [ShardCheckpoints(f.parent.parent, run_id, s)]
+            for step in ck.steps()
+        ]
         reasons = []
         for step, ck in sorted(found, key=lambda x: -x[0]):
             try:
@@ -280,7 +349,10 @@ def gather_checkpoints(dirs: list[Path], run_id: str | None = None) -> tuple[Tra
             shards.append(shard)
             break
         else:
-            raise ExportError(f"stage {s}: no checkpoint that fits" + (": " + "; ".join(reasons) if reasons else f" (none under {', '.join(str(f) for f in runs[run_id])})"))
+            raise ExportError(
+                f"stage {s}: no checkpoint that fits"
+                + (": " + "; ".join(reasons) if reasons else f" (none under {', '.join(str(f) for f in runs[run_id])})")
+            )
     return cfg, run_id, shards
 
 
@@ -292,7 +364,15 @@ def export_checkpoints(dirs: list[Path], out: Path, run_id: str | None = None) -
     return ExportResult(out, run_id, cfg, shards)
 
 
-def run_export(tracker: str | None, out: Path, timeout_s: float = 300.0, checkpoints: list[Path] | None = None, run_id: str | None = None, token: str | None = None, tls_ca: bytes | None = None) -> int:
+def run_export(
+    tracker: str | None,
+    out: Path,
+    timeout_s: float = 300.0,
+    checkpoints: list[Path] | None = None,
+    run_id: str | None = None,
+    token: str | None = None,
+    tls_ca: bytes | None = None,
+) -> int:
     """The CLI: export from the live swarm (`tracker`) or from checkpoints, or one error line and exit code 1."""
     setup_logging()
     try:

@@ -39,15 +39,20 @@ def check(address: str, tracker: bool = False, timeout_s: float = 5.0, tls_ca: b
             if tracker:
                 s = pbg.StatusStub(channel).GetStatus(pb.StatusRequest(), timeout=timeout_s)
                 live = sum(p.state not in ("dead", "left") for p in s.peers)
-                return True, f"ok tracker {address}: run {s.run_id}, {s.state or 'state unknown'}, step {s.step}, {live} live peers"
+                return (
+                    True,
+                    f"ok tracker {address}: run {s.run_id}, {s.state or 'state unknown'}, step {s.step}, {live} live peers",
+                )
             r = pbg.StageStub(channel).Ping(pb.PingRequest(sender="anchormesh-health"), timeout=timeout_s)
             state = f", {r.state}" if r.state else ""
             return True, f"ok stage server {address}: peer {r.peer_id}, stage {r.stage}, step {r.version}{state}"
         except grpc.RpcError as exc:
             code, details = exc.code(), _one_line(exc.details())
             if not tracker and code == grpc.StatusCode.INVALID_ARGUMENT and RUN_REFUSAL in details:
-                return True, f"ok stage server {address}: serving ({details[details.index(RUN_REFUSAL):]})"
-            if tracker and code == grpc.StatusCode.UNAUTHENTICATED:  # security.private_status: it answers, to members only
+                return True, f"ok stage server {address}: serving ({details[details.index(RUN_REFUSAL) :]})"
+            if (
+                tracker and code == grpc.StatusCode.UNAUTHENTICATED
+            ):  # security.private_status: it answers, to members only
                 return True, f"ok tracker {address}: serving (its status needs the run token)"
             what = "tracker" if tracker else "stage server"
             if tls_ca is None and code == grpc.StatusCode.UNAVAILABLE and _serves_tls(address, timeout_s):

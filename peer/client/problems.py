@@ -26,7 +26,11 @@ def _stages_without_peer(s: dict) -> list[str]:
     """A stage with no live peer stops the whole pipeline: no threshold, always a problem."""
     if s.get("state") == "done":  # peers leave when the budget is spent; nothing is wrong
         return []
-    return [f"stage {st['index']} has no peer: the run is paused until one joins" for st in s.get("stages", []) if not st.get("peers")]
+    return [
+        f"stage {st['index']} has no peer: the run is paused until one joins"
+        for st in s.get("stages", [])
+        if not st.get("peers")
+    ]
 
 
 def _bottlenecks(s: dict) -> list[tuple[dict, float]]:
@@ -87,7 +91,8 @@ def _dead_peers(s: dict) -> list[str]:
     death an hour ago is history, not a problem to act on."""
     return [
         f"{p['id']} (stage {p['stage']}) is dead: {p.get('reason') or 'no reason given'}"
-        for p in s.get("peers", []) if p.get("state") == "dead" and (p.get("last_seen_s") or 0) <= DEAD_PEER_SHOWN_S
+        for p in s.get("peers", [])
+        if p.get("state") == "dead" and (p.get("last_seen_s") or 0) <= DEAD_PEER_SHOWN_S
     ]
 
 
@@ -96,7 +101,8 @@ def _silent_peers(s: dict) -> list[str]:
     them dead after 10 s, so 5 missed heartbeats means it is hung or its link is failing."""
     return [
         f"{p['id']} (stage {p['stage']}) not seen for {p['last_seen_s']:.0f}s: hung or unreachable?"
-        for p in s.get("peers", []) if p.get("state") in LIVE_STATES and (p.get("last_seen_s") or 0) > SILENT_PEER_S
+        for p in s.get("peers", [])
+        if p.get("state") in LIVE_STATES and (p.get("last_seen_s") or 0) > SILENT_PEER_S
     ]
 
 
@@ -106,7 +112,8 @@ def _rejected_rounds(s: dict) -> list[str]:
     means a broken or hostile member in that stage group."""
     return [
         f"{p['id']} (stage {p['stage']}) refused {p['dp_rejected']} averaging result(s) of its stage group: a member sends NaN or outsized updates"
-        for p in s.get("peers", []) if (p.get("dp_rejected") or 0) > 0 and p.get("state") in LIVE_STATES
+        for p in s.get("peers", [])
+        if (p.get("dp_rejected") or 0) > 0 and p.get("state") in LIVE_STATES
     ]
 
 
@@ -118,8 +125,18 @@ def _named_by_group(s: dict) -> list[str]:
     out = []
     for p in s.get("peers", []):
         if (p.get("dp_flagged") or 0) > 0 and p.get("state") in LIVE_STATES:
-            said = next((x.split(": ", 1)[1] for q in s.get("peers", []) for x in q.get("dp_suspects") or [] if x.startswith(p["id"] + ": ")), "")
-            out.append(f"{p['id']} (stage {p['stage']}) is named by {p['dp_flagged']} stage mate(s) as the sender of a bad averaging update: {said}")
+            said = next(
+                (
+                    x.split(": ", 1)[1]
+                    for q in s.get("peers", [])
+                    for x in q.get("dp_suspects") or []
+                    if x.startswith(p["id"] + ": ")
+                ),
+                "",
+            )
+            out.append(
+                f"{p['id']} (stage {p['stage']}) is named by {p['dp_flagged']} stage mate(s) as the sender of a bad averaging update: {said}"
+            )
     return out
 
 
@@ -130,8 +147,18 @@ def _refused_donors(s: dict) -> list[str]:
     out = []
     for p in s.get("peers", []):
         if (p.get("donor_flagged") or 0) > 0 and p.get("state") in LIVE_STATES:
-            said = next((x.split(": ", 1)[1] for q in s.get("peers", []) for x in q.get("refused_donors") or [] if x.startswith(p["id"] + ": ")), "")
-            out.append(f"{p['id']} (stage {p['stage']}) served a stage state {p['donor_flagged']} joiner(s) refused: {said}")
+            said = next(
+                (
+                    x.split(": ", 1)[1]
+                    for q in s.get("peers", [])
+                    for x in q.get("refused_donors") or []
+                    if x.startswith(p["id"] + ": ")
+                ),
+                "",
+            )
+            out.append(
+                f"{p['id']} (stage {p['stage']}) served a stage state {p['donor_flagged']} joiner(s) refused: {said}"
+            )
     return out
 
 
@@ -141,7 +168,9 @@ def _excluding(s: dict) -> list[str]:
     and never reads them. Shown with the sender's reason so the operator sees who and why."""
     return [
         f"{p['id']} (stage {p['stage']}) routes around {x}"
-        for p in s.get("peers", []) if p.get("state") in LIVE_STATES for x in p.get("excluding") or []
+        for p in s.get("peers", [])
+        if p.get("state") in LIVE_STATES
+        for x in p.get("excluding") or []
     ]
 
 
@@ -149,10 +178,15 @@ def _refused_calls(s: dict) -> list[str]:
     """Calls refused for bad credentials, bans or rate (peer/security/auth.py), at the tracker and each
     live peer: honest members never trip the gate, so any refusal means a misconfigured
     volunteer (wrong token, clock far off) or someone probing the run; their logs say which."""
-    out = [f"the tracker refused {s['refused_calls']} call(s): wrong tokens, banned keys or too many calls (see its log)"] if s.get("refused_calls") else []
+    out = (
+        [f"the tracker refused {s['refused_calls']} call(s): wrong tokens, banned keys or too many calls (see its log)"]
+        if s.get("refused_calls")
+        else []
+    )
     return out + [
         f"{p['id']} (stage {p['stage']}) refused {p['refused_calls']} call(s) to its Stage service (see its log)"
-        for p in s.get("peers", []) if (p.get("refused_calls") or 0) > 0 and p.get("state") in LIVE_STATES
+        for p in s.get("peers", [])
+        if (p.get("refused_calls") or 0) > 0 and p.get("state") in LIVE_STATES
     ]
 
 
@@ -161,14 +195,18 @@ def _implausible_reports(s: dict) -> list[str]:
     reaches): a broken peer or someone trying to end or steer the run."""
     return [
         f"{p['id']} (stage {p['stage']}) sent {p['refused_reports']} implausible report(s) (step or tokens): the tracker kept its old figures; judge it and ban it if needed"
-        for p in s.get("peers", []) if (p.get("refused_reports") or 0) > 0 and p.get("state") in LIVE_STATES
+        for p in s.get("peers", [])
+        if (p.get("refused_reports") or 0) > 0 and p.get("state") in LIVE_STATES
     ]
 
 
 def _unfit(s: dict) -> list[str]:
     """Volunteers the tracker turned away because no stage of the run fits their memory: the
     operator may want more stages or activation checkpointing to use them."""
-    return [f"no stage fits {u}: refused (more stages or compute.activation_checkpointing would let it in)" for u in s.get("unfit") or []]
+    return [
+        f"no stage fits {u}: refused (more stages or compute.activation_checkpointing would let it in)"
+        for u in s.get("unfit") or []
+    ]
 
 
 def _bad_loss(s: dict) -> list[str]:
@@ -182,7 +220,8 @@ def _bad_loss(s: dict) -> list[str]:
         return [f"training loss is {loss}: the run has diverged"]
     out = [
         f"{p['id']} (stage {p['stage']}) reports a {p['loss']} loss: it has diverged"
-        for p in s.get("peers", []) if isinstance(p.get("loss"), float) and not math.isfinite(p["loss"])
+        for p in s.get("peers", [])
+        if isinstance(p.get("loss"), float) and not math.isfinite(p["loss"])
     ]
     stages = s.get("stages", [])
     last_has_peer = bool(stages) and bool(stages[-1].get("peers"))
@@ -196,7 +235,11 @@ def _stalled(s: dict) -> list[str]:
     is still joining. Peers load the model and download state in the first minute, and a
     joining peer explains a pause; past that, nothing moving means the pipeline is stuck."""
     peers = s.get("peers", [])
-    if s.get("state") != "running" or (s.get("tokens_per_s") or 0) > 0 or (s.get("uptime_s") or 0) <= STALL_AFTER_UPTIME_S:
+    if (
+        s.get("state") != "running"
+        or (s.get("tokens_per_s") or 0) > 0
+        or (s.get("uptime_s") or 0) <= STALL_AFTER_UPTIME_S
+    ):
         return []
     if any(p.get("state") == "joining" for p in peers):
         return []
@@ -204,7 +247,20 @@ def _stalled(s: dict) -> list[str]:
 
 
 RULES: tuple[Callable[[dict], list[str]], ...] = (
-    _stages_without_peer, _bottleneck_stages, _stale_anchor, _dead_peers, _silent_peers, _rejected_rounds, _named_by_group, _refused_donors, _excluding, _refused_calls, _implausible_reports, _unfit, _bad_loss, _stalled,
+    _stages_without_peer,
+    _bottleneck_stages,
+    _stale_anchor,
+    _dead_peers,
+    _silent_peers,
+    _rejected_rounds,
+    _named_by_group,
+    _refused_donors,
+    _excluding,
+    _refused_calls,
+    _implausible_reports,
+    _unfit,
+    _bad_loss,
+    _stalled,
 )
 
 

@@ -44,8 +44,10 @@ def public_tables(cfg: TrainConfig) -> dict:
 def render_toml(resolved: ResolvedRun) -> str:
     """The run as a run.toml with a `# source` comment on every line that is not a default."""
     cfg = resolved.config
-    lines = [f"# run config {config_digest(cfg)}: model {cfg.model.name}, {cfg.model.num_stages} stages, codec {cfg.mask.scheme}",
-             "# each value's source: default (the recommended run) unless its comment says otherwise"]
+    lines = [
+        f"# run config {config_digest(cfg)}: model {cfg.model.name}, {cfg.model.num_stages} stages, codec {cfg.mask.scheme}",
+        "# each value's source: default (the recommended run) unless its comment says otherwise",
+    ]
 
     def line(name: str, key: str, value: object) -> str:
         text = f"{key} = {_toml_value(value)}"
@@ -73,4 +75,7 @@ def render_json(resolved: ResolvedRun) -> str:
     """The same as one JSON object: {"digest", "config" (as a run.toml lays it out), "sources"
     (of the values that are not defaults)}."""
     sources = {k: v for k, v in resolved.sources.items() if v != DEFAULT}
-    return json.dumps({"digest": config_digest(resolved.config), "config": public_tables(resolved.config), "sources": sources}, indent=2)
+    return json.dumps(
+        {"digest": config_digest(resolved.config), "config": public_tables(resolved.config), "sources": sources},
+        indent=2,
+    )

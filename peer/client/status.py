@@ -19,26 +19,41 @@ def render(s: pb.RunStatus) -> str:
     """A plain-text table for people."""
     loss = "—" if math.isnan(s.loss) else f"{s.loss:.3f}"
     eval_loss = "—" if math.isnan(s.eval_loss) else f"{s.eval_loss:.3f} (at step {s.eval_step})"
-    anchor = "off" if not s.anchors_launched else "none yet" if s.anchor_age_steps < 0 else f"{s.anchor_age_steps} steps old"
+    anchor = (
+        "off" if not s.anchors_launched else "none yet" if s.anchor_age_steps < 0 else f"{s.anchor_age_steps} steps old"
+    )
     lines = [
         f"run {s.run_id}  {s.state.upper()}{'  (' + s.reason + ')' if s.reason else ''}  up {s.uptime_s:.0f}s",
-        f"model {model_cell(s.model)}" + (f"  config {s.config_digest}" if s.config_digest else "") + (f"  wire {s.wire_version}" if s.wire_version else ""),
+        f"model {model_cell(s.model)}"
+        + (f"  config {s.config_digest}" if s.config_digest else "")
+        + (f"  wire {s.wire_version}" if s.wire_version else ""),
         f"step {s.step}  tokens {s.tokens:,}  train loss {loss}  eval loss {eval_loss}  {s.tokens_per_s:,.0f} tok/s",
         f"data {data_cell(s.data)}" if s.HasField("data") else "data: no prepared data",
         f"PP {s.pp_bytes_per_token:.1f} B/token ({s.pp_compression:.1f}x vs dense fp16; codec state {s.pp_state_bytes_per_token:.1f})  "
-        f"DP {s.dp_bytes_per_token:.1f} B/token" + (f" ({s.dp_compression:.0f}x vs fp32 all-reduce every step)" if s.dp_compression else " (no round yet)"),
+        f"DP {s.dp_bytes_per_token:.1f} B/token"
+        + (f" ({s.dp_compression:.0f}x vs fp32 all-reduce every step)" if s.dp_compression else " (no round yet)"),
         f"anchor: {anchor} ({s.anchors_launched} launched, {s.anchor_bytes_per_token:.1f} B/token)  stage moves: {s.stage_moves}"
-        + (f"  refused calls: {s.refused_calls}" if s.refused_calls else "") + (f"  banned keys: {s.banned}" if s.banned else ""),
+        + (f"  refused calls: {s.refused_calls}" if s.refused_calls else "")
+        + (f"  banned keys: {s.banned}" if s.banned else ""),
         "",
         f"{'stage':>5} {'peers':>5} {'tok/s':>9} {'could':>9} {'queue':>5}  {'averaging':<33}",
     ]
     bottleneck = min(range(len(s.stages)), key=lambda i: s.stages[i].capacity_tokens_per_s) if s.stages else -1
     lines += [
         f"{st.index:>5} {st.peers:>5} {st.tokens_per_s:>9,.0f} {st.capacity_tokens_per_s:>9,.0f} {st.queue_depth:>5}  {averaging_cell(st.peers):<33}"
-        + ("  <- no peer" if not st.peers else "  <- bottleneck" if st.index == bottleneck and len(s.stages) > 1 else "")
+        + (
+            "  <- no peer"
+            if not st.peers
+            else "  <- bottleneck"
+            if st.index == bottleneck and len(s.stages) > 1
+            else ""
+        )
         for st in s.stages
     ]
-    lines += ["", f"{'peer':<14} {'stage':>5} {'state':<7} {'address':<21} {'seen':>6} {'step':>6} {'tok/s':>8} {'in MB':>7} {'out MB':>7} {'link':>10} {'dp':>6}  note"]
+    lines += [
+        "",
+        f"{'peer':<14} {'stage':>5} {'state':<7} {'address':<21} {'seen':>6} {'step':>6} {'tok/s':>8} {'in MB':>7} {'out MB':>7} {'link':>10} {'dp':>6}  note",
+    ]
     for p in s.peers:
         lines.append(
             f"{p.peer_id:<14} {p.stage:>5} {p.state:<7} {p.address:<21} {p.last_seen_s:>5.1f}s {p.step:>6} {p.tokens_per_s:>8,.0f} "
@@ -47,7 +62,14 @@ def render(s: pb.RunStatus) -> str:
     return "\n".join(lines)
 
 
-def run_status(tracker: str, as_json: bool, watch: bool, interval: float = 1.0, token: str | None = None, tls_ca: bytes | None = None) -> None:
+def run_status(
+    tracker: str,
+    as_json: bool,
+    watch: bool,
+    interval: float = 1.0,
+    token: str | None = None,
+    tls_ca: bytes | None = None,
+) -> None:
     from peer.security.auth import Credentials, tls_hint, tracker_channel
 
     with tracker_channel(tracker, Credentials(token=token) if token else None, tls_ca=tls_ca) as channel:
@@ -69,5 +91,8 @@ def run_status(tracker: str, as_json: bool, watch: bool, interval: float = 1.0, 
                     sys.stdout.write("\x1b[2J\x1b[H" + render(s) + "\n")
                     sys.stdout.flush()
         except grpc.RpcError as exc:
-            print(f"anchormesh status: cannot reach the tracker at {tracker}: {exc.code().name} {exc.details()}{tls_hint(exc.details(), tls_ca is not None)}", file=sys.stderr)
+            print(
+                f"anchormesh status: cannot reach the tracker at {tracker}: {exc.code().name} {exc.details()}{tls_hint(exc.details(), tls_ca is not None)}",
+                file=sys.stderr,
+            )
             raise SystemExit(1) from None

@@ -43,25 +43,59 @@ def status_dict(s: pb.RunStatus) -> dict:
         "banned": s.banned,
         "unfit": list(s.unfit),
         "data": data_dict(s.data) if s.HasField("data") else None,
-        "model": {"name": s.model.name, "num_layers": s.model.num_layers, "hidden_size": s.model.hidden_size, "num_stages": s.model.num_stages, "tokenizer": s.model.tokenizer},
+        "model": {
+            "name": s.model.name,
+            "num_layers": s.model.num_layers,
+            "hidden_size": s.model.hidden_size,
+            "num_stages": s.model.num_stages,
+            "tokenizer": s.model.tokenizer,
+        },
         "stages": [
-            {"index": st.index, "peers": st.peers, "tokens_per_s": st.tokens_per_s, "queue_depth": st.queue_depth, "capacity_tokens_per_s": st.capacity_tokens_per_s,
-             "averaging": averaging_cell(st.peers)}
+            {
+                "index": st.index,
+                "peers": st.peers,
+                "tokens_per_s": st.tokens_per_s,
+                "queue_depth": st.queue_depth,
+                "capacity_tokens_per_s": st.capacity_tokens_per_s,
+                "averaging": averaging_cell(st.peers),
+            }
             for st in s.stages
         ],
         "peers": [
             {
-                "id": p.peer_id, "stage": p.stage, "state": p.state, "address": p.address, "last_seen_s": p.last_seen_s,
-                "tokens_per_s": p.tokens_per_s, "step": p.step, "loss": _num(p.loss), "bytes_in": p.bytes_in,
-                "bytes_out": p.bytes_out, "queue_depth": p.queue_depth, "dp_rounds": p.dp_rounds, "reason": p.reason,
-                "anchor_id": p.anchor_id or None, "anchor_bytes_out": p.anchor_bytes_out, "pp_state_bytes_out": p.pp_state_bytes_out,
-                "capacity_tokens_per_s": p.capacity_tokens_per_s, "dp_bytes_out": p.dp_bytes_out,
-                "dp_rejected": p.dp_rejected, "refused_calls": p.refused_calls, "key": p.key_fingerprint or None,
-                "dp_suspects": list(p.dp_suspects), "dp_flagged": p.dp_flagged,
-                "refused_donors": list(p.refused_donors), "donor_flagged": p.donor_flagged,
-                "link_mbit": p.link_mbit or None, "pp_keep": p.pp_keep or None, "dp_period_s": p.dp_period_s or None,
-                "device": p.device or None, "memory_bytes": p.memory_bytes or None, "memory_plan_bytes": p.memory_plan_bytes or None,
-                "refused_reports": p.refused_reports, "excluding": list(p.excluding),
+                "id": p.peer_id,
+                "stage": p.stage,
+                "state": p.state,
+                "address": p.address,
+                "last_seen_s": p.last_seen_s,
+                "tokens_per_s": p.tokens_per_s,
+                "step": p.step,
+                "loss": _num(p.loss),
+                "bytes_in": p.bytes_in,
+                "bytes_out": p.bytes_out,
+                "queue_depth": p.queue_depth,
+                "dp_rounds": p.dp_rounds,
+                "reason": p.reason,
+                "anchor_id": p.anchor_id or None,
+                "anchor_bytes_out": p.anchor_bytes_out,
+                "pp_state_bytes_out": p.pp_state_bytes_out,
+                "capacity_tokens_per_s": p.capacity_tokens_per_s,
+                "dp_bytes_out": p.dp_bytes_out,
+                "dp_rejected": p.dp_rejected,
+                "refused_calls": p.refused_calls,
+                "key": p.key_fingerprint or None,
+                "dp_suspects": list(p.dp_suspects),
+                "dp_flagged": p.dp_flagged,
+                "refused_donors": list(p.refused_donors),
+                "donor_flagged": p.donor_flagged,
+                "link_mbit": p.link_mbit or None,
+                "pp_keep": p.pp_keep or None,
+                "dp_period_s": p.dp_period_s or None,
+                "device": p.device or None,
+                "memory_bytes": p.memory_bytes or None,
+                "memory_plan_bytes": p.memory_plan_bytes or None,
+                "refused_reports": p.refused_reports,
+                "excluding": list(p.excluding),
                 "startup_s": round(p.startup_s, 1) or None,
                 "startup_phases": {x.name: round(x.seconds, 2) for x in p.startup_phases} or None,
                 "resumed_from": p.resumed_from or None,
@@ -73,19 +107,28 @@ def status_dict(s: pb.RunStatus) -> dict:
 
 
 def data_dict(d: pb.DataStatus) -> dict:
-    return {"source": d.source, "epoch": d.epoch, "windows": d.windows, "position": d.position, "done": d.done, "tokens_seen": d.tokens_seen,
-            "in_flight": d.in_flight, "returned": d.returned, "eval_windows": d.eval_windows}
+    return {
+        "source": d.source,
+        "epoch": d.epoch,
+        "windows": d.windows,
+        "position": d.position,
+        "done": d.done,
+        "tokens_seen": d.tokens_seen,
+        "in_flight": d.in_flight,
+        "returned": d.returned,
+        "eval_windows": d.eval_windows,
+    }
 
 
 def data_cell(d: pb.DataStatus) -> str:
-    """"epoch 0, window 1,234 of 60,000 (2.1 %), 39,488 tokens seen, 64 in flight": where the run is in its data."""
+    """ "epoch 0, window 1,234 of 60,000 (2.1 %), 39,488 tokens seen, 64 in flight": where the run is in its data."""
     share = 100.0 * d.position / d.windows if d.windows else 0.0
     back = f", {d.returned:,} given back" if d.returned else ""
     return f"epoch {d.epoch}, window {d.position:,} of {d.windows:,} ({share:.1f} %), {d.tokens_seen:,} tokens seen, {d.in_flight:,} in flight{back}"
 
 
 def model_cell(m: pb.ModelInfo) -> str:
-    """"smollm2-135m: 30 layers, hidden 576, 2 stages, tokenizer model": what is trained, at a glance."""
+    """ "smollm2-135m: 30 layers, hidden 576, 2 stages, tokenizer model": what is trained, at a glance."""
     return f"{m.name or '?'}: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_stages} stages, tokenizer {m.tokenizer or '?'}"
 
 

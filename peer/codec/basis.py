@@ -78,7 +78,16 @@ class BasisLearner:
             observing costs no host copy.
     """
 
-    def __init__(self, vocab_size: int, hidden_size: int, rank: int, refresh: int = 20, buffer_tokens: int = 4096, max_rows: int = 8192, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        rank: int,
+        refresh: int = 20,
+        buffer_tokens: int = 4096,
+        max_rows: int = 8192,
+        device: torch.device | str = "cpu",
+    ) -> None:
         if not (1 <= rank <= hidden_size):
             raise ConfigError("codec.lowrank.rank", rank, f"must be in [1, hidden_size={hidden_size}]")
         self.rank, self.refresh, self.buffer_tokens, self.max_rows = rank, refresh, buffer_tokens, max_rows
@@ -123,7 +132,9 @@ class BasisLearner:
             if int(own.sum()) >= 4 * self.rank:
                 resid = resid[own]
         _, _, vh = torch.linalg.svd(resid, full_matrices=False)
-        self.current = BasisState(version, prior, _complete(vh[: self.rank].T, self.rank).contiguous().half().float(), row_ids, vocab)
+        self.current = BasisState(
+            version, prior, _complete(vh[: self.rank].T, self.rank).contiguous().half().float(), row_ids, vocab
+        )
         self._last_refresh_step = step
         self.sums *= 0.5  # forget: the sender's weights move, so old outputs count less each refresh
         self.counts *= 0.5
@@ -142,4 +153,3 @@ def _complete(basis: torch.Tensor, rank: int) -> torch.Tensor:
     extra = torch.randn(basis.shape[0], rank - k, generator=g).to(basis.device, basis.dtype)
     q, _ = torch.linalg.qr(torch.cat([basis, extra], dim=1))
     return torch.cat([basis, q[:, k:rank]], dim=1)
-

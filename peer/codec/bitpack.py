@@ -54,7 +54,13 @@ def dither(seed: int, rows: int, cols: Tensor, hidden: int) -> Tensor:
     integer PRF (peer/codec/mask.py: hash_words) of (seed, row * hidden + column), its top 24
     bits as a float32 fraction (exact). Why not torch's generator: its streams differ between
     CPU and CUDA, and sender and receiver of a gradient may sit on either."""
-    return dither_at(seed, torch.arange(rows, device=cols.device, dtype=torch.int64).unsqueeze(1), cols.to(torch.int64).unsqueeze(0), hidden, wide=rows * hidden >= 1 << 32)
+    return dither_at(
+        seed,
+        torch.arange(rows, device=cols.device, dtype=torch.int64).unsqueeze(1),
+        cols.to(torch.int64).unsqueeze(0),
+        hidden,
+        wide=rows * hidden >= 1 << 32,
+    )
 
 
 def dither_at(seed: int, rows: Tensor, cols: Tensor, hidden: int, *, wide: bool) -> Tensor:

@@ -21,7 +21,9 @@ FILLS = ("zero", "token_prior", "rescale", "prior_rescale")
 USES_PRIOR = ("token_prior", "prior_rescale")
 
 
-def reconstruct(h: torch.Tensor, keep: torch.Tensor, keep_frac: float, mode: str, prior: torch.Tensor | None) -> torch.Tensor:
+def reconstruct(
+    h: torch.Tensor, keep: torch.Tensor, keep_frac: float, mode: str, prior: torch.Tensor | None
+) -> torch.Tensor:
     """h~ from the kept values `h` [.., H] (dropped entries ignored), bool `keep` of the same shape."""
     m = keep.to(h.dtype)
     if mode == "zero":

@@ -14,7 +14,9 @@ from torch import Tensor
 from peer.codec.transform import GRAD_STEP_SCALE, MAX_BITS, TransformState, row_budget
 
 
-def random_coder(hidden_size: int, budget: int, seed: int, version: int = 1, step_scale: float = GRAD_STEP_SCALE) -> TransformState:
+def random_coder(
+    hidden_size: int, budget: int, seed: int, version: int = 1, step_scale: float = GRAD_STEP_SCALE
+) -> TransformState:
     """The gradients' coder: a random orthogonal rotation (QR of a seeded Gaussian matrix), no
     mean, `budget` bits spread evenly (the first components take the remainder). Its stds are
     `step_scale` for components of about unit variance: the steps widen by that much (the stds
@@ -23,7 +25,14 @@ def random_coder(hidden_size: int, budget: int, seed: int, version: int = 1, ste
     bits = torch.full((H,), max(1, budget // H), dtype=torch.long)
     bits[: max(0, budget - int(bits.sum()))] += 1
     rotation_q, scale = run_rotation(H, seed)
-    return TransformState(version, torch.zeros(H), rotation_q, scale, torch.full((H,), float(step_scale)).half().float(), bits.clamp(max=MAX_BITS))
+    return TransformState(
+        version,
+        torch.zeros(H),
+        rotation_q,
+        scale,
+        torch.full((H,), float(step_scale)).half().float(),
+        bits.clamp(max=MAX_BITS),
+    )
 
 
 @functools.lru_cache(maxsize=4)

@@ -37,7 +37,17 @@ import torch
 from peer.config import MaskConfig
 from peer.errors import ConfigError, TensorError, WireError, check_finite
 from peer.wire import anchormesh_pb2 as pb
-from peer.wire.tensors import MAX_NUMEL, check_expected, check_finite_wire, check_shape, dtype_name, from_le_bytes, to_le_bytes, torch_dtype, wire_dtype
+from peer.wire.tensors import (
+    MAX_NUMEL,
+    check_expected,
+    check_finite_wire,
+    check_shape,
+    dtype_name,
+    from_le_bytes,
+    to_le_bytes,
+    torch_dtype,
+    wire_dtype,
+)
 
 U32 = 0xFFFFFFFF
 U64 = 0xFFFFFFFFFFFFFFFF
@@ -57,7 +67,12 @@ _C2_LO, _C2_HI = _C2 & 0xFFFF, _C2 >> 16
 _GOLDEN = 0x9E3779B1
 
 VALUE_WIRE: dict[str, int] = {"fp32": pb.FLOAT32, "fp16": pb.FLOAT16, "bf16": pb.BFLOAT16, "int8": pb.INT8}
-_VALUE_TORCH: dict[int, torch.dtype] = {pb.FLOAT32: torch.float32, pb.FLOAT16: torch.float16, pb.BFLOAT16: torch.bfloat16, pb.INT8: torch.int8}
+_VALUE_TORCH: dict[int, torch.dtype] = {
+    pb.FLOAT32: torch.float32,
+    pb.FLOAT16: torch.float16,
+    pb.BFLOAT16: torch.bfloat16,
+    pb.INT8: torch.int8,
+}
 _VALUE_BYTES: dict[int, int] = {pb.FLOAT32: 4, pb.FLOAT16: 2, pb.BFLOAT16: 2, pb.INT8: 1}
 _SCALE_BYTES = 4  # int8 blocks carry one float32 scale each
 _LOGICAL_FLOAT = (pb.FLOAT32, pb.FLOAT16, pb.BFLOAT16)
@@ -96,7 +111,9 @@ def _lowbias32_(x: torch.Tensor) -> torch.Tensor:
 
 def mask_hash(key: int, numel: int, device: torch.device | str | None = None, *, start: int = 0) -> torch.Tensor:
     """The PRF's 32-bit words (int64 in [0, 2**32)) for flat indices start..start+numel-1 under `key`."""
-    return hash_words(key, torch.arange(start, start + numel, dtype=torch.int64, device=device), wide=start + numel > (1 << 32))
+    return hash_words(
+        key, torch.arange(start, start + numel, dtype=torch.int64, device=device), wide=start + numel > (1 << 32)
+    )
 
 
 def hash_words(key: int, index: torch.Tensor, *, wide: bool = True) -> torch.Tensor:
@@ -207,7 +224,9 @@ class MaskCodec:
             if vdtype == torch.float16:
                 over = int((kept.abs() > torch.finfo(torch.float16).max).sum())
                 if over:
-                    raise TensorError(f"MaskCodec.encode: {over} kept values exceed the fp16 range (|v| > 65504); use values='bf16' or 'fp32'")
+                    raise TensorError(
+                        f"MaskCodec.encode: {over} kept values exceed the fp16 range (|v| > 65504); use values='bf16' or 'fp32'"
+                    )
             msg.payload = to_le_bytes(kept.to(vdtype))
         return msg
 
@@ -242,7 +261,9 @@ class MaskCodec:
         if c.kind not in (pb.Compression.NONE, pb.Compression.BERNOULLI_MASK):
             raise WireError(f"TensorPayload.compression.kind={c.kind}: unknown compression")
         if msg.dtype not in _LOGICAL_FLOAT:
-            raise WireError(f"TensorPayload.dtype={dtype_name(msg.dtype)}: a masked tensor must be FLOAT32, FLOAT16 or BFLOAT16")
+            raise WireError(
+                f"TensorPayload.dtype={dtype_name(msg.dtype)}: a masked tensor must be FLOAT32, FLOAT16 or BFLOAT16"
+            )
         logical = torch_dtype(msg.dtype)
         shape = check_shape(msg.shape, max_numel=self.max_numel)
         check_expected(shape, logical, expect_shape=expect_shape, expect_dtype=expect_dtype)
@@ -253,7 +274,9 @@ class MaskCodec:
         if c.kind == pb.Compression.NONE:  # dense: payload is every element in the logical dtype
             itemsize = _VALUE_BYTES[msg.dtype]
             if len(msg.payload) != numel * itemsize:
-                raise WireError(f"TensorPayload.payload: {len(msg.payload)} bytes, expected {numel * itemsize} (dense {dtype_name(msg.dtype)}, shape {list(shape)})")
+                raise WireError(
+                    f"TensorPayload.payload: {len(msg.payload)} bytes, expected {numel * itemsize} (dense {dtype_name(msg.dtype)}, shape {list(shape)})"
+                )
             out = from_le_bytes(msg.payload, logical).reshape(shape)
             check_finite_wire(out, field="TensorPayload.payload")
             return out.to(dtype)
@@ -266,7 +289,9 @@ class MaskCodec:
             if want is not None and getattr(c, name) != want:
                 raise WireError(f"Compression.{name}={getattr(c, name)}: the header says {want}")
         if c.values not in _VALUE_BYTES:
-            raise WireError(f"Compression.values={dtype_name(c.values)}: kept values must be FLOAT32, FLOAT16, BFLOAT16 or INT8")
+            raise WireError(
+                f"Compression.values={dtype_name(c.values)}: kept values must be FLOAT32, FLOAT16, BFLOAT16 or INT8"
+            )
         if c.values == pb.INT8 and not (1 <= c.block_size <= MAX_BLOCK_SIZE):
             raise WireError(f"Compression.block_size={c.block_size}: must be in [1, {MAX_BLOCK_SIZE}] for INT8 values")
 
@@ -276,7 +301,10 @@ class MaskCodec:
         keep = self.cfg.keep
         slack = 10 * math.sqrt(numel * keep * (1 - keep)) + 16
         lo, hi = max(0.0, numel * keep - slack), numel * keep + slack
-        lo_bytes, hi_bytes = lo * vbytes, hi * vbytes + (_SCALE_BYTES * (hi / c.block_size + 1) if c.values == pb.INT8 else 0)
+        lo_bytes, hi_bytes = (
+            lo * vbytes,
+            hi * vbytes + (_SCALE_BYTES * (hi / c.block_size + 1) if c.values == pb.INT8 else 0),
+        )
         if not (lo_bytes <= len(msg.payload) <= hi_bytes):
             raise WireError(
                 f"TensorPayload.payload: {len(msg.payload)} bytes, expected about {numel * keep * vbytes:.0f} "
@@ -289,16 +317,22 @@ class MaskCodec:
         expected = n * vbytes + n_scales * _SCALE_BYTES
         if len(msg.payload) != expected:
             detail = f"{n} kept of {numel} x {vbytes} bytes" + (f" + {n_scales} float32 scales" if n_scales else "")
-            raise WireError(f"TensorPayload.payload: {len(msg.payload)} bytes, expected {expected} ({detail}, {dtype_name(c.values)}, shape {list(shape)})")
+            raise WireError(
+                f"TensorPayload.payload: {len(msg.payload)} bytes, expected {expected} ({detail}, {dtype_name(c.values)}, shape {list(shape)})"
+            )
 
         if c.values == pb.INT8:
             q = from_le_bytes(msg.payload[:n], torch.int8)
             scales = from_le_bytes(msg.payload[n:], torch.float32)
             check_finite_wire(scales, field="TensorPayload.payload (int8 scales)")
             if bool((scales < 0).any()):
-                raise WireError(f"TensorPayload.payload (int8 scales): {int((scales < 0).sum())} of {n_scales} scales are negative")
+                raise WireError(
+                    f"TensorPayload.payload (int8 scales): {int((scales < 0).sum())} of {n_scales} scales are negative"
+                )
             if bool((q == -128).any()):
-                raise WireError(f"TensorPayload.payload (int8 values): {int((q == -128).sum())} values are -128, outside the absmax range [-127, 127]")
+                raise WireError(
+                    f"TensorPayload.payload (int8 values): {int((q == -128).sum())} values are -128, outside the absmax range [-127, 127]"
+                )
             vals = _dequantize_int8(q, scales, c.block_size)
         else:
             vals = from_le_bytes(msg.payload, _VALUE_TORCH[c.values])

@@ -36,7 +36,9 @@ class TokenPrior:
         device: where the tables live; inputs are moved there, outputs returned on the inputs' device.
     """
 
-    def __init__(self, vocab_size: int, hidden_size: int, momentum: float = 0.99, *, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, vocab_size: int, hidden_size: int, momentum: float = 0.99, *, device: torch.device | str = "cpu"
+    ) -> None:
         if vocab_size < 1:
             raise ConfigError("vocab_size", vocab_size, "must be >= 1")
         if hidden_size < 1:
@@ -88,7 +90,9 @@ class TokenPrior:
         out = torch.where(count > 0, mean, self.channel_mean.expand_as(mean))
         return out.reshape(*token_ids.shape, self.hidden_size)
 
-    def observe(self, token_ids: torch.Tensor, values: torch.Tensor, keep: torch.Tensor | None, checked: bool = False) -> None:
+    def observe(
+        self, token_ids: torch.Tensor, values: torch.Tensor, keep: torch.Tensor | None, checked: bool = False
+    ) -> None:
         """Update from the entries of `values` [B, T, H] where `keep` is True (None = all).
         `checked`: the caller decoded `values` from the wire and vetted them (finite), so the
         finiteness check, a device sync, is skipped."""
@@ -96,7 +100,9 @@ class TokenPrior:
         if not checked:
             self._check_values(token_ids, values)
         elif tuple(values.shape) != (*token_ids.shape, self.hidden_size):
-            raise TensorError(f"TokenPrior: values.shape={list(values.shape)}: expected {[*token_ids.shape, self.hidden_size]}")
+            raise TensorError(
+                f"TokenPrior: values.shape={list(values.shape)}: expected {[*token_ids.shape, self.hidden_size]}"
+            )
         if keep is not None:
             self._check_values(token_ids, keep, name="keep")
         vals = values.detach().to(device=self.device, dtype=torch.float32).reshape(-1, self.hidden_size)  # [N, H]
@@ -111,18 +117,24 @@ class TokenPrior:
         uniq, inv = torch.unique(tok, return_inverse=True)  # touch only the rows of tokens present
         # index_put_(accumulate) rather than index_add_: the latter always opens an OpenMP region
         # on CPU and stalls for tens of ms when the other cores are busy (measured).
-        sums = torch.zeros(uniq.numel(), self.hidden_size, device=self.device).index_put_((inv,), vals, accumulate=True)  # [U, H]
+        sums = torch.zeros(uniq.numel(), self.hidden_size, device=self.device).index_put_(
+            (inv,), vals, accumulate=True
+        )  # [U, H]
         n = torch.zeros_like(sums).index_put_((inv,), k, accumulate=True)  # [U, H]
         self.mean[uniq], self.count[uniq] = self._update(self.mean[uniq], self.count[uniq], sums, n)
 
-        ch_mean, ch_count = self._update(self.channel_mean[None], self.channel_count[None], sums.sum(0, keepdim=True), n.sum(0, keepdim=True))
+        ch_mean, ch_count = self._update(
+            self.channel_mean[None], self.channel_count[None], sums.sum(0, keepdim=True), n.sum(0, keepdim=True)
+        )
         self.channel_mean, self.channel_count = ch_mean[0], ch_count[0]
 
     def observe_dense(self, token_ids: torch.Tensor, values: torch.Tensor) -> None:
         """Update from every entry (dense anchor passes)."""
         self.observe(token_ids, values, None)
 
-    def _update(self, mean: torch.Tensor, count: torch.Tensor, sums: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _update(
+        self, mean: torch.Tensor, count: torch.Tensor, sums: torch.Tensor, n: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Bias-corrected EMA step for a batch of n observations summing to `sums` (elementwise)."""
         seen = n > 0
         batch_mean = sums / n.clamp(min=1)
@@ -146,7 +158,9 @@ class TokenPrior:
         """Restore a `state_dict`; TensorError if sizes differ or a table holds NaN/Inf or negative counts."""
         for key in ("vocab_size", "hidden_size"):
             if state.get(key) != getattr(self, key):
-                raise TensorError(f"TokenPrior.load_state_dict: {key}={state.get(key)!r}: this prior has {getattr(self, key)}")
+                raise TensorError(
+                    f"TokenPrior.load_state_dict: {key}={state.get(key)!r}: this prior has {getattr(self, key)}"
+                )
         shapes = {
             "mean": (self.vocab_size, self.hidden_size),
             "count": (self.vocab_size, self.hidden_size),

@@ -143,8 +143,14 @@ def decode(codes: Tensor, classes: Tensor, hidden: int, seed: int, step: dict[in
         size = packed_bytes(n, b)
         q = unpack_codes(codes[at : at + size], b, n).reshape(len(idx), k)
         at += size
-        cols = torch.arange(hidden, device=dev).expand(len(idx), hidden) if k == hidden else _columns(seed, idx, hidden, k, wide)
-        z[idx.unsqueeze(1), cols] = undithered(q, b, dither_at(seed, idx.unsqueeze(1), cols, hidden, wide=wide)).mul_(step[b] * hidden / k)
+        cols = (
+            torch.arange(hidden, device=dev).expand(len(idx), hidden)
+            if k == hidden
+            else _columns(seed, idx, hidden, k, wide)
+        )
+        z[idx.unsqueeze(1), cols] = undithered(q, b, dither_at(seed, idx.unsqueeze(1), cols, hidden, wide=wide)).mul_(
+            step[b] * hidden / k
+        )
     return z
 
 

@@ -60,7 +60,9 @@ BITS_GRID = 8  # an adapting sender's row budgets (mask.adapt): multiples of 1/8
 # The gradients' quantiser steps are this many times the Gaussian-optimal ones: stochastic rounding is unbiased only inside
 # the quantiser's range, and at 1-2 bits the optimal step clips 14-42 % of the values. Toy, 2-bit activations, dense 1.678:
 # 2-bit gradients 1.720 at 1x, 1.705 at 1.5x, 1.699 at 2x, 1.711 at 3x; 1-bit ones 1.730 at 2x, 1.727 at 3x, 1.765 at 4x.
-GRAD_STEP_SCALE = 2.0  # the width for stochastic rounding (the tiny models' runs); dither takes mask.grad_step_scale = 1
+GRAD_STEP_SCALE = (
+    2.0  # the width for stochastic rounding (the tiny models' runs); dither takes mask.grad_step_scale = 1
+)
 DECODE_LIMIT = 1e38  # below float32's largest value (3.4e38): what a decoded value may reach
 BUFFER_ROWS_PER_H = 4  # a learner keeps its newest 4 H rows: a covariance of H dimensions wants several times H samples
 _MSE = torch.tensor([MSE[b] for b in range(MAX_BITS + 1)] + [MSE[MAX_BITS]], dtype=torch.float64)
@@ -77,7 +79,9 @@ def allocate(var: Tensor, budget: int, max_bits: int = MAX_BITS, min_bits: int =
     gains = (v[:, None] * drops[None]).clone()
     gains[:, :min_bits] = float("inf")
     gains = gains.reshape(-1)
-    take = torch.sort(gains, descending=True, stable=True).indices[:budget]  # ties by index: both ends of a link pick alike
+    take = torch.sort(gains, descending=True, stable=True).indices[
+        :budget
+    ]  # ties by index: both ends of a link pick alike
     take = take[gains[take] > 0]
     return torch.bincount(take // max_bits, minlength=len(v))
 
@@ -119,11 +123,15 @@ class TransformState:
 
     def __post_init__(self) -> None:
         self.rotation = self.rotation_q.float() * self.rotation_scale  # [H, H]
-        self._groups = [(b, (self.bits == b).nonzero().flatten()) for b in range(1, MAX_BITS + 1) if bool((self.bits == b).any())]
+        self._groups = [
+            (b, (self.bits == b).nonzero().flatten()) for b in range(1, MAX_BITS + 1) if bool((self.bits == b).any())
+        ]
         self._placed: dict[str, tuple[Tensor, Tensor, Tensor, list[Tensor]]] = {}
         # every decoded value is at most _reach + gain * _spread in size: the largest code per
         # component times its std, the rotation's longest row, and the mean (see _parse)
-        self._top = torch.tensor([2 ** (b - 1) * STEP[b] if b else 0.0 for b in self.bits.tolist()], dtype=torch.float64)  # the largest level per component
+        self._top = torch.tensor(
+            [2 ** (b - 1) * STEP[b] if b else 0.0 for b in self.bits.tolist()], dtype=torch.float64
+        )  # the largest level per component
         self._rownorm = float(self.rotation.double().norm(dim=1).max())
         self._spread = float((self._top * self.std.double().cpu()).norm()) * self._rownorm
         self._reach = float(self.mean.abs().max()) if len(self.mean) else 0.0
@@ -137,7 +145,9 @@ class TransformState:
             return self
         if row_bits not in self._budgets:
             bits = allocate(self.std.double().pow(2), row_bits, min_bits=1 if row_bits >= self.hidden_size else 0)
-            self._budgets[row_bits] = TransformState(self.version, self.mean, self.rotation_q, self.rotation_scale, self.std, bits)
+            self._budgets[row_bits] = TransformState(
+                self.version, self.mean, self.rotation_q, self.rotation_scale, self.std, bits
+            )
         return self._budgets[row_bits]
 
     def _on(self, device: torch.device) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
@@ -145,14 +155,21 @@ class TransformState:
         rotation per micro-batch would cross the host link every time)."""
         key = str(device)
         if key not in self._placed:
-            self._placed[key] = (self.mean.to(device), self.rotation.to(device), self.std.to(device), [cols.to(device) for _, cols in self._groups])
+            self._placed[key] = (
+                self.mean.to(device),
+                self.rotation.to(device),
+                self.std.to(device),
+                [cols.to(device) for _, cols in self._groups],
+            )
         return self._placed[key]
 
     @property
     def hidden_size(self) -> int:
         return len(self.mean)
 
-    def payload_bytes(self, batch: int, seq: int, sink: int, msg_stats: bool = False, row_rates: bool = False, dense: int = 0) -> int:
+    def payload_bytes(
+        self, batch: int, seq: int, sink: int, msg_stats: bool = False, row_rates: bool = False, dense: int = 0
+    ) -> int:
         """Exact payload bytes of a [batch, seq, H] tensor (`msg_stats`, `row_rates`, `dense` rows:
         see `encode`); with `row_rates` the most it may take (its classes decide its size)."""
         head = min(sink, seq)
@@ -162,8 +179,18 @@ class TransformState:
             return fixed + (rows * int(self.bits.sum()) + 7) // 8 + len(rr.CLASSES)  # each class pads to a byte
         return fixed + sum(packed_bytes(rows * len(cols), b) for b, cols in self._groups)
 
-    def encode(self, x: Tensor, sink: int, stochastic: bool = False, generator: torch.Generator | None = None, dither_seed: int | None = None,
-               msg_stats: bool = False, row_rates: bool = False, dense_rows: Tensor | None = None, shuffle_seed: int | None = None) -> bytes:
+    def encode(
+        self,
+        x: Tensor,
+        sink: int,
+        stochastic: bool = False,
+        generator: torch.Generator | None = None,
+        dither_seed: int | None = None,
+        msg_stats: bool = False,
+        row_rates: bool = False,
+        dense_rows: Tensor | None = None,
+        shuffle_seed: int | None = None,
+    ) -> bytes:
         """The payload of `x` [B, T, H] (any float dtype; coded in float32). `stochastic`: round
         to one of the two nearest levels at random (drawn from `generator`), unbiased inside the
         quantiser's range. `dither_seed`: subtractive dither instead (`dither`'s offset added
@@ -189,7 +216,9 @@ class TransformState:
         if shuffle_seed is not None:
             signs, perm = signed_permutation(shuffle_seed, self.hidden_size, dev)
             resid = (resid * signs)[:, perm]
-        gain = resid.pow(2).mean(1, keepdim=True).sqrt().to(torch.bfloat16)  # bf16: gradients' gains lie below fp16's range
+        gain = (
+            resid.pow(2).mean(1, keepdim=True).sqrt().to(torch.bfloat16)
+        )  # bf16: gradients' gains lie below fp16's range
         parts.append(gain.view(torch.int16).cpu().numpy().tobytes())
         gain = gain.float().clamp(min=1e-30)
         z = (resid / gain) @ rotation
@@ -200,7 +229,11 @@ class TransformState:
             z = (z - m.float()) / s.float()
         else:
             z = z / std
-        tail = b"" if dense_rows is None else rows[dense_rows.to(dev)].to(torch.bfloat16).contiguous().view(torch.int16).cpu().numpy().tobytes()
+        tail = (
+            b""
+            if dense_rows is None
+            else rows[dense_rows.to(dev)].to(torch.bfloat16).contiguous().view(torch.int16).cpu().numpy().tobytes()
+        )
         if row_rates:
             energy = gain.squeeze(1).pow(2)
             if dense_rows is not None:
@@ -220,8 +253,16 @@ class TransformState:
             parts.append(pack_levels(q, b))
         return b"".join(parts) + tail
 
-    def _parse(self, payload: bytes, batch: int, seq: int, sink: int, msg_stats: bool = False, row_rates: bool = False,
-               dense: int = 0) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor, Tensor]:
+    def _parse(
+        self,
+        payload: bytes,
+        batch: int,
+        seq: int,
+        sink: int,
+        msg_stats: bool = False,
+        row_rates: bool = False,
+        dense: int = 0,
+    ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor, Tensor]:
         """(sink rows [batch, head, H] bf16, gains [rows, 1] bf16, the message's (mean, std) [2, H]
         or None, the rows' rate classes or None, packed codes uint8, the `dense` rows [dense, H]
         bf16), host views of `payload`,
@@ -238,39 +279,76 @@ class TransformState:
         if row_rates and len(payload) >= fixed + tail:
             classes = rr.parse_classes(raw[fixed - packed_bytes(rows, rr.CLASS_BITS) :], rows)
             if rr.code_bits(classes, H) > rows * int(self.bits.sum()):
-                raise WireError(f"TensorPayload.payload: the rows' rate classes spend {rr.code_bits(classes, H)} bits, more than {int(self.bits.sum())} per row on average (coder v{self.version})")
+                raise WireError(
+                    f"TensorPayload.payload: the rows' rate classes spend {rr.code_bits(classes, H)} bits, more than {int(self.bits.sum())} per row on average (coder v{self.version})"
+                )
             top_code = torch.full((H,), rr.reach(H, STEP), dtype=torch.float64)
         if not row_rates:
             want = self.payload_bytes(batch, seq, sink, msg_stats, dense=dense)
         else:  # too short to hold the classes: it must at least reach past them
             want = fixed + tail + (rr.code_bytes(classes, H) if classes is not None else 0)
         if len(payload) != want:
-            raise WireError(f"TensorPayload.payload: {len(payload)} bytes, expected {want} (transform coder v{self.version}, {int(self.bits.sum())} bits per row{', rates per row' if row_rates else ''}, shape [{batch}, {seq}, {H}])")
+            raise WireError(
+                f"TensorPayload.payload: {len(payload)} bytes, expected {want} (transform coder v{self.version}, {int(self.bits.sum())} bits per row{', rates per row' if row_rates else ''}, shape [{batch}, {seq}, {H}])"
+            )
         sink_rows = raw[:n_head].view(torch.bfloat16).reshape(batch, head, H)
         gain = raw[n_head : n_head + 2 * rows].view(torch.bfloat16).reshape(rows, 1)
-        dense_rows = raw[len(payload) - tail :].clone().view(torch.bfloat16).reshape(dense, H)  # a copy: the codes may end at an odd offset
-        if not bool(torch.isfinite(sink_rows).all()) or not bool(torch.isfinite(dense_rows).all()) or not bool(torch.isfinite(gain).all()) or bool((gain < 0).any()):
-            raise WireError("TensorPayload.payload: NaN/Inf in the sink or dense rows or a gain that is not a finite non-negative number")
+        dense_rows = (
+            raw[len(payload) - tail :].clone().view(torch.bfloat16).reshape(dense, H)
+        )  # a copy: the codes may end at an odd offset
+        if (
+            not bool(torch.isfinite(sink_rows).all())
+            or not bool(torch.isfinite(dense_rows).all())
+            or not bool(torch.isfinite(gain).all())
+            or bool((gain < 0).any())
+        ):
+            raise WireError(
+                "TensorPayload.payload: NaN/Inf in the sink or dense rows or a gain that is not a finite non-negative number"
+            )
         at, stats = n_head + 2 * rows, None
         spread = self._spread if classes is None else float((top_code * self.std.double().cpu()).norm()) * self._rownorm
         if msg_stats and rows:
             stats = raw[at : at + 4 * H].view(torch.bfloat16).reshape(2, H)
             at += 4 * H
             if not bool(torch.isfinite(stats).all()) or not bool((stats[1] > 0).all()):
-                raise WireError("TensorPayload.payload: the message's component means and stds must be finite, the stds > 0")
+                raise WireError(
+                    "TensorPayload.payload: the message's component means and stds must be finite, the stds > 0"
+                )
             spread = float((top_code * stats[1].double() + stats[0].double().abs()).norm()) * self._rownorm
         top = float(gain.max()) if rows else 0.0
         if top * spread + self._reach > DECODE_LIMIT:
-            raise WireError(f"TensorPayload.payload: a gain of {top:.3g} would decode to values that are not finite (at most {(DECODE_LIMIT - self._reach) / spread:.3g} for coder v{self.version})")
+            raise WireError(
+                f"TensorPayload.payload: a gain of {top:.3g} would decode to values that are not finite (at most {(DECODE_LIMIT - self._reach) / spread:.3g} for coder v{self.version})"
+            )
         return sink_rows, gain, stats, classes, raw[fixed : len(payload) - tail], dense_rows
 
-    def check(self, payload: bytes, batch: int, seq: int, sink: int, msg_stats: bool = False, row_rates: bool = False, dense: int = 0) -> tuple:
+    def check(
+        self,
+        payload: bytes,
+        batch: int,
+        seq: int,
+        sink: int,
+        msg_stats: bool = False,
+        row_rates: bool = False,
+        dense: int = 0,
+    ) -> tuple:
         """What `decode` refuses, found without decoding (a receiver's inbound check, on the host:
         the rotation of every row is the costly part, and it runs once, in `decode`); `_parse`'s parts."""
         return self._parse(payload, batch, seq, sink, msg_stats, row_rates, dense)
 
-    def decode(self, payload: bytes, batch: int, seq: int, sink: int, device: torch.device | str = "cpu", dither_seed: int | None = None,
-               msg_stats: bool = False, row_rates: bool = False, dense_rows: Tensor | None = None, shuffle_seed: int | None = None) -> Tensor:
+    def decode(
+        self,
+        payload: bytes,
+        batch: int,
+        seq: int,
+        sink: int,
+        device: torch.device | str = "cpu",
+        dither_seed: int | None = None,
+        msg_stats: bool = False,
+        row_rates: bool = False,
+        dense_rows: Tensor | None = None,
+        shuffle_seed: int | None = None,
+    ) -> Tensor:
         """[batch, seq, H] float32 on `device` from a payload of exactly `payload_bytes`; WireError
         otherwise. The bytes are checked on the host; the codes cross to `device` still packed and
         are expanded and rotated there (an H x H product per row: a GPU's work, not the host's).
@@ -280,7 +358,9 @@ class TransformState:
         if row_rates and dither_seed is None:
             raise ValueError("row_rates: needs the encoder's dither_seed")
         n_dense = 0 if dense_rows is None else len(dense_rows)
-        sink_rows, gain, stats, classes, codes, dense_vals = self._parse(payload, batch, seq, sink, msg_stats, row_rates, n_dense)
+        sink_rows, gain, stats, classes, codes, dense_vals = self._parse(
+            payload, batch, seq, sink, msg_stats, row_rates, n_dense
+        )
         head, rows = sink_rows.shape[1], gain.shape[0]
         dev = torch.device(device)
         mean, rotation, std, placed_cols = self._on(dev)
@@ -293,7 +373,11 @@ class TransformState:
                 n = rows * len(cols)
                 size = packed_bytes(n, b)
                 q = unpack_codes(codes[at : at + size], b, n).reshape(rows, len(cols))
-                level = (q - 2 ** (b - 1)).float().add_(0.5) if dither_seed is None else undithered(q, b, dither(dither_seed, rows, dcols, H))
+                level = (
+                    (q - 2 ** (b - 1)).float().add_(0.5)
+                    if dither_seed is None
+                    else undithered(q, b, dither(dither_seed, rows, dcols, H))
+                )
                 z[:, dcols] = level.mul_(STEP[b])
                 at += size
         out = torch.empty(batch, seq, H, device=dev)
@@ -338,7 +422,15 @@ class TransformLearner:
     one when the buffer first holds `2 H` rows (the first saw too few rows to span every
     direction), then one per `refresh` steps."""
 
-    def __init__(self, hidden_size: int, bits_per_value: float, refresh: int, *, buffer_rows: int | None = None, min_rows: int | None = None) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        bits_per_value: float,
+        refresh: int,
+        *,
+        buffer_rows: int | None = None,
+        min_rows: int | None = None,
+    ) -> None:
         self.hidden_size = hidden_size
         self.budget = row_budget(bits_per_value, hidden_size)
         self.refresh = refresh

@@ -22,7 +22,19 @@ from peer.pipeline.worker import StageWorker
 log = logging.getLogger("anchormesh.peer")
 
 
-def start_averaging(dht, params: list[torch.nn.Parameter], prefix: str, every: int, compression: str, link_share: float, peer_id: str, link_bps: Callable[[], float | None], signer: ClaimSigner | None = None, min_period_s: float = MIN_PERIOD_S, on_stuck: Callable[[], None] | None = None) -> GroupAverager | None:
+def start_averaging(
+    dht,
+    params: list[torch.nn.Parameter],
+    prefix: str,
+    every: int,
+    compression: str,
+    link_share: float,
+    peer_id: str,
+    link_bps: Callable[[], float | None],
+    signer: ClaimSigner | None = None,
+    min_period_s: float = MIN_PERIOD_S,
+    on_stuck: Callable[[], None] | None = None,
+) -> GroupAverager | None:
     """Join the stage group's averaging; without a DHT the peer trains alone (None). Rounds are
     spaced so they take at most `link_share` of the uplink this peer measures (`link_bps`).
     `params`: the stage's, or its meta stage's (the daemon forks before it loads the stage, then
@@ -32,10 +44,25 @@ def start_averaging(dht, params: list[torch.nn.Parameter], prefix: str, every: i
         log.warning("no DHT: this peer will not average with its stage group")
         return None
     averager = GroupAverager(
-        dht, params, prefix, every=every, compression=compression,
-        peer_id=peer_id, link_bps=link_bps, link_share=link_share, signer=signer, min_period_s=min_period_s, on_stuck=on_stuck,
+        dht,
+        params,
+        prefix,
+        every=every,
+        compression=compression,
+        peer_id=peer_id,
+        link_bps=link_bps,
+        link_share=link_share,
+        signer=signer,
+        min_period_s=min_period_s,
+        on_stuck=on_stuck,
     )
-    log.info("stage-group averaging every %d steps at least, %s on the wire, at most %.0f%% of the uplink (group key %s)", every, compression, 100 * link_share, prefix)
+    log.info(
+        "stage-group averaging every %d steps at least, %s on the wire, at most %.0f%% of the uplink (group key %s)",
+        every,
+        compression,
+        100 * link_share,
+        prefix,
+    )
     return averager
 
 
@@ -51,7 +78,9 @@ def step_lock(averager: GroupAverager | None, own: threading.Lock) -> threading.
     return averager.lock if averager is not None else own
 
 
-def apply_step(w: StageWorker, averager: GroupAverager | None, own: threading.Lock, siblings: Callable[[], list[str]]) -> None:
+def apply_step(
+    w: StageWorker, averager: GroupAverager | None, own: threading.Lock, siblings: Callable[[], list[str]]
+) -> None:
     """The optimizer step of the stage once its gradients are in; with an averager, the step is
     reported to it (alone: no live stage mate)."""
     if averager is not None:

@@ -42,19 +42,28 @@ MIN_REPORT_GAP_S = 0.1  # a hungry feed asks for a report early, but not more of
 
 
 def open_feed(
-    a: pb.Assignment, cfg: TrainConfig, channel: grpc.Channel, state_dir: Path | None, data_dir: Path | None, vocab_size: int
+    a: pb.Assignment,
+    cfg: TrainConfig,
+    channel: grpc.Channel,
+    state_dir: Path | None,
+    data_dir: Path | None,
+    vocab_size: int,
 ) -> WorkFeed:
     """Stage 0's feed for the run the assignment `a` describes; shards come from the tracker over
     `channel`, or from the hub when the assignment names a dataset repo at a commit.
     ConfigError when this peer's model cannot read the run's data."""
     if not a.data_manifest:
-        raise ConfigError("data", "none", "the tracker serves no prepared data: its bootstrap must be as new as this peer")
+        raise ConfigError(
+            "data", "none", "the tracker serves no prepared data: its bootstrap must be as new as this peer"
+        )
     manifest = parse_manifest(a.data_manifest, "the tracker's manifest")
     want = "bytes" if cfg.data.tokenizer == "bytes" else cfg.model.name
     if manifest.tokenizer != want:
         raise ConfigError("data.tokenizer", want, f"the run's data was prepared with tokenizer {manifest.tokenizer!r}")
     if manifest.vocab_size > vocab_size:
-        raise ConfigError("data", manifest.source, f"its vocabulary of {manifest.vocab_size} exceeds the model's {vocab_size}")
+        raise ConfigError(
+            "data", manifest.source, f"its vocabulary of {manifest.vocab_size} exceeds the model's {vocab_size}"
+        )
     temporary = state_dir is None  # no state dir: a temporary folder, removed when the peer stops
     cache = state_dir / "data" if state_dir is not None else Path(tempfile.mkdtemp(prefix="anchormesh-shards-"))
     source: ShardSource
@@ -62,7 +71,9 @@ def open_feed(
         source = HubSource(parse_pinned(a.data_hub), cache)
     else:
         stub = pbg.TrackerStub(channel)
-        source = TrackerSource(lambda name, offset: stub.GetData(pb.DataRequest(name=name, offset=offset), timeout=FETCH_TIMEOUT_S))
+        source = TrackerSource(
+            lambda name, offset: stub.GetData(pb.DataRequest(name=name, offset=offset), timeout=FETCH_TIMEOUT_S)
+        )
     p = cfg.pipeline
     store = ShardStore(manifest, cache, source, keep=KEEP_SHARDS, data_dir=data_dir)
     log_path = state_dir / "windows.log" if state_dir is not None else None
@@ -80,17 +91,22 @@ class WorkFeed:
     log_path: where the ids of trained windows are appended, or None.
     """
 
-    def __init__(self, store: ShardStore, windows: int, seq_len: int, ready_target: int, log_path: Path | None = None) -> None:
+    def __init__(
+        self, store: ShardStore, windows: int, seq_len: int, ready_target: int, log_path: Path | None = None
+    ) -> None:
         self.store, self.windows, self.seq_len, self.ready_target = store, windows, seq_len, ready_target
         self.train = Windows(store, "train", seq_len)
         if self.train.count != windows:
             raise ShardError(
-                "manifest.json", f"gives {self.train.count} training windows at seq_len {seq_len}; the tracker counts {windows}"
+                "manifest.json",
+                f"gives {self.train.count} training windows at seq_len {seq_len}; the tracker counts {windows}",
             )
         self.held: deque[int] = deque()
         self.ready: deque[int] = deque()
         self.returned: list[int] = []
-        self.pending: deque[tuple[list[int], list[int]]] = deque()  # (released, returned) of reports whose reply is not in
+        self.pending: deque[tuple[list[int], list[int]]] = (
+            deque()
+        )  # (released, returned) of reports whose reply is not in
         self.recent: deque[torch.Tensor] = deque(maxlen=RECENT)
         self.evals: list[torch.Tensor] | None = None
         self.trained = 0
@@ -137,7 +153,9 @@ class WorkFeed:
             self._check_hunger()
 
     def _check_hunger(self) -> None:
-        if len(self.ready) + sum(len(r) for r, _ in self.pending) < self.ready_target // 2 and any(True for _ in self.held):
+        if len(self.ready) + sum(len(r) for r, _ in self.pending) < self.ready_target // 2 and any(
+            True for _ in self.held
+        ):
             self.hungry.set()
 
     def unacked(self) -> None:

@@ -48,7 +48,14 @@ from peer.daemon.anchors import AnchorJobs
 from peer.daemon.averaging import apply_step, bind_stage, start_averaging, step_lock
 from peer.daemon.checkpointing import Checkpointer
 from peer.daemon.feed import WorkFeed, open_feed
-from peer.daemon.membership import TRACKER_CHANNEL_OPTIONS, Membership, dht_maddrs_from_tracker, find_tracker, leave, start_dht
+from peer.daemon.membership import (
+    TRACKER_CHANNEL_OPTIONS,
+    Membership,
+    dht_maddrs_from_tracker,
+    find_tracker,
+    leave,
+    start_dht,
+)
 from peer.daemon.memory import anchor_snapshot_slots, check_fits, free_bytes, plan_stages
 from peer.daemon.pacing import ErrorPacing
 from peer.daemon.replicas import Replicas, own_state_bytes
@@ -80,9 +87,23 @@ log = logging.getLogger("anchormesh.peer")
 class PeerDaemon:
     """One peer: its stage worker, its gRPC server, its heartbeat and its main loop."""
 
-    def __init__(self, tracker: str, host: str = "127.0.0.1", grpc_port: int = 0, device: str = "cpu", dht=None, state_dir: Path | None = None, announce_host: str | None = None, token: str | None = None, tls_ca: bytes | None = None, startup: StartupClock | None = None,
-                 data_dir: Path | None = None) -> None:
-        self.data_dir = data_dir  # the volunteer's own prepared shards (--data-dir): used when their hashes match the run's
+    def __init__(
+        self,
+        tracker: str,
+        host: str = "127.0.0.1",
+        grpc_port: int = 0,
+        device: str = "cpu",
+        dht=None,
+        state_dir: Path | None = None,
+        announce_host: str | None = None,
+        token: str | None = None,
+        tls_ca: bytes | None = None,
+        startup: StartupClock | None = None,
+        data_dir: Path | None = None,
+    ) -> None:
+        self.data_dir = (
+            data_dir  # the volunteer's own prepared shards (--data-dir): used when their hashes match the run's
+        )
         self.feed: WorkFeed | None = None  # stage 0: the windows the tracker hands out
         self.startup = startup or StartupClock(process_age_s)  # run_peer's clock: it timed the DHT's start too
         self.device = parse_device(device)  # the precision follows from the run's config at Join
@@ -102,7 +123,16 @@ class PeerDaemon:
         self.stop = threading.Event()
         self._weights_lock = threading.Lock()  # the step's lock when there is no averager (see step_lock)
         self.serving = Serving(self)  # Ping, GetShard and message checks, answered from the fields below
-        self.transport = GrpcTransport(run_id="", host=host, ping_info=self.serving.ping_info, shard_source=self.serving.shard, gate=self.gate, creds=self.creds, tls_server=self.tls_server, tls_ca=tls_ca)
+        self.transport = GrpcTransport(
+            run_id="",
+            host=host,
+            ping_info=self.serving.ping_info,
+            shard_source=self.serving.shard,
+            gate=self.gate,
+            creds=self.creds,
+            tls_server=self.tls_server,
+            tls_ca=tls_ca,
+        )
         self.worker: StageWorker | None = None
         try:
             bound = self.transport.attach(self.peer_id, self.serving.validate, port=grpc_port, start=False)
@@ -152,14 +182,26 @@ class PeerDaemon:
         link_mbit, pp_keep = self.router.links()
         written = self.checkpointer.written
         return {
-            "id": self.peer_id, "stage": w.stage.index if w else "", "state": self.state, "step": w.version if w else 0,
-            "tokens": self.tokens, "tokens_per_s": self.tokens_per_s, "capacity_tokens_per_s": self.capacity,
+            "id": self.peer_id,
+            "stage": w.stage.index if w else "",
+            "state": self.state,
+            "step": w.version if w else 0,
+            "tokens": self.tokens,
+            "tokens_per_s": self.tokens_per_s,
+            "capacity_tokens_per_s": self.capacity,
             "loss": self.loss if w is not None and w.stage.is_last else None,
-            "queue_depth": len(w.inbox_fwd) + len(w.inbox_bwd) if w else 0, "bytes_in": t.bytes_in, "bytes_out": t.total_bytes(),
-            "dp_rounds": self.averager.rounds if self.averager else 0, "dp_rejected": self.averager.rejected if self.averager else 0,
-            "dp_partial": self.averager.partial if self.averager else 0, "dp_leaning": self.averager.leaning if self.averager else 0, "dropped": self.dropped,
+            "queue_depth": len(w.inbox_fwd) + len(w.inbox_bwd) if w else 0,
+            "bytes_in": t.bytes_in,
+            "bytes_out": t.total_bytes(),
+            "dp_rounds": self.averager.rounds if self.averager else 0,
+            "dp_rejected": self.averager.rejected if self.averager else 0,
+            "dp_partial": self.averager.partial if self.averager else 0,
+            "dp_leaning": self.averager.leaning if self.averager else 0,
+            "dropped": self.dropped,
             "refused_calls": sum(self.gate.refused.values()),
-            "link_mbit": link_mbit, "pp_keep": pp_keep, "dp_period_s": self.averager.period_s if self.averager else 0.0,
+            "link_mbit": link_mbit,
+            "pp_keep": pp_keep,
+            "dp_period_s": self.averager.period_s if self.averager else 0.0,
             "checkpoint_step": written if self.checkpoints is not None and written else None,
         }
 
@@ -177,39 +219,87 @@ class PeerDaemon:
         self.membership.admitted(a)
         try:
             self.placement = resolve_placement(self.device, cfg.compute)
-            plan = plans[a.stage] if plans else plan_stages(cfg, self.placement, dp_group=True, replica_in_memory=self.state_dir is None)[a.stage]
+            plan = (
+                plans[a.stage]
+                if plans
+                else plan_stages(cfg, self.placement, dp_group=True, replica_in_memory=self.state_dir is None)[a.stage]
+            )
             free = free_bytes(self.placement.device)
             check_fits(plan, free, cfg.compute.memory_budget_gib, self.placement.device)
         except ConfigError as exc:  # the run's precision or this stage does not fit this device: say so and leave
             self._refuse_config(a.run_id, exc)
-        log.info("computing on %s; stage %d plans %.2f GiB of %.2f GiB free", self.placement.describe(), a.stage, plan.need(self.placement.device) / 2**30, free / 2**30)
+        log.info(
+            "computing on %s; stage %d plans %.2f GiB of %.2f GiB free",
+            self.placement.describe(),
+            a.stage,
+            plan.need(self.placement.device) / 2**30,
+            free / 2**30,
+        )
         self.phase("averager")
         if self.dht is not None and a.group_dht_maddrs:
-            log.info("dialled %d of %d stage mates' DHT nodes", connect_peers(self.dht, list(a.group_dht_maddrs)), len(a.group_dht_maddrs))
+            log.info(
+                "dialled %d of %d stage mates' DHT nodes",
+                connect_peers(self.dht, list(a.group_dht_maddrs)),
+                len(a.group_dht_maddrs),
+            )
         self.averager = start_averaging(  # forks before any gRPC runs and before the stage fills this process (the child keeps each page written later)
-            self.dht, list(meta_stages(cfg.model, [a.stage], dtype=self.placement.master_dtype)[0].parameters()), f"{a.run_id}_stage{a.stage}", cfg.dp.inner_steps, cfg.dp.outer_compression, cfg.dp.link_share,
-            peer_id=self.peer_id, link_bps=self.router.uplink_bps,
-            signer=ClaimSigner(self.identity, a.run_id, a.certificate, a.tracker_key) if a.certificate else None, min_period_s=cfg.dp.min_period_s,
+            self.dht,
+            list(meta_stages(cfg.model, [a.stage], dtype=self.placement.master_dtype)[0].parameters()),
+            f"{a.run_id}_stage{a.stage}",
+            cfg.dp.inner_steps,
+            cfg.dp.outer_compression,
+            cfg.dp.link_share,
+            peer_id=self.peer_id,
+            link_bps=self.router.uplink_bps,
+            signer=ClaimSigner(self.identity, a.run_id, a.certificate, a.tracker_key) if a.certificate else None,
+            min_period_s=cfg.dp.min_period_s,
             on_stuck=lambda: exec_again(self.peer_id, self.identity_to_keep()),
         )
         self.phase("stage")
-        stage = load_stage(cfg.model, a.stage, seed=cfg.seed, device=self.placement.device, dtype=self.placement.master_dtype)  # only this stage's layers
+        stage = load_stage(
+            cfg.model, a.stage, seed=cfg.seed, device=self.placement.device, dtype=self.placement.master_dtype
+        )  # only this stage's layers
         stage.train()
         replica = uuid.uuid4().int % (1 << 20)  # makes this peer's micro-batch ids (and masks) its own
-        self.worker = StageWorker(stage, replica, cfg, self.transport, a.run_id, peer_id=self.peer_id, next_hop=self.router.next_hop, resolve=self.router.resolve, local_steps=True, placement=self.placement)
+        self.worker = StageWorker(
+            stage,
+            replica,
+            cfg,
+            self.transport,
+            a.run_id,
+            peer_id=self.peer_id,
+            next_hop=self.router.next_hop,
+            resolve=self.router.resolve,
+            local_steps=True,
+            placement=self.placement,
+        )
         self.worker.version = a.start_step  # continue the run's step numbering (the group's state may raise it)
         self.worker.next_mb = a.start_step * cfg.pipeline.micro_batches
-        snapshot_bytes = plan.anchor_snapshot or sum(p.numel() for p in stage.parameters()) * self.placement.compute_dtype.itemsize
-        slots = anchor_snapshot_slots(free - plan.need(self.placement.device), snapshot_bytes, cfg.compute.anchor_snapshot_share)
-        self.anchor = SwarmAnchor(self.worker, cfg.anchor.micro_batches, self.router.siblings, eval_batches=cfg.pipeline.eval_batches, max_jobs=slots)
-        self.anchor.issued = a.anchors_issued  # the Join reply's ceiling: forged anchor ids are refused before the first heartbeat
+        snapshot_bytes = (
+            plan.anchor_snapshot or sum(p.numel() for p in stage.parameters()) * self.placement.compute_dtype.itemsize
+        )
+        slots = anchor_snapshot_slots(
+            free - plan.need(self.placement.device), snapshot_bytes, cfg.compute.anchor_snapshot_share
+        )
+        self.anchor = SwarmAnchor(
+            self.worker,
+            cfg.anchor.micro_batches,
+            self.router.siblings,
+            eval_batches=cfg.pipeline.eval_batches,
+            max_jobs=slots,
+        )
+        self.anchor.issued = (
+            a.anchors_issued
+        )  # the Join reply's ceiling: forged anchor ids are refused before the first heartbeat
         bind_stage(self.averager, stage)
         channel = auth.tracker_channel(self.tracker, self.creds, TRACKER_CHANNEL_OPTIONS, self.tls_ca)
         stub = pbg.TrackerStub(channel)
         if stage.is_first:  # before the heartbeat: its reports say which work this peer holds
             try:
                 self.feed = open_feed(a, cfg, channel, self.state_dir, self.data_dir, stage.vocab_size)
-            except AnchormeshError as exc:  # this peer cannot read the run's data: say so (not why: it may name a local file) and leave
+            except (
+                AnchormeshError
+            ) as exc:  # this peer cannot read the run's data: say so (not why: it may name a local file) and leave
                 log.error("cannot use the run's data: %s", exc)
                 self.stop.set()
                 leave(stub, a.run_id, self.peer_id, "cannot use the run's data (its log says why)")
@@ -217,10 +307,14 @@ class PeerDaemon:
                 raise SystemExit(2) from None
             threading.Thread(target=self.feed.prefetch, args=(self.stop,), name="data-prefetch", daemon=True).start()
         # heartbeats start now, so a slow state download does not get this peer declared dead; while it reports "joining" nobody routes to it
-        threading.Thread(target=self.membership.heartbeat, args=(stub, a.heartbeat_interval_s), name="heartbeat", daemon=True).start()
+        threading.Thread(
+            target=self.membership.heartbeat, args=(stub, a.heartbeat_interval_s), name="heartbeat", daemon=True
+        ).start()
         if self.state_dir is not None:
             run_info = {"run_id": a.run_id, "code_version": __version__, "config": json.loads(a.run_config_json)}
-            self.checkpoints = ShardCheckpoints(self.state_dir, a.run_id, a.stage, keep=cfg.checkpoint.keep, run_info=run_info)
+            self.checkpoints = ShardCheckpoints(
+                self.state_dir, a.run_id, a.stage, keep=cfg.checkpoint.keep, run_info=run_info
+            )
             self.phase("checkpoint")
             self.checkpointer.resume()
         self.replicas.configure(a.run_id, cfg.checkpoint.replicate_every_s, self.state_dir, own_state_bytes(stage))
@@ -229,7 +323,9 @@ class PeerDaemon:
             self._restore(a)
         elif a.start_step > max(self.state_step, 0):  # the run has trained past what this peer holds: ask the group
             self.phase("state")
-            download, weights = self.replicas.fetchers(stage, self.state_sync.apply_state)  # each donor's state judged by the others' weights
+            download, weights = self.replicas.fetchers(
+                stage, self.state_sync.apply_state
+            )  # each donor's state judged by the others' weights
             self.state_sync.load_group_state(list(a.donors), download, weights)
         self.phase("first_step")
         self.transport.start()
@@ -239,7 +335,10 @@ class PeerDaemon:
         if self.state_dir is not None and stage.is_last:
             metrics = self.metrics_log = MetricsLog(self.state_dir / "metrics.jsonl")
         try:
-            errors_seen, pacing = 0, ErrorPacing(log)  # an error that repeats waits longer each time (peer/daemon/pacing.py)
+            errors_seen, pacing = (
+                0,
+                ErrorPacing(log),
+            )  # an error that repeats waits longer each time (peer/daemon/pacing.py)
             while not self.stop.is_set() and (max_steps is None or self.worker.version < max_steps):
                 self.transport.flush_parked()  # what waited for an address the last heartbeat brought
                 if self.transport.send_error_count != errors_seen:  # a lost message may have carried a basis
@@ -271,11 +370,18 @@ class PeerDaemon:
         holder = a.restore_from
         if holder.step > max(self.state_step, 0):
             self.reason = f"restoring its stage's state from the replica {holder.peer_id} holds (step {holder.step})"
-            download = self.replicas.fetchers(self.worker.stage, self.state_sync.apply_state, f"the replica {holder.peer_id} holds")[0]
+            download = self.replicas.fetchers(
+                self.worker.stage, self.state_sync.apply_state, f"the replica {holder.peer_id} holds"
+            )[0]
             if self.state_sync.load_single(holder, download):  # a lone holder: the single-donor policy judges it
                 self.resumed_from = f"replica step {self.state_step} from {holder.peer_id}"
         lost = max(a.start_step - max(self.state_step, 0), 0)
-        log.warning("stage %d had no live peer: resumed from %s (%d steps of its training lost)", a.stage, self.resumed_from, lost)
+        log.warning(
+            "stage %d had no live peer: resumed from %s (%d steps of its training lost)",
+            a.stage,
+            self.resumed_from,
+            lost,
+        )
 
     def identity_to_keep(self) -> str | None:
         """The key an exec must carry in its environment (with a state dir it is on disk)."""
@@ -339,7 +445,10 @@ class PeerDaemon:
                     w.next_mb += 1
                     self.state, self.reason, moved = "active", "", True
                 else:
-                    self.state, self.reason = "idle", self.feed.waiting if self.router.neighbours.get(1) else "waiting for a peer of stage 1"
+                    self.state, self.reason = (
+                        "idle",
+                        self.feed.waiting if self.router.neighbours.get(1) else "waiting for a peer of stage 1",
+                    )
         elif moved:
             self.state, self.reason = "active", ""
         if moved:  # capacity counts fast-circuit work only
@@ -363,7 +472,24 @@ class PeerDaemon:
             self._rate, self._busy = (now, self.tokens), 0.0
 
 
-def run_peer(initial_peers: list[str], tracker: str | None, host: str, grpc_port: int, device: str, max_steps: int | None = None, state_dir: Path | None = None, announce_host: str | None = None, dht_port: int = 0, metrics_port: int | None = None, threads: int = 1, token: str | None = None, tls_ca: bytes | None = None, tracker_key: bytes | None = None, data_dir: Path | None = None, fetch_tls: bool = False) -> None:
+def run_peer(
+    initial_peers: list[str],
+    tracker: str | None,
+    host: str,
+    grpc_port: int,
+    device: str,
+    max_steps: int | None = None,
+    state_dir: Path | None = None,
+    announce_host: str | None = None,
+    dht_port: int = 0,
+    metrics_port: int | None = None,
+    threads: int = 1,
+    token: str | None = None,
+    tls_ca: bytes | None = None,
+    tracker_key: bytes | None = None,
+    data_dir: Path | None = None,
+    fetch_tls: bool = False,
+) -> None:
     """`tracker_key` checks the tracker's DHT record and, with `fetch_tls`, the run CA it serves (peer/security/exposure.py)."""
     setup_logging()
     torch.set_num_threads(threads)  # 1 by default: many peers share few cores on one machine
@@ -385,7 +511,19 @@ def run_peer(initial_peers: list[str], tracker: str | None, host: str, grpc_port
         log.info("found the tracker at %s through the DHT", tracker)
         tls_ca = run_ca(tracker, tracker_key, stop) if fetch_tls else tls_ca
     startup.begin("grpc")
-    daemon = PeerDaemon(tracker, host, grpc_port, device, dht=dht, state_dir=state_dir, announce_host=announce_host, token=token, tls_ca=tls_ca, startup=startup, data_dir=data_dir)
+    daemon = PeerDaemon(
+        tracker,
+        host,
+        grpc_port,
+        device,
+        dht=dht,
+        state_dir=state_dir,
+        announce_host=announce_host,
+        token=token,
+        tls_ca=tls_ca,
+        startup=startup,
+        data_dir=data_dir,
+    )
     if metrics_port is not None:
         from peer.metrics import peer_exposition, serve_metrics
 

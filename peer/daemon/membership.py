@@ -51,7 +51,11 @@ log = logging.getLogger("anchormesh.peer")
 
 # gRPC backs off reconnecting to an address that refused it, up to 120 s by default; a tracker
 # that restarts must hear the heartbeats within its reconnect grace (bootstrap/persist.py)
-TRACKER_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 500), ("grpc.min_reconnect_backoff_ms", 500), ("grpc.max_reconnect_backoff_ms", 4000)]
+TRACKER_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 500),
+    ("grpc.min_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", 4000),
+]
 
 
 def find_tracker(dht, stop: threading.Event, tracker_key: bytes | None = None, run_id: str | None = None) -> str:
@@ -76,10 +80,18 @@ def find_tracker(dht, stop: threading.Event, tracker_key: bytes | None = None, r
         signers = {r["key"] for _, r in good}
         if good and (tracker_key is not None or len(signers) == 1):
             if tracker_key is None:
-                once(logging.WARNING, "took the tracker record signed by %s without checking that it is the tracker's key: pass --tracker-key or --token @bootstrap.json", good[0][1]["key"][:16])
+                once(
+                    logging.WARNING,
+                    "took the tracker record signed by %s without checking that it is the tracker's key: pass --tracker-key or --token @bootstrap.json",
+                    good[0][1]["key"][:16],
+                )
             return good[0][1]["tracker"]
         if len(signers) > 1:
-            once(logging.ERROR, "tracker records from %d keys in the DHT: cannot tell the tracker from a member posing as it; pass --tracker-key (the \"tracker_key\" of bootstrap.json) or --token @bootstrap.json", len(signers))
+            once(
+                logging.ERROR,
+                'tracker records from %d keys in the DHT: cannot tell the tracker from a member posing as it; pass --tracker-key (the "tracker_key" of bootstrap.json) or --token @bootstrap.json',
+                len(signers),
+            )
         log.info("no tracker in the DHT yet; retrying in %.1fs", delay)
         stop.wait(delay)
         delay = min(delay * 2, 10.0)
@@ -90,7 +102,9 @@ def find_tracker(dht, stop: threading.Event, tracker_key: bytes | None = None, r
 REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
 
-def dht_maddrs_from_tracker(tracker: str, stop: threading.Event, creds: auth.Credentials | None = None, tls_ca: bytes | None = None) -> list[str]:
+def dht_maddrs_from_tracker(
+    tracker: str, stop: threading.Event, creds: auth.Credentials | None = None, tls_ca: bytes | None = None
+) -> list[str]:
     """The run's DHT addresses from the tracker's status; retries with backoff and says so.
 
     The channel is closed before returning: hivemind starts its DHT and averager by fork(), and
@@ -105,13 +119,28 @@ def dht_maddrs_from_tracker(tracker: str, stop: threading.Event, creds: auth.Cre
             if exc.code() in REFUSALS:
                 log.error("the tracker refused this peer: %s %s", exc.code().name, exc.details())
                 raise SystemExit(2) from None
-            log.warning("tracker %s unreachable (%s: %s%s); retrying in %.1fs", tracker, exc.code().name, exc.details(), auth.tls_hint(exc.details(), tls_ca is not None), delay)
+            log.warning(
+                "tracker %s unreachable (%s: %s%s); retrying in %.1fs",
+                tracker,
+                exc.code().name,
+                exc.details(),
+                auth.tls_hint(exc.details(), tls_ca is not None),
+                delay,
+            )
             stop.wait(delay)
             delay = min(delay * 2, 30.0)
     raise SystemExit(1)
 
 
-def start_dht(initial_peers: list[str], host: str, dht_port: int, announce_host: str | None, token: str, tracker_key: bytes | None, tracker_known: bool):
+def start_dht(
+    initial_peers: list[str],
+    host: str,
+    dht_port: int,
+    announce_host: str | None,
+    token: str,
+    tracker_key: bytes | None,
+    tracker_known: bool,
+):
     """This node in the run's DHT, started before any gRPC runs (hivemind forks). Only run-token
     holders take part (peer/security/dht_auth.py). When no node of the run answers, a peer
     without a tracker address exits 2; one with it starts alone and lets the Join say whether
@@ -126,7 +155,13 @@ def start_dht(initial_peers: list[str], host: str, dht_port: int, announce_host:
         dht_port = dht_port or free_port(host)
         announce = [announce_maddr(announce_host, dht_port)]
     # before any gRPC; only run-token holders take part in the run's DHT (peer/security/dht_auth.py)
-    dht_args = dict(initial_peers=initial_peers, host_maddrs=[f"/ip4/{host}/tcp/{dht_port}"], announce_maddrs=announce, start=True, **dht_auth.dht_kwargs(token, tracker_key))
+    dht_args = dict(
+        initial_peers=initial_peers,
+        host_maddrs=[f"/ip4/{host}/tcp/{dht_port}"],
+        announce_maddrs=announce,
+        start=True,
+        **dht_auth.dht_kwargs(token, tracker_key),
+    )
     try:
         dht = hivemind.DHT(**dht_args)
     except RuntimeError as exc:
@@ -142,7 +177,9 @@ def start_dht(initial_peers: list[str], host: str, dht_port: int, announce_host:
     return dht
 
 
-def plan_memory(stub: pbg.TrackerStub, req: pb.JoinRequest, device: torch.device, replica_in_memory: bool = False) -> list | None:
+def plan_memory(
+    stub: pbg.TrackerStub, req: pb.JoinRequest, device: torch.device, replica_in_memory: bool = False
+) -> list | None:
     """Before joining: the run's config, this peer's placement for it and its memory plan of
     every stage, put in the JoinRequest so the tracker gives it a stage that fits. A tracker
     that cannot say its config (unreachable: Join retries and says so) leaves the plan to
@@ -152,7 +189,9 @@ def plan_memory(stub: pbg.TrackerStub, req: pb.JoinRequest, device: torch.device
     except grpc.RpcError as exc:
         if exc.code() in REFUSALS:  # a wrong token: Join would be refused the same way
             log.error("the tracker refused this peer: %s %s", exc.code().name, exc.details())
-            raise ConfigError("--token", "given", f"the tracker refused it ({exc.code().name}: {exc.details()})") from None
+            raise ConfigError(
+                "--token", "given", f"the tracker refused it ({exc.code().name}: {exc.details()})"
+            ) from None
         log.info("no run config before joining (%s): the memory plan waits for the assignment", exc.code().name)
         return None
     placement = resolve_placement(device, cfg.compute)
@@ -163,7 +202,12 @@ def plan_memory(stub: pbg.TrackerStub, req: pb.JoinRequest, device: torch.device
     req.stage_memory_bytes.extend(p.need(placement.device) for p in plans)
     name = torch.cuda.get_device_name(placement.device) if placement.cuda else ""
     req.device = " ".join(x for x in (str(placement.device), name, DTYPE_NAMES[placement.compute_dtype]) if x)
-    log.info("memory plan on %s (%.2f GiB usable): %s GiB per stage", req.device, req.memory_bytes / 2**30, ", ".join(f"{p.need(placement.device) / 2**30:.2f}" for p in plans))
+    log.info(
+        "memory plan on %s (%.2f GiB usable): %s GiB per stage",
+        req.device,
+        req.memory_bytes / 2**30,
+        ", ".join(f"{p.need(placement.device) / 2**30:.2f}" for p in plans),
+    )
     return plans
 
 
@@ -177,7 +221,13 @@ def join(stub: pbg.TrackerStub, req: pb.JoinRequest, stop: threading.Event, tls:
             if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, *REFUSALS):
                 log.error("the tracker refused this peer: %s %s", exc.code().name, exc.details())
                 raise SystemExit(2) from None
-            log.warning("tracker unreachable (%s: %s%s); retrying in %.1fs", exc.code().name, exc.details(), auth.tls_hint(exc.details(), tls), delay)
+            log.warning(
+                "tracker unreachable (%s: %s%s); retrying in %.1fs",
+                exc.code().name,
+                exc.details(),
+                auth.tls_hint(exc.details(), tls),
+                delay,
+            )
             stop.wait(delay)
             delay = min(delay * 2, 30.0)
     raise SystemExit(1)
@@ -268,9 +318,22 @@ class Membership:
         d.transport.messages = auth.RateLimit(a.messages_per_s or d.transport.messages.rate)
         if d.tls_server is not None:
             if not a.tls_certificate:
-                raise ConfigError("--tls-ca", "given", "the tracker issued no TLS certificate: this run does not use TLS (security.tls); drop --tls-ca")
+                raise ConfigError(
+                    "--tls-ca",
+                    "given",
+                    "the tracker issued no TLS certificate: this run does not use TLS (security.tls); drop --tls-ca",
+                )
             d.tls_server.install(a.tls_certificate)
-        log.info("%s joined %s: stage %d of %d (layers %d-%d), serving on %s", d.peer_id, a.run_id, a.stage, a.num_stages, a.layer_start, a.layer_end - 1, d.address)
+        log.info(
+            "%s joined %s: stage %d of %d (layers %d-%d), serving on %s",
+            d.peer_id,
+            a.run_id,
+            a.stage,
+            a.num_stages,
+            a.layer_start,
+            a.layer_end - 1,
+            d.address,
+        )
 
     def report(self) -> pb.PeerReport:
         d = self.peer
@@ -283,12 +346,22 @@ class Membership:
             windows_held=held,
             windows_returned=returned,
             peer=pb.PeerInfo(
-                peer_id=d.peer_id, stage=w.stage.index, address=d.address, state=d.state, tokens_per_s=d.tokens_per_s,
-                bytes_in=d.transport.bytes_in, bytes_out=d.transport.total_bytes(), step=w.version, loss=d.loss,
-                queue_depth=len(w.inbox_fwd) + len(w.inbox_bwd), startup_s=d.startup_s,
+                peer_id=d.peer_id,
+                stage=w.stage.index,
+                address=d.address,
+                state=d.state,
+                tokens_per_s=d.tokens_per_s,
+                bytes_in=d.transport.bytes_in,
+                bytes_out=d.transport.total_bytes(),
+                step=w.version,
+                loss=d.loss,
+                queue_depth=len(w.inbox_fwd) + len(w.inbox_bwd),
+                startup_s=d.startup_s,
                 # before its first step: what it is doing (its reason, else its startup phase) and for how long
                 reason=d.reason if d.steps_done else d.startup.waiting(d.reason),
-                startup_phases=[pb.StartupPhase(name=n, seconds=s) for n, s in d.startup.phases()] if d.steps_done else [],
+                startup_phases=[pb.StartupPhase(name=n, seconds=s) for n, s in d.startup.phases()]
+                if d.steps_done
+                else [],
                 dp_rounds=averager.rounds if averager else 0,
                 anchor_id=anchor.newest_id if anchor else 0,
                 anchor_bytes_out=anchor.bytes_out if anchor else 0,
@@ -302,9 +375,13 @@ class Membership:
                 refused_calls=sum(d.gate.refused.values()),
                 dp_suspects=list(averager.suspects) if averager else [],
                 key_fingerprint=d.identity.fingerprint,
-                link_mbit=link_mbit, pp_keep=pp_keep, dp_period_s=averager.period_s if averager else 0.0,
+                link_mbit=link_mbit,
+                pp_keep=pp_keep,
+                dp_period_s=averager.period_s if averager else 0.0,
                 excluding=d.transport.excluding()[:4],  # the tracker keeps 4
-                replica_stage=d.replicas.stage, replica_step=d.replicas.step, resumed_from=d.resumed_from,
+                replica_stage=d.replicas.stage,
+                replica_step=d.replicas.step,
+                resumed_from=d.resumed_from,
                 refused_donors=list(d.state_sync.refused),
             ),
         )
@@ -314,6 +391,7 @@ class Membership:
         or when the tracker no longer lists this peer (it then joins again)."""
         d = self.peer
         while not d.stop.is_set():
+
             def requests() -> Iterator[pb.PeerReport]:
                 while not d.stop.is_set():
                     yield self.report()
@@ -352,7 +430,9 @@ class Membership:
                     d.move_reason = f"the tracker dropped this peer: {exc.details()}"
                     d.stop.set()
                     return
-                log.warning("heartbeat stream ended (%s: %s); reconnecting in %.0fs", exc.code().name, exc.details(), interval)
+                log.warning(
+                    "heartbeat stream ended (%s: %s); reconnecting in %.0fs", exc.code().name, exc.details(), interval
+                )
                 d.stop.wait(interval)
 
     def apply(self, directive: pb.Directive) -> None:

@@ -26,7 +26,17 @@ from peer.pipeline.weights import keeps_last_update, swarm_stashes
 GIB = 2**30
 MAX_SNAPSHOT_SLOTS = 8
 REPLICA_BYTES_PER_PARAMETER = 12  # fp32 weights, exp_avg, exp_avg_sq (peer/daemon/replicas.py)
-COMPONENTS = ("weights", "working_copy", "grads", "optimizer", "dp_copies", "anchor_snapshot", "activations", "logits", "codec")
+COMPONENTS = (
+    "weights",
+    "working_copy",
+    "grads",
+    "optimizer",
+    "dp_copies",
+    "anchor_snapshot",
+    "activations",
+    "logits",
+    "codec",
+)
 
 
 @dataclass
@@ -83,9 +93,16 @@ class MemoryPlan:
 
     def describe(self) -> str:
         """One line per component, then the totals (for logs and the docs)."""
-        rows = [f"stage {self.stage} ({self.layers} layers) on {self.device}, {self.compute_dtype}" + (", checkpointing" if self.checkpointing else "")]
+        rows = [
+            f"stage {self.stage} ({self.layers} layers) on {self.device}, {self.compute_dtype}"
+            + (", checkpointing" if self.checkpointing else "")
+        ]
         rows += [f"  {c:<16}{_fmt(getattr(self, c)):>12}" for c in COMPONENTS]
-        rows += [f"  {'total':<16}{_fmt(self.total):>12}", f"  {'host':<16}{_fmt(self.host):>12}", f"  {'replica (host)':<16}{_fmt(self.replica):>12}"]
+        rows += [
+            f"  {'total':<16}{_fmt(self.total):>12}",
+            f"  {'host':<16}{_fmt(self.host):>12}",
+            f"  {'replica (host)':<16}{_fmt(self.replica):>12}",
+        ]
         return "\n".join(rows)
 
 
@@ -99,7 +116,9 @@ def plan_stage(cfg: TrainConfig, placement: Placement, index: int, *, dp_group: 
     return _plan(cfg, placement, meta_stages(cfg.model, [index])[0], dp_group)
 
 
-def plan_stages(cfg: TrainConfig, placement: Placement, dp_group: bool = False, replica_in_memory: bool = False) -> list[MemoryPlan]:
+def plan_stages(
+    cfg: TrainConfig, placement: Placement, dp_group: bool = False, replica_in_memory: bool = False
+) -> list[MemoryPlan]:
     """The plan of every stage of the run, from one meta build (what a peer sends at Join, so
     the tracker gives it a stage that fits). `replica_in_memory`: a swarm peer with no state dir
     keeps the next stage's replica in host memory when the tracker picks it as a holder; the plan
@@ -108,7 +127,9 @@ def plan_stages(cfg: TrainConfig, placement: Placement, dp_group: bool = False, 
     plans = [_plan(cfg, placement, stage, dp_group) for stage in stages]
     if replica_in_memory and len(stages) > 1 and cfg.checkpoint.replicate_every_s > 0:
         for i, plan in enumerate(plans):
-            plan.replica = REPLICA_BYTES_PER_PARAMETER * sum(p.numel() for p in stages[(i + 1) % len(stages)].parameters())
+            plan.replica = REPLICA_BYTES_PER_PARAMETER * sum(
+                p.numel() for p in stages[(i + 1) % len(stages)].parameters()
+            )
     return plans
 
 
@@ -116,7 +137,10 @@ def plan_table(cfg: TrainConfig, placement: Placement, dp_group: bool = False) -
     """One row per stage: its layers and every component in GiB (the docs print it)."""
     rows = []
     for plan in plan_stages(cfg, placement, dp_group):
-        rows.append({"stage": plan.stage, "layers": plan.layers} | {c: getattr(plan, c) / GIB for c in (*COMPONENTS, "total", "host", "replica")})
+        rows.append(
+            {"stage": plan.stage, "layers": plan.layers}
+            | {c: getattr(plan, c) / GIB for c in (*COMPONENTS, "total", "host", "replica")}
+        )
     return rows
 
 
@@ -145,10 +169,13 @@ def _plan(cfg: TrainConfig, placement: Placement, stage: StageModule, dp_group: 
         device=str(placement.device),
         weights=n * master,
         working_copy=(n * compute if placement.mixed else 0) + stashes * n * compute + delta,
-        grads=n * master + (n * compute if placement.mixed else 0),  # mixed: the working copy's gradients live until summed into fp32
+        grads=n * master
+        + (n * compute if placement.mixed else 0),  # mixed: the working copy's gradients live until summed into fp32
         optimizer=2 * n * 4,
         dp_copies=n * 4 if dp_group else 0,
-        anchor_snapshot=n * compute if cfg.anchor.every > 0 else 0,  # in the compute dtype (peer/pipeline/swarm_anchor.py)
+        anchor_snapshot=n * compute
+        if cfg.anchor.every > 0
+        else 0,  # in the compute dtype (peer/pipeline/swarm_anchor.py)
         activations=in_flight * (checkpointed if placement.checkpointing else full),
         logits=tokens * stage.vocab_size * (compute + 4 + 4) if stage.is_last else 0,
         codec=_codec_bytes(cfg, stage),
@@ -166,7 +193,9 @@ def _plan(cfg: TrainConfig, placement: Placement, stage: StageModule, dp_group: 
 
 def _codec_bytes(cfg: TrainConfig, stage: StageModule) -> int:
     """Link codec state on the device: what the run's codec keeps (LinkCodec.state_bytes)."""
-    return codec_class(cfg.mask.scheme).state_bytes(cfg.mask, stage.vocab_size, stage.hidden_size, sends=not stage.is_last, receives=not stage.is_first)
+    return codec_class(cfg.mask.scheme).state_bytes(
+        cfg.mask, stage.vocab_size, stage.hidden_size, sends=not stage.is_last, receives=not stage.is_first
+    )
 
 
 class _FusedAttention(torch.autograd.Function):
@@ -190,7 +219,7 @@ class _FusedAttentionMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         if func is torch.nn.functional.scaled_dot_product_attention:
-            q, k, v = (list(args[:3]) + [kwargs.get(name) for name in ("query", "key", "value")[len(args):]])
+            q, k, v = list(args[:3]) + [kwargs.get(name) for name in ("query", "key", "value")[len(args) :]]
             return _FusedAttention.apply(q, k, v)
         return func(*args, **kwargs)
 
@@ -254,9 +283,21 @@ def free_bytes(device: torch.device | str) -> int:
 def _fixes(plan: MemoryPlan, budget_gib: float | None) -> list[tuple[str, object, str]]:
     """(field, current value, advice) for the settings that shrink this plan, those for its
     largest component first."""
-    ckpt = ("compute.activation_checkpointing", False, f"set compute.activation_checkpointing = true (activations {_fmt(plan.activations)} -> {_fmt(plan.activations_checkpointed)})")
-    batch = ("pipeline.micro_batch_size", plan.micro_batch_size, "a smaller pipeline.micro_batch_size (activations and logits shrink with it)")
-    flight = ("pipeline.micro_batches", plan.micro_batches_in_flight, "fewer micro-batches in flight (pipeline.micro_batches x (pipeline.max_staleness + 1))")
+    ckpt = (
+        "compute.activation_checkpointing",
+        False,
+        f"set compute.activation_checkpointing = true (activations {_fmt(plan.activations)} -> {_fmt(plan.activations_checkpointed)})",
+    )
+    batch = (
+        "pipeline.micro_batch_size",
+        plan.micro_batch_size,
+        "a smaller pipeline.micro_batch_size (activations and logits shrink with it)",
+    )
+    flight = (
+        "pipeline.micro_batches",
+        plan.micro_batches_in_flight,
+        "fewer micro-batches in flight (pipeline.micro_batches x (pipeline.max_staleness + 1))",
+    )
     bf16 = ("compute.dtype", plan.compute_dtype, 'compute.dtype = "bf16" (halves activations and logits)')
     stages = ("model.num_stages", plan.num_stages, "more stages (model.num_stages): each holds fewer layers")
     usable = {
@@ -268,8 +309,17 @@ def _fixes(plan: MemoryPlan, budget_gib: float | None) -> list[tuple[str, object
     advice = {
         "activations": [ckpt, batch, flight, bf16],
         "logits": [batch, bf16],
-        "anchor_snapshot": [("anchor.every", plan.anchor_every, "no anchors (anchor.every = 0): no weight snapshot"), stages],
-        "codec": [("codec.lowrank.prior_rows", plan.prior_rows, "a smaller codec.lowrank.prior_rows, or a codec.mask.fill without a token prior")],
+        "anchor_snapshot": [
+            ("anchor.every", plan.anchor_every, "no anchors (anchor.every = 0): no weight snapshot"),
+            stages,
+        ],
+        "codec": [
+            (
+                "codec.lowrank.prior_rows",
+                plan.prior_rows,
+                "a smaller codec.lowrank.prior_rows, or a codec.mask.fill without a token prior",
+            )
+        ],
     }
     out: list[tuple[str, object, str]] = []
     for component in sorted(COMPONENTS, key=lambda c: -getattr(plan, c)):
@@ -288,14 +338,18 @@ def check_fits(plan: MemoryPlan, free: int, budget_gib: float = 0.0, device: tor
     limit = int(budget_gib * GIB) if budget_gib > 0 else free
     if need <= limit:
         return
-    parts = ", ".join(f"{c} {_fmt(getattr(plan, c))}" for c in sorted(COMPONENTS, key=lambda c: -getattr(plan, c)) if getattr(plan, c))
+    parts = ", ".join(
+        f"{c} {_fmt(getattr(plan, c))}" for c in sorted(COMPONENTS, key=lambda c: -getattr(plan, c)) if getattr(plan, c)
+    )
     if need != plan.total:
         parts += f", host copy {_fmt(plan.host)}"
     have = f"compute.memory_budget_gib allows {_fmt(limit)}" if budget_gib > 0 else f"{_fmt(free)} are free"
     fixes = _fixes(plan, budget_gib if 0 < limit < free else None)
     field, value = (fixes[0][0], fixes[0][1]) if fixes else ("compute.memory_budget_gib", budget_gib)
     advice = "; ".join(f[2] for f in fixes) or "a device with more free memory"
-    raise ConfigError(field, value, f"stage {plan.stage} needs {_fmt(need)} on {dev} ({parts}), {have}; to fit: {advice}")
+    raise ConfigError(
+        field, value, f"stage {plan.stage} needs {_fmt(need)} on {dev} ({parts}), {have}; to fit: {advice}"
+    )
 
 
 def anchor_snapshot_slots(free_after_plan: int, snapshot_bytes: int, share: float) -> int:
@@ -304,5 +358,3 @@ def anchor_snapshot_slots(free_after_plan: int, snapshot_bytes: int, share: floa
     if snapshot_bytes <= 0:
         return MAX_SNAPSHOT_SLOTS
     return max(1, min(MAX_SNAPSHOT_SLOTS, int(max(free_after_plan, 0) * share) // snapshot_bytes))
-
-

@@ -19,8 +19,14 @@ FREE = 3  # errors in quick succession before the loop starts to wait
 class ErrorPacing:
     """Backoff for a loop's repeated errors: call `failed(exc)` from its except clause."""
 
-    def __init__(self, log: logging.Logger, first_s: float = 0.05, max_s: float = 2.0,
-                 sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        log: logging.Logger,
+        first_s: float = 0.05,
+        max_s: float = 2.0,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.log, self.first_s, self.max_s, self.sleep, self.clock = log, first_s, max_s, sleep, clock
         self.run = 0  # errors in the current run
         self._last = -1e9

@@ -39,7 +39,9 @@ from peer.wire import anchormesh_pb2 as pb
 log = logging.getLogger("anchormesh.peer")
 PULL_TIMEOUT_S = 1800.0  # one pull or restore download, whole (a big stage over a slow link)
 LINK_SHARE = 0.1  # a pull that took T s waits at least T (1 / LINK_SHARE - 1) before the next
-MAX_STATE_RATIO = 16  # a copy may be at most this many times this peer's own stage state (stages differ: embeddings, head)
+MAX_STATE_RATIO = (
+    16  # a copy may be at most this many times this peer's own stage state (stages differ: embeddings, head)
+)
 DOWNLOAD_ERRORS = (ShardError, grpc.RpcError, OSError, AnchormeshError)  # what a state download may fail with
 
 
@@ -98,7 +100,9 @@ class Replicas:
                 raise KeyError(f"peer {self.peer_id} holds no replica of stage {stage}")
             tensors = self._tensors if self._tensors is not None else load_file(str(self._path(stage)))
             step = self.step
-        return shard_chunks(tensors, run_id=self.run_id, peer_id=self.peer_id, stage=stage, num_stages=num_stages, step=step)
+        return shard_chunks(
+            tensors, run_id=self.run_id, peer_id=self.peer_id, stage=stage, num_stages=num_stages, step=step
+        )
 
     # -- pulling ---------------------------------------------------------------------------------
     def due(self, target: pb.PeerInfo | None) -> bool:
@@ -125,12 +129,24 @@ class Replicas:
                 raise ShardError(f"step {shard.step}: nothing trained to copy")
             self._keep(shard.stage, shard.step, shard.tensors)
             self.pulls += 1
-            log.info("replica of stage %d at step %d from %s (%.1f MB in %.1f s)", shard.stage, shard.step, target.peer_id,
-                     sum(t.numel() * t.element_size() for t in shard.tensors.values()) / 1e6, self.clock() - t0)
+            log.info(
+                "replica of stage %d at step %d from %s (%.1f MB in %.1f s)",
+                shard.stage,
+                shard.step,
+                target.peer_id,
+                sum(t.numel() * t.element_size() for t in shard.tensors.values()) / 1e6,
+                self.clock() - t0,
+            )
             return True
         except DOWNLOAD_ERRORS as exc:
             self.failures += 1
-            log.warning("replica of stage %d from %s failed (%d so far): %s", target.stage, target.peer_id, self.failures, failure(exc))
+            log.warning(
+                "replica of stage %d from %s failed (%d so far): %s",
+                target.stage,
+                target.peer_id,
+                self.failures,
+                failure(exc),
+            )
             return False
         finally:
             took = self.clock() - t0
@@ -141,17 +157,25 @@ class Replicas:
         shard of this run and of that stage, at most `max_bytes`."""
         stage = holder.stage if stage is None else stage
         call = self.transport.channel(holder.address).unary_stream(
-            "/anchormesh.v1.Stage/GetShard", request_serializer=pb.ShardRequest.SerializeToString, response_deserializer=pb.ShardChunk.FromString)
+            "/anchormesh.v1.Stage/GetShard",
+            request_serializer=pb.ShardRequest.SerializeToString,
+            response_deserializer=pb.ShardChunk.FromString,
+        )
         req = pb.ShardRequest(run_id=self.run_id, sender=self.peer_id, what=pb.ShardRequest.STATE, stage=stage)
         shard = read_shard(call(req, timeout=PULL_TIMEOUT_S), max_bytes=self.max_bytes)
         if shard.run_id != self.run_id or shard.stage != stage:
-            raise ShardError(f"{holder.peer_id} sent stage {shard.stage} of run {shard.run_id!r}, not stage {stage} of {self.run_id!r}")
+            raise ShardError(
+                f"{holder.peer_id} sent stage {shard.stage} of run {shard.run_id!r}, not stage {stage} of {self.run_id!r}"
+            )
         return shard
 
     def _keep(self, stage: int, step: int, tensors: dict[str, torch.Tensor]) -> None:
         if self.dir is not None:
             self.dir.mkdir(parents=True, exist_ok=True)
-            write_atomic(self._path(stage), save(tensors, metadata={"run_id": self.run_id, "stage": str(stage), "step": str(step)}))
+            write_atomic(
+                self._path(stage),
+                save(tensors, metadata={"run_id": self.run_id, "stage": str(stage), "step": str(step)}),
+            )
         with self._lock:
             old = self.stage if self.step else None
             self.stage, self.step = stage, step
@@ -160,7 +184,9 @@ class Replicas:
             self._path(old).unlink(missing_ok=True)
 
     # -- a joiner's download: from a stage mate, or the replica of a stage whose group died -------------
-    def download(self, holder: pb.PeerInfo, stage: int, names: list[str], apply: Callable[[object, list, str], bool], source: str) -> bool:
+    def download(
+        self, holder: pb.PeerInfo, stage: int, names: list[str], apply: Callable[[object, list, str], bool], source: str
+    ) -> bool:
         """Download the state of `stage` from `holder` (its own, or the replica it keeps) and apply
         it (`apply` is StateSync.apply_state: whole or not at all, only when newer than what this
         peer holds). False when the download failed or the state was refused."""
@@ -176,18 +202,33 @@ class Replicas:
         """`holder`'s weights of this peer's `stage` (`GetShard`, what = WEIGHTS: a third of a state's
         bytes) in named_parameters order, to compare a donor's state with (peer/daemon/state_witness.py)."""
         call = self.transport.channel(holder.address).unary_stream(
-            "/anchormesh.v1.Stage/GetShard", request_serializer=pb.ShardRequest.SerializeToString, response_deserializer=pb.ShardChunk.FromString)
-        shard = read_shard(call(pb.ShardRequest(run_id=self.run_id, sender=self.peer_id, what=pb.ShardRequest.WEIGHTS), timeout=PULL_TIMEOUT_S), max_bytes=self.max_bytes)
+            "/anchormesh.v1.Stage/GetShard",
+            request_serializer=pb.ShardRequest.SerializeToString,
+            response_deserializer=pb.ShardChunk.FromString,
+        )
+        shard = read_shard(
+            call(
+                pb.ShardRequest(run_id=self.run_id, sender=self.peer_id, what=pb.ShardRequest.WEIGHTS),
+                timeout=PULL_TIMEOUT_S,
+            ),
+            max_bytes=self.max_bytes,
+        )
         names = [stage.hf_names[name] for name, _ in stage.named_parameters()]
         if shard.run_id != self.run_id or shard.stage != stage.index or sorted(shard.tensors) != sorted(names):
-            raise ShardError(f"{holder.peer_id} sent the weights of stage {shard.stage} of run {shard.run_id!r}, not this stage's")
+            raise ShardError(
+                f"{holder.peer_id} sent the weights of stage {shard.stage} of run {shard.run_id!r}, not this stage's"
+            )
         return [shard.tensors[n] for n in names]
 
-    def fetchers(self, stage: torch.nn.Module, apply: Callable[[object, list, str], bool], source: str = "") -> tuple[Callable[[pb.PeerInfo], bool], Callable[[pb.PeerInfo], list[torch.Tensor]]]:
+    def fetchers(
+        self, stage: torch.nn.Module, apply: Callable[[object, list, str], bool], source: str = ""
+    ) -> tuple[Callable[[pb.PeerInfo], bool], Callable[[pb.PeerInfo], list[torch.Tensor]]]:
         """For StateSync: download and apply a holder's state of `stage` (`source` names it in the
         log; default: a group member), and fetch a holder's weights of it."""
         names = [name for name, _ in stage.named_parameters()]
-        return (lambda h: self.download(h, stage.index, names, apply, source or f"a group member ({h.peer_id})")), (lambda h: self.weights(h, stage))
+        return (lambda h: self.download(h, stage.index, names, apply, source or f"a group member ({h.peer_id})")), (
+            lambda h: self.weights(h, stage)
+        )
 
 
 def own_state_bytes(stage: torch.nn.Module) -> int:

@@ -93,7 +93,9 @@ class Router:
                 step, mb = key
                 w.inflight.pop(key)
                 w.forget_sent()  # the lost message may have carried the receiver's basis or coder
-                log.warning("no gradient for micro-batch %s of step %d after %.0fs; sending it again", mb, step, now - sent)
+                log.warning(
+                    "no gradient for micro-batch %s of step %d after %.0fs; sending it again", mb, step, now - sent
+                )
                 w.inject(job.window, step, mb - w.replica * w.cfg.pipeline.micro_batches)
                 self.sent_at[key] = now
         for key in list(self.sent_at):
@@ -103,7 +105,11 @@ class Router:
     def uplink_bps(self) -> float | None:
         """Bytes/s of its slowest measured outbound pipeline stream (None: not measured yet): what
         its uplink carries, as far as this peer can tell."""
-        rates = [bps for (_, ch), m in list(self.transport.meters.items()) if ch in ("forward", "backward") and (bps := m.bps()) is not None]
+        rates = [
+            bps
+            for (_, ch), m in list(self.transport.meters.items())
+            if ch in ("forward", "backward") and (bps := m.bps()) is not None
+        ]
         return min(rates) if rates else None
 
     def links(self) -> tuple[float, float]:

@@ -75,7 +75,13 @@ class MetricsLog:
         self.close()  # the next write opens the file again
         now = time.monotonic()
         if now - self._logged_at >= LOG_EVERY_S:
-            log.warning("cannot write %s (%d failed writes so far, %d since the last message; training goes on): %s", self.path, self.failures, self._unlogged, exc)
+            log.warning(
+                "cannot write %s (%d failed writes so far, %d since the last message; training goes on): %s",
+                self.path,
+                self.failures,
+                self._unlogged,
+                exc,
+            )
             self._logged_at, self._unlogged = now, 0
 
     def close(self) -> None:

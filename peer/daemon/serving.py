@@ -50,7 +50,13 @@ class Serving:
     def ping_info(self, addr: object) -> pb.PingReply:
         """Ping's answer: who this peer is, which stage it serves, its step and state."""
         d, w = self.peer, self.peer.worker
-        return pb.PingReply(peer_id=d.peer_id, stage=w.stage.index if w else 0, version=w.version if w else 0, state=d.state, run_id=d.transport.run_id)
+        return pb.PingReply(
+            peer_id=d.peer_id,
+            stage=w.stage.index if w else 0,
+            version=w.version if w else 0,
+            state=d.state,
+            run_id=d.transport.run_id,
+        )
 
     def shard(self, addr: object, req: pb.ShardRequest) -> Iterator[pb.ShardChunk]:
         """GetShard: the stage's weights, copied between steps (under the step's lock), sent in
@@ -63,13 +69,27 @@ class Serving:
             if w is not None and d.state != "joining" and w.stage.index == req.stage:
                 meta, tensors = d.state_sync.stage_state()
                 names = [name for name, _ in w.stage.named_parameters()]
-                return shard_chunks(state_tensors(meta, names, tensors), run_id=d.transport.run_id, peer_id=d.peer_id, stage=req.stage, num_stages=w.stage.num_stages, step=int(meta["version"]))
+                return shard_chunks(
+                    state_tensors(meta, names, tensors),
+                    run_id=d.transport.run_id,
+                    peer_id=d.peer_id,
+                    stage=req.stage,
+                    num_stages=w.stage.num_stages,
+                    step=int(meta["version"]),
+                )
             return d.replicas.chunks(req.stage, w.stage.num_stages if w else 0)
         if w is None or d.state == "joining":
             raise AnchormeshError(f"peer {d.peer_id} serves no stage yet")
         with d.step_lock():
             tensors, step = snapshot(w.stage), w.version
-        return shard_chunks(tensors, run_id=d.transport.run_id, peer_id=d.peer_id, stage=w.stage.index, num_stages=w.stage.num_stages, step=step)
+        return shard_chunks(
+            tensors,
+            run_id=d.transport.run_id,
+            peer_id=d.peer_id,
+            stage=w.stage.index,
+            num_stages=w.stage.num_stages,
+            step=step,
+        )
 
     def validate(self, channel: str, msg: object) -> None:
         d = self.peer
@@ -112,4 +132,6 @@ class AdjacentSenders:
         if now - first > GRACE_S:
             listed = [n.stage for ns in neighbours.values() for n in ns if n.peer_id == sender]
             where = f"lists it at stage {listed[0]}" if listed else "does not list it"
-            raise WireError(f"header.sender={sender!r}: stage {stage} takes {channel} messages from the peers of stage {want}, and the tracker {where}")
+            raise WireError(
+                f"header.sender={sender!r}: stage {stage} takes {channel} messages from the peers of stage {want}, and the tracker {where}"
+            )

@@ -77,7 +77,11 @@ class StartupClock:
             if first:
                 self._done = self._age()
         if first:
-            log.info("first step %.1f s after the process started: %s", self._done, ", ".join(f"{n} {s:.1f} s" for n, s in self.phases()))
+            log.info(
+                "first step %.1f s after the process started: %s",
+                self._done,
+                ", ".join(f"{n} {s:.1f} s" for n, s in self.phases()),
+            )
         return self._done
 
     def phases(self) -> list[tuple[str, float]]:
@@ -98,4 +102,3 @@ class StartupClock:
             name, t0 = self._marks[-1]
         age = self._age()
         return f"{detail or DOING[name]} ({age - t0:.0f} s; {age:.0f} s since start)"
-

@@ -50,8 +50,12 @@ class StateSync:
 
     def __init__(self, peer: StageHolder) -> None:
         self.peer = peer
-        self.run_clock: tuple[float, int] | None = None  # (when it joined, the run's step then): bounds a downloaded state's step
-        self._judge: Callable[[list[torch.Tensor], int], str] | None = None  # the group check of the download under way (None: a checkpoint)
+        self.run_clock: tuple[float, int] | None = (
+            None  # (when it joined, the run's step then): bounds a downloaded state's step
+        )
+        self._judge: Callable[[list[torch.Tensor], int], str] | None = (
+            None  # the group check of the download under way (None: a checkpoint)
+        )
         self._refusal = ""  # why the last state was refused
         self.refused: deque[str] = deque(maxlen=4)  # "PEER: why" of the donors refused, newest last (reported)
         self.refused_count = 0
@@ -67,14 +71,18 @@ class StateSync:
             for key in ("exp_avg", "exp_avg_sq"):
                 for _, p in w.stage.named_parameters():
                     st = opt.state.get(p, {})
-                    moments.append(st[key].detach().to("cpu", copy=True) if key in st else torch.zeros(p.shape, dtype=p.dtype))
+                    moments.append(
+                        st[key].detach().to("cpu", copy=True) if key in st else torch.zeros(p.shape, dtype=p.dtype)
+                    )
                     adam_step = max(adam_step, float(st.get("step", 0.0)))
             return {"version": w.version, "adam_step": adam_step}, params + moments
 
     def _witnesses(self, donors: Sequence[pb.PeerInfo], weights: Weights | None) -> Witnesses:
         named, o = list(self.peer.worker.stage.named_parameters()), self.peer.worker.cfg.optim
         c = (1 - o.beta1) / ((1 - o.beta2) * (1 - o.beta1**2 / o.beta2)) ** 0.5 if o.beta1**2 < o.beta2 else 10.0
-        return Witnesses([n for n, _ in named], [p for _, p in named], donors, weights, REACH_MARGIN * o.lr * max(1.0, c))
+        return Witnesses(
+            [n for n, _ in named], [p for _, p in named], donors, weights, REACH_MARGIN * o.lr * max(1.0, c)
+        )
 
     def _reach_steps(self, version: int) -> int:
         """How many steps a state of `version` may be past this peer's own: at most the run's step
@@ -82,10 +90,15 @@ class StateSync:
         cap = self.run_clock[1] + STEP_SLACK if self.run_clock is not None else version
         return max(min(version, cap) - max(self.peer.state_step, 0), 0)
 
-    def _ask(self, donor: pb.PeerInfo, witnesses: Witnesses, download: Callable[[pb.PeerInfo], bool], lone: bool = False) -> bool:
+    def _ask(
+        self, donor: pb.PeerInfo, witnesses: Witnesses, download: Callable[[pb.PeerInfo], bool], lone: bool = False
+    ) -> bool:
         """`download(donor)` judged by `witnesses` (`lone`: by the single-donor policy); a refused
         donor is named in the log and in `refused`."""
-        self._judge, self._refusal = (lambda params, version: witnesses.judge(None if lone else donor, params, self._reach_steps(version))), ""
+        self._judge, self._refusal = (
+            (lambda params, version: witnesses.judge(None if lone else donor, params, self._reach_steps(version))),
+            "",
+        )
         try:
             if download(donor):
                 return True
@@ -94,7 +107,12 @@ class StateSync:
         if self._refusal:
             self.refused_count += 1
             self.refused.append(f"{donor.peer_id}: {self._refusal}")
-            log.warning("refused the stage state of %s (%d donors refused so far): %s", donor.peer_id, self.refused_count, self._refusal)
+            log.warning(
+                "refused the stage state of %s (%d donors refused so far): %s",
+                donor.peer_id,
+                self.refused_count,
+                self._refusal,
+            )
         return False
 
     def load_single(self, holder: pb.PeerInfo, download: Callable[[pb.PeerInfo], bool]) -> bool:
@@ -102,7 +120,9 @@ class StateSync:
         it to compare with, so the single-donor policy judges it (peer/daemon/state_witness.py)."""
         return self._ask(holder, self._witnesses([], None), download, lone=True)
 
-    def load_group_state(self, donors: Sequence[pb.PeerInfo], download: Callable[[pb.PeerInfo], bool], weights: Weights | None = None) -> None:
+    def load_group_state(
+        self, donors: Sequence[pb.PeerInfo], download: Callable[[pb.PeerInfo], bool], weights: Weights | None = None
+    ) -> None:
         """A joiner takes the state of the first of `donors` (the tracker's list of its serving
         stage mates, most-trained first) newer than what this peer holds (a checkpoint may be),
         passing `apply_state`'s checks and close to what the other donors serve (`weights(donor)`:
@@ -119,9 +139,15 @@ class StateSync:
                 return
         behind = f"the run is at step {peer.worker.version}"
         if peer.state_step >= 0:
-            behind = f"{behind}, {max(peer.worker.version - peer.state_step, 0)} steps of this stage's training are lost"
+            behind = (
+                f"{behind}, {max(peer.worker.version - peer.state_step, 0)} steps of this stage's training are lost"
+            )
         peer.reason = f"no stage-group member answered: resumed from {peer.resumed_from} ({behind})"
-        log.warning("no stage state to download (first peer of its group, a group that emptied, or no donor answered): resumed from %s (%s)", peer.resumed_from, behind)
+        log.warning(
+            "no stage state to download (first peer of its group, a group that emptied, or no donor answered): resumed from %s (%s)",
+            peer.resumed_from,
+            behind,
+        )
 
     def check_state(self, named: list, tensors: list, version: int) -> None:
         """What a donor (or a disk) hands over must be a state honest training can reach; raises
@@ -137,7 +163,9 @@ class StateSync:
             start = self.run_clock[1]
             ceiling = step_ceiling(start, time.monotonic() - self.run_clock[0])
             if version > ceiling:
-                raise ValueError(f"step {version} is past the run's ({start} when this peer joined, at most {ceiling:.0f} now)")
+                raise ValueError(
+                    f"step {version} is past the run's ({start} when this peer joined, at most {ceiling:.0f} now)"
+                )
         for (name, p), t in zip(named, tensors[:n]):
             own, new = float(p.detach().float().norm()), float(t.float().norm())
             if new > 10 * own + 2 * t.numel() ** 0.5:  # 10x its own, plus a root-mean-square of 2 per value
@@ -147,7 +175,9 @@ class StateSync:
             c = (1 - b1) / ((1 - b2) * (1 - b1 * b1 / b2)) ** 0.5
             for (name, _), m, v in zip(named, tensors[n : 2 * n], tensors[2 * n :]):
                 if bool((m.float().abs() > 1.01 * c * v.float().sqrt() + 1e-12).any()):
-                    raise ValueError(f"AdamW moments of {name}: |exp_avg| exceeds {c:.3f} sqrt(exp_avg_sq), which no gradient sequence gives")
+                    raise ValueError(
+                        f"AdamW moments of {name}: |exp_avg| exceeds {c:.3f} sqrt(exp_avg_sq), which no gradient sequence gives"
+                    )
 
     def apply_state(self, metadata: object, tensors: list, source: str) -> bool:
         """Put a stage state (from the group or a checkpoint) into the stage, whole or not at all:
@@ -162,9 +192,18 @@ class StateSync:
                 raise ValueError(f"{len(tensors)} tensors, expected {3 * n}")
             for i, t in enumerate(tensors):
                 name, p = named[i % n]
-                if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(p.shape) or not t.is_floating_point() or not torch.isfinite(t).all():
-                    raise ValueError(f"tensor {i} ({name}): {getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))} does not fit {tuple(p.shape)} or is not finite")
-                if i >= 2 * n and bool((t < 0).any()):  # a second moment is a mean of squares: a negative one poisons AdamW
+                if (
+                    not isinstance(t, torch.Tensor)
+                    or tuple(t.shape) != tuple(p.shape)
+                    or not t.is_floating_point()
+                    or not torch.isfinite(t).all()
+                ):
+                    raise ValueError(
+                        f"tensor {i} ({name}): {getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))} does not fit {tuple(p.shape)} or is not finite"
+                    )
+                if i >= 2 * n and bool(
+                    (t < 0).any()
+                ):  # a second moment is a mean of squares: a negative one poisons AdamW
                     raise ValueError(f"tensor {i} (exp_avg_sq of {name}): {int((t < 0).sum())} negative values")
             version, adam_step = int(metadata["version"]), float(metadata["adam_step"])
             self.check_state(named, tensors, version)
@@ -176,7 +215,12 @@ class StateSync:
             self._refusal = str(exc)
             return False
         if version <= peer.state_step:
-            log.info("stage state from %s (step %d) is not newer than the state this peer holds (step %d): kept its own", source, version, peer.state_step)
+            log.info(
+                "stage state from %s (step %d) is not newer than the state this peer holds (step %d): kept its own",
+                source,
+                version,
+                peer.state_step,
+            )
             return False
         with torch.no_grad(), peer.step_lock():
             for (name, p), t in zip(named, tensors[:n]):
@@ -185,7 +229,11 @@ class StateSync:
                 fused = bool(w.optimizer.opt.defaults.get("fused"))  # fused AdamW keeps its step count on the device
                 for (name, p), m, v in zip(named, tensors[n : 2 * n], tensors[2 * n :]):
                     step_t = torch.tensor(adam_step, dtype=torch.float32, device=p.device if fused else "cpu")
-                    w.optimizer.opt.state[p] = {"step": step_t, "exp_avg": m.to(device=p.device, dtype=p.dtype, copy=True), "exp_avg_sq": v.to(device=p.device, dtype=p.dtype, copy=True)}
+                    w.optimizer.opt.state[p] = {
+                        "step": step_t,
+                        "exp_avg": m.to(device=p.device, dtype=p.dtype, copy=True),
+                        "exp_avg_sq": v.to(device=p.device, dtype=p.dtype, copy=True),
+                    }
             if peer.averager is not None:
                 peer.averager.rebase()
             w.version = max(w.version, version)

@@ -36,14 +36,27 @@ from peer.wire import anchormesh_pb2 as pb
 
 log = logging.getLogger("anchormesh.peer")
 GROUP_REL = 1.0  # per tensor: distance to a witness's weights at most this x the witness's norm (a negation is 2x) ...
-ABS_RMS = 0.1  # ... plus this x the root-mean-square of this peer's own stage weights per value (a zero-initialised bias)
-REACH_MARGIN = 2.0  # the single-donor policy's reach per step: this x lr x max(1, c) per value (c: the AdamW moment bound)
+ABS_RMS = (
+    0.1  # ... plus this x the root-mean-square of this peer's own stage weights per value (a zero-initialised bias)
+)
+REACH_MARGIN = (
+    2.0  # the single-donor policy's reach per step: this x lr x max(1, c) per value (c: the AdamW moment bound)
+)
 MAX_WITNESSES = 3  # donors asked for their weights to judge one donor's state
 
-Weights = Callable[[pb.PeerInfo], "list[torch.Tensor] | None"]  # a donor's weights in named_parameters order, None: no answer
+Weights = Callable[
+    [pb.PeerInfo], "list[torch.Tensor] | None"
+]  # a donor's weights in named_parameters order, None: no answer
 
 
-def far(names: Sequence[str], params: Sequence[torch.Tensor], ref: Sequence[torch.Tensor], rel: float, per_value: float, what: str) -> str:
+def far(
+    names: Sequence[str],
+    params: Sequence[torch.Tensor],
+    ref: Sequence[torch.Tensor],
+    rel: float,
+    per_value: float,
+    what: str,
+) -> str:
     """Why `params` is not close to `ref` (the first tensor more than `rel` x its norm, plus
     `per_value` x the root of its size, away), or ""."""
     for name, p, r in zip(names, params, ref):
@@ -61,7 +74,14 @@ class Witnesses:
     """The judge of one joiner's downloads: its own weights before any download, the donors the
     tracker listed, and their weights once fetched (kept: a donor is a witness for the next)."""
 
-    def __init__(self, names: Sequence[str], own: Sequence[torch.Tensor], donors: Sequence[pb.PeerInfo], weights: Weights | None, reach: float) -> None:
+    def __init__(
+        self,
+        names: Sequence[str],
+        own: Sequence[torch.Tensor],
+        donors: Sequence[pb.PeerInfo],
+        weights: Weights | None,
+        reach: float,
+    ) -> None:
         self.names, self.own = list(names), [t.detach().to("cpu", copy=True) for t in own]
         total = sum(t.numel() for t in self.own)
         self.rms = (sum(float(t.float().pow(2).sum()) for t in self.own) / max(total, 1)) ** 0.5
@@ -96,5 +116,9 @@ class Witnesses:
         alone = far(self.names, params, self.own, 0.0, ABS_RMS * self.rms + self.reach * steps, "this peer's own")
         if not alone:
             return ""
-        vouch = f"{len(agree)} stage mate(s) vouch for it, {len(disagree)} against" if agree or disagree else "no stage mate to compare with"
+        vouch = (
+            f"{len(agree)} stage mate(s) vouch for it, {len(disagree)} against"
+            if agree or disagree
+            else "no stage mate to compare with"
+        )
         return f"{vouch}, and it is far from this peer's own weights: {alone}"

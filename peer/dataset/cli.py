@@ -52,11 +52,16 @@ def add_data_parser(sub: argparse._SubParsersAction) -> None:
         default=DEFAULT_MIN_HELDOUT_TOKENS,
         help=f"refuse a source whose train, eval or confirmation split gets fewer tokens (default {DEFAULT_MIN_HELDOUT_TOKENS})",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of the document hash that picks the held-out documents (default 0)")
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the document hash that picks the held-out documents (default 0)"
+    )
     p.add_argument("--text-field", default="text", help="with hf:...: the column holding the text (default text)")
     p.add_argument("--force", action="store_true", help="replace --out if it holds a prepared folder")
     p.add_argument(
-        "--progress", action=argparse.BooleanOptionalAction, default=None, help="show the progress bar (default: when stderr is a terminal)"
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="show the progress bar (default: when stderr is a terminal)",
     )
 
 

@@ -60,7 +60,9 @@ class TrackerSource:
         with part.open("wb") as f:
             for chunk in self.fetch(name, 0):
                 if chunk.name != name or chunk.offset != got:
-                    raise ShardError(name, f"the server sent {chunk.name!r} at offset {chunk.offset}, expected offset {got}")
+                    raise ShardError(
+                        name, f"the server sent {chunk.name!r} at offset {chunk.offset}, expected offset {got}"
+                    )
                 if chunk.total_bytes != size:
                     raise ShardError(name, f"the server says {chunk.total_bytes} bytes, the manifest says {size}")
                 if got + len(chunk.data) > size:
@@ -102,8 +104,16 @@ class ShardStore:
         data_dir: the volunteer's own folder of prepared shards (`--data-dir`), or None.
     """
 
-    def __init__(self, manifest: Manifest, cache: Path, source: ShardSource, keep: int = 3, data_dir: Path | None = None) -> None:
-        self.manifest, self.cache, self.source, self.keep, self.data_dir = manifest, Path(cache), source, max(keep, 1), data_dir
+    def __init__(
+        self, manifest: Manifest, cache: Path, source: ShardSource, keep: int = 3, data_dir: Path | None = None
+    ) -> None:
+        self.manifest, self.cache, self.source, self.keep, self.data_dir = (
+            manifest,
+            Path(cache),
+            source,
+            max(keep, 1),
+            data_dir,
+        )
         self.cache.mkdir(parents=True, exist_ok=True)
         self.dtype = np.dtype("<u2" if manifest.dtype == "uint16" else "<u4")
         self.pinned: set[str] = set()  # shards held work needs: not evicted
@@ -139,7 +149,9 @@ class ShardStore:
         with self._lock:
             if shard.name not in self._maps:
                 self._maps[shard.name] = (
-                    np.memmap(path, dtype=self.dtype, mode="r", shape=(shard.tokens,)) if shard.tokens else np.zeros(0, self.dtype)
+                    np.memmap(path, dtype=self.dtype, mode="r", shape=(shard.tokens,))
+                    if shard.tokens
+                    else np.zeros(0, self.dtype)
                 )
             return self._maps[shard.name]
 
@@ -177,10 +189,15 @@ class ShardStore:
         self.source.download(shard.name, size, part)
         got = part.stat().st_size
         if got != size:
-            raise ShardError(shard.name, f"{'truncated' if got < size else 'oversized'}: {got} bytes, the manifest says {size}")
+            raise ShardError(
+                shard.name, f"{'truncated' if got < size else 'oversized'}: {got} bytes, the manifest says {size}"
+            )
         digest = sha256_file(part)
         if digest != shard.sha256:
-            raise ShardError(shard.name, f"content differs from the manifest: sha256 {digest[:16]}..., expected {shard.sha256[:16]}...")
+            raise ShardError(
+                shard.name,
+                f"content differs from the manifest: sha256 {digest[:16]}..., expected {shard.sha256[:16]}...",
+            )
 
     def _evict(self) -> None:
         """At most `keep` downloaded shards on disk (--data-dir's are the volunteer's: never deleted)."""

@@ -55,7 +55,11 @@ def parse_hub(value: str, key: str = "data.prepared") -> HubRef:
     body = value[len(PREFIX) :] if is_hub(value) else value
     repo, _, revision = body.partition("@")
     if not _REPO.fullmatch(repo) or ".." in repo:
-        raise ConfigError(key, value, "must be hf://OWNER/NAME[@REVISION]: a Hugging Face dataset repo id, e.g. hf://my-org/my-run-data@main")
+        raise ConfigError(
+            key,
+            value,
+            "must be hf://OWNER/NAME[@REVISION]: a Hugging Face dataset repo id, e.g. hf://my-org/my-run-data@main",
+        )
     if "@" in body and (not _REVISION.fullmatch(revision) or ".." in revision):
         raise ConfigError(key, value, "its @REVISION must be a branch, tag or commit of the repo")
     return HubRef(repo, revision or "main")
@@ -110,19 +114,35 @@ def pin(ref: HubRef) -> tuple[HubRef, bytes]:
     from huggingface_hub.errors import RemoteEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
 
     try:
-        meta = get_hf_file_metadata(hf_hub_url(ref.repo, MANIFEST, repo_type=REPO_TYPE, revision=ref.revision), retry_on_errors=True)
+        meta = get_hf_file_metadata(
+            hf_hub_url(ref.repo, MANIFEST, repo_type=REPO_TYPE, revision=ref.revision), retry_on_errors=True
+        )
         commit = meta.commit_hash or ""
         if not COMMIT.fullmatch(commit):
-            raise ConfigError("data.prepared", str(ref), f"the hub named no commit for it (got {commit[:60]!r}): is HF_ENDPOINT a Hugging Face hub?")
+            raise ConfigError(
+                "data.prepared",
+                str(ref),
+                f"the hub named no commit for it (got {commit[:60]!r}): is HF_ENDPOINT a Hugging Face hub?",
+            )
         pinned = HubRef(ref.repo, commit)
         with tempfile.TemporaryDirectory(prefix="anchormesh-hub-") as tmp:
-            text = Path(hf_hub_download(ref.repo, MANIFEST, repo_type=REPO_TYPE, revision=commit, local_dir=tmp, tqdm_class=_quiet_bar())).read_bytes()
+            text = Path(
+                hf_hub_download(
+                    ref.repo, MANIFEST, repo_type=REPO_TYPE, revision=commit, local_dir=tmp, tqdm_class=_quiet_bar()
+                )
+            ).read_bytes()
     except RepositoryNotFoundError:
-        raise ConfigError("data.prepared", str(ref), "no such dataset repo on the hub (a private one needs HF_TOKEN)") from None
+        raise ConfigError(
+            "data.prepared", str(ref), "no such dataset repo on the hub (a private one needs HF_TOKEN)"
+        ) from None
     except RevisionNotFoundError:
         raise ConfigError("data.prepared", str(ref), f"the repo has no revision {ref.revision!r}") from None
     except RemoteEntryNotFoundError:
-        raise ConfigError("data.prepared", str(ref), f"holds no {MANIFEST} at its root: upload the folder `anchormesh data prepare` wrote") from None
+        raise ConfigError(
+            "data.prepared",
+            str(ref),
+            f"holds no {MANIFEST} at its root: upload the folder `anchormesh data prepare` wrote",
+        ) from None
     except (OSError, httpx2.HTTPError) as exc:
         raise ConfigError("data.prepared", str(ref), f"cannot read it from the hub: {_reason(exc)}") from None
     return pinned, text
@@ -165,12 +185,23 @@ class HubSource:
         from huggingface_hub.errors import RemoteEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
 
         self.staging.mkdir(parents=True, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".hub-", dir=self.staging)  # hf_hub_download's own files (metadata, partial download) go with it
+        tmp = tempfile.mkdtemp(
+            prefix=".hub-", dir=self.staging
+        )  # hf_hub_download's own files (metadata, partial download) go with it
         try:
-            meta = get_hf_file_metadata(hf_hub_url(self.ref.repo, name, repo_type=REPO_TYPE, revision=self.ref.revision))  # no retries here: the prefetch tries again
+            meta = get_hf_file_metadata(
+                hf_hub_url(self.ref.repo, name, repo_type=REPO_TYPE, revision=self.ref.revision)
+            )  # no retries here: the prefetch tries again
             if meta.size is not None and meta.size != size:
                 raise ShardError(name, f"{self.where} says {meta.size} bytes, the manifest says {size}")
-            path = hf_hub_download(self.ref.repo, name, repo_type=REPO_TYPE, revision=self.ref.revision, local_dir=tmp, tqdm_class=_quiet_bar())
+            path = hf_hub_download(
+                self.ref.repo,
+                name,
+                repo_type=REPO_TYPE,
+                revision=self.ref.revision,
+                local_dir=tmp,
+                tqdm_class=_quiet_bar(),
+            )
             os.replace(path, part)
         except (RemoteEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError) as exc:
             raise ShardError(name, f"{self.where} cannot give it: {_reason(exc)}") from None

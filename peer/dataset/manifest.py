@@ -99,7 +99,9 @@ def read_manifest(folder: Path) -> Manifest:
     try:
         text = path.read_bytes()
     except FileNotFoundError:
-        raise ConfigError("data folder", str(folder), f"holds no {MANIFEST}: not a folder written by `anchormesh data prepare`") from None
+        raise ConfigError(
+            "data folder", str(folder), f"holds no {MANIFEST}: not a folder written by `anchormesh data prepare`"
+        ) from None
     except OSError as exc:
         raise ConfigError(MANIFEST, str(path), f"cannot be read: {exc}") from None
     return parse_manifest(text, str(path))
@@ -112,7 +114,9 @@ def parse_manifest(text: bytes | str, path: str = MANIFEST) -> Manifest:
     except ValueError as exc:
         raise ConfigError(MANIFEST, path, f"cannot be read as JSON: {exc}") from None
     if not isinstance(body, dict) or body.get("format") != FORMAT:
-        raise ConfigError(f"{MANIFEST}: format", body.get("format") if isinstance(body, dict) else None, f"must be {FORMAT!r}")
+        raise ConfigError(
+            f"{MANIFEST}: format", body.get("format") if isinstance(body, dict) else None, f"must be {FORMAT!r}"
+        )
     if body.get("version") != VERSION:
         raise ConfigError(f"{MANIFEST}: version", body.get("version"), f"this anchormesh reads version {VERSION}")
     try:
@@ -155,7 +159,10 @@ def _split(name: str, body: dict) -> SplitInfo:
     )
     for s in shards:
         if not (
-            s.name == Path(s.name).name and s.name.startswith(f"{name}-") and s.name.endswith(".bin") and s.index == s.name[:-4] + ".idx"
+            s.name == Path(s.name).name
+            and s.name.startswith(f"{name}-")
+            and s.name.endswith(".bin")
+            and s.index == s.name[:-4] + ".idx"
         ):
             raise ConfigError(
                 f"{MANIFEST}: splits.{name}.shards.name",
@@ -167,6 +174,8 @@ def _split(name: str, body: dict) -> SplitInfo:
     split = SplitInfo(tokens=int(body["tokens"]), documents=int(body["documents"]), shards=shards)
     if split.tokens != sum(s.tokens for s in shards) or split.documents != sum(s.documents for s in shards):
         raise ConfigError(
-            f"{MANIFEST}: splits.{name}", f"{split.tokens} tokens, {split.documents} documents", "differ from the sums over its shards"
+            f"{MANIFEST}: splits.{name}",
+            f"{split.tokens} tokens, {split.documents} documents",
+            "differ from the sums over its shards",
         )
     return split

@@ -19,7 +19,17 @@ from pathlib import Path
 import numpy as np
 
 from peer.atomic import fsync_dir, write_atomic
-from peer.dataset.manifest import DEFAULT_HELDOUT_FRACTION, DEFAULT_MIN_HELDOUT_TOKENS, DEFAULT_SHARD_TOKENS, INDEX_DTYPE, MANIFEST, SPLITS, Manifest, ShardInfo, SplitInfo
+from peer.dataset.manifest import (
+    DEFAULT_HELDOUT_FRACTION,
+    DEFAULT_MIN_HELDOUT_TOKENS,
+    DEFAULT_SHARD_TOKENS,
+    INDEX_DTYPE,
+    MANIFEST,
+    SPLITS,
+    Manifest,
+    ShardInfo,
+    SplitInfo,
+)
 from peer.dataset.sources import open_source
 from peer.errors import ConfigError
 from peer.progress import byte_bar
@@ -43,9 +53,13 @@ class TokenIds:
             try:
                 self._tok = load_tokenizer(name)
             except ConfigError as exc:
-                why = " ".join(str(exc)[len(f"{exc.field}={exc.value!r}: ") :].split())  # one line: the library's messages span several
+                why = " ".join(
+                    str(exc)[len(f"{exc.field}={exc.value!r}: ") :].split()
+                )  # one line: the library's messages span several
                 raise ConfigError(
-                    "--tokenizer", name, f"{why} (allowed: bytes, smollm2-135m, a Hugging Face model id or folder, a .gguf file)"
+                    "--tokenizer",
+                    name,
+                    f"{why} (allowed: bytes, smollm2-135m, a Hugging Face model id or folder, a .gguf file)",
                 ) from None
             self._tok.model_max_length = 1 << 62  # documents are longer than the model's context: no warning
             self.vocab_size = len(self._tok)
@@ -58,7 +72,9 @@ class TokenIds:
         out = [np.asarray(x, dtype=np.int64) for x in ids]
         for a in out:
             if len(a) and int(a.max()) >= self.vocab_size:
-                raise ConfigError("--tokenizer", self.name, f"gave id {int(a.max())}, outside its vocabulary of {self.vocab_size}")
+                raise ConfigError(
+                    "--tokenizer", self.name, f"gave id {int(a.max())}, outside its vocabulary of {self.vocab_size}"
+                )
         return [a.astype(self.dtype) for a in out]
 
     def decode(self, ids: np.ndarray) -> bytes:
@@ -126,7 +142,9 @@ class ShardWriter:
 
     def info(self) -> SplitInfo:
         return SplitInfo(
-            tokens=sum(s.tokens for s in self.shards), documents=sum(s.documents for s in self.shards), shards=tuple(self.shards)
+            tokens=sum(s.tokens for s in self.shards),
+            documents=sum(s.documents for s in self.shards),
+            shards=tuple(self.shards),
         )
 
 
@@ -137,10 +155,16 @@ def check_out(out: Path, force: bool) -> None:
         raise ConfigError("--out", str(out), "exists and is not a folder")
     if out.is_dir() and any(out.iterdir()):
         if not force:
-            raise ConfigError("--out", str(out), "exists and is not empty; name a new folder, or pass --force to replace a prepared one")
+            raise ConfigError(
+                "--out",
+                str(out),
+                "exists and is not empty; name a new folder, or pass --force to replace a prepared one",
+            )
         if not (out / MANIFEST).is_file():
             raise ConfigError(
-                "--out", str(out), f"exists, is not empty and holds no {MANIFEST}; --force replaces only a folder written by `data prepare`"
+                "--out",
+                str(out),
+                f"exists, is not empty and holds no {MANIFEST}; --force replaces only a folder written by `data prepare`",
             )
 
 
@@ -217,9 +241,14 @@ def prepare(
         shutil.rmtree(partial, ignore_errors=True)
         raise
     elapsed = max(time.monotonic() - started, 1e-9)
-    counts = ", ".join(f"{s} {manifest.splits[s].tokens:,} tokens / {manifest.splits[s].documents:,} documents" for s in SPLITS)
+    counts = ", ".join(
+        f"{s} {manifest.splits[s].tokens:,} tokens / {manifest.splits[s].documents:,} documents" for s in SPLITS
+    )
     shards = sum(len(v.shards) for v in manifest.splits.values())
-    print(f"prepared {out}: {counts}; {shards} shards; {elapsed:.1f} s ({manifest.tokens / elapsed:,.0f} tokens/s)", file=sys.stderr)
+    print(
+        f"prepared {out}: {counts}; {shards} shards; {elapsed:.1f} s ({manifest.tokens / elapsed:,.0f} tokens/s)",
+        file=sys.stderr,
+    )
     return manifest
 
 

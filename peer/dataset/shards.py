@@ -65,14 +65,19 @@ class PreparedData:
             except FileNotFoundError:
                 raise ShardError(name, f"missing from {self.folder}") from None
             if got != size:
-                raise ShardError(name, f"{'truncated' if got < size else 'oversized'}: {got} bytes, the manifest says {size}")
+                raise ShardError(
+                    name, f"{'truncated' if got < size else 'oversized'}: {got} bytes, the manifest says {size}"
+                )
             if full:
                 h = hashlib.sha256()
                 with path.open("rb") as f:
                     while block := f.read(HASH_BLOCK):
                         h.update(block)
                 if h.hexdigest() != digest:
-                    raise ShardError(name, f"content differs from the manifest: sha256 {h.hexdigest()[:16]}..., expected {digest[:16]}...")
+                    raise ShardError(
+                        name,
+                        f"content differs from the manifest: sha256 {h.hexdigest()[:16]}..., expected {digest[:16]}...",
+                    )
         if full and shard.documents:
             starts = self.doc_starts(shard)
             if (
@@ -143,7 +148,9 @@ class Windows:
     def locate(self, window: int) -> tuple[ShardInfo, int]:
         """(shard, token offset in it) of window id `window`."""
         if not 0 <= window < self.count:
-            raise IndexError(f"window id {window} is outside [0, {self.count}) of the {self.split} split at seq_len {self.length - 1}")
+            raise IndexError(
+                f"window id {window} is outside [0, {self.count}) of the {self.split} split at seq_len {self.length - 1}"
+            )
         k = bisect.bisect_right(self._ends, window)
         first = self._ends[k - 1] if k else 0
         return self.shards[k], (window - first) * self.length

@@ -45,10 +45,16 @@ def open_source(spec: str, text_field: str = "text") -> Source:
     if path.is_dir():
         files = sorted(f for f in path.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES)
         if not files:
-            raise ConfigError("SOURCE", spec, f"holds no text files (suffixes read: {', '.join(repr(s) for s in sorted(TEXT_SUFFIXES))})")
+            raise ConfigError(
+                "SOURCE",
+                spec,
+                f"holds no text files (suffixes read: {', '.join(repr(s) for s in sorted(TEXT_SUFFIXES))})",
+            )
         return Source(spec, sum(f.stat().st_size for f in files), lambda: _folder_documents(files))
     raise ConfigError(
-        "SOURCE", spec, f"no such file or folder; give a text file, a folder of text files, or {HF_PREFIX}DATASET[:CONFIG[:SPLIT]]"
+        "SOURCE",
+        spec,
+        f"no such file or folder; give a text file, a folder of text files, or {HF_PREFIX}DATASET[:CONFIG[:SPLIT]]",
     )
 
 
@@ -132,7 +138,9 @@ def _hf_source(spec: str, text_field: str) -> Source:
             raise ConfigError("SOURCE", spec, f"cannot load it: {type(exc).__name__}: {exc}") from None
         for row in rows:
             if text_field not in row:
-                raise ConfigError("--text-field", text_field, f"not a column of {name}; columns: {', '.join(sorted(row))}")
+                raise ConfigError(
+                    "--text-field", text_field, f"not a column of {name}; columns: {', '.join(sorted(row))}"
+                )
             text = str(row[text_field]).encode("utf-8")
             if len(text) > SPLIT_DOC_BYTES:
                 yield from paragraphs(text[i : i + READ_BLOCK] for i in range(0, len(text), READ_BLOCK))

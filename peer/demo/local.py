@@ -38,7 +38,14 @@ def codec_label(cfg: TrainConfig) -> str:
     return codec_class(cfg.mask.scheme).label(cfg.mask)
 
 
-def run_demo(seconds: float = 60.0, stages: int = 2, codec: str = "transform", drop: float = 0.95, rank: int = 20, threads: int = 0) -> dict:
+def run_demo(
+    seconds: float = 60.0,
+    stages: int = 2,
+    codec: str = "transform",
+    drop: float = 0.95,
+    rank: int = 20,
+    threads: int = 0,
+) -> dict:
     if threads:
         torch.set_num_threads(threads)
     cfg = demo_config(stages, codec, drop, rank)
@@ -46,9 +53,13 @@ def run_demo(seconds: float = 60.0, stages: int = 2, codec: str = "transform", d
     stream = TokenStream(data)
     gen = torch.Generator().manual_seed(0)
     p = cfg.pipeline
-    print(f"anchormesh demo: tiny-llama ({cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}) in {stages} pipeline stages, "
-          f"PP codec {codec_label(cfg)}, {f'anchor every {cfg.anchor.every} steps' if cfg.anchor.every else 'anchors off'}; corpus: {source.split(',')[0]}… ({len(data) / 1e6:.1f} MB)")
-    runner = LocalPipelineRunner(cfg, load_causal_lm(cfg.model), lambda step, r, j: stream.batch(p.micro_batch_size, p.seq_len, gen))
+    print(
+        f"anchormesh demo: tiny-llama ({cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}) in {stages} pipeline stages, "
+        f"PP codec {codec_label(cfg)}, {f'anchor every {cfg.anchor.every} steps' if cfg.anchor.every else 'anchors off'}; corpus: {source.split(',')[0]}… ({len(data) / 1e6:.1f} MB)"
+    )
+    runner = LocalPipelineRunner(
+        cfg, load_causal_lm(cfg.model), lambda step, r, j: stream.batch(p.micro_batch_size, p.seq_len, gen)
+    )
     eval_batches = stream.eval_batches(p.micro_batch_size, p.seq_len, 8)
     dense_bpt = 2 * 2 * cfg.model.hidden_size * (stages - 1)  # fp16 activations + gradients, every link
     start_eval = evaluate_stages(runner.stages(), eval_batches)

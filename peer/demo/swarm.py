@@ -34,7 +34,13 @@ def start_process(args: list[str], log: Path, **env: str) -> subprocess.Popen:
     """`anchormesh ARGS` as its own process (own session, so its children can be killed with it),
     one torch thread, output to `log`; `env` adds environment variables."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env}
-    return subprocess.Popen([sys.executable, "-m", "peer.cli", *args], stdout=open(log, "w"), stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "peer.cli", *args],
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        env=full_env,
+        start_new_session=True,
+    )
 
 
 def wait_for_bootstrap(state_dir: Path, proc: subprocess.Popen, log: Path, timeout_s: float = 60.0) -> dict:
@@ -86,7 +92,9 @@ def model_run_toml(model: str) -> str:
 
     resolve_dims(ModelConfig(name=model, num_stages=2))
     sections = {**DEMO_CPU_SIZES, "model": {"name": model, "num_stages": 2, **DEMO_CPU_SIZES["model"]}}
-    lines = [f"# anchormesh demo --model {model}: the recommended run with the demo's CPU sizes (`anchormesh config show --config` this file)"]
+    lines = [
+        f"# anchormesh demo --model {model}: the recommended run with the demo's CPU sizes (`anchormesh config show --config` this file)"
+    ]
     for section, values in sections.items():
         lines.append(f"[{section}]")
         lines += [f"{key} = {json.dumps(value)}" for key, value in values.items()]
@@ -111,9 +119,19 @@ def run_swarm_demo(seconds: float = 90.0, peers: int = 4, model: str | None = No
             config = ["--config", str(work / "run.toml")]
         procs.append(start_process(["bootstrap", "--state-dir", str(work), *config], work / "bootstrap.log"))
         info = wait_for_bootstrap(work, procs[0], work / "bootstrap.log")
-        print(f"bootstrap up: run {info['run_id']}, tracker {info['tracker']}; starting {peers} peers (logs in {work})", flush=True)
+        print(
+            f"bootstrap up: run {info['run_id']}, tracker {info['tracker']}; starting {peers} peers (logs in {work})",
+            flush=True,
+        )
         for i in range(peers):
-            procs.append(start_process(["peer", "--initial-peers", info["dht_maddrs"][0]], work / f"peer{i}.log", ANCHORMESH_TOKEN=info["token"], ANCHORMESH_TRACKER_KEY=info["tracker_key"]))
+            procs.append(
+                start_process(
+                    ["peer", "--initial-peers", info["dht_maddrs"][0]],
+                    work / f"peer{i}.log",
+                    ANCHORMESH_TOKEN=info["token"],
+                    ANCHORMESH_TRACKER_KEY=info["tracker_key"],
+                )
+            )
         startup_limit = STARTUP_S["pretrained" if model else "tiny"]
         with grpc.insecure_channel(info["tracker"]) as channel:
             stub = pbg.StatusStub(channel)
@@ -124,11 +142,18 @@ def run_swarm_demo(seconds: float = 90.0, peers: int = 4, model: str | None = No
                     started = now
                     print(f"first step {now - t0:.0f} s after launch", flush=True)
                 if started is None and now - t0 > startup_limit:
-                    print(f"\nno step within {startup_limit:.0f} s of launch: see the status above and the logs in {work}", flush=True)
+                    print(
+                        f"\nno step within {startup_limit:.0f} s of launch: see the status above and the logs in {work}",
+                        flush=True,
+                    )
                     break
                 if started is not None and now - started >= seconds:
                     break
-                phase = f"starting, {now - t0:.0f} s" if started is None else f"training {now - started:.0f}/{seconds:.0f} s"
+                phase = (
+                    f"starting, {now - t0:.0f} s"
+                    if started is None
+                    else f"training {now - started:.0f}/{seconds:.0f} s"
+                )
                 sys.stdout.write("\x1b[2J\x1b[H" if sys.stdout.isatty() else "\n")
                 sys.stdout.write(f"anchormesh swarm demo — {phase} (Ctrl-C ends it)\n\n{render(last)}\n")
                 sys.stdout.flush()
@@ -138,9 +163,21 @@ def run_swarm_demo(seconds: float = 90.0, peers: int = 4, model: str | None = No
     finally:
         stop_processes(procs)
     left = [p.pid for p in procs if p.poll() is None]
-    summary = {"run_id": last.run_id if last else None, "step": last.step if last else 0, "tokens": last.tokens if last else 0,
-               "loss": last.loss if last else None, "pp_bytes_per_token": last.pp_bytes_per_token if last else 0.0,
-               "startup_s": round(started - t0, 1) if started is not None else None, "processes_left": left,
-               "data": {"epoch": last.data.epoch, "position": last.data.position, "tokens_seen": last.data.tokens_seen} if last and last.HasField("data") else None}
-    print(f"summary: {json.dumps(summary)}; every process stopped" if not left else f"summary: {json.dumps(summary)}; STILL RUNNING: {left}")
+    summary = {
+        "run_id": last.run_id if last else None,
+        "step": last.step if last else 0,
+        "tokens": last.tokens if last else 0,
+        "loss": last.loss if last else None,
+        "pp_bytes_per_token": last.pp_bytes_per_token if last else 0.0,
+        "startup_s": round(started - t0, 1) if started is not None else None,
+        "processes_left": left,
+        "data": {"epoch": last.data.epoch, "position": last.data.position, "tokens_seen": last.data.tokens_seen}
+        if last and last.HasField("data")
+        else None,
+    }
+    print(
+        f"summary: {json.dumps(summary)}; every process stopped"
+        if not left
+        else f"summary: {json.dumps(summary)}; STILL RUNNING: {left}"
+    )
     return summary

@@ -42,13 +42,19 @@ class Audit:
     failed: dict[str, str] = field(default_factory=dict)
 
     def coordinates(self) -> torch.Tensor:
-        return torch.frombuffer(bytearray(self.index), dtype=torch.int64) if self.index else torch.zeros(0, dtype=torch.int64)
+        return (
+            torch.frombuffer(bytearray(self.index), dtype=torch.int64)
+            if self.index
+            else torch.zeros(0, dtype=torch.int64)
+        )
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {k: torch.frombuffer(bytearray(v), dtype=torch.float32) for k, v in self.values.items()}
 
 
-def commit_claim(tensors: list[torch.Tensor], claim: dict, sign: Callable[[dict], dict] | None) -> tuple[Commitment, dict]:
+def commit_claim(
+    tensors: list[torch.Tensor], claim: dict, sign: Callable[[dict], dict] | None
+) -> tuple[Commitment, dict]:
     """Commit to `tensors` (what this member is about to send) and put the root and the number
     of values into its `claim`, signed by `sign` when given."""
     c = commit(tensors)
@@ -64,7 +70,11 @@ def pick_leaves(n: int, k: int = AUDIT_LEAVES) -> list[int]:
 
 def coordinates(n: int, leaves: list[int]) -> torch.Tensor:
     """The flat coordinates the `leaves` hold, in order."""
-    return torch.cat([torch.arange(leaf * LEAF, min((leaf + 1) * LEAF, n)) for leaf in leaves]) if leaves else torch.zeros(0, dtype=torch.int64)
+    return (
+        torch.cat([torch.arange(leaf * LEAF, min((leaf + 1) * LEAF, n)) for leaf in leaves])
+        if leaves
+        else torch.zeros(0, dtype=torch.int64)
+    )
 
 
 def answer(commitments: dict[bytes, Commitment], request: pb.RevealRequest) -> pb.RevealReply:
@@ -82,7 +92,10 @@ def answer(commitments: dict[bytes, Commitment], request: pb.RevealRequest) -> p
 
 
 async def run_audit(
-    me: str, own: Commitment | None, gathered: dict, ask: Callable[[object, pb.RevealRequest], Awaitable[pb.RevealReply]],
+    me: str,
+    own: Commitment | None,
+    gathered: dict,
+    ask: Callable[[object, pb.RevealRequest], Awaitable[pb.RevealReply]],
 ) -> Audit:
     """Ask every other member of the round (`gathered`: hivemind peer id -> claim) to reveal the
     same privately drawn leaves of what it committed to, and check each answer against the root

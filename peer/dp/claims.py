@@ -20,9 +20,13 @@ from peer.dp.robust import trimmed_mean
 from peer.dp.steering import GROUP_COSINE, away_from_own
 
 MAX_CORRECTION = 4.0  # see implausible
-DRIFT_FLOOR = 1e-5  # of the weights' norm: what a round may move them beyond the drift bound (rounding; see implausible)
+DRIFT_FLOOR = (
+    1e-5  # of the weights' norm: what a round may move them beyond the drift bound (rounding; see implausible)
+)
 FLIP_COSINE = -0.5  # an update whose cosine with the rest of the group's mean update is below this points against it
-CLAIM_TOLERANCE = 0.1  # |mean - mean of claims| may be this fraction of the largest claimed update (8-bit quantization: ~2%)
+CLAIM_TOLERANCE = (
+    0.1  # |mean - mean of claims| may be this fraction of the largest claimed update (8-bit quantization: ~2%)
+)
 
 
 def split_index(sizes: list[int], flat: torch.Tensor) -> list[torch.Tensor]:
@@ -40,7 +44,9 @@ def take(tensors: list[torch.Tensor], index: list[torch.Tensor]) -> torch.Tensor
     return torch.cat([t.detach().reshape(-1)[i.to(t.device)].float().cpu() for t, i in zip(tensors, index)])
 
 
-def member_updates(revealed: dict[str, torch.Tensor], base: list[torch.Tensor], index: list[torch.Tensor], compression: str) -> dict[str, torch.Tensor]:
+def member_updates(
+    revealed: dict[str, torch.Tensor], base: list[torch.Tensor], index: list[torch.Tensor], compression: str
+) -> dict[str, torch.Tensor]:
     """Each member's update at the audited coordinates: its revealed values, less the last group
     mean where the members send parameters rather than deltas."""
     at_base = take(base, index)
@@ -48,8 +54,18 @@ def member_updates(revealed: dict[str, torch.Tensor], base: list[torch.Tensor], 
 
 
 def attribute(
-    group: dict, revealed: dict[str, torch.Tensor], failed: dict[str, str], result: torch.Tensor, kept: torch.Tensor | None, *,
-    me: str, members: set[str] | None, excluded: dict[str, str], base: list[torch.Tensor], index: list[torch.Tensor], compression: str,
+    group: dict,
+    revealed: dict[str, torch.Tensor],
+    failed: dict[str, str],
+    result: torch.Tensor,
+    kept: torch.Tensor | None,
+    *,
+    me: str,
+    members: set[str] | None,
+    excluded: dict[str, str],
+    base: list[torch.Tensor],
+    index: list[torch.Tensor],
+    compression: str,
 ) -> tuple[str, list[str], str | None]:
     """Check the round against what the members committed to; (why it is refused or "", the
     members named as "peer: why", the member hivemind left out of the round or None). `group`:
@@ -82,13 +98,21 @@ def attribute(
         return "the group includes excluded member(s) " + ", ".join(f"{h} ({excluded[h]})" for h in out), [], None
     strangers = [str(h) for h in group if members is not None and str(h) not in members and str(h) != me]
     if strangers:  # a member that joined since the last heartbeat is refused once, then known
-        return "the group includes peer(s) that are not members of this stage group: " + ", ".join(strangers), [f"{h}: not a member of the run" for h in strangers], None
+        return (
+            "the group includes peer(s) that are not members of this stage group: " + ", ".join(strangers),
+            [f"{h}: not a member of the run" for h in strangers],
+            None,
+        )
     claims: dict[str, torch.Tensor] = {}
     for hid in group:
         # members are named by their hivemind peer id (libp2p authenticates it), not by the id
         # they claim: the tracker maps it to the run's peer id (bootstrap/tracker.py)
         name = str(hid)
-        why = failed.get(name) or ("" if name in revealed and revealed[name].numel() == result.numel() else "its committed values were not revealed")
+        why = failed.get(name) or (
+            ""
+            if name in revealed and revealed[name].numel() == result.numel()
+            else "its committed values were not revealed"
+        )
         if why:
             return f"member {name} did not prove what it sent: {why}", ([] if name == me else [f"{name}: {why}"]), None
         claims[name] = revealed[name]
@@ -104,11 +128,17 @@ def attribute(
     if kept is not None:  # results lost on the way back: compare where they arrived
         result, claims = result[kept], {k: v[kept] for k, v in claims.items()}
     dropped = None
-    off = float((result - trimmed_mean(torch.stack(list(claims.values())))).norm())  # what the robust reducers compute from the claims
+    off = float(
+        (result - trimmed_mean(torch.stack(list(claims.values())))).norm()
+    )  # what the robust reducers compute from the claims
     if off > CLAIM_TOLERANCE * biggest + floor:
         dropped = left_out(claims, result, CLAIM_TOLERANCE * biggest + floor, me)
         if dropped is None:
-            return f"the mean is {off:.3g} away from the mean of what the members declared (largest update {biggest:.3g}): a member sent other values than it committed to", [], None
+            return (
+                f"the mean is {off:.3g} away from the mean of what the members declared (largest update {biggest:.3g}): a member sent other values than it committed to",
+                [],
+                None,
+            )
         # hivemind dropped this sender (its stream failed): the result is the others' mean; every
         # claim still counts below (a dropped member that flipped its update is still named)
     named = []
@@ -121,7 +151,9 @@ def attribute(
             others = [v for k, v in updates.items() if k != name]
             ref = float(torch.stack([v.norm() for v in others]).median())
             if float(u.norm()) > MAX_CORRECTION * ref + floor:
-                named.append(f"{name}: its update is {float(u.norm()) / max(ref, 1e-30):.1f}x the others' (limit {MAX_CORRECTION:g}x)")
+                named.append(
+                    f"{name}: its update is {float(u.norm()) / max(ref, 1e-30):.1f}x the others' (limit {MAX_CORRECTION:g}x)"
+                )
                 continue
             rest = torch.stack(others).mean(0)
             cos = float(u @ rest / (u.norm() * rest.norm() + 1e-30))

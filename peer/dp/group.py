@@ -72,7 +72,9 @@ MIN_MATCHMAKING_S, REQUEST_TIMEOUT_S = 1.0, 0.8
 # long); the round goes on without it (`claims.left_out`, `RoundResult.lost`). A part is at most 512 KiB:
 # 0.4 s on the slowest link allowed, so the floor is for a busy CPU, not the wire.
 NEXT_CHUNK_S = 15.0
-MATCH_FLOOR_S = 5.0  # a round looks for its group for at least this long (DHT round trips on a WAN), however short the period
+MATCH_FLOOR_S = (
+    5.0  # a round looks for its group for at least this long (DHT round trips on a WAN), however short the period
+)
 LINK_MIN_STEPS = 4  # a round's all-reduce must span this many steps to measure the link (it is seen once per step)
 
 
@@ -105,9 +107,19 @@ class GroupAverager:
     """
 
     def __init__(
-        self, dht, params: list[torch.nn.Parameter], prefix: str, every: int = 10, timeout: float = 30.0,
-        compression: str = "int8", peer_id: str = "", link_bps: Callable[[], float | None] | None = None, link_share: float = 0.0,
-        clock: Callable[[], float] = time.time, signer: ClaimSigner | None = None, min_period_s: float = MIN_PERIOD_S,
+        self,
+        dht,
+        params: list[torch.nn.Parameter],
+        prefix: str,
+        every: int = 10,
+        timeout: float = 30.0,
+        compression: str = "int8",
+        peer_id: str = "",
+        link_bps: Callable[[], float | None] | None = None,
+        link_share: float = 0.0,
+        clock: Callable[[], float] = time.time,
+        signer: ClaimSigner | None = None,
+        min_period_s: float = MIN_PERIOD_S,
         on_stuck: Callable[[], None] | None = None,
     ) -> None:
         from hivemind.compression import NoCompression
@@ -120,11 +132,17 @@ class GroupAverager:
         self.every, self.timeout = every, timeout
         self._shapes = [tuple(p.shape) for p in params]
         self.numel = sum(p.numel() for p in params)
-        self.schedule = RoundSchedule(every, round_bytes(self.numel, 2, compression), link_bps, link_share, min_period_s)
+        self.schedule = RoundSchedule(
+            every, round_bytes(self.numel, 2, compression), link_bps, link_share, min_period_s
+        )
         self._clock = clock
         self._ticks = 0  # after_step calls so far (the unit in which a round's all-reduce is seen)
-        self._allreduce_seen: tuple[int, float] | None = None  # (tick, clock) when the pending round was first seen exchanging
-        self.lock = threading.Lock()  # the owner holds it while stepping; a copy of the state for a joiner or a checkpoint is taken under it
+        self._allreduce_seen: tuple[int, float] | None = (
+            None  # (tick, clock) when the pending round was first seen exchanging
+        )
+        self.lock = (
+            threading.Lock()
+        )  # the owner holds it while stepping; a copy of the state for a joiner or a checkpoint is taken under it
         self._offered: list[torch.Tensor] | None = None
         self._pending: Future | None = None
         self.rounds = 0
@@ -138,25 +156,41 @@ class GroupAverager:
         self.rejected = 0  # rounds whose result failed the plausibility rule (see claims.implausible)
         self.left_out = 0  # rounds in which hivemind dropped a member's part (see claims.left_out)
         self.partial = 0  # rounds of which some results never came back to this peer (see RoundResult)
-        self.last_lost: list[torch.Tensor] | None = None  # per parameter, where the last accepted round's results were lost
+        self.last_lost: list[torch.Tensor] | None = (
+            None  # per parameter, where the last accepted round's results were lost
+        )
         self.last_rejection = ""
         self.peer_id = peer_id  # the run's id of this peer, carried in its claims (for logs)
         self.signer = signer
         self._offered_clock = 0.0  # wall clock of the pending offer: a claim made far from it is a replay
-        self.suspects: deque[str] = deque(maxlen=4)  # "HIVEMIND_PEER_ID: why" of members named by refused rounds, newest last
-        self.excluded: dict[str, str] = {}  # hivemind peer id -> why (banned by the operator): rounds with these members are refused
+        self.suspects: deque[str] = deque(
+            maxlen=4
+        )  # "HIVEMIND_PEER_ID: why" of members named by refused rounds, newest last
+        self.excluded: dict[
+            str, str
+        ] = {}  # hivemind peer id -> why (banned by the operator): rounds with these members are refused
         # hivemind peer ids of the stage group's members, from the tracker (None: not known yet);
         # a round with anyone else in it is refused: an outsider who found the group key
         self._members: set[str] | None = None
         self._base: list[torch.Tensor] = []  # the last group mean ("int8" sends the change from it): `bind`
-        self.bias = BiasTracker(list(params))  # each member's lean over rounds (host memory: four copies of the stage, from a round of three members)
+        self.bias = BiasTracker(
+            list(params)
+        )  # each member's lean over rounds (host memory: four copies of the stage, from a round of three members)
         self.leaning = 0  # members named by `bias` (also in `suspects`)
         for attempt in range(1, START_TRIES + 1):
             self.averager = averager_class()(
                 # host copies (hivemind puts them in shared memory for its forked process, which
                 # must never touch CUDA); the base and the offered copy stay where the weights are
-                [torch.zeros(p.shape, dtype=p.dtype) if p.is_meta else p.detach().to("cpu", copy=True) for p in params], dht, start=False, prefix=prefix, target_group_size=None, min_group_size=2,
-                min_matchmaking_time=MIN_MATCHMAKING_S, request_timeout=REQUEST_TIMEOUT_S, next_chunk_timeout=NEXT_CHUNK_S, compression=absmax_8bit() if compression == "int8" else NoCompression(),
+                [torch.zeros(p.shape, dtype=p.dtype) if p.is_meta else p.detach().to("cpu", copy=True) for p in params],
+                dht,
+                start=False,
+                prefix=prefix,
+                target_group_size=None,
+                min_group_size=2,
+                min_matchmaking_time=MIN_MATCHMAKING_S,
+                request_timeout=REQUEST_TIMEOUT_S,
+                next_chunk_timeout=NEXT_CHUNK_S,
+                compression=absmax_8bit() if compression == "int8" else NoCompression(),
                 allow_state_sharing=False,  # a joiner's state comes over the Stage service
                 signer=signer,
             )
@@ -168,17 +202,26 @@ class GroupAverager:
                 # starts its process again) is called from a watchdog, and where that cannot run
                 # (the GIL held inside fork) the daemon's process ends itself (see peer/stall.py)
                 with stall_watch(
-                    START_TIMEOUT_S + FORK_STALL_S, "forking the stage-group averaging process", on_stuck or (lambda: None),
+                    START_TIMEOUT_S + FORK_STALL_S,
+                    "forking the stage-group averaging process",
+                    on_stuck or (lambda: None),
                     exit_after_s=START_TIMEOUT_S + 2 * FORK_STALL_S if on_stuck else None,
                 ):
                     self.averager.run_in_background(await_ready=True, timeout=START_TIMEOUT_S)
                 break
             except TimeoutError:
-                log.warning("the stage-group averaging process did not start within %.0fs (try %d of %d); starting it again", START_TIMEOUT_S, attempt, START_TRIES)
+                log.warning(
+                    "the stage-group averaging process did not start within %.0fs (try %d of %d); starting it again",
+                    START_TIMEOUT_S,
+                    attempt,
+                    START_TRIES,
+                )
                 self.averager.kill()
                 self.averager.join(5)
         else:
-            raise AnchormeshError(f"the stage-group averaging process did not start in {START_TRIES} tries of {START_TIMEOUT_S:.0f}s")
+            raise AnchormeshError(
+                f"the stage-group averaging process did not start in {START_TRIES} tries of {START_TIMEOUT_S:.0f}s"
+            )
         if not any(p.is_meta for p in params):
             self.bind(params)
 
@@ -189,7 +232,9 @@ class GroupAverager:
         them. On SmolLM2 (2 x 2 swarm) a peer with its children peaked at 5.0-6.2 GB Pss forked
         after, 4.4-5.8 GB forked before."""
         if [tuple(p.shape) for p in params] != self._shapes:
-            raise ValueError(f"the stage's parameters {[tuple(p.shape) for p in params][:4]}... differ from the shapes this averager was made for {self._shapes[:4]}...")
+            raise ValueError(
+                f"the stage's parameters {[tuple(p.shape) for p in params][:4]}... differ from the shapes this averager was made for {self._shapes[:4]}..."
+            )
         self.params = params
         self._base = [p.detach().clone() for p in params]
 
@@ -259,8 +304,12 @@ class GroupAverager:
             # the averaging process adds the commitment to what it sends (and signs): peer/dp/audit.py
             claim = {"peer": self.peer_id, "time": now}
             self._offered_clock = now
-            until = math.floor(now / self.period_s) * self.period_s + self.match_window_s() - now  # the group forms then
-            self._pending = self.averager.step(gather=claim, scheduled_time=get_dht_time() + until, wait=False, timeout=self.match_timeout_s())
+            until = (
+                math.floor(now / self.period_s) * self.period_s + self.match_window_s() - now
+            )  # the group forms then
+            self._pending = self.averager.step(
+                gather=claim, scheduled_time=get_dht_time() + until, wait=False, timeout=self.match_timeout_s()
+            )
             self.schedule.offered(local_step, now)
 
     def match_window_s(self) -> float:
@@ -305,12 +354,23 @@ class GroupAverager:
         masks = lost_masks(lost, sizes) if lost else None
         index = split_index(sizes, audit.coordinates() if audit is not None else torch.zeros(0, dtype=torch.int64))
         with torch.no_grad(), self.averager.get_tensors() as tensors:
-            means = [(base + m.to(base.device, base.dtype)) if self.compression == "int8" else m.to(base.device, base.dtype, copy=True) for m, base in zip(tensors, self._base)]
+            means = [
+                (base + m.to(base.device, base.dtype))
+                if self.compression == "int8"
+                else m.to(base.device, base.dtype, copy=True)
+                for m, base in zip(tensors, self._base)
+            ]
             result = take(tensors, index)
         # where results were lost the "mean" is this peer's own offer: the claims cannot be checked there
         kept = take(masks, index) == 0 if masks else None
         # claims a leader altered (or a non-member made) are refused before they are believed
-        why = self.signer.check_group(group, self.averager.prefix, self._offered_clock, self.match_timeout_s() + self.timeout) if self.signer else ""
+        why = (
+            self.signer.check_group(
+                group, self.averager.prefix, self._offered_clock, self.match_timeout_s() + self.timeout
+            )
+            if self.signer
+            else ""
+        )
         named: list[str] = []
         if not why and audit is None:
             why = "the round was not audited"
@@ -337,7 +397,12 @@ class GroupAverager:
         if masks:
             self.partial += 1
             n = sum(int(m.sum()) for m in masks)
-            log.warning("stage-group averaging: %d of %d values (%.2f%%) got no result back this round (a member's stream failed); they keep this peer's values", n, self.numel, 100 * n / max(self.numel, 1))
+            log.warning(
+                "stage-group averaging: %d of %d values (%.2f%%) got no result back this round (a member's stream failed); they keep this peer's values",
+                n,
+                self.numel,
+                100 * n / max(self.numel, 1),
+            )
 
     def _measure_link(self, nbytes: int) -> None:
         """The rate of the round that just ended: its bytes over its all-reduce time (matchmaking
@@ -347,17 +412,29 @@ class GroupAverager:
         if seen is not None and self._ticks - seen[0] >= LINK_MIN_STEPS and self._clock() > seen[1]:
             self.schedule.measured_bps = nbytes / (self._clock() - seen[1])
 
-
-    def _attribute(self, group: dict, audit, result: torch.Tensor, index: list[torch.Tensor], kept: torch.Tensor | None = None) -> tuple[str, list[str]]:
+    def _attribute(
+        self, group: dict, audit, result: torch.Tensor, index: list[torch.Tensor], kept: torch.Tensor | None = None
+    ) -> tuple[str, list[str]]:
         """Check the round against the values the members revealed (`claims.attribute`, which
         says the rules); (why it is refused or "", the members named as "peer: why"). Counts a
         member hivemind left out of the round."""
         why, named, dropped = attribute(
-            group, audit.tensors(), audit.failed, result, kept, me=str(self.averager.peer_id), members=self.members,
-            excluded=self.excluded, base=self._base, index=index, compression=self.compression,
+            group,
+            audit.tensors(),
+            audit.failed,
+            result,
+            kept,
+            me=str(self.averager.peer_id),
+            members=self.members,
+            excluded=self.excluded,
+            base=self._base,
+            index=index,
+            compression=self.compression,
         )
         if dropped is not None:
-            log.info("stage-group averaging: hivemind left member %s's part out of the round (its sending failed)", dropped)
+            log.info(
+                "stage-group averaging: hivemind left member %s's part out of the round (its sending failed)", dropped
+            )
             self.left_out += 1
         return why, named
 
@@ -369,7 +446,9 @@ class GroupAverager:
             return
         self.bias.start()
         updates = member_updates(revealed, self._base, index, self.compression)
-        leaning = self.bias.observe(updates, self.bias.reference(lambda ts: take(ts, index)), str(self.averager.peer_id))
+        leaning = self.bias.observe(
+            updates, self.bias.reference(lambda ts: take(ts, index)), str(self.averager.peer_id)
+        )
         self.leaning += len(leaning)
         self.suspects.extend(leaning)
 

@@ -21,7 +21,6 @@ import torch
 log = logging.getLogger(__name__)
 
 
-
 def _fix_hivemind_8bit() -> None:
     """hivemind 1.1's 8-bit `extract` does `int(np.frombuffer(..., count=1))`, which numpy >= 2.4
     refuses (an array of one element is not a scalar): every 8-bit part then fails to decode and
@@ -227,7 +226,9 @@ def averager_class():
             async for reply in super().rpc_aggregate_part(stream, context):
                 yield reply
 
-        async def rpc_download_state(self, _request, _context):  # hivemind's argument names (its type hints are copied below)
+        async def rpc_download_state(
+            self, _request, _context
+        ):  # hivemind's argument names (its type hints are copied below)
             """Nothing, to anyone: the stage's state goes over the Stage service only."""
             return
             yield  # an async generator, as hivemind calls it
@@ -247,7 +248,9 @@ def averager_class():
             gathered = await super()._aggregate_with_group(group_info, *args, **kwargs)
 
             async def ask(pid, request):
-                return await self.get_stub(self._p2p, pid, namespace=self.prefix).rpc_reveal(request, timeout=REVEAL_TIMEOUT_S)
+                return await self.get_stub(self._p2p, pid, namespace=self.prefix).rpc_reveal(
+                    request, timeout=REVEAL_TIMEOUT_S
+                )
 
             audit = await run_audit(str(self.peer_id), self._current, gathered, ask)
             return RoundResult(gathered, tuple(self._lost), audit)
@@ -261,13 +264,25 @@ def averager_class():
             from peer.dp.robust import runner_class
 
             group_id = group_info.group_id if group_id is None else group_id
-            strangers = [str(p) for p in group_info.peer_ids if self._members is not None and str(p) not in self._members]
+            strangers = [
+                str(p) for p in group_info.peer_ids if self._members is not None and str(p) not in self._members
+            ]
             if strangers:  # a group led or joined by a non-member: send it nothing
                 from hivemind.averaging.partition import AllreduceException
 
                 raise AllreduceException(f"the group includes non-members of this stage group: {', '.join(strangers)}")
-            runner = runner_class()(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors, group_id=group_id, ordered_peer_ids=group_info.peer_ids, **kwargs)
-            assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
+            runner = runner_class()(
+                p2p=self._p2p,
+                servicer_type=type(self),
+                prefix=self.prefix,
+                tensors=tensors,
+                group_id=group_id,
+                ordered_peer_ids=group_info.peer_ids,
+                **kwargs,
+            )
+            assert group_id in self._running_groups, (
+                f"Group id {group_id} was not registered in _register_allreduce_group"
+            )
             self._running_groups[group_id].set_result(runner)
             if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
                 async for tensor, update in azip(as_aiter(*tensors), runner):
@@ -281,7 +296,11 @@ def averager_class():
 
     for name in ("rpc_join_group", "rpc_aggregate_part", "rpc_download_state"):  # hivemind routes RPCs by these hints
         getattr(StageAverager, name).__annotations__ = typing.get_type_hints(getattr(DecentralizedAverager, name))
-    StageAverager.rpc_reveal.__annotations__ = {"request": audit_pb2.RevealRequest, "context": P2PContext, "return": audit_pb2.RevealReply}
+    StageAverager.rpc_reveal.__annotations__ = {
+        "request": audit_pb2.RevealRequest,
+        "context": P2PContext,
+        "return": audit_pb2.RevealReply,
+    }
     return StageAverager
 
 
@@ -311,4 +330,3 @@ def connect_peers(dht, maddrs: list[str], timeout: float = 10.0) -> int:
     if not maddrs:
         return 0
     return dht.run_coroutine(partial(_dial, list(maddrs)), return_future=True).result(timeout=timeout * len(maddrs))
-

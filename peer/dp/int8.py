@@ -10,7 +10,16 @@ from hivemind.compression import CompressionInfo, Uniform8BitQuantization, deser
 from hivemind.proto import runtime_pb2
 
 from peer.config import DPConfig
-from peer.dp.base import FP32_BYTES, MeanSync, Reduction, check_tensor_list, clone_nested, encode_fp32, mean_of_payloads, payload_bytes
+from peer.dp.base import (
+    FP32_BYTES,
+    MeanSync,
+    Reduction,
+    check_tensor_list,
+    clone_nested,
+    encode_fp32,
+    mean_of_payloads,
+    payload_bytes,
+)
 from peer.errors import TensorError
 
 INT8_OVERHEAD = 8 + FP32_BYTES * 256
@@ -83,9 +92,7 @@ class Int8Sync(MeanSync):
             s.numel() + INT8_OVERHEAD if q else FP32_BYTES * s.numel() for s, q in zip(self.shapes, self.quantized)
         )
 
-    def encode(
-        self, r: int, tensors: list[torch.Tensor]
-    ) -> tuple[list[runtime_pb2.Tensor], list[torch.Tensor | None]]:
+    def encode(self, r: int, tensors: list[torch.Tensor]) -> tuple[list[runtime_pb2.Tensor], list[torch.Tensor | None]]:
         """Per-replica compute: quantize tensor + residual; returns the payload and the new residuals."""
         payload: list[runtime_pb2.Tensor] = []
         new_errors: list[torch.Tensor | None] = []

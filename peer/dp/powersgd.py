@@ -6,7 +6,16 @@ import torch
 from hivemind.proto import runtime_pb2
 
 from peer.config import DPConfig
-from peer.dp.base import FP32_BYTES, MeanSync, Reduction, check_tensor_list, clone_nested, encode_fp32, mean_of_payloads, payload_bytes
+from peer.dp.base import (
+    FP32_BYTES,
+    MeanSync,
+    Reduction,
+    check_tensor_list,
+    clone_nested,
+    encode_fp32,
+    mean_of_payloads,
+    payload_bytes,
+)
 from peer.errors import ConfigError, TensorError
 
 Q_SEED = 0x5EED
@@ -54,9 +63,7 @@ class PowerSGDSync(MeanSync):
                 why = f"exceeds min(rows, cols)={min(rows, cols)} of parameter #{i} shape {tuple(shape)}"
                 raise ConfigError("dp.rank", self.rank, why)
             self.compressed.append(self.rank * (rows + cols) < rows * cols)
-        self._q: list[torch.Tensor | None] = [
-            self._initial_q(i) if c else None for i, c in enumerate(self.compressed)
-        ]
+        self._q: list[torch.Tensor | None] = [self._initial_q(i) if c else None for i, c in enumerate(self.compressed)]
         self._errors: list[list[torch.Tensor | None]] = [[None] * len(self.shapes) for _ in range(self.replicas)]
 
     def _initial_q(self, index: int) -> torch.Tensor:

@@ -45,7 +45,9 @@ def reducer_class():
             self.parts: list[torch.Tensor] = []
             super().reset_accumulators()
 
-        async def accumulate_part(self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
+        async def accumulate_part(
+            self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0
+        ) -> torch.Tensor:
             # hivemind's logic, with the part kept and the sender's weight ignored (every member counts once)
             assert 0 <= sender_index < self.num_senders, "invalid sender index"
             assert 0 <= part_index < self.num_parts, "invalid part index"
@@ -53,7 +55,10 @@ def reducer_class():
             import asyncio
 
             while part_index > self.current_part_index:
-                await asyncio.wait({self.current_part_future, asyncio.create_task(self.finished.wait())}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(
+                    {self.current_part_future, asyncio.create_task(self.finished.wait())},
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
                 if self.finished.is_set():
                     from hivemind.averaging.partition import AllreduceException
 
@@ -92,7 +97,9 @@ def runner_class():
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
             self.tensor_part_reducer.finished.set()  # the replaced reducer, silenced: it would log "received 0.0%" when collected
-            self.tensor_part_reducer = reducer(tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids))
+            self.tensor_part_reducer = reducer(
+                tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids)
+            )
             self.lost: list[tuple[int, int]] = []
             container = self.tensor_part_container
             starts, at = [], 0  # hivemind hands each peer a contiguous run of parts, in peer order
@@ -101,7 +108,10 @@ def runner_class():
                 for part, _info in parts:
                     starts[-1].append(at)
                     at += part.numel()
-            ends = [s[0] + sum(p.numel() for p, _ in parts) if s else 0 for s, parts in zip(starts, container._input_parts_by_peer)]
+            ends = [
+                s[0] + sum(p.numel() for p, _ in parts) if s else 0
+                for s, parts in zip(starts, container._input_parts_by_peer)
+            ]
             register_failed = container.register_failed_reducer
 
             def failed(peer_index: int) -> None:

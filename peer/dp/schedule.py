@@ -32,7 +32,9 @@ WIRE_BYTES = {"none": 4, "int8": 1}
 
 MIN_PERIOD_S = 1.0  # the shortest slot hivemind allows (a round takes min_matchmaking_time anyway); the run's floor is dp.min_period_s
 STEP_EMA = 0.1  # weight of the newest step time in the step-time average (damps a one-off pause)
-PERIOD_HYSTERESIS = 0.9  # the period halves only once the need is below 0.9x the shorter period: no flapping at a power of two
+PERIOD_HYSTERESIS = (
+    0.9  # the period halves only once the need is below 0.9x the shorter period: no flapping at a power of two
+)
 
 
 def round_bytes(numel: int, group_size: int, compression: str) -> int:
@@ -45,7 +47,15 @@ def round_bytes(numel: int, group_size: int, compression: str) -> int:
     return int(2 * (n - 1) / n * numel * WIRE_BYTES[compression])
 
 
-def _period_need(every: int, step_s: float | None, nbytes: int, link_bps: float | None, link_share: float, measured: bool = False, min_period_s: float = MIN_PERIOD_S) -> tuple[float, str]:
+def _period_need(
+    every: int,
+    step_s: float | None,
+    nbytes: int,
+    link_bps: float | None,
+    link_share: float,
+    measured: bool = False,
+    min_period_s: float = MIN_PERIOD_S,
+) -> tuple[float, str]:
     """Seconds between rounds before rounding, and what sets them (for `period_reason`);
     `measured`: the link rate comes from this peer's own rounds."""
     steps_s = every * step_s if step_s is not None else 0.0
@@ -62,13 +72,22 @@ def _pow2_at_least(seconds: float, min_period_s: float = MIN_PERIOD_S) -> float:
     return 2.0 ** math.ceil(math.log2(max(seconds, min_period_s)))
 
 
-def slot_period(every: int, step_s: float | None, round_bytes: int, link_bps: float | None, link_share: float, min_period_s: float = MIN_PERIOD_S) -> float:
+def slot_period(
+    every: int,
+    step_s: float | None,
+    round_bytes: int,
+    link_bps: float | None,
+    link_share: float,
+    min_period_s: float = MIN_PERIOD_S,
+) -> float:
     """Seconds between a group's round slots: the longer of `every` steps of `step_s` and the time
     in which `round_bytes` take `link_share` of a `link_bps` link (no bound when either is 0 or
     unknown), rounded UP to a power of two (at least `MIN_PERIOD_S`). Why a power of two: members
     estimate the period each on its own; two estimates within 2x round to periods of which one is
     a multiple of the other, so the longer one's boundaries are boundaries of both."""
-    return _pow2_at_least(_period_need(every, step_s, round_bytes, link_bps, link_share, min_period_s=min_period_s)[0], min_period_s)
+    return _pow2_at_least(
+        _period_need(every, step_s, round_bytes, link_bps, link_share, min_period_s=min_period_s)[0], min_period_s
+    )
 
 
 def offer_due(steps: int, every: int, since: float, now: float, period_s: float) -> bool:
@@ -102,11 +121,20 @@ class RoundSchedule:
         min_period_s: the shortest period (`dp.min_period_s`; rounded up to a power of two).
     """
 
-    def __init__(self, every: int, round_bytes: int, link_bps: Callable[[], float | None] | None = None, link_share: float = 0.0, min_period_s: float = MIN_PERIOD_S) -> None:
+    def __init__(
+        self,
+        every: int,
+        round_bytes: int,
+        link_bps: Callable[[], float | None] | None = None,
+        link_share: float = 0.0,
+        min_period_s: float = MIN_PERIOD_S,
+    ) -> None:
         if every < 1:
             raise ValueError(f"every (local steps between rounds) must be >= 1, not {every}")
         if not 0.0 <= link_share <= 1.0:
-            raise ValueError(f"link_share (fraction of the link's time for averaging) must be in [0, 1], not {link_share}")
+            raise ValueError(
+                f"link_share (fraction of the link's time for averaging) must be in [0, 1], not {link_share}"
+            )
         self.every, self.round_bytes, self.link_bps, self.link_share = every, round_bytes, link_bps, link_share
         self.step_s: float | None = None  # EMA of the wall time between ticks
         self.measured_bps: float | None = None  # from this peer's own rounds, used when link_bps says nothing
@@ -138,10 +166,20 @@ class RoundSchedule:
     def _update_period(self) -> None:
         link = self.link_bps() if self.link_bps is not None else None
         measured = not (link is not None and link > 0) and self.measured_bps is not None
-        need, why = _period_need(self.every, self.step_s, self.round_bytes, self.measured_bps if measured else link, self.link_share, measured, self.min_period_s)
+        need, why = _period_need(
+            self.every,
+            self.step_s,
+            self.round_bytes,
+            self.measured_bps if measured else link,
+            self.link_share,
+            measured,
+            self.min_period_s,
+        )
         period = _pow2_at_least(need, self.min_period_s)
         if period < self.period_s and need > PERIOD_HYSTERESIS * self.period_s / 2:  # not clearly shorter: keep it
-            self.period_reason = f"{self.period_s:g} s: {why} (held until under {PERIOD_HYSTERESIS * self.period_s / 2:.3g} s)"
+            self.period_reason = (
+                f"{self.period_s:g} s: {why} (held until under {PERIOD_HYSTERESIS * self.period_s / 2:.3g} s)"
+            )
             return
         reason = f"{period:g} s: {why}"
         if period != self.period_s:

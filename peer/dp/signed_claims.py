@@ -48,7 +48,12 @@ class ClaimSigner:
         if not isinstance(claim, dict) or any(f not in claim for f in FIELDS):
             return "it is unsigned"
         peer, stamp, key, cert, sig, root, n = (claim[f] for f in ("peer", "time", "key", "cert", "sig", "root", "n"))
-        if not isinstance(peer, str) or not isinstance(stamp, (int, float)) or not isinstance(n, int) or not all(isinstance(b, bytes) for b in (key, cert, sig, root)):
+        if (
+            not isinstance(peer, str)
+            or not isinstance(stamp, (int, float))
+            or not isinstance(n, int)
+            or not all(isinstance(b, bytes) for b in (key, cert, sig, root))
+        ):
             return "its fields have the wrong types"
         if not verify(self.tracker_key, cert, certificate_bytes(self.run_id, peer, key)):
             return f"its certificate for {peer!r} was not issued by this run's tracker"

@@ -97,7 +97,9 @@ class BiasTracker:
     def start(self) -> None:
         """Make the sums (once): called at a round of BIAS_MEMBERS members or more."""
         if not self.started:
-            self.group_even, self.group_odd, self.own_even, self.own_odd = ([torch.zeros(s, dtype=SUM_DTYPE, device="cpu") for s in self.shapes] for _ in range(4))
+            self.group_even, self.group_odd, self.own_even, self.own_odd = (
+                [torch.zeros(s, dtype=SUM_DTYPE, device="cpu") for s in self.shapes] for _ in range(4)
+            )
             self.started = True
 
     def z(self, name: str) -> float:
@@ -120,14 +122,26 @@ class BiasTracker:
             return sum(float(torch.dot(x.flatten().float(), y.flatten().float())) for x, y in zip(a, b))
 
         common = dot(self.own_even, self.own_odd)
-        alpha = (dot(self.group_even, self.own_odd) + dot(self.group_odd, self.own_even)) / (2 * common) if common > 0 else 0.0
-        return (take(self.group_even) + take(self.group_odd)).float() - alpha * (take(self.own_even) + take(self.own_odd)).float()
+        alpha = (
+            (dot(self.group_even, self.own_odd) + dot(self.group_odd, self.own_even)) / (2 * common)
+            if common > 0
+            else 0.0
+        )
+        return (take(self.group_even) + take(self.group_odd)).float() - alpha * (
+            take(self.own_even) + take(self.own_odd)
+        ).float()
 
     def observe(self, updates: dict[str, torch.Tensor], reference: torch.Tensor, me: str) -> list[str]:
         """One round: `updates` (hivemind id -> update at the audited coordinates, this peer's
         own included), `reference` (`reference()` before this round is added). Returns the
         members newly named, as "id: why"."""
-        if not self.started or self.rounds < BIAS_WARMUP or len(updates) < BIAS_MEMBERS or me not in updates or not all(torch.isfinite(u).all() for u in updates.values()):
+        if (
+            not self.started
+            or self.rounds < BIAS_WARMUP
+            or len(updates) < BIAS_MEMBERS
+            or me not in updates
+            or not all(torch.isfinite(u).all() for u in updates.values())
+        ):
             return []
         robust = trimmed_mean(torch.stack(list(updates.values())))
         r = reference.float()
@@ -155,8 +169,15 @@ class BiasTracker:
         out = []
         for name, lean in leans.items():
             honest = float(torch.tensor([abs(x) for k, x in leans.items() if k != name] or [0.0]).median())
-            if name != me and self.scores[name][2] >= BIAS_MIN_ROUNDS and lean - honest > BIAS_Z and name not in self.named:
-                self.named[name] = f"its updates lean one way over rounds (z {lean:.1f} over {self.scores[name][2]} rounds, the others' {honest:.1f}, limit {BIAS_Z:g} beyond)"
+            if (
+                name != me
+                and self.scores[name][2] >= BIAS_MIN_ROUNDS
+                and lean - honest > BIAS_Z
+                and name not in self.named
+            ):
+                self.named[name] = (
+                    f"its updates lean one way over rounds (z {lean:.1f} over {self.scores[name][2]} rounds, the others' {honest:.1f}, limit {BIAS_Z:g} beyond)"
+                )
                 log.warning("stage-group averaging: member %s %s", name, self.named[name])
                 out.append(f"{name}: {self.named[name]}")
         return out

@@ -62,7 +62,9 @@ def tiny_config(family: str, cfg: ModelConfig):
         from transformers import MistralConfig
 
         return MistralConfig(**common, sliding_window=None)
-    raise ConfigError("model.name", f"{TINY_PREFIX}{family}", f"unknown family; supported: {', '.join(SUPPORTED_FAMILIES)}")
+    raise ConfigError(
+        "model.name", f"{TINY_PREFIX}{family}", f"unknown family; supported: {', '.join(SUPPORTED_FAMILIES)}"
+    )
 
 
 def load_causal_lm(cfg: ModelConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
@@ -72,7 +74,7 @@ def load_causal_lm(cfg: ModelConfig, *, seed: int = 0, dtype: torch.dtype = torc
     SDPA's causal path, which the split-equals-unsplit test checks.
     """
     if cfg.name.startswith(TINY_PREFIX):
-        family = cfg.name[len(TINY_PREFIX):]
+        family = cfg.name[len(TINY_PREFIX) :]
         config = tiny_config(family, cfg)
         config._attn_implementation = "sdpa"
         with torch.random.fork_rng():
@@ -91,7 +93,11 @@ def load_causal_lm(cfg: ModelConfig, *, seed: int = 0, dtype: torch.dtype = torc
 def _pretrained_config(name: str):
     config = pretrained_config(name)
     if config.model_type not in SUPPORTED_FAMILIES:
-        raise ConfigError("model.name", name, f"model_type {config.model_type!r} is not supported; supported: {', '.join(SUPPORTED_FAMILIES)}")
+        raise ConfigError(
+            "model.name",
+            name,
+            f"model_type {config.model_type!r} is not supported; supported: {', '.join(SUPPORTED_FAMILIES)}",
+        )
     return config
 
 
@@ -102,13 +108,15 @@ def resolve_dims(cfg: ModelConfig) -> ModelConfig:
     if cfg.name.startswith(TINY_PREFIX):
         return cfg
     config = _pretrained_config(cfg.name)
-    return dataclasses.replace(cfg, num_layers=config.num_hidden_layers, hidden_size=config.hidden_size, num_heads=config.num_attention_heads)
+    return dataclasses.replace(
+        cfg, num_layers=config.num_hidden_layers, hidden_size=config.hidden_size, num_heads=config.num_attention_heads
+    )
 
 
 def model_config(cfg: ModelConfig):
     """The model's HF config without its weights: what a meta build or a memory plan needs."""
     if cfg.name.startswith(TINY_PREFIX):
-        config = tiny_config(cfg.name[len(TINY_PREFIX):], cfg)
+        config = tiny_config(cfg.name[len(TINY_PREFIX) :], cfg)
     else:
         config = _pretrained_config(cfg.name)
     config._attn_implementation = "sdpa"
@@ -121,7 +129,9 @@ def meta_stage(cfg: ModelConfig, index: int, *, dtype: torch.dtype = torch.float
     return meta_stages(cfg, [index], dtype=dtype)[0]
 
 
-def meta_stages(cfg: ModelConfig, indices: list[int], *, dtype: torch.dtype = torch.float32, config=None) -> list[StageModule]:
+def meta_stages(
+    cfg: ModelConfig, indices: list[int], *, dtype: torch.dtype = torch.float32, config=None
+) -> list[StageModule]:
     """Several meta stages from one meta build of the model (a plan of every stage needs them)."""
     config = config if config is not None else model_config(cfg)
     ranges = layer_ranges(config.num_hidden_layers, cfg.num_stages)
@@ -137,7 +147,14 @@ def _check_index(cfg: ModelConfig, index: int) -> None:
         raise ConfigError("stage", index, f"must be in [0, model.num_stages={cfg.num_stages})")
 
 
-def load_stage(cfg: ModelConfig, index: int, *, seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> StageModule:
+def load_stage(
+    cfg: ModelConfig,
+    index: int,
+    *,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> StageModule:
     """Stage `index` with its weights, reading only this stage's tensors from the checkpoint.
 
     Why: a volunteer holding one stage of an 8B model should neither download nor hold the
@@ -153,7 +170,12 @@ def load_stage(cfg: ModelConfig, index: int, *, seed: int = 0, device: torch.dev
     files = None if src.gguf_file else _safetensors_files(src.path)
     if files is None:
         what = "is one GGUF file" if src.gguf_file else "has no safetensors weights"
-        log.warning("%s %s: loading the whole model to keep stage %d (needs the full model's memory once)", cfg.name, what, index)
+        log.warning(
+            "%s %s: loading the whole model to keep stage %d (needs the full model's memory once)",
+            cfg.name,
+            what,
+            index,
+        )
         stage = _keep_stage(load_causal_lm(cfg, dtype=dtype), cfg, index).to(device)
         trim_host_memory()  # the rest of the model is garbage now: hand its pages back
         return stage
@@ -162,7 +184,15 @@ def load_stage(cfg: ModelConfig, index: int, *, seed: int = 0, device: torch.dev
     stage.to_empty(device=device)
     _rebuild_buffers(stage, config, torch.device(device))
     read, opened = _read_stage_tensors(stage, files, config)
-    log.info("stage %d of %s: read %.1f MiB from %d of %d weight file(s) in %.1fs", index, cfg.name, read / 2**20, opened, len(set(files.values())), time.monotonic() - t0)
+    log.info(
+        "stage %d of %s: read %.1f MiB from %d of %d weight file(s) in %.1fs",
+        index,
+        cfg.name,
+        read / 2**20,
+        opened,
+        len(set(files.values())),
+        time.monotonic() - t0,
+    )
     return stage.eval()
 
 
@@ -239,7 +269,9 @@ def _rebuild_buffers(stage: StageModule, config, device: torch.device) -> None:
         stage.rotary = type(stage.rotary)(config).to(device)
     other = [n for n, _ in stage.named_buffers() if not n.startswith("rotary.")]
     if other:
-        raise ConfigError("model.name", config._name_or_path, f"stage buffers {other} are not restored by the per-stage loader")
+        raise ConfigError(
+            "model.name", config._name_or_path, f"stage buffers {other} are not restored by the per-stage loader"
+        )
 
 
 def _checkpoint_keys(hf_name: str, config) -> list[str]:
@@ -260,7 +292,9 @@ def _read_stage_tensors(stage: StageModule, files: dict[str, str], config) -> tu
         hf_name = stage.hf_names[pname]
         ref = files.get("*") or next((files[k] for k in _checkpoint_keys(hf_name, config) if k in files), None)
         if ref is None:
-            raise ConfigError("model.name", name, f"checkpoint key {hf_name!r} is in no shard of model.safetensors.index.json")
+            raise ConfigError(
+                "model.name", name, f"checkpoint key {hf_name!r} is in no shard of model.safetensors.index.json"
+            )
         wanted.setdefault(ref, []).append((param, hf_name))
     read = 0
     for ref, params in wanted.items():
@@ -276,7 +310,11 @@ def _read_stage_tensors(stage: StageModule, files: dict[str, str], config) -> tu
                         raise ConfigError("model.name", name, f"checkpoint key {hf_name!r} is missing from {path}")
                     shape = tuple(f.get_slice(key).get_shape())
                     if shape != tuple(param.shape):
-                        raise ConfigError("model.name", name, f"checkpoint key {key!r} in {path} has shape {shape}, the stage expects {tuple(param.shape)}")
+                        raise ConfigError(
+                            "model.name",
+                            name,
+                            f"checkpoint key {key!r} in {path} has shape {shape}, the stage expects {tuple(param.shape)}",
+                        )
                     tensor = f.get_tensor(key)
                     with torch.no_grad():
                         param.copy_(tensor)

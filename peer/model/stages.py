@@ -27,7 +27,11 @@ SUPPORTED_FAMILIES = ("llama", "qwen2", "mistral", "gpt2")  # the decoder layout
 def family_of(model: PreTrainedModel) -> str:
     family = model.config.model_type
     if family not in SUPPORTED_FAMILIES:
-        raise ConfigError("model.name", getattr(model.config, "_name_or_path", family), f"model_type {family!r} is not supported; supported: {', '.join(SUPPORTED_FAMILIES)}")
+        raise ConfigError(
+            "model.name",
+            getattr(model.config, "_name_or_path", family),
+            f"model_type {family!r} is not supported; supported: {', '.join(SUPPORTED_FAMILIES)}",
+        )
     return family
 
 
@@ -128,12 +132,18 @@ class StageModule(nn.Module):
         """Reject a wrong dtype or shape before it reaches the layers."""
         if self.is_first:
             if x.dtype != torch.long or x.ndim != 2:
-                raise TensorError(f"stage {self.index} input: expected token ids long [B, T], got {x.dtype} {tuple(x.shape)}")
+                raise TensorError(
+                    f"stage {self.index} input: expected token ids long [B, T], got {x.dtype} {tuple(x.shape)}"
+                )
             # the value check reads the ids, a host sync on a device: the caller checks host ids first
             if x.numel() and x.device.type == "cpu" and (int(x.min()) < 0 or int(x.max()) >= self.vocab_size):
-                raise TensorError(f"stage {self.index} input: token ids must be in [0, {self.vocab_size}), got [{int(x.min())}, {int(x.max())}]")
+                raise TensorError(
+                    f"stage {self.index} input: token ids must be in [0, {self.vocab_size}), got [{int(x.min())}, {int(x.max())}]"
+                )
         elif not x.is_floating_point() or x.ndim != 3 or x.shape[-1] != self.hidden_size:
-            raise TensorError(f"stage {self.index} input: expected hidden states float [B, T, {self.hidden_size}], got {x.dtype} {tuple(x.shape)}")
+            raise TensorError(
+                f"stage {self.index} input: expected hidden states float [B, T, {self.hidden_size}], got {x.dtype} {tuple(x.shape)}"
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.check_input(x)
@@ -157,7 +167,9 @@ class StageModule(nn.Module):
         return h
 
 
-def _layer_with(layer: nn.Module, weights: dict[str, torch.Tensor], h: torch.Tensor, kwargs: dict) -> torch.Tensor | tuple:
+def _layer_with(
+    layer: nn.Module, weights: dict[str, torch.Tensor], h: torch.Tensor, kwargs: dict
+) -> torch.Tensor | tuple:
     """One decoder layer on the given weights (what activation checkpointing recomputes)."""
     return functional_call(layer, weights, (h,), {"attention_mask": None, **kwargs})
 

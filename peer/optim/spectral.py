@@ -99,9 +99,7 @@ class SpectralCorrection:
     thread-safe: hand finished anchors to observe_anchor from the training thread, between steps.
     """
 
-    def __init__(
-        self, cfg: SpectralConfig, shapes: Mapping[str, torch.Size], *, bias_correction: bool = True
-    ) -> None:
+    def __init__(self, cfg: SpectralConfig, shapes: Mapping[str, torch.Size], *, bias_correction: bool = True) -> None:
         for name, shape in shapes.items():
             if len(shape) != 2:
                 raise ConfigError(f"spectral target {name}", tuple(shape), "must be a 2-D weight matrix")
@@ -160,7 +158,9 @@ class SpectralCorrection:
             raise TensorError(f"{label}: shape {tuple(t.shape)} != target shape {tuple(self.shapes[name])}")
 
     # ------------------------------------------------------------------ anchor side
-    def observe_anchor(self, step: int, dense: Mapping[str, Tensor], masked: Mapping[str, Tensor] | None = None) -> None:
+    def observe_anchor(
+        self, step: int, dense: Mapping[str, Tensor], masked: Mapping[str, Tensor] | None = None
+    ) -> None:
         """Fold one anchor pass into the EMAs and refresh the SVD / EF caches.
 
         `step` is the weights' step the anchor ran on. Everything is validated before any state
@@ -169,7 +169,9 @@ class SpectralCorrection:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ConfigError("anchor step", step, "must be an int >= 0")
         if self._anchor_step is not None and step < self._anchor_step:
-            raise ConfigError("anchor step", step, f"is older than the newest anchor already folded in ({self._anchor_step})")
+            raise ConfigError(
+                "anchor step", step, f"is older than the newest anchor already folded in ({self._anchor_step})"
+            )
         self._check_set("anchor dense", dense)
         if masked is not None:
             self._check_set("anchor masked", masked)
@@ -289,7 +291,9 @@ class SpectralCorrection:
             if self.uses_ef:
                 if not Mm:
                     raise ConfigError(
-                        "spectral.mode", self.cfg.mode, "checkpoint has no masked-anchor EMA (saved under a mode without EF)"
+                        "spectral.mode",
+                        self.cfg.mode,
+                        "checkpoint has no masked-anchor EMA (saved under a mode without EF)",
                     )
                 self._check_set("spectral state M_masked", Mm)
         bias_correction = bool(d.get("bias_correction", self.bias_correction))

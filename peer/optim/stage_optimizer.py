@@ -57,7 +57,12 @@ class StageOptimizer:
         # fused AdamW on CUDA: one kernel for all parameters instead of a dozen per parameter
         fused = all(p.is_cuda and p.dtype == torch.float32 for _, p in named_params) or None
         self.opt = torch.optim.AdamW(
-            groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, weight_decay=optim.weight_decay, fused=fused
+            groups,
+            lr=optim.lr,
+            betas=(optim.beta1, optim.beta2),
+            eps=optim.eps,
+            weight_decay=optim.weight_decay,
+            fused=fused,
         )
 
     # ------------------------------------------------------------------ lr
@@ -73,7 +78,9 @@ class StageOptimizer:
             g["lr"] = float(value)
 
     # ------------------------------------------------------------------ anchor
-    def observe_anchor(self, step: int, dense: Mapping[str, Tensor], masked: Mapping[str, Tensor] | None = None) -> None:
+    def observe_anchor(
+        self, step: int, dense: Mapping[str, Tensor], masked: Mapping[str, Tensor] | None = None
+    ) -> None:
         """Hand an anchor's per-parameter gradients to the correction (only the targets are kept)."""
         for what, d in (("anchor dense", dense), ("anchor masked", masked or {})):
             unknown = sorted(set(d) - set(self.params))

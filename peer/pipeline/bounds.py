@@ -58,12 +58,17 @@ class LinkBounds:
         self.factor, self.cap = factor, cap
         self._rms: dict[tuple[str, str], tuple[float, int]] = {}  # (channel, sender or "") -> (running RMS, messages)
         self.refused: collections.Counter = collections.Counter()  # sender -> messages refused
-        self._recent: dict[tuple[str, str], collections.deque] = {}  # (channel, sender) -> its latest WINDOW messages: refused for their RMS?
+        self._recent: dict[
+            tuple[str, str], collections.deque
+        ] = {}  # (channel, sender) -> its latest WINDOW messages: refused for their RMS?
         self._lock = threading.Lock()
 
     def reference(self, channel: str, sender: str) -> tuple[float, str] | None:
         """(the running RMS a message is held to, whose it is), or None while warming up."""
-        for key, whose in (((channel, sender), f"{sender}'s {channel} messages"), ((channel, ""), f"this link's {channel} messages")):
+        for key, whose in (
+            ((channel, sender), f"{sender}'s {channel} messages"),
+            ((channel, ""), f"this link's {channel} messages"),
+        ):
             rms, n = self._rms.get(key, (0.0, 0))
             if n >= WARMUP and rms > 0:
                 return rms, whose
@@ -73,12 +78,19 @@ class LinkBounds:
         """Accept a message of `rms` and `peak` from `sender` on `channel` (and let it move the
         running RMS), or raise WireError naming the bound it broke."""
         with self._lock:
-            why, loud, recent = None, False, self._recent.setdefault((channel, sender), collections.deque(maxlen=WINDOW))
+            why, loud, recent = (
+                None,
+                False,
+                self._recent.setdefault((channel, sender), collections.deque(maxlen=WINDOW)),
+            )
             if not peak <= self.cap:  # NaN too
                 why = f"a value of magnitude {peak:.3g} exceeds the cap {self.cap:.3g} (security.max_link_value)"
             elif (ref := self.reference(channel, sender)) is not None and rms > self.factor * ref[0]:
                 if sum(recent) < RECOVER:
-                    why, loud = f"its RMS {rms:.3g} is over {self.factor:g} times the running RMS {ref[0]:.3g} of {ref[1]} (security.link_rms_factor)", True
+                    why, loud = (
+                        f"its RMS {rms:.3g} is over {self.factor:g} times the running RMS {ref[0]:.3g} of {ref[1]} (security.link_rms_factor)",
+                        True,
+                    )
                 else:  # RECOVER refused lately: the link's level moved (or a persistent sender moved it; the cap still holds)
                     self._rms[(channel, sender)] = (rms, WARMUP - 1)
                     recent.clear()

@@ -49,14 +49,30 @@ def log_now(n: int) -> bool:
     """Whether the n-th occurrence of a repeated event gets a log line: the first ten, then every hundredth."""
     return n <= 10 or n % 100 == 0
 
+
 SERVICE = "anchormesh.v1.Stage"
-METHOD = {"forward": "Forward", "backward": "Backward", "anchor_forward": "AnchorForward", "anchor_backward": "AnchorBackward", "prior": "Prior"}
-MESSAGE = {"forward": pb.ActivationChunk, "backward": pb.GradientChunk, "anchor_forward": pb.ActivationChunk, "anchor_backward": pb.GradientChunk, "prior": pb.AnchorPrior}
+METHOD = {
+    "forward": "Forward",
+    "backward": "Backward",
+    "anchor_forward": "AnchorForward",
+    "anchor_backward": "AnchorBackward",
+    "prior": "Prior",
+}
+MESSAGE = {
+    "forward": pb.ActivationChunk,
+    "backward": pb.GradientChunk,
+    "anchor_forward": pb.ActivationChunk,
+    "anchor_backward": pb.GradientChunk,
+    "prior": pb.AnchorPrior,
+}
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 2**20
 # which credentials a swarm peer's Stage methods take (peer/security/auth.py); the fast and anchor circuits
 # (unlisted) take members only. Ping stays open (container health checks); GetShard also takes the
 # run token (anchormesh export on the operator's machine is not a member).
-STAGE_POLICY = {f"/{SERVICE}/Ping": frozenset({auth.OPEN}), f"/{SERVICE}/GetShard": frozenset({auth.TOKEN, auth.MEMBER, auth.OPERATOR})}
+STAGE_POLICY = {
+    f"/{SERVICE}/Ping": frozenset({auth.OPEN}),
+    f"/{SERVICE}/GetShard": frozenset({auth.TOKEN, auth.MEMBER, auth.OPERATOR}),
+}
 
 # (channel, parsed message) -> None, or raises AnchormeshError naming the problem
 Validator = Callable[[str, object], None]
@@ -111,7 +127,9 @@ class GrpcTransport(Transport):
         self._inbox: dict[tuple[Address, str], deque[bytes]] = defaultdict(deque)
         self._arrived = threading.Condition()
         self._outgoing: dict[tuple[Address, str], queue.Queue] = {}
-        self.meters: dict[tuple[Address, str], LinkMeter] = defaultdict(LinkMeter)  # (destination, channel) -> its stream's measured rate
+        self.meters: dict[tuple[Address, str], LinkMeter] = defaultdict(
+            LinkMeter
+        )  # (destination, channel) -> its stream's measured rate
         self._senders: list[threading.Thread] = []
         self._channels: dict[str, grpc.Channel] = {}
         # bounded: anyone who reaches the port can make refusals (2,000 bad Pings grew a list by 6 MB)
@@ -119,7 +137,9 @@ class GrpcTransport(Transport):
         self.rejected_count = 0
         self.send_errors: deque[str] = deque(maxlen=RECENT)  # why outbound streams ended with an error (client side)
         self.send_error_count = 0
-        self.stalled: dict[Address, tuple[float, str]] = {}  # destination -> (monotonic time it may be tried again, why)
+        self.stalled: dict[
+            Address, tuple[float, str]
+        ] = {}  # destination -> (monotonic time it may be tried again, why)
         self._calls: dict[tuple[Address, str], grpc.Call] = {}  # the live outbound stream per (destination, channel)
         self._closed = False
         self.bytes_in = 0  # accepted inbound bytes
@@ -146,13 +166,24 @@ class GrpcTransport(Transport):
         # no SO_REUSEPORT: a second process on a taken port must fail, not split the traffic
         # capped: a call over STAGE_CALLS is refused at once, not queued behind the streams (the gate keeps anonymous ones to a few)
         options = [*self._options, ("grpc.so_reuseport", 0)]
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=STAGE_CALLS), maximum_concurrent_rpcs=STAGE_CALLS, interceptors=[self.gate] if self.gate else None, options=options)
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=STAGE_CALLS),
+            maximum_concurrent_rpcs=STAGE_CALLS,
+            interceptors=[self.gate] if self.gate else None,
+            options=options,
+        )
         handlers = {
-            METHOD[ch]: grpc.stream_stream_rpc_method_handler(self._stream_handler(addr, ch), request_deserializer=None, response_serializer=pb.Ack.SerializeToString)
+            METHOD[ch]: grpc.stream_stream_rpc_method_handler(
+                self._stream_handler(addr, ch), request_deserializer=None, response_serializer=pb.Ack.SerializeToString
+            )
             for ch in CHANNELS
         }
-        handlers["Ping"] = grpc.unary_unary_rpc_method_handler(self._ping_handler(addr), request_deserializer=None, response_serializer=pb.PingReply.SerializeToString)
-        handlers["GetShard"] = grpc.unary_stream_rpc_method_handler(self._shard_handler(addr), request_deserializer=None, response_serializer=pb.ShardChunk.SerializeToString)
+        handlers["Ping"] = grpc.unary_unary_rpc_method_handler(
+            self._ping_handler(addr), request_deserializer=None, response_serializer=pb.PingReply.SerializeToString
+        )
+        handlers["GetShard"] = grpc.unary_stream_rpc_method_handler(
+            self._shard_handler(addr), request_deserializer=None, response_serializer=pb.ShardChunk.SerializeToString
+        )
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
         try:
             if self.tls_server is not None:
@@ -162,7 +193,9 @@ class GrpcTransport(Transport):
         except RuntimeError:  # grpc raises on a taken port (older versions returned 0)
             bound = 0
         if bound == 0:
-            raise AnchormeshError(f"cannot bind a Stage server on {self.host}:{port}: the port is taken or the address is not local")
+            raise AnchormeshError(
+                f"cannot bind a Stage server on {self.host}:{port}: the port is taken or the address is not local"
+            )
         if start:
             server.start()
         self._servers.append(server)
@@ -184,18 +217,33 @@ class GrpcTransport(Transport):
             for data in requests:
                 if caller is not None and not self.messages.take(caller):
                     self.gate.refused["RESOURCE_EXHAUSTED"] += 1
-                    log.warning("stage server %s: %s sends over %g messages/s; stream ended", addr, caller, self.messages.rate)
-                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{caller} sends more than {self.messages.rate:g} messages/s (security.messages_per_s); slow down")
+                    log.warning(
+                        "stage server %s: %s sends over %g messages/s; stream ended", addr, caller, self.messages.rate
+                    )
+                    context.abort(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"{caller} sends more than {self.messages.rate:g} messages/s (security.messages_per_s); slow down",
+                    )
                 try:
                     msg = parse_message(cls, data, self.max_bytes)
                     if msg.header.run_id != self.run_id:
-                        raise AnchormeshError(f"header.run_id={msg.header.run_id!r}: this server trains run {self.run_id!r}")
+                        raise AnchormeshError(
+                            f"header.run_id={msg.header.run_id!r}: this server trains run {self.run_id!r}"
+                        )
                     if caller is not None and msg.header.sender != caller:
                         self.gate.refused["PERMISSION_DENIED"] += 1
                         self.rejected.append(f"sender {msg.header.sender!r} is not the caller {caller!r}")
                         self.rejected_count += 1
-                        log.warning("stage server %s: %s sent a message signed as %r; stream ended", addr, caller, msg.header.sender)
-                        context.abort(grpc.StatusCode.PERMISSION_DENIED, f"header.sender={msg.header.sender!r}: the caller is {caller!r}; a peer sends only as itself")
+                        log.warning(
+                            "stage server %s: %s sent a message signed as %r; stream ended",
+                            addr,
+                            caller,
+                            msg.header.sender,
+                        )
+                        context.abort(
+                            grpc.StatusCode.PERMISSION_DENIED,
+                            f"header.sender={msg.header.sender!r}: the caller is {caller!r}; a peer sends only as itself",
+                        )
                     self._validators[addr](channel, msg)
                 except AnchormeshError as exc:
                     self._reject(context, addr, f"{cls.__name__}: {exc}")
@@ -208,7 +256,10 @@ class GrpcTransport(Transport):
                         inbox.append(data)
                         self._arrived.notify_all()
                 if full:  # bounded: a sender that outruns this peer is told so, nothing piles up
-                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{addr}'s {channel} inbox holds {MAX_INBOX} messages: it is behind; send elsewhere or later")
+                    context.abort(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"{addr}'s {channel} inbox holds {MAX_INBOX} messages: it is behind; send elsewhere or later",
+                    )
                 yield pb.Ack(micro_batch_id=msg.header.micro_batch_id, ok=True)
 
         return handle
@@ -275,7 +326,9 @@ class GrpcTransport(Transport):
     def send(self, src: Address, dst: Address, channel: str, data: bytes) -> None:
         if channel not in CHANNELS:
             raise ValueError(f"channel={channel!r}: must be one of {CHANNELS}")
-        if dst not in self.endpoints:  # a peer that started serving after our last heartbeat: its address comes with the next
+        if (
+            dst not in self.endpoints
+        ):  # a peer that started serving after our last heartbeat: its address comes with the next
             self.parking.park(dst, (src, channel, data), len(data))
             return
         key = (dst, channel)
@@ -284,7 +337,9 @@ class GrpcTransport(Transport):
         self.meters[key].sent(len(data))
         if key not in self._outgoing:
             self._outgoing[key] = queue.Queue()
-            t = threading.Thread(target=self._sender, args=(dst, channel, self._outgoing[key]), name=f"send-{dst}-{channel}", daemon=True)
+            t = threading.Thread(
+                target=self._sender, args=(dst, channel, self._outgoing[key]), name=f"send-{dst}-{channel}", daemon=True
+            )
             t.start()
             self._senders.append(t)
         self._outgoing[key].put(data)
@@ -303,7 +358,11 @@ class GrpcTransport(Transport):
     def excluding(self) -> list[str]:
         """The destinations sends route around now: "DST: why (N s left)" (the status shows them)."""
         now = time.monotonic()
-        return [f"{dst}: {why} ({until - now:.0f} s left)" for dst, (until, why) in list(self.stalled.items()) if until > now]
+        return [
+            f"{dst}: {why} ({until - now:.0f} s left)"
+            for dst, (until, why) in list(self.stalled.items())
+            if until > now
+        ]
 
     def usable(self, dst: Address) -> bool:
         """Whether `dst` may be sent to now (not stalled, or its exclusion has passed)."""
@@ -350,7 +409,9 @@ class GrpcTransport(Transport):
         delay = 0.1
         while not self._closed:
             # resolved on every attempt: a peer that restarted may serve on a new address
-            call = self.channel(self.endpoints[dst]).stream_stream(f"/{SERVICE}/{METHOD[channel]}", request_serializer=None, response_deserializer=pb.Ack.FromString)
+            call = self.channel(self.endpoints[dst]).stream_stream(
+                f"/{SERVICE}/{METHOD[channel]}", request_serializer=None, response_deserializer=pb.Ack.FromString
+            )
             attempt_over = threading.Event()
             taken = [0, 0]  # messages this attempt took from the queue, acks it got
 
@@ -380,7 +441,14 @@ class GrpcTransport(Transport):
                     return
                 self.send_errors.append(f"{exc.code().name}: {exc.details()}")
                 self.send_error_count += 1
-                log.warning("stream to %s (%s) ended: %s %s; reopening in %.1fs", dst, channel, exc.code().name, exc.details(), delay)
+                log.warning(
+                    "stream to %s (%s) ended: %s %s; reopening in %.1fs",
+                    dst,
+                    channel,
+                    exc.code().name,
+                    exc.details(),
+                    delay,
+                )
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
 

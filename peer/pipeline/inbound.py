@@ -33,19 +33,28 @@ def parse_inbound(channel: str, data: bytes, run_id: str, name: str) -> pb.Activ
     return msg
 
 
-def check_token_window(payload: pb.TensorPayload, vocab_size: int, shape: tuple[int, int] | None = None) -> torch.Tensor:
+def check_token_window(
+    payload: pb.TensorPayload, vocab_size: int, shape: tuple[int, int] | None = None
+) -> torch.Tensor:
     """An inbound token window [B, T+1] (inputs and targets), vetted: integer, 2-D with T >= 1,
     of `shape` when given, every id in [0, vocab_size). Raises WireError naming the problem."""
     window = proto_to_tensor(payload)
     want = f"[{shape[0]}, {shape[1]}] (the run's micro-batch)" if shape else "[B, T+1]"
-    if window.is_floating_point() or window.ndim != 2 or window.shape[1] < 2 or (shape and tuple(window.shape) != shape):
+    if (
+        window.is_floating_point()
+        or window.ndim != 2
+        or window.shape[1] < 2
+        or (shape and tuple(window.shape) != shape)
+    ):
         raise WireError(f"token_ids: expected integer {want}, got {window.dtype} {tuple(window.shape)}")
     if int(window.min()) < 0 or int(window.max()) >= vocab_size:
         raise WireError(f"token_ids: values must be in [0, {vocab_size})")
     return window
 
 
-def check_activation(msg: pb.ActivationChunk, s: StageModule, p: PipelineConfig, link: LinkCodec, bounds: LinkBounds | None = None) -> None:
+def check_activation(
+    msg: pb.ActivationChunk, s: StageModule, p: PipelineConfig, link: LinkCodec, bounds: LinkBounds | None = None
+) -> None:
     """An activation for stage `s`: on its inbound boundary, a token window of the run's
     micro-batch shape `p`, a payload its codec's receiving end (`link`) accepts for it and, with
     `bounds`, values within its link's bounds (peer/pipeline/bounds.py)."""
@@ -59,7 +68,13 @@ def check_activation(msg: pb.ActivationChunk, s: StageModule, p: PipelineConfig,
         bounds.check("forward", msg.header.sender, *scale)
 
 
-def check_gradient(msg: pb.GradientChunk, s: StageModule, inflight: dict[tuple[int, int], InFlight], link: LinkCodec, bounds: LinkBounds | None = None) -> None:
+def check_gradient(
+    msg: pb.GradientChunk,
+    s: StageModule,
+    inflight: dict[tuple[int, int], InFlight],
+    link: LinkCodec,
+    bounds: LinkBounds | None = None,
+) -> None:
     """A gradient for stage `s`: on its outbound boundary, for a micro-batch in flight here, of
     the shape (and codec) its output was sent with and, with `bounds`, values within its link's bounds."""
     b = msg.header.boundary
@@ -67,7 +82,9 @@ def check_gradient(msg: pb.GradientChunk, s: StageModule, inflight: dict[tuple[i
         raise WireError(f"header.boundary={b}: stage {s.index} receives gradients on boundary {s.index}")
     job = inflight.get((msg.header.step, msg.header.micro_batch_id))
     if job is None:
-        raise WireError(f"gradient for unknown micro-batch (step={msg.header.step}, micro_batch_id={msg.header.micro_batch_id})")
+        raise WireError(
+            f"gradient for unknown micro-batch (step={msg.header.step}, micro_batch_id={msg.header.micro_batch_id})"
+        )
     scale = link.check_gradient(msg, job.sent, tuple(job.out.shape))
     if bounds is not None:
         bounds.check("backward", msg.header.sender, *scale)

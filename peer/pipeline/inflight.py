@@ -13,9 +13,13 @@ class InFlight:
     step: int
     x: torch.Tensor | None  # received input (leaf, requires grad, on the device) for stages > 0
     out: torch.Tensor
-    stash: dict[str, torch.Tensor] | None  # weights the forward ran on when not the live ones (ran ahead, or the low-precision working copy)
+    stash: (
+        dict[str, torch.Tensor] | None
+    )  # weights the forward ran on when not the live ones (ran ahead, or the low-precision working copy)
     window: torch.Tensor  # token windows [B, T+1], on the host
     sender: str = ""  # who sent the input (the gradient goes back there)
     sent: object = None  # the codec's note on how the output was sent (LinkCodec.encode_activation): what the gradient's decode needs
-    received: object = None  # the codec's note on how the input came (LinkCodec.decode_activation): what the gradient sent back needs
+    received: object = (
+        None  # the codec's note on how the input came (LinkCodec.decode_activation): what the gradient sent back needs
+    )
     retry_key: tuple | None = None  # swarm: the input's identity for a sender's retries (StageWorker.retry_key)

@@ -72,7 +72,11 @@ class LinkMeter:
         """Measured bytes/s, or None until `min_samples` messages were acked (see the module
         docstring)."""
         with self._lock:
-            rates = [sum(b for b, _ in xs) / sum(s for _, s in xs) for xs in (self._samples, self._backlogged) if len(xs) >= self.min_samples]
+            rates = [
+                sum(b for b, _ in xs) / sum(s for _, s in xs)
+                for xs in (self._samples, self._backlogged)
+                if len(xs) >= self.min_samples
+            ]
             return max(rates) if rates else None
 
     def backlog(self) -> int:
@@ -92,7 +96,14 @@ class LinkMeter:
             self._queued.clear()
 
 
-def keep_fraction(bytes_full: float, bytes_fixed: float, link_bps: float | None, compute_s: float | None, target: float, min_keep: float) -> float:
+def keep_fraction(
+    bytes_full: float,
+    bytes_fixed: float,
+    link_bps: float | None,
+    compute_s: float | None,
+    target: float,
+    min_keep: float,
+) -> float:
     """The largest f in [min_keep, 1] whose payload `bytes_fixed + f * bytes_full` crosses the
     link within `target` of a micro-batch's compute time; 1 while either figure is unknown."""
     if not link_bps or not compute_s or bytes_full <= 0:
@@ -121,7 +132,9 @@ class ComputeClock:
         """Fold the work since the last step into the estimate."""
         if self._count:
             x = self._busy / self._count
-            self.per_micro_batch = x if self.per_micro_batch is None else (1 - self.alpha) * self.per_micro_batch + self.alpha * x
+            self.per_micro_batch = (
+                x if self.per_micro_batch is None else (1 - self.alpha) * self.per_micro_batch + self.alpha * x
+            )
         self._busy, self._count = 0.0, 0
 
 

@@ -43,7 +43,6 @@ class StepReport:
     seconds: float
 
 
-
 class LocalPipelineRunner:
     """Trains K stages x R replicas of `model` in this process.
 
@@ -75,7 +74,12 @@ class LocalPipelineRunner:
             stage.train()
         R, K = cfg.dp.replicas, cfg.model.num_stages
         self.workers: list[list[StageWorker]] = [
-            [StageWorker(copy.deepcopy(base[s]) if r else base[s], r, cfg, self.transport, run_id, placement=placement) for r in range(R)]
+            [
+                StageWorker(
+                    copy.deepcopy(base[s]) if r else base[s], r, cfg, self.transport, run_id, placement=placement
+                )
+                for r in range(R)
+            ]
             for s in range(K)
         ]
         self.dp = [build_dp_sync(cfg.dp, [p.shape for p in base[s].parameters()]) if R > 1 else None for s in range(K)]
@@ -162,10 +166,18 @@ class LocalPipelineRunner:
         t0 = time.perf_counter()
         last_bytes = self.transport.total_bytes()
         last_dp = 0
-        tokens_per_step = self.cfg.dp.replicas * self.cfg.pipeline.micro_batches * self.cfg.pipeline.micro_batch_size * self.cfg.pipeline.seq_len
+        tokens_per_step = (
+            self.cfg.dp.replicas
+            * self.cfg.pipeline.micro_batches
+            * self.cfg.pipeline.micro_batch_size
+            * self.cfg.pipeline.seq_len
+        )
         while self.step_count < steps:
             if not self._tick(steps) and not self.transport.wait(timeout=self.stall_timeout):
-                raise RuntimeError(f"pipeline stalled at step {self.step_count}: " + ", ".join(f"{w.name} v{w.version} done={dict(w.done)}" for row in self.workers for w in row))
+                raise RuntimeError(
+                    f"pipeline stalled at step {self.step_count}: "
+                    + ", ".join(f"{w.name} v{w.version} done={dict(w.done)}" for row in self.workers for w in row)
+                )
             self._collect_anchor()
             done = min(w.version for row in self.workers for w in row)
             while self.step_count < done:
@@ -175,7 +187,15 @@ class LocalPipelineRunner:
                 total = self.transport.total_bytes()
                 dp_total = sum(self.dp_bytes)
                 now = time.perf_counter()
-                report = StepReport(step, mean_loss(losses), tokens_per_step, total - last_bytes, dp_total - last_dp, self.newest_anchor, now - t0)
+                report = StepReport(
+                    step,
+                    mean_loss(losses),
+                    tokens_per_step,
+                    total - last_bytes,
+                    dp_total - last_dp,
+                    self.newest_anchor,
+                    now - t0,
+                )
                 last_bytes, last_dp, t0 = total, dp_total, now
                 self.step_count += 1
                 if self.anchor is not None:

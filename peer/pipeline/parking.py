@@ -26,7 +26,9 @@ PARK_BYTES = 1 << 28  # and their bytes (256 MiB: a few of a large model's activ
 class Parking:
     """Parked messages by destination, oldest first; thread-safe."""
 
-    def __init__(self, limit: int = PARK_MAX, wait_s: float = PARK_S, clock=time.monotonic, limit_bytes: int = PARK_BYTES) -> None:
+    def __init__(
+        self, limit: int = PARK_MAX, wait_s: float = PARK_S, clock=time.monotonic, limit_bytes: int = PARK_BYTES
+    ) -> None:
         self.limit, self.wait_s, self.clock, self.limit_bytes = limit, wait_s, clock, limit_bytes
         self._items: list[tuple[float, Hashable, Any, int]] = []  # (deadline, destination, message, its bytes)
         self._lock = threading.Lock()
@@ -39,7 +41,9 @@ class Parking:
         """Keep `message` (`nbytes` long) for `dst` until its address is known; AnchormeshError when full."""
         with self._lock:
             if len(self._items) >= self.limit or sum(x[3] for x in self._items) + nbytes > self.limit_bytes:
-                raise AnchormeshError(f"no address known for {dst}, and {len(self._items)} messages already wait for theirs (at most {self.limit}, {self.limit_bytes} bytes)")
+                raise AnchormeshError(
+                    f"no address known for {dst}, and {len(self._items)} messages already wait for theirs (at most {self.limit}, {self.limit_bytes} bytes)"
+                )
             self._items.append((self.clock() + self.wait_s, dst, message, nbytes))
 
     def take(self, known: Container) -> tuple[list[tuple[Hashable, Any]], list[Hashable]]:

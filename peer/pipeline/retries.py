@@ -47,4 +47,11 @@ def retry_key(msg: pb.ActivationChunk) -> tuple:
     Why the encoding: a retry is encoded anew, and with `mask.adapt` or a refreshed basis it may
     differ; the gradient cached for the first one would not fit it, and the sender would refuse
     it on every retry for good (seen in the swarm checkpoint test: [4, 32, 4] vs [4, 32, 2])."""
-    return (msg.header.sender, msg.header.step, msg.header.micro_batch_id, msg.basis_version, tuple(msg.hidden.shape), msg.hidden.compression.drop)
+    return (
+        msg.header.sender,
+        msg.header.step,
+        msg.header.micro_batch_id,
+        msg.basis_version,
+        tuple(msg.hidden.shape),
+        msg.hidden.compression.drop,
+    )

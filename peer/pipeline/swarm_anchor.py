@@ -88,7 +88,15 @@ class SwarmAnchor:
         timeout_s: a job with no progress for this long is dropped (a peer on its path left).
     """
 
-    def __init__(self, worker: StageWorker, micro_batches: int, siblings: Callable[[], list[Address]], timeout_s: float = 120.0, eval_batches: int = 4, max_jobs: int = MAX_JOBS) -> None:
+    def __init__(
+        self,
+        worker: StageWorker,
+        micro_batches: int,
+        siblings: Callable[[], list[Address]],
+        timeout_s: float = 120.0,
+        eval_batches: int = 4,
+        max_jobs: int = MAX_JOBS,
+    ) -> None:
         self.w, self.micro_batches, self.siblings, self.timeout_s = worker, micro_batches, siblings, timeout_s
         self.max_jobs = max_jobs
         self.eval_batches = eval_batches
@@ -136,7 +144,9 @@ class SwarmAnchor:
             if not msg.header.dense:
                 raise WireError("header.dense=false: anchor activations travel dense")
             if msg.header.boundary != s.index - 1:
-                raise WireError(f"header.boundary={msg.header.boundary}: stage {s.index} receives activations on boundary {s.index - 1}")
+                raise WireError(
+                    f"header.boundary={msg.header.boundary}: stage {s.index} receives activations on boundary {s.index - 1}"
+                )
             if not msg.header.eval:
                 self._check_issued(msg.header.step)
             limit, what = (self.eval_batches, "an evaluation") if msg.header.eval else (self.micro_batches, "an anchor")
@@ -144,11 +154,17 @@ class SwarmAnchor:
                 raise WireError(f"micro_batch_id={msg.header.micro_batch_id}: {what} pass has {limit} micro-batches")
             p = self.w.cfg.pipeline
             check_token_window(msg.token_ids, s.vocab_size, (p.micro_batch_size, p.seq_len + 1))
-            hidden = proto_to_tensor(msg.hidden, expect_shape=(p.micro_batch_size, p.seq_len, s.hidden_size), expect_dtype=torch.float16)
-            self.w.bounds.check(channel, msg.header.sender, *scale_of(hidden))  # its own link: dense, not the fast circuit's scale
+            hidden = proto_to_tensor(
+                msg.hidden, expect_shape=(p.micro_batch_size, p.seq_len, s.hidden_size), expect_dtype=torch.float16
+            )
+            self.w.bounds.check(
+                channel, msg.header.sender, *scale_of(hidden)
+            )  # its own link: dense, not the fast circuit's scale
         elif channel == "anchor_backward":
             if msg.header.boundary != s.index:
-                raise WireError(f"header.boundary={msg.header.boundary}: stage {s.index} receives gradients on boundary {s.index}")
+                raise WireError(
+                    f"header.boundary={msg.header.boundary}: stage {s.index} receives gradients on boundary {s.index}"
+                )
             job = self.jobs.get(msg.header.step)
             pending = job.pending.get(msg.header.micro_batch_id) if job else None
             if pending is None:  # a pass that expired here: dropped in the loop, not refused (see the module doc)
@@ -165,7 +181,9 @@ class SwarmAnchor:
             names = [g.name for g in msg.grads]
             unknown = sorted(set(names) - self.targets)
             if unknown or len(set(names)) != len(names) or not names:
-                raise WireError(f"grads: names must be distinct decoder matrices of stage {s.index}; got unknown {unknown[:3]} of {len(names)}")
+                raise WireError(
+                    f"grads: names must be distinct decoder matrices of stage {s.index}; got unknown {unknown[:3]} of {len(names)}"
+                )
             for g in msg.grads:
                 proto_to_tensor(g.tensor, expect_shape=self.shapes[g.name], expect_dtype=torch.bfloat16)
         else:
@@ -173,7 +191,9 @@ class SwarmAnchor:
 
     def drain(self) -> None:
         for ch in ANCHOR_CHANNELS:
-            cls = pb.AnchorPrior if ch == "prior" else pb.ActivationChunk if ch == "anchor_forward" else pb.GradientChunk
+            cls = (
+                pb.AnchorPrior if ch == "prior" else pb.ActivationChunk if ch == "anchor_forward" else pb.GradientChunk
+            )
             while (data := self.w.transport.poll(self.w.addr, ch)) is not None:
                 self.inbox[ch].append(parse_message(cls, data, MAX_MESSAGE_BYTES))
 
@@ -190,13 +210,20 @@ class SwarmAnchor:
         at: peers of one group count their own local steps, so their step numbers drift apart."""
         if anchor_id <= self.newest_id:
             self.stale_dropped += 1
-            log.info("anchor %d %s is not newer than the newest one folded in (%d): skipped", anchor_id, origin, self.newest_id)
+            log.info(
+                "anchor %d %s is not newer than the newest one folded in (%d): skipped",
+                anchor_id,
+                origin,
+                self.newest_id,
+            )
             return False
         # stamped with this peer's own step: monotonic here, and at most a few steps off the weights it ran on
         self.w.optimizer.observe_anchor(max(self.w.version, self.w.optimizer.spectral.anchor_step or 0), grads, None)
         self.newest_id = anchor_id
         self.priors_applied += 1
-        log.info("anchor %d %s folded in at step %d (%d so far)", anchor_id, origin, self.w.version, self.priors_applied)
+        log.info(
+            "anchor %d %s folded in at step %d (%d so far)", anchor_id, origin, self.w.version, self.priors_applied
+        )
         return True
 
     # -- work (only when the fast circuit is idle) --------------------------------------------
@@ -239,10 +266,24 @@ class SwarmAnchor:
                 del self._eval_dst[old]
         return self._eval_dst[eval_id]
 
-    def _send(self, pass_id: int, j: int, out: torch.Tensor, window: torch.Tensor, dst: Address, evaluation: bool = False) -> None:
+    def _send(
+        self, pass_id: int, j: int, out: torch.Tensor, window: torch.Tensor, dst: Address, evaluation: bool = False
+    ) -> None:
         """Micro-batch j of anchor or evaluation pass `pass_id`, dense fp16, to the next stage."""
-        header = pb.MicroBatchHeader(run_id=self.w.run_id, micro_batch_id=j, step=pass_id, sender=self.w.name, boundary=self.w.stage.index, dense=True, eval=evaluation)
-        msg = pb.ActivationChunk(header=header, hidden=tensor_to_proto(out.detach().to("cpu", torch.float16)), token_ids=tensor_to_proto(window.to(token_dtype(self.w.stage.vocab_size))))
+        header = pb.MicroBatchHeader(
+            run_id=self.w.run_id,
+            micro_batch_id=j,
+            step=pass_id,
+            sender=self.w.name,
+            boundary=self.w.stage.index,
+            dense=True,
+            eval=evaluation,
+        )
+        msg = pb.ActivationChunk(
+            header=header,
+            hidden=tensor_to_proto(out.detach().to("cpu", torch.float16)),
+            token_ids=tensor_to_proto(window.to(token_dtype(self.w.stage.vocab_size))),
+        )
         self.w.transport.send(self.w.addr, dst, "anchor_forward", msg.SerializeToString())
 
     def _eval_forward(self, msg: pb.ActivationChunk, next_hop: Callable[[], Address]) -> None:
@@ -252,7 +293,14 @@ class SwarmAnchor:
         with torch.no_grad():  # the master weights: what an export scores
             out = self.w.stage(pl.to_device(proto_to_tensor(msg.hidden), pl.master_dtype))
             if not self.w.stage.is_last:
-                self._send(msg.header.step, msg.header.micro_batch_id, out, window, self._eval_hop(msg.header.step, next_hop), evaluation=True)
+                self._send(
+                    msg.header.step,
+                    msg.header.micro_batch_id,
+                    out,
+                    window,
+                    self._eval_hop(msg.header.step, next_hop),
+                    evaluation=True,
+                )
                 return
             loss = float(lm_loss(out, pl.to_device(window[:, 1:])))
         eval_id = msg.header.step
@@ -280,12 +328,17 @@ class SwarmAnchor:
                 del self.jobs[oldest]
                 log.warning("anchor %d: dropped, %d newer passes are held", oldest, self.max_jobs)
             # in the compute dtype (bf16 under mixed precision): a snapshot costs half the fp32 weights
-            snapshot = {n: p.detach().to(self.w.compute_dtype, copy=True).requires_grad_(n in self.targets) for n, p in self.w.stage.named_parameters()}
+            snapshot = {
+                n: p.detach().to(self.w.compute_dtype, copy=True).requires_grad_(n in self.targets)
+                for n, p in self.w.stage.named_parameters()
+            }
             job = self.jobs[anchor_id] = _Job(anchor_id, self.w.version, snapshot, time.monotonic())
         job.touched = time.monotonic()
         return job
 
-    def _forward(self, msg: pb.ActivationChunk, next_hop: Callable[[], Address], resolve: Callable[[str], Address]) -> None:
+    def _forward(
+        self, msg: pb.ActivationChunk, next_hop: Callable[[], Address], resolve: Callable[[str], Address]
+    ) -> None:
         job = self._job(msg.header.step)
         j = msg.header.micro_batch_id
         if job is None or j in job.seen:
@@ -302,19 +355,27 @@ class SwarmAnchor:
             self._send(job.anchor_id, j, out, window, job.dst)
             return
         loss = lm_loss(out, pl.to_device(window[:, 1:]))
-        job.loss = (0.0 if math.isnan(job.loss) else job.loss) + float(loss.detach()) / self.micro_batches  # anchor work: off the fast path
+        job.loss = (0.0 if math.isnan(job.loss) else job.loss) + float(
+            loss.detach()
+        ) / self.micro_batches  # anchor work: off the fast path
         self._backward_through(job, _Pending(x, loss / self.micro_batches, msg.header.sender), None, j, resolve)
 
     def _backward(self, msg: pb.GradientChunk, resolve: Callable[[str], Address]) -> None:
         job = self.jobs.get(msg.header.step)
         pending = job.pending.pop(msg.header.micro_batch_id, None) if job else None
         if pending is None:
-            raise WireError(f"anchor gradient for unknown micro-batch (anchor {msg.header.step}, micro_batch_id={msg.header.micro_batch_id}): its pass is gone")
+            raise WireError(
+                f"anchor gradient for unknown micro-batch (anchor {msg.header.step}, micro_batch_id={msg.header.micro_batch_id}): its pass is gone"
+            )
         job.touched = time.monotonic()
-        g = self.w.placement.to_device(proto_to_tensor(msg.grad, expect_shape=tuple(pending.out.shape)), pending.out.dtype)
+        g = self.w.placement.to_device(
+            proto_to_tensor(msg.grad, expect_shape=tuple(pending.out.shape)), pending.out.dtype
+        )
         self._backward_through(job, pending, g, msg.header.micro_batch_id, resolve)
 
-    def _backward_through(self, job: _Job, p: _Pending, g: torch.Tensor | None, j: int, resolve: Callable[[str], Address]) -> None:
+    def _backward_through(
+        self, job: _Job, p: _Pending, g: torch.Tensor | None, j: int, resolve: Callable[[str], Address]
+    ) -> None:
         """Gradients of the decoder matrices (accumulated) and of the input (sent back)."""
         names = sorted(self.targets)
         inputs = [job.snapshot[n] for n in names] + ([p.x] if p.x is not None else [])
@@ -324,7 +385,9 @@ class SwarmAnchor:
                 job.grads[n] = job.grads[n] + gr if n in job.grads else gr.detach().clone()
         if p.x is not None:
             b = self.w.stage.index - 1
-            header = pb.MicroBatchHeader(run_id=self.w.run_id, micro_batch_id=j, step=job.anchor_id, sender=self.w.name, boundary=b, dense=True)
+            header = pb.MicroBatchHeader(
+                run_id=self.w.run_id, micro_batch_id=j, step=job.anchor_id, sender=self.w.name, boundary=b, dense=True
+            )
             back = pb.GradientChunk(header=header, grad=tensor_to_proto(grads[-1].detach().to("cpu", torch.float16)))
             self.w.transport.send(self.w.addr, resolve(p.sender), "anchor_backward", back.SerializeToString())
         job.done += 1
@@ -334,14 +397,29 @@ class SwarmAnchor:
     def _finish(self, job: _Job) -> None:
         del self.jobs[job.anchor_id]
         if len(job.grads) != len(self.targets):
-            log.warning("anchor %d: gradients of %d of %d decoder matrices; skipped", job.anchor_id, len(job.grads), len(self.targets))
+            log.warning(
+                "anchor %d: gradients of %d of %d decoder matrices; skipped",
+                job.anchor_id,
+                len(job.grads),
+                len(self.targets),
+            )
             return
         if not self._fold(job.anchor_id, job.grads, "(computed here)"):
             return
         prior = pb.AnchorPrior(
-            header=pb.MicroBatchHeader(run_id=self.w.run_id, micro_batch_id=job.anchor_id, step=job.weights_step, sender=self.w.name, boundary=self.w.stage.index, dense=True),
+            header=pb.MicroBatchHeader(
+                run_id=self.w.run_id,
+                micro_batch_id=job.anchor_id,
+                step=job.weights_step,
+                sender=self.w.name,
+                boundary=self.w.stage.index,
+                dense=True,
+            ),
             stage=self.w.stage.index,
-            grads=[pb.NamedTensor(name=n, tensor=tensor_to_proto(g.to("cpu", torch.bfloat16))) for n, g in sorted(job.grads.items())],
+            grads=[
+                pb.NamedTensor(name=n, tensor=tensor_to_proto(g.to("cpu", torch.bfloat16)))
+                for n, g in sorted(job.grads.items())
+            ],
             loss=job.loss,
         )
         data = prior.SerializeToString()
@@ -354,4 +432,6 @@ class SwarmAnchor:
             if now - job.touched > self.timeout_s:
                 del self.jobs[anchor_id]
                 self.todo = deque(t for t in self.todo if t[0] != anchor_id)
-                log.warning("anchor %d: no progress for %.0fs (a peer on its path left?); dropped", anchor_id, now - job.touched)
+                log.warning(
+                    "anchor %d: no progress for %.0fs (a peer on its path left?); dropped", anchor_id, now - job.touched
+                )

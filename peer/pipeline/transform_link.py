@@ -35,9 +35,15 @@ class TransformLinks:
     hidden_size: int
     produces_forward: bool  # not the last stage: it sends activations
     produces_backward: bool  # not the first stage: it sends gradients
-    learners: dict[str, TransformLearner | FixedCoder] = field(default_factory=dict)  # channel -> what makes this worker's coder
-    sent: dict[tuple[str, object], int] = field(default_factory=dict)  # (channel, destination) -> coder version it holds
-    coders: dict[tuple[str, str], dict[int, TransformState]] = field(default_factory=dict)  # (channel, producer) -> version -> coder
+    learners: dict[str, TransformLearner | FixedCoder] = field(
+        default_factory=dict
+    )  # channel -> what makes this worker's coder
+    sent: dict[tuple[str, object], int] = field(
+        default_factory=dict
+    )  # (channel, destination) -> coder version it holds
+    coders: dict[tuple[str, str], dict[int, TransformState]] = field(
+        default_factory=dict
+    )  # (channel, producer) -> version -> coder
 
     def __post_init__(self) -> None:
         m, H = self.mask, self.hidden_size
@@ -94,8 +100,12 @@ class TransformLinks:
         statistics, dense rows) of a [B, T, H] tensor on `channel`: what a link must carry."""
         B, T, H = shape
         rows = B * (T - min(self.sink(channel), T))
-        outliers = 2 * H * B if self.mask.grad_outliers and channel == "backward" else 0  # about one massive row a sequence
-        return rows * self.max_bits(channel) / 8, fixed_bytes(H, B, T, self.sink(channel), self.msg_stats(channel), self.row_rates(channel)) + outliers
+        outliers = (
+            2 * H * B if self.mask.grad_outliers and channel == "backward" else 0
+        )  # about one massive row a sequence
+        return rows * self.max_bits(channel) / 8, fixed_bytes(
+            H, B, T, self.sink(channel), self.msg_stats(channel), self.row_rates(channel)
+        ) + outliers
 
     # ---- producing ------------------------------------------------------------------------
     def dense_rows(self, channel: str, ref: torch.Tensor | None) -> torch.Tensor | None:
@@ -112,8 +122,18 @@ class TransformLinks:
         rows = (rms > ratio * rms.median()).nonzero().flatten()
         return rows.cpu() if len(rows) else None
 
-    def encode(self, channel: str, x: torch.Tensor, dst: object, *, boundary: int, step: int, micro_batch: int,
-               ref: torch.Tensor | None = None, row_bits: int | None = None) -> tuple[pb.TensorPayload, pb.TransformCoder | None]:
+    def encode(
+        self,
+        channel: str,
+        x: torch.Tensor,
+        dst: object,
+        *,
+        boundary: int,
+        step: int,
+        micro_batch: int,
+        ref: torch.Tensor | None = None,
+        row_bits: int | None = None,
+    ) -> tuple[pb.TensorPayload, pb.TransformCoder | None]:
         """`x` [B, T, H] coded for `dst`, and the coder to ship with it when `dst` lacks it.
         Gradients round stochastically, with dither or to the nearest level, through a fixed
         rotation or one signed and permuted per message; activations to the nearest level or
@@ -128,9 +148,22 @@ class TransformLinks:
         if state is not None and self.sent.get((channel, dst)) != state.version:
             coder = tw.coder_to_proto(state, run_rotation=channel == "backward")
             self.sent[(channel, dst)] = state.version
-        payload = tw.encode(state, x, sink=self.sink(channel), stochastic=channel == "backward" and self.mask.grad_rounding == "stochastic", boundary=boundary, step=step, micro_batch=micro_batch, dither=self.dithers(channel), channel=channel,
-                           msg_stats=self.msg_stats(channel), row_rates=self.row_rates(channel), dense_rows=self.dense_rows(channel, ref) if state is not None else None,
-                           shuffle=self.shuffles(channel), row_bits=row_bits)
+        payload = tw.encode(
+            state,
+            x,
+            sink=self.sink(channel),
+            stochastic=channel == "backward" and self.mask.grad_rounding == "stochastic",
+            boundary=boundary,
+            step=step,
+            micro_batch=micro_batch,
+            dither=self.dithers(channel),
+            channel=channel,
+            msg_stats=self.msg_stats(channel),
+            row_rates=self.row_rates(channel),
+            dense_rows=self.dense_rows(channel, ref) if state is not None else None,
+            shuffle=self.shuffles(channel),
+            row_bits=row_bits,
+        )
         return payload, coder
 
     def forget_sent(self) -> None:
@@ -159,24 +192,68 @@ class TransformLinks:
             # the dense warm-up format is for a producer without a coder: one that shipped a coder codes
             # from then on (a restarted one is refused until it ships its new one, a few micro-batches)
             have = max(self.coders[(channel, producer)])
-            raise WireError(f"Compression.kind=NONE: {producer!r} shipped a {channel} coder (v{have}); its {channel} messages must be coded from then on")
+            raise WireError(
+                f"Compression.kind=NONE: {producer!r} shipped a {channel} coder (v{have}); its {channel} messages must be coded from then on"
+            )
         if payload.compression.kind == pb.Compression.TRANSFORM:
             state = self.coders.get((channel, producer), {}).get(payload.compression.coder_version)
             if state is None:
                 have = sorted(self.coders.get((channel, producer), {}))
-                raise WireError(f"Compression.coder_version={payload.compression.coder_version}: no such {channel} coder from {producer!r} here (have {have}); send it again")
+                raise WireError(
+                    f"Compression.coder_version={payload.compression.coder_version}: no such {channel} coder from {producer!r} here (have {have}); send it again"
+                )
         return channel, payload, state
 
-    def check(self, msg: pb.ActivationChunk | pb.GradientChunk, *, expect_shape: tuple[int, ...], boundary: int, step: int, micro_batch: int) -> tuple[float, float]:
+    def check(
+        self,
+        msg: pb.ActivationChunk | pb.GradientChunk,
+        *,
+        expect_shape: tuple[int, ...],
+        boundary: int,
+        step: int,
+        micro_batch: int,
+    ) -> tuple[float, float]:
         """The inbound check of an activation or gradient, on the host, without decoding it; returns
         the (RMS, largest magnitude) it decodes to, estimated (transform_wire.magnitude)."""
         channel, payload, state = self._state(msg)
-        return tw.check(payload, state, expect_shape=expect_shape, sink=self.sink(channel), boundary=boundary, step=step, micro_batch=micro_batch, msg_stats=self.msg_stats(channel),
-                 row_rates=self.row_rates(channel), min_row_bits=self.min_row_bits(channel))
+        return tw.check(
+            payload,
+            state,
+            expect_shape=expect_shape,
+            sink=self.sink(channel),
+            boundary=boundary,
+            step=step,
+            micro_batch=micro_batch,
+            msg_stats=self.msg_stats(channel),
+            row_rates=self.row_rates(channel),
+            min_row_bits=self.min_row_bits(channel),
+        )
 
-    def decode(self, msg: pb.ActivationChunk | pb.GradientChunk, *, expect_shape: tuple[int, ...], boundary: int, step: int, micro_batch: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    def decode(
+        self,
+        msg: pb.ActivationChunk | pb.GradientChunk,
+        *,
+        expect_shape: tuple[int, ...],
+        boundary: int,
+        step: int,
+        micro_batch: int,
+        device: torch.device | str = "cpu",
+    ) -> torch.Tensor:
         """The float32 tensor an activation or gradient carries, decoded on `device`."""
         channel, payload, state = self._state(msg)
-        return tw.decode(payload, state, expect_shape=expect_shape, sink=self.sink(channel), boundary=boundary, step=step, micro_batch=micro_batch, device=device,
-                         dither=self.dithers(channel), channel=channel, msg_stats=self.msg_stats(channel), row_rates=self.row_rates(channel),
-                         shuffle=self.shuffles(channel), min_row_bits=self.min_row_bits(channel))
+        return tw.decode(
+            payload,
+            state,
+            expect_shape=expect_shape,
+            sink=self.sink(channel),
+            boundary=boundary,
+            step=step,
+            micro_batch=micro_batch,
+            device=device,
+            dither=self.dithers(channel),
+            channel=channel,
+            msg_stats=self.msg_stats(channel),
+            row_rates=self.row_rates(channel),
+            shuffle=self.shuffles(channel),
+            min_row_bits=self.min_row_bits(channel),
+        )

@@ -43,7 +43,9 @@ class ForwardWeights:
             the pending backwards need).
     """
 
-    def __init__(self, stage: StageModule, placement: Placement, local_steps: bool, lookahead: bool, max_staleness: int = 0) -> None:
+    def __init__(
+        self, stage: StageModule, placement: Placement, local_steps: bool, lookahead: bool, max_staleness: int = 0
+    ) -> None:
         self.stage, self.placement, self.local_steps, self.lookahead = stage, placement, local_steps, lookahead
         self.stashes = local_steps and swarm_stashes(stage, max_staleness)
         self.max_staleness = max_staleness
@@ -60,7 +62,9 @@ class ForwardWeights:
         ahead of the optimizer (at `version`)."""
         if self.local_steps:
             if not self.stashes:
-                return self.working()  # stage 0 not running ahead keeps its own step order; the last stage's backward is immediate
+                return (
+                    self.working()
+                )  # stage 0 not running ahead keeps its own step order; the last stage's backward is immediate
             delay = self._swarm_delay(step, version)
             if self._stash is None or self._stash[0] != version:
                 self._stash = (version, {})
@@ -127,7 +131,9 @@ class ForwardWeights:
         params = list(self.stage.named_parameters())
         versions = tuple(p._version for _, p in params)
         if self.work is None:
-            self.work = {n: p.detach().to(self.placement.compute_dtype, copy=True).requires_grad_(True) for n, p in params}
+            self.work = {
+                n: p.detach().to(self.placement.compute_dtype, copy=True).requires_grad_(True) for n, p in params
+            }
         elif versions != self._work_of:
             with torch.no_grad():
                 for n, p in params:

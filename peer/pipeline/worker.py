@@ -77,16 +77,26 @@ class StageWorker:
     link: LinkCodec = field(init=False)  # its ends of its links, for the run's codec (peer/pipeline/codecs/)
     weights: ForwardWeights = field(init=False)  # what the forwards run on (peer/pipeline/weights.py)
     bounds: LinkBounds = field(init=False)  # inbound values against each link's running RMS (peer/pipeline/bounds.py)
-    senders: set[str] = field(default_factory=set)  # who sent this step's gradients and activations: named when it is dropped
+    senders: set[str] = field(
+        default_factory=set
+    )  # who sent this step's gradients and activations: named when it is dropped
     dropped_steps: int = 0  # steps dropped for a non-finite gradient
 
     def __post_init__(self) -> None:
         s, pl = self.stage, self.placement
         s.to(device=pl.device, dtype=pl.master_dtype)  # fp32 master weights where they compute
         s.checkpointing = pl.checkpointing
-        self.optimizer = StageOptimizer(list(s.named_parameters()), s.decoder_matrices(), self.cfg.spectral, self.cfg.optim)
+        self.optimizer = StageOptimizer(
+            list(s.named_parameters()), s.decoder_matrices(), self.cfg.spectral, self.cfg.optim
+        )
         self.link = make_link(self.cfg.mask, s, pl, self.transport, self.compute)
-        self.weights = ForwardWeights(s, pl, self.local_steps, self.cfg.pipeline.staleness_correction == "lookahead", max_staleness=self.cfg.pipeline.max_staleness)
+        self.weights = ForwardWeights(
+            s,
+            pl,
+            self.local_steps,
+            self.cfg.pipeline.staleness_correction == "lookahead",
+            max_staleness=self.cfg.pipeline.max_staleness,
+        )
         self.bounds = LinkBounds(self.cfg.security.link_rms_factor, self.cfg.security.max_link_value)
 
     @property
@@ -124,7 +134,9 @@ class StageWorker:
 
     # -- messages ---------------------------------------------------------------------------
     def _header(self, step: int, mb: int, boundary: int) -> pb.MicroBatchHeader:
-        return pb.MicroBatchHeader(run_id=self.run_id, micro_batch_id=mb, step=step, sender=self.name, boundary=boundary)
+        return pb.MicroBatchHeader(
+            run_id=self.run_id, micro_batch_id=mb, step=step, sender=self.name, boundary=boundary
+        )
 
     def drain(self) -> None:
         for channel, inbox in (("forward", self.inbox_fwd), ("backward", self.inbox_bwd)):
@@ -164,7 +176,9 @@ class StageWorker:
         """Encode and send this stage's output (`ids`: its tokens, on the device); returns the
         codec's note for the gradient that will come back."""
         b = self.stage.index
-        msg = pb.ActivationChunk(header=self._header(step, mb, b), token_ids=tensor_to_proto(window.to(token_dtype(self.stage.vocab_size))))
+        msg = pb.ActivationChunk(
+            header=self._header(step, mb, b), token_ids=tensor_to_proto(window.to(token_dtype(self.stage.vocab_size)))
+        )
         dst = self.next_hop() if self.next_hop else (b + 1, self.replica)
         sent = self.link.encode_activation(msg, out.detach(), ids, dst)
         self.transport.send(self.addr, dst, "forward", msg.SerializeToString())
@@ -197,10 +211,14 @@ class StageWorker:
             loss = lm_loss(out, pl.to_device(window[:, 1:]))
             (loss / self.cfg.pipeline.micro_batches).backward()
             self.losses[step].append(loss.detach())  # a device tensor: read in batches, never per micro-batch
-            self._finish_backward(InFlight(step, x, out, stash, window, sender=msg.header.sender, received=received, retry_key=key), mb)
+            self._finish_backward(
+                InFlight(step, x, out, stash, window, sender=msg.header.sender, received=received, retry_key=key), mb
+            )
         else:
             sent = self._send_forward(out, window, pl.to_device(ids), step, mb)
-            self.inflight[(step, mb)] = InFlight(step, x, out, stash, window, sender=msg.header.sender, sent=sent, received=received, retry_key=key)
+            self.inflight[(step, mb)] = InFlight(
+                step, x, out, stash, window, sender=msg.header.sender, sent=sent, received=received, retry_key=key
+            )
         self.compute.add(time.perf_counter() - t0)
         return True
 
@@ -212,7 +230,9 @@ class StageWorker:
         mb = msg.header.micro_batch_id
         job = self.inflight.pop((msg.header.step, mb), None)
         if job is None:
-            raise WireError(f"{self.name}: gradient for unknown micro-batch (step={msg.header.step}, micro_batch_id={mb})")
+            raise WireError(
+                f"{self.name}: gradient for unknown micro-batch (step={msg.header.step}, micro_batch_id={mb})"
+            )
         t0 = time.perf_counter()
         grad = self.link.decode_gradient(msg, job.sent, tuple(job.out.shape))
         job.out.backward(grad.to(job.out.dtype))
@@ -238,7 +258,9 @@ class StageWorker:
             msg = pb.GradientChunk(header=self._header(job.step, mb, b))
             self.link.encode_gradient(msg, job.x, job.received, dst)
             data = msg.SerializeToString()
-            if self.local_steps:  # cached before sending: a send that fails (sender not known yet) is redone on its retry
+            if (
+                self.local_steps
+            ):  # cached before sending: a send that fails (sender not known yet) is redone on its retry
                 self.retries.sent(job.retry_key, dst, data)
             self.done[job.step] += 1
             self.transport.send(self.addr, dst, "backward", data)
@@ -271,7 +293,14 @@ class StageWorker:
             self.optimizer.step(self.version)
         except TensorError as exc:  # raised before anything changed (StageOptimizer.step)
             self.dropped_steps += 1
-            log.warning("%s: step %d dropped (%d so far): %s; its messages came from %s", self.name, self.version, self.dropped_steps, exc, ", ".join(sorted(self.senders)) or "no other peer")
+            log.warning(
+                "%s: step %d dropped (%d so far): %s; its messages came from %s",
+                self.name,
+                self.version,
+                self.dropped_steps,
+                exc,
+                ", ".join(sorted(self.senders)) or "no other peer",
+            )
         finally:  # the buffer holds the old weights until after_step makes them the update: never leave it so
             self.weights.after_step()
         self.senders.clear()

@@ -145,8 +145,13 @@ class Admission:
         name = method.rsplit("/", 1)[-1]
         if who is None:
             keys = [("open", ""), ("host", host)]
-            caps = {"open": (self.open_calls, f"{self.open_calls} calls of open methods are running"),
-                    "host": (self.open_calls_per_host, f"{host} has {self.open_calls_per_host} calls of open methods running")}
+            caps = {
+                "open": (self.open_calls, f"{self.open_calls} calls of open methods are running"),
+                "host": (
+                    self.open_calls_per_host,
+                    f"{host} has {self.open_calls_per_host} calls of open methods running",
+                ),
+            }
         else:
             keys = [("caller", who if role == "member" else f"{role}@{host}")]
             caps = {"caller": (self.caller_calls, f"{who} has {self.caller_calls} calls running")}
@@ -191,10 +196,15 @@ class Admission:
         finally:
             self.deadlines.done(n)
         if request is None:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: no request message arrived within {self.receive_deadline_s:g}s")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{method}: no request message arrived within {self.receive_deadline_s:g}s",
+            )
         return request
 
-    def admit(self, handler: grpc.RpcMethodHandler, method: str, who: str | None, role: str, refuse: Refuse) -> grpc.RpcMethodHandler:
+    def admit(
+        self, handler: grpc.RpcMethodHandler, method: str, who: str | None, role: str, refuse: Refuse
+    ) -> grpc.RpcMethodHandler:
         """`handler` as a request-streaming handler that takes its place before it reads (`who`:
         the verified caller's name, None for an anonymous call of an open method)."""
         kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}

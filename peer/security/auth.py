@@ -49,7 +49,7 @@ H_PEER, H_KEY, H_CERT, H_SIG = "am-peer", "am-key-bin", "am-cert-bin", "am-sig-b
 H_TS, H_NONCE, H_MAC, H_OP = "am-ts", "am-nonce", "am-mac", "am-op"
 H_WIRE = "am-wire"  # the caller's wire version (peer/wire/version.py): a member of another one is refused
 MAX_SKEW_S = 300.0  # clocks of volunteers' machines may differ this much (NTP keeps them far closer)
-NO_TOKEN_HINT = "pass --token or set ANCHORMESH_TOKEN (the \"token\" in the bootstrap's bootstrap.json)"
+NO_TOKEN_HINT = 'pass --token or set ANCHORMESH_TOKEN (the "token" in the bootstrap\'s bootstrap.json)'
 
 
 def tls_hint(details: str | None, tls: bool) -> str:
@@ -103,11 +103,21 @@ class Credentials:
         return md
 
 
-class _Details(collections.namedtuple("_Details", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")), grpc.ClientCallDetails):
+class _Details(
+    collections.namedtuple(
+        "_Details", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")
+    ),
+    grpc.ClientCallDetails,
+):
     pass
 
 
-class _AddCredentials(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor, grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+class _AddCredentials(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
     def __init__(self, creds: Credentials) -> None:
         self.creds = creds
 
@@ -129,20 +139,32 @@ class _AddCredentials(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientIn
         return continuation(self._with(d), requests)
 
 
-def open_channel(target: str, creds: Credentials | None, options: list | None = None, tls_ca: bytes | None = None, server_name: str | None = None) -> grpc.Channel:
+def open_channel(
+    target: str,
+    creds: Credentials | None,
+    options: list | None = None,
+    tls_ca: bytes | None = None,
+    server_name: str | None = None,
+) -> grpc.Channel:
     """A channel whose every call carries `creds` (TLS-verified against the run's CA when given,
     and the server's certificate must carry `server_name`: default, a member's name)."""
     options = list(options or [])
     if tls_ca:
         from peer.security.tls import PEER_NAME
 
-        channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=tls_ca), options=[*options, ("grpc.ssl_target_name_override", server_name or PEER_NAME)])
+        channel = grpc.secure_channel(
+            target,
+            grpc.ssl_channel_credentials(root_certificates=tls_ca),
+            options=[*options, ("grpc.ssl_target_name_override", server_name or PEER_NAME)],
+        )
     else:
         channel = grpc.insecure_channel(target, options=options)
     return grpc.intercept_channel(channel, _AddCredentials(creds)) if creds is not None else channel
 
 
-def tracker_channel(target: str, creds: Credentials | None, options: list | None = None, tls_ca: bytes | None = None) -> grpc.Channel:
+def tracker_channel(
+    target: str, creds: Credentials | None, options: list | None = None, tls_ca: bytes | None = None
+) -> grpc.Channel:
     """`open_channel` to the tracker: with TLS its certificate must carry the tracker's name, which
     no member's certificate does (peer/security/tls.py), so a member cannot pose as the tracker."""
     from peer.security.tls import TRACKER_NAME
@@ -232,7 +254,9 @@ class Gate(grpc.ServerInterceptor):
         def refuse(name: str, code: grpc.StatusCode, text: str) -> None:
             self._refuse(method, {H_PEER: name}, Refused(code, text))
 
-        return self.admission.admit(self._bounded(handler, method, who), method, who, caller.role if caller else OPEN, refuse)
+        return self.admission.admit(
+            self._bounded(handler, method, who), method, who, caller.role if caller else OPEN, refuse
+        )
 
     def _bounded(self, handler: grpc.RpcMethodHandler, method: str, who: str | None) -> grpc.RpcMethodHandler:
         """`handler` with its requests bounded by `limits[method]`; refusals name `who` (the verified
@@ -242,7 +266,12 @@ class Gate(grpc.ServerInterceptor):
             return handler
 
         def refuse(context: grpc.ServicerContext, text: str) -> None:
-            self._refuse(method, {H_PEER: who or _host(context.peer())}, Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, text), log_as="oversized")
+            self._refuse(
+                method,
+                {H_PEER: who or _host(context.peer())},
+                Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, text),
+                log_as="oversized",
+            )
 
         return bound(handler, method, limit, refuse)
 
@@ -262,7 +291,10 @@ class Gate(grpc.ServerInterceptor):
         except ValueError:
             raise Refused(unauth, f"{H_TS}={ts[:40]!r} is not a time") from None
         if age > MAX_SKEW_S:
-            raise Refused(unauth, f"the call's time is {age:.0f}s off this server's clock (at most {MAX_SKEW_S:.0f}s): fix the caller's clock")
+            raise Refused(
+                unauth,
+                f"the call's time is {age:.0f}s off this server's clock (at most {MAX_SKEW_S:.0f}s): fix the caller's clock",
+            )
         if not 8 <= len(nonce) <= 64:
             raise Refused(unauth, f"{H_NONCE} must be 8-64 characters")
         data = _call_bytes(method, peer, ts, nonce, key)
@@ -275,17 +307,28 @@ class Gate(grpc.ServerInterceptor):
             if not self.token:
                 raise Refused(unauth, "this server does not know the run token yet")
             if not hmac.compare_digest(str(md[H_MAC]), _mac(self.token, data)):
-                raise Refused(unauth, "wrong run token: check --token / ANCHORMESH_TOKEN against the bootstrap's bootstrap.json")
+                raise Refused(
+                    unauth, "wrong run token: check --token / ANCHORMESH_TOKEN against the bootstrap's bootstrap.json"
+                )
             caller = Caller(TOKEN, peer, key)
         else:
             raise Refused(unauth, "wrong operator key")
         if key and fingerprint(key) in self.banned:
-            raise Refused(denied, f"peer {peer or fingerprint(key)} is banned from this run: {self.banned[fingerprint(key)]}")
+            raise Refused(
+                denied, f"peer {peer or fingerprint(key)} is banned from this run: {self.banned[fingerprint(key)]}"
+            )
         if caller.role not in roles:
-            raise Refused(denied, f"{method} takes {' or '.join(sorted(roles))} credentials; the caller has {caller.role} ones")
-        if caller.role == MEMBER and md.get(H_WIRE) != wire_version():  # every stream's first headers: never a silent mis-decode
+            raise Refused(
+                denied, f"{method} takes {' or '.join(sorted(roles))} credentials; the caller has {caller.role} ones"
+            )
+        if (
+            caller.role == MEMBER and md.get(H_WIRE) != wire_version()
+        ):  # every stream's first headers: never a silent mis-decode
             theirs = md.get(H_WIRE) or "none (a build older than wire versions)"
-            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"peer {peer!r} speaks wire version {str(theirs)[:40]}, this peer {wire_version()}: both must run a build of the same wire version")
+            raise Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"peer {peer!r} speaks wire version {str(theirs)[:40]}, this peer {wire_version()}: both must run a build of the same wire version",
+            )
         self._fresh(nonce)
         return caller
 
@@ -294,8 +337,14 @@ class Gate(grpc.ServerInterceptor):
         cert, sig = md.get(H_CERT, b""), md.get(H_SIG, b"")
         if not self.tracker_key:
             raise Refused(unauth, "this server has not joined a run yet")
-        if not isinstance(cert, bytes) or not isinstance(sig, bytes) or not verify(self.tracker_key, cert, certificate_bytes(self.run_id, peer, key)):
-            raise Refused(unauth, f"peer {peer!r}: its certificate was not issued by this run's tracker (another run, or forged)")
+        if (
+            not isinstance(cert, bytes)
+            or not isinstance(sig, bytes)
+            or not verify(self.tracker_key, cert, certificate_bytes(self.run_id, peer, key))
+        ):
+            raise Refused(
+                unauth, f"peer {peer!r}: its certificate was not issued by this run's tracker (another run, or forged)"
+            )
         if not verify(key, sig, data):
             raise Refused(unauth, f"peer {peer!r}: the call's signature does not match its key")
         return Caller(MEMBER, peer, key)
@@ -314,7 +363,10 @@ class Gate(grpc.ServerInterceptor):
         # members by their certified id; token and operator callers name themselves, so they
         # share one bucket per role (a token holder cannot dodge the limit by making up names)
         if not self._calls.take(caller.peer_id if caller.role == MEMBER else caller.role):
-            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{caller.name} opens calls faster than {self.calls_per_s:g}/s; slow down")
+            raise Refused(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{caller.name} opens calls faster than {self.calls_per_s:g}/s; slow down",
+            )
 
     def _refuse(self, method: str, md: dict, r: Refused, log_as: str | None = None) -> None:
         """Count a refusal and log it at most every 10 s per (caller, text), or per (method,
@@ -359,6 +411,6 @@ def read_token(value: str | None) -> str | None:
     if text.startswith("{"):
         token = json.loads(text).get("token")
         if not token:
-            raise ConfigError("--token", value, "that JSON has no \"token\" (is it a bootstrap.json of this version?)")
+            raise ConfigError("--token", value, 'that JSON has no "token" (is it a bootstrap.json of this version?)')
         return token
     return text

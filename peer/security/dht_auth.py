@@ -90,7 +90,11 @@ class _RecentNonces:
     replayed, no request sent at or before its time is taken any more (only under a flood)."""
 
     def __init__(self, limit: int) -> None:
-        self._limit, self._seen, self._heap = limit, set[tuple[bytes, bytes]](), list[tuple[float, tuple[bytes, bytes]]]()
+        self._limit, self._seen, self._heap = (
+            limit,
+            set[tuple[bytes, bytes]](),
+            list[tuple[float, tuple[bytes, bytes]]](),
+        )
         self.floor = float("-inf")
 
     def __len__(self) -> int:
@@ -120,7 +124,13 @@ class RunAuthorizer(AuthorizerBase):
     `identity`: the key this node signs with (None: a fresh one; the DHT needs no stable key).
     `clock` is for tests; it is the time of tokens, requests and the nonce memory."""
 
-    def __init__(self, token: str, identity: Identity | None = None, clock: Callable[[], float] = time.time, max_nonces: int = MAX_NONCES) -> None:
+    def __init__(
+        self,
+        token: str,
+        identity: Identity | None = None,
+        clock: Callable[[], float] = time.time,
+        max_nonces: int = MAX_NONCES,
+    ) -> None:
         self._key, self._clock = dht_key(token), clock
         self._identity = identity if identity is not None else Identity.generate()
         self._access: AccessToken | None = None
@@ -133,8 +143,11 @@ class RunAuthorizer(AuthorizerBase):
 
     def mint(self, expires: float) -> AccessToken:
         """An access token for this node's key, valid until `expires` (epoch seconds)."""
-        t = AccessToken(username=USERNAME, public_key=self.public_key,
-                        expiration_time=datetime.datetime.fromtimestamp(expires, datetime.timezone.utc).isoformat())
+        t = AccessToken(
+            username=USERNAME,
+            public_key=self.public_key,
+            expiration_time=datetime.datetime.fromtimestamp(expires, datetime.timezone.utc).isoformat(),
+        )
         t.signature = hmac.new(self._key, _token_bytes(t), hashlib.sha256).digest()
         return t
 
@@ -189,7 +202,9 @@ class RunAuthorizer(AuthorizerBase):
             log.debug("refused a DHT request: %s", problem)
         return problem is None
 
-    def _signer_problem(self, token: AccessToken, domain: bytes, message: AuthorizedRequestBase | AuthorizedResponseBase) -> str | None:
+    def _signer_problem(
+        self, token: AccessToken, domain: bytes, message: AuthorizedRequestBase | AuthorizedResponseBase
+    ) -> str | None:
         """Why `message` is not signed by a run member: its access token, then its signature by
         the key that token names."""
         problem = self.token_problem(token)
@@ -272,10 +287,21 @@ def publish_tracker(dht, identity: Identity, run_id: str, tracker: str, ttl_s: f
     return bool(dht.store(TRACKER_RECORD_KEY, record, expiration, subkey=subkey))
 
 
-def check_record(subkey: object, value: object, expiration: float, tracker_key: bytes | None = None, run_id: str | None = None, now: float | None = None) -> str | None:
+def check_record(
+    subkey: object,
+    value: object,
+    expiration: float,
+    tracker_key: bytes | None = None,
+    run_id: str | None = None,
+    now: float | None = None,
+) -> str | None:
     """Why this tracker record is refused (None: it is the tracker's, or with no `tracker_key`, a
     well-signed one). `now` bounds the expiry (None: not checked)."""
-    if not isinstance(value, dict) or set(value) != {"run_id", "tracker", "key", "sig"} or not all(isinstance(v, str) for v in value.values()):
+    if (
+        not isinstance(value, dict)
+        or set(value) != {"run_id", "tracker", "key", "sig"}
+        or not all(isinstance(v, str) for v in value.values())
+    ):
         return "not a signed tracker record (a plain value, or fields missing)"
     if subkey != value["key"]:
         return "its subkey is not its signer's key"
@@ -296,7 +322,9 @@ def check_record(subkey: object, value: object, expiration: float, tracker_key: 
     return None
 
 
-def verified_trackers(found: object, tracker_key: bytes | None = None, run_id: str | None = None) -> tuple[list[tuple[float, dict]], list[tuple[str, str]]]:
+def verified_trackers(
+    found: object, tracker_key: bytes | None = None, run_id: str | None = None
+) -> tuple[list[tuple[float, dict]], list[tuple[str, str]]]:
     """What `dht.get(TRACKER_RECORD_KEY, latest=True)` returned, checked again here (a node's
     validator may not know the key): ([(expiry, record)] newest first, [(signer, why refused)])."""
     value = getattr(found, "value", None)
@@ -366,7 +394,7 @@ def read_tracker_key(value: str | None, token_arg: str | None = None) -> bytes |
         if not key:
             if where == "--token":
                 return None
-            raise ConfigError(where, value, "that JSON has no \"tracker_key\" (a bootstrap.json of an older version?)")
+            raise ConfigError(where, value, 'that JSON has no "tracker_key" (a bootstrap.json of an older version?)')
         text = key
     return _hex_key(text, where, value)
 
@@ -377,5 +405,7 @@ def _hex_key(text: str, where: str, value: str) -> bytes:
     except ValueError:
         key = b""
     if len(key) != KEY_BYTES:
-        raise ConfigError(where, value, f"a tracker key is {KEY_BYTES} bytes in hex (the \"tracker_key\" of bootstrap.json)")
+        raise ConfigError(
+            where, value, f'a tracker key is {KEY_BYTES} bytes in hex (the "tracker_key" of bootstrap.json)'
+        )
     return key

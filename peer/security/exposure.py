@@ -57,7 +57,11 @@ def split_address(value: str) -> tuple[str, bytes | None]:
     except ValueError:
         key = b""
     if len(key) != KEY_BYTES:
-        raise ConfigError("--tracker", value, f"the part after '{KEY_MARK}' must be the tracker's key, {2 * KEY_BYTES} hex digits (the \"address\" of bootstrap.json)")
+        raise ConfigError(
+            "--tracker",
+            value,
+            f"the part after '{KEY_MARK}' must be the tracker's key, {2 * KEY_BYTES} hex digits (the \"address\" of bootstrap.json)",
+        )
     return address, key
 
 
@@ -70,12 +74,18 @@ def pick_key(flag_key: bytes | None, line_key: bytes | None) -> bytes | None:
     """The tracker key from --tracker-key (or bootstrap.json) and from the address line; two that
     differ name two runs, which is refused."""
     if flag_key is not None and line_key is not None and flag_key != line_key:
-        raise ConfigError("--tracker-key", flag_key.hex()[:16] + "...", f"differs from the key in --tracker ({line_key.hex()[:16]}...): they name two runs")
+        raise ConfigError(
+            "--tracker-key",
+            flag_key.hex()[:16] + "...",
+            f"differs from the key in --tracker ({line_key.hex()[:16]}...): they name two runs",
+        )
     return flag_key if flag_key is not None else line_key
 
 
-NO_KEY_HINT = ("the tracker is not on this machine and the peer does not know the tracker's key: pass --tracker HOST:PORT#KEY "
-               "(the \"address\" of the operator's bootstrap.json), --tracker-key KEY or --token @bootstrap.json")
+NO_KEY_HINT = (
+    "the tracker is not on this machine and the peer does not know the tracker's key: pass --tracker HOST:PORT#KEY "
+    '(the "address" of the operator\'s bootstrap.json), --tracker-key KEY or --token @bootstrap.json'
+)
 
 
 def require_key(hosts: Iterable[str | None], key: bytes | None, where: str, value: object) -> None:
@@ -102,7 +112,9 @@ def _hosts(tracker: str | None, initial_peers: Sequence[str]) -> list[str]:
     try:
         return [host_of(tracker)] if tracker else [host_of(m) for m in initial_peers]
     except ValueError as exc:
-        raise ConfigError("--tracker" if tracker else "--initial-peers", tracker or " ".join(initial_peers), str(exc)) from None
+        raise ConfigError(
+            "--tracker" if tracker else "--initial-peers", tracker or " ".join(initial_peers), str(exc)
+        ) from None
 
 
 def _ca_in_json(token_arg: str | None) -> bytes | None:
@@ -117,8 +129,15 @@ def _ca_in_json(token_arg: str | None) -> bytes | None:
     return ca.encode() if isinstance(ca, str) and "BEGIN CERTIFICATE" in ca else None
 
 
-def resolve_access(tracker_arg: str | None, initial_peers: Sequence[str], key_arg: str | None, token_arg: str | None, tls_ca_arg: str | None, plaintext: bool,
-                   require: bool = False) -> Access:
+def resolve_access(
+    tracker_arg: str | None,
+    initial_peers: Sequence[str],
+    key_arg: str | None,
+    token_arg: str | None,
+    tls_ca_arg: str | None,
+    plaintext: bool,
+    require: bool = False,
+) -> Access:
     """The tracker, its key and the TLS to use, from a client's flags. Off loopback TLS is on
     (the CA from --tls-ca, a bootstrap.json, or fetched from the tracker and checked with its
     key) unless `plaintext`; with `require` (a peer) a missing key off loopback is refused."""
@@ -132,7 +151,12 @@ def resolve_access(tracker_arg: str | None, initial_peers: Sequence[str], key_ar
         require_key(hosts, key, "--tracker" if tracker else "--initial-peers", tracker or " ".join(initial_peers))
     ca = read_ca(tls_ca_arg) or _ca_in_json(token_arg)
     # with the key in the address line a loopback tracker is asked too: a run announced elsewhere uses TLS
-    return Access(tracker, key, ca, fetch=ca is None and key is not None and not plaintext and (exposed(hosts) or line_key is not None))
+    return Access(
+        tracker,
+        key,
+        ca,
+        fetch=ca is None and key is not None and not plaintext and (exposed(hosts) or line_key is not None),
+    )
 
 
 def run_ca(tracker: str, key: bytes, stop: threading.Event | None = None) -> bytes | None:
@@ -154,7 +178,9 @@ def run_ca(tracker: str, key: bytes, stop: threading.Event | None = None) -> byt
         except OSError as exc:
             if stop is None:
                 raise SystemExit(f"anchormesh: tracker {tracker} unreachable: {exc.strerror or exc}") from None
-            log.warning("tracker %s unreachable for its TLS CA (%s); retrying in %.1fs", tracker, exc.strerror or exc, delay)
+            log.warning(
+                "tracker %s unreachable for its TLS CA (%s); retrying in %.1fs", tracker, exc.strerror or exc, delay
+            )
             if stop.wait(delay):
                 raise SystemExit(1) from None
             delay = min(delay * 2, 30.0)

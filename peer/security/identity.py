@@ -46,7 +46,11 @@ class Identity:
     @classmethod
     def from_bytes(cls, raw: bytes, where: str) -> Identity:
         if len(raw) != KEY_BYTES:
-            raise ConfigError(where, f"{len(raw)} bytes", f"an identity key is {KEY_BYTES} raw bytes; remove the file to make a new identity")
+            raise ConfigError(
+                where,
+                f"{len(raw)} bytes",
+                f"an identity key is {KEY_BYTES} raw bytes; remove the file to make a new identity",
+            )
         return cls(Ed25519PrivateKey.from_private_bytes(raw))
 
     @classmethod

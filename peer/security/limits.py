@@ -25,7 +25,8 @@ METHOD_LIMITS: dict[str, int | None] = {
     STAGE + "Prior": None,
     STAGE + "Ping": 4 * KIB,  # two ids: at most ~130 bytes
     STAGE + "GetShard": 4 * KIB,  # two ids, two numbers: ~40 bytes
-    TRACKER + "Join": 64 * KIB,  # ids, address, TLS key, DHT addresses, a per-stage plan: 6.2 KB with 32 addresses and 256 stages
+    TRACKER + "Join": 64
+    * KIB,  # ids, address, TLS key, DHT addresses, a per-stage plan: 6.2 KB with 32 addresses and 256 stages
     TRACKER + "GetConfig": 4 * KIB,  # empty
     # a PeerReport: 3.4 KB with every string at the tracker's 300-character cap and every counter at its max,
     # plus 8.7 KB of work ids (stage 0 holds at most 256 and gives back at most 256)
@@ -81,4 +82,7 @@ def bound(handler: grpc.RpcMethodHandler, method: str, limit: int, refuse: Refus
         return call
 
     wrapped = {"unary_unary": one, "unary_stream": one, "stream_unary": each, "stream_stream": each}
-    return handler._replace(request_deserializer=deserialize, **{k: wrap(getattr(handler, k)) for k, wrap in wrapped.items() if getattr(handler, k) is not None})
+    return handler._replace(
+        request_deserializer=deserialize,
+        **{k: wrap(getattr(handler, k)) for k, wrap in wrapped.items() if getattr(handler, k) is not None},
+    )

@@ -51,7 +51,12 @@ def member_names(peer_id: str) -> list[str]:
     """The DNS names of a member's certificate: `PEER_NAME`, and `anchormesh-peer-<id>` when the id
     makes a DNS label. The prefix keeps any id from naming the tracker."""
     label = peer_id.lower().removeprefix("peer-")
-    ok = 0 < len(label) <= 40 and all(c.isascii() and (c.isalnum() or c == "-") for c in label) and not label.startswith("-") and not label.endswith("-")
+    ok = (
+        0 < len(label) <= 40
+        and all(c.isascii() and (c.isalnum() or c == "-") for c in label)
+        and not label.startswith("-")
+        and not label.endswith("-")
+    )
     return [PEER_NAME, f"{PEER_NAME}-{label}"] if ok else [PEER_NAME]
 
 
@@ -64,19 +69,35 @@ def new_key() -> ec.EllipticCurvePrivateKey:
 
 
 def key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def public_der(key: ec.EllipticCurvePrivateKey) -> bytes:
     return key.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
-def _cert(subject: str, public, issuer: x509.Name, signer, ca: bool, names: list[str] | None = None, vouch: bytes | None = None) -> x509.Certificate:
+def _cert(
+    subject: str,
+    public,
+    issuer: x509.Name,
+    signer,
+    ca: bool,
+    names: list[str] | None = None,
+    vouch: bytes | None = None,
+) -> x509.Certificate:
     now = datetime.datetime.now(datetime.timezone.utc)
-    b = (x509.CertificateBuilder().subject_name(_name(subject)).issuer_name(issuer).public_key(public)
-         .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
-         .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
-         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    b = (
+        x509.CertificateBuilder()
+        .subject_name(_name(subject))
+        .issuer_name(issuer)
+        .public_key(public)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
     if names:
         b = b.add_extension(x509.SubjectAlternativeName([x509.DNSName(n) for n in names]), critical=False)
     if vouch:
@@ -99,7 +120,10 @@ class RunCA:
     def load_or_create(cls, state_dir: Path) -> RunCA:
         key_path, cert_path = state_dir / "tls-ca.key", state_dir / "tls-ca.pem"
         if key_path.exists() and cert_path.exists():
-            return cls(serialization.load_pem_private_key(key_path.read_bytes(), None), x509.load_pem_x509_certificate(cert_path.read_bytes()))
+            return cls(
+                serialization.load_pem_private_key(key_path.read_bytes(), None),
+                x509.load_pem_x509_certificate(cert_path.read_bytes()),
+            )
         key = new_key()
         ca = cls(key, _cert(f"{SERVER_NAME} run CA", key.public_key(), _name(f"{SERVER_NAME} run CA"), key, ca=True))
         state_dir.mkdir(parents=True, exist_ok=True)
@@ -117,7 +141,9 @@ class RunCA:
         if not isinstance(pub, ec.EllipticCurvePublicKey):
             raise ConfigError("tls_public_key", type(pub).__name__, "must be an EC P-256 key")
         names = [TRACKER_NAME] if tracker else member_names(subject)
-        return _cert(subject, pub, self.cert.subject, self.key, ca=False, names=names, vouch=vouch if tracker else None).public_bytes(serialization.Encoding.PEM)
+        return _cert(
+            subject, pub, self.cert.subject, self.key, ca=False, names=names, vouch=vouch if tracker else None
+        ).public_bytes(serialization.Encoding.PEM)
 
     def server_pair(self, subject: str = "tracker", tracker_key: Identity | None = None) -> tuple[bytes, bytes]:
         """(key PEM, certificate PEM) for the tracker's server (it alone carries `TRACKER_NAME`);
@@ -138,7 +164,9 @@ class PeerServerTLS:
         self.key = new_key()
         self._pending: bytes | None = None
         self._lock = threading.Lock()
-        placeholder = _cert("unjoined", self.key.public_key(), _name("unjoined"), self.key, ca=False).public_bytes(serialization.Encoding.PEM)
+        placeholder = _cert("unjoined", self.key.public_key(), _name("unjoined"), self.key, ca=False).public_bytes(
+            serialization.Encoding.PEM
+        )
         first = grpc.ssl_server_certificate_configuration([(key_pem(self.key), placeholder)])
         self.credentials = grpc.dynamic_ssl_server_credentials(first, self._fetch)
 
@@ -166,7 +194,7 @@ def read_ca(value: str | None) -> bytes | None:
     if text.lstrip().startswith("{"):
         ca = json.loads(text).get("tls_ca")
         if not ca:
-            raise ConfigError("--tls-ca", value, "that JSON has no \"tls_ca\": the run does not use TLS (security.tls)")
+            raise ConfigError("--tls-ca", value, 'that JSON has no "tls_ca": the run does not use TLS (security.tls)')
         text = ca
     if "BEGIN CERTIFICATE" not in text:
         raise ConfigError("--tls-ca", value, "not a PEM certificate")
@@ -181,15 +209,25 @@ def vouched_ca(leaf_der: bytes, tracker_key: bytes) -> bytes:
         leaf = x509.load_der_x509_certificate(leaf_der)
         raw = leaf.extensions.get_extension_for_oid(VOUCH_OID).value.value
     except (ValueError, x509.ExtensionNotFound):
-        raise ConfigError(where, "its TLS certificate", "carries no run CA vouched by the tracker (not an anchormesh tracker, or an older version)") from None
+        raise ConfigError(
+            where,
+            "its TLS certificate",
+            "carries no run CA vouched by the tracker (not an anchormesh tracker, or an older version)",
+        ) from None
     sig, der = raw[:SIG_BYTES], raw[SIG_BYTES:]
     if not verify(tracker_key, sig, _VOUCH_DOMAIN + der):
-        raise ConfigError(where, "its TLS certificate", f"its run CA is not signed by the tracker key {tracker_key.hex()[:16]}...: another run, or someone posing as the tracker")
+        raise ConfigError(
+            where,
+            "its TLS certificate",
+            f"its run CA is not signed by the tracker key {tracker_key.hex()[:16]}...: another run, or someone posing as the tracker",
+        )
     ca = x509.load_der_x509_certificate(der)
     try:
         leaf.verify_directly_issued_by(ca)
     except (InvalidSignature, ValueError, TypeError) as exc:
-        raise ConfigError(where, "its TLS certificate", f"was not issued by the run CA it carries ({type(exc).__name__})") from None
+        raise ConfigError(
+            where, "its TLS certificate", f"was not issued by the run CA it carries ({type(exc).__name__})"
+        ) from None
     return ca.public_bytes(serialization.Encoding.PEM)
 
 
@@ -200,7 +238,10 @@ def leaf_certificate(address: str, timeout_s: float = 10.0) -> bytes:
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
     ctx.set_alpn_protocols(["h2"])  # what gRPC speaks
-    with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as raw, ctx.wrap_socket(raw, server_hostname=TRACKER_NAME) as conn:
+    with (
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as raw,
+        ctx.wrap_socket(raw, server_hostname=TRACKER_NAME) as conn,
+    ):
         der = conn.getpeercert(binary_form=True)
     if not der:
         raise ssl.SSLError("the server sent no certificate")

@@ -127,7 +127,9 @@ class ShardCheckpoints:
     def _paths(self, step: int) -> tuple[Path, Path]:
         return self.dir / f"step{step:08d}.pt", self.dir / f"step{step:08d}.json"
 
-    def save(self, metadata: dict, names: list[str], tensors: list[torch.Tensor], hf_names: list[str] | None = None) -> Path:
+    def save(
+        self, metadata: dict, names: list[str], tensors: list[torch.Tensor], hf_names: list[str] | None = None
+    ) -> Path:
         """Write one checkpoint (atomically), then drop all but the newest `keep`. Any failure
         (a full disk makes torch.save raise RuntimeError, not OSError) raises CheckpointWriteError
         with the reason, after removing what it wrote: the older checkpoints stay the valid ones."""
@@ -143,7 +145,9 @@ class ShardCheckpoints:
                     p.unlink(missing_ok=True)
                 except OSError:
                     pass
-            raise CheckpointWriteError(f"checkpoint of stage {self.stage} at step {step}: {failure_reason(exc, self.dir, total)}") from exc
+            raise CheckpointWriteError(
+                f"checkpoint of stage {self.stage} at step {step}: {failure_reason(exc, self.dir, total)}"
+            ) from exc
 
     def _sweep_temp_files(self) -> None:
         """Temp files a killed writer left: never a checkpoint, but they hold disk space."""
@@ -153,7 +157,15 @@ class ShardCheckpoints:
             except OSError:
                 pass
 
-    def _save(self, step: int, metadata: dict, names: list[str], tensors: list[torch.Tensor], hf_names: list[str] | None, total: int) -> Path:
+    def _save(
+        self,
+        step: int,
+        metadata: dict,
+        names: list[str],
+        tensors: list[torch.Tensor],
+        hf_names: list[str] | None,
+        total: int,
+    ) -> Path:
         self.dir.mkdir(parents=True, exist_ok=True)
         self._sweep_temp_files()
         info_path = self.dir.parent / "run.json"
@@ -161,7 +173,15 @@ class ShardCheckpoints:
             write_atomic(info_path, json.dumps(self.run_info, indent=2).encode())
         data, manifest = self._paths(step)
         t0 = time.monotonic()
-        payload = {"format": FORMAT, "run_id": self.run_id, "stage": self.stage, "metadata": metadata, "names": names, "tensors": tensors, "hf_names": hf_names}
+        payload = {
+            "format": FORMAT,
+            "run_id": self.run_id,
+            "stage": self.stage,
+            "metadata": metadata,
+            "names": names,
+            "tensors": tensors,
+            "hf_names": hf_names,
+        }
         writer: _HashingWriter | None = None
 
         def write(f: BinaryIO) -> None:
@@ -172,11 +192,28 @@ class ShardCheckpoints:
 
         write_atomic(data, write)
         assert writer is not None
-        info = {"format": FORMAT, "file": data.name, "sha256": writer.sha.hexdigest(), "bytes": writer.size, "step": step, "run_id": self.run_id, "stage": self.stage, "written_at": time.time()}
+        info = {
+            "format": FORMAT,
+            "file": data.name,
+            "sha256": writer.sha.hexdigest(),
+            "bytes": writer.size,
+            "step": step,
+            "run_id": self.run_id,
+            "stage": self.stage,
+            "written_at": time.time(),
+        }
         write_atomic(manifest, json.dumps(info).encode())
         fsync_dir(self.dir)
         dt = time.monotonic() - t0
-        log.info("checkpoint of stage %d at step %d: %.1f MB in %.1fs (%.1f MB/s) -> %s", self.stage, step, writer.size / 1e6, dt, writer.size / 1e6 / max(dt, 1e-6), data)
+        log.info(
+            "checkpoint of stage %d at step %d: %.1f MB in %.1fs (%.1f MB/s) -> %s",
+            self.stage,
+            step,
+            writer.size / 1e6,
+            dt,
+            writer.size / 1e6 / max(dt, 1e-6),
+            data,
+        )
         for old in self.steps()[self.keep :]:
             for p in self._paths(old):
                 p.unlink(missing_ok=True)
@@ -204,10 +241,25 @@ class ShardCheckpoints:
             payload = torch.load(data, map_location="cpu", weights_only=True, mmap=True)
         except Exception as exc:  # a file that hashes right but does not unpickle: written by something else
             raise ValueError(f"{data}: cannot load ({type(exc).__name__}: {exc})") from None
-        if not isinstance(payload, dict) or payload.get("format") != FORMAT or payload.get("run_id") != self.run_id or payload.get("stage") != self.stage:
+        if (
+            not isinstance(payload, dict)
+            or payload.get("format") != FORMAT
+            or payload.get("run_id") != self.run_id
+            or payload.get("stage") != self.stage
+        ):
             raise ValueError(f"{data}: not a format-{FORMAT} checkpoint of stage {self.stage} of run {self.run_id}")
-        meta, names, tensors, hf_names = payload.get("metadata"), payload.get("names"), payload.get("tensors"), payload.get("hf_names")
-        if not isinstance(meta, dict) or not isinstance(names, list) or not isinstance(tensors, list) or not all(isinstance(t, torch.Tensor) for t in tensors):
+        meta, names, tensors, hf_names = (
+            payload.get("metadata"),
+            payload.get("names"),
+            payload.get("tensors"),
+            payload.get("hf_names"),
+        )
+        if (
+            not isinstance(meta, dict)
+            or not isinstance(names, list)
+            or not isinstance(tensors, list)
+            or not all(isinstance(t, torch.Tensor) for t in tensors)
+        ):
             raise ValueError(f"{data}: malformed checkpoint contents")
         if hf_names is not None and (not isinstance(hf_names, list) or not all(isinstance(n, str) for n in hf_names)):
             raise ValueError(f"{data}: malformed checkpoint contents (hf_names)")

@@ -43,19 +43,37 @@ def snapshot(stage: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {stage.hf_names[name]: p.detach().to("cpu", copy=True).contiguous() for name, p in stage.named_parameters()}
 
 
-def shard_chunks(tensors: dict[str, torch.Tensor], *, run_id: str, peer_id: str, stage: int, num_stages: int, step: int, chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.ShardChunk]:
+def shard_chunks(
+    tensors: dict[str, torch.Tensor],
+    *,
+    run_id: str,
+    peer_id: str,
+    stage: int,
+    num_stages: int,
+    step: int,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> Iterator[pb.ShardChunk]:
     """The snapshot as a safetensors file in chunks of at most `chunk_bytes` (serialized once, up front)."""
     blob = st_save(tensors, metadata={"run_id": run_id, "stage": str(stage), "step": str(step)})
     head = dict(run_id=run_id, peer_id=peer_id, stage=stage, num_stages=num_stages, step=step, total_bytes=len(blob))
 
     def chunks() -> Iterator[pb.ShardChunk]:
         for offset in range(0, max(len(blob), 1), chunk_bytes):
-            yield pb.ShardChunk(**head, offset=offset, data=blob[offset : offset + chunk_bytes], names=sorted(tensors) if offset == 0 else [])
+            yield pb.ShardChunk(
+                **head,
+                offset=offset,
+                data=blob[offset : offset + chunk_bytes],
+                names=sorted(tensors) if offset == 0 else [],
+            )
 
     return chunks()
 
 
-def read_shard(chunks: Iterable[pb.ShardChunk], progress: Callable[[int, int], None] | None = None, max_bytes: int = MAX_SHARD_BYTES) -> Shard:
+def read_shard(
+    chunks: Iterable[pb.ShardChunk],
+    progress: Callable[[int, int], None] | None = None,
+    max_bytes: int = MAX_SHARD_BYTES,
+) -> Shard:
     """Reassemble and check a GetShard stream: contiguous offsets, the same header on every chunk,
     the announced size (at most `max_bytes`), and the names of the first chunk equal to the
     file's. `progress(n, total)` is called with each chunk's byte count. Raises ShardError."""
@@ -100,7 +118,11 @@ def state_tensors(metadata: dict, names: list[str], tensors: list[torch.Tensor])
     "exp_avg.NAME", "exp_avg_sq.NAME" under the stage module's own parameter names, and the step
     counts as 0-dim tensors (a safetensors file holds tensors and strings only)."""
     n = len(names)
-    out = {f"{part}.{name}": t.contiguous() for i, part in enumerate(STATE_PARTS) for name, t in zip(names, tensors[i * n : (i + 1) * n])}
+    out = {
+        f"{part}.{name}": t.contiguous()
+        for i, part in enumerate(STATE_PARTS)
+        for name, t in zip(names, tensors[i * n : (i + 1) * n])
+    }
     out["meta.version"] = torch.tensor(int(metadata["version"]), dtype=torch.int64)
     out["meta.adam_step"] = torch.tensor(float(metadata["adam_step"]), dtype=torch.float64)
     return out
@@ -113,7 +135,9 @@ def state_from_tensors(tensors: dict[str, torch.Tensor], names: list[str]) -> tu
     extra = set(tensors) - set(want) - {"meta.version", "meta.adam_step"}
     missing = [k for k in [*want, "meta.version", "meta.adam_step"] if k not in tensors]
     if missing or extra:
-        raise ShardError(f"not this stage's state: {len(missing)} tensors missing (e.g. {missing[:1]}), {len(extra)} unknown (e.g. {sorted(extra)[:1]})")
+        raise ShardError(
+            f"not this stage's state: {len(missing)} tensors missing (e.g. {missing[:1]}), {len(extra)} unknown (e.g. {sorted(extra)[:1]})"
+        )
     version, adam_step = tensors["meta.version"], tensors["meta.adam_step"]
     if version.numel() != 1 or adam_step.numel() != 1:
         raise ShardError("malformed step counts")

@@ -124,7 +124,9 @@ def check_expected(
     if expect_shape is not None and tuple(shape) != tuple(expect_shape):
         raise WireError(f"{field}.shape={list(shape)}: expected {list(expect_shape)}")
     if expect_dtype is not None and dtype != expect_dtype:
-        raise WireError(f"{field}.dtype={dtype_name(TORCH_TO_WIRE.get(dtype, 0))}: expected {dtype_name(wire_dtype(expect_dtype))}")
+        raise WireError(
+            f"{field}.dtype={dtype_name(TORCH_TO_WIRE.get(dtype, 0))}: expected {dtype_name(wire_dtype(expect_dtype))}"
+        )
 
 
 def check_finite_wire(t: torch.Tensor, *, field: str) -> None:

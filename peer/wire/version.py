@@ -26,11 +26,19 @@ def _codec_constants() -> dict[str, object]:
     from peer.pipeline.codecs import mask as mask_link
 
     return {
-        "transform.STEP": transform.STEP, "transform.MSE": transform.MSE, "transform.BITS_GRID": transform.BITS_GRID,
-        "transform.GRAD_STEP_SCALE": transform.GRAD_STEP_SCALE, "transform.MAX_BITS": transform.MAX_BITS,
-        "bitpack.SHUFFLE_SALT": bitpack.SHUFFLE_SALT, "row_rates.CLASSES": row_rates.CLASSES, "row_rates.CLASS_BITS": row_rates.CLASS_BITS,
-        "row_rates.SUBSET_SALT": row_rates.SUBSET_SALT, "mask.KEY_DOMAIN": mask._KEY_DOMAIN.decode(), "mask.GOLDEN": mask._GOLDEN,
-        "mask.DEFAULT_BLOCK_SIZE": mask.DEFAULT_BLOCK_SIZE, "link_codec.KEEP_GRID": mask_link.KEEP_GRID,
+        "transform.STEP": transform.STEP,
+        "transform.MSE": transform.MSE,
+        "transform.BITS_GRID": transform.BITS_GRID,
+        "transform.GRAD_STEP_SCALE": transform.GRAD_STEP_SCALE,
+        "transform.MAX_BITS": transform.MAX_BITS,
+        "bitpack.SHUFFLE_SALT": bitpack.SHUFFLE_SALT,
+        "row_rates.CLASSES": row_rates.CLASSES,
+        "row_rates.CLASS_BITS": row_rates.CLASS_BITS,
+        "row_rates.SUBSET_SALT": row_rates.SUBSET_SALT,
+        "mask.KEY_DOMAIN": mask._KEY_DOMAIN.decode(),
+        "mask.GOLDEN": mask._GOLDEN,
+        "mask.DEFAULT_BLOCK_SIZE": mask.DEFAULT_BLOCK_SIZE,
+        "link_codec.KEEP_GRID": mask_link.KEEP_GRID,
     }
 
 

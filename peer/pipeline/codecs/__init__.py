@@ -37,6 +37,8 @@ def codec_class(scheme: str) -> type[LinkCodec]:
     return CODECS[scheme]
 
 
-def make_link(cfg: MaskConfig, stage: StageModule, placement: Placement, transport: Transport, compute: ComputeClock) -> LinkCodec:
+def make_link(
+    cfg: MaskConfig, stage: StageModule, placement: Placement, transport: Transport, compute: ComputeClock
+) -> LinkCodec:
     """The worker's ends of its links for the run's codec."""
     return codec_class(cfg.scheme)(cfg, stage, placement, transport, compute)

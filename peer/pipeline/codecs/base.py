@@ -51,18 +51,22 @@ def fixed_bytes(msg: pb.ActivationChunk | pb.GradientChunk) -> int:
 
 class LinkCodec(ABC):
     """Args:
-        cfg: the run's codec settings (`[mask]`); both ends of a link read the same ones.
-        stage: the stage this worker serves (its index, sizes and vocabulary).
-        placement: where the stage computes; decoded tensors land there.
-        transport: the worker's transport; an adapting codec reads each link's measured rate.
-        compute: the worker's compute time per micro-batch, the budget an adapting link fits into.
+    cfg: the run's codec settings (`[mask]`); both ends of a link read the same ones.
+    stage: the stage this worker serves (its index, sizes and vocabulary).
+    placement: where the stage computes; decoded tensors land there.
+    transport: the worker's transport; an adapting codec reads each link's measured rate.
+    compute: the worker's compute time per micro-batch, the budget an adapting link fits into.
     """
 
     scheme: ClassVar[str]  # the `mask.scheme` value that selects it
 
-    def __init__(self, cfg: MaskConfig, stage: StageModule, placement: Placement, transport: Transport, compute: ComputeClock) -> None:
+    def __init__(
+        self, cfg: MaskConfig, stage: StageModule, placement: Placement, transport: Transport, compute: ComputeClock
+    ) -> None:
         self.cfg, self.stage, self.placement, self.transport, self.compute = cfg, stage, placement, transport, compute
-        self.keep_sent: dict[Address, float] = {}  # destination -> share of the configured payload last sent (status's pp_keep)
+        self.keep_sent: dict[
+            Address, float
+        ] = {}  # destination -> share of the configured payload last sent (status's pp_keep)
         self.state_bytes_sent = 0  # bytes of codec state (bases, coders) shipped in messages: amortised over a run
 
     # -- the sender of activations, the receiver of their gradients -------------------------
@@ -81,7 +85,9 @@ class LinkCodec(ABC):
 
     # -- the receiver of activations, the sender of their gradients -------------------------
     @abstractmethod
-    def decode_activation(self, msg: pb.ActivationChunk, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, object]:
+    def decode_activation(
+        self, msg: pb.ActivationChunk, ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, object]:
         """(x, h, note): x the leaf whose gradient goes back (requires grad, on the device), h the
         hidden state the stage runs on (in its compute dtype), note what `encode_gradient` will
         need. `ids` [B, T]: the micro-batch's tokens, on the host."""

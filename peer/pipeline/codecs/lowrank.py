@@ -35,8 +35,21 @@ class LowRankLink(LinkCodec):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         m, s = self.cfg, self.stage
-        self.coef_codec = MaskCodec(MaskConfig(scheme="mask", values=m.values, seed=m.seed))  # dense: encodes the coefficients
-        self.basis_out = BasisLearner(s.vocab_size, s.hidden_size, m.rank, m.basis_refresh, max_rows=m.prior_rows, device=self.placement.device) if not s.is_last else None
+        self.coef_codec = MaskCodec(
+            MaskConfig(scheme="mask", values=m.values, seed=m.seed)
+        )  # dense: encodes the coefficients
+        self.basis_out = (
+            BasisLearner(
+                s.vocab_size,
+                s.hidden_size,
+                m.rank,
+                m.basis_refresh,
+                max_rows=m.prior_rows,
+                device=self.placement.device,
+            )
+            if not s.is_last
+            else None
+        )
         self.basis_in: dict[str, BasisState] = {}  # sender -> the newest (prior, basis) it shipped us, checked
         self.basis_sent: dict[Address, int] = {}  # destination -> version it holds
         self.announced: dict[str, int] = {}  # sender -> newest version it shipped us (the transport's checks)
@@ -51,7 +64,14 @@ class LowRankLink(LinkCodec):
             self.keep_sent[dst] = 1.0
             return m.rank
         per_coef = self.coef_codec.bytes_per_element() * tokens
-        f = keep_fraction(m.rank * per_coef, fixed, self.transport.link_bps(dst, "forward"), self.compute.per_micro_batch, m.link_target, m.min_keep)
+        f = keep_fraction(
+            m.rank * per_coef,
+            fixed,
+            self.transport.link_bps(dst, "forward"),
+            self.compute.per_micro_batch,
+            m.link_target,
+            m.min_keep,
+        )
         k = coefficients(m.rank, f, m.min_keep)
         self.keep_sent[dst] = k / m.rank
         return k
@@ -63,7 +83,9 @@ class LowRankLink(LinkCodec):
         lo = coefficients(m.rank, 0.0, m.min_keep) if m.adapt else m.rank
         k = int(hidden.shape[-1]) if len(hidden.shape) == ids.dim() + 1 else -1
         if not lo <= k <= m.rank:
-            raise WireError(f"hidden.shape={list(hidden.shape)}: expected [{', '.join(map(str, ids.shape))}, k] with k in [{lo}, {m.rank}] coefficients per token")
+            raise WireError(
+                f"hidden.shape={list(hidden.shape)}: expected [{', '.join(map(str, ids.shape))}, k] with k in [{lo}, {m.rank}] coefficients per token"
+            )
         return (*ids.shape, k)
 
     def decode_basis(self, msg: pb.ActivationChunk) -> BasisState:
@@ -74,15 +96,21 @@ class LowRankLink(LinkCodec):
         if msg.HasField("basis_prior_ids"):
             row_ids = proto_to_tensor(msg.basis_prior_ids, expect_dtype=torch.int32)
             if row_ids.dim() != 1 or not 0 < len(row_ids) < V or int(row_ids.min()) < 0 or int(row_ids.max()) >= V:
-                raise WireError(f"basis_prior_ids: must be 1-D with 1..{V - 1} token ids in [0, {V}); got shape {tuple(row_ids.shape)}")
+                raise WireError(
+                    f"basis_prior_ids: must be 1-D with 1..{V - 1} token ids in [0, {V}); got shape {tuple(row_ids.shape)}"
+                )
         rows = V if row_ids is None else len(row_ids) + 1
         prior = proto_to_tensor(msg.basis_prior, expect_shape=(rows, H), expect_dtype=torch.float16).float()
         basis = proto_to_tensor(msg.basis, expect_shape=(H, r), expect_dtype=torch.float16).float()
         dev = self.placement.device
-        return BasisState(msg.basis_version, prior.to(dev), basis.to(dev), None if row_ids is None else row_ids.to(dev), V)
+        return BasisState(
+            msg.basis_version, prior.to(dev), basis.to(dev), None if row_ids is None else row_ids.to(dev), V
+        )
 
     # -- the link ----------------------------------------------------------------------------
-    def encode_activation(self, msg: pb.ActivationChunk, h: torch.Tensor, ids: torch.Tensor, dst: Address) -> tuple[BasisState, int]:
+    def encode_activation(
+        self, msg: pb.ActivationChunk, h: torch.Tensor, ids: torch.Tensor, dst: Address
+    ) -> tuple[BasisState, int]:
         learner = self.basis_out
         learner.observe(h, ids)
         learner.maybe_refresh(msg.header.step)
@@ -107,9 +135,13 @@ class LowRankLink(LinkCodec):
 
     def check_gradient(self, msg: pb.GradientChunk, sent: object, out_shape: tuple[int, ...]) -> Scale:
         _, k = sent
-        return scale_of(self.coef_codec.decode(msg.grad, expect_shape=(*out_shape[:-1], k), expect_dtype=LINK_DTYPE, **key_of(msg)))
+        return scale_of(
+            self.coef_codec.decode(msg.grad, expect_shape=(*out_shape[:-1], k), expect_dtype=LINK_DTYPE, **key_of(msg))
+        )
 
-    def decode_activation(self, msg: pb.ActivationChunk, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, object]:
+    def decode_activation(
+        self, msg: pb.ActivationChunk, ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, object]:
         """(coefficient leaf, rebuilt hidden state), on the device. The lift runs in float32 (the
         basis's precision), then the layers' dtype."""
         pl, v, sender = self.placement, msg.basis_version, msg.header.sender
@@ -119,7 +151,9 @@ class LowRankLink(LinkCodec):
         if state is None or state.version != v:
             have = state.version if state else None
             raise WireError(f"basis_version={v} from {sender!r} unknown (have {have})")
-        c = pl.to_device(self.coef_codec.decode(msg.hidden, expect_shape=self.coef_shape(msg.hidden, ids), **key_of(msg)))
+        c = pl.to_device(
+            self.coef_codec.decode(msg.hidden, expect_shape=self.coef_shape(msg.hidden, ids), **key_of(msg))
+        )
         c.requires_grad_(True)
         return c, state.lift(c, pl.to_device(ids)).to(pl.compute_dtype), None
 
@@ -128,12 +162,18 @@ class LowRankLink(LinkCodec):
 
     def check_activation(self, msg: pb.ActivationChunk, ids: torch.Tensor) -> Scale:
         """Coefficients that fit, and a basis carried along or one its sender shipped before."""
-        scale = scale_of(self.coef_codec.decode(msg.hidden, expect_shape=self.coef_shape(msg.hidden, ids), expect_dtype=LINK_DTYPE, **key_of(msg)))
+        scale = scale_of(
+            self.coef_codec.decode(
+                msg.hidden, expect_shape=self.coef_shape(msg.hidden, ids), expect_dtype=LINK_DTYPE, **key_of(msg)
+            )
+        )
         if msg.HasField("basis"):
             self.decode_basis(msg)
             self.announced[msg.header.sender] = msg.basis_version
         elif self.announced.get(msg.header.sender) != msg.basis_version:
-            raise WireError(f"basis_version={msg.basis_version}: this peer has no such basis from {msg.header.sender!r}; send it again")
+            raise WireError(
+                f"basis_version={msg.basis_version}: this peer has no such basis from {msg.header.sender!r}; send it again"
+            )
         return scale
 
     def forget_sent(self) -> None:

@@ -40,7 +40,11 @@ class MaskLink(LinkCodec):
         m, s = self.cfg, self.stage
         self.codec = MaskCodec(m)  # the config's
         self.codecs: dict[float, MaskCodec] = {}  # adapting: drop -> its codec
-        self.prior = TokenPrior(s.vocab_size, s.hidden_size, m.prior_momentum, device=self.placement.device) if s.index > 0 and m.enabled and m.fill in USES_PRIOR else None
+        self.prior = (
+            TokenPrior(s.vocab_size, s.hidden_size, m.prior_momentum, device=self.placement.device)
+            if s.index > 0 and m.enabled and m.fill in USES_PRIOR
+            else None
+        )
 
     # -- adapting ----------------------------------------------------------------------------
     def codec_for(self, dst: Address, elements: int, fixed: int) -> MaskCodec:
@@ -51,7 +55,14 @@ class MaskLink(LinkCodec):
         if not (m.adapt and m.enabled):
             self.keep_sent[dst] = 1.0
             return self.codec
-        f = keep_fraction(elements * self.codec.bytes_per_element(), fixed, self.transport.link_bps(dst, "forward"), self.compute.per_micro_batch, m.link_target, m.min_keep)
+        f = keep_fraction(
+            elements * self.codec.bytes_per_element(),
+            fixed,
+            self.transport.link_bps(dst, "forward"),
+            self.compute.per_micro_batch,
+            m.link_target,
+            m.min_keep,
+        )
         j = max(self.keep_floor(), math.floor(f * m.keep * KEEP_GRID + 1e-9))
         if j >= m.keep * KEEP_GRID:
             self.keep_sent[dst] = 1.0
@@ -79,7 +90,14 @@ class MaskLink(LinkCodec):
         j = (1.0 - c.drop) * KEEP_GRID
         floor = self.keep_floor()
         if not (m.adapt and m.enabled and j == int(j) and floor <= j < m.keep * KEEP_GRID):
-            raise WireError(f"Compression.drop={c.drop:.7g}: this peer masks with drop={m.drop!r}" + (f" or, adapting, 1 - j/{KEEP_GRID} with j in [{floor}, {m.keep * KEEP_GRID:.4g})" if m.adapt and m.enabled else ""))
+            raise WireError(
+                f"Compression.drop={c.drop:.7g}: this peer masks with drop={m.drop!r}"
+                + (
+                    f" or, adapting, 1 - j/{KEEP_GRID} with j in [{floor}, {m.keep * KEEP_GRID:.4g})"
+                    if m.adapt and m.enabled
+                    else ""
+                )
+            )
         return self.masking(c.drop)
 
     # -- the link ----------------------------------------------------------------------------
@@ -94,7 +112,9 @@ class MaskLink(LinkCodec):
     def check_gradient(self, msg: pb.GradientChunk, sent: object, out_shape: tuple[int, ...]) -> Scale:
         return scale_of(sent.decode(msg.grad, expect_shape=out_shape, expect_dtype=LINK_DTYPE, **key_of(msg)))
 
-    def decode_activation(self, msg: pb.ActivationChunk, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, object]:
+    def decode_activation(
+        self, msg: pb.ActivationChunk, ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, object]:
         pl, key = self.placement, key_of(msg)
         shape = (*ids.shape, self.stage.hidden_size)
         codec = self.inbound_codec(msg.hidden)
@@ -114,7 +134,11 @@ class MaskLink(LinkCodec):
 
     def check_activation(self, msg: pb.ActivationChunk, ids: torch.Tensor) -> Scale:
         codec = self.inbound_codec(msg.hidden)
-        return scale_of(codec.decode(msg.hidden, expect_shape=(*ids.shape, self.stage.hidden_size), expect_dtype=LINK_DTYPE, **key_of(msg)))
+        return scale_of(
+            codec.decode(
+                msg.hidden, expect_shape=(*ids.shape, self.stage.hidden_size), expect_dtype=LINK_DTYPE, **key_of(msg)
+            )
+        )
 
     def anchor_fill(self, ids: torch.Tensor) -> torch.Tensor | None:
         return self.prior.fill(ids) if self.prior is not None else None
@@ -122,7 +146,11 @@ class MaskLink(LinkCodec):
     @classmethod
     def state_bytes(cls, cfg: MaskConfig, vocab_size: int, hidden_size: int, sends: bool, receives: bool) -> int:
         """The receiving end's token prior for a prior fill: mean and count, [V, H] and [H]."""
-        return 2 * (vocab_size * hidden_size + hidden_size) * 4 if cfg.enabled and cfg.fill in USES_PRIOR and receives else 0
+        return (
+            2 * (vocab_size * hidden_size + hidden_size) * 4
+            if cfg.enabled and cfg.fill in USES_PRIOR and receives
+            else 0
+        )
 
     @classmethod
     def label(cls, cfg: MaskConfig) -> str:

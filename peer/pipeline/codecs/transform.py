@@ -27,7 +27,9 @@ class TransformLink(LinkCodec):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         s = self.stage
-        self.links = TransformLinks(self.cfg, s.hidden_size, produces_forward=not s.is_last, produces_backward=s.index > 0)
+        self.links = TransformLinks(
+            self.cfg, s.hidden_size, produces_forward=not s.is_last, produces_backward=s.index > 0
+        )
 
     def row_bits_for(self, dst: Address, channel: str, shape: tuple[int, ...], fixed: int) -> int:
         """Bits per coded row for `dst` on `channel`: the run's unless the link's measured
@@ -36,13 +38,24 @@ class TransformLink(LinkCodec):
         `fixed`: the message's bytes besides the tensor (header, token ids)."""
         links = self.links
         full, floor = links.max_bits(channel), links.min_row_bits(channel)
-        if floor is None:  # keep_sent (status's pp_keep) names what can adapt: activations, and gradients above their floor
+        if (
+            floor is None
+        ):  # keep_sent (status's pp_keep) names what can adapt: activations, and gradients above their floor
             if channel == "forward":
                 self.keep_sent[dst] = 1.0
             return full
         codes, besides = links.code_bytes(channel, shape)
-        f = keep_fraction(codes, fixed + besides, self.transport.link_bps(dst, channel), self.compute.per_micro_batch, self.cfg.link_target, floor / full)
-        bits = full if f >= 1 else max(floor, grid_bits(f * full, links.hidden_size))  # full may lie off the grid (mask.bits 2.3)
+        f = keep_fraction(
+            codes,
+            fixed + besides,
+            self.transport.link_bps(dst, channel),
+            self.compute.per_micro_batch,
+            self.cfg.link_target,
+            floor / full,
+        )
+        bits = (
+            full if f >= 1 else max(floor, grid_bits(f * full, links.hidden_size))
+        )  # full may lie off the grid (mask.bits 2.3)
         self.keep_sent[dst] = bits / full
         return bits
 
@@ -64,9 +77,13 @@ class TransformLink(LinkCodec):
     def check_gradient(self, msg: pb.GradientChunk, sent: object, out_shape: tuple[int, ...]) -> Scale:
         return self.links.check(msg, expect_shape=out_shape, **key_of(msg))
 
-    def decode_activation(self, msg: pb.ActivationChunk, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, object]:
+    def decode_activation(
+        self, msg: pb.ActivationChunk, ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, object]:
         pl = self.placement
-        x = self.links.decode(msg, expect_shape=(*ids.shape, self.stage.hidden_size), **key_of(msg), device=pl.device).to(pl.compute_dtype)
+        x = self.links.decode(
+            msg, expect_shape=(*ids.shape, self.stage.hidden_size), **key_of(msg), device=pl.device
+        ).to(pl.compute_dtype)
         x.requires_grad_(True)
         return x, x, None
 
@@ -77,7 +94,9 @@ class TransformLink(LinkCodec):
         self._ship(msg, coder)
 
     def check_activation(self, msg: pb.ActivationChunk, ids: torch.Tensor) -> Scale:
-        return self.links.check(msg, expect_shape=(*ids.shape, self.stage.hidden_size), **key_of(msg))  # a coder shipped along is checked and kept here
+        return self.links.check(
+            msg, expect_shape=(*ids.shape, self.stage.hidden_size), **key_of(msg)
+        )  # a coder shipped along is checked and kept here
 
     def forget_sent(self) -> None:
         self.links.forget_sent()
