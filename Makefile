@@ -4,14 +4,16 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+TORCH_INDEX ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,--extra-index-url https://download.pytorch.org/whl/cpu)
 
 .PHONY: smollm2 demo demo-local test bench-quality bench-plot proto clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	# torch first, pinned: 2.13.0 is the CPU build this project tests with (an unpinned torch pulls CUDA).
-	$(PY) -m pip install --quiet "torch==2.13.0"
+	# torch first, pinned: 2.13.0 is the build this project tests with. No NVIDIA GPU in sight: the
+	# CPU wheel from PyTorch's index (~200 MB); with one, PyPI's CUDA 13 build (several GB).
+	$(PY) -m pip install --quiet "torch==2.13.0" $(TORCH_INDEX)
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
