@@ -1,0 +1,39 @@
+"""Steps-to-target on dense's eval curve (peer/bench/deficit.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from peer.bench.deficit import step_deficit, steps_to_reach
+
+CURVE = {0: 4.0, 10: 3.0, 20: 2.6, 30: 2.4, 40: 2.3}
+
+
+def test_a_row_on_dense_s_final_loss_has_no_deficit() -> None:
+    assert step_deficit(CURVE, 2.3, 40) == 0.0
+
+
+def test_the_step_is_interpolated_between_evaluations() -> None:
+    # 2.35 is halfway between step 30 (2.4) and step 40 (2.3): dense got there at 35, 5 of 40 steps early
+    assert steps_to_reach(CURVE, 2.35) == pytest.approx(35.0)
+    assert step_deficit(CURVE, 2.35, 40) == pytest.approx(0.125)
+
+
+def test_a_row_below_dense_has_no_deficit_to_measure() -> None:
+    assert step_deficit(CURVE, 2.2, 40) is None
+
+
+def test_a_loss_above_the_start_is_reached_at_once() -> None:
+    assert steps_to_reach(CURVE, 5.0) == 0.0
+    assert step_deficit(CURVE, 5.0, 40) == 1.0
+
+
+def test_a_curve_that_rises_again_is_read_at_its_first_crossing() -> None:
+    assert steps_to_reach({0: 3.0, 10: 2.0, 20: 2.5, 30: 1.5}, 2.2) == pytest.approx(8.0)
+
+
+def test_bad_input_is_refused() -> None:
+    with pytest.raises(ValueError, match="empty"):
+        steps_to_reach({}, 1.0)
+    with pytest.raises(ValueError, match="positive"):
+        step_deficit(CURVE, 2.3, 0)
