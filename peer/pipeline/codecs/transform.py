@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from peer.codec.transform import BUFFER_ROWS_PER_H, grid_bits
+from peer.codec.act_coder import BUFFER_ROWS_PER_H
+from peer.codec.transform import grid_bits
 from peer.config import MaskConfig
 from peer.pipeline.codecs.base import LinkCodec, Scale, fixed_bytes, key_of
 from peer.pipeline.linktune import keep_fraction
