@@ -21,7 +21,7 @@ from peer.bench.project_compute import gpu_compute
 from peer.bench.project_costs import Costs, measure_costs, scaled
 from peer.bench.project_model import DEFAULT_MFU, DEVICES, KNOWN_MODELS, Shape, resolve_model
 from peer.bench.project_sim import Tasks, simulate
-from peer.bench.throughput import MODES
+from peer.bench.throughput_modes import MODES
 from peer.errors import ConfigError
 
 
@@ -80,7 +80,7 @@ def test_stage_parameter_counts_match_the_app_stages() -> None:
 def test_message_bytes_equal_the_runner_counters(mode: str) -> None:
     """The app's transport counts every serialized message; the projection's size of each one
     (with that message's header values) must be the same bytes, the basis pair included."""
-    from peer.bench.throughput import mode_config
+    from peer.bench.throughput_modes import mode_config
     from peer.model.loading import load_causal_lm
     from peer.pipeline.local import LocalPipelineRunner
     from peer.pipeline.transport import LocalTransport
@@ -525,7 +525,7 @@ def measure_on_bed(
     that was not the two peers' (other processes of this machine, the bed's helpers) from /proc.
     """
     from peer.bench.bedswarm import BedSwarm, write_toml
-    from peer.bench.throughput import mode_config
+    from peer.bench.throughput_modes import mode_config
 
     cfg = mode_config(mode, 2, 1, 1)
     cfg["dp"]["inner_steps"] = 10**6

@@ -21,7 +21,7 @@ from peer.bench import project as P
 from peer.bench.project_args import check_args
 from peer.bench.project_costs import measure_costs
 from peer.bench.project_model import DEFAULT_MFU, resolve_model
-from peer.bench.throughput import mode_config
+from peer.bench.throughput_modes import mode_config
 from peer.errors import ConfigError
 
 STYLE = {

@@ -88,7 +88,7 @@ from peer.bench.project_costs import Costs, measure_costs
 from peer.bench.project_dp import dp_greedy, dp_kept, dp_shared
 from peer.bench.project_model import DEFAULT_MFU, resolve_model
 from peer.bench.project_sim import Schedule, Tasks, simulate
-from peer.bench.throughput import MODES, mode_config
+from peer.bench.throughput_modes import MODES, mode_config
 from peer.config import DPConfig
 from peer.errors import ConfigError
 

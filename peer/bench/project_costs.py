@@ -15,7 +15,7 @@ from peer.bench.project_bytes import SWARM_NAMES, Framing, MessageBytes, Names, 
 from peer.bench.project_codec import CodecCost, measure_codec, on_device
 from peer.bench.project_compute import StageCompute, gpu_compute, measure_cpu_compute
 from peer.bench.project_model import DEFAULT_MFU, Device, ModelDims, Shape
-from peer.bench.throughput import MODES
+from peer.bench.throughput_modes import MODES
 from peer.config import DPConfig
 from peer.errors import ConfigError
 
