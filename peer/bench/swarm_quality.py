@@ -31,8 +31,10 @@ import numpy as np
 import torch
 
 from bootstrap.data_order import DataOrder
-from peer.bench.quality import DEFAULT_ROW, release_memory, rss_gb, run_row, setup_for, tree_pss_gb
+from peer.bench.proc_memory import release_memory, rss_gb, tree_pss_gb
+from peer.bench.quality import DEFAULT_ROW, setup_for
 from peer.bench.quality_rows import QualitySetup, rows
+from peer.bench.quality_train import run_row
 from peer.config import TINY_MODEL_PREFIX, PipelineConfig
 from peer.dataset.shards import PreparedData
 from peer.errors import ConfigError
