@@ -16,6 +16,8 @@ import torch
 
 from bootstrap.data_order import DataOrder
 from peer.bench import swarm_quality as sq
+from peer.bench.swarm_quality_data import prepare_data, window_batches
+from peer.bench.swarm_quality_run import swarm_toml
 from peer.config import TrainConfig
 from peer.errors import ConfigError
 from peer.model.loading import load_causal_lm
@@ -42,9 +44,7 @@ def tiny_setup(steps: int = 3):
 
 def test_the_swarms_run_the_recommended_run_and_differ_only_in_their_links(tmp_path: Path) -> None:
     setup = tiny_setup()
-    runs = {
-        name: resolve_run(tomllib.loads(sq.swarm_toml(TINY, setup, tmp_path, 2, name))).config for name in sq.SWARMS
-    }
+    runs = {name: resolve_run(tomllib.loads(swarm_toml(TINY, setup, tmp_path, 2, name))).config for name in sq.SWARMS}
     rec, dense = runs["recommended"], runs["dense"]
     assert rec.mask == replace(
         resolve_run({"model": {"name": TINY}}).config.mask, seed=5
@@ -53,14 +53,14 @@ def test_the_swarms_run_the_recommended_run_and_differ_only_in_their_links(tmp_p
     assert replace(dense, mask=rec.mask) == rec  # nothing else differs
     assert rec.pipeline.micro_batches == 1 and rec.token_budget == 3 * 2 * 2 * 32 and rec.data.prepared == str(tmp_path)
     with pytest.raises(ConfigError, match="--replicas"):
-        sq.swarm_toml(TINY, setup, tmp_path, 3, "recommended")
+        swarm_toml(TINY, setup, tmp_path, 3, "recommended")
 
 
 def test_the_rows_train_on_the_trackers_first_windows_each_once(tmp_path: Path) -> None:
     folder = tmp_path / "data"
     setup = tiny_setup()
-    data = sq.prepare_data(folder, TINY, write_corpus(tmp_path / "corpus"), setup.seq_len)
-    batch = sq.window_batches(data, setup)
+    data = prepare_data(folder, TINY, write_corpus(tmp_path / "corpus"), setup.seq_len)
+    batch = window_batches(data, setup)
     windows = data.windows(setup.seq_len)
     rows = [batch(s, 0, j, bs=2, T=32) for s in range(3) for j in range(2)]
     first = DataOrder(windows.count, setup.seq_len, seed=5).permutation(0)[:12]

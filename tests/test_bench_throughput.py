@@ -54,7 +54,7 @@ def test_dense_sync_runs_gpipe_and_an_all_reduce_that_keeps_replicas_identical(t
     all-reduce ran every step) and at least the gradients of every stage crossed the links."""
     from peer.bench.project_model import resolve_model
     from peer.bench.sync_baseline import measure_sync
-    from peer.bench.throughput import mode_config
+    from peer.bench.throughput_modes import mode_config
 
     cfg = mode_config("dense", 2, 3, 1)
     got = measure_sync(cfg, None, 2, 2, 1, 2, tmp_path, 47, 240.0)

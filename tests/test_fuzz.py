@@ -27,7 +27,7 @@ from peer.config import MaskConfig, ModelConfig, PipelineConfig, SecurityConfig,
 from peer.daemon.main import PeerDaemon
 from peer.model.loading import load_causal_lm
 from peer.model.stages import split_model
-from peer.pipeline.grpc_transport import SERVICE
+from peer.pipeline.stage_server import SERVICE
 from peer.pipeline.swarm_anchor import SwarmAnchor
 from peer.pipeline.worker import StageWorker
 from peer.security import auth

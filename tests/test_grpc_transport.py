@@ -11,8 +11,9 @@ import torch
 from peer.config import MaskConfig, ModelConfig, OptimConfig, PipelineConfig, TrainConfig
 from peer.model.loading import load_causal_lm
 from peer.model.stages import merged_state_dict
-from peer.pipeline.grpc_transport import SERVICE, GrpcTransport
+from peer.pipeline.grpc_transport import GrpcTransport
 from peer.pipeline.local import LocalPipelineRunner
+from peer.pipeline.stage_server import SERVICE
 from peer.wire import anchormesh_pb2 as pb
 from peer.wire.tensors import tensor_to_proto
 
@@ -204,7 +205,7 @@ def test_a_peer_that_never_reads_is_excluded_and_its_queue_dropped() -> None:
     server.add_generic_rpc_handlers(
         (
             grpc.method_handlers_generic_handler(
-                gt.SERVICE, {"Forward": grpc.stream_stream_rpc_method_handler(never_reads)}
+                SERVICE, {"Forward": grpc.stream_stream_rpc_method_handler(never_reads)}
             ),
         )
     )

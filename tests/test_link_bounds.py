@@ -15,9 +15,10 @@ import torch
 from peer.config import MaskConfig, ModelConfig, OptimConfig, PipelineConfig, TrainConfig
 from peer.errors import WireError
 from peer.model.loading import load_causal_lm
-from peer.pipeline.grpc_transport import SERVICE, GrpcTransport
+from peer.pipeline.grpc_transport import GrpcTransport
 from peer.pipeline.inflight import InFlight
 from peer.pipeline.local import LocalPipelineRunner
+from peer.pipeline.stage_server import SERVICE
 from peer.wire import anchormesh_pb2 as pb
 from peer.wire.tensors import tensor_to_proto, to_le_bytes
 

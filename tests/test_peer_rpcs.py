@@ -15,7 +15,8 @@ from peer.config import ModelConfig
 from peer.daemon.main import PeerDaemon
 from peer.model.loading import load_causal_lm
 from peer.model.stages import split_model
-from peer.pipeline.grpc_transport import SERVICE, GrpcTransport
+from peer.pipeline.grpc_transport import GrpcTransport
+from peer.pipeline.stage_server import SERVICE
 from peer.security import auth
 from peer.store.shard import ShardError, read_shard, shard_chunks, snapshot
 from peer.wire import anchormesh_pb2 as pb

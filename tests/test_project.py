@@ -15,29 +15,31 @@ import torch
 
 from peer.bench import netbed
 from peer.bench import project as P
+from peer.bench.project_args import mfu_from_gpu_run
 from peer.bench.project_bytes import Framing, Names, dp_round_bytes, message_bytes
 from peer.bench.project_compute import gpu_compute
+from peer.bench.project_costs import Costs, measure_costs, scaled
 from peer.bench.project_model import DEFAULT_MFU, DEVICES, KNOWN_MODELS, Shape, resolve_model
 from peer.bench.project_sim import Tasks, simulate
-from peer.bench.throughput import MODES
+from peer.bench.throughput_modes import MODES
 from peer.errors import ConfigError
 
 
 @pytest.fixture(scope="module")
-def tiny_cpu_costs() -> P.Costs:
+def tiny_cpu_costs() -> Costs:
     dims, shape, _ = resolve_model("tiny-llama", 2)
-    return P.measure_costs(dims, shape, 2, 1, DEVICES["cpu"], None, 10)
+    return measure_costs(dims, shape, 2, 1, DEVICES["cpu"], None, 10)
 
 
-def calibrate() -> tuple[P.Costs, float]:
+def calibrate() -> tuple[Costs, float]:
     """Costs measured on this CPU and, right after, the canary's cost (see Canary)."""
     dims, shape, _ = resolve_model("tiny-llama", 2)
-    costs = P.measure_costs(dims, shape, 2, 1, DEVICES["cpu"], None, 10)
+    costs = measure_costs(dims, shape, 2, 1, DEVICES["cpu"], None, 10)
     return costs, Canary().reference()
 
 
 @pytest.fixture(scope="module")
-def calibrated() -> tuple[P.Costs, float]:
+def calibrated() -> tuple[Costs, float]:
     return calibrate()
 
 
@@ -78,7 +80,7 @@ def test_stage_parameter_counts_match_the_app_stages() -> None:
 def test_message_bytes_equal_the_runner_counters(mode: str) -> None:
     """The app's transport counts every serialized message; the projection's size of each one
     (with that message's header values) must be the same bytes, the basis pair included."""
-    from peer.bench.throughput import mode_config
+    from peer.bench.throughput_modes import mode_config
     from peer.model.loading import load_causal_lm
     from peer.pipeline.local import LocalPipelineRunner
     from peer.pipeline.transport import LocalTransport
@@ -160,8 +162,8 @@ def test_dp_bytes_are_the_averagers_formula() -> None:
     assert dp_round_bytes(dims, 0, 2, 1, "none") == 0
 
 
-def test_projected_bytes_per_token_follow_the_modes(tiny_cpu_costs: P.Costs) -> None:
-    costs = P.Costs(**{**tiny_cpu_costs.__dict__, "replicas": 2})
+def test_projected_bytes_per_token_follow_the_modes(tiny_cpu_costs: Costs) -> None:
+    costs = Costs(**{**tiny_cpu_costs.__dict__, "replicas": 2})
     out = P.project(costs, 10_000.0)["modes"]  # a fast link: DP keeps its cadence
     tokens_step = 2 * 2 * 8 * 128  # replicas x micro-batches x B x T
     mb = costs.bytes["dense"]
@@ -215,7 +217,7 @@ def test_dense_sync_is_the_hand_derived_flush_plus_all_reduce() -> None:
     assert simulate(t, 2, 2, 2, 1000, None).step_s < 9.5 - 2.0  # the swarm overlaps steps and never waits for its group
 
 
-def test_dense_sync_projection_waits_for_an_fp32_all_reduce(tiny_cpu_costs: P.Costs) -> None:
+def test_dense_sync_projection_waits_for_an_fp32_all_reduce(tiny_cpu_costs: Costs) -> None:
     """At a slow link the all-reduce of every stage's fp32 gradients dominates dense_sync's step;
     the swarm's modes, averaging in the background, are far faster."""
     c = dataclasses.replace(tiny_cpu_costs, replicas=2)  # a stage group to all-reduce in
@@ -238,7 +240,7 @@ def test_shared_cores_slow_concurrent_work() -> None:
     assert loaded.tokens_per_s < shared.tokens_per_s
 
 
-def test_projection_bounds_and_labels(tiny_cpu_costs: P.Costs) -> None:
+def test_projection_bounds_and_labels(tiny_cpu_costs: Costs) -> None:
     c = tiny_cpu_costs
     slow, fast = P.project(c, 2.0)["modes"], P.project(c, 10_000.0)["modes"]
     assert slow["dense"]["bound"] == "link" and fast["masked"]["bound"] == "compute"
@@ -247,7 +249,7 @@ def test_projection_bounds_and_labels(tiny_cpu_costs: P.Costs) -> None:
         assert slow[m]["tokens_per_s"] <= fast[m]["tokens_per_s"] * (1 + 1e-9)
     assert slow["compute_bound"] == {**slow["compute_bound"], "bandwidth_mbit": None}
     # with two replicas and fp32 averaging every step, DP's bytes dominate a slow link
-    two = P.Costs(**{**c.__dict__, "replicas": 2})
+    two = Costs(**{**c.__dict__, "replicas": 2})
     dense = P.project_mode(two, "dense", 2.0)
     assert dense["bound"] == "dp" and dense["busy_s_per_step"]["dp"] > dense["busy_s_per_step"]["link"]
     assert dense["tokens_per_s"] < P.project_mode(two, "masked_dp", 2.0)["tokens_per_s"]
@@ -258,7 +260,7 @@ def test_projection_bounds_and_labels(tiny_cpu_costs: P.Costs) -> None:
     )
 
 
-def test_rounds_spaced_to_the_link_share_leave_the_pipeline_the_rest(tiny_cpu_costs: P.Costs) -> None:
+def test_rounds_spaced_to_the_link_share_leave_the_pipeline_the_rest(tiny_cpu_costs: Costs) -> None:
     """dp.link_share (the swarm's default 0.2): rounds at power-of-two slot periods that keep a
     round's bytes to that share of the link (peer/dp/schedule.py), so a DP that would take half
     the link (link_share 0) leaves the pipeline more of it, and rounds come less often."""
@@ -314,13 +316,13 @@ def test_a_gpu_run_sets_the_mfu(tmp_path: Path) -> None:
         "precision": {"bf16": {"tokens_per_s": 0.25 * 989.4e12 / flops}},
     }
     (tmp_path / "gpu.json").write_text(json.dumps(run))
-    mfu, source = P.mfu_from_gpu_run(tmp_path / "gpu.json", dev)
+    mfu, source = mfu_from_gpu_run(tmp_path / "gpu.json", dev)
     assert mfu == pytest.approx(0.25) and "NVIDIA H200" in source
     (tmp_path / "cpu.json").write_text(json.dumps({**run, "shape": "small"}))
     with pytest.raises(ConfigError, match="llama-3.2-1b shape"):
-        P.mfu_from_gpu_run(tmp_path / "cpu.json", dev)
+        mfu_from_gpu_run(tmp_path / "cpu.json", dev)
     with pytest.raises(ConfigError, match="bf16 precision row"):
-        P.mfu_from_gpu_run(tmp_path / "missing.json", dev)
+        mfu_from_gpu_run(tmp_path / "missing.json", dev)
 
 
 # -- CLI ----------------------------------------------------------------------------------------
@@ -523,7 +525,7 @@ def measure_on_bed(
     that was not the two peers' (other processes of this machine, the bed's helpers) from /proc.
     """
     from peer.bench.bedswarm import BedSwarm, write_toml
-    from peer.bench.throughput import mode_config
+    from peer.bench.throughput_modes import mode_config
 
     cfg = mode_config(mode, 2, 1, 1)
     cfg["dp"]["inner_steps"] = 10**6
@@ -566,7 +568,7 @@ BUSY_CORES = 0.5  # other processes taking more than this: the bed ran on a mach
 
 
 @pytest.mark.skipif(bool(BED_REASON), reason=f"no network namespaces here: {BED_REASON}")
-def test_prediction_within_25_percent_of_the_bed(calibrated: tuple[P.Costs, float], tmp_path: Path) -> None:
+def test_prediction_within_25_percent_of_the_bed(calibrated: tuple[Costs, float], tmp_path: Path) -> None:
     """dense where the link binds, masked where compute binds; each prediction within 25 % of
     the bed's tokens/s. The model's inputs: this CPU's measured costs (scaled by the canary's
     slowdown during the run), the bed's link rate, tbf bucket and queue, and its cores less the
@@ -593,7 +595,7 @@ def test_prediction_within_25_percent_of_the_bed(calibrated: tuple[P.Costs, floa
             got = measure_on_bed(mode, rate, work / f"{mode}{attempt}", subnet=41 + 3 * i + attempt)
             slower = got["canary_s"] / canary_ref
             pred = P.project_mode(
-                P.scaled(costs, slower),
+                scaled(costs, slower),
                 mode,
                 rate,
                 burst_bytes=got["burst_bytes"],

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from peer.codec import transform_wire as tw
+from peer.codec.act_coder import TransformLearner
 from peer.codec.bitpack import pack, packed_bytes, unpack
 from peer.codec.grad_coder import FixedCoder, random_coder, run_rotation
-from peer.codec.transform import MSE, TransformLearner, allocate, row_budget
+from peer.codec.transform import MSE, allocate, row_budget
 from peer.config import MaskConfig, ModelConfig, OptimConfig, PipelineConfig, TrainConfig
 from peer.errors import ConfigError, WireError
 from peer.model.loading import load_causal_lm

@@ -28,7 +28,9 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from peer.bench.throughput import GpuScenario, check_bed_args, equivalent_mbit, measure_mode, mode_config
+from peer.bench.throughput import check_bed_args
+from peer.bench.throughput_measure import measure_mode
+from peer.bench.throughput_modes import GpuScenario, equivalent_mbit, mode_config
 from peer.config import MaskConfig
 from peer.errors import ConfigError
 

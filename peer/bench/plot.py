@@ -18,8 +18,10 @@ import json
 from pathlib import Path
 
 from peer.bench import project as P
+from peer.bench.project_args import check_args
+from peer.bench.project_costs import measure_costs
 from peer.bench.project_model import DEFAULT_MFU, resolve_model
-from peer.bench.throughput import mode_config
+from peer.bench.throughput_modes import mode_config
 from peer.errors import ConfigError
 
 STYLE = {
@@ -81,12 +83,12 @@ def plot(
     data = _load_measured(measured) if measured is not None else None
     setup = data["setup"] if data else {}
     stages, replicas = int(setup.get("stages", 2)), int(setup.get("replicas", 2))
-    device = P.check_args(gpu, hi_mbit, stages, replicas, None, int(setup.get("dp_every", 10)))
+    device = check_args(gpu, hi_mbit, stages, replicas, None, int(setup.get("dp_every", 10)))
     dims, shape, source = resolve_model(model, stages)
     plt = _matplotlib()
     mfu = None if device.peak_tflops is None else DEFAULT_MFU
     dp_every = int(setup.get("dp_every", 10))  # the measured run's masked_dp cadence, else the full bench's
-    costs = P.measure_costs(dims, shape, stages, replicas, device, mfu, dp_every)
+    costs = measure_costs(dims, shape, stages, replicas, device, mfu, dp_every)
     xs = [lo_mbit * (hi_mbit / lo_mbit) ** (i / (points - 1)) for i in range(points)]
     proj = {m: [P.project_mode(costs, m, x) for x in xs] for m in P.PROJECT_MODES}
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from peer.bench.bedswarm import BedSwarm, write_toml
 from peer.bench.netbed import NetBed, available
-from peer.bench.throughput import MODES, mode_config
+from peer.bench.throughput_modes import MODES, mode_config
 from peer.errors import ConfigError
 
 HZ = os.sysconf("SC_CLK_TCK")

@@ -69,114 +69,34 @@ available; a real link adds a round trip per transfer), status and heartbeat tra
 
 Where the parts live: devices, model dims and shapes in project_model.py; compute in
 project_compute.py; message and DP bytes in project_bytes.py; codec cost in project_codec.py;
-the event simulation in project_sim.py. This module puts them together: the costs, each mode's
-tasks and prediction, and the CLI's checks and run.
+the event simulation in project_sim.py; the measured costs in project_costs.py; the CLI's checks
+and the GPU's MFU in project_args.py. This module puts them together: each mode's tasks and
+prediction, and the run of `anchormesh bench project`.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import os
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
-from types import SimpleNamespace
 
-from peer.bench.project_bytes import SWARM_NAMES, Framing, MessageBytes, Names, dp_round_bytes, message_bytes, mode_mask
-from peer.bench.project_codec import CodecCost, measure_codec, on_device
-from peer.bench.project_compute import StageCompute, gpu_compute, measure_cpu_compute
+from peer.bench.project_args import GPU_RUNS, check_args, mfu_from_gpu_run
+from peer.bench.project_bytes import dp_round_bytes, mode_mask
+from peer.bench.project_costs import Costs, measure_costs
 from peer.bench.project_dp import dp_greedy, dp_kept, dp_shared
-from peer.bench.project_model import DEFAULT_MFU, DEVICES, KNOWN_MODELS, Device, ModelDims, Shape, resolve_model
+from peer.bench.project_model import DEFAULT_MFU, resolve_model
 from peer.bench.project_sim import Schedule, Tasks, simulate
-from peer.bench.throughput import MODES, check_max_staleness, mode_config
+from peer.bench.throughput_modes import MODES, mode_config
 from peer.config import DPConfig
 from peer.errors import ConfigError
 
 # -- the projection -------------------------------------------------------------------------------
 
 
-@dataclass
-class Costs:
-    """Everything measured or derived once per (model, shape, device): reused across bandwidths."""
-
-    dims: ModelDims
-    shape: Shape
-    stages: int
-    replicas: int
-    compute: StageCompute
-    codec: dict[str, CodecCost]
-    bytes: dict[str, MessageBytes]
-    device: Device
-    mfu: float | None
-    dp_every: int
-    framing: Framing = field(default_factory=Framing)
-    link_share: float = 0.0  # dp.link_share of the DP modes: 0 as the throughput bench runs them; `bench project` uses the swarm's default
-    min_period_s: float = DPConfig.min_period_s  # dp.min_period_s, used with link_share
-
-
-def scaled(c: Costs, factor: float) -> Costs:
-    """`c` with every CPU cost (compute on "cpu", codec everywhere) times `factor`: this machine's
-    CPU running slower (or faster) now than when it was measured (the bed test measures that)."""
-    k = factor if c.device.peak_tflops is None else 1.0
-    compute = StageCompute(
-        [x * k for x in c.compute.fwd], [x * k for x in c.compute.bwd], [x * k for x in c.compute.opt], c.compute.how
-    )
-    codec = {
-        m: replace(
-            v,
-            send_fwd=v.send_fwd * factor,
-            recv_fwd=v.recv_fwd * factor,
-            send_bwd=v.send_bwd * factor,
-            recv_bwd=v.recv_bwd * factor,
-            refresh=v.refresh * factor,
-            ship_basis=v.ship_basis * factor,
-        )
-        for m, v in c.codec.items()
-    }
-    return replace(c, compute=compute, codec=codec)
-
-
 def _dp_of(mode: str, dp_every: int) -> dict:
     return mode_config(mode, 2, 1, dp_every)["dp"]
-
-
-def measure_costs(
-    dims: ModelDims,
-    shape: Shape,
-    stages: int,
-    replicas: int,
-    device: Device,
-    mfu: float | None,
-    dp_every: int,
-    names: Names = SWARM_NAMES,
-) -> Costs:
-    """Compute (measured or from FLOPs), codec cost (measured) and message sizes of every mode."""
-    if stages < 2:
-        raise ConfigError("--stages", stages, "must be >= 2 (a pipeline needs a link)")
-    if stages > dims.layers:
-        raise ConfigError("--stages", stages, f"must be <= the model's {dims.layers} layers")
-    compute = (
-        measure_cpu_compute(dims, shape, stages)
-        if device.peak_tflops is None
-        else gpu_compute(dims, shape, stages, device, mfu)
-    )
-    # one measurement per codec the modes use (dense's fp16 mask codec, the compressed modes' scheme)
-    gpu = (
-        None
-        if device.peak_tflops is None
-        else SimpleNamespace(
-            flops_per_s=device.peak_tflops * 1e12 * (mfu if mfu is not None else DEFAULT_MFU), mem_gbps=device.mem_gbps
-        )
-    )
-    measured = {}
-    for m in MODES:
-        scheme = mode_mask(m).scheme
-        if scheme not in measured:
-            measured[scheme] = on_device(measure_codec(m, dims, shape, names), gpu)
-    codec = {m: measured[mode_mask(m).scheme] for m in MODES}
-    sizes = {m: message_bytes(m, dims, shape, names=names) for m in MODES}
-    return Costs(dims, shape, stages, replicas, compute, codec, sizes, device, mfu, dp_every)
 
 
 def _tasks(c: Costs, mode: str) -> Tasks:
@@ -423,79 +343,6 @@ def project(
             "model_doc": "peer/bench/project.py (module docstring); docs/benchmarks.md, Projection",
         },
     }
-
-
-def check_args(
-    device: str,
-    bandwidth_mbit: float,
-    stages: int,
-    replicas: int,
-    mfu: float | None,
-    dp_every: int,
-    shared_cores: int | None = None,
-    max_staleness: int | None = None,
-    link_share: float = 0.0,
-) -> Device:
-    """Every flag checked before anything is measured; ConfigError names the flag."""
-    if device not in DEVICES:
-        raise ConfigError("--gpu", device, f"unknown; known: {', '.join(DEVICES)}")
-    if not bandwidth_mbit > 0 or math.isinf(bandwidth_mbit):
-        raise ConfigError("--bandwidth-mbit", bandwidth_mbit, "must be a finite number > 0")
-    if stages < 2:
-        raise ConfigError("--stages", stages, "must be >= 2 (a pipeline needs a link)")
-    if replicas < 1:
-        raise ConfigError("--replicas", replicas, "must be >= 1")
-    if mfu is not None and not (0 < mfu <= 1):
-        raise ConfigError("--mfu", mfu, "must be in (0, 1]")
-    if mfu is not None and device == "cpu":
-        raise ConfigError("--mfu", mfu, "applies to a GPU; the CPU is measured")
-    if dp_every < 1:
-        raise ConfigError("--dp-every", dp_every, "must be >= 1")
-    if shared_cores is not None and shared_cores < 1:
-        raise ConfigError("--shared-cores", shared_cores, "must be >= 1")
-    if max_staleness is not None:
-        check_max_staleness(max_staleness)
-    if not 0.0 <= link_share <= 1.0:
-        raise ConfigError(
-            "--link-share",
-            link_share,
-            "must be in [0, 1]: the share of the link's time averaging rounds may take (0 = no bound)",
-        )
-    return DEVICES[device]
-
-
-GPU_RUNS = Path(__file__).resolve().parents[2] / "docs"  # `anchormesh bench gpu` results: gpu-bench-<device>.json
-
-
-def mfu_from_gpu_run(path: Path, device: Device) -> tuple[float, str]:
-    """The MFU `anchormesh bench gpu` measured on `device`: its bf16 tokens/s on the Llama-3.2-1B
-    shape (both stages in one process, the real runner and codec) times the FLOPs per token of
-    `gpu_compute`'s rule, over the device's peak. Why: a measured rate beats the 40% guess."""
-    import json
-
-    try:
-        run = json.loads(Path(path).read_text())
-        tokens_per_s = float(run["precision"]["bf16"]["tokens_per_s"])
-        seq_len = int(run.get("seq_len", 512))
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(
-            "--mfu-from", str(path), f"not an `anchormesh bench gpu` result with a bf16 precision row ({exc})"
-        ) from None
-    if run.get("shape") != "llama-3.2-1b":
-        raise ConfigError(
-            "--mfu-from",
-            str(path),
-            f"measured on shape {run.get('shape')!r}; the MFU is taken from the llama-3.2-1b shape",
-        )
-    dims = KNOWN_MODELS["llama-3.2-1b"]
-    flops = (
-        6 * dims.layer_params() * dims.layers + 12 * dims.hidden * seq_len * dims.layers + 6 * dims.vocab * dims.hidden
-    )
-    mfu = tokens_per_s * flops / (device.peak_tflops * 1e12)
-    return (
-        min(mfu, 1.0),
-        f"measured by `anchormesh bench gpu` on {run.get('device_name', '?')} ({path}): {tokens_per_s:,.0f} bf16 tokens/s",
-    )
 
 
 def run_project(

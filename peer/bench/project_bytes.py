@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 
 from peer.bench.project_model import ModelDims, Shape
-from peer.bench.throughput import mode_config
+from peer.bench.throughput_modes import mode_config
 from peer.config import TINY_MODEL_PREFIX
 from peer.errors import ConfigError
 

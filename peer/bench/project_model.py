@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from peer.bench.throughput import GpuScenario, mode_config
+from peer.bench.throughput_modes import GpuScenario, mode_config
 from peer.errors import ConfigError
 
 

@@ -8,6 +8,9 @@ of what practitioners actually adapt. Either way every row adapts a copy of the 
 local pipeline runner. Eval losses are dense (unmasked) forward passes of the trained stages on
 held-out B and held-out A (forgetting): what the exported model would score. Nothing here is
 tuned to pass: it reports what it measures.
+
+Where the parts live: the setups and rows in quality_rows.py; pretraining and one row's training
+in quality_train.py; the equal-wall-clock model in quality_clock.py; memory in proc_memory.py.
 """
 
 from __future__ import annotations
@@ -15,28 +18,23 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import os
 import time
-from collections.abc import Callable
 from dataclasses import asdict, replace
-from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
+from peer.bench.proc_memory import release_memory, rss_gb
 from peer.bench.project_model import Shape
-from peer.bench.quality_clock import MODELLED_SEQ, equal_wall_clock, long_sequence_bytes, model_dims
+from peer.bench.quality_clock import MODELLED_SEQ, equal_wall_clock, model_dims
 from peer.bench.quality_rows import QualitySetup, rows
-from peer.config import TINY_MODEL_PREFIX, ComputeConfig, ModelConfig, OptimConfig, TrainConfig
+from peer.bench.quality_train import pretrain, run_row
+from peer.config import TINY_MODEL_PREFIX, ComputeConfig, ModelConfig, OptimConfig
 from peer.data import TokenStream, default_corpus, read_path
 from peer.errors import ConfigError
 from peer.model.loading import load_causal_lm, resolve_dims
-from peer.model.placement import CPU_FP32, DTYPE_NAMES, Placement, resolve_placement
+from peer.model.placement import DTYPE_NAMES, resolve_placement
 from peer.model.source import load_tokenizer
-from peer.model.stages import lm_loss
-from peer.pipeline.local import LocalPipelineRunner, evaluate_stages
-
-CACHE_DIR = Path(os.environ.get("ANCHORMESH_CACHE", ".anchormesh-cache"))
+from peer.pipeline.local import evaluate_stages
 
 
 def setup_for(quick: bool, model: str | None = None) -> QualitySetup:
@@ -81,163 +79,6 @@ def _describe(o: OptimConfig) -> str:
         else f"{o.schedule} to {o.min_lr_ratio:g} x lr at step {o.decay_steps}, warmup {o.warmup_steps} steps"
     )
     return f"AdamW lr {o.lr:g} {sched} (betas {o.beta1:g}/{o.beta2:g}, clip {o.grad_clip:g}, no weight decay)"
-
-
-def _windows(stream: TokenStream, seed: int) -> Callable[[int, int, int], torch.Tensor]:
-    """Deterministic data order: the same (step, replica, micro-batch) gives the same windows in every row."""
-
-    def batch(step: int, replica: int, j: int, *, bs: int, T: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(hash((seed, step, replica, j)) & 0x7FFFFFFF)
-        return stream.batch(bs, T, g)
-
-    return batch
-
-
-def pretrain(setup: QualitySetup, corpus_a: TokenStream, key: str) -> dict[str, torch.Tensor]:
-    """Dense single-process pretraining on corpus A; cached on disk by `key`."""
-    path = CACHE_DIR / f"pretrained-{key}.pt"
-    if path.exists():
-        return torch.load(path, weights_only=True)
-    model = load_causal_lm(setup.model, seed=setup.seed)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=setup.pretrain_lr, betas=(0.9, 0.95), weight_decay=0.0)
-    g = torch.Generator().manual_seed(setup.seed + 1)
-    bs = setup.micro_batch_size * setup.micro_batches
-    for step in tqdm(range(setup.pretrain_steps), desc="pretrain on corpus A", unit="step", leave=False):
-        lr = setup.pretrain_lr * min(1.0, (step + 1) / 30)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        window = corpus_a.batch(bs, setup.seq_len, g)
-        loss = lm_loss(model(input_ids=window[:, :-1]).logits, window[:, 1:])
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    tmp.replace(path)
-    return state
-
-
-def run_row(
-    name: str,
-    cfg: TrainConfig,
-    fresh_model: Callable[[], torch.nn.Module],
-    setup: QualitySetup,
-    corpus_b: TokenStream | None,
-    eval_b: list,
-    eval_a: list,
-    curve_steps: tuple[int, ...] = (),
-    placement: Placement = CPU_FP32,
-    batch_fn: Callable[..., torch.Tensor] | None = None,
-) -> dict:
-    """Train one row and evaluate it; `curve_steps`: also evaluate on held-out B after those
-    steps; `placement`: where the stages train (the GPU of `--device`); `batch_fn(step, replica,
-    j, bs=, T=)`: the row's windows instead of random windows of `corpus_b`."""
-    model = fresh_model()
-    long_bytes = long_sequence_bytes(cfg, model_dims(model.config))
-    batch = batch_fn or _windows(corpus_b, setup.seed)
-    bs, T = cfg.pipeline.micro_batch_size, cfg.pipeline.seq_len
-    m_dense = setup.micro_batches  # anchor batches use the dense row's micro-batch numbering space
-    runner = LocalPipelineRunner(
-        cfg,
-        model,
-        lambda step, r, j: (
-            batch(step, r, j, bs=bs, T=T)
-            if cfg.dp.replicas == 1
-            else batch(step, 0, r * cfg.pipeline.micro_batches + j, bs=bs, T=T)
-        ),
-        anchor_batch_fn=lambda step, j: batch(step, 99, m_dense + j, bs=bs, T=T),
-        placement=placement,
-    )
-    t0 = time.perf_counter()
-    bar = tqdm(total=cfg.steps, desc=f"{name:>24}", unit="step", leave=False)
-    losses: list[float] = []
-    curve: dict[int, float] = {}
-
-    def on_step(rep) -> None:
-        losses.append(rep.loss)
-        if len(losses) in curve_steps:
-            curve[len(losses)] = evaluate_stages(runner.stages(0), eval_b)
-        bar.update(1)
-        bar.set_postfix(loss=f"{rep.loss:.3f}")
-
-    reports = runner.run(on_step=on_step)
-    bar.close()
-    seconds = time.perf_counter() - t0
-    runner.close()
-    tokens = sum(r.tokens for r in reports)
-    pp = sum(r.pp_bytes for r in reports)
-    state = sum(w.state_bytes_sent for row in runner.workers for w in row)
-    dp = sum(r.dp_bytes for r in reports)
-    return {
-        "eval_loss": evaluate_stages(runner.stages(0), eval_b),
-        "eval_loss_a": evaluate_stages(runner.stages(0), eval_a),
-        # measured: every serialized message that crossed a stage link in this run, at its own
-        # sequence length (headers, token ids, codes, statistics, dense rows, coders and refits)
-        "seq_len": T,
-        "pp_bytes_per_token": pp / tokens,
-        # of which codec state shipped after each refit (a basis, a coder): a fixed cost per refit
-        # that a run's length amortises; the rest is what every token costs on the link
-        "pp_state_bytes_per_token": state / tokens,
-        "pp_stream_bytes_per_token": (pp - state) / tokens,
-        # modelled, not measured: one message each way of one MODELLED_SEQ-token sequence, encoded
-        # by the row's codec (no coders, headers or token ids): what a real run's length costs
-        "pp_bytes_per_token_modelled": long_bytes,
-        "anchor_pp_bytes_per_token": runner.anchor_bytes / tokens,
-        "dp_bytes_per_step": dp / len(reports),
-        "train_loss_last10": sum(losses[-10:]) / len(losses[-10:]),
-        "tokens": tokens,
-        "anchor_passes": runner.anchor.launched if runner.anchor else 0,
-        "anchor_seconds": runner.anchor_seconds,
-        "seconds": seconds,
-        **({"eval_curve": curve} if curve_steps else {}),
-    }
-
-
-def rss_gb(pid: int | str = "self") -> float | None:
-    """A process's resident memory now (Linux; this one by default), GB; None elsewhere or once it has exited."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return next(int(x.split()[1]) for x in f if x.startswith("VmRSS:")) / 1e6
-    except (OSError, StopIteration, ValueError):
-        return None
-
-
-def tree_pss_gb(pid: int) -> float | None:
-    """The proportional resident memory (Pss: shared pages split among their sharers) of a process
-    and every process under it, GB (Linux); None once it has exited. Why Pss of the tree: a peer's
-    forked averaging process and its p2pd count against the machine too, and summing their RSS
-    would count the pages a fork shares twice."""
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(d.name))
-    total, todo, seen = 0.0, [pid], False
-    while todo:
-        p = todo.pop()
-        try:
-            with open(f"/proc/{p}/smaps_rollup") as f:
-                total += next(int(x.split()[1]) for x in f if x.startswith("Pss:")) / 1e6
-            seen = True
-        except (OSError, StopIteration, ValueError):
-            pass
-        todo += children.get(p, [])
-    return total if seen else None
-
-
-def release_memory() -> None:
-    """Free what the last row left (the SmolLM2 run grew to 23.7 GB by its tenth row and was
-    killed, though no tensor outlives a row; each row's `rss_gb_after` shows whether this holds)."""
-    from peer.model.loading import trim_host_memory
-
-    trim_host_memory()
 
 
 # what `--quick` runs unless `--rows` says otherwise: the rows issue 15 asks for (the paper's

@@ -34,244 +34,14 @@ its bubbles, about half the compute rate: the bed then stood for ~100 Mbit/s, no
 
 from __future__ import annotations
 
-import math
 import tempfile
-import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
-from peer.bench.bedswarm import BedSwarm, write_toml
-from peer.bench.netbed import NetBed, available
-from peer.config import TINY_RUN, MaskConfig
+from peer.bench.netbed import available
+from peer.bench.throughput_measure import measure_mode, median
+from peer.bench.throughput_modes import ALL_MODES, SYNC, TINY_HIDDEN, GpuScenario, equivalent_mbit, mode_config
 from peer.errors import ConfigError
-
-MODES = ("compute_bound", "dense", "masked", "masked_dp")
-SYNC = "dense_sync"  # stock GPipe + a synchronous fp32 all-reduce, not the swarm (peer/bench/sync_baseline.py)
-ALL_MODES = (*MODES, SYNC)
-TINY_HIDDEN = 128
-
-
-@dataclass(frozen=True)
-class GpuScenario:
-    """The GPU world the CPU test bed stands in for (figures from public spec sheets)."""
-
-    gpu: str = "RTX 4090"
-    peak_tflops: float = 165.2  # dense bf16 tensor throughput, fp32 accumulate (spec sheet)
-    mfu: float = 0.40  # a typical achieved fraction for a 1B model's training step
-    model: str = "Llama-3.2-1B"
-    hidden: int = 2048
-    layers: int = 16
-    params: float = 1.236e9  # embeddings tied: the head's matmul still costs its FLOPs
-    seq_len: int = 2048
-    link_mbit: float = 200.0
-
-    def flops_per_token(self) -> float:
-        """Forward + backward: 6 FLOPs per parameter, plus attention scores 12 * L * h * seq."""
-        return 6 * self.params + 12 * self.layers * self.hidden * self.seq_len
-
-    def stage_tokens_per_s(self, stages: int) -> float:
-        return self.peak_tflops * 1e12 * self.mfu / (self.flops_per_token() / stages)
-
-    def rho(self, stages: int) -> float:
-        """Dense activation link time over compute time, per token and stage (bf16 activations)."""
-        link_s = 2 * self.hidden * 8 / (self.link_mbit * 1e6)
-        return link_s * self.stage_tokens_per_s(stages)
-
-
-def equivalent_mbit(scenario: GpuScenario, stages: int, stage_tokens_per_s: float) -> float:
-    """The bandwidth at which the CPU swarm's dense link/compute ratio equals the scenario's;
-    `stage_tokens_per_s` is one peer's compute rate at its stage (not the pipeline's throughput,
-    which bubbles lower: the GPU side is a compute rate too)."""
-    return 2 * TINY_HIDDEN * 8 * stage_tokens_per_s / scenario.rho(stages) / 1e6
-
-
-def mode_config(mode: str, stages: int, steps: int, dp_every: int, seed: int = 0, max_staleness: int = 0) -> dict:
-    """run.toml content of one mode (`max_staleness`: steps stage 0 may run ahead; 0, the run
-    default, drains the pipeline every step)."""
-    if mode not in MODES:
-        raise ConfigError("mode", mode, f"must be one of {', '.join(MODES)}")
-    # the recommended run's codec (MaskConfig's defaults: 2-bit activations, 1-bit dithered gradients), its
-    # settings pinned against the tiny model's profile (TINY_RUN): the bed carries the bytes a real model's run sends
-    compressed_pp = {"scheme": "transform", "adapt": False, **{k: getattr(MaskConfig(), k) for k in TINY_RUN["mask"]}}
-    dense_pp = {"scheme": "mask", "drop": 0.0, "values": "fp16", "adapt": False}
-    dense_dp = {
-        "inner_steps": 1,
-        "outer_compression": "none",
-        "link_share": 0.0,
-        "min_period_s": 1.0,
-    }  # every step, as far as hivemind allows
-    compressed_dp = {"inner_steps": dp_every, "outer_compression": "int8", "link_share": 0.0}
-    mask, dp = {
-        "dense": (dense_pp, dense_dp),
-        "masked": (compressed_pp, dense_dp),
-        "masked_dp": (compressed_pp, compressed_dp),
-        "compute_bound": (compressed_pp, compressed_dp),
-    }[mode]
-    return {
-        "seed": seed,
-        "model": {
-            "name": "tiny-llama",
-            "num_stages": stages,
-            "hidden_size": TINY_HIDDEN,
-            "num_layers": 2 * stages,
-            "num_heads": 4,
-            "max_seq_len": 128,
-        },
-        "mask": mask,
-        "dp": dp,
-        "anchor": {"every": 0},
-        "optim": {"lr": 2e-3},
-        "pipeline": {
-            "micro_batch_size": 8,
-            "micro_batches": 2,
-            "seq_len": 128,
-            "eval_every": steps,
-            "eval_batches": 8,
-            "max_staleness": max_staleness,
-        },
-    }
-
-
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2 if xs else 0.0
-
-
-def _live(s: dict) -> int:
-    return sum(p["state"] in ("active", "idle") for p in s["peers"])
-
-
-def _rates_text(rates: list[float | None]) -> str:
-    speeds = sorted({r for r in rates if r is not None})
-    if not speeds:
-        return "unshaped"
-    return " and ".join(f"{r:.2f}" for r in speeds) + " Mbit/s" + (" (mixed)" if len(speeds) > 1 else "")
-
-
-def measure_mode(
-    mode: str,
-    rates: list[float | None],
-    stages: int,
-    replicas: int,
-    warmup: int,
-    steps: int,
-    dp_every: int,
-    workdir: Path,
-    subnet: int,
-    timeout_s: float,
-    config: dict | None = None,
-    reshape: Callable[[NetBed, dict], None] | None = None,
-) -> dict:
-    """Run one mode in a fresh bed (host i's link at rates[i] Mbit/s, None = unshaped; host 0 is
-    the bootstrap's) and measure it (see the module docstring). `config`: run.toml content
-    instead of `mode_config(mode, ...)`. `reshape(bed, status)`: called once every peer is live
-    (with their stages known) to set links; the warm-up then counts from there."""
-    cfg_path = workdir / f"{mode}.toml"
-    write_toml(config or mode_config(mode, stages, steps, dp_every), cfg_path)
-    n = stages * replicas
-    if len(rates) != 1 + n:
-        raise ConfigError("rates", len(rates), f"must name 1 + {n} hosts (the bootstrap and {n} peers)")
-    print(
-        f"[{mode}] {n} peers + bootstrap, links {_rates_text(rates)}; warm-up to step {warmup}, measure to step {steps}",
-        flush=True,
-    )
-    t_start = time.monotonic()
-    with NetBed(rates, subnet=subnet) as bed:
-        swarm = BedSwarm(bed, cfg_path, workdir / mode)
-        start = 0
-        if reshape is not None:
-            up = swarm.wait_status(lambda s: _live(s) == n, timeout_s, f"{n} live peers")
-            reshape(bed, up)
-            start = up["step"]
-        s0 = swarm.wait_status(
-            lambda s: s["step"] >= start + warmup and _live(s) == n,
-            timeout_s,
-            f"{n} live peers and step {start + warmup}",
-        )
-        c0 = bed.counters()
-        last_print = time.monotonic()
-
-        def progress(s: dict) -> bool:
-            nonlocal last_print
-            if time.monotonic() - last_print > 15:
-                last_print = time.monotonic()
-                done = s["step"] - s0["step"]
-                rate = done / max(s["uptime_s"] - s0["uptime_s"], 1e-9)
-                eta = (steps - s["step"]) / rate if rate > 0 else math.inf
-                print(f"[{mode}] step {s['step']}/{steps}  {s['tokens_per_s']:,.0f} tok/s  ETA {eta:.0f}s", flush=True)
-            return s["step"] >= steps
-
-        s1 = swarm.wait_status(progress, timeout_s, f"step {steps}")
-        c1 = bed.counters()
-        s2 = swarm.wait_status(
-            lambda s: (s["eval_step"] or -1) >= steps and s["eval_loss"] is not None,
-            timeout_s,
-            f"the evaluation launched at step {steps}",
-        )
-    tokens = s1["tokens"] - s0["tokens"]
-    seconds = s1["uptime_s"] - s0["uptime_s"]
-    wire = sum(c1[i][0] - c0[i][0] for i in c1)
-    result = {
-        "tokens_per_s": tokens / seconds,
-        "wire_bytes_per_token": wire / tokens,
-        "eval_loss": s2["eval_loss"],
-        "eval_step": s2["eval_step"],
-        "rate_mbit": rates[1] if len(set(rates[1:])) == 1 else None,
-        "tokens_measured": tokens,
-        "seconds_measured": seconds,
-        "app_bytes_per_token": {
-            "pp": s1["pp_bytes_per_token"],
-            "dp": s1["dp_bytes_per_token"],
-            "anchor": s1["anchor_bytes_per_token"],
-        },
-        "pp_compression": s1["pp_compression"],
-        "train_loss": s1["loss"],
-        "peer_startup_s": _median(
-            [p["startup_s"] for p in s1["peers"] if p["state"] in ("active", "idle") and p.get("startup_s")]
-        ),  # process start to first step
-        "peer_startup_phases_s": startup_phases(
-            [p.get("startup_phases") for p in s1["peers"] if p["state"] in ("active", "idle")]
-        ),  # where it went
-        "peer_capacity_tokens_per_s": _median(
-            [
-                p["capacity_tokens_per_s"]
-                for p in s1["peers"]
-                if p["state"] in ("active", "idle") and p["capacity_tokens_per_s"] > 0
-            ]
-        ),
-        "wall_s": time.monotonic() - t_start,
-        "peers": [
-            {
-                "id": p["id"],
-                "stage": p["stage"],
-                "host_rate_mbit": bed.hosts[int(p["id"].removeprefix("bed-peer"))].rate_mbit
-                if p["id"].startswith("bed-peer")
-                else None,
-                "tokens_per_s": p["tokens_per_s"],
-                "link_mbit": p.get("link_mbit"),
-                "pp_keep": p.get("pp_keep"),
-                "dp_period_s": p.get("dp_period_s"),
-                "dp_rounds": p["dp_rounds"],
-            }
-            for p in s1["peers"]
-            if p["state"] in ("active", "idle")
-        ],
-    }
-    print(
-        f"[{mode}] {result['tokens_per_s']:,.0f} tok/s, {result['wire_bytes_per_token']:.0f} wire B/token, eval loss {result['eval_loss']:.4f} at step {result['eval_step']} ({result['wall_s']:.0f}s)",
-        flush=True,
-    )
-    return result
-
-
-def startup_phases(per_peer: list[dict | None]) -> dict[str, float]:
-    """Each startup phase's median seconds over the peers that reported one (a phase a peer
-    skipped, e.g. a group state download, counts over the peers that had it)."""
-    names = list(dict.fromkeys(name for phases in per_peer if phases for name in phases))
-    return {
-        name: round(_median([phases[name] for phases in per_peer if phases and name in phases]), 2) for name in names
-    }
 
 
 def check_max_staleness(max_staleness: int) -> None:
@@ -312,12 +82,12 @@ def combine_repeats(repeats: list[dict[str, dict]]) -> tuple[dict[str, dict], di
         runs = [r[mode] for r in repeats if mode in r]
         rates = [r["tokens_per_s"] for r in runs]
         median_run = sorted(runs, key=lambda r: r["tokens_per_s"])[(len(runs) - 1) // 2]
-        modes[mode] = {**median_run, "tokens_per_s": _median(rates), "tokens_per_s_runs": rates, "runs": len(runs)}
+        modes[mode] = {**median_run, "tokens_per_s": median(rates), "tokens_per_s_runs": rates, "runs": len(runs)}
     ratios: dict[str, dict] = {}
     for name, (a, b) in RATIOS.items():
         values = [r[a]["tokens_per_s"] / r[b]["tokens_per_s"] for r in repeats if a in r and b in r]
         if values:
-            ratios[name] = {"median": _median(values), "min": min(values), "max": max(values), "runs": values}
+            ratios[name] = {"median": median(values), "min": min(values), "max": max(values), "runs": values}
     return modes, ratios
 
 

@@ -20,7 +20,7 @@ import grpc
 from peer.wire import anchormesh_pb2 as pb
 from peer.wire import anchormesh_pb2_grpc as pbg
 
-# what GrpcTransport's Ping handler says when the run id differs (peer/pipeline/grpc_transport.py);
+# what GrpcTransport's Ping handler says when the run id differs (peer/pipeline/stage_server.py);
 # older peers said it to an empty run id too
 RUN_REFUSAL = "this server trains run"
 

@@ -15,7 +15,7 @@ mean + gain * (codes * std) @ rotation^T. An int8 rotation is plenty: its roundi
 of the signal) is far below a few-bit quantiser's, and it halves the coder a producer ships.
 
 Two coders, measured on SmolLM2-135M and the toy (docs/benchmarks.md):
-- Activations: the KLT of the producer's recent outputs (`fit`: their mean, principal
+- Activations: the KLT of the producer's recent outputs (`act_coder.fit`: their mean, principal
   directions and stds, bits by reverse water-filling, at least one bit per direction: a
   direction that never crosses the link is one the next stage never learns to read, and meets
   first at evaluation), refitted every `refresh` steps; values round to the nearest level. The
@@ -64,7 +64,6 @@ GRAD_STEP_SCALE = (
     2.0  # the width for stochastic rounding (the tiny models' runs); dither takes mask.grad_step_scale = 1
 )
 DECODE_LIMIT = 1e38  # below float32's largest value (3.4e38): what a decoded value may reach
-BUFFER_ROWS_PER_H = 4  # a learner keeps its newest 4 H rows: a covariance of H dimensions wants several times H samples
 _MSE = torch.tensor([MSE[b] for b in range(MAX_BITS + 1)] + [MSE[MAX_BITS]], dtype=torch.float64)
 
 
@@ -392,72 +391,3 @@ class TransformState:
             coded[dense_rows.to(dev)] = dense_vals.to(dev).float()
         out[:, head:] = coded.reshape(batch, seq - head, H)
         return out
-
-
-def _state(version: int, mean: Tensor, rotation: Tensor, std: Tensor, bits: Tensor) -> TransformState:
-    """A coder with its rotation rounded to int8 per column and its std to fp16, as they travel."""
-    rotation = rotation.float()
-    scale = (rotation.abs().amax(0) / 127).clamp(min=1e-12)
-    rotation_q = torch.round(rotation / scale).clamp_(-127, 127).to(torch.int8)
-    return TransformState(version, mean.float(), rotation_q, scale, std.clamp(min=1e-6).half().float(), bits)
-
-
-def fit(rows: Tensor, budget: int, version: int) -> TransformState:
-    """The activations' coder for `rows` [N, H]: centre, per-row gain normalisation, PCA, bits
-    by reverse water-filling, at least one per component (a budget of at least H bits)."""
-    H = rows.shape[1]
-    rows = rows.double()
-    mean = rows.mean(0)
-    resid = rows - mean
-    z = resid / resid.pow(2).mean(1, keepdim=True).sqrt().clamp(min=1e-30)
-    var, vecs = torch.linalg.eigh(z.T @ z / len(z))
-    var, vecs = var.flip(0).clamp(min=0), vecs.flip(1)
-    return _state(version, mean, vecs, var.sqrt(), allocate(var, max(budget, H), min_bits=1))
-
-
-class TransformLearner:
-    """The activations' producer: keeps its recent rows (sink positions excluded) and fits a new
-    `TransformState` every `refresh` steps. The first fit comes as soon as `min_rows` rows were
-    seen (H / 4: usually the first micro-batch; until then the tensor travels dense), a second
-    one when the buffer first holds `2 H` rows (the first saw too few rows to span every
-    direction), then one per `refresh` steps."""
-
-    def __init__(
-        self,
-        hidden_size: int,
-        bits_per_value: float,
-        refresh: int,
-        *,
-        buffer_rows: int | None = None,
-        min_rows: int | None = None,
-    ) -> None:
-        self.hidden_size = hidden_size
-        self.budget = row_budget(bits_per_value, hidden_size)
-        self.refresh = refresh
-        self.min_rows = min_rows or max(1, hidden_size // 4)
-        self.full_rows = 2 * hidden_size
-        self._fitted_full = False
-        self.buffer_rows = buffer_rows or BUFFER_ROWS_PER_H * hidden_size
-        self.rows: list[Tensor] = []
-        self.current: TransformState | None = None
-        self._last_fit: int | None = None
-
-    def observe(self, x: Tensor, sink: int) -> None:
-        rows = x.detach()[:, min(sink, x.shape[1]) :].reshape(-1, x.shape[-1]).float()
-        self.rows.append(rows)
-        total = sum(len(r) for r in self.rows)
-        while len(self.rows) > 1 and total - len(self.rows[0]) >= self.buffer_rows:
-            total -= len(self.rows.pop(0))
-
-    def maybe_refresh(self, step: int) -> TransformState | None:
-        """A new state when due and enough rows were seen (returned: the caller ships it)."""
-        rows = sum(len(r) for r in self.rows)
-        early = self.current is not None and not self._fitted_full and rows >= self.full_rows
-        if not early and self._last_fit is not None and step - self._last_fit < self.refresh:
-            return None
-        if rows < self.min_rows:
-            return None
-        self.current = fit(torch.cat(self.rows), self.budget, 1 if self.current is None else self.current.version + 1)
-        self._fitted_full = self._fitted_full or rows >= self.full_rows
-        self._last_fit = step
-        return self.current

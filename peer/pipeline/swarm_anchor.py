@@ -21,6 +21,7 @@ for `timeout_s` (a peer on its path left) is dropped. At most `max_jobs` passes 
 (each holds a copy of the stage's weights in the compute dtype; the daemon sizes the count to
 its memory, peer/daemon/memory.py `anchor_snapshot_slots`); a message for a pass that is gone is dropped in the
 loop, not refused on the wire (a refusal would end the sender's stream and lose what it held).
+What each anchor channel accepts is checked before it is queued: peer/pipeline/anchor_checks.py.
 Only the dense prior is computed here; the spectral modes that need the masked twin of the anchor batch ("ef", "paper_ef") are refused by the tracker for
 swarm runs (peer/config.py: `check_swarm`).
 """
@@ -39,8 +40,8 @@ from torch.func import functional_call
 
 from peer.errors import WireError
 from peer.model.stages import lm_loss
-from peer.pipeline.bounds import scale_of
-from peer.pipeline.inbound import MAX_MESSAGE_BYTES, check_token_window
+from peer.pipeline.anchor_checks import AnchorChecks
+from peer.pipeline.inbound import MAX_MESSAGE_BYTES
 from peer.pipeline.transport import Address
 from peer.pipeline.worker import StageWorker
 from peer.wire import anchormesh_pb2 as pb
@@ -50,7 +51,6 @@ log = logging.getLogger(__name__)
 
 ANCHOR_CHANNELS = ("anchor_forward", "anchor_backward", "prior")
 MAX_JOBS = 4  # anchor passes held at once by one stage, unless the daemon sizes it to its memory
-ISSUE_SLACK = 2  # anchor ids this far above the newest issued one this peer heard of may be real (issued since its last heartbeat)
 
 
 @dataclass
@@ -78,7 +78,7 @@ class _Job:
     loss: float = math.nan
 
 
-class SwarmAnchor:
+class SwarmAnchor(AnchorChecks):
     """Anchor work of one peer's stage.
 
     Args:
@@ -132,62 +132,6 @@ class SwarmAnchor:
             return
         for j, window in enumerate(windows):
             self.todo.append((anchor_id, j, window))
-
-    def _check_issued(self, anchor_id: int) -> None:
-        if self.issued is not None and anchor_id > self.issued + ISSUE_SLACK:
-            raise WireError(f"anchor id {anchor_id}: the tracker has issued only up to {self.issued}")
-
-    def validate(self, channel: str, msg: object) -> None:
-        """Vet an inbound anchor message before it is queued (transport threads)."""
-        s = self.w.stage
-        if channel == "anchor_forward":
-            if not msg.header.dense:
-                raise WireError("header.dense=false: anchor activations travel dense")
-            if msg.header.boundary != s.index - 1:
-                raise WireError(
-                    f"header.boundary={msg.header.boundary}: stage {s.index} receives activations on boundary {s.index - 1}"
-                )
-            if not msg.header.eval:
-                self._check_issued(msg.header.step)
-            limit, what = (self.eval_batches, "an evaluation") if msg.header.eval else (self.micro_batches, "an anchor")
-            if msg.header.micro_batch_id >= limit:
-                raise WireError(f"micro_batch_id={msg.header.micro_batch_id}: {what} pass has {limit} micro-batches")
-            p = self.w.cfg.pipeline
-            check_token_window(msg.token_ids, s.vocab_size, (p.micro_batch_size, p.seq_len + 1))
-            hidden = proto_to_tensor(
-                msg.hidden, expect_shape=(p.micro_batch_size, p.seq_len, s.hidden_size), expect_dtype=torch.float16
-            )
-            self.w.bounds.check(
-                channel, msg.header.sender, *scale_of(hidden)
-            )  # its own link: dense, not the fast circuit's scale
-        elif channel == "anchor_backward":
-            if msg.header.boundary != s.index:
-                raise WireError(
-                    f"header.boundary={msg.header.boundary}: stage {s.index} receives gradients on boundary {s.index}"
-                )
-            job = self.jobs.get(msg.header.step)
-            pending = job.pending.get(msg.header.micro_batch_id) if job else None
-            if pending is None:  # a pass that expired here: dropped in the loop, not refused (see the module doc)
-                proto_to_tensor(msg.grad, expect_dtype=torch.float16)
-                return
-            grad = proto_to_tensor(msg.grad, expect_shape=tuple(pending.out.shape), expect_dtype=torch.float16)
-            self.w.bounds.check(channel, msg.header.sender, *scale_of(grad))
-        elif channel == "prior":
-            if msg.stage != s.index:
-                raise WireError(f"stage={msg.stage}: this peer serves stage {s.index}")
-            if msg.header.sender not in self.siblings():
-                raise WireError(f"header.sender={msg.header.sender!r} is not a live peer of this stage group")
-            self._check_issued(msg.header.micro_batch_id)
-            names = [g.name for g in msg.grads]
-            unknown = sorted(set(names) - self.targets)
-            if unknown or len(set(names)) != len(names) or not names:
-                raise WireError(
-                    f"grads: names must be distinct decoder matrices of stage {s.index}; got unknown {unknown[:3]} of {len(names)}"
-                )
-            for g in msg.grads:
-                proto_to_tensor(g.tensor, expect_shape=self.shapes[g.name], expect_dtype=torch.bfloat16)
-        else:
-            raise WireError(f"channel={channel!r} is not an anchor channel")
 
     def drain(self) -> None:
         for ch in ANCHOR_CHANNELS:

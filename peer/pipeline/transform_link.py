@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 import torch
 
 from peer.codec import transform_wire as tw
+from peer.codec.act_coder import TransformLearner
 from peer.codec.grad_coder import FixedCoder, run_rotation
-from peer.codec.transform import BITS_GRID, TransformLearner, TransformState, fixed_bytes, grid_bits, row_budget
+from peer.codec.transform import BITS_GRID, TransformState, fixed_bytes, grid_bits, row_budget
 from peer.config import MaskConfig
 from peer.errors import WireError
 from peer.wire import anchormesh_pb2 as pb

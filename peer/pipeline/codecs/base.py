@@ -50,12 +50,25 @@ def fixed_bytes(msg: pb.ActivationChunk | pb.GradientChunk) -> int:
 
 
 class LinkCodec(ABC):
-    """Args:
-    cfg: the run's codec settings (`[mask]`); both ends of a link read the same ones.
-    stage: the stage this worker serves (its index, sizes and vocabulary).
-    placement: where the stage computes; decoded tensors land there.
-    transport: the worker's transport; an adapting codec reads each link's measured rate.
-    compute: the worker's compute time per micro-batch, the budget an adapting link fits into.
+    """One stage worker's ends of its PP links for one `mask.scheme`: it encodes what the stage
+    sends and decodes (after checking) what it receives, on both directions of every link. Built
+    once per worker by `make_link` (peer/pipeline/codecs/__init__.py); a test builds one directly.
+
+    Args:
+        cfg: the run's codec settings (`TrainConfig.mask`, the run.toml's `[codec]` tables). Pass
+            the run's own, unchanged: both ends of a link derive masks, coders, rates and dither
+            offsets from the same values, and the tracker hands every peer the same run config.
+            For a new run choose the default scheme ("transform"); the subclasses say what each
+            scheme's settings do.
+        stage: the stage this worker serves (its index, sizes and vocabulary): which ends exist
+            (stage 0 decodes no activations, the last stage encodes none) and the tensors' shapes.
+        placement: where the stage computes; decoded tensors land there. Pass the placement the
+            stage was built with, so that decoding happens on its device and nothing crosses twice.
+        transport: the worker's transport; an adapting link (`mask.adapt`) reads each link's
+            measured rate from it (`link_bps`). Pass the one the worker sends on; a
+            `LocalTransport` (no measured rate) keeps every link at its configured payload.
+        compute: the worker's compute time per micro-batch, the budget an adapting link fits its
+            bytes into (`mask.link_target` of it). Pass the worker's own clock.
     """
 
     scheme: ClassVar[str]  # the `mask.scheme` value that selects it

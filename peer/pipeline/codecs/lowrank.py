@@ -30,6 +30,28 @@ BUFFER_TOKENS = 4096  # BasisLearner's default residual buffer
 
 
 class LowRankLink(LinkCodec):
+    """`mask.scheme = "lowrank"`: `mask.rank` coefficients per token in a basis the sender learns
+    from its recent outputs and ships, around a per-token prior (peer/codec/basis.py); gradients
+    travel in the same basis. The swarm's default before the transform codec.
+
+    Choose "transform" instead for a new run: on SmolLM2 (40 steps) rank 64 ended +7.1 % over
+    dense's eval loss, the transform codec +0.86 % (docs/benchmarks.md). Low rank remains for a
+    run that must send the fewest bytes per token and can afford that loss.
+
+    Args:
+        cfg: the run's codec settings, read here: `rank` (coefficients per token, at most the
+            hidden size; more is closer to dense and costs bytes in proportion: the quality bench
+            uses 64 for a pretrained model), `basis_refresh` (steps between refits of the basis
+            and prior: each refit ships them to every next-stage peer), `prior_rows` (rows of the
+            token prior sent per refit: a large vocabulary sends its most frequent tokens'),
+            `values` (the coefficients' encoding), and with `adapt` between `min_keep * rank` and
+            `rank` coefficients per link.
+        stage: the stage this worker serves; every stage but the last learns a basis for its output.
+        placement: where the stage computes; the basis learner and decoded tensors live there.
+        transport: the worker's transport; an adapting link reads its measured rate from it.
+        compute: the worker's compute time per micro-batch, the budget an adapting link fits into.
+    """
+
     scheme = "lowrank"
 
     def __init__(self, *args, **kwargs) -> None:

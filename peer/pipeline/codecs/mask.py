@@ -33,6 +33,28 @@ KEEP_GRID = 256  # adapting: keep fractions are multiples of 1/256 (exact in flo
 
 
 class MaskLink(LinkCodec):
+    """`mask.scheme = "mask"`: the paper's element mask (peer/codec/mask.py). Each boundary element
+    is dropped with probability `mask.drop`, both ends deriving the same mask from the run's seed
+    and the message's key, and the kept values travel as `mask.values`; the receiver rebuilds the
+    rest by `mask.fill`. With drop 0 it sends every value: the dense baseline of the benches.
+
+    Choose it for a dense run (drop 0, fp16) or to reproduce the paper; for training that should
+    reach dense's loss, "transform" is the better codec (SmolLM2, 40 steps: the paper's M95 mask
+    +30.5 % over dense's eval loss, the transform codec +0.86 %; docs/benchmarks.md).
+
+    Args:
+        cfg: the run's codec settings, read here: `drop` (0 = dense; the paper's 0.90 / 0.95), `values` ("fp16"
+            for dense; "int8", blockwise absmax, about halves the kept values' bytes), `fill` (with a drop above
+            0, "prior_rescale", an unbiased fill around a token prior the receiver learns at no extra bytes, cut
+            the toy's gap to dense from 77 % to 19 % against the paper's "zero"; docs/benchmarks.md), `seed`,
+            and with `adapt` the link's keep fraction between `min_keep * (1 - drop)` and `1 - drop`.
+        stage: the stage this worker serves; a stage after the first learns the token prior
+            (fills "token_prior" and "prior_rescale") over its vocabulary and hidden size.
+        placement: where the stage computes; decoded tensors and the token prior live there.
+        transport: the worker's transport; an adapting link reads its measured rate from it.
+        compute: the worker's compute time per micro-batch, the budget an adapting link fits into.
+    """
+
     scheme = "mask"
 
     def __init__(self, *args, **kwargs) -> None:

@@ -1,0 +1,160 @@
+"""One mode of `anchormesh bench throughput` measured on the namespace test bed (peer/bench/throughput.py).
+
+Why a module of its own: starting a fresh bed, waiting out the warm-up and reading the tracker's
+and the kernel's counters is the one part that needs network namespaces; the throughput and
+mixed benches both call it. What is measured is in the throughput module's docstring.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from peer.bench.bedswarm import BedSwarm, write_toml
+from peer.bench.netbed import NetBed
+from peer.bench.throughput_modes import mode_config
+from peer.errors import ConfigError
+
+
+def median(xs: list[float]) -> float:
+    """The median of `xs` (the mean of the middle two for an even count); 0 for none."""
+    xs = sorted(xs)
+    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2 if xs else 0.0
+
+
+def _live(s: dict) -> int:
+    return sum(p["state"] in ("active", "idle") for p in s["peers"])
+
+
+def _rates_text(rates: list[float | None]) -> str:
+    speeds = sorted({r for r in rates if r is not None})
+    if not speeds:
+        return "unshaped"
+    return " and ".join(f"{r:.2f}" for r in speeds) + " Mbit/s" + (" (mixed)" if len(speeds) > 1 else "")
+
+
+def measure_mode(
+    mode: str,
+    rates: list[float | None],
+    stages: int,
+    replicas: int,
+    warmup: int,
+    steps: int,
+    dp_every: int,
+    workdir: Path,
+    subnet: int,
+    timeout_s: float,
+    config: dict | None = None,
+    reshape: Callable[[NetBed, dict], None] | None = None,
+) -> dict:
+    """Run one mode in a fresh bed (host i's link at rates[i] Mbit/s, None = unshaped; host 0 is
+    the bootstrap's) and measure it (see the module docstring). `config`: run.toml content
+    instead of `mode_config(mode, ...)`. `reshape(bed, status)`: called once every peer is live
+    (with their stages known) to set links; the warm-up then counts from there."""
+    cfg_path = workdir / f"{mode}.toml"
+    write_toml(config or mode_config(mode, stages, steps, dp_every), cfg_path)
+    n = stages * replicas
+    if len(rates) != 1 + n:
+        raise ConfigError("rates", len(rates), f"must name 1 + {n} hosts (the bootstrap and {n} peers)")
+    print(
+        f"[{mode}] {n} peers + bootstrap, links {_rates_text(rates)}; warm-up to step {warmup}, measure to step {steps}",
+        flush=True,
+    )
+    t_start = time.monotonic()
+    with NetBed(rates, subnet=subnet) as bed:
+        swarm = BedSwarm(bed, cfg_path, workdir / mode)
+        start = 0
+        if reshape is not None:
+            up = swarm.wait_status(lambda s: _live(s) == n, timeout_s, f"{n} live peers")
+            reshape(bed, up)
+            start = up["step"]
+        s0 = swarm.wait_status(
+            lambda s: s["step"] >= start + warmup and _live(s) == n,
+            timeout_s,
+            f"{n} live peers and step {start + warmup}",
+        )
+        c0 = bed.counters()
+        last_print = time.monotonic()
+
+        def progress(s: dict) -> bool:
+            nonlocal last_print
+            if time.monotonic() - last_print > 15:
+                last_print = time.monotonic()
+                done = s["step"] - s0["step"]
+                rate = done / max(s["uptime_s"] - s0["uptime_s"], 1e-9)
+                eta = (steps - s["step"]) / rate if rate > 0 else math.inf
+                print(f"[{mode}] step {s['step']}/{steps}  {s['tokens_per_s']:,.0f} tok/s  ETA {eta:.0f}s", flush=True)
+            return s["step"] >= steps
+
+        s1 = swarm.wait_status(progress, timeout_s, f"step {steps}")
+        c1 = bed.counters()
+        s2 = swarm.wait_status(
+            lambda s: (s["eval_step"] or -1) >= steps and s["eval_loss"] is not None,
+            timeout_s,
+            f"the evaluation launched at step {steps}",
+        )
+    tokens = s1["tokens"] - s0["tokens"]
+    seconds = s1["uptime_s"] - s0["uptime_s"]
+    wire = sum(c1[i][0] - c0[i][0] for i in c1)
+    result = {
+        "tokens_per_s": tokens / seconds,
+        "wire_bytes_per_token": wire / tokens,
+        "eval_loss": s2["eval_loss"],
+        "eval_step": s2["eval_step"],
+        "rate_mbit": rates[1] if len(set(rates[1:])) == 1 else None,
+        "tokens_measured": tokens,
+        "seconds_measured": seconds,
+        "app_bytes_per_token": {
+            "pp": s1["pp_bytes_per_token"],
+            "dp": s1["dp_bytes_per_token"],
+            "anchor": s1["anchor_bytes_per_token"],
+        },
+        "pp_compression": s1["pp_compression"],
+        "train_loss": s1["loss"],
+        "peer_startup_s": median(
+            [p["startup_s"] for p in s1["peers"] if p["state"] in ("active", "idle") and p.get("startup_s")]
+        ),  # process start to first step
+        "peer_startup_phases_s": startup_phases(
+            [p.get("startup_phases") for p in s1["peers"] if p["state"] in ("active", "idle")]
+        ),  # where it went
+        "peer_capacity_tokens_per_s": median(
+            [
+                p["capacity_tokens_per_s"]
+                for p in s1["peers"]
+                if p["state"] in ("active", "idle") and p["capacity_tokens_per_s"] > 0
+            ]
+        ),
+        "wall_s": time.monotonic() - t_start,
+        "peers": [
+            {
+                "id": p["id"],
+                "stage": p["stage"],
+                "host_rate_mbit": bed.hosts[int(p["id"].removeprefix("bed-peer"))].rate_mbit
+                if p["id"].startswith("bed-peer")
+                else None,
+                "tokens_per_s": p["tokens_per_s"],
+                "link_mbit": p.get("link_mbit"),
+                "pp_keep": p.get("pp_keep"),
+                "dp_period_s": p.get("dp_period_s"),
+                "dp_rounds": p["dp_rounds"],
+            }
+            for p in s1["peers"]
+            if p["state"] in ("active", "idle")
+        ],
+    }
+    print(
+        f"[{mode}] {result['tokens_per_s']:,.0f} tok/s, {result['wire_bytes_per_token']:.0f} wire B/token, eval loss {result['eval_loss']:.4f} at step {result['eval_step']} ({result['wall_s']:.0f}s)",
+        flush=True,
+    )
+    return result
+
+
+def startup_phases(per_peer: list[dict | None]) -> dict[str, float]:
+    """Each startup phase's median seconds over the peers that reported one (a phase a peer
+    skipped, e.g. a group state download, counts over the peers that had it)."""
+    names = list(dict.fromkeys(name for phases in per_peer if phases for name in phases))
+    return {
+        name: round(median([phases[name] for phases in per_peer if phases and name in phases]), 2) for name in names
+    }
