@@ -75,6 +75,16 @@ def test_a_pretrained_model_is_the_base_of_every_row(pretrained: Path, monkeypat
     assert clock["dense"]["vs_dense_same_time"] == pytest.approx(1.0)
     assert clock["transform"]["link_s_per_step"] < clock["dense"]["link_s_per_step"]
     assert clock["transform"]["dense_steps_in_same_time"] <= 4
+    # steps-to-target: dense against itself has no deficit; every row is evaluated along the run
+    assert out["vs_dense"]["dense"]["step_deficit"] == 0.0
+    assert set(transform["eval_curve"]) == {0, 1, 2, 3, 4} and set(out["vs_dense"]["transform"]["gap_at"]) == {
+        1,
+        2,
+        3,
+        4,
+    }
+    deficit = out["vs_dense"]["transform"]["step_deficit"]
+    assert deficit is None or 0 <= deficit <= 1  # None: the row ended below dense
 
 
 def test_quick_runs_the_issue_rows_and_rows_are_checked_before_any_model_loads() -> None:

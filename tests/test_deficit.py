@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from peer.bench.deficit import step_deficit, steps_to_reach
+from peer.bench.deficit import against_dense, curve_steps, step_deficit, steps_to_reach
 
 CURVE = {0: 4.0, 10: 3.0, 20: 2.6, 30: 2.4, 40: 2.3}
 
@@ -37,3 +37,18 @@ def test_bad_input_is_refused() -> None:
         steps_to_reach({}, 1.0)
     with pytest.raises(ValueError, match="positive"):
         step_deficit(CURVE, 2.3, 0)
+
+
+def test_dense_is_evaluated_more_often_near_the_end_than_the_rows() -> None:
+    assert curve_steps(200, dense=False) == (25, 50, 100, 150)
+    assert curve_steps(200, dense=True) == (25, 50, 100, 125, 150, 175, 188)
+    assert curve_steps(4, dense=True) == (1, 2, 3)  # a short run: no duplicate, none at the end
+
+
+def test_a_row_against_dense_gives_its_deficit_and_its_gaps() -> None:
+    row = {10: 3.3, 20: 2.6, 40: 2.35}
+    got = against_dense(CURVE, row, 40)
+    assert got["step_deficit"] == pytest.approx(0.125)
+    assert got["gap_at"] == pytest.approx({10: 0.1, 20: 0.0, 40: 2.35 / 2.3 - 1})
+    with pytest.raises(ValueError, match="final step"):
+        against_dense(CURVE, {10: 3.3}, 40)

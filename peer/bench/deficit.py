@@ -48,3 +48,26 @@ def step_deficit(dense_curve: Mapping[int, float], loss: float, steps: int) -> f
         raise ValueError(f"steps must be positive, got {steps}")
     reached = steps_to_reach(dense_curve, loss)
     return None if reached is None else (steps - reached) / steps
+
+
+ROW_POINTS = (1 / 8, 1 / 4, 1 / 2, 3 / 4)  # every row is evaluated there: the gap along the run
+DENSE_POINTS = ROW_POINTS + (5 / 8, 7 / 8, 15 / 16)  # and dense more densely near the end, to interpolate
+
+
+def curve_steps(steps: int, dense: bool) -> tuple[int, ...]:
+    """The steps (before the final one) at which a row evaluates: dense's curve near its end is
+    what the step deficit is read on."""
+    points = DENSE_POINTS if dense else ROW_POINTS
+    return tuple(sorted({s for f in points if 0 < (s := round(steps * f)) < steps}))
+
+
+def against_dense(dense_curve: Mapping[int, float], row_curve: Mapping[int, float], steps: int) -> dict:
+    """The row's step deficit at its end and its loss gap (row / dense - 1) at each step both
+    curves hold. Both curves must include the final step."""
+    if steps not in row_curve or steps not in dense_curve:
+        raise ValueError(f"both curves must hold the final step {steps}")
+    shared = sorted(set(dense_curve) & set(row_curve) - {0})
+    return {
+        "step_deficit": step_deficit(dense_curve, row_curve[steps], steps),
+        "gap_at": {s: row_curve[s] / dense_curve[s] - 1 for s in shared},
+    }

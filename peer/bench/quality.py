@@ -23,6 +23,7 @@ from dataclasses import asdict, replace
 
 import torch
 
+from peer.bench.deficit import against_dense, curve_steps
 from peer.bench.proc_memory import release_memory, rss_gb
 from peer.bench.project_model import Shape
 from peer.bench.quality_clock import MODELLED_SEQ, equal_wall_clock, model_dims
@@ -225,16 +226,13 @@ def run_quality(
     for name, cfg in table.items():
         if only and name not in only:
             continue
-        curve_steps = tuple(setup.adapt_steps * k // 8 for k in (1, 2, 4, 6)) if name == "dense" else ()
-        result = run_row(
-            name, cfg, lambda: copy.deepcopy(base), setup, stream_b, eval_b, eval_a, curve_steps, placement
-        )
-        if name == "dense":
-            result["eval_curve"] = {
-                0: out["pretrained"]["eval_loss"],
-                **result["eval_curve"],
-                setup.adapt_steps: result["eval_loss"],
-            }
+        points = curve_steps(setup.adapt_steps, dense=name == "dense")
+        result = run_row(name, cfg, lambda: copy.deepcopy(base), setup, stream_b, eval_b, eval_a, points, placement)
+        result["eval_curve"] = {
+            0: out["pretrained"]["eval_loss"],
+            **result.get("eval_curve", {}),
+            setup.adapt_steps: result["eval_loss"],
+        }
         release_memory()
         result["rss_gb_after"] = rss_gb()
         out["runs"][name] = result
@@ -258,6 +256,7 @@ def run_quality(
                 "pp_bytes_reduction_modelled": _ratio(
                     dense["pp_bytes_per_token_modelled"], r["pp_bytes_per_token_modelled"]
                 ),  # at MODELLED_SEQ tokens
+                **against_dense(dense["eval_curve"], r["eval_curve"], setup.adapt_steps),
             }
             for name, r in out["runs"].items()
         }
