@@ -269,14 +269,21 @@ def test_activations_dither_by_mask_act_rounding_with_their_own_offsets() -> Non
     x = correlated(2, seq=20, seed=7)
     rel = lambda y: float(((y - x)[:, 1:] ** 2).mean() / (x[:, 1:] ** 2).mean())  # noqa: E731  (position 0: the sink, dense)
 
-    def roundtrip(step: int, dither: bool, decode_as: str = "forward") -> torch.Tensor:
+    def roundtrip(step: int, dither: bool, decode_as: str = "forward", seeds: tuple[int, int] = (0, 0)) -> torch.Tensor:
         key = dict(sink=1, boundary=0, step=step, micro_batch=1)
-        msg = tw.encode(state, x, stochastic=False, dither=dither, channel="forward", **key)
-        return tw.decode(msg, state, expect_shape=(2, 20, H), dither=dither, channel=decode_as, **key)
+        msg = tw.encode(state, x, stochastic=False, dither=dither, channel="forward", run_seed=seeds[0], **key)
+        return tw.decode(
+            msg, state, expect_shape=(2, 20, H), dither=dither, channel=decode_as, run_seed=seeds[1], **key
+        )
 
     nearest, dithered = rel(roundtrip(3, False)), rel(roundtrip(3, True))
     assert 0.6 < dithered / nearest < 1.6, (dithered, nearest)
     assert rel(roundtrip(3, True, decode_as="backward")) > 1.5 * dithered
+    # the run's codec.seed draws other offsets: a replicate redraws the codec's noise, and only
+    # a receiver of the same run seed decodes it
+    assert rel(roundtrip(3, True, seeds=(5, 5))) == pytest.approx(dithered, rel=0.5)
+    assert not torch.equal(roundtrip(3, True, seeds=(5, 5)), roundtrip(3, True))
+    assert rel(roundtrip(3, True, seeds=(5, 0))) > 1.5 * dithered
     mean = torch.stack([roundtrip(step, True) for step in range(100)]).mean(0)
     assert (
         rel(mean) < 0.5 * nearest

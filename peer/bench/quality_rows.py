@@ -35,7 +35,8 @@ class QualitySetup:
     drop: float = 0.95
     anchor_every: int = 20
     lowrank_rank: int = 20
-    seed: int = 0
+    seed: int = 0  # data order, the toy's pretraining and, unless codec_seed sets it apart, the codec's draws
+    codec_seed: int | None = None  # the codecs' rotations, dither offsets and masks; None = seed
     schedule: str = "constant"  # optim.schedule of the adaptation; a decaying one warms up over a tenth of the steps, decays to 0.1 x lr at the last
 
     def optim(self) -> OptimConfig:
@@ -82,6 +83,8 @@ def rows(setup: QualitySetup) -> dict[str, TrainConfig]:
             seed=setup.seed,
         )
         base.update(kw)
+        codec_seed = setup.seed if setup.codec_seed is None else setup.codec_seed
+        base["mask"] = replace(base["mask"], seed=codec_seed)  # a replicate redraws the codec's randomness too
         return TrainConfig(**base)
 
     lowrank = MaskConfig(scheme="lowrank", rank=setup.lowrank_rank, values="int8")

@@ -110,12 +110,14 @@ def _coder_checked(
     return TransformState(msg.version, mean, rotation_q, scale, std, bits)
 
 
-def _rounding_seed(boundary: int, step: int, micro_batch: int, channel: str = "backward") -> int:
+def _rounding_seed(boundary: int, step: int, micro_batch: int, channel: str = "backward", run_seed: int = 0) -> int:
     """Seed of a message's random rounding (a gradient's stochastic rounding or dither, an
-    activation's dither): reproducible runs, independent draws per message and direction."""
+    activation's dither): reproducible runs, independent draws per message and direction, and
+    other draws in a run of another `codec.seed` (so seeds replicate the codec's noise too)."""
     tail = "|forward" if channel == "forward" else ""  # the gradients' seeds as they always were
+    run = f"|run{run_seed}" if run_seed else ""  # codec.seed 0: the keys as they always were
     digest = hashlib.blake2b(
-        f"anchormesh.transform.v1|{boundary}|{step}|{micro_batch}{tail}".encode(), digest_size=8
+        f"anchormesh.transform.v1|{boundary}|{step}|{micro_batch}{tail}{run}".encode(), digest_size=8
     ).digest()
     return int.from_bytes(digest, "little") & 0x7FFFFFFFFFFFFFFF
 
@@ -144,10 +146,11 @@ def encode(
     dense_rows: torch.Tensor | None = None,
     shuffle: bool = False,
     row_bits: int | None = None,
+    run_seed: int = 0,
 ) -> pb.TensorPayload:
     """`x` [B, T, H] as a payload: coded with `state`, or dense bf16 while there is none.
-    `dither`: subtractive dither seeded by the message's key and `channel` (the receiver's
-    `decode` needs both too); `msg_stats`: the message carries its own component statistics
+    `dither`: subtractive dither seeded by the message's key, `channel` and `run_seed` (the receiver's
+    `decode` needs all three); `msg_stats`: the message carries its own component statistics
     (TransformState.encode); `row_rates`: each row its own rate (needs `dither`); `dense_rows`:
     ascending flat indices of non-sink rows also sent in bf16 (named in Compression.dense_rows);
     `shuffle`: the rows' coordinates signed and permuted by the message's key first; `row_bits`:
@@ -161,7 +164,7 @@ def encode(
     if adapted:
         state = state.at_budget(row_bits)
     shuffle = _shuffled(shuffle, channel, row_bits if adapted else 0, state.hidden_size)
-    seed = _rounding_seed(boundary, step, micro_batch, channel)
+    seed = _rounding_seed(boundary, step, micro_batch, channel, run_seed)
     gen = torch.Generator(device=x.device).manual_seed(seed) if stochastic and not dither else None
     msg = pb.TensorPayload(
         dtype=pb.FLOAT32,
@@ -342,6 +345,7 @@ def decode(
     row_rates: bool = False,
     shuffle: bool = False,
     min_row_bits: int | None = None,
+    run_seed: int = 0,
 ) -> torch.Tensor:
     """The float32 tensor a payload carries, on `device`, after `check`'s checks (the coder's
     products run on `device`); `dither`: the sender dithered `channel`'s values (the run's
@@ -351,7 +355,7 @@ def decode(
     if msg.compression.kind == pb.Compression.NONE:
         return _dense(msg, shape).to(device).float()
     B, T, _ = shape
-    seed = _rounding_seed(boundary, step, micro_batch, channel)
+    seed = _rounding_seed(boundary, step, micro_batch, channel, run_seed)
     shuffle = _shuffled(shuffle, channel, msg.compression.row_bits, state.hidden_size)
     return state.decode(
         msg.payload,

@@ -164,6 +164,7 @@ class TransformLinks:
             dense_rows=self.dense_rows(channel, ref) if state is not None else None,
             shuffle=self.shuffles(channel),
             row_bits=row_bits,
+            run_seed=self.mask.seed,
         )
         return payload, coder
 
@@ -257,4 +258,5 @@ class TransformLinks:
             row_rates=self.row_rates(channel),
             shuffle=self.shuffles(channel),
             min_row_bits=self.min_row_bits(channel),
+            run_seed=self.mask.seed,
         )

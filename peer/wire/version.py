@@ -17,7 +17,7 @@ from functools import cache
 
 from peer.config import MASK_SCHEMES
 
-WIRE_EPOCH = 1  # bump when the encoding's code changes what bytes a message holds
+WIRE_EPOCH = 2  # bump when the encoding's code changes what bytes a message holds
 
 
 def _codec_constants() -> dict[str, object]:
