@@ -464,7 +464,7 @@ def check_args(
     return DEVICES[device]
 
 
-GPU_RUNS = Path(__file__).resolve().parents[2] / "docs"  # `anchormesh bench gpu` results: gpu-bench-<device>.json
+GPU_RUNS = Path(__file__).resolve().parents[2] / "docs" / "results"  # `anchormesh bench gpu` results: gpu-bench-<device>.json
 
 
 def mfu_from_gpu_run(path: Path, device: Device) -> tuple[float, str]:
@@ -514,7 +514,7 @@ def run_project(
 ) -> dict:
     """`anchormesh bench project`: resolve, measure, project (see the module docstring). A GPU's
     MFU is `--mfu`, else what a `bench gpu` run on that device measured (`--mfu-from`, or
-    docs/gpu-bench-<device>.json when it exists), else 40%."""
+    docs/results/gpu-bench-<device>.json when it exists), else 40%."""
     link_share = DPConfig.link_share if link_share is None else link_share  # the swarm's default
     dev = check_args(device, bandwidth_mbit, stages, replicas, mfu, dp_every, shared_cores, max_staleness, link_share)
     dims, shape, source = resolve_model(model, stages)
