@@ -63,7 +63,7 @@ bed shows it: 263 kB alone 243 ms, the first of two back to back 255-487 ms, mea
 8 Mbit/s, where the queue is 83 ms).
 
 Not modelled: the CPU of hivemind's DHT, averager and p2pd processes (on the CPU bed they take
-a lot when rounds are attempted often: docs/benchmarks.md), gRPC's own threads (about 1 ms per
+a lot when rounds are attempted often: docs/benchmarks.md, "Where the CPU goes"), gRPC's own threads (about 1 ms per
 message each side, measured), the daemon loop, retransmitted bytes, latency (netem is not
 available; a real link adds a round trip per transfer), status and heartbeat traffic.
 
@@ -420,7 +420,7 @@ def project(
             "shared_cores": shared_cores,
             "queue_s": queue_s,
             "burst_bytes": burst_bytes,
-            "model_doc": "peer/bench/project.py (module docstring); docs/benchmarks.md, Projection",
+            "model_doc": "peer/bench/project.py (module docstring); docs/benchmarks.md, Projection to real GPUs",
         },
     }
 
@@ -464,7 +464,8 @@ def check_args(
     return DEVICES[device]
 
 
-GPU_RUNS = Path(__file__).resolve().parents[2] / "docs" / "results"  # `anchormesh bench gpu` results: gpu-bench-<device>.json
+# `anchormesh bench gpu` results: gpu-bench-<device>.json
+GPU_RUNS = Path(__file__).resolve().parents[2] / "docs" / "results"
 
 
 def mfu_from_gpu_run(path: Path, device: Device) -> tuple[float, str]:
