@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first, pinned: 2.13.0 is the CPU build this project tests with (an unpinned torch pulls CUDA).
-	$(PY) -m pip install --quiet "torch==2.13.0"
+	$(PY) -m pip install --quiet --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0"
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
