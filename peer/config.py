@@ -110,7 +110,7 @@ def codec_key(name: str, scheme: str) -> str:
 
 @dataclass
 class MaskConfig:
-    """The pipeline-link codec (DESIGN.md §4, fast circuit): its scheme and every codec's settings.
+    """The pipeline-link codec (docs/design.md, "The fast circuit"): its scheme and every codec's settings.
 
     In a run.toml these are `[codec]` (scheme, seed, adapt, min_keep, link_target) and each codec's
     own table, `[codec.transform]`, `[codec.mask]`, `[codec.lowrank]` (CODEC_SETTINGS says which
@@ -458,7 +458,7 @@ SPECTRAL_MODES = ("off", "paper", "ef", "paper_ef")
 
 @dataclass
 class SpectralConfig:
-    """Spectral correction of masked gradients with anchor priors (DESIGN.md §4).
+    """Spectral correction of masked gradients with anchor priors (docs/design.md).
 
     Args:
         mode: "off" (plain AdamW), "paper" (two-sided Tikhonov filter in the anchor EMA's
