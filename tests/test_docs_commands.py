@@ -153,8 +153,8 @@ def _inline_commands() -> list[tuple[str, list[str]]]:
             for code in re.findall(r"`([^`]+)`", line):
                 if code.startswith("anchormesh ") or code.startswith(".venv/bin/anchormesh "):
                     words = re.sub(r"<[^>]*>", lambda m: m.group(0).replace(" ", "_"), code).split()
-                    if words[1].endswith(":"):
-                        continue  # a quoted log or error line (`anchormesh peer: starting ...`), not a command
+                    if words[1].endswith(":") or words[1][0].isupper():
+                        continue  # a quoted log or output line (`anchormesh peer: starting ...`), not a command
                     cases.append((f"{doc.relative_to(ROOT)}:{n}", words[1:]))
     return cases
 
