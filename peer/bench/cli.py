@@ -148,7 +148,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "--bandwidth-mbit",
         type=float,
         default=None,
-        help="link speed of every host (default: the GPU-equivalent of 200 Mbit/s, see README)",
+        help="link speed of every host (default: the GPU-equivalent of 200 Mbit/s, see docs/benchmarks.md)",
     )
     _swarm_shape(t)
     t.add_argument(
