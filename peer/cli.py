@@ -218,7 +218,7 @@ def _parser() -> argparse.ArgumentParser:
         required=True,
         help="tracker host:port, or the address line HOST:PORT#KEY (then a run with TLS needs no --tls-ca)",
     )
-    status.add_argument("--json", action="store_true", help="one JSON object (see README)")
+    status.add_argument("--json", action="store_true", help="one JSON object (see docs/status.md)")
     status.add_argument("--watch", action="store_true", help="keep updating")
     status.add_argument(
         "--token",

@@ -110,7 +110,7 @@ def codec_key(name: str, scheme: str) -> str:
 
 @dataclass
 class MaskConfig:
-    """The pipeline-link codec (DESIGN.md §4, fast circuit): its scheme and every codec's settings.
+    """The pipeline-link codec (docs/design.md, "The fast circuit"): its scheme and every codec's settings.
 
     In a run.toml these are `[codec]` (scheme, seed, adapt, min_keep, link_target) and each codec's
     own table, `[codec.transform]`, `[codec.mask]`, `[codec.lowrank]` (CODEC_SETTINGS says which
@@ -149,27 +149,27 @@ class MaskConfig:
         grad_rotation: scheme "transform": "fixed" (one random rotation for the run) or "message"
             (each message's rows signed and permuted by its key before it, so a value-dependent
             error, a clip or a nearest rounding, does not repeat in every message and add up
-            over steps). Neither it nor "nearest" trained better on SmolLM2 (docs/benchmarks.md).
+            over steps). Neither it nor "nearest" trained better on SmolLM2 (bench quality).
         grad_step_scale: scheme "transform": the gradients' quantiser steps, in Gaussian-optimal
             steps: wider ones clip fewer values (a clipped value is a biased one), narrower ones
             add less noise. Measured on Gaussian values (relative mean square error, 1 bit):
             stochastic rounding needs the width (its error grows where few values clip: 2 was
             its best on the toy), dither 0.88 at 2, 0.44 at 1. The default (1-bit gradients,
             dither, width 1) has less error than 2-bit stochastic rounding at width 2 (0.66) at
-            half the gradient's bytes (docs/benchmarks.md).
+            half the gradient's bytes.
         grad_rates: scheme "transform": how the gradients' bits spread over a message's rows:
             "even" (grad_bits on each) or "row" (each row its own rate, from a random eighth of
             its components at 1 bit to all of them at 5 bits, grad_bits per row on average,
             where the row's squared norm makes its error cost most: peer/codec/row_rates.py;
             SmolLM2's gradient rows are uneven enough that this cuts their squared error by a
-            quarter, yet trained it ended worse: docs/benchmarks.md, so "even" stays the default).
+            quarter, yet trained it ended worse: +1.63 % against +0.94 %, six seeds, so "even" stays the default).
             "row" needs grad_rounding "dither" (the components a row keeps are drawn from the same
             key as its offsets).
         grad_outliers: scheme "transform": gradient rows whose activation's RMS is above this many
             times the message's median travel dense in bf16 (0: none). SmolLM2's massive
             activations (the first position, 11,000x the median value, and a few tokens) make
             their rows' tiny gradients dominate the sender's weight gradients: coded at 1 bit
-            they biased them (relative error 0.4-1.3 against 0.2 sent dense: docs/benchmarks.md).
+            they biased them (relative error 0.4-1.3 against 0.2 sent dense: docs/results/probe-gradient-outliers.json).
         act_rounding: scheme "transform": how activations round: "nearest" (to the nearest level)
             or "dither" (subtractive dither, as above: the same mean square, but an error
             independent of the value, so the next stage trains on the value plus noise rather
@@ -194,7 +194,7 @@ class MaskConfig:
             the rotation each time (its rows signed and permuted by its key). Default 1: a
             link's meter counts the round trip, so on a link slow to answer rather than to
             carry, fewer bytes likely measure slower still and the bits run down to the floor
-            (docs/benchmarks.md, 2026-12-06): a link that could carry more would then send its
+            (docs/benchmarks.md, "Two link speeds at once"): a link that could carry more would then send its
             gradients at a fraction of a bit.
         min_keep: the least fraction of the configured payload an adapting link sends, in (0, 1].
         link_target: the share of a micro-batch's compute time its bytes may take on the link,
@@ -458,7 +458,7 @@ SPECTRAL_MODES = ("off", "paper", "ef", "paper_ef")
 
 @dataclass
 class SpectralConfig:
-    """Spectral correction of masked gradients with anchor priors (DESIGN.md §4).
+    """Spectral correction of masked gradients with anchor priors (docs/design.md).
 
     Args:
         mode: "off" (plain AdamW), "paper" (two-sided Tikhonov filter in the anchor EMA's
@@ -499,7 +499,7 @@ class OptimConfig:
         schedule: "constant", or "cosine" / "linear" decay from `lr` to `min_lr_ratio * lr` over
             `decay_steps` steps (held there after). Why: adaptation runs of a known length
             usually end on a decayed lr. (On `bench quality --quick`'s 40 steps it neither helped
-            dense nor shrank the compressed rows' gap: docs/benchmarks.md, 2026-12-06.)
+            dense nor shrank the compressed rows' gap.)
         warmup_steps: linear warmup from lr / warmup_steps to `lr` over the first steps.
         decay_steps: the horizon of a decaying schedule, counted from step 0 (warmup included); a
             swarm runs until stopped, so a decaying schedule needs it said.

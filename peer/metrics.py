@@ -1,7 +1,7 @@
 """A Prometheus scrape endpoint (GET /metrics, text exposition format 0.0.4) for a run's status.
 
 Stdlib `http.server` only: one gauge family per status figure is a few lines of text, not worth a
-client library. `collect` returns a status dict (README, "Status JSON"; `peer.client.view.status_dict`)
+client library. `collect` returns a status dict (docs/status.md; `peer.client.view.status_dict`)
 and is called once per scrape, so the numbers are as fresh as the tracker's.
 """
 

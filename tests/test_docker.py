@@ -360,7 +360,9 @@ def docker_runs(doc: str) -> list[tuple[dict[str, list[str]], str, list[str]]]:
     lines joined and comments dropped."""
     text = (ROOT / doc).read_text()
     out = []
-    for block in re.findall(r"```(?:bash|sh|console)?\n(.*?)```", text, re.S):
+    for lang, block in re.findall(r"```(\w*)\n(.*?)```", text, re.S):  # every fenced block, so fences pair up
+        if lang not in ("", "bash", "sh", "console"):
+            continue
         for line in block.replace("\\\n", " ").splitlines():
             argv = shlex.split(
                 re.sub(r"(^|\s)#.*$", "", line)

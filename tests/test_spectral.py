@@ -197,7 +197,7 @@ def test_synthetic_low_rank_plus_noise_each_mode_improves():
 
 
 def test_synthetic_full_rank_paper_filter_is_nearly_inert_when_s_much_larger_than_tau():
-    """Documents the Caution in DESIGN.md §4. With rank=0 and tau=1e-3 on gradients whose anchor
+    """Documents the caution in docs/design.md (the spectral correction optimizer). With rank=0 and tau=1e-3 on gradients whose anchor
     singular values are all >> tau (||G*|| = 1000: s_min ~ 0.47), d ~ 1 and the filter reduces to
     the two-sided projection onto M's column/row spaces. For a 64x48 matrix that only drops the
     16 directions outside M's column space: cos 0.314 -> 0.349, rel 0.949 -> 0.939, and the

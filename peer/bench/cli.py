@@ -148,7 +148,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "--bandwidth-mbit",
         type=float,
         default=None,
-        help="link speed of every host (default: the GPU-equivalent of 200 Mbit/s, see README)",
+        help="link speed of every host (default: the GPU-equivalent of 200 Mbit/s, see docs/benchmarks.md)",
     )
     _swarm_shape(t)
     t.add_argument(
@@ -225,7 +225,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "--mfu",
         type=float,
         default=None,
-        help="fraction of the GPU's peak reached (default: measured by a `bench gpu` run, --mfu-from or docs/gpu-bench-DEVICE.json, else 0.40)",
+        help="fraction of the GPU's peak reached (default: measured by a `bench gpu` run, --mfu-from or docs/results/gpu-bench-DEVICE.json, else 0.40)",
     )
     pr.add_argument(
         "--mfu-from",

@@ -63,7 +63,7 @@ bed shows it: 263 kB alone 243 ms, the first of two back to back 255-487 ms, mea
 8 Mbit/s, where the queue is 83 ms).
 
 Not modelled: the CPU of hivemind's DHT, averager and p2pd processes (on the CPU bed they take
-a lot when rounds are attempted often: docs/benchmarks.md), gRPC's own threads (about 1 ms per
+a lot when rounds are attempted often: docs/benchmarks.md, "Where the CPU goes"), gRPC's own threads (about 1 ms per
 message each side, measured), the daemon loop, retransmitted bytes, latency (netem is not
 available; a real link adds a round trip per transfer), status and heartbeat traffic.
 
@@ -340,7 +340,7 @@ def project(
             "shared_cores": shared_cores,
             "queue_s": queue_s,
             "burst_bytes": burst_bytes,
-            "model_doc": "peer/bench/project.py (module docstring); docs/benchmarks.md, Projection",
+            "model_doc": "peer/bench/project.py (module docstring); docs/benchmarks.md, Projection to real GPUs",
         },
     }
 
@@ -361,7 +361,7 @@ def run_project(
 ) -> dict:
     """`anchormesh bench project`: resolve, measure, project (see the module docstring). A GPU's
     MFU is `--mfu`, else what a `bench gpu` run on that device measured (`--mfu-from`, or
-    docs/gpu-bench-<device>.json when it exists), else 40%."""
+    docs/results/gpu-bench-<device>.json when it exists), else 40%."""
     link_share = DPConfig.link_share if link_share is None else link_share  # the swarm's default
     dev = check_args(device, bandwidth_mbit, stages, replicas, mfu, dp_every, shared_cores, max_staleness, link_share)
     dims, shape, source = resolve_model(model, stages)

@@ -54,7 +54,7 @@ def check_args(
     return DEVICES[device]
 
 
-GPU_RUNS = Path(__file__).resolve().parents[2] / "docs"  # `anchormesh bench gpu` results: gpu-bench-<device>.json
+GPU_RUNS = Path(__file__).resolve().parents[2] / "docs" / "results"  # `bench gpu` results: gpu-bench-<device>.json
 
 
 def mfu_from_gpu_run(path: Path, device: Device) -> tuple[float, str]:

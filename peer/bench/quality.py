@@ -85,7 +85,7 @@ def _describe(o: OptimConfig) -> str:
 # what `--quick` runs unless `--rows` says otherwise: the rows issue 15 asks for (the paper's
 # rows, the former codec, the default codec with and without anchors, compressed DP) and the
 # default run's row. The other rows are explorations; with a pretrained model every row takes
-# 2.5-6 minutes on 2 cores; the first seven took 26.5 minutes (docs/benchmarks.md).
+# 2.5-6 minutes on 2 cores; the eight took about 25 (docs/results/quality-smollm2-135m-rows.json).
 QUICK_ROWS = (
     "dense",
     "masked",

@@ -94,7 +94,7 @@ def rows(setup: QualitySetup) -> dict[str, TrainConfig]:
         **TINY_RUN["mask"]
     )  # the tiny models' codec: 2-bit stochastic gradients, the coder's statistics
     return {
-        # the paper's method, as DESIGN.md §4 states it
+        # the paper's method, as docs/design.md states it
         "dense": cfg(),
         "masked": cfg(mask=mask),
         "masked_anchor": cfg(mask=mask, anchor=anchor, spectral=SpectralConfig(mode="paper")),

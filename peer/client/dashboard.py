@@ -1,6 +1,6 @@
 """`anchormesh status --watch` on a terminal: a live dashboard drawn with rich.
 
-Everything here works on the status dicts of `peer.client.view.status_dict` (README, "Status JSON"),
+Everything here works on the status dicts of `peer.client.view.status_dict` (docs/status.md),
 so it can be tested on a recorded status and never touches gRPC. `problems()` turns a status into
 plain-language warnings; each rule is one small function whose docstring says why its threshold.
 """

@@ -1,5 +1,5 @@
-"""The run's status as data: `status_dict` (the JSON of `anchormesh status --json`, README "Status
-JSON") and the small table cells both the plain table (status.py) and the dashboard draw. No I/O,
+"""The run's status as data: `status_dict` (the JSON of `anchormesh status --json`,
+docs/status.md) and the small table cells both the plain table (status.py) and the dashboard draw. No I/O,
 so the tracker's /metrics endpoint, the CLI and the dashboard share one view without a cycle."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ def _num(x: float) -> float | None:
 
 
 def status_dict(s: pb.RunStatus) -> dict:
-    """The documented JSON schema (README, "Status JSON")."""
+    """The documented JSON schema (docs/status.md)."""
     return {
         "run_id": s.run_id,
         "config_digest": s.config_digest,

@@ -1,4 +1,4 @@
-"""Activation masking on pipeline links (DESIGN.md §4, fast circuit): the paper's scheme.
+"""Activation masking on pipeline links (docs/design.md, "The fast circuit"): the paper's scheme.
 
 At each stage boundary every element of the hidden state is kept with probability
 keep = 1 - drop, independently, by a Bernoulli mask m. m is a pseudo-random function of the mask

@@ -1,6 +1,6 @@
 """Transform coder for a stage boundary: precision spread over every direction (issue 15).
 
-What a real model's boundary needs (docs/benchmarks.md, SmolLM2 probes): not a few directions (a
+What a real model's boundary needs (docs/benchmarks.md, "Boundary codecs"): not a few directions (a
 rank-64 basis costs +60 % of the loss) but every direction at a few bits. Each tensor's producer
 holds a coder
 
@@ -14,7 +14,7 @@ the Gaussian-optimal uniform step for its bits (J. Max, 1960), bit-packed. The c
 mean + gain * (codes * std) @ rotation^T. An int8 rotation is plenty: its rounding error (~1 %
 of the signal) is far below a few-bit quantiser's, and it halves the coder a producer ships.
 
-Two coders, measured on SmolLM2-135M and the toy (docs/benchmarks.md):
+Two coders, measured on SmolLM2-135M and the toy (docs/benchmarks.md, "Quality in-process"):
 - Activations: the KLT of the producer's recent outputs (`act_coder.fit`: their mean, principal
   directions and stds, bits by reverse water-filling, at least one bit per direction: a
   direction that never crosses the link is one the next stage never learns to read, and meets

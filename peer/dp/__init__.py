@@ -1,4 +1,4 @@
-"""Compressed data-parallel sync inside one stage group (DESIGN.md §4, "Compressed DP sync").
+"""Compressed data-parallel sync inside one stage group (docs/design.md, "Averaging inside a stage group").
 
 `build_dp_sync(cfg, shapes)` returns the `DPSync` for `cfg.scheme`; see each class's docstring
 for what to tune and what it costs. Bytes are counted as the raw payload buffers one replica

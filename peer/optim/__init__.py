@@ -1,4 +1,4 @@
-"""Stage optimizer: anchor-prior spectral correction of masked gradients, clip, AdamW (DESIGN.md §4)."""
+"""Stage optimizer: anchor-prior spectral correction of masked gradients, clip, AdamW (docs/design.md)."""
 
 from peer.optim.spectral import SpectralCorrection, paper_filter
 from peer.optim.stage_optimizer import StageOptimizer

@@ -2,7 +2,7 @@
 
 Why a schedule: an adaptation run of known length usually ends on a decayed lr, which averages
 out the last steps' gradient noise instead of leaving it in the weights. Measured on the quick
-quality bench (40 steps, docs/benchmarks.md 2026-12-06) it did not help: too short a run.
+quality bench (40 steps, `--schedule cosine`) it did not help: too short a run.
 """
 
 from __future__ import annotations

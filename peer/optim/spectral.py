@@ -1,4 +1,4 @@
-"""Spectral correction of masked gradients with anchor priors (DESIGN.md §4, slow circuit).
+"""Spectral correction of masked gradients with anchor priors (docs/design.md, "The spectral correction optimizer").
 
 Per target matrix W (2-D decoder weights; the caller picks them), with G the masked gradient
 after DP sync and G_a / G_am the dense / masked gradients of the latest anchor pass:

@@ -1,4 +1,4 @@
-"""The optimizer one pipeline stage steps with (DESIGN.md §4).
+"""The optimizer one pipeline stage steps with (docs/design.md, "The spectral correction optimizer").
 
 Order per step: masked fwd/bwd -> DP sync -> anchor EMA/SVD refresh (`observe_anchor`, when an
 anchor has arrived) -> spectral correction of the target gradients -> grad-norm clip -> AdamW.
@@ -22,7 +22,7 @@ class StageOptimizer:
     """What one stage steps with: spectral correction of the (synced) gradients, grad-norm clip, then torch AdamW.
 
     Why: order per step is masked fwd/bwd -> DP sync -> anchor refresh -> correction -> AdamW
-    (DESIGN.md §4). Weight decay applies to >= 2-D parameters only (not norms and biases). A
+    (docs/design.md). Weight decay applies to >= 2-D parameters only (not norms and biases). A
     step with a non-finite gradient raises TensorError before anything changes, so the caller
     can skip the batch and keep training.
     """

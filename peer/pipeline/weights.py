@@ -92,7 +92,7 @@ class ForwardWeights:
         """A copy of the weights in the compute dtype, extrapolated by `delay` times the last
         update with the look-ahead: the stale gradient is then taken near where it is applied
         (on SmolLM2, dense training with stage 0 one step ahead: +0.40 / +0.48 % eval loss at two
-        seeds with plain stashing, +0.05 / +0.10 % with the look-ahead; docs/benchmarks.md)."""
+        seeds with plain stashing, +0.05 / +0.10 % with the look-ahead; bench quality)."""
         out = {}
         for name, p in self.stage.named_parameters():
             w = p.detach()

@@ -1,6 +1,6 @@
 """Tensors <-> `TensorPayload` and bounded message parsing, with every field validated.
 
-A peer must not crash or corrupt its model because of what another peer sends (DESIGN.md §6), so
+A peer must not crash or corrupt its model because of what another peer sends (docs/design.md, "Security"), so
 `proto_to_tensor` checks dtype, shape, size, payload length and finiteness before building a
 tensor, and `parse_message` refuses oversized byte strings before protobuf sees them. Every
 failure raises `WireError` naming the field and the value.
