@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from peer.bench.overlap import overlap, shingles
+from peer.bench.overlap import overlap, overlap_each, shingles
 
 TRAIN = "The quick brown fox jumps over the lazy dog while the cat watches from the fence."
 FRESH = "An entirely different sentence about pipeline stages and compressed gradients on slow links."
@@ -35,3 +35,8 @@ def test_shingles_do_not_span_two_training_documents() -> None:
 def test_an_eval_text_too_short_to_check_is_refused() -> None:
     with pytest.raises(ValueError, match="too short"):
         overlap(["short"], [TRAIN])
+
+
+def test_each_text_gets_its_own_share_in_one_pass() -> None:
+    got = overlap_each([TRAIN, FRESH, "x"], [TRAIN + " and more"])
+    assert got == [1.0, 0.0, 1.0]  # a text with no shingle counts as fully found: never held out

@@ -10,7 +10,7 @@ training text is streamed past them once.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 SHINGLE = 50  # characters: long enough that a match is a copy, not a common phrase
 LIMIT = 0.02  # the largest share a benchmark accepts for an eval set
@@ -46,3 +46,22 @@ def overlap(eval_texts: Iterable[str], train_texts: Iterable[str], size: int = S
         if len(found) == len(wanted):
             break
     return len(found) / len(wanted)
+
+
+def overlap_each(texts: Sequence[str], others: Iterable[str], size: int = SHINGLE) -> list[float]:
+    """For each of `texts`, the share of its shingles found in any of `others`: one pass over
+    `others` for all of them (choosing held-out documents that do not repeat the rest)."""
+    owner: dict[str, list[int]] = {}
+    totals = []
+    for i, text in enumerate(texts):
+        own = shingles(text, size)
+        totals.append(len(own))
+        for piece in own:
+            owner.setdefault(piece, []).append(i)
+    found = [0] * len(texts)
+    for text in others:
+        t = _normal(text)
+        for j in range(max(len(t) - size + 1, 0)):
+            for i in owner.pop(t[j : j + size], ()):
+                found[i] += 1
+    return [f / n if n else 1.0 for f, n in zip(found, totals)]
