@@ -133,7 +133,7 @@ def test_bench_throughput_bad_flags_exit_2(flags: list[str], field: str, tmp_pat
     from peer.cli import main
 
     with pytest.raises(SystemExit) as exc:
-        main(["bench", "throughput", "--json", str(tmp_path / "out.json"), *flags])
+        main(["bench", "throughput", "--out", str(tmp_path / "out.json"), *flags])
     assert exc.value.code == 2
     assert field in capsys.readouterr().err
     assert not (tmp_path / "out.json").exists()
