@@ -79,10 +79,3 @@ def build() -> str:
 def release_of(build_id: str) -> str:
     """The package version of a build string (an older build sent the bare version)."""
     return build_id.partition("+")[0]
-
-
-def version_line() -> str:
-    """`anchormesh --version`: one line, the release, the commit and the wire version."""
-    from peer.wire.version import wire_version  # the codecs' constants: imports torch
-
-    return f"anchormesh {__version__} (git {commit()}, wire {wire_version()})"

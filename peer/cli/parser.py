@@ -31,9 +31,11 @@ class VersionAction(argparse.Action):
         super().__init__(option_strings, dest=dest, nargs=0, default=argparse.SUPPRESS, **kwargs)  # type: ignore[arg-type]
 
     def __call__(self, parser: argparse.ArgumentParser, *_: object) -> NoReturn:
-        from peer.build import version_line
+        from peer import __version__
+        from peer.build import commit
+        from peer.wire.version import wire_version  # the codecs' constants: imports torch
 
-        print(version_line())
+        print(f"anchormesh {__version__} (git {commit()}, wire {wire_version()})")
         raise SystemExit(0)
 
 

@@ -83,22 +83,15 @@ def run_bootstrap(args: argparse.Namespace) -> None:
     )
 
 
-def check_peer_flags(args: argparse.Namespace) -> str:
-    """Every check of `anchormesh peer` that needs no heavy import; returns the run token."""
+def check_peer_flags(args: argparse.Namespace) -> tuple[str, str | None]:
+    """Every check of `anchormesh peer` that needs no heavy import: the flags' own values first,
+    then the run (tracker or initial peers) and its token. Returns the token and the address to
+    announce."""
     from peer.security.auth import NO_TOKEN_HINT, read_token
 
     device = args.device.strip().lower()
     if not DEVICE.fullmatch(device):
         raise ConfigError("--device", args.device, "must be auto, cpu, cuda or cuda:N")
-    if not (args.tracker or args.initial_peers):
-        raise ConfigError(
-            "--tracker",
-            None,
-            "a peer needs the run: give --tracker HOST:PORT#KEY (or $ANCHORMESH_TRACKER) or --initial-peers (or $ANCHORMESH_INITIAL_PEERS)",
-        )
-    token = read_token(args.token)
-    if not token:
-        raise ConfigError("--token", None, f"a peer joins with the run's token: {NO_TOKEN_HINT}")
     if args.host in ("0.0.0.0", "::") and not args.announce_host:
         raise ConfigError(
             "--announce-host", None, f"required with --host {args.host}: other peers cannot dial {args.host}"
@@ -108,7 +101,17 @@ def check_peer_flags(args: argparse.Namespace) -> str:
     for flag in ("grpc_port", "dht_port", "metrics_port"):
         if getattr(args, flag) is not None and not 0 <= getattr(args, flag) <= 65535:
             raise ConfigError(f"--{flag.replace('_', '-')}", getattr(args, flag), "must be a port number in [0, 65535]")
-    return token
+    announce = announce_address(args)
+    if not (args.tracker or args.initial_peers):
+        raise ConfigError(
+            "--tracker",
+            None,
+            "a peer needs the run: give --tracker HOST:PORT#KEY (or $ANCHORMESH_TRACKER) or --initial-peers (or $ANCHORMESH_INITIAL_PEERS)",
+        )
+    token = read_token(args.token)
+    if not token:
+        raise ConfigError("--token", None, f"a peer joins with the run's token: {NO_TOKEN_HINT}")
+    return token, announce
 
 
 def announce_address(args: argparse.Namespace) -> str | None:
@@ -118,6 +121,8 @@ def announce_address(args: argparse.Namespace) -> str | None:
 
     if args.announce_host != AUTO:
         return args.announce_host
+    if not (args.tracker or args.initial_peers):
+        raise ConfigError("--announce-host", AUTO, "needs --tracker or --initial-peers to find the route out")
     try:
         found = outward_address(split_address(args.tracker)[0] if args.tracker else args.initial_peers[0])
     except ValueError as exc:
@@ -133,12 +138,11 @@ def run_peer(args: argparse.Namespace) -> None:
 
     from peer.security.exposure import resolve_access
 
-    token = check_peer_flags(args)
+    token, announce = check_peer_flags(args)
     # off loopback: the tracker's key is required, and TLS is on unless --insecure-plaintext
     access = resolve_access(
         args.tracker, args.initial_peers, args.tracker_key, args.token, args.tls_ca, args.insecure_plaintext, True
     )
-    announce = announce_address(args)
     print(
         f"anchormesh peer: starting (pid {os.getpid()}); SIGUSR1 dumps every thread's stack to stderr",
         file=sys.stderr,
