@@ -94,7 +94,9 @@ def tracker(tmp_path: Path):
     from bootstrap.node import default_run, serve_tracker
     from bootstrap.tracker import Tracker
 
-    t = Tracker("run-export", default_run())
+    t = Tracker(
+        "run-export", default_run(), peer_timeout_s=600.0
+    )  # hand-joined peers stay live while a loaded machine imports torch
     server, address = serve_tracker(t, "127.0.0.1", 0, keys.load_or_create(tmp_path / "boot", TOKEN))
     yield t, address
     server.stop(grace=0).wait()
