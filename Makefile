@@ -39,13 +39,13 @@ test: $(STAMP) $(MODEL_STAMP)
 	$(PY) -m pytest -q
 
 bench-quality: $(STAMP)
-	$(VENV)/bin/anchormesh bench quality --quick --json bench-quality.json
+	$(VENV)/bin/anchormesh bench quality --quick --out bench-quality.json
 
 # projected tokens/s against bandwidth (Llama-3.2-1B on an RTX 4090) with a measured quick run
 # overlaid: docs/throughput.png (~30 s; matplotlib comes with the dev extra). The overlay was made
-# (as root) by: anchormesh bench throughput --quick --json docs/results/throughput-quick.json
+# (as root) by: anchormesh bench throughput --quick --out docs/results/throughput-quick.json
 bench-plot: $(STAMP)
-	$(VENV)/bin/anchormesh bench plot --json docs/results/throughput-quick.json --out docs/throughput.png
+	$(VENV)/bin/anchormesh bench plot --in docs/results/throughput-quick.json --out docs/throughput.png
 
 proto: $(STAMP)
 	$(PY) -m peer.wire.gen

@@ -75,6 +75,7 @@ def peer_info(p: PeerRecord, now: float, suspects: Suspects = ({}, {}, {})) -> p
         pp_keep=p.pp_keep,
         dp_period_s=p.dp_period_s,
         device=p.device,
+        build=p.build,
         memory_bytes=p.memory,
         memory_plan_bytes=p.memory_plan,
         refused_reports=p.refused_reports,

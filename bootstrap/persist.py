@@ -27,8 +27,8 @@ from pathlib import Path
 from bootstrap.data_order import DataOrder
 from bootstrap.roster import LIVE, PeerRecord
 from bootstrap.tracker import Tracker
-from peer import __version__
 from peer.atomic import write_atomic
+from peer.build import build
 from peer.errors import ConfigError
 from peer.runtoml import config_from_dict
 
@@ -56,7 +56,7 @@ def snapshot(tracker: Tracker, ports: dict[str, int]) -> dict:
             peers.append(rec)
         return {
             "format": FORMAT,
-            "code_version": __version__,
+            "code_version": build(),
             "run_id": tracker.run_id,
             "config": asdict(tracker.config),
             "uptime_s": now - tracker.started,

@@ -56,6 +56,7 @@ class PeerRecord:
     pp_keep: float = 0.0  # fraction of mask.rank it sends there
     dp_period_s: float = 0.0  # its averaging slot period
     device: str = ""  # where it computes (from its Join)
+    build: str = ""  # its anchormesh VERSION+COMMIT (from its Join; peer/build.py)
     memory: int = 0  # bytes it may plan a stage for; 0 = unknown
     memory_plan: int = 0  # its plan for the stage it serves; 0 = unknown
     start_step: int = 0  # the run step it was given at Join (its reports start from there)

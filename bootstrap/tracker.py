@@ -24,7 +24,7 @@ from bootstrap.peer_view import peer_info, suspects
 from bootstrap.report_bounds import take_report
 from bootstrap.roster import LIVE, Banned, JoinRefused, PeerRecord, live
 from bootstrap.support import Support, rate_bound, restore_choice
-from peer import __version__
+from peer.build import build
 from peer.capacity import step_ceiling
 from peer.config import TrainConfig
 from peer.daemon.startup import MAX_PHASES
@@ -138,7 +138,7 @@ class Tracker:
         if req.wire_version != wire_version():
             theirs = req.wire_version or f"none (anchormesh {req.code_version or '?'} predates wire versions)"
             raise JoinRefused(
-                f"wire_version={theirs}: this run's peers speak wire version {wire_version()} (anchormesh {__version__}); run a build with that wire version"
+                f"wire_version={theirs}: this run's peers speak wire version {wire_version()} (anchormesh {build()}); run a build with that wire version"
             )
         if self.config.mask.scheme not in req.codecs:
             raise JoinRefused(
@@ -181,6 +181,7 @@ class Tracker:
                 dht_maddrs=tuple(req.dht_maddrs[:MAX_MADDRS_PER_PEER]),
                 key=key.hex(),
                 device=req.device[:120],
+                build=req.code_version[:80],
                 memory=req.memory_bytes,
                 memory_plan=req.stage_memory_bytes[stage] if req.stage_memory_bytes else 0,
                 start_step=start_step,
@@ -210,7 +211,7 @@ class Tracker:
         return pb.RunConfig(
             run_id=self.run_id,
             run_config_json=json.dumps(asdict(self.config)),
-            code_version=__version__,
+            code_version=build(),
             wire_version=wire_version(),
         )
 

@@ -57,6 +57,11 @@ COPY peer /src/peer
 COPY bootstrap /src/bootstrap
 RUN pip install "/src[data]" && rm -rf /src
 
+# the commit it was built from (`anchormesh --version`, each peer's build in the status): the image
+# has no .git; build with --build-arg ANCHORMESH_COMMIT=$(git rev-parse --short HEAD)
+ARG ANCHORMESH_COMMIT=unknown
+ENV ANCHORMESH_COMMIT=$ANCHORMESH_COMMIT
+
 # non-root; /state is created here so a fresh named volume inherits its owner
 RUN groupadd --gid 10001 anchormesh \
     && useradd --uid 10001 --gid 10001 --create-home --home-dir /home/anchormesh --shell /usr/sbin/nologin anchormesh \

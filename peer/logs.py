@@ -2,8 +2,9 @@
 
 Text by default (`TIME LEVEL LOGGER: message`); `ANCHORMESH_LOG_FORMAT=json` gives one JSON object
 per line (`time`, `level`, `logger`, `message`, and `error` with the traceback), for log shippers
-and `jq`. `ANCHORMESH_LOG_LEVEL` (DEBUG, INFO, WARNING, ERROR) sets the threshold. Environment
-variables rather than flags: they reach every process the same way, Docker and the demo included.
+and `jq`. hivemind's lines go through the same handler, in the same format. `ANCHORMESH_LOG_LEVEL`
+(DEBUG, INFO, WARNING, ERROR) sets the threshold. Environment variables rather than flags: they
+reach every process the same way, Docker and the demo included.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 
 from peer.errors import ConfigError
@@ -43,14 +45,31 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out)
 
 
-def setup_logging() -> None:
-    """Configure the root logger from the environment; a bad value is a ConfigError naming it."""
+def log_settings() -> tuple[str, str]:
+    """The log format and level from the environment; a bad value is a ConfigError naming it.
+    Light: the entry point calls it before any heavy import."""
     fmt = os.environ.get(FORMAT_ENV, "text").lower()
     level = os.environ.get(LEVEL_ENV, "INFO").upper()
     if fmt not in ("text", "json"):
         raise ConfigError(FORMAT_ENV, fmt, "must be text or json")
     if level not in LEVELS:
         raise ConfigError(LEVEL_ENV, level, f"must be one of {', '.join(LEVELS)}")
+    return fmt, level
+
+
+def route_hivemind() -> None:
+    """hivemind's loggers drop their own handler and format and reach the root logger, so their
+    lines come out in ours (JSON with ANCHORMESH_LOG_FORMAT=json) at our level. Only where the
+    process has imported hivemind: importing it here would cost a client seconds."""
+    if "hivemind" in sys.modules:
+        from hivemind.utils.logging import use_hivemind_log_handler
+
+        use_hivemind_log_handler("nowhere")
+
+
+def setup_logging() -> None:
+    """Configure the root logger from the environment (hivemind's loggers included)."""
+    fmt, level = log_settings()
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
     handler._anchormesh = True  # type: ignore[attr-defined]
@@ -60,3 +79,4 @@ def setup_logging() -> None:
             root.removeHandler(h)
     root.addHandler(handler)
     root.setLevel(level)
+    route_hivemind()

@@ -24,7 +24,7 @@ def test_bench_gpu_on_the_cpu(tmp_path: Path) -> None:
             "--quick",
             "--parts",
             "precision,memory_refusal",
-            "--json",
+            "--out",
             str(out),
         ],
         capture_output=True,

@@ -107,8 +107,9 @@ def test_bootstrap_refuses_a_config_the_swarm_cannot_run(tmp_path) -> None:
     ],
 )
 def test_peer_device_that_is_not_here_exits_2_with_the_fix(device: str, says: str) -> None:
-    """No GPU here (CI has none): asking for one exits 2 at once, with the reason, no traceback."""
-    out = _cli("peer", "--tracker", "127.0.0.1:9", "--device", device)
+    """No GPU here (CI has none): asking for one exits 2 before any process starts, with the
+    reason, no traceback (after the light checks: whether a GPU is visible needs torch)."""
+    out = _cli("peer", "--tracker", "127.0.0.1:9", "--token", "a-run-token-of-24-chars!", "--device", device)
     assert (
         out.returncode == 2
         and f"--device={device!r}" in out.stderr
@@ -133,7 +134,7 @@ def test_bench_throughput_bad_flags_exit_2(flags: list[str], field: str, tmp_pat
     from peer.cli import main
 
     with pytest.raises(SystemExit) as exc:
-        main(["bench", "throughput", "--json", str(tmp_path / "out.json"), *flags])
+        main(["bench", "throughput", "--out", str(tmp_path / "out.json"), *flags])
     assert exc.value.code == 2
     assert field in capsys.readouterr().err
     assert not (tmp_path / "out.json").exists()

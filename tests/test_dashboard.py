@@ -248,7 +248,16 @@ def _run_status_with(monkeypatch: pytest.MonkeyPatch, tty: bool) -> str:
         anchor_step=-1,
         anchor_age_steps=-1,
         stages=[pb.StageStatus(index=0, peers=1, tokens_per_s=640.0), pb.StageStatus(index=1, peers=0)],
-        peers=[pb.PeerInfo(peer_id="peer-only", stage=0, state="active", address="127.0.0.1:5001", last_seen_s=0.2)],
+        peers=[
+            pb.PeerInfo(
+                peer_id="peer-only",
+                stage=0,
+                state="active",
+                address="127.0.0.1:5001",
+                last_seen_s=0.2,
+                build="0.1.0+abcdef0",
+            )
+        ],
     )
 
     class FakeStub:
@@ -263,7 +272,7 @@ def _run_status_with(monkeypatch: pytest.MonkeyPatch, tty: bool) -> str:
             return tty
 
     out = Out()
-    monkeypatch.setenv("COLUMNS", "120")  # rich's width for a terminal it cannot measure
+    monkeypatch.setenv("COLUMNS", "140")  # rich's width for a terminal it cannot measure (wide enough for every column)
     monkeypatch.setattr(status_mod.grpc, "insecure_channel", lambda target, options=None: _FakeChannel())
     monkeypatch.setattr(status_mod.pbg, "StatusStub", FakeStub)
     monkeypatch.setattr("sys.stdout", out)
@@ -275,12 +284,14 @@ def test_status_watch_on_a_terminal_draws_the_dashboard(monkeypatch: pytest.Monk
     out = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", _run_status_with(monkeypatch, tty=True))  # drop colours
     assert "anchormesh run" in out and "run-fake" in out and "peer-only" in out
     assert "stage 1 has no peer" in out
+    assert "0.1.0+abcdef0" in out  # each peer's build
 
 
 def test_status_watch_in_a_pipe_prints_plain_text(monkeypatch: pytest.MonkeyPatch) -> None:
     out = _run_status_with(monkeypatch, tty=False)
-    assert "run run-fake  RUNNING" in out and "<- no peer" in out
+    assert "run run-fake  RUNNING" in out and "<- no peer" in out and "0.1.0+abcdef0" in out
     assert "anchormesh run" not in out and "╭" not in out
+    assert "\x1b" not in out  # no screen-clearing escape codes into a pipe or a file
 
 
 def test_refused_averaging_results_and_a_finished_run() -> None:

@@ -29,7 +29,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from peer.daemon.membership import find_tracker
 from peer.errors import ConfigError
-from peer.security import auth, dht_auth
+from peer.security import auth, dht_auth, flagfile
 from peer.security.identity import Identity
 from peer.security.tls import PEER_NAME, TRACKER_NAME, RunCA, key_pem, member_names, new_key, public_der
 
@@ -265,14 +265,14 @@ def test_read_tracker_key(tmp_path: Path) -> None:
     key = Identity.generate().public
     boot = tmp_path / "bootstrap.json"
     boot.write_text(json.dumps({"token": TOKEN, "tracker_key": key.hex()}))
-    assert dht_auth.read_tracker_key(None, f"@{boot}") == key  # --token @bootstrap.json carries it
-    assert dht_auth.read_tracker_key(key.hex(), TOKEN) == key
-    assert dht_auth.read_tracker_key(f"@{boot}") == key
-    assert dht_auth.read_tracker_key(None, TOKEN) is None
+    assert flagfile.read_tracker_key(None, f"@{boot}") == key  # --token @bootstrap.json carries it
+    assert flagfile.read_tracker_key(key.hex(), TOKEN) == key
+    assert flagfile.read_tracker_key(f"@{boot}") == key
+    assert flagfile.read_tracker_key(None, TOKEN) is None
     (tmp_path / "token.txt").write_text(TOKEN)
-    assert dht_auth.read_tracker_key(None, f"@{tmp_path / 'token.txt'}") is None
+    assert flagfile.read_tracker_key(None, f"@{tmp_path / 'token.txt'}") is None
     with pytest.raises(ConfigError, match="tracker key"):
-        dht_auth.read_tracker_key("abcd")
+        flagfile.read_tracker_key("abcd")
 
 
 # -- TLS names ---------------------------------------------------------------------------------------------

@@ -94,17 +94,20 @@ def tracker(tmp_path: Path):
     from bootstrap.node import default_run, serve_tracker
     from bootstrap.tracker import Tracker
 
-    t = Tracker("run-export", default_run())
+    t = Tracker(
+        "run-export", default_run(), peer_timeout_s=600.0
+    )  # hand-joined peers stay live while a loaded machine imports torch
     server, address = serve_tracker(t, "127.0.0.1", 0, keys.load_or_create(tmp_path / "boot", TOKEN))
     yield t, address
     server.stop(grace=0).wait()
 
 
-def test_no_token_or_a_wrong_one_is_one_error_line_and_exit_1(tracker, tmp_path: Path) -> None:
+def test_no_token_is_a_usage_error_and_a_wrong_one_a_refusal(tracker, tmp_path: Path) -> None:
+    """No token: exit 2 before anything is dialled; a wrong token: the tracker refuses, exit 1."""
     _, address = tracker
     res = cli("export", "--tracker", address, "--out", str(tmp_path / "m"), env={"ANCHORMESH_TOKEN": ""})
-    assert res.returncode == 1 and error_lines(res.stderr) == [
-        'anchormesh export: error: exporting a live run needs its token: pass --token or set ANCHORMESH_TOKEN (the "token" in the bootstrap\'s bootstrap.json)'
+    assert res.returncode == 2 and res.stderr.strip().splitlines() == [
+        'anchormesh: error: --token=None: exporting a live run needs its token: pass --token or set ANCHORMESH_TOKEN (the "token" in the bootstrap\'s bootstrap.json)'
     ], res.stderr
     res = cli("export", "--tracker", address, "--token", "not-the-token-of-this-run", "--out", str(tmp_path / "m"))
     lines = error_lines(res.stderr)

@@ -349,7 +349,7 @@ def test_bench_project_bad_flags_exit_2(flags: list[str], field: str, tmp_path: 
     from peer.cli import main
 
     with pytest.raises(SystemExit) as exc:
-        main(["bench", "project", "--json", str(tmp_path / "out.json"), *flags])
+        main(["bench", "project", "--out", str(tmp_path / "out.json"), *flags])
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert field in err and len(err.strip().splitlines()) == 1, err
@@ -360,7 +360,7 @@ def test_bench_project_bad_flags_exit_2(flags: list[str], field: str, tmp_path: 
     "flags,field",
     [
         (["--gpu", "tpu9"], "--gpu"),
-        (["--json", "no/such/measured.json"], "--json"),
+        (["--in", "no/such/measured.json"], "--in"),
         (["--model", "no-such-model"], "--model"),
         (["--out", "plot.svg"], "--out"),
     ],
@@ -394,7 +394,7 @@ def test_bench_project_writes_the_json(tmp_path: Path) -> None:
 
     out = tmp_path / "p.json"
     main(
-        ["bench", "project", "--model", "tiny-llama", "--gpu", "rtx4090", "--bandwidth-mbit", "200", "--json", str(out)]
+        ["bench", "project", "--model", "tiny-llama", "--gpu", "rtx4090", "--bandwidth-mbit", "200", "--out", str(out)]
     )
     data = json.loads(out.read_text())
     assert set(data["modes"]) == set(P.PROJECT_MODES) == {"dense_sync", *MODES}

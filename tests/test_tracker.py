@@ -549,3 +549,19 @@ def test_a_peer_s_startup_phases_reach_the_status_bounded() -> None:
         ("p0", 0.5),
     ]  # NaN and negative seconds dropped
     assert len(shown) == 14  # of the first 16 sent, the two nonsense ones dropped
+
+
+def test_the_status_shows_each_peers_build() -> None:
+    """A peer's build (VERSION+COMMIT, from its Join) is kept per peer and shown in the status:
+    two checkouts of one release in a run are told apart."""
+    from peer.build import build
+    from peer.client.status import render
+    from peer.client.view import status_dict
+
+    t, _ = make()
+    join(t, "a")
+    t.join(pb.JoinRequest(peer_id="b", grpc_address="h:2", **{**build_fields(), "code_version": "0.1.0+abcdef0"}))
+    s = t.status()
+    assert {p["id"]: p["build"] for p in status_dict(s)["peers"]} == {"a": build(), "b": "0.1.0+abcdef0"}
+    table = render(s)
+    assert build() in table and "0.1.0+abcdef0" in table

@@ -1,4 +1,4 @@
-"""`anchormesh bench gpu --json OUT`: the GPU path checked end to end, in one short run.
+"""`anchormesh bench gpu --out OUT`: the GPU path checked end to end, in one short run.
 
 Three parts, each a yes/no a volunteer or a reviewer can read off OUT:
 

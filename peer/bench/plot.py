@@ -49,9 +49,9 @@ def _load_measured(path: Path) -> dict:
     try:
         data = json.loads(Path(path).read_text())
     except OSError as exc:
-        raise ConfigError("--json", str(path), f"cannot read: {exc.strerror}") from None
+        raise ConfigError("--in", str(path), f"cannot read: {exc.strerror}") from None
     except json.JSONDecodeError as exc:
-        raise ConfigError("--json", str(path), f"not JSON: {exc}") from None
+        raise ConfigError("--in", str(path), f"not JSON: {exc}") from None
     modes = data.get("modes") if isinstance(data, dict) else None
     if (
         not isinstance(modes, dict)
@@ -60,7 +60,7 @@ def _load_measured(path: Path) -> dict:
         or not data["setup"].get("bandwidth_mbit")
     ):
         raise ConfigError(
-            "--json",
+            "--in",
             str(path),
             "not a `bench throughput` result with a compute_bound mode (needed to scale the points)",
         )

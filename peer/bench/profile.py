@@ -12,7 +12,7 @@ links shaped as in `bench throughput`):
   codec, wire serialization, gRPC, stage loop), by the innermost anchormesh or library frame.
   Samples whose innermost frame is a wait (locks, sleeps, polls) are counted as idle.
 
-Output: JSON on stdout or `--json OUT`.
+Output: JSON on stdout or `--out OUT`.
 """
 
 from __future__ import annotations

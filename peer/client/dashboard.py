@@ -232,6 +232,7 @@ def _peer_table(s: dict, with_address: bool = True) -> Table:
         ("stage", "right"),
         ("state", "left"),
         ("address", "left"),
+        ("build", "left"),
         ("seen", "right"),
         ("step", "right"),
         ("tok/s", "right"),
@@ -241,8 +242,9 @@ def _peer_table(s: dict, with_address: bool = True) -> Table:
         ("dp", "right"),
         ("note", "left"),
     ]
-    if not with_address:
+    if not with_address:  # a narrow terminal: the address and the build go
         cols.remove(("address", "left"))
+        cols.remove(("build", "left"))
     for name, justify in cols:
         table.add_column(name, justify=justify, no_wrap=name != "note", min_width=12 if name == "note" else None)  # type: ignore[arg-type]
     for p in s.get("peers", []):
@@ -254,6 +256,7 @@ def _peer_table(s: dict, with_address: bool = True) -> Table:
             str(p.get("stage", "")),
             Text(state, style=STATE_STYLE.get(state, "")),
             p.get("address", ""),
+            p.get("build") or "?",
             Text(f"{seen:.1f}s", style="red" if live and seen > SILENT_PEER_S else "" if live else "dim"),
             f"{p.get('step', 0):,}",
             f"{p.get('tokens_per_s', 0):,.0f}",
@@ -264,7 +267,7 @@ def _peer_table(s: dict, with_address: bool = True) -> Table:
             Text(p.get("reason", ""), style="dim"),
         ]
         if not with_address:
-            del cells[3]
+            del cells[3:5]
         table.add_row(*cells, style="dim" if state == "left" else "")
     return table
 
@@ -286,7 +289,7 @@ def _problems_panel(s: dict) -> Panel:
 class Dashboard:
     """The whole dashboard for one status; lays itself out for the width rich gives it."""
 
-    NARROW = 110  # below this the peer table drops its address column
+    NARROW = 126  # below this the peer table drops its address and build columns
 
     def __init__(self, status: dict, history: History) -> None:
         self.status, self.history = status, history

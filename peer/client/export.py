@@ -26,6 +26,7 @@ import grpc
 import torch
 
 from peer import __version__
+from peer.build import build, release_of
 from peer.config import TrainConfig
 from peer.errors import AnchormeshError, ConfigError
 from peer.logs import setup_logging
@@ -181,11 +182,11 @@ def gather(
         raise ExportError(f"exporting a live run needs its token: {auth.NO_TOKEN_HINT}")
     creds = auth.Credentials(token=token)
     run, status = ask_tracker(tracker, creds=creds, tls_ca=tls_ca)
-    if run.code_version != __version__:
+    if release_of(run.code_version) != __version__:  # the model's code is the release's; a commit apart cuts alike
         log.warning(
             "the tracker runs anchormesh %s, this is %s: the model may not be cut the same way",
             run.code_version,
-            __version__,
+            build(),
         )
     cfg = config_from_dict(json.loads(run.run_config_json))
     K = cfg.model.num_stages
@@ -261,7 +262,7 @@ def write_model(cfg: TrainConfig, shards: list[Shard], out: Path) -> None:
             {
                 "run_id": shards[0].run_id,
                 "time": time.time(),
-                "code_version": __version__,
+                "code_version": build(),
                 "stages": [{"stage": sh.stage, "peer_id": sh.peer_id, "step": sh.step} for sh in shards],
                 "tokenizer": tokenizer_note,
             },
@@ -316,11 +317,11 @@ def gather_checkpoints(dirs: list[Path], run_id: str | None = None) -> tuple[Tra
         cfg = config_from_dict(record["config"])
     except (ValueError, KeyError, TypeError, AnchormeshError) as exc:
         raise ExportError(f"{info}: not a readable run record ({exc})") from None
-    if record.get("code_version") != __version__:
+    if release_of(str(record.get("code_version"))) != __version__:
         log.warning(
             "the checkpoints were written by anchormesh %s, this is %s: the model may not be cut the same way",
             record.get("code_version"),
-            __version__,
+            build(),
         )
     K = cfg.model.num_stages
     want = expected_shapes(hf_config(cfg), K)

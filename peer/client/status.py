@@ -1,6 +1,7 @@
 """`anchormesh status --tracker H:P [--json] [--watch]`: one gRPC query (a stream with --watch).
 
-`--watch` on a terminal draws the rich dashboard of `peer/client/dashboard.py`; piped, it prints plain text."""
+`--watch` on a terminal draws the rich dashboard of `peer/client/dashboard.py`; into a pipe or a file it
+prints plain snapshots a blank line apart (no screen-clearing escape codes), or one JSON object a line."""
 
 from __future__ import annotations
 
@@ -52,11 +53,11 @@ def render(s: pb.RunStatus) -> str:
     ]
     lines += [
         "",
-        f"{'peer':<14} {'stage':>5} {'state':<7} {'address':<21} {'seen':>6} {'step':>6} {'tok/s':>8} {'in MB':>7} {'out MB':>7} {'link':>10} {'dp':>6}  note",
+        f"{'peer':<14} {'stage':>5} {'state':<7} {'address':<21} {'build':<15} {'seen':>6} {'step':>6} {'tok/s':>8} {'in MB':>7} {'out MB':>7} {'link':>10} {'dp':>6}  note",
     ]
     for p in s.peers:
         lines.append(
-            f"{p.peer_id:<14} {p.stage:>5} {p.state:<7} {p.address:<21} {p.last_seen_s:>5.1f}s {p.step:>6} {p.tokens_per_s:>8,.0f} "
+            f"{p.peer_id:<14} {p.stage:>5} {p.state:<7} {p.address:<21} {p.build or '?':<15} {p.last_seen_s:>5.1f}s {p.step:>6} {p.tokens_per_s:>8,.0f} "
             f"{p.bytes_in / 1e6:>7.2f} {p.bytes_out / 1e6:>7.2f} {link_cell(p.link_mbit, p.pp_keep):>10} {dp_cell(p.dp_rounds, p.dp_period_s):>6}  {p.reason}"
         )
     return "\n".join(lines)
@@ -84,12 +85,9 @@ def run_status(
 
                 live_dashboard(status_dict(s) for s in stub.WatchStatus(pb.StatusRequest(interval_s=interval)))
                 return
-            for s in stub.WatchStatus(pb.StatusRequest(interval_s=interval)):  # a pipe: plain text, or one JSON a line
-                if as_json:
-                    print(json.dumps(status_dict(s)), flush=True)
-                else:
-                    sys.stdout.write("\x1b[2J\x1b[H" + render(s) + "\n")
-                    sys.stdout.flush()
+            # a pipe or a file: one JSON a line, or plain snapshots a blank line apart (no escape codes)
+            for s in stub.WatchStatus(pb.StatusRequest(interval_s=interval)):
+                print(json.dumps(status_dict(s)) if as_json else render(s) + "\n", flush=True)
         except grpc.RpcError as exc:
             print(
                 f"anchormesh status: cannot reach the tracker at {tracker}: {exc.code().name} {exc.details()}{tls_hint(exc.details(), tls_ca is not None)}",

@@ -92,6 +92,7 @@ def status_dict(s: pb.RunStatus) -> dict:
                 "pp_keep": p.pp_keep or None,
                 "dp_period_s": p.dp_period_s or None,
                 "device": p.device or None,
+                "build": p.build or None,
                 "memory_bytes": p.memory_bytes or None,
                 "memory_plan_bytes": p.memory_plan_bytes or None,
                 "refused_reports": p.refused_reports,

@@ -43,7 +43,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from peer import __version__
+from peer.build import build
 from peer.daemon.anchors import AnchorJobs
 from peer.daemon.averaging import apply_step, bind_stage, start_averaging, step_lock
 from peer.daemon.checkpointing import Checkpointer
@@ -311,7 +311,7 @@ class PeerDaemon:
             target=self.membership.heartbeat, args=(stub, a.heartbeat_interval_s), name="heartbeat", daemon=True
         ).start()
         if self.state_dir is not None:
-            run_info = {"run_id": a.run_id, "code_version": __version__, "config": json.loads(a.run_config_json)}
+            run_info = {"run_id": a.run_id, "code_version": build(), "config": json.loads(a.run_config_json)}
             self.checkpoints = ShardCheckpoints(
                 self.state_dir, a.run_id, a.stage, keep=cfg.checkpoint.keep, run_info=run_info
             )

@@ -396,21 +396,17 @@ def caller(context: grpc.ServicerContext) -> tuple[str, bytes]:
 
 def read_token(value: str | None) -> str | None:
     """--token's value: the token, or `@FILE` (a bootstrap.json, or a file holding the token)."""
-    import json
-    from pathlib import Path
-
     from peer.errors import ConfigError
+    from peer.security.flagfile import json_object, read_text
 
     if not value or not value.startswith("@"):
         return value or None
-    path = Path(value[1:])
-    try:
-        text = path.read_text().strip()
-    except OSError as exc:
-        raise ConfigError("--token", value, f"cannot read it: {exc.strerror}") from None
+    text = read_text(value[1:], "--token", value).strip()
     if text.startswith("{"):
-        token = json.loads(text).get("token")
-        if not token:
+        token = json_object(text, "--token", value).get("token")
+        if not token or not isinstance(token, str):
             raise ConfigError("--token", value, 'that JSON has no "token" (is it a bootstrap.json of this version?)')
         return token
+    if not text:
+        raise ConfigError("--token", value, "the file is empty: it must hold the token or be a bootstrap.json")
     return text

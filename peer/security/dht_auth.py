@@ -36,12 +36,10 @@ import datetime
 import hashlib
 import heapq
 import hmac
-import json
 import logging
 import secrets
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
@@ -49,7 +47,6 @@ from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.auth import AuthorizedRequestBase, AuthorizedResponseBase, AuthorizerBase
 from hivemind.utils.serializer import MSGPackSerializer
 
-from peer.errors import ConfigError
 from peer.security.identity import KEY_BYTES, Identity, verify
 
 log = logging.getLogger("anchormesh.dht")
@@ -372,40 +369,3 @@ def dht_kwargs(token: str, tracker_key: bytes | None = None, identity: Identity 
     """What every `hivemind.DHT(...)` of the run takes: the authorizer (signing with `identity`,
     else a fresh key) and the record validator."""
     return {"authorizer": RunAuthorizer(token, identity), "record_validators": [TrackerRecordValidator(tracker_key)]}
-
-
-def read_tracker_key(value: str | None, token_arg: str | None = None) -> bytes | None:
-    """--tracker-key's value (hex, or @bootstrap.json), else the "tracker_key" of the bootstrap.json
-    that `--token @FILE` names; None when neither gives one."""
-    where = "--tracker-key"
-    if not value and token_arg and token_arg.startswith("@"):
-        value, where = token_arg, "--token"
-    if not value:
-        return None
-    text = value
-    if value.startswith("@"):
-        try:
-            text = Path(value[1:]).read_text().strip()
-        except OSError as exc:
-            raise ConfigError(where, value, f"cannot read it: {exc.strerror}") from None
-        if not text.startswith("{"):
-            return None if where == "--token" else _hex_key(text, where, value)
-        key = json.loads(text).get("tracker_key")
-        if not key:
-            if where == "--token":
-                return None
-            raise ConfigError(where, value, 'that JSON has no "tracker_key" (a bootstrap.json of an older version?)')
-        text = key
-    return _hex_key(text, where, value)
-
-
-def _hex_key(text: str, where: str, value: str) -> bytes:
-    try:
-        key = bytes.fromhex(text.strip())
-    except ValueError:
-        key = b""
-    if len(key) != KEY_BYTES:
-        raise ConfigError(
-            where, value, f'a tracker key is {KEY_BYTES} bytes in hex (the "tracker_key" of bootstrap.json)'
-        )
-    return key

@@ -141,7 +141,7 @@ def resolve_access(
     """The tracker, its key and the TLS to use, from a client's flags. Off loopback TLS is on
     (the CA from --tls-ca, a bootstrap.json, or fetched from the tracker and checked with its
     key) unless `plaintext`; with `require` (a peer) a missing key off loopback is refused."""
-    from peer.security.dht_auth import read_tracker_key
+    from peer.security.flagfile import read_tracker_key
     from peer.security.tls import read_ca
 
     tracker, line_key = split_address(tracker_arg) if tracker_arg else (None, None)

@@ -182,17 +182,13 @@ class PeerServerTLS:
 
 def read_ca(value: str | None) -> bytes | None:
     """--tls-ca's value: a PEM file, or a bootstrap.json holding "tls_ca"; None = plain TCP."""
-    import json
+    from peer.security.flagfile import json_object, read_text
 
     if not value:
         return None
-    path = Path(value)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError("--tls-ca", value, f"cannot read it: {exc.strerror}") from None
+    text = read_text(value, "--tls-ca", value)
     if text.lstrip().startswith("{"):
-        ca = json.loads(text).get("tls_ca")
+        ca = json_object(text, "--tls-ca", value).get("tls_ca")
         if not ca:
             raise ConfigError("--tls-ca", value, 'that JSON has no "tls_ca": the run does not use TLS (security.tls)')
         text = ca

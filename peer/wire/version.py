@@ -61,6 +61,6 @@ def codecs() -> list[str]:
 
 def build_fields() -> dict[str, object]:
     """The JoinRequest fields that say what this build is and can run."""
-    from peer import __version__
+    from peer.build import build
 
-    return {"code_version": __version__, "wire_version": wire_version(), "codecs": codecs()}
+    return {"code_version": build(), "wire_version": wire_version(), "codecs": codecs()}
