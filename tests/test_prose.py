@@ -56,16 +56,17 @@ def test_code_goes_and_prose_stays() -> None:
     ]
 
 
-def test_a_paragraph_is_written_once_across_pages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_sentence_is_written_once_across_pages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    shared = "A sentence long enough to hold a fifty-character shingle of its own."
     src = tmp_path / "_sources"
     (src / "a").mkdir(parents=True)
-    (src / "a" / "one.rst.txt").write_text("A shared sentence.\n\nOnly in one.\n")
-    (src / "two.rst.txt").write_text("A shared sentence.\n\nOnly in two.\n")
+    (src / "a" / "one.rst.txt").write_text(f"{shared}\n\nOnly in one.\n")
+    (src / "two.rst.txt").write_text(f"{shared}\n\nOnly in two. {shared} Short ones repeat.\n")
     monkeypatch.setattr(prose, "MIN_BYTES", 10)
     counts = prose.write_corpus(src, tmp_path / "out")
     assert counts == {"pages": 2, "paragraphs": 3, "duplicates": 1, "bytes": counts["bytes"]}
-    assert (tmp_path / "out" / "a" / "one.txt").read_text() == "A shared sentence.\n\nOnly in one.\n"
-    assert (tmp_path / "out" / "two.txt").read_text() == "Only in two.\n"
+    assert (tmp_path / "out" / "a" / "one.txt").read_text() == f"{shared}\n\nOnly in one.\n"
+    assert (tmp_path / "out" / "two.txt").read_text() == "Only in two. Short ones repeat.\n"
 
 
 def test_too_little_prose_is_refused_with_the_minimum(tmp_path: Path) -> None:
