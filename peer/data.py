@@ -109,6 +109,14 @@ class TokenStream:
         )
         cut = int(len(tokens) * (1 - heldout))
         self.train, self.heldout = tokens[:cut], tokens[cut:]
+        self.confirm: torch.Tensor | None = None  # a second held-out split, never used to choose settings
+
+    @classmethod
+    def from_splits(cls, train: torch.Tensor, heldout: torch.Tensor, confirm: torch.Tensor) -> TokenStream:
+        """A stream whose splits were cut elsewhere (by document: peer/bench/corpus_split.py)."""
+        stream = cls(torch.zeros(0, dtype=torch.long), heldout=0.0)
+        stream.train, stream.heldout, stream.confirm = train, heldout, confirm
+        return stream
 
     def batch(self, batch_size: int, seq_len: int, generator: torch.Generator, split: str = "train") -> torch.Tensor:
         src = self.train if split == "train" else self.heldout
@@ -117,8 +125,14 @@ class TokenStream:
         starts = torch.randint(0, len(src) - seq_len - 1, (batch_size,), generator=generator)
         return torch.stack([src[s : s + seq_len + 1] for s in starts.tolist()])
 
-    def eval_batches(self, batch_size: int, seq_len: int, max_batches: int) -> list[torch.Tensor]:
-        """Fixed, non-overlapping held-out windows, the same on every call (for comparable eval loss)."""
-        n = min(max_batches * batch_size, (len(self.heldout) - 1) // (seq_len + 1))
-        windows = [self.heldout[i * (seq_len + 1) : (i + 1) * (seq_len + 1)] for i in range(n)]
+    def eval_batches(
+        self, batch_size: int, seq_len: int, max_batches: int, split: str = "heldout"
+    ) -> list[torch.Tensor]:
+        """Fixed, non-overlapping held-out windows, the same on every call (for comparable eval
+        loss); `split` "confirm": the confirmation split's."""
+        src = self.confirm if split == "confirm" else self.heldout
+        if src is None:
+            raise ConfigError("split", split, "this stream has no confirmation split (it was cut by position)")
+        n = min(max_batches * batch_size, (len(src) - 1) // (seq_len + 1))
+        windows = [src[i * (seq_len + 1) : (i + 1) * (seq_len + 1)] for i in range(n)]
         return [torch.stack(windows[i : i + batch_size]) for i in range(0, n, batch_size)]

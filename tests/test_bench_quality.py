@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from peer.bench import quality
+from peer.bench import quality_corpora
+from peer.bench.quality_corpora import documents
 from peer.config import ModelConfig
 from peer.errors import ConfigError
 
@@ -125,8 +127,11 @@ def test_continual_pretraining_trains_on_the_general_text(pretrained: Path, monk
     monkeypatch.setattr(
         quality, "setup_for", lambda quick, model=None: replace(real(quick, model), adapt_steps=2, eval_batches=1)
     )
-    general, domain = quality.default_corpus("a")[1], quality.default_corpus("b")[1]
+    general, domain = documents("a", None)[1], documents("b", None)[1]
     adapt = quality.run_quality(True, None, None, only=["dense"], model=str(pretrained))
+    with pytest.raises(ConfigError, match="continual pretraining needs 5,000,000 bytes of general prose"):
+        quality.run_quality(True, None, None, only=["dense"], model=str(pretrained), task="continual")
+    monkeypatch.setattr(quality_corpora, "PROSE_MIN_BYTES", 10_000)  # this machine's licence texts stand in
     cont = quality.run_quality(True, None, None, only=["dense"], model=str(pretrained), task="continual")
     assert (adapt["setup"]["task"], adapt["setup"]["corpus_b"], adapt["setup"]["corpus_a"]) == (
         "adapt",

@@ -23,14 +23,16 @@ from dataclasses import asdict, replace
 
 import torch
 
+from peer.bench.corpus_split import EVAL_TOKENS
 from peer.bench.deficit import against_dense, curve_steps
 from peer.bench.proc_memory import release_memory, rss_gb
 from peer.bench.project_model import Shape
 from peer.bench.quality_clock import MODELLED_SEQ, equal_wall_clock, model_dims
+from peer.bench.quality_corpora import corpora
 from peer.bench.quality_rows import QualitySetup, rows
 from peer.bench.quality_train import pretrain, run_row
 from peer.config import TINY_MODEL_PREFIX, ComputeConfig, ModelConfig, OptimConfig
-from peer.data import TokenStream, default_corpus, read_path
+from peer.data import TokenStream
 from peer.errors import ConfigError
 from peer.model.loading import load_causal_lm, resolve_dims
 from peer.model.placement import DTYPE_NAMES, resolve_placement
@@ -100,36 +102,27 @@ QUICK_ROWS = (
 # demo, the swarm without --config on the tiny model): built from those defaults in quality_rows.py
 DEFAULT_ROW = "transform_stale1"
 TASKS = ("adapt", "continual")  # domain adaptation (train on corpus B), continual pretraining (on the general text)
-TOKENIZE_BYTES = 1_000_000  # corpus bytes a pretrained model's tokenizer reads per corpus (~300 k tokens of Python)
 
 
 def _corpora(
     setup: QualitySetup, corpus_a: str | None, corpus_b: str | None, swap: bool = False
 ) -> tuple[TokenStream, TokenStream, dict]:
-    """Corpus A (the other text) and B (what the rows train on) as token streams: bytes for the
-    toy, the model's own tokenizer for a pretrained model. `corpus_a` / `corpus_b` are the
-    general and the domain text as the user names them; adaptation trains on the domain text,
-    `swap` (continual pretraining) on the general one."""
-    general = (read_path(corpus_a), corpus_a) if corpus_a else default_corpus("a")
-    domain = (read_path(corpus_b), corpus_b) if corpus_b else default_corpus("b")
-    (data_a, src_a), (data_b, src_b) = (domain, general) if swap else (general, domain)
-    info = {"corpus_a": src_a, "corpus_b": src_b, "corpus_a_bytes": len(data_a), "corpus_b_bytes": len(data_b)}
+    """Corpus A (the other text) and B (what the rows train on), cut by document: bytes for the
+    toy, the model's own tokenizer for a pretrained model (peer/bench/quality_corpora.py).
+    `swap` (continual pretraining): the rows train on the general text."""
     if setup.model.name.startswith(TINY_MODEL_PREFIX):
-        return TokenStream(data_a), TokenStream(data_b), {**info, "tokenizer": "bytes"}
-    tok = load_tokenizer(setup.model.name)
+        tokenize, how = (lambda text: list(text.encode())), "bytes"
+    else:
+        tok = load_tokenizer(setup.model.name)
+        tokenize, how = (lambda text: tok(text, add_special_tokens=False)["input_ids"]), "model"
+    a, b, info = corpora(tokenize, corpus_a, corpus_b, setup.seed, swap, pretrains_on_a=setup.pretrain_steps > 0)
+    return a, b, {**info, "tokenizer": how, "corpus_a_tokens": len(a.train), "corpus_b_tokens": len(b.train)}
 
-    def ids(data: bytes) -> torch.Tensor:
-        return torch.tensor(
-            tok(data[:TOKENIZE_BYTES].decode("utf-8", errors="replace"), add_special_tokens=False)["input_ids"],
-            dtype=torch.long,
-        )
 
-    a, b = ids(data_a), ids(data_b)
-    return (
-        TokenStream(a),
-        TokenStream(b),
-        {**info, "tokenizer": "model", "corpus_a_tokens": len(a), "corpus_b_tokens": len(b)},
-    )
+def eval_windows(setup: QualitySetup) -> int:
+    """Eval batches per pass: the setup's, and at least enough for the held-out sets' tokens."""
+    per_batch = setup.micro_batch_size * (setup.seq_len + 1)
+    return max(setup.eval_batches, -(-EVAL_TOKENS // per_batch))
 
 
 def chosen_rows(quick: bool, only: list[str] | None) -> list[str] | None:
@@ -196,8 +189,10 @@ def run_quality(
     else:  # a real pretrained model: the base as loaded
         base = load_causal_lm(setup.model, seed=setup.seed)
     pretrain_s = time.perf_counter() - t0
-    eval_b = stream_b.eval_batches(setup.micro_batch_size, setup.seq_len, setup.eval_batches)
-    eval_a = stream_a.eval_batches(setup.micro_batch_size, setup.seq_len, setup.eval_batches)
+    n_eval = eval_windows(setup)
+    eval_b = stream_b.eval_batches(setup.micro_batch_size, setup.seq_len, n_eval)
+    confirm_b = stream_b.eval_batches(setup.micro_batch_size, setup.seq_len, n_eval, split="confirm")
+    eval_a = stream_a.eval_batches(setup.micro_batch_size, setup.seq_len, n_eval)
     from peer.model.stages import split_model
 
     base_stages = split_model(base, setup.model.num_stages)
@@ -206,7 +201,9 @@ def run_quality(
             **asdict(setup),
             **corpora,
             "pretrain_seconds": pretrain_s,
-            "eval": "dense forward of the trained stages on held-out windows",
+            "eval": "dense forward of the trained stages on held-out windows of whole held-out documents",
+            "eval_tokens": sum(int(x.numel()) for x in eval_b),
+            "confirm_tokens": sum(int(x.numel()) for x in confirm_b),
             "threads": torch.get_num_threads(),
             "optimizer": _describe(setup.optim()),
             "task": task,
@@ -216,6 +213,7 @@ def run_quality(
         },
         "pretrained": {
             "eval_loss": evaluate_stages(base_stages, eval_b),
+            "confirm_loss": evaluate_stages(base_stages, confirm_b),
             "eval_loss_a": evaluate_stages(base_stages, eval_a),
         },
         "default_row": DEFAULT_ROW,
@@ -227,7 +225,18 @@ def run_quality(
         if only and name not in only:
             continue
         points = curve_steps(setup.adapt_steps, dense=name == "dense")
-        result = run_row(name, cfg, lambda: copy.deepcopy(base), setup, stream_b, eval_b, eval_a, points, placement)
+        result = run_row(
+            name,
+            cfg,
+            lambda: copy.deepcopy(base),
+            setup,
+            stream_b,
+            eval_b,
+            eval_a,
+            points,
+            placement,
+            confirm=confirm_b,
+        )
         result["eval_curve"] = {
             0: out["pretrained"]["eval_loss"],
             **result.get("eval_curve", {}),
@@ -249,6 +258,7 @@ def run_quality(
         out["vs_dense"] = {
             name: {
                 "eval_loss_ratio": r["eval_loss"] / dense["eval_loss"],
+                "confirm_loss_ratio": r["confirm_loss"] / dense["confirm_loss"],  # the split claims are made on
                 "pp_bytes_reduction": dense["pp_bytes_per_token"]
                 / r["pp_bytes_per_token"],  # measured, everything on the wire
                 "pp_stream_bytes_reduction": dense["pp_stream_bytes_per_token"]

@@ -77,10 +77,12 @@ def run_row(
     curve_steps: tuple[int, ...] = (),
     placement: Placement = CPU_FP32,
     batch_fn: Callable[..., torch.Tensor] | None = None,
+    confirm: list | None = None,
 ) -> dict:
     """Train one row and evaluate it; `curve_steps`: also evaluate on held-out B after those
     steps; `placement`: where the stages train (the GPU of `--device`); `batch_fn(step, replica,
-    j, bs=, T=)`: the row's windows instead of random windows of `corpus_b`."""
+    j, bs=, T=)`: the row's windows instead of random windows of `corpus_b`; `confirm`: the
+    confirmation windows, scored once at the end (`confirm_loss`)."""
     model = fresh_model()
     long_bytes = long_sequence_bytes(cfg, model_dims(model.config))
     batch = batch_fn or _windows(corpus_b, setup.seed)
@@ -120,6 +122,7 @@ def run_row(
     return {
         "eval_loss": evaluate_stages(runner.stages(0), eval_b),
         "eval_loss_a": evaluate_stages(runner.stages(0), eval_a),
+        **({"confirm_loss": evaluate_stages(runner.stages(0), confirm)} if confirm else {}),
         # measured: every serialized message that crossed a stage link in this run, at its own
         # sequence length (headers, token ids, codes, statistics, dense rows, coders and refits)
         "seq_len": T,
