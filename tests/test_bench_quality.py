@@ -149,3 +149,22 @@ def test_continual_pretraining_trains_on_the_general_text(pretrained: Path, monk
         quality.run_quality(True, None, None, only=["dense"], task="continual")
     with pytest.raises(ConfigError, match="--task"):
         quality.run_quality(True, None, None, only=["dense"], model=str(pretrained), task="pretrain")
+
+
+def test_longer_runs_and_bigger_steps_are_set_and_checked_before_any_model_loads() -> None:
+    base = quality.setup_for(True)
+    longer = quality.scaled_setup(base, 200, 4 * base.micro_batch_size * base.seq_len)
+    assert (longer.adapt_steps, longer.micro_batches) == (200, 4)
+    assert longer.micro_batch_size * longer.micro_batches * longer.seq_len == 4 * base.micro_batch_size * base.seq_len
+    with pytest.raises(ConfigError, match="--steps"):
+        quality.run_quality(True, None, None, only=["dense"], steps=3)
+    with pytest.raises(ConfigError, match="--tokens-per-step.*multiple of"):
+        quality.run_quality(True, None, None, only=["dense"], tokens_per_step=base.seq_len + 1)
+
+
+def test_a_replicate_seed_redraws_the_codec_unless_set_apart() -> None:
+    from peer.bench.quality_rows import rows
+
+    setup = quality.setup_for(True)
+    assert rows(replace(setup, seed=5))["transform"].mask.seed == 5
+    assert rows(replace(setup, seed=5, codec_seed=0))["transform"].mask.seed == 0

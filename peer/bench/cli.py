@@ -34,6 +34,9 @@ def run_bench(args: argparse.Namespace) -> None:
             schedule=args.schedule,
             device=args.device,
             task=args.task,
+            steps=args.steps,
+            tokens_per_step=args.tokens_per_step,
+            codec_seed=args.codec_seed,
         )
         _write(args.out, result)
     elif args.bench == "swarm-quality":

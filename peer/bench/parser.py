@@ -42,7 +42,22 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "--seed",
         type=int,
         default=0,
-        help="data order (and the toy's pretraining): another seed is a replicate of the same rows (default 0)",
+        help="data order, the codec's draws and the toy's pretraining (the held-out documents stay the same): another seed is a replicate of the same rows (default 0)",
+    )
+    q.add_argument(
+        "--codec-seed",
+        type=int,
+        default=None,
+        help="the codecs' rotations, dither offsets and masks apart from --seed (default: --seed)",
+    )
+    q.add_argument(
+        "--steps", type=int, default=None, help="optimizer steps of every row (default: the setup's, 40 with --quick)"
+    )
+    q.add_argument(
+        "--tokens-per-step",
+        type=int,
+        default=None,
+        help="tokens per step, micro-batches accumulated as the swarm does (a multiple of micro-batch x sequence length; default: the setup's, 512 with --quick)",
     )
     q.add_argument(
         "--lr",

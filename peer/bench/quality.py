@@ -115,14 +115,40 @@ def _corpora(
     else:
         tok = load_tokenizer(setup.model.name)
         tokenize, how = (lambda text: tok(text, add_special_tokens=False)["input_ids"]), "model"
-    a, b, info = corpora(tokenize, corpus_a, corpus_b, setup.seed, swap, pretrains_on_a=setup.pretrain_steps > 0)
+    # the held-out documents are the same whatever the run's seed: a confirmation document must
+    # never have been an eval document that chose a setting in another seed's run
+    a, b, info = corpora(tokenize, corpus_a, corpus_b, SPLIT_SEED, swap, pretrains_on_a=setup.pretrain_steps > 0)
     return a, b, {**info, "tokenizer": how, "corpus_a_tokens": len(a.train), "corpus_b_tokens": len(b.train)}
+
+
+SPLIT_SEED = 0
 
 
 def eval_windows(setup: QualitySetup) -> int:
     """Eval batches per pass: the setup's, and at least enough for the held-out sets' tokens."""
     per_batch = setup.micro_batch_size * (setup.seq_len + 1)
     return max(setup.eval_batches, -(-EVAL_TOKENS // per_batch))
+
+
+def scaled_setup(setup: QualitySetup, steps: int | None, tokens_per_step: int | None) -> QualitySetup:
+    """The setup run for `steps` steps of `tokens_per_step` tokens (micro-batches accumulated at
+    the setup's micro-batch size and sequence length); ConfigError naming the flag and what is
+    allowed, before anything loads."""
+    if steps is not None:
+        if steps < 8:
+            raise ConfigError("--steps", steps, "must be >= 8 (the eval curve needs points before the end)")
+        setup = replace(setup, adapt_steps=steps)
+    if tokens_per_step is not None:
+        per_micro = setup.micro_batch_size * setup.seq_len
+        if tokens_per_step < 2 * per_micro or tokens_per_step % per_micro:
+            raise ConfigError(
+                "--tokens-per-step",
+                tokens_per_step,
+                f"must be a multiple of {per_micro} (micro-batch {setup.micro_batch_size} x {setup.seq_len} tokens), "
+                f"at least {2 * per_micro} (the DP rows split a step's micro-batches over 2 replicas)",
+            )
+        setup = replace(setup, micro_batches=tokens_per_step // per_micro)
+    return setup
 
 
 def chosen_rows(quick: bool, only: list[str] | None) -> list[str] | None:
@@ -143,9 +169,14 @@ def run_quality(
     schedule: str | None = None,
     device: str = "cpu",
     task: str = "adapt",
+    steps: int | None = None,
+    tokens_per_step: int | None = None,
+    codec_seed: int | None = None,
 ) -> dict:
-    """The rows' JSON. `seed`: another data order (and, for the toy, another pretraining): a
-    replicate of the same comparison, since one run's rows differ by about its own noise.
+    """The rows' JSON. `seed`: another data order, other codec draws (rotations, dither, masks;
+    `codec_seed` sets them apart) and, for the toy, another pretraining: a replicate of the same
+    comparison, since one run's rows differ by about its own noise. `steps`, `tokens_per_step`:
+    a longer run, or more tokens a step by accumulating micro-batches (as the swarm does).
     `lr`, `schedule`: the adaptation's peak lr and lr schedule instead of the setup's.
     `device`: where the rows train (`--device`: auto takes a visible GPU, in bf16 as a peer's
     `compute.dtype = "auto"` does; the toy's pretraining stays on the CPU).
@@ -161,7 +192,7 @@ def run_quality(
             "continual pretraining needs a pretrained model (--model NAME): the toy is pretrained here on the general text itself",
         )
     placement = resolve_placement(device, ComputeConfig())  # a bad --device exits here, before the model loads
-    setup = replace(setup_for(quick, model), seed=seed)
+    setup = scaled_setup(replace(setup_for(quick, model), seed=seed, codec_seed=codec_seed), steps, tokens_per_step)
     setup = replace(setup, adapt_lr=setup.adapt_lr if lr is None else lr, schedule=schedule or setup.schedule)
     setup.optim()  # a bad --lr or --schedule exits here, before the model loads
     table, only = rows(setup), chosen_rows(quick, only)
