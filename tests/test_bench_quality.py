@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from peer.bench import quality
-from peer.bench import quality_corpora
+from peer.bench import quality, quality_corpora
 from peer.bench.quality_corpora import documents
 from peer.config import ModelConfig
 from peer.errors import ConfigError
