@@ -27,7 +27,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.serializer import MSGPackSerializer
 
-from peer.daemon.membership import find_tracker
+from peer.daemon.discovery import find_tracker
 from peer.errors import ConfigError
 from peer.security import auth, dht_auth
 from peer.security.identity import Identity

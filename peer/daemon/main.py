@@ -20,13 +20,13 @@ Every gRPC call it makes carries its credentials and every call it serves is che
 then on presents the certificate the tracker gave it; its gate learns the banned keys from the
 heartbeat replies.
 
-This module wires the parts, each with one job and testable alone: membership.py (tracker,
-DHT, join, heartbeat), serving.py (Ping, GetShard), routing.py (next hops, resends, links),
-state_sync.py (the stage state to and from the group), checkpointing.py, averaging.py and
-anchors.py (the tracker's anchor and evaluation jobs), stage_setup.py (placing and building the
-stage, starting its averager), stage_loop.py (the main loop) and figures.py (the metrics).
-`PeerDaemon` holds what several parts share (the worker, the averager, the peer's figures) and
-runs the startup sequence; `run_peer` is the process entry.
+This module wires the parts, each with one job and testable alone: discovery.py (the DHT node,
+finding the tracker), membership.py (join, heartbeat, leave), serving.py (Ping, GetShard),
+routing.py (next hops, resends, links), state_sync.py (the stage state to and from the group),
+checkpointing.py, averaging.py and anchors.py (the tracker's anchor and evaluation jobs),
+stage_setup.py (placing and building the stage, starting its averager), stage_loop.py (the main
+loop) and figures.py (the metrics). `PeerDaemon` holds what several parts share (the worker, the
+averager, the peer's figures) and runs the startup sequence; `run_peer` is the process entry.
 """
 
 from __future__ import annotations
@@ -47,16 +47,10 @@ from peer import __version__
 from peer.daemon.anchors import AnchorJobs
 from peer.daemon.averaging import bind_stage, step_lock
 from peer.daemon.checkpointing import Checkpointer
+from peer.daemon.discovery import TRACKER_CHANNEL_OPTIONS, dht_maddrs_from_tracker, find_tracker, start_dht
 from peer.daemon.feed import WorkFeed, open_feed
 from peer.daemon.figures import peer_figures
-from peer.daemon.membership import (
-    TRACKER_CHANNEL_OPTIONS,
-    Membership,
-    dht_maddrs_from_tracker,
-    find_tracker,
-    leave,
-    start_dht,
-)
+from peer.daemon.membership import Membership, leave
 from peer.daemon.replicas import Replicas, own_state_bytes
 from peer.daemon.restart import PEER_ID_ENV, exec_again
 from peer.daemon.routing import Router
