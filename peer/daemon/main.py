@@ -69,6 +69,7 @@ from peer.pipeline.grpc_transport import STAGE_POLICY, GrpcTransport
 from peer.pipeline.swarm_anchor import SwarmAnchor
 from peer.pipeline.worker import StageWorker
 from peer.security import auth
+from peer.security.call_check import NO_TOKEN_HINT
 from peer.security.exposure import run_ca
 from peer.security.identity import Identity
 from peer.store.checkpoint import ShardCheckpoints
@@ -338,7 +339,7 @@ def run_peer(
     if not initial_peers and tracker is None:
         raise SystemExit("anchormesh peer: error: give --initial-peers or --tracker")
     if not token:
-        raise ConfigError("--token", None, f"a peer joins with the run's token: {auth.NO_TOKEN_HINT}")
+        raise ConfigError("--token", None, f"a peer joins with the run's token: {NO_TOKEN_HINT}")
     stop, startup = threading.Event(), StartupClock(process_age_s)
     tls_ca = run_ca(tracker, tracker_key, stop) if fetch_tls and tracker is not None else tls_ca
     if not initial_peers:
