@@ -35,11 +35,11 @@ REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
 
 def find_tracker(dht, stop: threading.Event, tracker_key: bytes | None = None, run_id: str | None = None) -> str:
-    """The tracker address from the DHT's signed records (peer/security/dht_auth.py), newest first: one
+    """The tracker address from the DHT's signed records (peer/security/tracker_record.py), newest first: one
     signed by `tracker_key` (and of `run_id` when given). Without a key it takes a record only
     when all well-signed ones have one signer: a member posing as the tracker makes that
     ambiguous, and then it waits for the key. Logs what it refused; retries with backoff."""
-    from peer.security import dht_auth
+    from peer.security import tracker_record
 
     delay, said = 0.5, set()
 
@@ -49,8 +49,8 @@ def find_tracker(dht, stop: threading.Event, tracker_key: bytes | None = None, r
             log.log(level, text, *args)
 
     while not stop.is_set():
-        found = dht.get(dht_auth.TRACKER_RECORD_KEY, latest=True)
-        good, refused = dht_auth.verified_trackers(found, tracker_key, run_id)
+        found = dht.get(tracker_record.TRACKER_RECORD_KEY, latest=True)
+        good, refused = tracker_record.verified_trackers(found, tracker_key, run_id)
         for signer, why in refused:
             once(logging.WARNING, "refused a tracker record in the DHT signed by %s: %s", signer, why)
         signers = {r["key"] for _, r in good}

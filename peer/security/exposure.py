@@ -141,8 +141,8 @@ def resolve_access(
     """The tracker, its key and the TLS to use, from a client's flags. Off loopback TLS is on
     (the CA from --tls-ca, a bootstrap.json, or fetched from the tracker and checked with its
     key) unless `plaintext`; with `require` (a peer) a missing key off loopback is refused."""
-    from peer.security.dht_auth import read_tracker_key
     from peer.security.tls import read_ca
+    from peer.security.tracker_record import read_tracker_key
 
     tracker, line_key = split_address(tracker_arg) if tracker_arg else (None, None)
     key = pick_key(read_tracker_key(key_arg, token_arg), line_key)
