@@ -194,7 +194,7 @@ class PeerDaemon:
         """This peer's figures for its Prometheus endpoint (`--metrics-port`): figures.py."""
         return peer_figures(self)
 
-    # -- main loop --------------------------------------------------------------------------
+    # -- the run: startup, the stage loop (stage_loop.py), leaving --------------------------
     def run(self, max_steps: int | None = None) -> None:
         def terminate(*_) -> None:
             self.terminated = True
