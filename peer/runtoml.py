@@ -1,7 +1,7 @@
 """A run config from plain data: a run.toml file with `--set` overrides, or the JSON the tracker
 hands to peers.
 
-Apart from the dataclasses (peer/config.py) because this is the one place that reads untrusted,
+Apart from the dataclasses (peer/config/) because this is the one place that reads untrusted,
 nested data: it refuses unknown sections and settings (listing the known ones) and wrong types,
 naming the field, before any dataclass sees a value.
 
@@ -11,7 +11,7 @@ model built from a config), the run.toml, the `--set` overrides. `resolve_run` k
 value came from, so `anchormesh config show` can say it.
 
 The codec's settings are `[codec]` (the shared ones: scheme, seed, adapt, min_keep, link_target)
-and `[codec.SCHEME]` (each codec's own, peer/config.py CODEC_SETTINGS) in a run.toml; inside,
+and `[codec.SCHEME]` (each codec's own, peer/config/codec.py CODEC_SETTINGS) in a run.toml; inside,
 they are one dataclass, `TrainConfig.mask` (MaskConfig), so they map onto its fields here. A
 setting of a codec the run does not use is refused (it would be ignored), and so is the former
 `[mask]` table, naming each key's new home.
@@ -209,7 +209,7 @@ def _internal(name: str) -> str:
 
 
 def _refuse_local_only(flat: dict[str, object], origin: str) -> None:
-    """A swarm's run may not set what the swarm never reads (peer/config.py LOCAL_ONLY)."""
+    """A swarm's run may not set what the swarm never reads (peer/config/run.py LOCAL_ONLY)."""
     sections = _sections()
     for name, value in flat.items():
         if name in LOCAL_ONLY:

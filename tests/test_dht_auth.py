@@ -27,9 +27,9 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.serializer import MSGPackSerializer
 
-from peer.daemon.membership import find_tracker
+from peer.daemon.discovery import find_tracker
 from peer.errors import ConfigError
-from peer.security import auth, dht_auth, flagfile
+from peer.security import auth, dht_auth, flagfile, tracker_record
 from peer.security.identity import Identity
 from peer.security.tls import PEER_NAME, TRACKER_NAME, RunCA, key_pem, member_names, new_key, public_der
 
@@ -49,7 +49,7 @@ def maddrs(node: hivemind.DHT) -> list[str]:
 
 async def _local_subkeys(_dht, node) -> list[str]:
     """The tracker-key subkeys this node holds in its own storage (not what it can find)."""
-    found = node.protocol.storage.get(DHTID.from_bytes(dht_auth.TRACKER_KEY_ID))
+    found = node.protocol.storage.get(DHTID.from_bytes(tracker_record.TRACKER_KEY_ID))
     return sorted(str(k) for k, _ in found.value.items()) if found is not None and hasattr(found.value, "items") else []
 
 
@@ -63,7 +63,7 @@ def run() -> Iterator[tuple[hivemind.DHT, Identity]]:
     tracker = Identity.generate()
     boot = dht(TOKEN, tracker_key=tracker.public)
     try:
-        assert dht_auth.publish_tracker(boot, tracker, RUN, ADDRESS, 60.0)
+        assert tracker_record.publish_tracker(boot, tracker, RUN, ADDRESS, 60.0)
         assert boot.store("run/secret", "stage weights live here", get_dht_time() + 60)
         yield boot, tracker
     finally:
@@ -88,7 +88,7 @@ def test_an_outsider_cannot_join_store_or_read(run, outsider_token) -> None:
     try:
         out.store("run/planted", "junk", get_dht_time() + 60)  # lands on its own node only
         forged = Identity.generate()
-        dht_auth.publish_tracker(out, forged, RUN, "10.6.6.6:7000", 60.0)
+        tracker_record.publish_tracker(out, forged, RUN, "10.6.6.6:7000", 60.0)
         assert out.get("run/secret", latest=True) is None  # finds get nothing
         assert boot.get("run/planted", latest=True) is None  # its store never reached the run
         assert local_subkeys(boot) == [run[1].public.hex()]
@@ -104,20 +104,22 @@ def test_a_forged_tracker_record_is_refused_and_find_tracker_takes_the_bootstrap
     try:
         mallory = Identity.generate()
         far = get_dht_time() + 10 * 24 * 3600
-        _, record = dht_auth.sign_record(mallory, RUN, "10.6.6.6:7000", far)
+        _, record = tracker_record.sign_record(mallory, RUN, "10.6.6.6:7000", far)
         assert not forger.store(
-            dht_auth.TRACKER_RECORD_KEY, record, far, subkey=mallory.public.hex()
+            tracker_record.TRACKER_RECORD_KEY, record, far, subkey=mallory.public.hex()
         )  # far expiry: no node takes it
         assert not forger.store(
-            dht_auth.TRACKER_RECORD_KEY, {"run_id": RUN, "tracker": "10.6.6.6:7000"}, get_dht_time() + 60
+            tracker_record.TRACKER_RECORD_KEY, {"run_id": RUN, "tracker": "10.6.6.6:7000"}, get_dht_time() + 60
         )  # unsigned: none
-        _, stolen = dht_auth.sign_record(
+        _, stolen = tracker_record.sign_record(
             tracker, RUN, ADDRESS, get_dht_time() + 60
         )  # the tracker's key, another record
         stolen["tracker"] = "10.6.6.6:7000"
-        assert not forger.store(dht_auth.TRACKER_RECORD_KEY, stolen, get_dht_time() + 60, subkey=tracker.public.hex())
+        assert not forger.store(
+            tracker_record.TRACKER_RECORD_KEY, stolen, get_dht_time() + 60, subkey=tracker.public.hex()
+        )
         # well-formed but signed by the member's own key: nodes that know the tracker key refuse it
-        dht_auth.publish_tracker(forger, mallory, RUN, "10.6.6.6:7000", 120.0)
+        tracker_record.publish_tracker(forger, mallory, RUN, "10.6.6.6:7000", 120.0)
         assert local_subkeys(boot) == [tracker.public.hex()] and mallory.public.hex() not in local_subkeys(pinned)
         assert find_tracker(pinned, within(20), tracker.public, RUN) == ADDRESS
         # a node that does not know the key sees two signers and takes neither
@@ -199,31 +201,31 @@ def test_requests_signed_by_another_key_than_the_tokens_are_refused() -> None:
 # -- the tracker record ------------------------------------------------------------------------------------
 def _record(subkey: object, value: object, expiration: float) -> DHTRecord:
     return DHTRecord(
-        dht_auth.TRACKER_KEY_ID, MSGPackSerializer.dumps(subkey), MSGPackSerializer.dumps(value), expiration
+        tracker_record.TRACKER_KEY_ID, MSGPackSerializer.dumps(subkey), MSGPackSerializer.dumps(value), expiration
     )
 
 
 def test_the_validator_takes_only_signed_tracker_records() -> None:
     tracker, mallory = Identity.generate(), Identity.generate()
-    pinned, bare = dht_auth.TrackerRecordValidator(tracker.public), dht_auth.TrackerRecordValidator()
+    pinned, bare = tracker_record.TrackerRecordValidator(tracker.public), tracker_record.TrackerRecordValidator()
     exp = time.time() + 60
-    good = _record(*dht_auth.sign_record(tracker, RUN, ADDRESS, exp), exp)
+    good = _record(*tracker_record.sign_record(tracker, RUN, ADDRESS, exp), exp)
     assert pinned.validate(good) and bare.validate(good)
-    other = _record(*dht_auth.sign_record(mallory, RUN, ADDRESS, exp), exp)
+    other = _record(*tracker_record.sign_record(mallory, RUN, ADDRESS, exp), exp)
     assert not pinned.validate(other) and bare.validate(other)  # a member's own key: only a node with the key can tell
-    sub, value = dht_auth.sign_record(tracker, RUN, ADDRESS, exp)
+    sub, value = tracker_record.sign_record(tracker, RUN, ADDRESS, exp)
     assert not bare.validate(_record(sub, value, exp + 1))  # the expiry is signed
     assert not bare.validate(_record(None, value, exp))  # a plain value
     assert not bare.validate(_record(mallory.public.hex(), value, exp))  # subkey is not the signer
     assert not bare.validate(_record(sub, {**value, "tracker": "10.6.6.6:7000"}, exp))
     assert not bare.validate(_record(sub, {"run_id": RUN, "tracker": ADDRESS}, exp))
     far = time.time() + 3600
-    assert not bare.validate(_record(*dht_auth.sign_record(tracker, RUN, ADDRESS, far), far))
-    assert not bare.validate(DHTRecord(dht_auth.TRACKER_KEY_ID, b"\xc1", b"\xc1", exp))  # not msgpack
+    assert not bare.validate(_record(*tracker_record.sign_record(tracker, RUN, ADDRESS, far), far))
+    assert not bare.validate(DHTRecord(tracker_record.TRACKER_KEY_ID, b"\xc1", b"\xc1", exp))  # not msgpack
     assert bare.validate(
         DHTRecord(DHTID.generate(source="other/key").to_bytes(), b"", b"x", exp)
     )  # other keys: untouched
-    assert dht_auth.check_record(sub, value, exp, tracker.public, "run-other") is not None  # another run
+    assert tracker_record.check_record(sub, value, exp, tracker.public, "run-other") is not None  # another run
 
 
 class _FakeDHT:
@@ -237,7 +239,7 @@ class _FakeDHT:
         )
 
     def get(self, key: str, latest: bool = False):
-        assert key == dht_auth.TRACKER_RECORD_KEY and latest
+        assert key == tracker_record.TRACKER_RECORD_KEY and latest
         return self.found
 
 
@@ -245,12 +247,12 @@ def test_find_tracker_checks_each_record_itself(caplog) -> None:
     tracker, mallory = Identity.generate(), Identity.generate()
     now = time.time()
     old = (
-        *dht_auth.sign_record(tracker, RUN, "127.0.0.1:6999", now + 10),
+        *tracker_record.sign_record(tracker, RUN, "127.0.0.1:6999", now + 10),
         now + 10,
     )  # (hivemind keeps the newest per signer)
-    new = (*dht_auth.sign_record(tracker, RUN, ADDRESS, now + 50), now + 50)
-    posing = (*dht_auth.sign_record(mallory, RUN, "10.6.6.6:7000", now + 90), now + 90)  # newer, another key
-    sub, value = dht_auth.sign_record(tracker, RUN, ADDRESS, now + 40)
+    new = (*tracker_record.sign_record(tracker, RUN, ADDRESS, now + 50), now + 50)
+    posing = (*tracker_record.sign_record(mallory, RUN, "10.6.6.6:7000", now + 90), now + 90)  # newer, another key
+    sub, value = tracker_record.sign_record(tracker, RUN, ADDRESS, now + 40)
     tampered = (sub + "00", {**value, "tracker": "10.6.6.6:7000"}, now + 99)
     assert find_tracker(_FakeDHT([old, posing, tampered]), within(5), tracker.public) == "127.0.0.1:6999"
     assert "refused a tracker record in the DHT" in caplog.text and "not by this run's tracker key" in caplog.text

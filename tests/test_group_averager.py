@@ -294,7 +294,7 @@ def test_an_averaging_process_that_does_not_start_is_killed_and_forked_again(
     import hivemind
     from hivemind.averaging import DecentralizedAverager
 
-    from peer.dp import group
+    from peer.dp import group, group_process
 
     real = DecentralizedAverager.run_in_background
     started: list[DecentralizedAverager] = []
@@ -307,7 +307,7 @@ def test_an_averaging_process_that_does_not_start_is_killed_and_forked_again(
         real(self, await_ready=await_ready, timeout=timeout)
 
     monkeypatch.setattr(DecentralizedAverager, "run_in_background", first_one_hangs)
-    monkeypatch.setattr(group, "START_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(group_process, "START_TIMEOUT_S", 1.0)
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     try:
         avg = group.GroupAverager(dht, [torch.nn.Parameter(torch.zeros(4))], "test_restart", every=1)

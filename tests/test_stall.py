@@ -90,7 +90,7 @@ def test_a_group_averager_whose_fork_never_returns_calls_for_help(monkeypatch) -
     import hivemind
     from hivemind.averaging import DecentralizedAverager
 
-    from peer.dp import group
+    from peer.dp import group, group_process
 
     real = DecentralizedAverager.run_in_background
     release = threading.Event()
@@ -106,8 +106,8 @@ def test_a_group_averager_whose_fork_never_returns_calls_for_help(monkeypatch) -
         release.set()
 
     monkeypatch.setattr(DecentralizedAverager, "run_in_background", hangs_before_forking)
-    monkeypatch.setattr(group, "START_TIMEOUT_S", 0.5)
-    monkeypatch.setattr(group, "FORK_STALL_S", 0.5)
+    monkeypatch.setattr(group_process, "START_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(group_process, "FORK_STALL_S", 0.5)
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     try:
         t0 = time.monotonic()

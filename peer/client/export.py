@@ -33,6 +33,7 @@ from peer.logs import setup_logging
 from peer.progress import byte_bar
 from peer.runtoml import config_from_dict
 from peer.security import auth
+from peer.security.call_check import NO_TOKEN_HINT
 from peer.store.shard import Shard, ShardError, read_shard
 from peer.wire import anchormesh_pb2 as pb
 from peer.wire import anchormesh_pb2_grpc as pbg
@@ -179,7 +180,7 @@ def gather(
     """The run's config, run id and one checked shard per stage, each from its most-trained live
     peer; `token` is the run token (the tracker and the peers hand weights only to its holders)."""
     if not token:
-        raise ExportError(f"exporting a live run needs its token: {auth.NO_TOKEN_HINT}")
+        raise ExportError(f"exporting a live run needs its token: {NO_TOKEN_HINT}")
     creds = auth.Credentials(token=token)
     run, status = ask_tracker(tracker, creds=creds, tls_ca=tls_ca)
     if release_of(run.code_version) != __version__:  # the model's code is the release's; a commit apart cuts alike

@@ -20,12 +20,13 @@ Every gRPC call it makes carries its credentials and every call it serves is che
 then on presents the certificate the tracker gave it; its gate learns the banned keys from the
 heartbeat replies.
 
-This module wires the parts, each with one job and testable alone: membership.py (tracker,
-DHT, join, heartbeat), serving.py (Ping, GetShard), routing.py (next hops, resends, links),
-state_sync.py (the stage state to and from the group), checkpointing.py, averaging.py and
-anchors.py (the tracker's anchor and evaluation jobs). `PeerDaemon` holds what several parts
-share (the worker, the averager, the peer's figures) and runs the main loop; `run_peer` is the
-process entry.
+This module wires the parts, each with one job and testable alone: discovery.py (the DHT node,
+finding the tracker), membership.py (join, heartbeat, leave), serving.py (Ping, GetShard),
+routing.py (next hops, resends, links), state_sync.py (the stage state to and from the group),
+checkpointing.py, averaging.py and anchors.py (the tracker's anchor and evaluation jobs),
+stage_setup.py (placing and building the stage, starting its averager), stage_loop.py (the main
+loop) and figures.py (the metrics). `PeerDaemon` holds what several parts share (the worker, the
+averager, the peer's figures) and runs the startup sequence; `run_peer` is the process entry.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ import os
 import signal
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import grpc
@@ -45,37 +45,31 @@ import torch
 
 from peer.build import build
 from peer.daemon.anchors import AnchorJobs
-from peer.daemon.averaging import apply_step, bind_stage, start_averaging, step_lock
+from peer.daemon.averaging import bind_stage, step_lock
 from peer.daemon.checkpointing import Checkpointer
+from peer.daemon.discovery import TRACKER_CHANNEL_OPTIONS, dht_maddrs_from_tracker, find_tracker, start_dht
 from peer.daemon.feed import WorkFeed, open_feed
-from peer.daemon.membership import (
-    TRACKER_CHANNEL_OPTIONS,
-    Membership,
-    dht_maddrs_from_tracker,
-    find_tracker,
-    leave,
-    start_dht,
-)
-from peer.daemon.memory import anchor_snapshot_slots, check_fits, free_bytes, plan_stages
-from peer.daemon.pacing import ErrorPacing
+from peer.daemon.figures import peer_figures
+from peer.daemon.membership import Membership, leave
 from peer.daemon.replicas import Replicas, own_state_bytes
 from peer.daemon.restart import PEER_ID_ENV, exec_again
 from peer.daemon.routing import Router
 from peer.daemon.runlog import MetricsLog
 from peer.daemon.serving import Serving
+from peer.daemon.stage_loop import StageLoop
+from peer.daemon.stage_setup import build_worker, place_stage, start_group_averaging
 from peer.daemon.startup import StartupClock, process_age_s
 from peer.daemon.state_sync import StateSync
 from peer.dp.group import GroupAverager
-from peer.dp.hivemind_averager import connect_peers
 from peer.dp.signed_claims import ClaimSigner
 from peer.errors import AnchormeshError, ConfigError
 from peer.logs import setup_logging
-from peer.model.loading import load_stage, meta_stages
-from peer.model.placement import CPU_FP32, parse_device, resolve_placement
+from peer.model.placement import CPU_FP32, parse_device
 from peer.pipeline.grpc_transport import STAGE_POLICY, GrpcTransport
 from peer.pipeline.swarm_anchor import SwarmAnchor
-from peer.pipeline.worker import StageWorker, mean_loss
+from peer.pipeline.worker import StageWorker
 from peer.security import auth
+from peer.security.call_check import NO_TOKEN_HINT
 from peer.security.exposure import run_ca
 from peer.security.identity import Identity
 from peer.store.checkpoint import ShardCheckpoints
@@ -101,6 +95,28 @@ class PeerDaemon:
         startup: StartupClock | None = None,
         data_dir: Path | None = None,
     ) -> None:
+        """Bind the Stage service's port and build the parts; nothing joins until `run`.
+
+        Args:
+            tracker: the tracker's `HOST:PORT` (`run_peer` finds it through the DHT when not given).
+            host: the address the Stage service binds to; "0.0.0.0" to accept other machines
+                (then give `announce_host`), the default loopback for one-machine runs and tests.
+            grpc_port: the Stage service's port; 0 takes any free one (fix it to forward it).
+            device: where the stage trains: "auto" (the GPU when one is visible), "cpu", "cuda"
+                or "cuda:N"; the precision follows from the run's `[compute]` at Join.
+            dht: the run's hivemind DHT, started by the caller before any gRPC runs (hivemind
+                forks); None trains without stage-group averaging (tests of a lone peer).
+            state_dir: where checkpoints, the identity key and (stage 0) data shards are kept;
+                give one to resume after a restart, None keeps everything in memory.
+            announce_host: the address other peers dial, when it is not `host` (behind 0.0.0.0,
+                NAT or a port forward); None announces the bound address.
+            token: the run token from the bootstrap's bootstrap.json; a peer cannot join without it.
+            tls_ca: the run CA's PEM when the run uses TLS (`security.tls`); None: plaintext gRPC.
+            startup: the clock of the startup phases, from `run_peer` so the DHT's start is timed
+                too; None starts one at the process's start.
+            data_dir: stage 0: a folder of the run's prepared shards to use instead of downloading
+                them (only files whose hashes match the run's manifest are read).
+        """
         self.data_dir = (
             data_dir  # the volunteer's own prepared shards (--data-dir): used when their hashes match the run's
         )
@@ -145,13 +161,11 @@ class PeerDaemon:
         self.tokens = 0
         self.state, self.reason = "joining", ""
         self.loss = math.nan
-        self._rate = (time.monotonic(), 0)
         self.tokens_per_s = 0.0
         self.dropped = 0  # messages dropped after they failed in the stage loop
         self.anchor: SwarmAnchor | None = None
         self.move_reason = ""  # set when the tracker moves this peer to another stage
         self.terminated = False  # SIGTERM/SIGINT: leave for good, even when a move was asked
-        self._busy = 0.0  # seconds spent computing since the last rate update
         self.capacity = 0.0
         self.checkpoints: ShardCheckpoints | None = None  # with --state-dir, once the stage is known
         self.steps_done = 0  # optimizer steps this peer has taken itself
@@ -177,35 +191,10 @@ class PeerDaemon:
         return step_lock(self.averager, self._weights_lock)
 
     def metrics(self) -> dict:
-        """This peer's figures for its Prometheus endpoint (`--metrics-port`)."""
-        w, t = self.worker, self.transport
-        link_mbit, pp_keep = self.router.links()
-        written = self.checkpointer.written
-        return {
-            "id": self.peer_id,
-            "stage": w.stage.index if w else "",
-            "state": self.state,
-            "step": w.version if w else 0,
-            "tokens": self.tokens,
-            "tokens_per_s": self.tokens_per_s,
-            "capacity_tokens_per_s": self.capacity,
-            "loss": self.loss if w is not None and w.stage.is_last else None,
-            "queue_depth": len(w.inbox_fwd) + len(w.inbox_bwd) if w else 0,
-            "bytes_in": t.bytes_in,
-            "bytes_out": t.total_bytes(),
-            "dp_rounds": self.averager.rounds if self.averager else 0,
-            "dp_rejected": self.averager.rejected if self.averager else 0,
-            "dp_partial": self.averager.partial if self.averager else 0,
-            "dp_leaning": self.averager.leaning if self.averager else 0,
-            "dropped": self.dropped,
-            "refused_calls": sum(self.gate.refused.values()),
-            "link_mbit": link_mbit,
-            "pp_keep": pp_keep,
-            "dp_period_s": self.averager.period_s if self.averager else 0.0,
-            "checkpoint_step": written if self.checkpoints is not None and written else None,
-        }
+        """This peer's figures for its Prometheus endpoint (`--metrics-port`): figures.py."""
+        return peer_figures(self)
 
-    # -- main loop --------------------------------------------------------------------------
+    # -- the run: startup, the stage loop (stage_loop.py), leaving --------------------------
     def run(self, max_steps: int | None = None) -> None:
         def terminate(*_) -> None:
             self.terminated = True
@@ -218,79 +207,27 @@ class PeerDaemon:
         self.state_sync.run_clock = (time.monotonic(), a.start_step)
         self.membership.admitted(a)
         try:
-            self.placement = resolve_placement(self.device, cfg.compute)
-            plan = (
-                plans[a.stage]
-                if plans
-                else plan_stages(cfg, self.placement, dp_group=True, replica_in_memory=self.state_dir is None)[a.stage]
+            self.placement, plan, free = place_stage(
+                self.device, cfg, plans, a.stage, replica_in_memory=self.state_dir is None
             )
-            free = free_bytes(self.placement.device)
-            check_fits(plan, free, cfg.compute.memory_budget_gib, self.placement.device)
         except ConfigError as exc:  # the run's precision or this stage does not fit this device: say so and leave
             self._refuse_config(a.run_id, exc)
-        log.info(
-            "computing on %s; stage %d plans %.2f GiB of %.2f GiB free",
-            self.placement.describe(),
-            a.stage,
-            plan.need(self.placement.device) / 2**30,
-            free / 2**30,
-        )
         self.phase("averager")
-        if self.dht is not None and a.group_dht_maddrs:
-            log.info(
-                "dialled %d of %d stage mates' DHT nodes",
-                connect_peers(self.dht, list(a.group_dht_maddrs)),
-                len(a.group_dht_maddrs),
-            )
-        self.averager = start_averaging(  # forks before any gRPC runs and before the stage fills this process (the child keeps each page written later)
+        self.averager = start_group_averaging(  # forks before any gRPC runs and before the stage fills this process
             self.dht,
-            list(meta_stages(cfg.model, [a.stage], dtype=self.placement.master_dtype)[0].parameters()),
-            f"{a.run_id}_stage{a.stage}",
-            cfg.dp.inner_steps,
-            cfg.dp.outer_compression,
-            cfg.dp.link_share,
-            peer_id=self.peer_id,
-            link_bps=self.router.uplink_bps,
-            signer=ClaimSigner(self.identity, a.run_id, a.certificate, a.tracker_key) if a.certificate else None,
-            min_period_s=cfg.dp.min_period_s,
+            cfg,
+            a,
+            self.placement,
+            self.peer_id,
+            self.router.uplink_bps,
+            ClaimSigner(self.identity, a.run_id, a.certificate, a.tracker_key) if a.certificate else None,
             on_stuck=lambda: exec_again(self.peer_id, self.identity_to_keep()),
         )
         self.phase("stage")
-        stage = load_stage(
-            cfg.model, a.stage, seed=cfg.seed, device=self.placement.device, dtype=self.placement.master_dtype
+        self.worker, self.anchor = build_worker(
+            cfg, a, self.placement, plan, free, self.transport, self.router, self.peer_id
         )  # only this stage's layers
-        stage.train()
-        replica = uuid.uuid4().int % (1 << 20)  # makes this peer's micro-batch ids (and masks) its own
-        self.worker = StageWorker(
-            stage,
-            replica,
-            cfg,
-            self.transport,
-            a.run_id,
-            peer_id=self.peer_id,
-            next_hop=self.router.next_hop,
-            resolve=self.router.resolve,
-            local_steps=True,
-            placement=self.placement,
-        )
-        self.worker.version = a.start_step  # continue the run's step numbering (the group's state may raise it)
-        self.worker.next_mb = a.start_step * cfg.pipeline.micro_batches
-        snapshot_bytes = (
-            plan.anchor_snapshot or sum(p.numel() for p in stage.parameters()) * self.placement.compute_dtype.itemsize
-        )
-        slots = anchor_snapshot_slots(
-            free - plan.need(self.placement.device), snapshot_bytes, cfg.compute.anchor_snapshot_share
-        )
-        self.anchor = SwarmAnchor(
-            self.worker,
-            cfg.anchor.micro_batches,
-            self.router.siblings,
-            eval_batches=cfg.pipeline.eval_batches,
-            max_jobs=slots,
-        )
-        self.anchor.issued = (
-            a.anchors_issued
-        )  # the Join reply's ceiling: forged anchor ids are refused before the first heartbeat
+        stage = self.worker.stage
         bind_stage(self.averager, stage)
         channel = auth.tracker_channel(self.tracker, self.creds, TRACKER_CHANNEL_OPTIONS, self.tls_ca)
         stub = pbg.TrackerStub(channel)
@@ -320,7 +257,9 @@ class PeerDaemon:
         self.replicas.configure(a.run_id, cfg.checkpoint.replicate_every_s, self.state_dir, own_state_bytes(stage))
         if a.HasField("restore_from"):  # its whole group died: the newest replica another stage's peer keeps
             self.phase("restore")
-            self._restore(a)
+            holder = a.restore_from
+            download = self.replicas.fetchers(stage, self.state_sync.apply_state, f"the replica {holder.peer_id} holds")
+            self.state_sync.restore_from_replica(holder, a.start_step, a.stage, download[0])
         elif a.start_step > max(self.state_step, 0):  # the run has trained past what this peer holds: ask the group
             self.phase("state")
             download, weights = self.replicas.fetchers(
@@ -335,20 +274,7 @@ class PeerDaemon:
         if self.state_dir is not None and stage.is_last:
             metrics = self.metrics_log = MetricsLog(self.state_dir / "metrics.jsonl")
         try:
-            errors_seen, pacing = (
-                0,
-                ErrorPacing(log),
-            )  # an error that repeats waits longer each time (peer/daemon/pacing.py)
-            while not self.stop.is_set() and (max_steps is None or self.worker.version < max_steps):
-                self.transport.flush_parked()  # what waited for an address the last heartbeat brought
-                if self.transport.send_error_count != errors_seen:  # a lost message may have carried a basis
-                    errors_seen = self.transport.send_error_count
-                    self.worker.forget_sent()
-                try:
-                    self._tick(cfg, metrics)
-                except AnchormeshError as exc:  # one bad or late message never ends the peer
-                    self.dropped += 1
-                    pacing.failed(exc)
+            StageLoop(self, cfg, metrics).run(max_steps)
         finally:
             self.state = "left"
             moving = bool(self.move_reason) and not self.terminated
@@ -363,25 +289,6 @@ class PeerDaemon:
             if self.feed is not None:
                 self.feed.close()
             log.info("%s left after %d steps", self.peer_id, self.worker.version)
-
-    def _restore(self, a) -> None:
-        """This stage has no live peer: take the replica `a.restore_from` holds when it is newer
-        than this peer's own checkpoint; status says where the state came from and what was lost."""
-        holder = a.restore_from
-        if holder.step > max(self.state_step, 0):
-            self.reason = f"restoring its stage's state from the replica {holder.peer_id} holds (step {holder.step})"
-            download = self.replicas.fetchers(
-                self.worker.stage, self.state_sync.apply_state, f"the replica {holder.peer_id} holds"
-            )[0]
-            if self.state_sync.load_single(holder, download):  # a lone holder: the single-donor policy judges it
-                self.resumed_from = f"replica step {self.state_step} from {holder.peer_id}"
-        lost = max(a.start_step - max(self.state_step, 0), 0)
-        log.warning(
-            "stage %d had no live peer: resumed from %s (%d steps of its training lost)",
-            a.stage,
-            self.resumed_from,
-            lost,
-        )
 
     def identity_to_keep(self) -> str | None:
         """The key an exec must carry in its environment (with a state dir it is on disk)."""
@@ -406,70 +313,6 @@ class PeerDaemon:
             self.dht.shutdown()
         self.transport.close()
         channel.close()
-
-    def _tick(self, cfg, metrics: MetricsLog | None) -> None:
-        """One unit of work: a step when its gradients are in, else fast work, else anchor work."""
-        w, p = self.worker, cfg.pipeline
-        t0 = time.perf_counter()
-        w.drain()
-        self.anchor.drain()
-        self.anchor.apply_priors()
-        if w.ready(w.version):
-            w.gradients()
-            apply_step(w, self.averager, self._weights_lock, self.router.siblings)
-            self.steps_done += 1
-            if self.steps_done == 1:
-                self.startup_s = self.startup.done()  # logs where the time went
-            if cfg.checkpoint.every and w.version % cfg.checkpoint.every == 0:
-                self.checkpointer.write()
-            if w.stage.is_last:
-                losses = [x for step_losses in w.losses.values() for x in step_losses]
-                w.losses.clear()
-                self.loss = mean_loss(losses) if losses else self.loss  # one read of the device per step
-                if metrics is not None:
-                    metrics.write({"step": w.version, "loss": self.loss, "time": time.time()})
-            self.tokens += p.micro_batches * p.micro_batch_size * p.seq_len
-            self._busy += time.perf_counter() - t0
-            self._update_rate()
-            return
-        if w.stage.is_first:
-            self.router.retry_stale(w)
-            self.jobs.schedule(self.anchor, self.feed, cfg)
-        moved = w.backward_one() or (not w.stage.is_first and w.forward_one())
-        if w.stage.is_first and not moved:
-            step, j = divmod(w.next_mb, p.micro_batches)
-            if w.can_forward(step) and len(w.inflight) < p.micro_batches * (p.max_staleness + 1):
-                batch = None if not self.router.neighbours.get(1) else self.feed.take(p.micro_batch_size)
-                if batch is not None:
-                    w.inject(batch, step, j)
-                    w.next_mb += 1
-                    self.state, self.reason, moved = "active", "", True
-                else:
-                    self.state, self.reason = (
-                        "idle",
-                        self.feed.waiting if self.router.neighbours.get(1) else "waiting for a peer of stage 1",
-                    )
-        elif moved:
-            self.state, self.reason = "active", ""
-        if moved:  # capacity counts fast-circuit work only
-            self._busy += time.perf_counter() - t0
-        else:  # the fast queues are empty: anchor work
-            moved = self.anchor.tick(self.router.next_hop, self.router.resolve)
-        if not moved:
-            self.transport.wait(0.05)
-        self._update_rate()
-
-    def _update_rate(self) -> None:
-        """Every 2 s: tokens/s, and capacity = tokens/s over the fraction of time spent computing."""
-        now = time.monotonic()
-        t0, n0 = self._rate
-        if now - t0 > 2.0:
-            self.tokens_per_s = (self.tokens - n0) / (now - t0)
-            busy = self._busy / (now - t0)
-            if self.tokens_per_s > 0:  # smoothed: one window on a shared machine says little
-                now_capacity = self.tokens_per_s / max(busy, 0.05)
-                self.capacity = now_capacity if self.capacity == 0 else 0.7 * self.capacity + 0.3 * now_capacity
-            self._rate, self._busy = (now, self.tokens), 0.0
 
 
 def run_peer(
@@ -496,7 +339,7 @@ def run_peer(
     if not initial_peers and tracker is None:
         raise SystemExit("anchormesh peer: error: give --initial-peers or --tracker")
     if not token:
-        raise ConfigError("--token", None, f"a peer joins with the run's token: {auth.NO_TOKEN_HINT}")
+        raise ConfigError("--token", None, f"a peer joins with the run's token: {NO_TOKEN_HINT}")
     stop, startup = threading.Event(), StartupClock(process_age_s)
     tls_ca = run_ca(tracker, tracker_key, stop) if fetch_tls and tracker is not None else tls_ca
     if not initial_peers:

@@ -120,6 +120,25 @@ class StateSync:
         it to compare with, so the single-donor policy judges it (peer/daemon/state_witness.py)."""
         return self._ask(holder, self._witnesses([], None), download, lone=True)
 
+    def restore_from_replica(
+        self, holder: pb.PeerInfo, start_step: int, stage: int, download: Callable[[pb.PeerInfo], bool]
+    ) -> None:
+        """Stage `stage` has no live peer: take the replica `holder` keeps when it is newer than
+        this peer's own checkpoint; the reason says where the state came from and the log what was
+        lost (the run is at `start_step`)."""
+        peer = self.peer
+        if holder.step > max(peer.state_step, 0):
+            peer.reason = f"restoring its stage's state from the replica {holder.peer_id} holds (step {holder.step})"
+            if self.load_single(holder, download):  # a lone holder: the single-donor policy judges it
+                peer.resumed_from = f"replica step {peer.state_step} from {holder.peer_id}"
+        lost = max(start_step - max(peer.state_step, 0), 0)
+        log.warning(
+            "stage %d had no live peer: resumed from %s (%d steps of its training lost)",
+            stage,
+            peer.resumed_from,
+            lost,
+        )
+
     def load_group_state(
         self, donors: Sequence[pb.PeerInfo], download: Callable[[pb.PeerInfo], bool], weights: Weights | None = None
     ) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from peer.dp.robust import trimmed_mean
-from peer.dp.steering import GROUP_COSINE, away_from_own
+from peer.dp.steering import BIAS_MEMBERS, GROUP_COSINE, BiasTracker, away_from_own
 
 MAX_CORRECTION = 4.0  # see implausible
 DRIFT_FLOOR = (
@@ -51,6 +51,20 @@ def member_updates(
     mean where the members send parameters rather than deltas."""
     at_base = take(base, index)
     return {k: (v if compression == "int8" else v - at_base) for k, v in revealed.items()}
+
+
+def lean_of_round(
+    bias: BiasTracker, audit, base: list[torch.Tensor], index: list[torch.Tensor], compression: str, me: str
+) -> list[str]:
+    """Feed a round's revealed updates (`audit`: peer/dp/audit.py) to `bias`, the tracker of each
+    member's lean over rounds (peer/dp/steering.py); the members it names ("peer: why"), whose
+    rounds are logged and listed, not refused. Nothing when the reveal failed or is too small."""
+    revealed = audit.tensors()
+    if audit.failed or len(revealed) < BIAS_MEMBERS or len({v.numel() for v in revealed.values()}) != 1:
+        return []
+    bias.start()
+    updates = member_updates(revealed, base, index, compression)
+    return bias.observe(updates, bias.reference(lambda ts: take(ts, index)), me)
 
 
 def attribute(

@@ -30,7 +30,8 @@ first donor that answers, with no size bound): it goes over the Stage service
 (peer/daemon/replicas.py), and the averager refuses hivemind's state downloads.
 
 This module is the driver (`GroupAverager`): it offers rounds, applies or refuses their results
-and keeps the counters the status shows; hivemind's averager itself is peer/dp/hivemind_averager.py.
+and keeps the counters the status shows; hivemind's averager itself is peer/dp/hivemind_averager.py,
+and starting its process (settings, forks that hang) peer/dp/group_process.py.
 """
 
 from __future__ import annotations
@@ -45,33 +46,18 @@ from concurrent.futures import Future
 
 import torch
 
-from peer.dp.claims import attribute, implausible, member_updates, split_index, take
-from peer.dp.hivemind_averager import RoundResult, absmax_8bit, averager_class, lost_masks
+from peer.dp.claims import attribute, implausible, lean_of_round, split_index, take
+from peer.dp.group_process import MIN_MATCHMAKING_S, start_averager
+from peer.dp.hivemind_averager import RoundResult, lost_masks
 from peer.dp.schedule import MIN_PERIOD_S, WIRE_BYTES, RoundSchedule, round_bytes
 from peer.dp.signed_claims import ClaimSigner
-from peer.dp.steering import BIAS_MEMBERS, BiasTracker
-from peer.errors import AnchormeshError
-from peer.stall import stall_watch
+from peer.dp.steering import BiasTracker
 
 log = logging.getLogger(__name__)
 
 
 STUCK_ROUND_FACTOR = 3.0  # a round pending this many times its timeout (plus its transfer time, below) is cancelled
 SLOWEST_LINK_BPS = 1.25e6  # 10 Mbit/s: the slowest link a round's bytes are allowed to take before it counts as stuck
-START_TIMEOUT_S, START_TRIES = 30.0, 3  # the averaging process normally starts in 1-3 s
-FORK_STALL_S = 15.0  # a parent still inside run_in_background this long after its wait ended is stuck in the fork
-# hivemind matchmaking: the leader forms the group when its declared window ends (it cannot know
-# the group's size), polling the DHT without pause until then: a round costs at least
-# MIN_MATCHMAKING_S of that. 1 s, not 2: members now arrive within about a step of each other, and
-# the first window is stretched to cover that step (`match_window_s`). A join request is answered
-# within REQUEST_TIMEOUT_S (hivemind wants it below the window, or two requests can deadlock)
-MIN_MATCHMAKING_S, REQUEST_TIMEOUT_S = 1.0, 0.8
-# hivemind waits for the next chunk of a member's all-reduce stream without limit by default, so
-# one silent member (stalled, gone without closing its streams) held the round until it counted as
-# stuck (STUCK_ROUND_FACTOR timeouts). A sender silent this long is left out (a reducer twice as
-# long); the round goes on without it (`claims.left_out`, `RoundResult.lost`). A part is at most 512 KiB:
-# 0.4 s on the slowest link allowed, so the floor is for a busy CPU, not the wire.
-NEXT_CHUNK_S = 15.0
 MATCH_FLOOR_S = (
     5.0  # a round looks for its group for at least this long (DHT round trips on a WAN), however short the period
 )
@@ -122,8 +108,6 @@ class GroupAverager:
         min_period_s: float = MIN_PERIOD_S,
         on_stuck: Callable[[], None] | None = None,
     ) -> None:
-        from hivemind.compression import NoCompression
-
         if compression not in WIRE_BYTES:
             raise ValueError(f"compression must be one of {', '.join(WIRE_BYTES)}, not {compression!r}")
         self.compression = compression
@@ -177,51 +161,7 @@ class GroupAverager:
             list(params)
         )  # each member's lean over rounds (host memory: four copies of the stage, from a round of three members)
         self.leaning = 0  # members named by `bias` (also in `suspects`)
-        for attempt in range(1, START_TRIES + 1):
-            self.averager = averager_class()(
-                # host copies (hivemind puts them in shared memory for its forked process, which
-                # must never touch CUDA); the base and the offered copy stay where the weights are
-                [torch.zeros(p.shape, dtype=p.dtype) if p.is_meta else p.detach().to("cpu", copy=True) for p in params],
-                dht,
-                start=False,
-                prefix=prefix,
-                target_group_size=None,
-                min_group_size=2,
-                min_matchmaking_time=MIN_MATCHMAKING_S,
-                request_timeout=REQUEST_TIMEOUT_S,
-                next_chunk_timeout=NEXT_CHUNK_S,
-                compression=absmax_8bit() if compression == "int8" else NoCompression(),
-                allow_state_sharing=False,  # a joiner's state comes over the Stage service
-                signer=signer,
-            )
-            try:
-                # hivemind forks its averaging process; a fork beside live threads (gRPC's, the DHT
-                # client's) now and then leaves the child stuck before it is ready, and hivemind
-                # would wait for it forever: wait a bounded time, then kill it and fork again.
-                # Rarer, the parent never returns from the fork itself: `on_stuck` (the daemon
-                # starts its process again) is called from a watchdog, and where that cannot run
-                # (the GIL held inside fork) the daemon's process ends itself (see peer/stall.py)
-                with stall_watch(
-                    START_TIMEOUT_S + FORK_STALL_S,
-                    "forking the stage-group averaging process",
-                    on_stuck or (lambda: None),
-                    exit_after_s=START_TIMEOUT_S + 2 * FORK_STALL_S if on_stuck else None,
-                ):
-                    self.averager.run_in_background(await_ready=True, timeout=START_TIMEOUT_S)
-                break
-            except TimeoutError:
-                log.warning(
-                    "the stage-group averaging process did not start within %.0fs (try %d of %d); starting it again",
-                    START_TIMEOUT_S,
-                    attempt,
-                    START_TRIES,
-                )
-                self.averager.kill()
-                self.averager.join(5)
-        else:
-            raise AnchormeshError(
-                f"the stage-group averaging process did not start in {START_TRIES} tries of {START_TIMEOUT_S:.0f}s"
-            )
+        self.averager = start_averager(params, dht, prefix, compression, signer, on_stuck)
         if not any(p.is_meta for p in params):
             self.bind(params)
 
@@ -376,7 +316,9 @@ class GroupAverager:
             why = "the round was not audited"
         if not why:
             why, named = self._attribute(group, audit, result, index, kept)
-            self._lean(audit, index)
+            leaning = lean_of_round(self.bias, audit, self._base, index, self.compression, str(self.averager.peer_id))
+            self.leaning += len(leaning)
+            self.suspects.extend(leaning)
         why = why or implausible(means, self._offered, self._base)
         if why:  # keep the local weights and the old base: as if the round had not happened
             self.rejected += 1
@@ -437,20 +379,6 @@ class GroupAverager:
             )
             self.left_out += 1
         return why, named
-
-    def _lean(self, audit, index: list[torch.Tensor]) -> None:
-        """Feed the round's revealed updates to the tracker of each member's lean over rounds
-        (peer/dp/steering.py); a member it names is logged and listed, its rounds not refused."""
-        revealed = audit.tensors()
-        if audit.failed or len(revealed) < BIAS_MEMBERS or len({v.numel() for v in revealed.values()}) != 1:
-            return
-        self.bias.start()
-        updates = member_updates(revealed, self._base, index, self.compression)
-        leaning = self.bias.observe(
-            updates, self.bias.reference(lambda ts: take(ts, index)), str(self.averager.peer_id)
-        )
-        self.leaning += len(leaning)
-        self.suspects.extend(leaning)
 
     def rebase(self) -> None:
         """After the parameters were replaced wholesale (a downloaded state): they are the new

@@ -48,7 +48,36 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class StageWorker:
-    """One replica of one stage: module, optimizer, codec ends and in-flight micro-batches."""
+    """One replica of one stage: module, optimizer, codec ends and in-flight micro-batches.
+
+    Args:
+        stage: the stage's layers (peer/model/stages.py); moved to `placement`'s device in fp32
+            master weights. The worker trains it in place.
+        replica: which replica of the stage this is; it makes micro-batch ids (and so masks) of
+            one sender its own. Locally 0..R-1; the swarm daemon draws a random 20-bit number.
+        cfg: the run's config: the codec (`mask`), optimizer and correction (`optim`,
+            `spectral`), micro-batching and staleness (`pipeline`), link bounds (`security`).
+        transport: what carries its messages (peer/pipeline/transport.py): the in-process one of
+            the local runner, or the daemon's gRPC transport, so bytes counted are bytes sent.
+        run_id: carried in every message header; a message of another run is refused.
+        version: optimizer steps already applied: 0 for a fresh run, the run's step for a peer
+            that joins a trained run (its steps continue the run's numbering).
+        next_mb: stage 0: the next micro-batch to inject, counted over all steps (start_step * M
+            for a joiner).
+        peer_id: the swarm: this peer's id, its address and its name in headers. None: the local
+            layout, where replica r of stage s talks to replica r of s +- 1.
+        next_hop: the swarm: picks the next-stage peer for a new activation (peer/daemon/routing.py).
+        local_steps: the swarm: a step is any M micro-batches from any sender, and middle stages
+            forward on a stashed copy of the weights so a step may land between forward and
+            backward. False (local runner): a step is this replica's own M micro-batches.
+        resolve: the swarm: a sender's name to its address, to send a gradient back.
+        compute: the clock of compute seconds per micro-batch that link adaptation reads;
+            the default starts a fresh one.
+        placement: device and precision (peer/model/placement.py); the default is fp32 on CPU.
+
+    The other fields are the worker's own state (queues, in-flight micro-batches, gradients,
+    losses, retries); leave them to their defaults.
+    """
 
     stage: StageModule
     replica: int

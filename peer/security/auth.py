@@ -21,13 +21,14 @@ cancelled. Every refusal is counted and logged (at most one line per caller and 
 
 The credentials cover the call, not each message's bytes: with plain TCP an on-path attacker
 could splice a member's open stream. `[security] tls` closes that.
+
+This module holds both ends: what a client presents (`Credentials`, `open_channel`) and the
+server's `Gate`; the rules that verify one call's headers are peer/security/call_check.py.
 """
 
 from __future__ import annotations
 
 import collections
-import hashlib
-import hmac
 import logging
 import secrets
 import threading
@@ -38,18 +39,32 @@ from dataclasses import dataclass, field
 import grpc
 
 from peer.security.admission import Admission, RateLimit, host_of, refusal  # noqa: F401  (RateLimit: auth.RateLimit for callers)
-from peer.security.identity import Identity, certificate_bytes, fingerprint, verify
+from peer.security.call_check import (
+    H_CERT,
+    H_KEY,
+    H_MAC,
+    H_NONCE,
+    H_OP,
+    H_PEER,
+    H_SIG,
+    H_TS,
+    H_WIRE,
+    MAX_SKEW_S,
+    MEMBER,
+    OPEN,
+    OPERATOR,
+    TOKEN,
+    Caller,
+    Refused,
+    call_bytes,
+    check_call,
+    mac,
+)
+from peer.security.identity import Identity
 from peer.security.limits import METHOD_LIMITS, bound
 from peer.wire.version import wire_version
 
 log = logging.getLogger("anchormesh.auth")
-
-OPEN, TOKEN, MEMBER, OPERATOR = "open", "token", "member", "operator"
-H_PEER, H_KEY, H_CERT, H_SIG = "am-peer", "am-key-bin", "am-cert-bin", "am-sig-bin"
-H_TS, H_NONCE, H_MAC, H_OP = "am-ts", "am-nonce", "am-mac", "am-op"
-H_WIRE = "am-wire"  # the caller's wire version (peer/wire/version.py): a member of another one is refused
-MAX_SKEW_S = 300.0  # clocks of volunteers' machines may differ this much (NTP keeps them far closer)
-NO_TOKEN_HINT = 'pass --token or set ANCHORMESH_TOKEN (the "token" in the bootstrap\'s bootstrap.json)'
 
 
 def tls_hint(details: str | None, tls: bool) -> str:
@@ -69,14 +84,6 @@ def new_secret() -> str:
     return secrets.token_hex(32)
 
 
-def _call_bytes(method: str, peer: str, ts: str, nonce: str, key: bytes) -> bytes:
-    return f"anchormesh-call\n{method}\n{peer}\n{ts}\n{nonce}\n".encode() + key
-
-
-def _mac(secret: str, data: bytes) -> str:
-    return hmac.new(secret.encode(), data, hashlib.sha256).hexdigest()
-
-
 @dataclass
 class Credentials:
     """What a client presents; mutable, so a peer's channels pick up its certificate after Join."""
@@ -90,16 +97,16 @@ class Credentials:
         ts, nonce = f"{time.time():.3f}", secrets.token_hex(12)
         ident = self.identity
         peer, key = (ident.peer_id, ident.public) if ident else ("", b"")
-        data = _call_bytes(method, peer, ts, nonce, key)
+        data = call_bytes(method, peer, ts, nonce, key)
         md: list[tuple[str, str | bytes]] = [(H_TS, ts), (H_NONCE, nonce), (H_WIRE, wire_version())]
         if ident is not None:
             md += [(H_PEER, peer), (H_KEY, key)]
             if self.certificate:
                 md += [(H_CERT, self.certificate), (H_SIG, ident.sign(data))]
         if self.token:
-            md.append((H_MAC, _mac(self.token, data)))
+            md.append((H_MAC, mac(self.token, data)))
         if self.operator:
-            md.append((H_OP, _mac(self.operator, data)))
+            md.append((H_OP, mac(self.operator, data)))
         return md
 
 
@@ -170,23 +177,6 @@ def tracker_channel(
     from peer.security.tls import TRACKER_NAME
 
     return open_channel(target, creds, options, tls_ca, server_name=TRACKER_NAME)
-
-
-@dataclass(frozen=True)
-class Caller:
-    role: str
-    peer_id: str = ""
-    key: bytes = b""
-
-    @property
-    def name(self) -> str:
-        return self.peer_id or self.role
-
-
-class Refused(Exception):
-    def __init__(self, code: grpc.StatusCode, text: str) -> None:
-        super().__init__(text)
-        self.code, self.text = code, text
 
 
 @dataclass
@@ -277,77 +267,21 @@ class Gate(grpc.ServerInterceptor):
 
     # -- the checks -------------------------------------------------------------------------
     def check(self, method: str, md: dict, roles: frozenset[str]) -> Caller:
-        """The verified caller of `method`, or Refused (code + text)."""
-        unauth, denied = grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED
-        ts, nonce = str(md.get(H_TS, "")), str(md.get(H_NONCE, ""))
-        peer, key = str(md.get(H_PEER, "")), md.get(H_KEY, b"")
-        if not isinstance(key, bytes):
-            raise Refused(unauth, f"{H_KEY} must be binary metadata")
-        presented = [h for h in (H_CERT, H_MAC, H_OP) if h in md]
-        if not presented:
-            raise Refused(unauth, f"{method} needs credentials and the call has none: {NO_TOKEN_HINT}")
-        try:
-            age = abs(self.clock() - float(ts))
-        except ValueError:
-            raise Refused(unauth, f"{H_TS}={ts[:40]!r} is not a time") from None
-        if age > MAX_SKEW_S:
-            raise Refused(
-                unauth,
-                f"the call's time is {age:.0f}s off this server's clock (at most {MAX_SKEW_S:.0f}s): fix the caller's clock",
-            )
-        if not 8 <= len(nonce) <= 64:
-            raise Refused(unauth, f"{H_NONCE} must be 8-64 characters")
-        data = _call_bytes(method, peer, ts, nonce, key)
-        caller = None
-        if H_OP in md and self.operator and hmac.compare_digest(str(md[H_OP]), _mac(self.operator, data)):
-            caller = Caller(OPERATOR, peer, key)
-        elif H_CERT in md:
-            caller = self._member(md, peer, key, data)
-        elif H_MAC in md:
-            if not self.token:
-                raise Refused(unauth, "this server does not know the run token yet")
-            if not hmac.compare_digest(str(md[H_MAC]), _mac(self.token, data)):
-                raise Refused(
-                    unauth, "wrong run token: check --token / ANCHORMESH_TOKEN against the bootstrap's bootstrap.json"
-                )
-            caller = Caller(TOKEN, peer, key)
-        else:
-            raise Refused(unauth, "wrong operator key")
-        if key and fingerprint(key) in self.banned:
-            raise Refused(
-                denied, f"peer {peer or fingerprint(key)} is banned from this run: {self.banned[fingerprint(key)]}"
-            )
-        if caller.role not in roles:
-            raise Refused(
-                denied, f"{method} takes {' or '.join(sorted(roles))} credentials; the caller has {caller.role} ones"
-            )
-        if (
-            caller.role == MEMBER and md.get(H_WIRE) != wire_version()
-        ):  # every stream's first headers: never a silent mis-decode
-            theirs = md.get(H_WIRE) or "none (a build older than wire versions)"
-            raise Refused(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"peer {peer!r} speaks wire version {str(theirs)[:40]}, this peer {wire_version()}: both must run a build of the same wire version",
-            )
-        self._fresh(nonce)
+        """The verified caller of `method`, or Refused (code + text): peer/security/call_check.py
+        says the rules; a nonce seen before is refused here."""
+        caller = check_call(
+            method,
+            md,
+            roles,
+            token=self.token,
+            operator=self.operator,
+            tracker_key=self.tracker_key,
+            run_id=self.run_id,
+            banned=self.banned,
+            now=self.clock(),
+        )
+        self._fresh(str(md.get(H_NONCE, "")))
         return caller
-
-    def _member(self, md: dict, peer: str, key: bytes, data: bytes) -> Caller:
-        unauth = grpc.StatusCode.UNAUTHENTICATED
-        cert, sig = md.get(H_CERT, b""), md.get(H_SIG, b"")
-        if not self.tracker_key:
-            raise Refused(unauth, "this server has not joined a run yet")
-        if (
-            not isinstance(cert, bytes)
-            or not isinstance(sig, bytes)
-            or not verify(self.tracker_key, cert, certificate_bytes(self.run_id, peer, key))
-        ):
-            raise Refused(
-                unauth, f"peer {peer!r}: its certificate was not issued by this run's tracker (another run, or forged)"
-            )
-        if not verify(key, sig, data):
-            raise Refused(unauth, f"peer {peer!r}: the call's signature does not match its key")
-        return Caller(MEMBER, peer, key)
 
     def _fresh(self, nonce: str) -> None:
         """Refuse a replayed call (its nonce seen within the time window)."""

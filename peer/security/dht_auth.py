@@ -16,15 +16,10 @@ Two mechanisms, each for its own threat:
   17); with Ed25519 an RPC's two signatures and two checks take about half the CPU
   (`python -m peer.bench.dht_auth_cost`). All nodes of a run must run this version: an older
   node's RSA-keyed access token is refused.
-- **Signed tracker records** (`TrackerRecordValidator`, `sign_record`, `check_record`): the
-  tracker's address is stored under `TRACKER_RECORD_KEY` as a dictionary whose subkey is the
-  signer's Ed25519 public key (hex) and whose value `{"run_id", "tracker", "key", "sig"}` carries
-  the signer's signature over run id, address, key and the record's DHT expiry. Every node refuses
-  plain values, malformed or wrongly signed records and expiries more than `MAX_RECORD_TTL_S`
-  ahead (so nobody squats the key for long); a node that knows the tracker's public key
-  (the bootstrap, a peer given `bootstrap.json` or `--tracker-key`) refuses every other signer.
-  Why a signature and not an HMAC under the run token: every member holds the token, so an HMAC
-  could not tell the bootstrap from a member posing as the tracker.
+- **Signed tracker records** (peer/security/tracker_record.py): only the bootstrap can publish
+  where the tracker is; every node checks the records it stores or receives.
+
+`dht_kwargs` gives every `hivemind.DHT` of the run both.
 
 Not covered: hivemind's averager RPCs (matchmaking, all-reduce, state download) have no
 authorizer hook in hivemind 1.1; they are reached by libp2p peer id (see docs/operator.md).
@@ -41,23 +36,17 @@ import secrets
 import time
 from collections.abc import Callable
 
-from hivemind.dht.routing import DHTID
-from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.auth import AuthorizedRequestBase, AuthorizedResponseBase, AuthorizerBase
-from hivemind.utils.serializer import MSGPackSerializer
 
 from peer.security.identity import KEY_BYTES, Identity, verify
+from peer.security.tracker_record import TRACKER_RECORD_KEY, TrackerRecordValidator, publish_tracker  # noqa: F401  (bootstrap/node.py reads them here)
 
 log = logging.getLogger("anchormesh.dht")
 
 USERNAME = "anchormesh-dht"
 ACCESS_TTL_S = 3600.0  # an access token lives an hour, renewed when a quarter is left
 MAX_SKEW_S = 300.0  # as peer/security/auth.py: volunteers' clocks may differ this much
-TRACKER_RECORD_KEY = "anchormesh/tracker"
-TRACKER_KEY_ID = DHTID.generate(source=TRACKER_RECORD_KEY).to_bytes()
-MAX_RECORD_TTL_S = 300.0  # the bootstrap stores 60 s expiries; far ones are squatting
-TRACKER_KEY_ENV = "ANCHORMESH_TRACKER_KEY"
 REQUEST_WINDOW_S = 60.0  # a request's time may be this far off the receiver's clock (as hivemind's)
 NONCE_BYTES = 16
 MAX_NONCES = 100_000  # about 28 MB at most; a busy DHT node takes a few thousand requests a minute
@@ -260,109 +249,6 @@ def _signed_bytes(domain: bytes, message: AuthorizedRequestBase | AuthorizedResp
         return domain + message.SerializeToString(deterministic=True)
     finally:
         auth.signature = signature
-
-
-# -- the tracker record -------------------------------------------------------------------------
-def record_bytes(run_id: str, tracker: str, key_hex: str, expiration: float) -> bytes:
-    """What the bootstrap signs: the expiry is in it, so an old record cannot be stored again later."""
-    return "\0".join(("anchormesh-tracker-record", run_id, tracker, key_hex, repr(float(expiration)))).encode()
-
-
-def sign_record(identity: Identity, run_id: str, tracker: str, expiration: float) -> tuple[str, dict]:
-    """(subkey, value) of the tracker record for `dht.store(TRACKER_RECORD_KEY, value, expiration, subkey=subkey)`."""
-    key_hex = identity.public.hex()
-    sig = identity.sign(record_bytes(run_id, tracker, key_hex, expiration)).hex()
-    return key_hex, {"run_id": run_id, "tracker": tracker, "key": key_hex, "sig": sig}
-
-
-def publish_tracker(dht, identity: Identity, run_id: str, tracker: str, ttl_s: float) -> bool:
-    """Store the tracker's signed record for `ttl_s` seconds (what the bootstrap does every ttl/3)."""
-    from hivemind.utils import get_dht_time
-
-    expiration = get_dht_time() + ttl_s
-    subkey, record = sign_record(identity, run_id, tracker, expiration)
-    return bool(dht.store(TRACKER_RECORD_KEY, record, expiration, subkey=subkey))
-
-
-def check_record(
-    subkey: object,
-    value: object,
-    expiration: float,
-    tracker_key: bytes | None = None,
-    run_id: str | None = None,
-    now: float | None = None,
-) -> str | None:
-    """Why this tracker record is refused (None: it is the tracker's, or with no `tracker_key`, a
-    well-signed one). `now` bounds the expiry (None: not checked)."""
-    if (
-        not isinstance(value, dict)
-        or set(value) != {"run_id", "tracker", "key", "sig"}
-        or not all(isinstance(v, str) for v in value.values())
-    ):
-        return "not a signed tracker record (a plain value, or fields missing)"
-    if subkey != value["key"]:
-        return "its subkey is not its signer's key"
-    try:
-        key, sig = bytes.fromhex(value["key"]), bytes.fromhex(value["sig"])
-    except ValueError:
-        return "key or signature is not hex"
-    if len(key) != KEY_BYTES:
-        return "the signer's key is not an Ed25519 key"
-    if now is not None and expiration > now + MAX_RECORD_TTL_S:
-        return f"expires {expiration - now:.0f}s ahead (at most {MAX_RECORD_TTL_S:.0f}s)"
-    if not verify(key, sig, record_bytes(value["run_id"], value["tracker"], value["key"], expiration)):
-        return "bad signature"
-    if tracker_key is not None and key != tracker_key:
-        return f"signed by {value['key'][:16]}..., not by this run's tracker key {tracker_key.hex()[:16]}..."
-    if run_id is not None and value["run_id"] != run_id:
-        return f"for run {value['run_id'][:40]!r}, not {run_id!r}"
-    return None
-
-
-def verified_trackers(
-    found: object, tracker_key: bytes | None = None, run_id: str | None = None
-) -> tuple[list[tuple[float, dict]], list[tuple[str, str]]]:
-    """What `dht.get(TRACKER_RECORD_KEY, latest=True)` returned, checked again here (a node's
-    validator may not know the key): ([(expiry, record)] newest first, [(signer, why refused)])."""
-    value = getattr(found, "value", None)
-    if found is None:
-        return [], []
-    if not isinstance(value, dict):
-        return [], [("?", "not a signed tracker record (a plain value)")]
-    good, refused, now = [], [], time.time()
-    for subkey, item in value.items():
-        record, expiration = getattr(item, "value", None), float(getattr(item, "expiration_time", 0.0))
-        problem = check_record(subkey, record, expiration, tracker_key, run_id, now)
-        if problem is None:
-            good.append((expiration, record))
-        else:
-            refused.append((str(subkey)[:16], problem))
-    good.sort(key=lambda g: g[0], reverse=True)
-    return good, refused
-
-
-class TrackerRecordValidator(RecordValidatorBase):
-    """hivemind checks every record a node stores or receives with it; for the tracker key it
-    applies `check_record` (pinned to `tracker_key` when this node knows it). The run id is
-    left to `find_tracker`: the signature already names the run's tracker."""
-
-    def __init__(self, tracker_key: bytes | None = None) -> None:
-        self.tracker_key = tracker_key
-
-    def validate(self, record: DHTRecord) -> bool:
-        if record.key != TRACKER_KEY_ID:
-            return True
-        try:
-            subkey, value = MSGPackSerializer.loads(record.subkey), MSGPackSerializer.loads(record.value)
-        except Exception:  # msgpack raises several kinds on junk
-            subkey = value = None
-        problem = check_record(subkey, value, record.expiration_time, self.tracker_key, now=time.time())
-        if problem:
-            log.debug("refused a tracker record: %s", problem)
-        return problem is None
-
-    def merge_with(self, other: RecordValidatorBase) -> bool:
-        return isinstance(other, TrackerRecordValidator) and other.tracker_key == self.tracker_key
 
 
 def dht_kwargs(token: str, tracker_key: bytes | None = None, identity: Identity | None = None) -> dict:
