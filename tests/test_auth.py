@@ -204,7 +204,8 @@ def test_fuzzed_credentials_are_refused_never_crash_the_server(server: Server, d
 # -- the tracker: Join needs the token and a key; the certificate it issues opens every peer --------
 def test_join_issues_a_certificate_that_other_peers_accept_and_a_ban_revokes(tmp_path) -> None:
     from bootstrap import keys
-    from bootstrap.node import default_run, serve_tracker
+    from bootstrap.node import default_run
+    from bootstrap.server import serve_tracker
     from bootstrap.tracker import Tracker
     from peer.pipeline.grpc_transport import STAGE_POLICY
     from peer.wire import anchormesh_pb2 as pb
@@ -298,7 +299,9 @@ def test_status_streams_have_their_own_budget_and_compressed_calls_are_refused()
     """240 anonymous WatchStatus streams once made a valid Join fail: now at most MAX_WATCHERS
     stream at once, the next one is told so, and the tracker still answers everything else; a
     gzip-compressed call is refused before it is inflated."""
-    from bootstrap.node import MAX_WATCHERS, default_run, serve_tracker
+    from bootstrap.node import default_run
+    from bootstrap.server import serve_tracker
+    from bootstrap.services import MAX_WATCHERS
     from bootstrap.tracker import Tracker
     from peer.wire import anchormesh_pb2 as pb
     from peer.wire import anchormesh_pb2_grpc as pbg

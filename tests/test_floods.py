@@ -42,7 +42,8 @@ def stop(proc: subprocess.Popen) -> None:
 @pytest.fixture
 def tracker(tmp_path):
     from bootstrap import keys
-    from bootstrap.node import default_run, serve_tracker
+    from bootstrap.node import default_run
+    from bootstrap.server import serve_tracker
     from bootstrap.tracker import Tracker
 
     cfg = default_run()

@@ -251,7 +251,8 @@ def test_the_tracker_refuses_oversized_joins_status_calls_and_heartbeat_reports_
     tmp_path, caplog: pytest.LogCaptureFixture
 ) -> None:
     from bootstrap import keys
-    from bootstrap.node import default_run, serve_tracker
+    from bootstrap.node import default_run
+    from bootstrap.server import serve_tracker
     from bootstrap.tracker import Tracker
 
     secrets = keys.load_or_create(tmp_path, TOKEN)

@@ -20,9 +20,9 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from bootstrap.node import serve_tracker
 from bootstrap.persist import StateSaver
 from bootstrap.run_data import DataFiles, data_order
+from bootstrap.server import serve_tracker
 from bootstrap.tracker import Tracker
 from peer.config import ModelConfig, PipelineConfig, TrainConfig
 from peer.daemon.feed import READY_STEPS, WorkFeed
