@@ -112,12 +112,15 @@ def run_bootstrap(
     token: str | None = None,
     insecure_plaintext: bool = False,
     public_status: bool = False,
+    dial_back: bool = True,
 ) -> None:
     """Run until SIGTERM/SIGINT. With `announce_host`, the published tracker address and the DHT's
-    multiaddrs name that host instead of the bound one (needed behind 0.0.0.0: peers elsewhere
-    cannot dial 0.0.0.0, and hivemind would list the container's own addresses). `token` sets
-    the run token (default: the stored one, or a new random one). Off loopback the run uses TLS
-    and a private status unless `insecure_plaintext` / `public_status` say otherwise."""
+        multiaddrs name that host instead of the bound one (needed behind 0.0.0.0: peers elsewhere
+        cannot dial 0.0.0.0, and hivemind would list the container's own addresses). `token` sets
+        the run token (default: the stored one, or a new random one). Off loopback the run uses TLS
+        and a private status unless `insecure_plaintext` / `public_status` say otherwise. `dial_back`
+    (default on; `--no-dial-back` turns it off): Join refuses a peer whose announced addresses do
+    not answer (bootstrap/dial_back.py)."""
     import hivemind
 
     setup_logging()
@@ -174,7 +177,9 @@ def run_bootstrap(
     ports: dict[str, int] = {}
     saver = persist.StateSaver(tracker, state_dir, ports)
     files = DataFiles(data) if isinstance(data, PreparedData) else None  # data on the hub: peers download it there
-    server, address = serve_tracker(tracker, host, port, secrets, ca, files, saver.commit, private_status=private)
+    server, address = serve_tracker(
+        tracker, host, port, secrets, ca, files, saver.commit, private_status=private, dial_back=dial_back
+    )
     ports |= {
         "tracker": int(address.rsplit(":", 1)[1]),
         "dht": int(maddrs[0].split("/tcp/")[1].split("/")[0]) if maddrs else dht_port,

@@ -13,6 +13,7 @@ from concurrent import futures
 import grpc
 
 from bootstrap import keys
+from bootstrap.dial_back import DialBack
 from bootstrap.run_data import DataFiles
 from bootstrap.services import MAX_WATCHERS, handlers
 from bootstrap.tracker import Tracker
@@ -61,12 +62,14 @@ def serve_tracker(
     files: DataFiles | None = None,
     commit: Callable[[], None] | None = None,
     private_status: bool | None = None,
+    dial_back: bool = True,
 ) -> tuple[grpc.Server, str]:
     """The Tracker and Status services; with `secrets` every call goes through a Gate (tests may
-    leave it out to drive the services bare). With `ca` (peer/tls.RunCA) it serves TLS, vouched
-    by the tracker's key, and certifies joining peers' TLS keys. `files` serves the run's
-    prepared data (GetData); `commit` runs before each heartbeat reply (the bootstrap saves a
-    changed data order); `private_status` as `tracker_policy`."""
+        leave it out to drive the services bare). With `ca` (peer/tls.RunCA) it serves TLS, vouched
+        by the tracker's key, and certifies joining peers' TLS keys. `files` serves the run's
+        prepared data (GetData); `commit` runs before each heartbeat reply (the bootstrap saves a
+        changed data order); `private_status` as `tracker_policy`. `dial_back`: Join checks that the
+    peer's announced addresses answer (bootstrap/dial_back.py); off with `--no-dial-back`."""
     gate = tracker_gate(tracker, secrets, private_status) if secrets is not None else None
     if (
         gate is not None
@@ -92,7 +95,10 @@ def serve_tracker(
             ("grpc.compression_enabled_algorithms_bitset", 1),
         ],
     )
-    server.add_generic_rpc_handlers(handlers(tracker, secrets.tracker if secrets else None, gate, ca, files, commit))
+    checker = DialBack() if dial_back else None
+    server.add_generic_rpc_handlers(
+        handlers(tracker, secrets.tracker if secrets else None, gate, ca, files, commit, checker)
+    )
     try:
         if ca is not None:
             bound = server.add_secure_port(

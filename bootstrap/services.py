@@ -13,9 +13,11 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
+from bootstrap.dial_back import Busy, DialBack, Unreachable
 from bootstrap.roster import Banned, JoinRefused
 from bootstrap.run_data import DataFiles
 from bootstrap.tracker import Tracker
+from peer.address import REFUSAL_KEY, UNREACHABLE
 from peer.errors import AnchormeshError, ConfigError
 from peer.security import auth
 from peer.security.identity import Identity, certificate_bytes
@@ -46,8 +48,10 @@ class TrackerService(pbg.TrackerServicer):
         ca=None,
         files: DataFiles | None = None,
         commit: Callable[[], None] | None = None,
+        dial_back: DialBack | None = None,
     ) -> None:
         self.tracker, self.identity, self.ca, self.files, self.commit = tracker, identity, ca, files, commit
+        self.dial_back = dial_back  # None: joiners' addresses are not checked (--no-dial-back)
 
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.Assignment:
         _, key = auth.caller(context)
@@ -56,7 +60,16 @@ class TrackerService(pbg.TrackerServicer):
             if not key:
                 context.abort(grpc.StatusCode.UNAUTHENTICATED, f"Join needs the peer's identity key ({auth.H_KEY})")
         try:
+            if self.dial_back is not None:
+                self.tracker.admissible(request, key)  # a wrong build hears that, not that it is unreachable
+                self.dial_back.check(request)
             a = self.tracker.join(request, key)
+        except Unreachable as exc:
+            log.warning("refused join of %r: %s", request.peer_id, exc)
+            context.set_trailing_metadata(((REFUSAL_KEY, UNREACHABLE),))
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except Busy as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except Banned as exc:
             log.warning("refused join of %r: %s", request.peer_id, exc)
             context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
@@ -187,9 +200,10 @@ def handlers(
     ca=None,
     files: DataFiles | None = None,
     commit: Callable[[], None] | None = None,
+    dial_back: DialBack | None = None,
 ) -> tuple[grpc.GenericRpcHandler, ...]:
     """The Tracker and Status services on raw bytes (see `_parse`)."""
-    t, st = TrackerService(tracker, identity, ca, files, commit), StatusService(tracker, gate)
+    t, st = TrackerService(tracker, identity, ca, files, commit, dial_back), StatusService(tracker, gate)
 
     def heartbeat(requests: Iterator[bytes], ctx: grpc.ServicerContext) -> Iterator[pb.Directive]:
         return t.Heartbeat((_parse(pb.PeerReport, data, ctx) for data in requests), ctx)

@@ -122,9 +122,10 @@ class Tracker:
     def live(self, stage: int | None = None) -> list[PeerRecord]:
         return live(self.peers.values(), stage)
 
-    def join(self, req: pb.JoinRequest, key: bytes = b"") -> pb.Assignment:
-        """Admit a peer (identity key `key`) and give it the stage it was reserved (a move) or
-        the lowest-scoring one (bootstrap/balance.py)."""
+    def admissible(self, req: pb.JoinRequest, key: bytes = b"") -> None:
+        """Raise JoinRefused (Banned) when `req` cannot join whatever the roster holds: another run,
+        wire version or codec, no address, a banned key. Join's server thread asks it before dialing
+        the peer back (bootstrap/dial_back.py), so a wrong build hears so, not that it is unreachable."""
         if req.run_id and req.run_id != self.run_id:
             raise JoinRefused(f"run_id={req.run_id!r}: this tracker serves run {self.run_id!r}")
         if req.wire_version != wire_version():
@@ -140,6 +141,11 @@ class Tracker:
             raise JoinRefused("peer_id and grpc_address are required")
         if key and fingerprint(key) in self.banned:
             raise Banned(f"peer {req.peer_id} is banned from this run: {self.banned[fingerprint(key)]}")
+
+    def join(self, req: pb.JoinRequest, key: bytes = b"") -> pb.Assignment:
+        """Admit a peer (identity key `key`) and give it the stage it was reserved (a move) or
+        the lowest-scoring one (bootstrap/balance.py)."""
+        self.admissible(req, key)
         with self._lock:
             self._expire()
             old = self.peers.get(req.peer_id)

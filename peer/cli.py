@@ -104,6 +104,11 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="let anyone who reaches the tracker read the status (peers' ids, addresses, loss); off loopback it needs the run token by default",
     )
+    boot.add_argument(
+        "--no-dial-back",
+        action="store_true",
+        help="admit joiners without checking that their announced addresses answer (by default Join dials them back within 3 s and refuses a peer none of whose addresses answers); for a tracker that cannot reach its peers' network by design",
+    )
 
     config = sub.add_parser(
         "config", help="the run a run.toml (plus --set) makes, before anything starts: show it, or check it"
@@ -368,6 +373,7 @@ def main(argv: list[str] | None = None) -> None:
                 token=read_token(args.token),
                 insecure_plaintext=args.insecure_plaintext,
                 public_status=args.public_status,
+                dial_back=not args.no_dial_back,
             )
         elif args.command == "peer":
             import faulthandler

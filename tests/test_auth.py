@@ -11,6 +11,7 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from swarmkit import listening_address
 
 from peer.security import auth
 from peer.security.identity import Identity, certificate_bytes
@@ -222,17 +223,21 @@ def test_join_issues_a_certificate_that_other_peers_accept_and_a_ban_revokes(tmp
         with auth.open_channel(address, creds) as ch:
             stub = pbg.TrackerStub(ch)
             with pytest.raises(grpc.RpcError) as exc:  # speaking for another peer
-                stub.Join(pb.JoinRequest(peer_id="peer-other", grpc_address="127.0.0.1:1", **build_fields()), timeout=5)
+                stub.Join(
+                    pb.JoinRequest(peer_id="peer-other", grpc_address=listening_address(), **build_fields()), timeout=5
+                )
             assert (
                 exc.value.code() == grpc.StatusCode.PERMISSION_DENIED
                 and "speaks only for itself" in exc.value.details()
             )
-            a = stub.Join(pb.JoinRequest(peer_id=me.peer_id, grpc_address="127.0.0.1:1", **build_fields()), timeout=5)
+            a = stub.Join(
+                pb.JoinRequest(peer_id=me.peer_id, grpc_address=listening_address(), **build_fields()), timeout=5
+            )
         assert a.tracker_key == secrets.tracker.public and a.certificate
         with auth.open_channel(address, None) as ch:  # no token: refused
             with pytest.raises(grpc.RpcError) as exc:
                 pbg.TrackerStub(ch).Join(
-                    pb.JoinRequest(peer_id="x", grpc_address="127.0.0.1:1", **build_fields()), timeout=5
+                    pb.JoinRequest(peer_id="x", grpc_address=listening_address(), **build_fields()), timeout=5
                 )
             assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
             assert pbg.StatusStub(ch).GetStatus(pb.StatusRequest(), timeout=5).run_id == RUN  # status stays open
