@@ -309,6 +309,9 @@ def _parser() -> argparse.ArgumentParser:
     from peer.dataset.cli import add_data_parser
 
     add_data_parser(sub)
+    from peer.doctor.run import add_doctor_parser
+
+    add_doctor_parser(sub)
     return p
 
 
@@ -484,6 +487,10 @@ def main(argv: list[str] | None = None) -> None:
             if not args.timeout > 0:
                 raise ConfigError("--timeout", args.timeout, "must be > 0")
             raise SystemExit(run_health(args.address, args.tracker, args.timeout, read_ca(args.tls_ca)))
+        elif args.command == "doctor":
+            from peer.doctor.run import run_doctor
+
+            raise SystemExit(run_doctor(args))
         elif args.command == "data":
             from peer.dataset.cli import run_data
 
