@@ -1,17 +1,28 @@
 """What a peer's report may claim: the bounds on its step, tokens, rate and capacity that keep one
-broken or lying member from ending the run or drawing all the routing."""
+broken or lying member from ending the run or drawing all the routing, and on the length of every
+text and list it declares."""
 
 from __future__ import annotations
 
 import logging
+import math
 
-from bootstrap.roster import PeerRecord
+from bootstrap.roster import LIVE, PeerRecord
 from bootstrap.support import observe
 from peer.capacity import MAX_CAPACITY_FACTOR, STEP_SLACK, step_ceiling
 from peer.config import PipelineConfig
+from peer.daemon.startup import MAX_PHASES
 from peer.wire import anchormesh_pb2 as pb
 
 log = logging.getLogger("anchormesh.tracker")
+MAX_SUSPECTS = 4  # averaging suspects (and excluded next hops) kept per peer report
+MAX_TEXT = 300  # characters kept of a text a peer reports (a reason, a suspect, an excluded hop)
+MAX_NAME = 32  # characters kept of a startup phase's name
+
+
+def _plausible_s(seconds: float) -> bool:
+    """A duration a peer reports (its startup, a phase of it): finite, not negative, under 1e7 s."""
+    return math.isfinite(seconds) and 0 <= seconds < 1e7
 
 
 def take_report(
@@ -71,3 +82,39 @@ def bounded_rates(info: pb.PeerInfo, pipeline: PipelineConfig, max_rate: float) 
         return min(max(x, 0.0), hi) if x == x else 0.0  # NaN: nothing
 
     return clip(info.tokens_per_s, limit), clip(info.capacity_tokens_per_s, MAX_CAPACITY_FACTOR * limit)
+
+
+def take_fields(
+    p: PeerRecord, info: pb.PeerInfo, now: float, anchors_launched: int, num_stages: int, replica_ceiling: float
+) -> None:
+    """Take the rest of a heartbeat's report into `p`, each text and list cut to its bound (a peer
+    declares them; the status and every Directive repeat them). `replica_ceiling`: the highest
+    step a replica may claim now (a newer one cannot exist)."""
+    p.state = info.state if info.state in LIVE else p.state
+    p.last_seen, p.loss, p.reported = now, info.loss, True
+    p.bytes_in, p.bytes_out, p.queue_depth, p.reason = (
+        info.bytes_in,
+        info.bytes_out,
+        info.queue_depth,
+        info.reason[:MAX_TEXT],
+    )
+    p.dp_rounds, p.anchor_id, p.anchor_bytes_out = (
+        info.dp_rounds,
+        min(info.anchor_id, anchors_launched),
+        info.anchor_bytes_out,
+    )
+    p.pp_state_bytes_out = min(info.pp_state_bytes_out, info.bytes_out)
+    p.dp_bytes_out, p.dp_dense_bytes, p.dp_rejected = info.dp_bytes_out, info.dp_dense_bytes, info.dp_rejected
+    p.eval_id, p.eval_loss, p.refused_calls = info.eval_id, info.eval_loss, info.refused_calls
+    p.link_mbit, p.pp_keep, p.dp_period_s = info.link_mbit, info.pp_keep, info.dp_period_s
+    p.dp_suspects = tuple(x[:MAX_TEXT] for x in info.dp_suspects[:MAX_SUSPECTS])
+    p.excluding = tuple(x[:MAX_TEXT] for x in info.excluding[:MAX_SUSPECTS])
+    p.refused_donors = tuple(x[:MAX_TEXT] for x in info.refused_donors[:MAX_SUSPECTS])
+    p.startup_s = info.startup_s if _plausible_s(info.startup_s) else 0.0
+    p.startup_phases = tuple(
+        (x.name[:MAX_NAME], x.seconds) for x in info.startup_phases[:MAX_PHASES] if _plausible_s(x.seconds)
+    )
+    # a claimed replica newer than the run is a lie: a joiner would only refuse it after the download
+    ok = info.replica_stage < num_stages and info.replica_step <= replica_ceiling
+    p.replica_stage, p.replica_step = (info.replica_stage, info.replica_step) if ok else (0, 0)
+    p.resumed_from = info.resumed_from[:200]

@@ -3,14 +3,14 @@
 Pure Python and thread-safe (the gRPC services call it from their worker threads); no I/O, so
 tests drive it directly with a fake clock. Its parts: the roster's records (roster.py), stage
 assignment and balance (balance.py), the bounds on a report (report_bounds.py), the anchor and
-evaluation passes (cadence.py) and a peer as the status shows it (peer_view.py).
+evaluation passes (cadence.py), a peer as the status shows it (peer_view.py) and the run's status
+(run_status.py).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import threading
 import time
 from collections import deque
@@ -20,14 +20,14 @@ from dataclasses import asdict, dataclass, field
 from bootstrap.balance import StageBalance, fitting_stages
 from bootstrap.cadence import Cadence
 from bootstrap.data_order import DataOrder
-from bootstrap.peer_view import peer_info, suspects
-from bootstrap.report_bounds import take_report
+from bootstrap.peer_view import peer_info
+from bootstrap.report_bounds import MAX_TEXT, take_fields, take_report
 from bootstrap.roster import LIVE, Banned, JoinRefused, PeerRecord, live
+from bootstrap.run_status import run_status
 from bootstrap.support import Support, rate_bound, restore_choice
 from peer.build import build
 from peer.capacity import step_ceiling
 from peer.config import TrainConfig
-from peer.daemon.startup import MAX_PHASES
 from peer.model.stages import layer_ranges
 from peer.runtoml import config_digest
 from peer.security.identity import fingerprint
@@ -37,16 +37,8 @@ from peer.wire.version import wire_version
 MAX_MADDRS_PER_PEER = 4  # a peer's DHT addresses kept for its stage mates (bounded: the peer declares them)
 REPLICA_HOLDERS = 2  # peers of a stage that keep a copy of the next stage's state
 MAX_DONORS = 4  # stage mates a joiner may ask for the stage's state, most-trained first
-MAX_SUSPECTS = 4  # averaging suspects (and excluded next hops) kept per peer report
-MAX_TEXT = 300  # characters kept of a text a peer reports (a reason, a suspect, an excluded hop)
-MAX_NAME = 32  # characters kept of a startup phase's name
 MAX_HELD = 512  # work ids read from each of a report's lists (a peer holds at most the data order's lease)
 log = logging.getLogger("anchormesh.tracker")
-
-
-def _plausible_s(seconds: float) -> bool:
-    """A duration a peer reports (its startup, a phase of it): finite, not negative, under 1e7 s."""
-    return math.isfinite(seconds) and 0 <= seconds < 1e7
 
 
 @dataclass
@@ -130,9 +122,10 @@ class Tracker:
     def live(self, stage: int | None = None) -> list[PeerRecord]:
         return live(self.peers.values(), stage)
 
-    def join(self, req: pb.JoinRequest, key: bytes = b"") -> pb.Assignment:
-        """Admit a peer (identity key `key`) and give it the stage it was reserved (a move) or
-        the lowest-scoring one (bootstrap/balance.py)."""
+    def admissible(self, req: pb.JoinRequest, key: bytes = b"") -> None:
+        """Raise JoinRefused (Banned) when `req` cannot join whatever the roster holds: another run,
+        wire version or codec, no address, a banned key. Join's server thread asks it before dialing
+        the peer back (bootstrap/dial_back.py), so a wrong build hears so, not that it is unreachable."""
         if req.run_id and req.run_id != self.run_id:
             raise JoinRefused(f"run_id={req.run_id!r}: this tracker serves run {self.run_id!r}")
         if req.wire_version != wire_version():
@@ -148,6 +141,11 @@ class Tracker:
             raise JoinRefused("peer_id and grpc_address are required")
         if key and fingerprint(key) in self.banned:
             raise Banned(f"peer {req.peer_id} is banned from this run: {self.banned[fingerprint(key)]}")
+
+    def join(self, req: pb.JoinRequest, key: bytes = b"") -> pb.Assignment:
+        """Admit a peer (identity key `key`) and give it the stage it was reserved (a move) or
+        the lowest-scoring one (bootstrap/balance.py)."""
+        self.admissible(req, key)
         with self._lock:
             self._expire()
             old = self.peers.get(req.peer_id)
@@ -231,36 +229,8 @@ class Tracker:
             take_report(
                 p, info, rep.tokens, now, self.config.pipeline, self._run_step(), rate_bound(self.peers.values(), p)
             )
-            p.state = info.state if info.state in LIVE else p.state
-            p.last_seen, p.loss, p.reported = now, info.loss, True
-            p.bytes_in, p.bytes_out, p.queue_depth, p.reason = (
-                info.bytes_in,
-                info.bytes_out,
-                info.queue_depth,
-                info.reason[:MAX_TEXT],
-            )
-            p.dp_rounds, p.anchor_id, p.anchor_bytes_out = (
-                info.dp_rounds,
-                min(info.anchor_id, self.anchors.launched),
-                info.anchor_bytes_out,
-            )
-            p.pp_state_bytes_out = min(info.pp_state_bytes_out, info.bytes_out)
-            p.dp_bytes_out, p.dp_dense_bytes, p.dp_rejected = info.dp_bytes_out, info.dp_dense_bytes, info.dp_rejected
-            p.eval_id, p.eval_loss, p.refused_calls = info.eval_id, info.eval_loss, info.refused_calls
-            p.link_mbit, p.pp_keep, p.dp_period_s = info.link_mbit, info.pp_keep, info.dp_period_s
-            p.dp_suspects = tuple(x[:MAX_TEXT] for x in info.dp_suspects[:MAX_SUSPECTS])
-            p.excluding = tuple(x[:MAX_TEXT] for x in info.excluding[:MAX_SUSPECTS])
-            p.refused_donors = tuple(x[:MAX_TEXT] for x in info.refused_donors[:MAX_SUSPECTS])
-            p.startup_s = info.startup_s if _plausible_s(info.startup_s) else 0.0
-            p.startup_phases = tuple(
-                (x.name[:MAX_NAME], x.seconds) for x in info.startup_phases[:MAX_PHASES] if _plausible_s(x.seconds)
-            )
-            # a claimed replica newer than the run is a lie: a joiner would only refuse it after the download
-            ok = info.replica_stage < self.config.model.num_stages and info.replica_step <= step_ceiling(
-                self._run_step(), 2 * self.heartbeat_interval_s
-            )
-            p.replica_stage, p.replica_step = (info.replica_stage, info.replica_step) if ok else (0, 0)
-            p.resumed_from = info.resumed_from[:200]
+            replica_ceiling = step_ceiling(self._run_step(), 2 * self.heartbeat_interval_s)
+            take_fields(p, info, now, self.anchors.launched, self.config.model.num_stages, replica_ceiling)
             self._expire()
             new_work = self._settle_work(p, rep)
             if self._budget_spent():
@@ -422,79 +392,7 @@ class Tracker:
 
     # -- status -----------------------------------------------------------------------------
     def status(self) -> pb.RunStatus:
+        """The run's status (bootstrap/run_status.py)."""
         with self._lock:
             self._expire()
-            K = self.config.model.num_stages
-            stages = []
-            scores = self.scores()
-            for s in range(K):
-                up = self.live(s)
-                stages.append(
-                    pb.StageStatus(
-                        index=s,
-                        peers=len(up),
-                        tokens_per_s=sum(p.tokens_per_s for p in up),
-                        queue_depth=sum(p.queue_depth for p in up),
-                        capacity_tokens_per_s=scores[s],
-                    )
-                )
-            first, last = self.live(0), self.live(K - 1)
-            tokens = self._tokens()
-            losses = [p.loss for p in last if not math.isnan(p.loss)]
-            step = self._run_step()
-            anchor_bytes = sum(p.anchor_bytes_out for p in self.peers.values())
-            dp_bytes = sum(p.dp_bytes_out for p in self.peers.values())
-            newest_eval = max((p for p in self.peers.values() if p.eval_id), key=lambda p: p.eval_id, default=None)
-            pp_bytes = sum(p.bytes_out for p in self.peers.values()) - anchor_bytes
-            newest = max((p.anchor_id for p in self.peers.values()), default=0)
-            anchor_step = self.anchors.launched_at.get(newest, -1)
-            missing = [s for s in range(K) if not self.live(s)]
-            named = suspects(self.peers.values())
-            state, reason = "running", ""
-            if self._budget_spent():
-                state, reason = "done", f"token budget of {self.config.token_budget} tokens spent"
-            elif missing:
-                state, reason = "paused", "no live peer for stage " + ", ".join(map(str, missing))
-            pp_bpt = pp_bytes / tokens if tokens else 0.0
-            state_bpt = sum(p.pp_state_bytes_out for p in self.peers.values()) / tokens if tokens else 0.0
-            dense = 2 * 2 * self.config.model.hidden_size * (K - 1)
-            return pb.RunStatus(
-                run_id=self.run_id,
-                step=step,
-                tokens=tokens,
-                loss=sum(losses) / len(losses) if losses else math.nan,
-                tokens_per_s=sum(p.tokens_per_s for p in first),
-                pp_bytes_per_token=pp_bpt,
-                pp_state_bytes_per_token=state_bpt,
-                pp_compression=dense / pp_bpt if pp_bpt else 0.0,
-                uptime_s=self.clock() - self.started,
-                state=state,
-                reason=reason,
-                stages=stages,
-                peers=[
-                    peer_info(p, self.clock(), named)
-                    for p in sorted(self.peers.values(), key=lambda p: (p.stage, p.peer_id))
-                ],
-                dht_maddrs=self.dht_maddrs,
-                anchor_step=anchor_step,
-                anchor_age_steps=max(step - anchor_step, 0) if anchor_step >= 0 else -1,
-                anchors_launched=self.anchors.launched,
-                anchor_bytes_per_token=anchor_bytes / tokens if tokens else 0.0,
-                stage_moves=self.moves,
-                dp_bytes_per_token=dp_bytes / tokens if tokens else 0.0,
-                dp_compression=sum(p.dp_dense_bytes for p in self.peers.values()) / dp_bytes if dp_bytes else 0.0,
-                eval_loss=newest_eval.eval_loss if newest_eval else math.nan,
-                eval_step=self.evals.launched_at.get(newest_eval.eval_id, -1) if newest_eval else -1,
-                banned=len(self.banned),
-                config_digest=self.digest,
-                wire_version=wire_version(),
-                unfit=list(self.unfit),
-                model=pb.ModelInfo(
-                    name=self.config.model.name,
-                    num_layers=self.config.model.num_layers,
-                    hidden_size=self.config.model.hidden_size,
-                    num_stages=K,
-                    tokenizer=self.config.data.tokenizer,
-                ),
-                data=self.data.status(self.eval_windows) if self.data is not None else None,
-            )
+            return run_status(self)

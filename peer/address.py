@@ -11,6 +11,9 @@ import ipaddress
 import socket
 
 AUTO = "auto"
+# a Join the tracker refused because it could not dial the peer's announced addresses back
+# (bootstrap/dial_back.py) carries this trailing metadata: the peer exits 1 (a runtime fault), not 2
+REFUSAL_KEY, UNREACHABLE = "anchormesh-refusal", "unreachable"
 
 
 def announce_maddr(announce_host: str, port: int) -> str:

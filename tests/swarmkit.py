@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -38,6 +39,17 @@ seq_len = 32
 eval_every = 0
 """
 TOKENS_PER_STEP = 2 * 4 * 32  # micro_batches * micro_batch_size * seq_len of TINY_RUN
+_LISTENERS: list[socket.socket] = []
+
+
+def listening_address(host: str = "127.0.0.1") -> str:
+    """`host:port` of a TCP socket that listens until the test process ends: what a fake peer
+    announces at Join, so the tracker's dial-back (bootstrap/dial_back.py) finds it answering."""
+    s = socket.socket()
+    s.bind((host, 0))
+    s.listen(16)
+    _LISTENERS.append(s)
+    return f"{host}:{s.getsockname()[1]}"
 
 
 def tiny_run_toml(extra: str = "", top: str = "") -> str:

@@ -98,7 +98,7 @@ def test_json_logs_are_one_object_per_line_and_a_bad_format_exits_2(tmp_path) ->
 def test_a_taken_port_is_refused_not_shared() -> None:
     """gRPC binds with SO_REUSEPORT by default on Linux: a second tracker or peer on a taken port
     would start and split the connections with the first. Both refuse instead, naming the flag."""
-    from bootstrap.node import serve_tracker
+    from bootstrap.server import serve_tracker
     from bootstrap.tracker import Tracker
     from peer.config import ConfigError, TrainConfig
     from peer.daemon.main import PeerDaemon

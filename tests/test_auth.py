@@ -11,6 +11,7 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from swarmkit import listening_address
 
 from peer.security import auth, call_check
 from peer.security.identity import Identity, certificate_bytes
@@ -204,7 +205,8 @@ def test_fuzzed_credentials_are_refused_never_crash_the_server(server: Server, d
 # -- the tracker: Join needs the token and a key; the certificate it issues opens every peer --------
 def test_join_issues_a_certificate_that_other_peers_accept_and_a_ban_revokes(tmp_path) -> None:
     from bootstrap import keys
-    from bootstrap.node import default_run, serve_tracker
+    from bootstrap.node import default_run
+    from bootstrap.server import serve_tracker
     from bootstrap.tracker import Tracker
     from peer.pipeline.grpc_transport import STAGE_POLICY
     from peer.wire import anchormesh_pb2 as pb
@@ -221,17 +223,21 @@ def test_join_issues_a_certificate_that_other_peers_accept_and_a_ban_revokes(tmp
         with auth.open_channel(address, creds) as ch:
             stub = pbg.TrackerStub(ch)
             with pytest.raises(grpc.RpcError) as exc:  # speaking for another peer
-                stub.Join(pb.JoinRequest(peer_id="peer-other", grpc_address="127.0.0.1:1", **build_fields()), timeout=5)
+                stub.Join(
+                    pb.JoinRequest(peer_id="peer-other", grpc_address=listening_address(), **build_fields()), timeout=5
+                )
             assert (
                 exc.value.code() == grpc.StatusCode.PERMISSION_DENIED
                 and "speaks only for itself" in exc.value.details()
             )
-            a = stub.Join(pb.JoinRequest(peer_id=me.peer_id, grpc_address="127.0.0.1:1", **build_fields()), timeout=5)
+            a = stub.Join(
+                pb.JoinRequest(peer_id=me.peer_id, grpc_address=listening_address(), **build_fields()), timeout=5
+            )
         assert a.tracker_key == secrets.tracker.public and a.certificate
         with auth.open_channel(address, None) as ch:  # no token: refused
             with pytest.raises(grpc.RpcError) as exc:
                 pbg.TrackerStub(ch).Join(
-                    pb.JoinRequest(peer_id="x", grpc_address="127.0.0.1:1", **build_fields()), timeout=5
+                    pb.JoinRequest(peer_id="x", grpc_address=listening_address(), **build_fields()), timeout=5
                 )
             assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
             assert pbg.StatusStub(ch).GetStatus(pb.StatusRequest(), timeout=5).run_id == RUN  # status stays open
@@ -298,7 +304,9 @@ def test_status_streams_have_their_own_budget_and_compressed_calls_are_refused()
     """240 anonymous WatchStatus streams once made a valid Join fail: now at most MAX_WATCHERS
     stream at once, the next one is told so, and the tracker still answers everything else; a
     gzip-compressed call is refused before it is inflated."""
-    from bootstrap.node import MAX_WATCHERS, default_run, serve_tracker
+    from bootstrap.node import default_run
+    from bootstrap.server import serve_tracker
+    from bootstrap.services import MAX_WATCHERS
     from bootstrap.tracker import Tracker
     from peer.wire import anchormesh_pb2 as pb
     from peer.wire import anchormesh_pb2_grpc as pbg

@@ -486,7 +486,8 @@ def test_a_bootstrap_announcing_a_name_is_joined_through_that_name(tmp_path: Pat
 # -- `anchormesh health`, for real ----------------------------------------------------------------
 @pytest.fixture
 def tracker_address():
-    from bootstrap.node import default_run, serve_tracker
+    from bootstrap.node import default_run
+    from bootstrap.server import serve_tracker
     from bootstrap.tracker import Tracker
 
     server, address = serve_tracker(Tracker("run-health", default_run()), "127.0.0.1", 0)

@@ -91,7 +91,8 @@ TOKEN = "export-test-token-0123456789"
 def tracker(tmp_path: Path):
     """An in-process tracker of the default run with its gate, served on loopback; peers are joined by hand."""
     from bootstrap import keys
-    from bootstrap.node import default_run, serve_tracker
+    from bootstrap.node import default_run
+    from bootstrap.server import serve_tracker
     from bootstrap.tracker import Tracker
 
     t = Tracker(

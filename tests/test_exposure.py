@@ -12,7 +12,8 @@ import grpc
 import pytest
 
 from bootstrap import keys
-from bootstrap.node import default_run, run_protection, serve_tracker
+from bootstrap.node import default_run, run_protection
+from bootstrap.server import serve_tracker
 from bootstrap.tracker import Tracker
 from peer.errors import ConfigError
 from peer.runtoml import resolve_run

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from swarmkit import listening_address
 
 from peer.security import auth
 from peer.security.identity import Identity, certificate_bytes
@@ -42,7 +43,8 @@ def stop(proc: subprocess.Popen) -> None:
 @pytest.fixture
 def tracker(tmp_path):
     from bootstrap import keys
-    from bootstrap.node import default_run, serve_tracker
+    from bootstrap.node import default_run
+    from bootstrap.server import serve_tracker
     from bootstrap.tracker import Tracker
 
     cfg = default_run()
@@ -72,7 +74,7 @@ def test_a_headers_only_flood_leaves_a_valid_join_answered_within_a_second(track
         with auth.open_channel(tracker, auth.Credentials(token=TOKEN, identity=me)) as ch:
             t0 = time.monotonic()
             a = pbg.TrackerStub(ch).Join(
-                pb.JoinRequest(peer_id=me.peer_id, grpc_address="127.0.0.1:1", **build_fields()), timeout=1.0
+                pb.JoinRequest(peer_id=me.peer_id, grpc_address=listening_address(), **build_fields()), timeout=1.0
             )
             took = time.monotonic() - t0
         assert a.run_id == RUN and a.certificate and took < 1.0

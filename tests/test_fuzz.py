@@ -318,7 +318,7 @@ def test_ping_and_get_shard_answer_or_refuse(peer, run_id: str, raw: bytes, use_
 @pytest.fixture(scope="module")
 def tracker(tmp_path_factory: pytest.TempPathFactory):
     from bootstrap import keys
-    from bootstrap.node import serve_tracker
+    from bootstrap.server import serve_tracker
     from bootstrap.tracker import Tracker
     from peer.security.identity import Identity, certificate_bytes
 

@@ -10,6 +10,7 @@ import math
 
 import grpc
 import pytest
+from swarmkit import listening_address
 
 from peer.security import auth, limits
 from peer.security.identity import Identity
@@ -251,7 +252,8 @@ def test_the_tracker_refuses_oversized_joins_status_calls_and_heartbeat_reports_
     tmp_path, caplog: pytest.LogCaptureFixture
 ) -> None:
     from bootstrap import keys
-    from bootstrap.node import default_run, serve_tracker
+    from bootstrap.node import default_run
+    from bootstrap.server import serve_tracker
     from bootstrap.tracker import Tracker
 
     secrets = keys.load_or_create(tmp_path, TOKEN)
@@ -277,10 +279,14 @@ def test_the_tracker_refuses_oversized_joins_status_calls_and_heartbeat_reports_
         creds = auth.Credentials(token=TOKEN, identity=me)
         with auth.open_channel(address, creds) as ch:
             stub = pbg.TrackerStub(ch)
-            fat = pb.JoinRequest(peer_id=me.peer_id, grpc_address="127.0.0.1:1", **build_fields(), device="d" * 100_000)
+            fat = pb.JoinRequest(
+                peer_id=me.peer_id, grpc_address=listening_address(), **build_fields(), device="d" * 100_000
+            )
             e = _refused(lambda: stub.Join(fat, timeout=5))
             assert e.details() == f"Join request is {fat.ByteSize()} bytes; this method takes at most 65536"
-            a = stub.Join(pb.JoinRequest(peer_id=me.peer_id, grpc_address="127.0.0.1:1", **build_fields()), timeout=5)
+            a = stub.Join(
+                pb.JoinRequest(peer_id=me.peer_id, grpc_address=listening_address(), **build_fields()), timeout=5
+            )
         assert a.certificate and me.peer_id in t.peers
 
         creds.certificate = a.certificate

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from bootstrap.data_order import DataOrder
-from bootstrap.node import serve_tracker
 from bootstrap.run_data import DataFiles
+from bootstrap.server import serve_tracker
 from bootstrap.tracker import Tracker
 from peer.config import ModelConfig, TrainConfig
 from peer.daemon.feed import WorkFeed

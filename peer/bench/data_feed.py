@@ -20,9 +20,9 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from bootstrap.node import serve_tracker
 from bootstrap.persist import StateSaver
 from bootstrap.run_data import DataFiles, data_order
+from bootstrap.server import serve_tracker
 from bootstrap.tracker import Tracker
 from peer.config import ModelConfig, PipelineConfig, TrainConfig
 from peer.daemon.feed import READY_STEPS, WorkFeed
@@ -66,7 +66,10 @@ def measure(work: Path, mbytes: int, seq_len: int, micro_batch_size: int, micro_
     tracker.data, tracker.eval_windows = data_order(data, cfg)
     tracker.data_manifest = data.manifest.to_json().decode()
     saver = StateSaver(tracker, work, {})
-    server, address = serve_tracker(tracker, "127.0.0.1", 0, files=DataFiles(data), commit=saver.commit)
+    # its one joiner announces no Stage server (it only fetches data): no dial-back
+    server, address = serve_tracker(
+        tracker, "127.0.0.1", 0, files=DataFiles(data), commit=saver.commit, dial_back=False
+    )
     out: dict = {
         "seq_len": seq_len,
         "windows_per_step": micro_batches * micro_batch_size,

@@ -29,6 +29,12 @@ def _run_data(args: argparse.Namespace) -> None:
     run_data(args)
 
 
+def _run_doctor(args: argparse.Namespace) -> None:
+    from peer.doctor.run import run_doctor
+
+    raise SystemExit(run_doctor(args))
+
+
 def _run_bench(args: argparse.Namespace) -> None:
     from peer.bench.cli import run_bench
 
@@ -46,6 +52,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {
     "health": run_health,
     "data": _run_data,
     "bench": _run_bench,
+    "doctor": _run_doctor,
 }
 
 

@@ -40,7 +40,7 @@ class VersionAction(argparse.Action):
 
 
 def build_parser() -> Parser:
-    """The whole command line; `bench` and `data` bring their own subcommands."""
+    """The whole command line; `bench`, `data` and `doctor` bring their own subcommands."""
     p = Parser(prog="anchormesh", description="Peer-to-peer pipeline training over slow links.")
     p.add_argument(
         "--version", action=VersionAction, help="print `anchormesh VERSION (git COMMIT, wire WIRE_VERSION)` and exit"
@@ -55,4 +55,7 @@ def build_parser() -> Parser:
     from peer.dataset.cli import add_data_parser
 
     add_data_parser(sub)
+    from peer.doctor.run import add_doctor_parser
+
+    add_doctor_parser(sub)
     return p

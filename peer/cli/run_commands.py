@@ -80,6 +80,7 @@ def run_bootstrap(args: argparse.Namespace) -> None:
         token=token,
         insecure_plaintext=args.insecure_plaintext,
         public_status=args.public_status,
+        dial_back=not args.no_dial_back,
     )
 
 

@@ -105,6 +105,11 @@ def add_bootstrap(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="let anyone who reaches the tracker read the status (peers' ids, addresses, loss); off loopback it needs the run token by default",
     )
+    boot.add_argument(
+        "--no-dial-back",
+        action="store_true",
+        help="admit joiners without checking that their announced addresses answer (by default Join dials them back within 3 s and refuses a peer none of whose addresses answers); for a tracker that cannot reach its peers' network by design",
+    )
 
 
 def add_config(sub: argparse._SubParsersAction) -> None:

@@ -25,6 +25,7 @@ from typing import Protocol
 import grpc
 import torch
 
+from peer.address import REFUSAL_KEY, UNREACHABLE
 from peer.config import TrainConfig
 from peer.daemon.anchors import AnchorJobs
 from peer.daemon.discovery import REFUSALS
@@ -85,12 +86,17 @@ def plan_memory(
 
 
 def join(stub: pbg.TrackerStub, req: pb.JoinRequest, stop: threading.Event, tls: bool = False) -> pb.Assignment:
-    """Join, retrying with backoff while the tracker is unreachable; a refusal ends the daemon."""
+    """Join, retrying with backoff while the tracker is unreachable; a refusal ends the daemon:
+    exit 1 when the tracker could not dial this peer back (its message says what to forward),
+    else exit 2 (a wrong token, build or run)."""
     delay = 0.5
     while not stop.is_set():
         try:
             return stub.Join(req, timeout=10)
         except grpc.RpcError as exc:
+            if (REFUSAL_KEY, UNREACHABLE) in (exc.trailing_metadata() or ()):  # a runtime fault: exit 1
+                log.error("the tracker refused this peer: %s", exc.details())
+                raise SystemExit(1) from None
             if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, *REFUSALS):
                 log.error("the tracker refused this peer: %s %s", exc.code().name, exc.details())
                 raise SystemExit(2) from None

@@ -40,7 +40,7 @@ from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.auth import AuthorizedRequestBase, AuthorizedResponseBase, AuthorizerBase
 
 from peer.security.identity import KEY_BYTES, Identity, verify
-from peer.security.tracker_record import TRACKER_RECORD_KEY, TrackerRecordValidator, publish_tracker  # noqa: F401  (bootstrap/node.py reads them here)
+from peer.security.tracker_record import TrackerRecordValidator
 
 log = logging.getLogger("anchormesh.dht")
 
