@@ -26,7 +26,8 @@ def run_status(args: argparse.Namespace) -> None:
 
 def run_export(args: argparse.Namespace) -> None:
     """`anchormesh export`: from the live swarm (needs the token) or from checkpoints."""
-    from peer.security.auth import NO_TOKEN_HINT, read_token
+    from peer.security.auth import read_token
+    from peer.security.call_check import NO_TOKEN_HINT
     from peer.security.exposure import client_ca, resolve_access
     from peer.security.tls import read_ca
 

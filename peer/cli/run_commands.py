@@ -88,7 +88,8 @@ def check_peer_flags(args: argparse.Namespace) -> tuple[str, str | None]:
     """Every check of `anchormesh peer` that needs no heavy import: the flags' own values first,
     then the run (tracker or initial peers) and its token. Returns the token and the address to
     announce."""
-    from peer.security.auth import NO_TOKEN_HINT, read_token
+    from peer.security.auth import read_token
+    from peer.security.call_check import NO_TOKEN_HINT
 
     device = args.device.strip().lower()
     if not DEVICE.fullmatch(device):

@@ -103,6 +103,7 @@ def _ask_tracker(args) -> tuple[Check, object | None]:
 
     from peer.runtoml import config_from_dict
     from peer.security import auth
+    from peer.security.call_check import NO_TOKEN_HINT
     from peer.security.exposure import client_ca, resolve_access
     from peer.wire import anchormesh_pb2 as pb
     from peer.wire import anchormesh_pb2_grpc as pbg
@@ -111,7 +112,7 @@ def _ask_tracker(args) -> tuple[Check, object | None]:
     access = resolve_access(args.tracker, [], None, args.token, args.tls_ca, False)
     token = auth.read_token(args.token)
     if not token:
-        return checks.tracker(args.tracker, f"needs the run token: {auth.NO_TOKEN_HINT}"), None
+        return checks.tracker(args.tracker, f"needs the run token: {NO_TOKEN_HINT}"), None
     try:
         with auth.tracker_channel(access.tracker, auth.Credentials(token=token), tls_ca=client_ca(access)) as ch:
             run = pbg.TrackerStub(ch).GetConfig(pb.ConfigRequest(), timeout=args.timeout)
