@@ -51,7 +51,7 @@ DHT_TTL_S = 60.0
 
 def default_run() -> TrainConfig:
     """The run of a bootstrap started without --config: the recommended run on the tiny model
-    (its departures are `TINY_RUN` in peer/config.py), 2 stages."""
+    (its departures are `TINY_RUN` in peer/config/recommended.py), 2 stages."""
     return resolve_run().config
 
 

@@ -98,7 +98,7 @@ QUICK_ROWS = (
     "transform_dp",
     "transform_stale1",
 )
-# the recommended run (peer/config.py's defaults: what a run.toml naming only its model runs, the
+# the recommended run (peer/config's defaults: what a run.toml naming only its model runs, the
 # demo, the swarm without --config on the tiny model): built from those defaults in quality_rows.py
 DEFAULT_ROW = "transform_stale1"
 TASKS = ("adapt", "continual")  # domain adaptation (train on corpus B), continual pretraining (on the general text)

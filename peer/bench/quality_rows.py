@@ -143,7 +143,7 @@ def rows(setup: QualitySetup) -> dict[str, TrainConfig]:
         # a compressed twin of the anchor pass, which only the element mask has: masked_anchor_ef)
         "transform_anchor_r8": cfg(mask=transform, anchor=anchor, spectral=SpectralConfig(mode="paper", rank=8)),
         # stage 0 one step ahead of its applied gradients (pipeline.max_staleness 1): the pipeline no longer drains every step
-        # the recommended run (peer/config.py defaults: bench quality's DEFAULT_ROW): its codec, staleness, no anchors
+        # the recommended run (peer/config defaults: bench quality's DEFAULT_ROW): its codec, staleness, no anchors
         "transform_stale1": cfg(
             mask=transform, pipeline=default_pipe, anchor=AnchorConfig(), spectral=SpectralConfig()
         ),

@@ -1,4 +1,4 @@
-"""The `[anchor]` section: the slow anchor circuit (DESIGN.md §4)."""
+"""The `[anchor]` section: the slow anchor circuit (docs/design.md)."""
 
 from __future__ import annotations
 

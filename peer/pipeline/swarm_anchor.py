@@ -23,7 +23,7 @@ its memory, peer/daemon/memory.py `anchor_snapshot_slots`); a message for a pass
 loop, not refused on the wire (a refusal would end the sender's stream and lose what it held).
 What each anchor channel accepts is checked before it is queued: peer/pipeline/anchor_checks.py.
 Only the dense prior is computed here; the spectral modes that need the masked twin of the anchor batch ("ef", "paper_ef") are refused by the tracker for
-swarm runs (peer/config.py: `check_swarm`).
+swarm runs (peer/config/run.py: `check_swarm`).
 """
 
 from __future__ import annotations
