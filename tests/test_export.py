@@ -24,6 +24,8 @@ from peer.wire import anchormesh_pb2 as pb
 from peer.wire import anchormesh_pb2_grpc as pbg
 from peer.wire.version import build_fields
 
+pytestmark = pytest.mark.processes  # all but the shard test (0.2 s) start a CLI or a swarm
+
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 MIN_STEPS = 3
 RUN_TOML = """
@@ -73,7 +75,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.processes
 def test_an_unreachable_tracker_is_one_error_line_and_exit_1(tmp_path: Path) -> None:
     tracker = f"127.0.0.1:{free_port()}"
     res = cli("export", "--tracker", tracker, "--token", TOKEN, "--out", str(tmp_path / "m"))
@@ -101,7 +102,6 @@ def tracker(tmp_path: Path):
     server.stop(grace=0).wait()
 
 
-@pytest.mark.processes
 def test_no_token_or_a_wrong_one_is_one_error_line_and_exit_1(tracker, tmp_path: Path) -> None:
     _, address = tracker
     res = cli("export", "--tracker", address, "--out", str(tmp_path / "m"), env={"ANCHORMESH_TOKEN": ""})
@@ -127,7 +127,6 @@ def add_peer(t, peer_id: str, address: str, step: int, stage: int | None = None)
     t.report(pb.PeerReport(run_id=t.run_id, peer=pb.PeerInfo(peer_id=peer_id, state="idle", step=step)))
 
 
-@pytest.mark.processes
 def test_a_stage_with_no_live_peer_is_one_error_line_and_exit_1(tracker, tmp_path: Path) -> None:
     t, address = tracker
     add_peer(t, "peer-s0", "127.0.0.1:1", step=4)  # the first joiner gets stage 0; stage 1 has nobody
@@ -210,7 +209,6 @@ def swarm(tmp_path_factory: pytest.TempPathFactory):
         stop_processes(procs, grace_s=10)
 
 
-@pytest.mark.processes
 def test_export_loads_in_transformers_and_equals_the_stages(swarm: tuple[str, str], tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -249,7 +247,6 @@ def test_export_loads_in_transformers_and_equals_the_stages(swarm: tuple[str, st
     assert tok.encode(text) == list(text.encode()) and tok.decode(list(text.encode())) == text
 
 
-@pytest.mark.processes
 def test_the_cli_exports_the_live_swarm(
     swarm: tuple[str, str], tmp_path: Path, capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture
 ) -> None:
