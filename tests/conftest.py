@@ -9,11 +9,18 @@ Time limits (pytest-timeout). A quick test (the `make check` tier) gets pyprojec
 (60 s); a test marked `processes` or `slow` gets LONG_TIMEOUT_S unless it carries its own
 `@pytest.mark.timeout`. `--timeout N` (or PYTEST_TIMEOUT) on the command line sets every test's
 limit. A test past its limit fails with pytest-timeout's message, every thread's stack, and the
-note below; the run goes on with the next test (tests/README.md)."""
+note below; the run goes on with the next test (tests/README.md).
+
+Unmarked tests that start processes. Every fork (hivemind's DHT and averagers, multiprocessing)
+and every Python, p2pd or `ip` child is noted per test; one not marked `processes` is listed at the
+end of the run (a report, not a failure), so `make check` stays free of them. Other tools (ruff,
+git, mount) are not counted."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -21,6 +28,32 @@ import torch
 torch.set_num_threads(1)
 
 LONG_TIMEOUT_S = 600.0  # processes and slow tests: a swarm of real processes on 2 busy cores
+
+_started: list[str] = []  # what the running test started (forks, counted children)
+_unmarked: list[tuple[str, str]] = []  # (test, first thing it started) for tests not marked processes
+os.register_at_fork(before=lambda: _started.append("a forked process"))
+_execute_child = subprocess.Popen._execute_child
+
+
+def _argv(args) -> list[str]:
+    return [os.fsdecode(a) for a in ([args] if isinstance(args, (str, bytes, os.PathLike)) else args)]
+
+
+def _counted(argv: list[str]) -> bool:
+    program = os.path.basename(argv[0].split()[0]) if argv and argv[0].strip() else ""
+    if program.startswith("python") or (argv and argv[0] == sys.executable):
+        return argv[1:3] != ["-m", "ruff"]
+    return program in ("ip", "p2pd") or "peer.cli" in " ".join(argv)
+
+
+def _execute_child_noted(self, args, *rest, **kw):
+    argv = _argv(args)
+    if _counted(argv):
+        _started.append(" ".join(argv)[:100])
+    return _execute_child(self, args, *rest, **kw)
+
+
+subprocess.Popen._execute_child = _execute_child_noted
 
 
 def _limit_given(config: pytest.Config) -> bool:
@@ -34,6 +67,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         long = item.get_closest_marker("processes") or item.get_closest_marker("slow")
         if long and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(LONG_TIMEOUT_S))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    _started.clear()
+    yield
+    if _started and item.get_closest_marker("processes") is None:
+        _unmarked.append((item.nodeid, _started[0]))
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if _unmarked:
+        terminalreporter.section("tests that started processes but are not marked processes")
+        for nodeid, what in _unmarked:
+            terminalreporter.line(f"{nodeid}: {what}")
+        terminalreporter.line(
+            "mark them `@pytest.mark.processes` (tests/README.md): `make check` is meant to start none"
+        )
 
 
 @pytest.hookimpl(hookwrapper=True)
