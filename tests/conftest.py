@@ -49,7 +49,7 @@ def _counted(argv: list[str]) -> bool:
 def _execute_child_noted(self, args, *rest, **kw):
     argv = _argv(args)
     if _counted(argv):
-        _started.append(" ".join(argv)[:100])
+        _started.append(" ".join(argv).replace("\n", " ")[:100])
     return _execute_child(self, args, *rest, **kw)
 
 
