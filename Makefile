@@ -1,4 +1,5 @@
-# Two entry points for a fresh machine: `make demo` and `make test`.
+# Entry points for a fresh machine: `make demo`, `make test` (the whole suite, CI) and `make check`
+# (the quick tier: no processes, no slow tests, under 3 minutes; tests/README.md).
 # Each creates .venv if missing and installs anchormesh (editable) with its dev extra.
 PYTHON ?= python3
 VENV   := .venv
@@ -6,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH_INDEX ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,--extra-index-url https://download.pytorch.org/whl/cpu)
 
-.PHONY: smollm2 demo demo-local test bench-quality bench-plot proto clean
+.PHONY: smollm2 demo demo-local test check bench-quality bench-plot proto clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,6 +38,11 @@ smollm2: $(MODEL_STAMP)
 
 test: $(STAMP) $(MODEL_STAMP)
 	$(PY) -m pytest -q
+
+# the quick tier: unit and in-process tests, no process started, none over ~10 s (under 3 minutes on
+# 2 cores); needs no SmolLM2 wheel (the tests that load it are `slow`)
+check: $(STAMP)
+	$(PY) -m pytest -q -m "not processes and not slow"
 
 bench-quality: $(STAMP)
 	$(VENV)/bin/anchormesh bench quality --quick --out bench-quality.json

@@ -36,6 +36,7 @@ def cli(*args: str, **env: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(
     ("args", "field"),
     [
@@ -66,6 +67,7 @@ def test_the_environment_gives_the_peer_flags_defaults(monkeypatch: pytest.Monke
     assert args.tracker == "other:1"
 
 
+@pytest.mark.processes
 def test_json_logs_are_one_object_per_line_and_a_bad_format_exits_2(tmp_path) -> None:
     import json
 

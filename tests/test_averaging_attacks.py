@@ -67,6 +67,7 @@ def test_a_group_update_against_this_peer_s_own_is_refused_and_a_tiny_one_is_not
     assert implausible([w - tiny], [w + tiny], [w]) == ""
 
 
+@pytest.mark.processes
 def test_two_colluders_of_three_flipping_their_updates_get_no_round_from_the_honest_member() -> None:
     """b and c send (and commit to) the mirror image of their updates, of normal size: the trimmed
     mean of three is then theirs, and the checks against the rest of the group name nobody (each
@@ -103,6 +104,7 @@ def turned(u: list[torch.Tensor], cos: float, seed: int) -> list[torch.Tensor]:
     return [x.view_as(t) for x, t in zip(v.split([t.numel() for t in u]), u)]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("cos", [-0.45, 0.0])
 def test_two_colluders_of_three_turning_their_updates_do_not_steer_the_honest_member(cos: float) -> None:
     """b and c both send (and commit to) the same update of honest size at cosine -0.45 or 0 to
@@ -127,6 +129,7 @@ def test_two_colluders_of_three_turning_their_updates_do_not_steer_the_honest_me
         assert all(torch.equal(p.detach(), x) for p, x in zip(params[0], before))
 
 
+@pytest.mark.processes
 def test_honest_members_whose_drifts_differ_1x_to_5x_all_average() -> None:
     """Members that took 1, 3 and 5 times the steps (update = k x the common direction plus
     noise growing as sqrt(k)), noisy enough that two of them agree only at cosine ~0.1 (what the

@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.processes
+
 
 def test_bench_gpu_on_the_cpu(tmp_path: Path) -> None:
     out = tmp_path / "gpu.json"

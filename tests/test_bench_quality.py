@@ -30,6 +30,7 @@ def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_a_pretrained_model_is_the_base_of_every_row(pretrained: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     real = quality.setup_for
     monkeypatch.setattr(
@@ -119,6 +120,7 @@ def test_a_device_that_is_not_here_is_refused_before_any_model_loads() -> None:
         quality.run_quality(True, None, None, only=["dense"], device="tpu")
 
 
+@pytest.mark.slow
 def test_continual_pretraining_trains_on_the_general_text(pretrained: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """--task continual: the corpora swap roles (the rows train on the general text, eval on its
     held-out part; the domain text is the other eval); the toy is refused before anything loads."""

@@ -91,6 +91,7 @@ def test_a_swarm_is_scored_on_its_averaged_stages_and_every_chain() -> None:
         sq.evaluate_swarm(base, {0: [("a", params[0])], 1: [("c", params[0])]}, windows)
 
 
+@pytest.mark.processes
 def test_a_small_swarm_trains_exactly_its_budget_and_is_scored_from_its_checkpoints(
     tmp_path: Path, monkeypatch
 ) -> None:

@@ -45,6 +45,7 @@ def test_an_even_count_takes_the_mean_of_the_middle_two_and_the_lower_run_s_figu
     assert modes["dense"]["tokens_per_s"] == 150 and modes["dense"]["eval_loss"] == 3.0
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(
     bool(__import__("peer.bench.netbed", fromlist=["available"]).available()), reason="needs network namespaces (root)"
 )

@@ -17,9 +17,12 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 from swarmkit import logs, status_json, tiny_run_toml
 
 from peer.demo.swarm import start_process, stop_processes, wait_for_bootstrap
+
+pytestmark = pytest.mark.processes
 
 RUN_TOML = tiny_run_toml(
     extra="""

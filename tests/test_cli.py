@@ -18,6 +18,7 @@ def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("codec", ["transform", "lowrank", "mask"])
 def test_demo_trains_and_prints_a_summary(codec: str) -> None:
     out = _cli("demo", "--local", "--seconds", "4", "--threads", "1", "--codec", codec)
@@ -27,6 +28,7 @@ def test_demo_trains_and_prints_a_summary(codec: str) -> None:
     assert "tok/s" in summary[0] and "B/token" in summary[0] and "held-out loss" in summary[0]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(
     "args,field",
     [
@@ -41,11 +43,13 @@ def test_bad_values_exit_2_naming_the_field(args: list[str], field: str) -> None
     assert field in out.stderr and "Traceback" not in out.stderr
 
 
+@pytest.mark.processes
 def test_unknown_flag_exits_2() -> None:
     out = _cli("demo", "--no-such-flag")
     assert out.returncode == 2 and "--no-such-flag" in out.stderr
 
 
+@pytest.mark.processes
 def test_swarm_demo_trains_and_stops_every_process() -> None:
     """`--seconds` counts from the first step (startup on a busy machine once took a whole 45 s
     window: step 0); the summary says how long startup took."""
@@ -64,6 +68,7 @@ def test_swarm_demo_trains_and_stops_every_process() -> None:
     assert any(x.startswith("first step ") and x.endswith(" s after launch") for x in out.stdout.splitlines())
 
 
+@pytest.mark.processes
 def test_bootstrap_with_a_bad_run_toml_exits_2_naming_the_field(tmp_path) -> None:
     bad = tmp_path / "run.toml"
     bad.write_text('[codec]\nscheme = "mask"\n[codec.mask]\ndrop = 0.9\nkeep_ratio = 3\n')
@@ -89,6 +94,7 @@ def test_run_toml_round_trips_into_the_config(tmp_path) -> None:
     )
 
 
+@pytest.mark.processes
 def test_bootstrap_refuses_a_config_the_swarm_cannot_run(tmp_path) -> None:
     bad = tmp_path / "run.toml"
     bad.write_text('[anchor]\nevery = 5\n[spectral]\nmode = "ef"\n')
@@ -97,6 +103,7 @@ def test_bootstrap_refuses_a_config_the_swarm_cannot_run(tmp_path) -> None:
     assert not (tmp_path / "boot" / "bootstrap.json").exists()
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(
     "device,says",
     [

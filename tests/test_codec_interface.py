@@ -68,6 +68,7 @@ def test_a_codec_added_through_the_interface_alone_trains_in_the_local_runner(pl
     assert 2 * 2 * H <= per_token < 2 * 2 * H * 1.5, per_token  # bf16 both ways, plus headers and token ids
 
 
+@pytest.mark.processes
 def test_a_codec_added_through_the_interface_alone_trains_in_a_two_peer_swarm(tmp_path: Path, plain) -> None:
     """Bootstrap and both peers run `tests/plain_codec.py` (anchormesh with the codec registered
     first); nothing else in the package knows the codec."""

@@ -12,11 +12,14 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 from swarmkit import status_json, tiny_run_toml, wait_for_status
 
 from bootstrap import persist
 from peer.daemon.feed import READY_STEPS
 from peer.demo.swarm import start_process, stop_processes, wait_for_bootstrap
+
+pytestmark = pytest.mark.processes
 
 PER_STEP = 2 * 4  # micro_batches * micro_batch_size of the tiny run: windows per step
 

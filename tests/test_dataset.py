@@ -244,6 +244,7 @@ def test_memory_stays_bounded_whatever_the_source_size(tmp_path: Path) -> None:
     assert large < 1.3 * small and large < (24 << 20) / 2, (small, large)  # measured: about 8 MB for both
 
 
+@pytest.mark.processes
 def test_the_cli_prepares_and_exits_2_on_bad_input(tmp_path: Path) -> None:
     folder, _ = _folder(tmp_path)
     args = [
@@ -278,6 +279,7 @@ def test_the_cli_prepares_and_exits_2_on_bad_input(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.slow
 def test_smollm2_tokenizer(tmp_path: Path) -> None:
     from peer.model.source import known_gguf_path
 

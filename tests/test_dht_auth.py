@@ -77,6 +77,7 @@ def within(seconds: float) -> threading.Event:
 
 
 # -- (a) outsiders are refused ---------------------------------------------------------------------
+@pytest.mark.processes
 @pytest.mark.parametrize(
     "outsider_token", ["another-runs-token-0123456789", None], ids=["wrong-token", "no-authorizer"]
 )
@@ -97,6 +98,7 @@ def test_an_outsider_cannot_join_store_or_read(run, outsider_token) -> None:
 
 
 # -- (b) a token holder that is not the bootstrap cannot pose as the tracker -----------------------------
+@pytest.mark.processes
 def test_a_forged_tracker_record_is_refused_and_find_tracker_takes_the_bootstraps(run) -> None:
     boot, tracker = run
     pinned = dht(TOKEN, maddrs(boot), tracker_key=tracker.public)  # a peer given bootstrap.json
@@ -131,6 +133,7 @@ def test_a_forged_tracker_record_is_refused_and_find_tracker_takes_the_bootstrap
 
 
 # -- (c) a peer with the token joins and finds the tracker ----------------------------------------------
+@pytest.mark.processes
 def test_a_peer_with_the_token_joins_and_finds_the_tracker(run) -> None:
     boot, tracker = run
     peer = dht(TOKEN, maddrs(boot), tracker_key=tracker.public)

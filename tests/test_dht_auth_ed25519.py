@@ -250,6 +250,7 @@ def test_a_response_from_another_run_or_a_signed_request_posing_as_a_response_is
 
 
 # -- two real hivemind DHT nodes ------------------------------------------------------------------------
+@pytest.mark.processes
 def test_two_dht_nodes_of_the_run_share_a_value_an_outsider_cannot_get() -> None:
     started: list[hivemind.DHT] = []
 

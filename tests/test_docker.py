@@ -431,6 +431,7 @@ def test_announce_maddr_is_an_address_or_a_dns_name() -> None:
     assert announce_maddr("::1", 7001) == "/ip6/::1/tcp/7001"
 
 
+@pytest.mark.processes
 def test_a_bootstrap_announcing_a_name_is_joined_through_that_name(tmp_path: Path) -> None:
     """What the compose file relies on, on loopback: `--announce-host NAME` puts NAME in the tracker
     address and the DHT multiaddrs (/dns4/NAME), and a peer given only that tracker address starts
@@ -495,12 +496,14 @@ def tracker_address():
     server.stop(grace=0).wait()
 
 
+@pytest.mark.processes
 def test_health_of_a_live_tracker_exits_0(tracker_address: str) -> None:
     out = health("--address", tracker_address, "--tracker")
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(f"ok tracker {tracker_address}: run run-health") and out.stdout.count("\n") == 1
 
 
+@pytest.mark.processes
 def test_health_of_a_closed_port_exits_1_with_one_line_naming_address_and_status() -> None:
     address = f"127.0.0.1:{free_port()}"
     for extra in (["--tracker"], []):
@@ -510,11 +513,13 @@ def test_health_of_a_closed_port_exits_1_with_one_line_naming_address_and_status
         assert len(lines) == 1 and address in lines[0] and "UNAVAILABLE" in lines[0], out.stderr
 
 
+@pytest.mark.processes
 def test_a_tracker_is_not_a_stage_server(tracker_address: str) -> None:
     out = health("--address", tracker_address)
     assert out.returncode == 1 and "UNIMPLEMENTED" in out.stderr and tracker_address in out.stderr
 
 
+@pytest.mark.processes
 def test_health_pings_a_stage_server() -> None:
     from peer.pipeline.grpc_transport import GrpcTransport
 
@@ -545,6 +550,7 @@ def test_health_pings_a_stage_server() -> None:
         old.close()
 
 
+@pytest.mark.processes
 def test_health_timeout_must_be_positive() -> None:
     out = health("--address", "127.0.0.1:1", "--timeout", "0")
     assert out.returncode == 2 and "--timeout=0.0: must be > 0" in out.stderr

@@ -24,6 +24,8 @@ from peer.wire import anchormesh_pb2 as pb
 from peer.wire import anchormesh_pb2_grpc as pbg
 from peer.wire.version import build_fields
 
+pytestmark = pytest.mark.processes  # all but the shard test (0.2 s) start a CLI or a swarm
+
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 MIN_STEPS = 3
 RUN_TOML = """

@@ -91,6 +91,7 @@ def test_a_peer_without_the_tracker_key_is_refused_off_loopback_only(tmp_path: P
     assert via_file.key == key and via_file.ca and not via_file.fetch
 
 
+@pytest.mark.processes
 def test_the_peer_command_exits_2_naming_where_the_key_is() -> None:
     res = subprocess.run(
         [sys.executable, "-m", "peer.cli", "peer", "--tracker", f"{OUTSIDE}:7000", "--token", TOKEN, "--device", "cpu"],

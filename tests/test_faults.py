@@ -318,6 +318,7 @@ def kill_and_watch(proc: subprocess.Popen, kids: dict[int, str], timeout_s: floa
     return {p: name for p, name in kids.items() if alive(p)}
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signals are Linux only")
 def test_a_sigkilled_peer_and_bootstrap_leave_no_children_running(tmp_path: Path) -> None:
     from swarmkit import tiny_run_toml, wait_for_status
@@ -370,6 +371,7 @@ def test_a_sigkilled_peer_and_bootstrap_leave_no_children_running(tmp_path: Path
         stop_processes(procs, grace_s=10)
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signals are Linux only")
 def test_a_child_forked_by_a_short_lived_thread_is_not_killed_when_that_thread_ends(tmp_path: Path) -> None:
     """PDEATHSIG fires when the forking *thread* exits: such a child is left untied, not killed."""

@@ -20,6 +20,8 @@ from peer.security.identity import Identity, certificate_bytes
 from peer.wire import anchormesh_pb2 as pb
 from peer.wire import anchormesh_pb2_grpc as pbg
 
+pytestmark = pytest.mark.processes
+
 ROOT = Path(__file__).parent.parent
 RUN = "run-floods"
 TOKEN = "floods-test-token-0123456789"

@@ -128,6 +128,7 @@ def at_mean_unless_lost(mean: list[torch.Tensor], own: list[torch.Tensor], avg: 
     return [torch.where(lost, o, m) for m, o, lost in zip(mean, own, avg.last_lost)]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("compression,tol", [("none", 1e-6), ("int8", 2e-3)])
 def test_round_leaves_both_peers_at_the_mean(compression: str, tol: float) -> None:
     with two_dhts() as (dht_a, dht_b):
@@ -159,6 +160,7 @@ def test_round_leaves_both_peers_at_the_mean(compression: str, tol: float) -> No
         b.shutdown()
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("compression", ["none", "int8"])
 def test_results_lost_on_the_way_back_keep_own_values_and_the_old_base(
     monkeypatch: pytest.MonkeyPatch, compression: str
@@ -220,6 +222,7 @@ def test_results_lost_on_the_way_back_keep_own_values_and_the_old_base(
             b.shutdown()
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_threads_of_a_forked_averaging_process_start_together_without_breaking_torch() -> None:
     """hivemind forks the averaging process from a peer that set torch's thread count; there
@@ -260,6 +263,7 @@ def test_threads_of_a_forked_averaging_process_start_together_without_breaking_t
     assert failed == 0, f"{failed} of 20 forked children failed a torch op"
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_an_averaging_process_killed_inside_hivemind_s_allocation_lock_blocks_nobody() -> None:
     """A stuck averaging process is killed and forked again; killed while it held hivemind's
@@ -285,6 +289,7 @@ def test_an_averaging_process_killed_inside_hivemind_s_allocation_lock_blocks_no
     assert SharedBytes.next().numel() == 1  # what an MPFuture takes
 
 
+@pytest.mark.processes
 def test_an_averaging_process_that_does_not_start_is_killed_and_forked_again(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -321,6 +326,7 @@ def test_an_averaging_process_that_does_not_start_is_killed_and_forked_again(
         dht.shutdown()
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("poison", ["nan", "scaled"])
 def test_an_implausible_group_mean_is_refused_and_the_weights_stay(poison: str) -> None:
     """Peer b offers NaN or 100x-scaled parameters: the mean a receives is NaN or far outside a's
@@ -352,6 +358,7 @@ def test_an_implausible_group_mean_is_refused_and_the_weights_stay(poison: str) 
         b.shutdown()
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("attack", ["flipped", "lying"])
 def test_a_sign_flipped_update_is_refused_and_its_sender_named(attack: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The peers train the same way (their updates share a direction, as on one distribution).
@@ -421,6 +428,7 @@ def test_a_sign_flipped_update_is_refused_and_its_sender_named(attack: str, monk
                 dht_c.shutdown()
 
 
+@pytest.mark.processes
 def test_a_peer_alone_in_its_stage_offers_no_round() -> None:
     import hivemind
 
@@ -442,6 +450,7 @@ def test_a_peer_alone_in_its_stage_offers_no_round() -> None:
         dht.shutdown()
 
 
+@pytest.mark.processes
 def test_a_round_pending_far_past_its_timeout_is_cancelled_and_the_next_offered() -> None:
     from concurrent.futures import Future
 
@@ -663,6 +672,7 @@ def test_the_link_is_measured_only_from_an_all_reduce_seen_over_several_steps() 
     assert ns.schedule.measured_bps == 2e6
 
 
+@pytest.mark.processes
 def test_a_group_of_three_takes_the_trimmed_mean_and_an_outsized_member_moves_nothing() -> None:
     """c sends an update 3.9x the others' (under the 4x naming limit, so the round is taken):
     with hivemind's weighted mean it would drag the group along; the trimmed mean (the median of
@@ -695,6 +705,7 @@ def test_trimmed_mean_drops_the_extremes_per_coordinate() -> None:
     assert torch.equal(trimmed_mean(x[:2]), x[:2].mean(0))  # a pair: the plain mean
 
 
+@pytest.mark.processes
 def test_a_round_with_a_peer_the_tracker_does_not_list_is_refused() -> None:
     """The backstop behind the member gate: a round that reached a member with an outsider in it
     (here the averaging process was not handed the member list, as between a change and the
@@ -736,6 +747,7 @@ def test_a_member_hivemind_left_out_is_told_apart_from_a_lie() -> None:
     assert left_out({"me": claims["me"], "b": claims["b"]}, claims["me"], 1e-3, "me") is None
 
 
+@pytest.mark.processes
 def test_a_non_member_gets_no_round_and_nobody_gets_the_state_through_hivemind() -> None:
     """hivemind's averaging RPCs answer anyone who reaches a peer's libp2p address. Once the
     tracker names the stage group's members, a non-member's rounds reach nothing of the member's;

@@ -15,7 +15,7 @@ from peer.bench import netbed
 from peer.bench.bedswarm import BedSwarm
 
 REASON = netbed.available()
-pytestmark = pytest.mark.skipif(bool(REASON), reason=f"no network namespaces here: {REASON}")
+pytestmark = [pytest.mark.processes, pytest.mark.skipif(bool(REASON), reason=f"no network namespaces here: {REASON}")]
 
 
 def _namespaces() -> str:

@@ -35,6 +35,7 @@ def model():
     return load_causal_lm(ModelConfig(name=MODEL))
 
 
+@pytest.mark.slow
 @needs_model
 def test_the_gguf_loads_as_a_plain_model_with_its_real_sizes(model) -> None:
     from peer.model.loading import resolve_dims
@@ -51,6 +52,7 @@ def test_the_gguf_loads_as_a_plain_model_with_its_real_sizes(model) -> None:
     assert TrainConfig().data.tokenizer == "bytes"
 
 
+@pytest.mark.slow
 @needs_model
 def test_the_stages_compute_what_the_model_computes_and_it_knows_python(model) -> None:
     """The split is exact on the real model (tied embedding and head, 9 heads with 3 KV heads), and
@@ -70,6 +72,7 @@ def test_the_stages_compute_what_the_model_computes_and_it_knows_python(model) -
     assert float(whole) < 3.0, float(whole)
 
 
+@pytest.mark.slow
 @needs_model
 def test_a_stage_loads_alone_with_the_models_numbers(model) -> None:
     from peer.model.loading import load_stage
@@ -82,6 +85,7 @@ def test_a_stage_loads_alone_with_the_models_numbers(model) -> None:
     assert all(torch.equal(a, b) for a, b in zip(stage.parameters(), want.parameters()))
 
 
+@pytest.mark.slow
 @needs_model
 def test_export_of_a_gguf_run_saves_a_loadable_model_and_tokenizer(model, tmp_path: Path) -> None:
     """transformers marks a GGUF-loaded model as quantized and refuses `save_pretrained`; the
@@ -159,6 +163,7 @@ max_bytes = 1000000  # the bootstrap prepares it: enough documents for the eval 
 """
 
 
+@pytest.mark.processes
 @needs_model
 def test_a_swarm_trains_the_real_model_shows_it_in_status_and_exports_it(tmp_path: Path) -> None:
     """Bootstrap and two peers on SmolLM2-135M, as processes: both stages train, `status` names the
@@ -201,6 +206,7 @@ def test_a_swarm_trains_the_real_model_shows_it_in_status_and_exports_it(tmp_pat
         stop_processes(procs, grace_s=10)
 
 
+@pytest.mark.processes
 def test_the_demo_refuses_a_model_it_cannot_load_before_starting_anything(tmp_path: Path) -> None:
     import subprocess
     import sys

@@ -567,6 +567,7 @@ def measure_on_bed(
 BUSY_CORES = 0.5  # other processes taking more than this: the bed ran on a machine busy with other work
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(bool(BED_REASON), reason=f"no network namespaces here: {BED_REASON}")
 def test_prediction_within_25_percent_of_the_bed(calibrated: tuple[Costs, float], tmp_path: Path) -> None:
     """dense where the link binds, masked where compute binds; each prediction within 25 % of

@@ -115,6 +115,7 @@ def cheat_after_commit(monkeypatch: pytest.MonkeyPatch, cheat) -> None:
     monkeypatch.setattr(audit, "commit_claim", commit_then_cheat)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("cheat", ["poison_off_the_public_sample", "refuse_to_reveal"])
 def test_a_member_that_sends_other_values_than_it_committed_to_or_will_not_prove_them_is_refused(
     cheat: str, monkeypatch: pytest.MonkeyPatch

@@ -78,6 +78,7 @@ def test_a_bad_setting_names_its_field(data: dict, field: str) -> None:
     assert str(info.value).startswith(f"{field}=")
 
 
+@pytest.mark.processes
 def test_the_bootstrap_refuses_a_bad_data_section_with_exit_2(tmp_path: Path) -> None:
     (tmp_path / "run.toml").write_text('[data]\npath = "x"\ndataset = "y"\n')
     out = subprocess.run(

@@ -63,6 +63,7 @@ class Tampering(ClaimSigner):
         return {**out, "root": bytes(root)}
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("tamper", [False, True])
 def test_a_round_with_an_altered_claim_is_refused_and_an_untouched_one_is_taken(tamper: bool) -> None:
     tracker = Identity.generate()

@@ -84,6 +84,7 @@ def test_exec_again_keeps_the_peer_s_id_and_key_and_runs_the_same_command(monkey
     assert IDENTITY_ENV not in seen[0][2]
 
 
+@pytest.mark.processes
 def test_a_group_averager_whose_fork_never_returns_calls_for_help(monkeypatch) -> None:
     """The parent stuck in run_in_background past its own wait (a hung fork): `on_stuck` runs;
     here it unblocks the fake hang, and the averager then starts for real."""
@@ -129,6 +130,7 @@ def _python(code: str, env: dict[str, str] | None = None) -> subprocess.Complete
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60, cwd=ROOT)
 
 
+@pytest.mark.processes
 def test_a_block_that_holds_the_gil_ends_the_process_with_every_stack_written() -> None:
     """The case the Python watchdog cannot catch (a parent stuck inside fork holds the GIL): a
     libc sleep called through ctypes.PyDLL keeps the GIL for its whole length."""
@@ -152,6 +154,7 @@ def test_a_block_that_holds_the_gil_ends_the_process_with_every_stack_written() 
     )  # faulthandler's dump, from C, of the stuck main thread
 
 
+@pytest.mark.processes
 def test_a_block_that_finishes_disarms_the_exit() -> None:
     code = (
         "import time\n"
@@ -165,6 +168,7 @@ def test_a_block_that_finishes_disarms_the_exit() -> None:
     assert done.returncode == 0 and done.stdout.strip() == "still here", done.stderr[-2000:]
 
 
+@pytest.mark.processes
 def test_peers_leave_grpc_s_fork_handlers_off() -> None:
     """gRPC's prepare-fork handler waits on gRPC's threads with the GIL held (see peer/__init__.py)."""
     env = {k: v for k, v in os.environ.items() if k != "GRPC_ENABLE_FORK_SUPPORT"}

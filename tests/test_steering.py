@@ -85,6 +85,7 @@ def test_a_member_far_from_this_peer_s_own_update_is_named_and_a_still_one_is_no
     assert away_from_own(-own, torch.zeros(4096), 1e-6) == ""  # this peer did not move: no direction to judge
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("bias", [0.5, 0.0])
 def test_on_real_rounds_a_biased_member_is_named_in_the_status_and_every_round_is_taken(
     bias: float, monkeypatch: pytest.MonkeyPatch

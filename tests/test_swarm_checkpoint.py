@@ -11,11 +11,14 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from swarmkit import TOKENS_PER_STEP, status_json, tiny_run_toml, wait_for_status
 
 from peer.demo.swarm import start_process, stop_processes, wait_for_bootstrap
 from peer.store.checkpoint import ShardCheckpoints
+
+pytestmark = pytest.mark.processes
 
 BUDGET_STEPS = 60
 RUN_TOML = tiny_run_toml(

@@ -21,6 +21,8 @@ from peer.model.placement import resolve_placement
 from peer.pipeline.local import LocalPipelineRunner
 from peer.runtoml import load_run_toml
 
+pytestmark = pytest.mark.processes
+
 STEPS = 12
 RUN_TOML = """
 seed = 3

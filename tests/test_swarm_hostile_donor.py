@@ -12,9 +12,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from swarmkit import status_json, tiny_run_toml, wait_for_status
 
 from peer.demo.swarm import start_process, stop_processes, wait_for_bootstrap
+
+pytestmark = pytest.mark.processes
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_TOML = tiny_run_toml(

@@ -24,6 +24,8 @@ import pytest
 
 from peer.demo.swarm import start_process, stop_processes, wait_for_bootstrap
 
+pytestmark = pytest.mark.processes
+
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 

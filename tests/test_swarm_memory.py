@@ -11,9 +11,12 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import pytest
 from swarmkit import status_json, tiny_run_toml, wait_for_status
 
 from peer.demo.swarm import start_process, stop_processes, wait_for_bootstrap
+
+pytestmark = pytest.mark.processes
 
 
 def _boot(tmp_path: Path, compute: str) -> tuple[list[subprocess.Popen], dict]:

@@ -16,9 +16,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from swarmkit import logs, status_json, tiny_run_toml, wait_for_status
 
 from peer.demo.swarm import start_process, stop_processes, wait_for_bootstrap
+
+pytestmark = pytest.mark.processes
 
 RUN_TOML = tiny_run_toml(extra="[security]\ntls = true\n")
 

@@ -150,6 +150,7 @@ def test_an_unreadable_state_names_the_state_dir(tmp_path: Path) -> None:
     assert persist.load(tmp_path / "nothing-here") is None
 
 
+@pytest.mark.processes
 def test_another_config_on_a_run_state_dir_exits_2_until_new_run(tmp_path: Path) -> None:
     persist.save(
         tmp_path, persist.snapshot(Tracker("run-x", TrainConfig(model=ModelConfig(num_stages=2, num_layers=4))), {})
@@ -176,6 +177,7 @@ def test_another_config_on_a_run_state_dir_exits_2_until_new_run(tmp_path: Path)
 RUN_TOML = tiny_run_toml()
 
 
+@pytest.mark.processes
 def test_a_killed_bootstrap_resumes_its_run_and_the_peers_carry_on(tmp_path: Path) -> None:
     (tmp_path / "run.toml").write_text(RUN_TOML)
     boot_args = ["bootstrap", "--config", str(tmp_path / "run.toml"), "--state-dir", str(tmp_path / "boot")]
