@@ -121,13 +121,18 @@ def test_a_device_that_is_not_here_is_refused_before_any_model_loads() -> None:
 
 
 @pytest.mark.slow
-def test_continual_pretraining_trains_on_the_general_text(pretrained: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_continual_pretraining_trains_on_the_general_text(
+    pretrained: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     """--task continual: the corpora swap roles (the rows train on the general text, eval on its
     held-out part; the domain text is the other eval); the toy is refused before anything loads."""
     real = quality.setup_for
     monkeypatch.setattr(
         quality, "setup_for", lambda quick, model=None: replace(real(quick, model), adapt_steps=2, eval_batches=1)
     )
+    monkeypatch.setattr(
+        quality_corpora, "PROSE_DIR", tmp_path / "no-prose"
+    )  # this machine's licence texts, whatever is cached
     general, domain = documents("a", None)[1], documents("b", None)[1]
     adapt = quality.run_quality(True, None, None, only=["dense"], model=str(pretrained))
     with pytest.raises(ConfigError, match="continual pretraining needs 5,000,000 bytes of general prose"):

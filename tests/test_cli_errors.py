@@ -67,6 +67,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (["bench", "quality", "--quick", "--json", "r.json"], {}, "--out"),  # a result file is --out FILE
     ],
 )
+@pytest.mark.processes
 def test_a_usage_error_exits_2_with_one_line_naming_it(
     args: list[str], env: dict[str, str], names: str, files: Path
 ) -> None:
@@ -77,12 +78,14 @@ def test_a_usage_error_exits_2_with_one_line_naming_it(
     assert "Traceback" not in out.stderr and not (files / "boot" / "bootstrap.json").exists()
 
 
+@pytest.mark.processes
 def test_help_runs_whatever_the_environment_holds() -> None:
     """A bad environment variable is checked by the command that reads it, not by --help."""
     out = _cli("peer", "--help", env=_env(ANCHORMESH_THREADS="abc"))
     assert out.returncode == 0 and "--threads" in out.stdout and "Traceback" not in out.stderr
 
 
+@pytest.mark.processes
 def test_a_bad_peer_invocation_answers_before_any_heavy_import() -> None:
     """The flags and the token are checked before torch, hivemind or transformers load."""
     probe = (
@@ -100,6 +103,7 @@ def test_a_bad_peer_invocation_answers_before_any_heavy_import() -> None:
     assert time.monotonic() - t0 < 10  # about 0.5 s on a quiet machine; the bound only catches the old 18 s
 
 
+@pytest.mark.processes
 def test_version_names_the_release_the_commit_and_the_wire_version() -> None:
     from peer import __version__
     from peer.build import commit
@@ -179,6 +183,7 @@ def test_bench_results_are_written_with_out_and_plot_reads_with_in() -> None:
     assert str(args.out) == "q.json"
 
 
+@pytest.mark.processes
 def test_hivemind_logs_go_through_our_json_format() -> None:
     """A hivemind logger made before our setup (as at import) logs once, as our JSON line."""
     probe = (

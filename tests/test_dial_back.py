@@ -127,6 +127,7 @@ def test_without_dial_back_a_fake_address_joins() -> None:
         server.stop(grace=0).wait()
 
 
+@pytest.mark.processes
 def test_a_peer_announcing_an_unreachable_host_exits_1_with_the_address_in_its_message(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "ANCHORMESH_TOKEN": "", "ANCHORMESH_TRACKER": ""}
     boot = subprocess.Popen(

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from peer.doctor import checks
 from peer.doctor.checks import FAIL, GIB, MIB, OK, SKIP, WARN
 from peer.doctor.run import _bind_error, _disk_free
@@ -101,6 +103,7 @@ def test_exit_code_is_1_only_when_a_check_failed() -> None:
     assert checks.exit_code([checks.Check("a", OK, ""), checks.Check("b", FAIL, "")]) == 1
 
 
+@pytest.mark.processes
 def test_parsing_the_flags_imports_neither_torch_nor_hivemind() -> None:
     code = (
         "import sys; from peer.doctor.run import add_doctor_parser; import argparse; "
@@ -111,12 +114,14 @@ def test_parsing_the_flags_imports_neither_torch_nor_hivemind() -> None:
     assert out.stdout.strip() == "[]", out.stderr
 
 
+@pytest.mark.processes
 def test_usage_errors_exit_2() -> None:
     res = doctor("--grpc-port", "70000")
     assert res.returncode == 2 and "--grpc-port=70000: must be a port number" in res.stderr
     assert doctor("--no-such-flag").returncode == 2
 
 
+@pytest.mark.processes
 def test_the_real_command_prints_one_line_per_check(tmp_path: Path) -> None:
     res = doctor("--state-dir", str(tmp_path))
     lines = res.stdout.splitlines()
@@ -125,6 +130,7 @@ def test_the_real_command_prints_one_line_per_check(tmp_path: Path) -> None:
     assert res.returncode == (1 if any(line.startswith(FAIL) for line in lines) else 0), res.stdout
 
 
+@pytest.mark.processes
 def test_against_a_tracker_it_checks_the_version_and_the_runs_memory_plan(tmp_path: Path) -> None:
     from bootstrap import keys
     from bootstrap.node import default_run
