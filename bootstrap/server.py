@@ -17,6 +17,7 @@ from bootstrap.dial_back import DialBack
 from bootstrap.run_data import DataFiles
 from bootstrap.services import MAX_WATCHERS, handlers
 from bootstrap.tracker import Tracker
+from peer.address import add_port
 from peer.config import TrainConfig
 from peer.errors import ConfigError
 from peer.security import auth
@@ -99,16 +100,12 @@ def serve_tracker(
     server.add_generic_rpc_handlers(
         handlers(tracker, secrets.tracker if secrets else None, gate, ca, files, commit, checker)
     )
-    try:
-        if ca is not None:
-            bound = server.add_secure_port(
-                f"{host}:{port}",
-                grpc.ssl_server_credentials([ca.server_pair(tracker_key=secrets.tracker if secrets else None)]),
-            )
-        else:
-            bound = server.add_insecure_port(f"{host}:{port}")
-    except RuntimeError:  # grpc raises on a taken port (older versions returned 0)
-        bound = 0
+    credentials = (
+        grpc.ssl_server_credentials([ca.server_pair(tracker_key=secrets.tracker if secrets else None)])
+        if ca is not None
+        else None
+    )
+    bound = add_port(server, f"{host}:{port}", credentials)
     if bound == 0:
         raise ConfigError(
             "--port", port, f"cannot bind the tracker on {host}:{port}: the port is taken or the address is not local"

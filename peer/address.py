@@ -61,3 +61,14 @@ def outward_address(target: str) -> str:
         except OSError as exc:
             raise ValueError(f"no route to {host!r}: {exc.strerror}") from None
         return s.getsockname()[0]
+
+
+def add_port(server, address: str, credentials=None) -> int:
+    """Bind a gRPC `server` to `address` (TLS when `credentials` are given); the port bound, 0 when
+    it could not be: grpc raises on a taken port in some versions and returns 0 in others."""
+    try:
+        if credentials is not None:
+            return server.add_secure_port(address, credentials)
+        return server.add_insecure_port(address)
+    except RuntimeError:
+        return 0

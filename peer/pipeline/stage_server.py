@@ -21,6 +21,7 @@ from concurrent import futures
 
 import grpc
 
+from peer.address import add_port
 from peer.errors import AnchormeshError
 from peer.pipeline.transport import CHANNELS, Address
 from peer.security import auth
@@ -99,13 +100,8 @@ class StageServing:
             self._shard_handler(addr), request_deserializer=None, response_serializer=pb.ShardChunk.SerializeToString
         )
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
-        try:
-            if self.tls_server is not None:
-                bound = server.add_secure_port(f"{self.host}:{port}", self.tls_server.credentials)
-            else:
-                bound = server.add_insecure_port(f"{self.host}:{port}")
-        except RuntimeError:  # grpc raises on a taken port (older versions returned 0)
-            bound = 0
+        tls = self.tls_server.credentials if self.tls_server is not None else None
+        bound = add_port(server, f"{self.host}:{port}", tls)
         if bound == 0:
             raise AnchormeshError(
                 f"cannot bind a Stage server on {self.host}:{port}: the port is taken or the address is not local"
