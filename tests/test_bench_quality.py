@@ -174,3 +174,18 @@ def test_a_replicate_seed_redraws_the_codec_unless_set_apart() -> None:
     setup = quality.setup_for(True)
     assert rows(replace(setup, seed=5))["transform"].mask.seed == 5
     assert rows(replace(setup, seed=5, codec_seed=0))["transform"].mask.seed == 0
+
+
+def test_the_gpu_suite_is_refused_where_it_cannot_run_before_anything_loads(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from peer.cli import main
+
+    for extra, says in (
+        (["--device", "cpu"], "--gpu-suite='cpu': needs a CUDA device"),
+        (["--device", "cpu", "--quick", "--steps", "100"], "drop --quick, --steps"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            main(["bench", "quality", "--gpu-suite", "--out", str(tmp_path / "x.json"), *extra])
+        assert exc.value.code == 2 and says in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()

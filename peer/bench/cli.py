@@ -19,7 +19,27 @@ def _write(path: Path, result: dict) -> None:
 
 def run_bench(args: argparse.Namespace) -> None:
     """Runs the bench `args.bench` names; heavy imports happen here, per bench."""
-    if args.bench == "quality":
+    if args.bench == "quality" and args.gpu_suite:
+        from peer.bench.quality_suite import run_gpu_suite
+
+        chosen = {
+            "--quick": args.quick,
+            "--rows": args.rows,
+            "--model": args.model,
+            "--steps": args.steps,
+            "--tokens-per-step": args.tokens_per_step,
+            "--codec-seed": args.codec_seed is not None,
+            "--lr": args.lr is not None,
+            "--schedule": args.schedule,
+            "--task": args.task != "adapt",
+        }
+        clash = [flag for flag, given in chosen.items() if given]
+        if clash:
+            raise ConfigError(
+                "--gpu-suite", True, f"sets the model, rows, steps and tasks itself: drop {', '.join(clash)}"
+            )
+        _write(args.out, run_gpu_suite(args.device, args.corpus_a, args.corpus_b, args.seed))
+    elif args.bench == "quality":
         from peer.bench.quality import run_quality
 
         only = [r.strip() for r in args.rows.split(",")] if args.rows else None

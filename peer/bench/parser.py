@@ -45,6 +45,11 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         help="data order, the codec's draws and the toy's pretraining (the held-out documents stay the same): another seed is a replicate of the same rows (default 0)",
     )
     q.add_argument(
+        "--gpu-suite",
+        action="store_true",
+        help="dense and the recommended row, both tasks, SmolLM2-135M, 20 M tokens a row (about ten minutes on one H100; peer/bench/quality_suite.py); takes --device, --seed, --corpus-a/-b, --out only",
+    )
+    q.add_argument(
         "--codec-seed",
         type=int,
         default=None,
