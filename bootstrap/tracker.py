@@ -211,6 +211,7 @@ class Tracker:
             run_config_json=json.dumps(asdict(self.config)),
             code_version=build(),
             wire_version=wire_version(),
+            server_time_unix=time.time(),
         )
 
     def report(self, rep: pb.PeerReport) -> pb.Directive:

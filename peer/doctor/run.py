@@ -13,6 +13,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from peer.doctor import checks
@@ -97,8 +98,9 @@ def _disk_free(path: Path) -> int | None:
         return None
 
 
-def _ask_tracker(args) -> tuple[Check, object | None]:
-    """The tracker line and the run's config (None when it could not be had)."""
+def _ask_tracker(args) -> tuple[Check, object | None, float | None]:
+    """The tracker line, the run's config (None when it could not be had) and this clock's offset
+    from the tracker's (its answer's time against the middle of the call; None when unknown)."""
     import grpc
 
     from peer.runtoml import config_from_dict
@@ -112,15 +114,18 @@ def _ask_tracker(args) -> tuple[Check, object | None]:
     access = resolve_access(args.tracker, [], None, args.token, args.tls_ca, False)
     token = auth.read_token(args.token)
     if not token:
-        return checks.tracker(args.tracker, f"needs the run token: {NO_TOKEN_HINT}"), None
+        return checks.tracker(args.tracker, f"needs the run token: {NO_TOKEN_HINT}"), None, None
     try:
         with auth.tracker_channel(access.tracker, auth.Credentials(token=token), tls_ca=client_ca(access)) as ch:
+            sent = time.time()
             run = pbg.TrackerStub(ch).GetConfig(pb.ConfigRequest(), timeout=args.timeout)
+            back = time.time()
     except grpc.RpcError as exc:
         why = " ".join((exc.details() or "").split())
-        return checks.tracker(access.tracker, f"{exc.code().name}: {why}"), None
+        return checks.tracker(access.tracker, f"{exc.code().name}: {why}"), None, None
     line = checks.tracker(access.tracker, "", run.run_id, run.wire_version, wire_version())
-    return line, config_from_dict(json.loads(run.run_config_json))
+    skew = (sent + back) / 2 - run.server_time_unix if run.server_time_unix else None
+    return line, config_from_dict(json.loads(run.run_config_json)), skew
 
 
 def _memory(cfg, device: str, state_dir: Path | None) -> Check:
@@ -161,9 +166,9 @@ def run_doctor(args) -> int:
     state_dir = args.state_dir or Path(".")
     say(checks.disk(str(state_dir), _disk_free(state_dir), given=args.state_dir is not None))
     if args.tracker:
-        line, cfg = _ask_tracker(args)
+        line, cfg, skew = _ask_tracker(args)
         say(line)
-        say(checks.clock(None, "the tracker reports no wall-clock time (its status has uptime only)"))
+        say(checks.clock(skew, "the tracker did not answer, or is a build that reports no wall-clock time"))
         if cfg is None:
             say(checks.memory("", None, 0, "the run config could not be fetched (see the tracker line)"))
         else:

@@ -475,16 +475,18 @@ class ConfigRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RunConfig(_message.Message):
-    __slots__ = ("run_id", "run_config_json", "code_version", "wire_version")
+    __slots__ = ("run_id", "run_config_json", "code_version", "wire_version", "server_time_unix")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     CODE_VERSION_FIELD_NUMBER: _ClassVar[int]
     WIRE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SERVER_TIME_UNIX_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     run_config_json: str
     code_version: str
     wire_version: str
-    def __init__(self, run_id: _Optional[str] = ..., run_config_json: _Optional[str] = ..., code_version: _Optional[str] = ..., wire_version: _Optional[str] = ...) -> None: ...
+    server_time_unix: float
+    def __init__(self, run_id: _Optional[str] = ..., run_config_json: _Optional[str] = ..., code_version: _Optional[str] = ..., wire_version: _Optional[str] = ..., server_time_unix: _Optional[float] = ...) -> None: ...
 
 class DataRequest(_message.Message):
     __slots__ = ("name", "offset")
