@@ -5,16 +5,19 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-TORCH_INDEX ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,--extra-index-url https://download.pytorch.org/whl/cpu)
+# No NVIDIA GPU in sight and PyTorch's index reachable: its CPU wheel (~200 MB) instead of PyPI's CUDA build.
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,$(shell $(PYTHON) -c 'import socket; socket.setdefaulttimeout(3); socket.getaddrinfo("download.pytorch.org", 443)' 2>/dev/null && echo --extra-index-url $(TORCH_CPU_INDEX)))
 
 .PHONY: smollm2 demo demo-local test check bench-quality bench-plot proto clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	# torch first, pinned: 2.13.0 is the build this project tests with. No NVIDIA GPU in sight: the
-	# CPU wheel from PyTorch's index (~200 MB); with one, PyPI's CUDA 13 build (several GB).
-	$(PY) -m pip install --quiet "torch==2.13.0" $(TORCH_INDEX)
+	# torch first, pinned: 2.13.0 is the build this project tests with (TORCH_INDEX above). Only
+	# torch itself is looked up on PyTorch's index; its dependencies come from the usual ones.
+	$(PY) -m pip install --quiet --no-deps "torch==2.13.0" $(TORCH_INDEX)
+	$(PY) -m pip install --quiet "torch==2.13.0"
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 

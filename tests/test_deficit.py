@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from peer.bench.deficit import against_dense, curve_steps, step_deficit, steps_to_reach
+from peer.bench.deficit import against_dense, best_so_far, curve_steps, settled_at, step_deficit, steps_to_reach
 
 CURVE = {0: 4.0, 10: 3.0, 20: 2.6, 30: 2.4, 40: 2.3}
 
@@ -32,11 +32,24 @@ def test_a_curve_that_rises_again_is_read_at_its_first_crossing() -> None:
     assert steps_to_reach({0: 3.0, 10: 2.0, 20: 2.5, 30: 1.5}, 2.2) == pytest.approx(8.0)
 
 
+def test_a_dense_run_that_settled_and_wandered_is_read_on_its_best_so_far() -> None:
+    # dense's best comes at step 30 and its last point is noise above it: dense against itself is
+    # still 0, a row between dense's end and its step-20 loss is behind by its share of the run
+    wandering = {0: 4.0, 10: 3.0, 20: 2.6, 30: 2.4, 40: 2.45}
+    assert best_so_far(wandering) == {0: 4.0, 10: 3.0, 20: 2.6, 30: 2.4, 40: 2.4}
+    assert step_deficit(wandering, 2.45, 40) == 0.0
+    assert step_deficit(wandering, 2.55, 40) == pytest.approx((27.5 - 22.5) / 40)
+    assert settled_at(wandering, 40) == pytest.approx(27.5 / 40)
+    assert settled_at(CURVE, 40) == 1.0
+
+
 def test_bad_input_is_refused() -> None:
     with pytest.raises(ValueError, match="empty"):
         steps_to_reach({}, 1.0)
     with pytest.raises(ValueError, match="positive"):
         step_deficit(CURVE, 2.3, 0)
+    with pytest.raises(ValueError, match="final step"):
+        step_deficit(CURVE, 2.3, 50)
 
 
 def test_dense_is_evaluated_more_often_near_the_end_than_the_rows() -> None:

@@ -2,20 +2,32 @@
 
 A loss gap says little on its own: early in a run dense falls steeply, so a small gap can be many
 steps of lost progress, and late in a run a large-looking gap can be a few steps. The step deficit
-asks instead at which step dense reached the row's final eval loss, and how many of the row's
-steps were spent beyond that:
+asks instead how many of dense's steps separate where dense ended from where dense stood when it
+had the row's final eval loss:
 
-    deficit = (S - s*) / S,   where dense's interpolated curve reaches the row's loss at step s*
+    deficit = (s*(dense's final loss) - s*(row's final loss)) / S
 
-and S is the row's step count (the same token budget as dense's). A row that ends exactly on
-dense's final loss has deficit 0; one that ends below it is at least as good as dense, and dense's
-curve cannot say by how much (None). Interpolation is linear in steps between evaluations, so the
-curve must be evaluated often enough near the end to interpolate.
+with s*(L) the first (interpolated) step at which dense's best-so-far eval loss reaches L and S
+the run's steps. Dense against itself is 0; a row that ends worse than dense is behind by a share
+of the run. Best-so-far, not the raw curve: near its end a run's eval loss wanders by its own
+noise, and a raw curve that rises again would map one loss to two steps. When dense stops
+improving long before its end (`dense_settled_at` well below 1), a small loss gap spans many
+steps: the deficit is then a poor measure and the gap says more. A row that ends below dense's
+best has no deficit to measure (None).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+
+
+def best_so_far(curve: Mapping[int, float]) -> dict[int, float]:
+    """The curve's running minimum, in step order: monotone, so each loss maps to one step."""
+    out, best = {}, float("inf")
+    for step, loss in sorted(curve.items()):
+        best = min(best, loss)
+        out[step] = best
+    return out
 
 
 def steps_to_reach(curve: Mapping[int, float], loss: float) -> float | None:
@@ -36,18 +48,26 @@ def steps_to_reach(curve: Mapping[int, float], loss: float) -> float | None:
 
 
 def step_deficit(dense_curve: Mapping[int, float], loss: float, steps: int) -> float | None:
-    """(steps - s*) / steps for the step s* where dense's curve reaches `loss`; None when dense
-    never gets that low (the row ended below dense: no deficit to measure).
+    """The row's deficit (see the module docstring) for its final `loss`; None below dense's best.
 
     Args:
         dense_curve: dense's eval loss by step, its final step included (evaluate at least every
             ~10 % of the run, more often near the end, so the interpolation is close).
         loss: the compressed row's final eval loss on the same eval set.
-        steps: the row's step count, the same as dense's."""
+        steps: the run's step count, the same for the row and dense."""
     if steps <= 0:
         raise ValueError(f"steps must be positive, got {steps}")
-    reached = steps_to_reach(dense_curve, loss)
-    return None if reached is None else (steps - reached) / steps
+    if steps not in dense_curve:
+        raise ValueError(f"dense's curve must hold its final step {steps}")
+    envelope = best_so_far(dense_curve)
+    row, dense_end = steps_to_reach(envelope, loss), steps_to_reach(envelope, dense_curve[steps])
+    return None if row is None else (dense_end - row) / steps
+
+
+def settled_at(dense_curve: Mapping[int, float], steps: int) -> float:
+    """The share of the run after which dense's best-so-far was already as good as its final
+    loss: near 1 while dense still improves at the end, well below it once it has settled."""
+    return steps_to_reach(best_so_far(dense_curve), dense_curve[steps]) / steps
 
 
 ROW_POINTS = (1 / 8, 1 / 4, 1 / 2, 3 / 4)  # every row is evaluated there: the gap along the run
@@ -69,5 +89,6 @@ def against_dense(dense_curve: Mapping[int, float], row_curve: Mapping[int, floa
     shared = sorted(set(dense_curve) & set(row_curve) - {0})
     return {
         "step_deficit": step_deficit(dense_curve, row_curve[steps], steps),
+        "dense_settled_at": settled_at(dense_curve, steps),
         "gap_at": {s: row_curve[s] / dense_curve[s] - 1 for s in shared},
     }
