@@ -2,7 +2,7 @@
 thread's stack and calls for help instead of leaving the process hung in silence.
 
 Two watchdogs, because a Python thread runs only while the stuck thread has let go of the GIL:
-CPython calls fork() holding it, so a parent stuck inside fork itself (seen 2026-12-06: the main
+CPython calls fork() holding it, so a parent stuck inside fork itself (seen: the main
 thread in popen_fork._launch for minutes, the Python watchdog still waiting) is caught only by
 the second, faulthandler's C thread, which needs no GIL but can only write the stacks and exit
 (status 1): a dead peer is one the tracker routes around and a supervisor (docker's

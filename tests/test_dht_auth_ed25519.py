@@ -1,6 +1,6 @@
 """The run's DHT authorizer signs with Ed25519 (peer/security/dht_auth.py `RunAuthorizer`).
 
-Why these tests: the scheme replaced hivemind's RSA one (issue 17, its CPU cost), so every
+Why these tests: the scheme replaced hivemind's RSA one (its CPU cost), so every
 protection that one gave is checked here on its own: a member's request is taken by another
 member; a tampered request, a replayed nonce, another run's token, a token naming another key
 than the signer's and an old or future time are refused; a response is tied to its request's

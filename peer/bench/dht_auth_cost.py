@@ -2,7 +2,7 @@
 
 Why: every DHT request and response is signed and checked (peer/security/dht_auth.py); with
 hivemind's `TokenAuthorizerBase` that is an RSA-2048 PSS signature each, one of the main CPU
-costs of hivemind's DHT process (issue 17). Two views, side by side in one run, medians of
+costs of hivemind's DHT process. Two views, side by side in one run, medians of
 per-operation thread CPU time:
 
 - **primitives**: sign and verify (the verifier parsing the signer's public key, as the

@@ -84,7 +84,7 @@ def _describe(o: OptimConfig) -> str:
     return f"AdamW lr {o.lr:g} {sched} (betas {o.beta1:g}/{o.beta2:g}, clip {o.grad_clip:g}, no weight decay)"
 
 
-# what `--quick` runs unless `--rows` says otherwise: the rows issue 15 asks for (the paper's
+# what `--quick` runs unless `--rows` says otherwise: the comparison's core rows (the paper's
 # rows, the former codec, the default codec with and without anchors, compressed DP) and the
 # default run's row. The other rows are explorations; with a pretrained model every row takes
 # 2.5-6 minutes on 2 cores; the eight took about 25 (docs/results/quality-smollm2-135m-rows.json).

@@ -150,7 +150,7 @@ def rows(setup: QualitySetup) -> dict[str, TrainConfig]:
         # each gradient row its own rate (mask.grad_rates "row", dithered), the same bits per message
         "transform_rows": cfg(mask=rows_mask),
         "transform_rows_stale1": cfg(mask=rows_mask, pipeline=stale1),
-        # every gradient row coded, the massive activations' rows too (mask.grad_outliers 0: the default until 2026-12-06)
+        # every gradient row coded, the massive activations' rows too (mask.grad_outliers 0: before they went dense by default)
         "transform_all_coded": cfg(mask=replace(transform, grad_outliers=0.0)),
         "transform_rows_all_coded": cfg(mask=replace(rows_mask, grad_outliers=0.0)),
         # the gradients' dither steps other than Gaussian-optimal (mask.grad_step_scale): wider clip less and add more noise, narrower the reverse
@@ -174,7 +174,7 @@ def rows(setup: QualitySetup) -> dict[str, TrainConfig]:
         ),  # the default row's path with bits to spare: what its structure costs
         "transform_stale1_stash": cfg(
             mask=transform, pipeline=replace(pipe, max_staleness=1, staleness_correction="none")
-        ),  # plain stashing, as the swarm's stage 0 did before 2026-12-06
+        ),  # plain stashing, as the swarm's stage 0 did before the look-ahead
         "dense_stale1": cfg(pipeline=stale1),  # what the staleness alone costs, with the look-ahead
         "dense_stale1_stash": cfg(
             pipeline=replace(pipe, max_staleness=1, staleness_correction="none")

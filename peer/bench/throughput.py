@@ -27,9 +27,9 @@ time over its compute time equals that of the GPU scenario (`GpuScenario`) at it
 
 with stage_tokens_per_s_gpu = peak FLOP/s * MFU / (FLOPs per token / stages), and
 stage_tokens_per_s_cpu = the median peer capacity of the compute_bound run (tokens/s over the
-fraction of time the peer computed: its stage's compute rate, as on the GPU side). Until
-2026-12-03 the CPU side was compute_bound tokens/s / replicas, the pipeline's throughput with
-its bubbles, about half the compute rate: the bed then stood for ~100 Mbit/s, not 200.
+fraction of time the peer computed: its stage's compute rate, as on the GPU side), not
+compute_bound tokens/s / replicas: that is the pipeline's throughput with its bubbles, about
+half the compute rate, and would make the bed stand for ~100 Mbit/s, not 200.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Transform coder for a stage boundary: precision spread over every direction (issue 15).
+"""Transform coder for a stage boundary: precision spread over every direction.
 
 What a real model's boundary needs (docs/benchmarks.md, "Boundary codecs"): not a few directions (a
 rank-64 basis costs +60 % of the loss) but every direction at a few bits. Each tensor's producer
