@@ -27,8 +27,14 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="small setup that ends within 5 minutes on 2 CPU cores (about 30 with --model smollm2-135m)",
     )
-    q.add_argument("--corpus-a", help="general corpus (file or folder of text); default: found on this machine")
-    q.add_argument("--corpus-b", help="domain corpus (file or folder of text); default: found on this machine")
+    q.add_argument(
+        "--corpus-a",
+        help="general prose: a folder of text files, held out by whole file (default: the Python-docs prose corpus if made, else the licence texts)",
+    )
+    q.add_argument(
+        "--corpus-b",
+        help="the domain: a folder of text files, held out by whole file (default: modules of this Python's standard library)",
+    )
     q.add_argument(
         "--rows",
         help="comma-separated rows to run, or all; default: all, and with --quick the seven the issue asks for and the default run's (peer/bench/quality.py QUICK_ROWS)",
