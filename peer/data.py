@@ -54,7 +54,7 @@ def read_path(path: str | Path, max_bytes: int = DEFAULT_MAX_BYTES, name: str = 
     return data
 
 
-def _generated(kind: str, n_bytes: int, seed: int) -> bytes:
+def generated(kind: str, n_bytes: int, seed: int) -> bytes:
     """A stand-in corpus: templated prose (A) or templated Python (B)."""
     rng = random.Random(seed)
     nouns = "license work software copy program source holder party notice term right code".split()
@@ -91,7 +91,7 @@ def default_corpus(kind: str, max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[bytes
     data = _read_files(files, max_bytes)
     if len(data) >= 100_000:
         return data, ",".join(str(r) for r in roots if r.is_dir())
-    return _generated(kind, min(max_bytes, 400_000), seed=1 if kind == "a" else 2), f"generated:{kind}"
+    return generated(kind, min(max_bytes, 400_000), seed=1 if kind == "a" else 2), f"generated:{kind}"
 
 
 class TokenStream:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from peer.bench.corpus_split import MIN_TRAIN_TOKENS, CorpusSplit, Document, read_documents, split_corpus
 from peer.bench.prose import MIN_BYTES as PROSE_MIN_BYTES
-from peer.data import TokenStream, _generated
+from peer.data import TokenStream, generated
 from peer.errors import ConfigError
 
 PROSE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "anchormesh" / "prose"
@@ -41,7 +41,7 @@ def _stdlib_documents(max_bytes: int) -> list[Document]:
 
 def _generated_documents(kind: str) -> list[Document]:
     """A stand-in where the machine has no text: templated prose or code cut into 4 KB documents."""
-    text = _generated(kind, 1_000_000, seed=1 if kind == "a" else 2).decode()
+    text = generated(kind, 1_000_000, seed=1 if kind == "a" else 2).decode()
     return [Document(f"generated-{kind}/{i:04d}", text[i : i + 4096]) for i in range(0, len(text), 4096)]
 
 
