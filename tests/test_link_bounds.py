@@ -121,8 +121,8 @@ def test_a_new_sender_is_held_to_its_link_and_the_bound_follows_slow_drift() -> 
         b.check("forward", "newcomer", 20.0, 60.0)  # no history of its own: the link's
     for i in range(200):  # an honest drift of 2 % a message is followed
         b.check("forward", "alice", 1.02**i, 3.0)
-    with pytest.raises(WireError, match="value of magnitude 2e\\+06"):
-        b.check("forward", "alice", 1.0, 2e6)
+    with pytest.raises(WireError, match="value of magnitude 2e\\+15"):
+        b.check("forward", "alice", 1.0, 2e15)
     for _ in range(WARMUP):
         b.check("backward", "bob", 1e-5, 1.0)
     for _ in range(RECOVER):  # a level that jumped for good (gradients grow fast early in a run)
@@ -131,6 +131,25 @@ def test_a_new_sender_is_held_to_its_link_and_the_bound_follows_slow_drift() -> 
     b.check("backward", "bob", 1e-3, 1.0)  # taken after RECOVER refusals, not refused for good
     b.check("backward", "bob", 1.1e-3, 1.0)
     assert b.refused == {"newcomer": 1, "alice": 1, "bob": RECOVER}
+
+
+def test_hidden_states_that_grow_for_good_pass_the_gradients_cap_but_not_the_activation_cap() -> None:
+    """Nothing in the loss holds a stage output's scale: an honest run's hidden states grew past
+    1e6 on the test bed, and a cap at the gradients' 1e6 refused that micro-batch for ever and
+    stopped the run. Activations answer to their own cap, which only keeps float32 finite."""
+    from peer.pipeline.bounds import WARMUP, LinkBounds
+
+    b = LinkBounds(factor=64.0, cap=1e6, activation_cap=1e15)
+    rms = 1.0
+    for _ in range(WARMUP + 400):  # 5 % a message: from 1 to ~3e8
+        b.check("forward", "alice", rms, 3 * rms)
+        rms *= 1.05
+    assert 3 * rms > 1e6 and b.refused == {}
+    with pytest.raises(WireError, match="exceeds the cap 1e\\+15 \\(security.max_activation_value\\)"):
+        b.check("forward", "alice", rms, 2e15)
+    with pytest.raises(WireError, match="exceeds the cap 1e\\+06 \\(security.max_link_value\\)"):
+        b.check("backward", "alice", 1.0, 2e6)
+    assert b.refused == {"alice": 2}
 
 
 def test_one_loud_micro_batch_retried_between_quiet_ones_is_taken_after_recover_refusals() -> None:

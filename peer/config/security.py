@@ -27,8 +27,12 @@ class SecurityConfig:
             RMS of its link (after a warm-up of a few messages) is refused and counted against
             its sender (peer/pipeline/bounds.py); honest gradients grew 21x within a few steps
             early in a swarm test, and a sender refused 8 times in a row has its new level taken.
-        max_link_value: the largest magnitude a value crossing a stage link may have, from any
-            sender at any time (hidden states of real models stay below ~1e4).
+        max_link_value: the largest magnitude a gradient crossing a stage link may have, from any
+            sender at any time (honest gradients of hidden states stay far below 1).
+        max_activation_value: the largest magnitude an activation crossing a stage link may have.
+            Far above max_link_value on purpose: nothing in the loss holds a stage output's scale
+            (the next stage normalises it), so honest hidden states can keep growing, and a cap
+            they reach stops the run; below ~1e17 the receiver's float32 arithmetic stays finite.
     """
 
     private_status: bool = False
@@ -39,6 +43,7 @@ class SecurityConfig:
     open_calls_per_host: int = 8
     link_rms_factor: float = 64.0
     max_link_value: float = 1e6
+    max_activation_value: float = 1e15
 
     def __post_init__(self) -> None:
         positive("security.calls_per_s", self.calls_per_s)
@@ -47,3 +52,4 @@ class SecurityConfig:
         positive("security.open_calls_per_host", self.open_calls_per_host)
         positive("security.link_rms_factor", self.link_rms_factor)
         positive("security.max_link_value", self.max_link_value)
+        positive("security.max_activation_value", self.max_activation_value)

@@ -3,7 +3,9 @@
 Why: values that are finite but huge (3e38 fits in bf16) pass the wire checks, make the
 receiving stage's gradients non-finite, and, before the step dropped such gradients, stopped the
 peer for good. A message is refused (WireError naming its RMS and the bound) when
-- any value it carries is over `cap` (security.max_link_value), from any sender at any time; or
+- any value it carries is over its channel's cap, from any sender at any time: activations
+  (`forward`, `anchor_forward`) `activation_cap` (security.max_activation_value), everything else
+  `cap` (security.max_link_value); or
 - its RMS is over `factor` (security.link_rms_factor) times the running RMS of its link: the
   sender's own messages on that channel once WARMUP of them were accepted, else the channel's
   messages from every sender (a new sender is held to what its peers send), else nothing yet.
@@ -16,7 +18,12 @@ after RECOVER refusals among the sender's last WINDOW messages on the channel it
 taken. Counted over a window, not in a row: the quiet messages between the retries of one loud
 micro-batch must not restart the count. A sender that keeps sending loud messages so gets them
 in after RECOVER refusals, all counted, never past the cap: the relative bound stops one-off
-spikes, the cap and the dropped step stop wedging.
+spikes, the cap and the dropped step stop wedging. Why activations have a cap of their own, far
+above the gradients': a stage's output feeds RMSNorms only, so nothing in the loss holds its scale,
+and honest hidden states can grow for thousands of steps (a tiny model's reached 7.5e5 after 300
+steps of 1-bit gradients); a cap they can reach would refuse a micro-batch for ever and stop the
+run. The activation cap only has to keep the receiver's arithmetic finite: an RMSNorm squares
+and sums a row in float32, finite for values below about 1e17 at hidden sizes to 1e5.
 
 The RMS and peak come from what the checks already hold on the host: a decoded tensor (mask and
 low-rank codecs), or, for the transform codec, its dense rows and per-row gains
@@ -36,6 +43,7 @@ WARMUP = 8  # accepted messages before a running RMS bounds anything
 RECOVER = 8  # messages of one sender refused for their RMS within WINDOW, after which its level is taken as the new one
 WINDOW = 4 * RECOVER  # a sender's latest messages on a channel that RECOVER counts over
 EMA = 0.1  # weight of a new message in the running RMS
+ACTIVATION_CHANNELS = frozenset({"forward", "anchor_forward"})  # held to the activation cap
 
 
 def scale_of(t: torch.Tensor) -> tuple[float, float]:
@@ -51,11 +59,12 @@ class LinkBounds:
 
     Args:
         factor: how many times its link's running RMS a message's RMS may be.
-        cap: the largest magnitude any value may have.
+        cap: the largest magnitude a gradient (or any value not an activation) may have.
+        activation_cap: the largest magnitude an activation may have.
     """
 
-    def __init__(self, factor: float = 64.0, cap: float = 1e6) -> None:
-        self.factor, self.cap = factor, cap
+    def __init__(self, factor: float = 64.0, cap: float = 1e6, activation_cap: float = 1e15) -> None:
+        self.factor, self.cap, self.activation_cap = factor, cap, activation_cap
         self._rms: dict[tuple[str, str], tuple[float, int]] = {}  # (channel, sender or "") -> (running RMS, messages)
         self.refused: collections.Counter = collections.Counter()  # sender -> messages refused
         self._recent: dict[
@@ -83,8 +92,13 @@ class LinkBounds:
                 False,
                 self._recent.setdefault((channel, sender), collections.deque(maxlen=WINDOW)),
             )
-            if not peak <= self.cap:  # NaN too
-                why = f"a value of magnitude {peak:.3g} exceeds the cap {self.cap:.3g} (security.max_link_value)"
+            cap, setting = (
+                (self.activation_cap, "security.max_activation_value")
+                if channel in ACTIVATION_CHANNELS
+                else (self.cap, "security.max_link_value")
+            )
+            if not peak <= cap:  # NaN too
+                why = f"a value of magnitude {peak:.3g} exceeds the cap {cap:.3g} ({setting})"
             elif (ref := self.reference(channel, sender)) is not None and rms > self.factor * ref[0]:
                 if sum(recent) < RECOVER:
                     why, loud = (

@@ -126,7 +126,9 @@ class StageWorker:
             self.cfg.pipeline.staleness_correction == "lookahead",
             max_staleness=self.cfg.pipeline.max_staleness,
         )
-        self.bounds = LinkBounds(self.cfg.security.link_rms_factor, self.cfg.security.max_link_value)
+        self.bounds = LinkBounds(
+            self.cfg.security.link_rms_factor, self.cfg.security.max_link_value, self.cfg.security.max_activation_value
+        )
 
     @property
     def compute_dtype(self) -> torch.dtype:
