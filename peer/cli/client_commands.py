@@ -18,7 +18,7 @@ def run_status(args: argparse.Namespace) -> None:
     if not args.tracker:
         raise ConfigError("--tracker", None, NO_TRACKER)
     token = read_token(args.token)
-    access = resolve_access(args.tracker, [], None, args.token, args.tls_ca, False)
+    access = resolve_access(args.tracker, [], None, args.token, args.tls_ca, args.insecure_plaintext)
     from peer.client.status import run_status as show
 
     show(access.tracker, args.json, args.watch, token=token, tls_ca=client_ca(access))
@@ -39,7 +39,11 @@ def run_export(args: argparse.Namespace) -> None:
     if args.tracker and not token:
         raise ConfigError("--token", None, f"exporting a live run needs its token: {NO_TOKEN_HINT}")
     # the address line works here too
-    access = resolve_access(args.tracker, [], None, args.token, args.tls_ca, False) if args.tracker else None
+    access = (
+        resolve_access(args.tracker, [], None, args.token, args.tls_ca, args.insecure_plaintext)
+        if args.tracker
+        else None
+    )
     tls_ca = client_ca(access) if access else read_ca(args.tls_ca)
     from peer.client.export import run_export as export  # imports torch and transformers
 

@@ -9,6 +9,17 @@ from pathlib import Path
 env = os.environ.get
 
 
+def add_plaintext(parser: argparse.ArgumentParser) -> None:
+    """`--insecure-plaintext` for a client of a run whose bootstrap runs with it (no TLS off
+    loopback): without it the client expects TLS off loopback and names the flag when it meets none."""
+    parser.add_argument(
+        "--insecure-plaintext",
+        action="store_true",
+        default=bool(env("ANCHORMESH_INSECURE_PLAINTEXT")),
+        help="talk to a run whose bootstrap runs with --insecure-plaintext (no TLS off loopback); default: $ANCHORMESH_INSECURE_PLAINTEXT",
+    )
+
+
 def add_status(sub: argparse._SubParsersAction) -> None:
     """`anchormesh status`: a run's stages, peers, loss and throughput."""
     status = sub.add_parser("status", help="show a run's stages, peers, loss and throughput")
@@ -37,6 +48,7 @@ def add_status(sub: argparse._SubParsersAction) -> None:
         default=env("ANCHORMESH_TLS_CA") or None,
         help="the run's CA certificate when it uses TLS (PEM file or bootstrap.json); default: $ANCHORMESH_TLS_CA",
     )
+    add_plaintext(status)
 
 
 def add_ban(sub: argparse._SubParsersAction) -> None:
@@ -112,3 +124,4 @@ def add_export(sub: argparse._SubParsersAction) -> None:
         default=env("ANCHORMESH_TLS_CA") or None,
         help="with --tracker, when the run uses TLS: its CA certificate (PEM file or bootstrap.json); default: $ANCHORMESH_TLS_CA",
     )
+    add_plaintext(export)
