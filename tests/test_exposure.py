@@ -197,3 +197,34 @@ def test_a_health_check_without_the_ca_sees_a_tls_tracker_up(tmp_path: Path, sec
         server.stop(0)
     ok, line = check(address, tracker=True, timeout_s=2)  # closed now
     assert not ok and "UNAVAILABLE" in line, line
+
+
+@pytest.mark.parametrize("env_on", [False, True])
+def test_status_and_export_take_insecure_plaintext_from_the_flag_or_the_environment(monkeypatch, env_on: bool) -> None:
+    """A run whose bootstrap runs with --insecure-plaintext is watched and exported with the same
+    flag (or $ANCHORMESH_INSECURE_PLAINTEXT): the TLS hint names it, so these commands take it."""
+    from peer.cli import client_commands
+    from peer.cli.parser import build_parser
+    from peer.security import exposure
+
+    if env_on:
+        monkeypatch.setenv("ANCHORMESH_INSECURE_PLAINTEXT", "1")
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake(tracker, peers, key, token, ca, plaintext, require=False):
+        seen.append(plaintext)
+        raise Stop
+
+    monkeypatch.setattr(exposure, "resolve_access", fake)
+    flag = [] if env_on else ["--insecure-plaintext"]
+    for argv, run in (
+        (["status", "--tracker", f"{OUTSIDE}:7000", *flag], client_commands.run_status),
+        (["export", "--tracker", f"{OUTSIDE}:7000", "--token", TOKEN, "--out", "x", *flag], client_commands.run_export),
+        (["status", "--tracker", f"{OUTSIDE}:7000"], client_commands.run_status),
+    ):
+        with pytest.raises(Stop):
+            run(build_parser().parse_args(argv))
+    assert seen == [True, True, env_on]
