@@ -49,17 +49,23 @@ class BedSwarm:
     config: run.toml path (None: the default run).
     workdir: logs and state go here.
     threads: torch threads per peer (many peers share few cores).
+    plaintext: every process with --insecure-plaintext (no TLS although the bed's addresses are
+        off loopback): only to measure what TLS costs, never a run's setting.
     """
 
-    def __init__(self, bed: NetBed, config: Path | None, workdir: Path, threads: int = 1) -> None:
+    def __init__(
+        self, bed: NetBed, config: Path | None, workdir: Path, threads: int = 1, plaintext: bool = False
+    ) -> None:
         self.bed, self.workdir = bed, workdir
         workdir.mkdir(parents=True, exist_ok=True)
         py = [sys.executable, "-m", "peer.cli"]
         env = {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
         boot = bed.hosts[0]
         state = workdir / "bootstrap"
-        args = ["bootstrap", "--host", boot.address, "--state-dir", str(state)] + (
-            ["--config", str(config)] if config else []
+        args = (
+            ["bootstrap", "--host", boot.address, "--state-dir", str(state)]
+            + (["--config", str(config)] if config else [])
+            + (["--insecure-plaintext"] if plaintext else [])
         )
         self.bootstrap = bed.popen(0, py + args, workdir / "bootstrap.log", env)
         info_path = state / "bootstrap.json"
@@ -93,6 +99,7 @@ class BedSwarm:
                         "ANCHORMESH_PEER_ID": f"bed-peer{h.index}",
                         "ANCHORMESH_TOKEN": self.info["token"],
                         "ANCHORMESH_TRACKER_KEY": self.info["tracker_key"],
+                        **({"ANCHORMESH_INSECURE_PLAINTEXT": "1"} if plaintext else {}),
                     },
                 )
             )
@@ -100,7 +107,9 @@ class BedSwarm:
         self._watch_log = workdir / "status.jsonl"
         self._watcher = bed.popen(
             0,
-            py + ["status", "--tracker", self.info["tracker"], "--token", f"@{info_path}", "--json", "--watch"],
+            py
+            + ["status", "--tracker", self.info["tracker"], "--token", f"@{info_path}", "--json", "--watch"]
+            + (["--insecure-plaintext"] if plaintext else []),
             self._watch_log,
             env,
         )

@@ -138,10 +138,10 @@ def run_bench(args: argparse.Namespace) -> None:
     elif args.bench == "profile":
         from peer.bench.profile import main_json as profile_json
 
-        if not args.seconds > 0 or args.dp_every < 1 or not args.bandwidth_mbit > 0:
+        if not args.seconds > 0 or args.dp_every < 1 or not args.bandwidth_mbit > 0 or args.repeat < 1:
             raise ConfigError(
-                "--seconds/--dp-every/--bandwidth-mbit",
-                (args.seconds, args.dp_every, args.bandwidth_mbit),
+                "--seconds/--dp-every/--bandwidth-mbit/--repeat",
+                (args.seconds, args.dp_every, args.bandwidth_mbit, args.repeat),
                 "must be > 0",
             )
         profile_json(
@@ -151,6 +151,8 @@ def run_bench(args: argparse.Namespace) -> None:
             dp_every=args.dp_every,
             seconds=args.seconds,
             dp_min_period_s=args.dp_min_period_s,
+            tls=args.tls,
+            repeat=args.repeat,
         )
     elif args.bench == "boundary":
         from peer.bench.boundary import main_json as boundary_json

@@ -310,6 +310,13 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         help="dp.min_period_s of the profiled run (default: the run default); 1 = as often as hivemind allows",
     )
     pf.add_argument(
+        "--tls",
+        choices=("on", "off", "both"),
+        default="on",
+        help="on: the bed as a run off loopback is (TLS); off: every process with --insecure-plaintext; both: each window run once with and once without, interleaved, medians side by side (what TLS costs; the other checks are attributed from py-spy's samples)",
+    )
+    pf.add_argument("--repeat", type=int, default=1, help="windows per TLS setting (default 1; 3 for a median)")
+    pf.add_argument(
         "--out", type=Path, default=None, help="write the result (JSON) to this file (default: print it on stdout)"
     )
     bd = bsub.add_parser(

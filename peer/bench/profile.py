@@ -29,6 +29,7 @@ from pathlib import Path
 
 from peer.bench.bedswarm import BedSwarm, write_toml
 from peer.bench.netbed import NetBed, available
+from peer.bench.profile_checks import checks_breakdown, compare, share_of_machine
 from peer.bench.throughput_modes import MODES, mode_config
 from peer.errors import ConfigError
 
@@ -149,7 +150,10 @@ def run_profile(
     seconds: float = 25.0,
     warmup: int = 8,
     dp_min_period_s: float | None = None,
+    tls: bool = True,
 ) -> dict:
+    """One profiled window of `mode` on the bed; `tls` False runs every process with
+    --insecure-plaintext (the control for what TLS costs, see peer/bench/profile_checks.py)."""
     if mode not in MODES:
         raise ConfigError("--mode", mode, f"must be one of {', '.join(MODES)}")
     why = available()
@@ -165,7 +169,7 @@ def run_profile(
     spy = shutil.which("py-spy") or (str(local) if local.exists() else None)
     rate = None if mode == "compute_bound" else bandwidth_mbit
     with NetBed([rate] * 5, subnet=30) as bed:
-        swarm = BedSwarm(bed, cfg, work / "swarm")
+        swarm = BedSwarm(bed, cfg, work / "swarm", plaintext=not tls)
         s0 = swarm.wait_status(
             lambda s: s["step"] >= warmup and sum(p["state"] in ("active", "idle") for p in s["peers"]) == 4,
             300,
@@ -203,6 +207,7 @@ def run_profile(
 
         spies = [record(pid, work / f"spy{i}.txt") for i, pid in enumerate(roots)] if spy else []
         spies += [record(pid, work / f"kid{i}.txt") for i, pid in enumerate(kids)] if spy else []
+        spies += [record(swarm.bootstrap.pid, work / "boot.txt")] if spy else []
         t0 = time.monotonic()
         time.sleep(seconds)
         dt = time.monotonic() - t0
@@ -216,8 +221,19 @@ def run_profile(
             if pid in before:
                 kind = "bootstrap (tracker, DHT)" if root == swarm.bootstrap.pid else _kind(pid, root, after[pid][2])
                 cpu[kind] += after[pid][1] - before[pid][1]
+    share = {k: round(v / ((os.cpu_count() or 1) * dt), 3) for k, v in cpu.most_common()}
+    checks = (
+        {
+            "peer main processes": checks_breakdown(sorted(work.glob("spy*.txt"))),
+            "hivemind python children (DHT, averager)": checks_breakdown(sorted(work.glob("kid*.txt"))),
+            "bootstrap (tracker, DHT)": checks_breakdown([f for f in [work / "boot.txt"] if f.exists()]),
+        }
+        if spy
+        else {}
+    )
     return {
         "mode": mode,
+        "tls": tls,
         "bandwidth_mbit": rate,
         "dp_every": dp_every,
         "dp_min_period_s": run["dp"].get("min_period_s", "run default"),
@@ -225,7 +241,9 @@ def run_profile(
         "tokens_per_s": s1["tokens_per_s"],
         "steps": [s0["step"], s1["step"]],
         "cpu_seconds": {k: round(v, 2) for k, v in cpu.most_common()},
-        "cpu_share_of_machine": {k: round(v / ((os.cpu_count() or 1) * dt), 3) for k, v in cpu.most_common()},
+        "cpu_share_of_machine": share,
+        "checks": checks or "py-spy not installed",
+        "checks_share_of_machine": share_of_machine(checks, share) if checks else None,
         "peer_main_process": breakdown(sorted(work.glob("spy*.txt")))
         if spy
         else "py-spy not installed (pip install py-spy)",
@@ -236,7 +254,25 @@ def run_profile(
     }
 
 
+def run_profiles(tls: str = "on", repeat: int = 1, **kwargs) -> dict:
+    """`repeat` windows per TLS setting (`tls`: "on", "off" or "both"), the settings interleaved
+    so that the box's drift falls on both alike; with "both", their medians side by side."""
+    settings = {"on": [True], "off": [False], "both": [True, False]}[tls]
+    runs = []
+    for i in range(repeat):
+        for on in settings:
+            print(
+                f"bench profile: window {len(runs) + 1} of {repeat * len(settings)} (tls {'on' if on else 'off'})",
+                file=sys.stderr,
+                flush=True,
+            )
+            runs.append(run_profile(tls=on, **kwargs))
+    if len(runs) == 1:
+        return runs[0]
+    return {"compare": compare(runs), "runs": runs}
+
+
 def main_json(path: Path | None, **kwargs) -> dict:
     from peer.bench import emit_json
 
-    return emit_json(run_profile(**kwargs), path)
+    return emit_json(run_profiles(**kwargs), path)
