@@ -87,4 +87,6 @@ def peer_info(p: PeerRecord, now: float, suspects: Suspects = ({}, {}, {})) -> p
         resumed_from=p.resumed_from,
         refused_donors=list(p.refused_donors),
         donor_flagged=donors.get(p.peer_id, 0),
+        refused_senders=list(p.refused_senders),
+        dropped_steps=p.dropped_steps,
     )

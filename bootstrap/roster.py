@@ -80,6 +80,8 @@ class PeerRecord:
     copy_stage: int = -1  # the stage the tracker last told it to copy (a replica), and that source's step then
     copy_step: int = 0
     refused_donors: tuple[str, ...] = ()  # "PEER: why" of the stage mates whose state it refused as a joiner
+    refused_senders: tuple[str, ...] = ()  # "PEER: N refused, newest: why" of senders its link bounds refused
+    dropped_steps: int = 0  # steps it dropped for a non-finite gradient
 
 
 def live(peers: Iterable[PeerRecord], stage: int | None = None) -> list[PeerRecord]:

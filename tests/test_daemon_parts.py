@@ -232,8 +232,20 @@ clock = [0.0]  # the member's process age, seconds
 
 def member() -> tuple[SimpleNamespace, Membership]:
     clock[0] = 0.0
+    from peer.pipeline.bounds import LinkBounds
+
+    bounds = LinkBounds()
+    with pytest.raises(WireError):
+        bounds.check("backward", "loud", 1.0, 1e9)
     worker = SimpleNamespace(
-        stage=SimpleNamespace(index=1), version=9, inbox_fwd=[1, 2], inbox_bwd=[3], keep_sent={}, state_bytes_sent=60
+        stage=SimpleNamespace(index=1),
+        version=9,
+        inbox_fwd=[1, 2],
+        inbox_bwd=[3],
+        keep_sent={},
+        state_bytes_sent=60,
+        bounds=bounds,
+        dropped_steps=1,
     )
     transport = SimpleNamespace(
         run_id="run",
@@ -296,6 +308,7 @@ def test_membership_reports_the_peer_s_figures() -> None:
     assert list(r.peer.excluding) == ["x1", "x2", "x3", "x4"] and r.peer.dp_rounds == 0 and r.peer.anchor_id == 0
     assert (r.peer.replica_stage, r.peer.replica_step, r.peer.resumed_from) == (2, 7, "group step 5")
     assert list(r.peer.refused_donors) == ["bad: far"]  # the donors whose state it refused, for the tracker to show
+    assert [x.split(",")[0] for x in r.peer.refused_senders] == ["loud: 1 refused"] and r.peer.dropped_steps == 1
     clock[0] = 7.0
     d.startup.begin("join")
     clock[0] = 9.4

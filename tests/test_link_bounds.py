@@ -150,6 +150,9 @@ def test_hidden_states_that_grow_for_good_pass_the_gradients_cap_but_not_the_act
     with pytest.raises(WireError, match="exceeds the cap 1e\\+06 \\(security.max_link_value\\)"):
         b.check("backward", "alice", 1.0, 2e6)
     assert b.refused == {"alice": 2}
+    assert b.senders() == [
+        "alice: 2 refused, newest: backward: a value of magnitude 2e+06 exceeds the cap 1e+06 (security.max_link_value)"
+    ]  # the status's refused_senders
 
 
 def test_one_loud_micro_batch_retried_between_quiet_ones_is_taken_after_recover_refusals() -> None:

@@ -150,3 +150,25 @@ def test_the_runs_step_never_goes_back_when_a_supporting_member_leaves() -> None
     assert t.status().step == 100
     t.leave(pb.LeaveRequest(peer_id="b"))  # a's 100 is no longer supported by a live report
     assert t.status().step == 100
+
+
+def test_a_sender_the_link_bounds_refuse_and_dropped_steps_are_in_the_status() -> None:
+    """A sender refused again and again stalls its micro-batches: the status says who, how often
+    and why, and the dashboard lists it, with any step dropped for a non-finite gradient."""
+    from peer.client.problems import problems
+    from peer.client.view import status_dict
+
+    t, _ = make(stages=2, layers=4)
+    join(t, "a"), join(t, "b")
+    beat(t, "a", step=5)
+    why = "a: 13 refused, newest: forward: a value of magnitude 2e+15 exceeds the cap 1e+15 (security.max_activation_value)"
+    info = pb.PeerInfo(
+        peer_id="b", stage=t.peers["b"].stage, state="active", step=5, refused_senders=[why] * 9, dropped_steps=2
+    )
+    t.report(pb.PeerReport(run_id="run-x", peer=info, tokens=500))
+    row = status_dict(t.status())["peers"]
+    b = next(p for p in row if p["id"] == "b")
+    assert b["refused_senders"] == [why] * 4 and b["dropped_steps"] == 2  # the tracker keeps 4
+    said = problems(status_dict(t.status()))
+    assert f"b (stage {info.stage}) refuses messages from {why}" in said
+    assert any("dropped 2 step(s) for a non-finite gradient" in x for x in said)

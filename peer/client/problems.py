@@ -140,6 +140,24 @@ def _named_by_group(s: dict) -> list[str]:
     return out
 
 
+def _refused_senders(s: dict) -> list[str]:
+    """A peer whose link bounds refused a sender's activations or gradients (peer/pipeline/bounds.py),
+    and a peer that dropped steps for a non-finite gradient. A sender refused again and again
+    stalls its micro-batches: either it is broken or hostile, or an honest run outgrew a bound
+    (the reason names the setting)."""
+    out = []
+    for p in s.get("peers", []):
+        if p.get("state") not in LIVE_STATES:
+            continue
+        for x in p.get("refused_senders") or []:
+            out.append(f"{p['id']} (stage {p['stage']}) refuses messages from {x}")
+        if (p.get("dropped_steps") or 0) > 0:
+            out.append(
+                f"{p['id']} (stage {p['stage']}) dropped {p['dropped_steps']} step(s) for a non-finite gradient (its log names the senders)"
+            )
+    return out
+
+
 def _refused_donors(s: dict) -> list[str]:
     """A peer whose stage state a joiner refused (far from what its other stage mates hold, or
     out of bounds: peer/daemon/state_witness.py), with the joiner's reason; the operator judges
@@ -255,6 +273,7 @@ RULES: tuple[Callable[[dict], list[str]], ...] = (
     _rejected_rounds,
     _named_by_group,
     _refused_donors,
+    _refused_senders,
     _excluding,
     _refused_calls,
     _implausible_reports,

@@ -88,6 +88,8 @@ def status_dict(s: pb.RunStatus) -> dict:
                 "dp_flagged": p.dp_flagged,
                 "refused_donors": list(p.refused_donors),
                 "donor_flagged": p.donor_flagged,
+                "refused_senders": list(p.refused_senders),
+                "dropped_steps": p.dropped_steps,
                 "link_mbit": p.link_mbit or None,
                 "pp_keep": p.pp_keep or None,
                 "dp_period_s": p.dp_period_s or None,

@@ -262,6 +262,8 @@ class Membership:
                 replica_step=d.replicas.step,
                 resumed_from=d.resumed_from,
                 refused_donors=list(d.state_sync.refused),
+                refused_senders=w.bounds.senders(),
+                dropped_steps=w.dropped_steps,
             ),
         )
 

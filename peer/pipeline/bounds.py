@@ -43,6 +43,7 @@ WARMUP = 8  # accepted messages before a running RMS bounds anything
 RECOVER = 8  # messages of one sender refused for their RMS within WINDOW, after which its level is taken as the new one
 WINDOW = 4 * RECOVER  # a sender's latest messages on a channel that RECOVER counts over
 EMA = 0.1  # weight of a new message in the running RMS
+SENDERS_KEPT = 16  # senders whose newest refusal `senders` can name
 ACTIVATION_CHANNELS = frozenset({"forward", "anchor_forward"})  # held to the activation cap
 
 
@@ -67,6 +68,9 @@ class LinkBounds:
         self.factor, self.cap, self.activation_cap = factor, cap, activation_cap
         self._rms: dict[tuple[str, str], tuple[float, int]] = {}  # (channel, sender or "") -> (running RMS, messages)
         self.refused: collections.Counter = collections.Counter()  # sender -> messages refused
+        self._why: collections.OrderedDict[str, str] = (
+            collections.OrderedDict()
+        )  # sender -> its newest refusal, newest last
         self._recent: dict[
             tuple[str, str], collections.deque
         ] = {}  # (channel, sender) -> its latest WINDOW messages: refused for their RMS?
@@ -111,6 +115,10 @@ class LinkBounds:
             recent.append(loud)
             if why is not None:
                 self.refused[sender] += 1
+                self._why[sender] = f"{channel}: {why}"
+                self._why.move_to_end(sender)
+                while len(self._why) > SENDERS_KEPT:
+                    self._why.popitem(last=False)
                 raise WireError(f"{channel} message from {sender!r} refused ({self.refused[sender]} so far): {why}")
             for key in ((channel, sender), (channel, "")):
                 old, n = self._rms.get(key, (0.0, 0))
@@ -119,3 +127,11 @@ class LinkBounds:
             if len(self._rms) > 4096:  # bounded: senders come and go
                 self._rms = {k: v for k, v in self._rms.items() if k[1] == "" or v[1] >= WARMUP}
                 self._recent.clear()
+
+    def senders(self, limit: int = 4) -> list[str]:
+        """The senders refused lately, newest last: "SENDER: N refused, newest: why" (the status's
+        `refused_senders`: a link that keeps refusing one sender stalls, and this says why)."""
+        with self._lock:
+            return [
+                f"{who}: {self.refused[who]} refused, newest: {why}" for who, why in list(self._why.items())[-limit:]
+            ]
