@@ -121,7 +121,7 @@ def test_a_stalled_link_holds_its_estimate_and_says_why() -> None:
     for t in (4.0, 5.0, 6.0):
         m.sent(40_000, now=t)  # never acknowledged
     assert m.bps(now=100.0) == pytest.approx((8 * 40_000 - BURST) / 3.2)  # the window is long past: it holds
-    assert m.held(now=100.0) == "no ack for 96 s (3 messages in flight)"
+    assert m.held(now=100.0) == "no ack for 96 s: 3 messages in flight"
     assert m.waiting(now=100.0) == (3, 96.0) and m.backlog() == 120_000
     m.lost(3)
     m.acked(now=101.0)  # an ack for a message the broken stream lost: nothing to take

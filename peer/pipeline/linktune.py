@@ -302,7 +302,7 @@ class LinkMeter:
         now = time.monotonic() if now is None else now
         n, age = self.waiting(now)
         if n and age > self.bw_window_s:
-            return f"no ack for {age:.0f} s ({n} messages in flight)"
+            return f"no ack for {age:.0f} s: {n} messages in flight"
         return self.why
 
     def backlog(self) -> int:
