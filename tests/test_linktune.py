@@ -95,6 +95,12 @@ def test_meter_follows_a_link_that_slows_and_skips_one_that_keeps_up() -> None:
     assert all(bps is None and f == 1.0 for f, bps in idle)
 
 
+def test_a_very_slow_link_is_measured_over_runs_longer_than_the_window() -> None:
+    """0.1 Mbit/s: four buckets' worth take 10 s to cross, so a run's anchors reach further back."""
+    out = drive(LinkMeter(), 12_500, lambda k, d: d + 0.05, T=1.0, full=64_000, n=100)
+    assert out[-1][1] == pytest.approx(12_500, rel=0.05)
+
+
 @pytest.mark.parametrize("nbytes", [8_000, 20_000, 40_000, 64_000])
 def test_a_shaper_s_burst_cannot_inflate_a_short_run(nbytes: int) -> None:
     """Two messages a step, after the link idled: tbf lets its bucket (32 KiB) through at once,

@@ -144,10 +144,13 @@ class LinkMeter:
             run = list(self._run)
             idle, after = (self._run_idle, None) if len(run) <= PATH else (0.0, run[-PATH - 1][3])
             path = (idle, after, tuple((s, n) for _, s, n, _ in run[-PATH:]), last)
-            pairs = tuple(  # older anchors would hold up a rate from before the link changed
+            # anchors from half the window back (older ones would hold up a rate from before the link
+            # changed), or as far as a link at the estimate needs to carry TIGHT buckets twice over
+            back = self.rtt_window_s if self._bw_est is None else 2 * TIGHT * self.burst / self._bw_est
+            pairs = tuple(
                 (s, self._run_bytes - before - self.burst)
                 for before, s, _, _ in run[:-1]
-                if now - s <= self.bw_window_s / 2 and self._run_bytes - before >= TIGHT * self.burst
+                if now - s <= max(self.bw_window_s / 2, back) and self._run_bytes - before >= TIGHT * self.burst
             )
             rtt, est = self._round_trip(now), self._bw_est
             late = None not in (rtt, est) and now - sent - rtt > BUSY * (ahead + nbytes) / est
