@@ -246,8 +246,9 @@ class LinkMeter:
         return max(n / max(ack - s - r, (ack - s) / 2) for s, n in pairs)
 
     def _estimate(self, now: float) -> float | None:
-        """The best sample of the window when it is higher than the estimate. Lower only when
-        every ack of the window (CONFIRM at least) came later than a link at the estimate could
+        """The best sample kept (`rtt_window_s`: one read again at a round trip learnt since still
+        counts) when it is higher than the estimate. Lower only when every ack of the last
+        `bw_window_s` (CONFIRM at least) came later than a link at the estimate could
         have delivered its message and the bytes ahead of it, plus the round trip: a receiver
         slow to answer now and then, or a sender the tuner fitted to the link, holds it; a link
         that slowed makes them all late. Then to the window's delivery rate (bytes acked over
@@ -255,12 +256,12 @@ class LinkMeter:
         (runs that began within it), if higher; samples above that are dropped."""
         while self._acked and now - self._acked[0][0] > self.bw_window_s:
             self._acked.popleft()
-        window, rtt = now - self.bw_window_s, self._round_trip(now) or 0.0
+        rtt = self._round_trip(now) or 0.0
         at = (self._bw_est, rtt)
         rates = [
             (a[0], x, a[4])
             for a, x in zip(self._acks, self._each("bw", at, lambda a, _, p, pairs: self._sample(a, p, pairs, rtt)))
-            if x is not None and a[0] >= window
+            if x is not None
         ]
         lates = [a[2] for a in self._acked]
         best = max((x for _, x, _ in rates), default=None)
