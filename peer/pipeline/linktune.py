@@ -18,25 +18,26 @@ to ack, and a slow answer would read as a slow link. The two are estimated apart
 
     bw  delivery rate: over a run of messages j..k (each sent before the previous one was acked,
         so the link carries them in order from send_j on), (bytes(j..k) - BURST) /
-        (ack_k - send_j - R), the best over the run's recent messages as j; the max over
-        `bw_window_s`. A lower bound whatever the answers' timing: acks that bunch up cannot
+        (ack_k - send_j - R), the best over the run's recent messages as j; the max of the
+        samples kept. A lower bound whatever the answers' timing: acks that bunch up cannot
         raise it, nor can a shaper's token bucket of up to BURST bytes (tbf passes it at line
-        rate after an idle spell; a run of two short messages read 2.3x a 0.5 Mbit/s link
-        through it). A run under TIGHT buckets' worth gives none, so a lone message does not.
+        rate after an idle spell, so a short run would read several times the rate). A run
+        under TIGHT buckets' worth gives none, so a lone message does not.
     R   round trip: ack_k less when a link at the estimated rate, bucket and all, would have
         delivered message k after the ones it queued behind; the min over `rtt_window_s`. Every
         message gives one, so a receiver that answers so late that every message queues behind
-        the last one's ack teaches it too; each errs short, never long, while bw is a lower
-        bound (a round trip too long would over-read the rate).
+        the last one's ack teaches it too. Each errs short while bw is a lower bound (a round
+        trip too long would over-read the rate), and a sample subtracts no more than its own
+        message's.
 
 Samples are kept raw and read at the current estimates, so a rate sampled before the round
 trip was known counts in full once it is. The estimate holds what it read while nothing
 contradicts it: once the tuner fits the payload to the link every message goes out alone and the
-link is no longer sampled. It falls only when every ack of a window came later than a link at the
-estimate could have answered (its bytes and those ahead of it, plus R): a link that slowed, not a
-receiver slow now and then. A link that never backs up is not measured (None) and carries the
-full payload. Stalls, acks twice or out of order, a clock that steps back: no sample (never a
-division by zero or an infinite rate), the estimate holds, and `held` says why.
+link is no longer sampled. It falls only when every ack of `bw_window_s` came later than a link
+at the estimate could have answered (its bytes and those ahead of it, plus R): a link that
+slowed, not a receiver slow now and then. A link that never backs up is not measured (None) and
+carries the full payload. Stalls, acks twice or out of order, a clock that steps back: no sample
+(never a division by zero or an infinite rate), the estimate holds, and `held` says why.
 """
 
 from __future__ import annotations
@@ -71,8 +72,8 @@ class LinkMeter:
     (thread-safe: the sender thread acks, the worker reads). See the module docstring.
 
     Args:
-        bw_window_s: seconds a delivery-rate sample counts toward the estimate (max filter).
-        rtt_window_s: seconds a round-trip sample counts toward the estimate (min filter).
+        bw_window_s: seconds of acks that must all be late before the estimate falls.
+        rtt_window_s: seconds a sample counts toward the estimates (rate: max, round trip: min).
         anchors: the run's latest messages a sample may start from.
         burst: bytes a shaper may pass at line rate, discounted from every sample.
     """
