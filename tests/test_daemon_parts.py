@@ -26,6 +26,7 @@ from peer.daemon.serving import Serving
 from peer.daemon.startup import StartupClock
 from peer.daemon.state_sync import StateSync
 from peer.errors import AnchormeshError, WireError
+from peer.pipeline.linktune import LinkMeter
 from peer.store.checkpoint import ShardCheckpoints
 from peer.wire import anchormesh_pb2 as pb
 
@@ -175,6 +176,19 @@ def router(excluded: set[str], worker: object | None = None) -> Router:
     r = Router(transport, "me", lambda: worker or SimpleNamespace(stage=SimpleNamespace(index=0)))
     r.route_gen = torch.Generator().manual_seed(0)
     return r
+
+
+def test_a_link_whose_meter_holds_keeps_its_figure_and_is_logged_once(caplog) -> None:
+    r = router(set(), SimpleNamespace(stage=SimpleNamespace(index=0), keep_sent={}))
+    m = r.transport.meters[("b", "forward")] = LinkMeter()
+    for i in range(8):
+        m.sent(40_000, now=0.0)
+    for i in range(8):
+        m.acked(now=0.4 * (i + 1))
+    m.sent(40_000, now=time.monotonic() - 30)  # 30 s ago, never acknowledged
+    with caplog.at_level(logging.WARNING):
+        assert r.links()[0] == pytest.approx(m.bps() * 8 / 1e6) and r.links()[0] > 0
+    assert caplog.text.count("link meter of b forward holds its last estimate: no ack for 30 s") == 1
 
 
 def test_routing_prefers_usable_peers_by_capacity() -> None:

@@ -2,56 +2,171 @@
 
 from __future__ import annotations
 
+import math
+import random
+
 import pytest
 import torch
 
 from peer.config import MaskConfig, OptimConfig, TrainConfig
 from peer.errors import ConfigError, WireError
 from peer.model.loading import load_causal_lm
-from peer.pipeline.linktune import ComputeClock, LinkMeter, coefficients, keep_fraction
+from peer.pipeline.linktune import BURST, ComputeClock, LinkMeter, coefficients, keep_fraction
 from peer.pipeline.local import LocalPipelineRunner
 from peer.pipeline.transport import LocalTransport
 from peer.wire import anchormesh_pb2 as pb
 from tests.test_runner import MODEL, PIPE, windows
 
+BW = 250_000  # 2 Mbit/s
+FIT = 0.8 * BW * 0.25 / (2 * BW * 0.25)  # the kept fraction that fits: link_target 0.8 of twice the link
 
-def test_meter_measures_back_to_back_messages_at_the_link_rate() -> None:
-    m = LinkMeter(min_samples=3)
-    for i in range(4):  # queued together at t=0; the link delivers 1000 bytes every 0.1 s
-        m.sent(1000, now=0.0)
-    assert m.bps() is None  # nothing acked yet
+
+def drive(
+    meter: LinkMeter, bw, answer, T: float = 0.25, full: float = 2 * BW * 0.25, n: int = 160, bucket: int = BURST
+):
+    """A stage on a fake clock: every T seconds it sends `keep_fraction` of `full` bytes (at most 4
+    unacknowledged, as a pipeline's micro-batches) over a link of `bw` (or `bw(k)`) bytes/s behind
+    a token bucket of `bucket` bytes (tbf: after an idle spell a burst passes at once);
+    `answer(k, delivered)` is when message k's ack arrives. Returns (kept fraction, reading) per message."""
+    pending: list[float] = []
+    acks: list[float] = []
+    out = []
+    t = free = 0.0
+    tokens = float(bucket)
+    for k in range(n):
+        if len(acks) >= 4:
+            t = max(t, acks[-4])
+        while pending and pending[0] <= t:
+            meter.acked(now=pending.pop(0))
+        f = keep_fraction(full, 0, meter.bps(now=t), T, 0.8, 0.125)
+        meter.sent(int(f * full), now=t)
+        rate = bw(k) if callable(bw) else bw
+        start = max(t, free)
+        tokens = min(bucket, tokens + (start - free) * rate)
+        use = min(tokens, f * full)
+        tokens -= use
+        free = start + (f * full - use) / rate
+        acks.append(max(answer(k, free), acks[-1] if acks else 0.0))  # one stream: acks in order
+        pending.append(acks[-1])
+        out.append((f, meter.bps(now=t)))
+        t += T
+    return out
+
+
+def starved(k: int, delivered: float) -> float:
+    """A receiver short of CPU: it runs 50 ms in every 500 ms and answers only then."""
+    phase = (delivered + 0.13) % 0.5
+    return delivered + 0.002 if phase < 0.05 else delivered - phase + 0.5 + 0.05 * random.Random(k).random()
+
+
+@pytest.mark.parametrize(
+    "receiver,bw,answer",
+    [
+        ("fast", BW, lambda k, d: d + 0.002),
+        ("answers 200 ms late: every message queues behind the last one's ack", BW, lambda k, d: d + 0.2),
+        ("slow to answer, 50-250 ms", BW, lambda k, d: d + 0.05 + 0.2 * random.Random(k).random()),
+        ("short of CPU, fast link", 10 * BW, starved),
+    ],
+)
+def test_meter_reads_the_link_not_the_answer_and_the_bits_do_not_run_down(receiver: str, bw: float, answer) -> None:
+    """The payload starts at twice what the link carries, so messages back up and the meter
+    learns the link; then the tuner fits it and only the round trip is left to mislead. A meter
+    that counted the round trip as link time would cut again and again."""
+    out = drive(LinkMeter(), bw, answer, full=2 * bw * 0.25)
+    for f, bps in out[40:]:
+        assert bps == pytest.approx(bw, rel=0.05), (receiver, out)
+        assert f == pytest.approx(FIT, rel=0.05), (receiver, out)
+
+
+def test_the_round_trip_is_learnt_when_every_message_queues() -> None:
+    m = LinkMeter()
+    out = drive(m, BW, lambda k, d: d + 0.2)
+    assert m.rtt(now=40.0) == pytest.approx(0.2, abs=0.02)
+    assert out[-1][1] == pytest.approx(BW, rel=0.03)
+
+
+def test_meter_follows_a_link_that_slows_and_skips_one_that_keeps_up() -> None:
+    """At 20 s the link halves: the acks all come later than the estimate allows, and the meter
+    reads the new rate. A link that carries everything sent never backs up: no estimate, full payload."""
+    out = drive(LinkMeter(), lambda k: BW if k < 80 else BW / 2, lambda k, d: d + 0.2, n=240)
+    assert out[79][1] == pytest.approx(BW, rel=0.05)
+    assert out[-1][1] == pytest.approx(BW / 2, rel=0.1) and out[-1][0] == pytest.approx(FIT / 2, rel=0.1)
+    idle = drive(LinkMeter(), BW, lambda k, d: d + 0.2, full=20_000, n=40)
+    assert all(bps is None and f == 1.0 for f, bps in idle)
+
+
+def test_a_very_slow_link_is_measured_over_runs_longer_than_the_window() -> None:
+    """0.1 Mbit/s: four buckets' worth take 10 s to cross, so a run's anchors reach further back."""
+    out = drive(LinkMeter(), 12_500, lambda k, d: d + 0.05, T=1.0, full=64_000, n=100)
+    assert out[-1][1] == pytest.approx(12_500, rel=0.05)
+
+
+@pytest.mark.parametrize("nbytes", [8_000, 20_000, 40_000, 64_000])
+def test_a_shaper_s_burst_cannot_inflate_a_short_run(nbytes: int) -> None:
+    """Two messages a step, after the link idled: tbf lets its bucket (32 KiB) through at once,
+    so the pair crosses faster than the rate. The meter discounts a bucket's worth from every
+    run, and takes none under four buckets' worth: no reading above the link's."""
+    m, bw = LinkMeter(), 62_500  # 0.5 Mbit/s
+    for step in range(40):
+        t = 5.0 * step
+        m.sent(nbytes, now=t)
+        m.sent(nbytes, now=t + 0.01)
+        first = t + max(0.0, nbytes - BURST) / bw
+        m.acked(now=first + 0.05)
+        m.acked(now=first + nbytes / bw + 0.05)
+        assert m.bps(now=t + 4.0) is None or m.bps(now=t + 4.0) <= bw, (step, m.bps(now=t + 4.0))
+
+
+def test_a_stalled_link_holds_its_estimate_and_says_why() -> None:
+    m = LinkMeter()
+    for i in range(8):
+        m.sent(40_000, now=0.0)
+    for i in range(8):
+        m.acked(now=0.4 * (i + 1))  # 100 KB/s
+    assert m.bps(now=3.3) == pytest.approx((8 * 40_000 - BURST) / 3.2)
+    for t in (4.0, 5.0, 6.0):
+        m.sent(40_000, now=t)  # never acknowledged
+    assert m.bps(now=100.0) == pytest.approx((8 * 40_000 - BURST) / 3.2)  # the window is long past: it holds
+    assert m.held(now=100.0) == "no ack for 96 s: 3 messages in flight"
+    assert m.waiting(now=100.0) == (3, 96.0) and m.backlog() == 120_000
+    m.lost(3)
+    m.acked(now=101.0)  # an ack for a message the broken stream lost: nothing to take
+    assert m.held(now=101.0) == "an ack for no message in flight: ignored" and m.backlog() == 0
+
+
+def test_acks_twice_or_out_of_order_give_no_sample() -> None:
+    m = LinkMeter()
+    for key in range(5):
+        m.sent(50_000, now=0.0, key=key)
+    m.acked(now=0.4, key=0)
+    m.acked(now=0.8, key=2)  # before 1
+    assert m.held(now=0.8) == "an ack out of order: sample dropped"
+    m.acked(now=0.9, key=2)  # twice
+    assert m.held(now=0.9) == "an ack for no message in flight: ignored"
+    assert m.waiting(now=0.9)[0] == 3 and m.bps(now=0.9) is None
+    for i, key in enumerate((1, 3, 4)):
+        m.acked(now=1.2 + 0.4 * i, key=key)
+    assert m.held(now=2.0) == "" and m.bps(now=2.0) is not None  # 1, 3 and 4 make a run again
+
+
+def test_a_clock_that_steps_back_or_stands_still_gives_no_rate() -> None:
+    m = LinkMeter()
     for i in range(4):
-        m.acked(now=0.1 * (i + 1))
-    assert m.bps() == pytest.approx(10_000)
-    assert m.backlog() == 0
-
-
-def test_meter_takes_the_backlogged_rate_over_lone_messages_round_trips() -> None:
-    m = LinkMeter(min_samples=2)
-    for t in (0.0, 1.0, 2.0):  # lone messages: 0.01 s on the wire plus a 0.09 s round trip each
-        m.sent(1000, now=t)
-        m.acked(now=t + 0.1)
-    assert m.bps() == pytest.approx(10_000)  # all it knows: a lower bound
-    for i in range(3):  # three queued at once: acks 0.01 s apart, the link's own rate
-        m.sent(1000, now=5.0)
-    for i in range(3):
-        m.acked(now=5.1 + 0.01 * i)
-    assert m.bps() == pytest.approx(100_000)
-
-
-def test_meter_counts_idle_time_out_and_forgets_lost_messages() -> None:
-    m = LinkMeter(min_samples=2)
-    m.sent(500, now=10.0)
-    m.acked(now=10.05)  # 0.05 s of service: the link was idle before it
-    m.sent(500, now=20.0)  # queued long after: the 10 s gap is not link time
-    m.acked(now=20.05)
-    assert m.bps() == pytest.approx(10_000)
-    m.sent(100, now=30.0)
-    m.sent(100, now=30.0)
-    m.lost(1)  # a stream broke after taking one message: that one will never be acked
-    assert m.backlog() == 100
-    m.acked(now=30.01)
-    assert m.backlog() == 0
+        m.sent(40_000, now=10.0)
+    for i in range(4):
+        m.acked(now=9.0 + 0.1 * i)  # before they were sent: the clock stepped back
+        assert m.held(now=9.5) == "the clock went backwards: sample dropped"
+    for i in range(4):
+        m.sent(40_000, now=20.0)
+    for i in range(4):
+        m.acked(now=20.0)  # at the instant they were sent
+    assert m.bps(now=20.0) is None and m.held(now=20.0) == "an ack at its send time: sample dropped"
+    for i in range(4):
+        m.sent(40_000, now=30.0)
+    for i in range(4):
+        m.acked(now=30.4 + 0.4 * i)
+    assert m.bps(now=32.0) == pytest.approx((4 * 40_000 - BURST) / 1.6) and m.held(now=32.0) == ""
+    assert math.isfinite(m.bps(now=5.0))  # read with an earlier clock: still the estimate, finite
 
 
 def test_keep_fraction_fits_the_bytes_into_the_compute_time() -> None:

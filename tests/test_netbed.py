@@ -123,6 +123,7 @@ def test_a_slow_link_is_measured_and_sends_fewer_coefficients(tmp_path: Path) ->
 
         s = swarm.wait_status(adapted, 240, "the stage-0 peer to send fewer coefficients")
         first = next(p for p in s["peers"] if p["stage"] == 0 and p["state"] in ("active", "idle"))
+        print(f"stage 0 on a 0.5 Mbit/s link: link_mbit {first['link_mbit']:.3f}, pp_keep {first['pp_keep']:.3f}")
         assert 0.05 < first["link_mbit"] < 1.0, (
             first
         )  # the measured link is the shaped one (tbf's burst lets a little more through)
