@@ -81,3 +81,36 @@ def test_the_new_gradient_settings_are_checked() -> None:
     with pytest.raises(ConfigError, match="codec.transform.grad_rounding"):
         MaskConfig(scheme="transform", grad_rounding="floor")
     MaskConfig(scheme="transform", grad_rounding="nearest", grad_rotation="message")
+
+
+def test_the_default_gradient_coding_pushes_no_direction_the_gradient_lacks() -> None:
+    """Stage 0 of the tiny model at lr 2e-3 grew a vector common to all its output rows without
+    bound: at 1 bit the dither clips each rotated component to +-0.8 sigma, and through one fixed
+    rotation that clip's bias is the same function of the gradient in every message, so along
+    some direction the gradient lacks it adds up over steps (the next stage's RMSNorm leaves that
+    direction nearly free). Here: rows orthogonal to the direction `u` in which the fixed rotation
+    biases them most; with the default coding the mean decoded gradient of 48 messages must not
+    point along `u` (with a rotation drawn per message, a row's expected decode is a multiple of it)."""
+    from peer.codec.grad_coder import run_rotation
+    from peer.codec.transform import STEP
+
+    cfg = MaskConfig(grad_outliers=0.0)
+    q, scale = run_rotation(H, cfg.seed)
+    rotation = q.float().double() * scale.double()
+    x = torch.randn(2, 8, H, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    rows = x.reshape(-1, H)
+    # the direction in which the fixed rotation's clip biases these rows, the rows made orthogonal to it
+    for _ in range(20):
+        gain = rows.pow(2).mean(1, keepdim=True).sqrt()
+        bias = (gain * ((rows / gain @ rotation).clamp(-STEP[1] / 2, STEP[1] / 2) @ rotation.T) - rows).sum(0)
+        u = bias / bias.norm()
+        rows = rows - (rows @ u)[:, None] * u
+    x = rows.reshape(x.shape).float()
+    u = u.float()
+    spread = float(x.reshape(-1, H).norm(dim=1).sum()) / math.sqrt(H)  # a row's typical component, summed over rows
+
+    def along(rotation: str) -> float:
+        return float((mean_of_messages(rotation, cfg.grad_rounding, x).reshape(-1, H) @ u).sum())
+
+    assert along("fixed") > 0.2 * spread  # the push a fixed rotation adds up (measured 0.28)
+    assert abs(along(cfg.grad_rotation)) < 0.05 * spread, (along(cfg.grad_rotation), spread)  # per message: 0.008
