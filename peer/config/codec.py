@@ -103,9 +103,9 @@ class MaskConfig:
             is the same function of the gradient in every message, and its bias adds up over
             steps along directions the gradient lacks: on the tiny model at lr 2e-3 a vector
             common to every row of stage 0's output (which the next stage's RMSNorm leaves nearly
-            free) grew without bound, RMS 2.4 to 3e4 in 150 steps, past 1e6 (where the
-            gradients' cap once refused activations too); per message it stayed at dense's. "nearest" rounding
-            is meant with "message" (its error is the same for the same value).
+            free) grew without bound (RMS 2.4 to 3e4 in 150 steps, 3e5 in 300); per message it
+            stayed at dense's. "nearest" rounding is meant with "message" (its error is the same
+            for the same value).
         grad_step_scale: scheme "transform": the gradients' quantiser steps, in Gaussian-optimal
             steps: wider ones clip fewer values (a clipped value is a biased one), narrower ones
             add less noise. Measured on Gaussian values (relative mean square error, 1 bit):
