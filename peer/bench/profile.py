@@ -24,31 +24,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 from peer.bench.bedswarm import BedSwarm, write_toml
 from peer.bench.netbed import NetBed, available
 from peer.bench.profile_checks import checks_breakdown, compare, share_of_machine
+from peer.bench.profile_samples import samples
 from peer.bench.throughput_modes import MODES, mode_config
 from peer.errors import ConfigError
 
 HZ = os.sysconf("SC_CLK_TCK")
-IDLE_LEAVES = (
-    "Condition.wait",
-    "channel_spin",
-    "Event.wait",
-    "sleep",
-    "select",
-    "poll (",
-    "_recv",
-    "recv (",
-    "epoll",
-    "_run_once",
-    "run_forever",
-    "readinto",
-    "_wait_for_tstate_lock",
-)
 PARTS = (  # innermost match wins, walking from the leaf up
     ("codec", ("peer/codec/",)),
     ("wire serialization / validation", ("SerializeToString", "ParseFromString", "FromString", "peer/wire/tensors.py")),
@@ -91,16 +76,6 @@ def _kind(pid: int, root: int, comm: str) -> str:
     if pid == root:
         return "peer main processes"
     return "hivemind p2pd (Go)" if comm.startswith("p2pd") else "hivemind python children (DHT, averager)"
-
-
-def samples(raw_files: list[Path]) -> Iterator[tuple[list[str], int, bool]]:
-    """(frames root first, sample count, idle) per line of py-spy's raw output; idle: the innermost
-    frame is a wait (IDLE_LEAVES)."""
-    for f in raw_files:
-        for line in f.read_text().splitlines():
-            stack, _, n = line.rpartition(" ")
-            frames = stack.split(";")
-            yield frames, int(n), any(k in frames[-1] for k in IDLE_LEAVES)
 
 
 def breakdown(raw_files: list[Path]) -> dict:

@@ -17,6 +17,8 @@ import re
 import statistics
 from pathlib import Path
 
+from peer.bench.profile_samples import samples
+
 # (check, path of its module, functions of that module that are not checks: wrappers whose
 # innermost-anchormesh samples are the parsing or handling they wrap)
 CHECKS: tuple[tuple[str, str, frozenset[str]], ...] = (
@@ -54,8 +56,6 @@ def _check_of(frame: str) -> tuple[bool, str | None]:
 
 def checks_breakdown(raw_files: list[Path]) -> dict:
     """On-CPU py-spy samples of these files that the checks took, per check and in all."""
-    from peer.bench.profile import samples  # profile.py imports this module
-
     per, busy = collections.Counter(), 0
     for frames, n, waiting in samples(raw_files):
         if waiting:
