@@ -166,8 +166,6 @@ def rows(setup: QualitySetup) -> dict[str, TrainConfig]:
             mask=replace(transform, grad_rounding="nearest", grad_rotation="message"), pipeline=stale1
         ),
         "transform_stale1_msg": cfg(mask=replace(transform, grad_rotation="message"), pipeline=stale1),
-        # the run's rotation alone, as the default was: its 1-bit clip biases every message alike
-        "transform_stale1_fixed": cfg(mask=replace(transform, grad_rotation="fixed"), pipeline=stale1),
         # one more bit on one side (~8x instead of 10x at 2,048 tokens): what continual pretraining's gap costs in bytes
         "transform_stale1_b3": cfg(mask=replace(transform, bits=3.0), pipeline=stale1),
         "transform_stale1_g2": cfg(mask=replace(transform, grad_bits=2.0), pipeline=stale1),
