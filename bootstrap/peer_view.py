@@ -89,4 +89,5 @@ def peer_info(p: PeerRecord, now: float, suspects: Suspects = ({}, {}, {})) -> p
         donor_flagged=donors.get(p.peer_id, 0),
         refused_senders=list(p.refused_senders),
         dropped_steps=p.dropped_steps,
+        links_held=list(p.links_held),
     )

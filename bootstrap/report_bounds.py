@@ -112,6 +112,7 @@ def take_fields(
     p.refused_donors = tuple(x[:MAX_TEXT] for x in info.refused_donors[:MAX_SUSPECTS])
     p.refused_senders = tuple(x[:MAX_TEXT] for x in info.refused_senders[:MAX_SUSPECTS])
     p.dropped_steps = info.dropped_steps
+    p.links_held = tuple(x[:MAX_TEXT] for x in info.links_held[:MAX_SUSPECTS])
     p.startup_s = info.startup_s if _plausible_s(info.startup_s) else 0.0
     p.startup_phases = tuple(
         (x.name[:MAX_NAME], x.seconds) for x in info.startup_phases[:MAX_PHASES] if _plausible_s(x.seconds)

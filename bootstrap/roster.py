@@ -82,6 +82,7 @@ class PeerRecord:
     refused_donors: tuple[str, ...] = ()  # "PEER: why" of the stage mates whose state it refused as a joiner
     refused_senders: tuple[str, ...] = ()  # "PEER: N refused, newest: why" of senders its link bounds refused
     dropped_steps: int = 0  # steps it dropped for a non-finite gradient
+    links_held: tuple[str, ...] = ()  # "PEER CHANNEL: why" of its links whose meter holds its estimate
 
 
 def live(peers: Iterable[PeerRecord], stage: int | None = None) -> list[PeerRecord]:

@@ -261,13 +261,15 @@ def member() -> tuple[SimpleNamespace, Membership]:
         bounds=bounds,
         dropped_steps=1,
     )
+    stalled = LinkMeter()
+    stalled.sent(4096, now=time.monotonic() - 100)  # never acked: the meter holds its estimate
     transport = SimpleNamespace(
         run_id="run",
         bytes_in=100,
         total_bytes=lambda: 250,
         excluding=lambda: ["x1", "x2", "x3", "x4", "x5"],
         endpoints={},
-        meters={},
+        meters={("next", "forward"): stalled},
         usable=lambda dst: True,
     )
     d = SimpleNamespace(
@@ -323,6 +325,7 @@ def test_membership_reports_the_peer_s_figures() -> None:
     assert (r.peer.replica_stage, r.peer.replica_step, r.peer.resumed_from) == (2, 7, "group step 5")
     assert list(r.peer.refused_donors) == ["bad: far"]  # the donors whose state it refused, for the tracker to show
     assert [x.split(",")[0] for x in r.peer.refused_senders] == ["loud: 1 refused"] and r.peer.dropped_steps == 1
+    assert [x.split(" s:")[0] for x in r.peer.links_held] == ["next forward: no ack for 100"]  # a stalled link, said
     clock[0] = 7.0
     d.startup.begin("join")
     clock[0] = 9.4

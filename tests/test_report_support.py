@@ -152,9 +152,10 @@ def test_the_runs_step_never_goes_back_when_a_supporting_member_leaves() -> None
     assert t.status().step == 100
 
 
-def test_a_sender_the_link_bounds_refuse_and_dropped_steps_are_in_the_status() -> None:
+def test_refused_senders_dropped_steps_and_held_link_estimates_are_in_the_status() -> None:
     """A sender refused again and again stalls its micro-batches: the status says who, how often
-    and why, and the dashboard lists it, with any step dropped for a non-finite gradient."""
+    and why, and the dashboard lists it, with any step dropped for a non-finite gradient and any
+    link whose meter holds its last estimate (a stalled link: no ack)."""
     from peer.client.problems import problems
     from peer.client.view import status_dict
 
@@ -163,7 +164,13 @@ def test_a_sender_the_link_bounds_refuse_and_dropped_steps_are_in_the_status() -
     beat(t, "a", step=5)
     why = "a: 13 refused, newest: forward: a value of magnitude 2e+15 exceeds the cap 1e+15 (security.max_activation_value)"
     info = pb.PeerInfo(
-        peer_id="b", stage=t.peers["b"].stage, state="active", step=5, refused_senders=[why] * 9, dropped_steps=2
+        peer_id="b",
+        stage=t.peers["b"].stage,
+        state="active",
+        step=5,
+        refused_senders=[why] * 9,
+        dropped_steps=2,
+        links_held=["a forward: no ack for 12 s: 2 messages in flight"],
     )
     t.report(pb.PeerReport(run_id="run-x", peer=info, tokens=500))
     row = status_dict(t.status())["peers"]
@@ -172,3 +179,4 @@ def test_a_sender_the_link_bounds_refuse_and_dropped_steps_are_in_the_status() -
     said = problems(status_dict(t.status()))
     assert f"b (stage {info.stage}) refuses messages from {why}" in said
     assert any("dropped 2 step(s) for a non-finite gradient" in x for x in said)
+    assert f"b (stage {info.stage}) holds its link estimate of a forward: no ack for 12 s: 2 messages in flight" in said

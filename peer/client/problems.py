@@ -158,6 +158,17 @@ def _refused_senders(s: dict) -> list[str]:
     return out
 
 
+def _links_held(s: dict) -> list[str]:
+    """A peer whose link meter holds its last estimate (peer/pipeline/linktune.py): a link with no
+    ack for a while is stalled, and its self-tuning works from old figures until acks come back."""
+    return [
+        f"{p['id']} (stage {p['stage']}) holds its link estimate of {x}"
+        for p in s.get("peers", [])
+        if p.get("state") in LIVE_STATES
+        for x in p.get("links_held") or []
+    ]
+
+
 def _refused_donors(s: dict) -> list[str]:
     """A peer whose stage state a joiner refused (far from what its other stage mates hold, or
     out of bounds: peer/daemon/state_witness.py), with the joiner's reason; the operator judges
@@ -274,6 +285,7 @@ RULES: tuple[Callable[[dict], list[str]], ...] = (
     _named_by_group,
     _refused_donors,
     _refused_senders,
+    _links_held,
     _excluding,
     _refused_calls,
     _implausible_reports,

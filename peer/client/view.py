@@ -90,6 +90,7 @@ def status_dict(s: pb.RunStatus) -> dict:
                 "donor_flagged": p.donor_flagged,
                 "refused_senders": list(p.refused_senders),
                 "dropped_steps": p.dropped_steps,
+                "links_held": list(p.links_held),
                 "link_mbit": p.link_mbit or None,
                 "pp_keep": p.pp_keep or None,
                 "dp_period_s": p.dp_period_s or None,

@@ -264,6 +264,7 @@ class Membership:
                 refused_donors=list(d.state_sync.refused),
                 refused_senders=w.bounds.senders(),
                 dropped_steps=w.dropped_steps,
+                links_held=self.router.held_why[:4],
             ),
         )
 

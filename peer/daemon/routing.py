@@ -46,6 +46,7 @@ class Router:
         self.sent_at: dict[tuple[int, int], float] = {}
         self.round_trips: deque[float] = deque(maxlen=64)  # stage 0: seconds from sending a micro-batch to its gradient
         self.held: set[str] = set()  # "DST CHANNEL: kind of why" of the links whose meter holds its estimate, logged
+        self.held_why: list[str] = []  # "DST CHANNEL: why" of those links, for the status
 
     def next_hop(self) -> str:
         """A live next-stage peer, chosen with probability proportional to its measured capacity
@@ -117,8 +118,8 @@ class Router:
         """(its slowest measured outbound pipeline link in Mbit/s or 0, the fraction of the codec's
         configured payload (mask.rank, or mask.drop's keep) it sends on its most constrained link,
         or 0 when it sends no activations). A link whose meter holds its last estimate rather than
-        measuring (no ack, acks twice or out of order, a clock step) is logged once per reason: the
-        figures are then that link's last good ones."""
+        measuring (no ack, acks twice or out of order, a clock step) is logged once per reason and
+        listed in `held_why` (the status's `links_held`): the figures are then that link's last good ones."""
         held = {
             f"{dst} {ch}: {why.split(':')[0]}": why
             for (dst, ch), m in list(self.transport.meters.items())
@@ -127,6 +128,7 @@ class Router:
         for key in held.keys() - self.held:
             log.warning("link meter of %s holds its last estimate: %s", key.split(":")[0], held[key])
         self.held = set(held)
+        self.held_why = [f"{key.split(':')[0]}: {why}" for key, why in sorted(held.items())]
         w, bps = self._worker(), self.uplink_bps()
         keep = min(w.keep_sent.values()) if w is not None and w.keep_sent else 0.0
         return (bps * 8 / 1e6 if bps else 0.0), keep
