@@ -59,10 +59,9 @@ def mode_config(mode: str, stages: int, steps: int, dp_every: int, seed: int = 0
     if mode not in MODES:
         raise ConfigError("mode", mode, f"must be one of {', '.join(MODES)}")
     # the recommended run's codec (MaskConfig's defaults: 2-bit activations, 1-bit dithered gradients), its
-    # settings pinned against the tiny model's profile (TINY_RUN): the bed carries the bytes a real model's run sends
-    # the recommended codec, its gradients' rotation drawn per message: through the fixed rotation the
-    # 1-bit clip's bias adds up and the tiny model's stage-0 output grows without bound at its lr
-    # (peer/config/codec.py, grad_rotation)
+    # settings pinned against the tiny model's profile (TINY_RUN): the bed carries the bytes a real model's run
+    # sends. Its gradients' rotation is drawn per message (the same bytes): through the fixed rotation the 1-bit
+    # clip's bias adds up and the tiny model's stage-0 output grows without bound at its lr (peer/config/codec.py)
     compressed_pp = {
         "scheme": "transform",
         "adapt": False,

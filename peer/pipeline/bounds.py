@@ -21,7 +21,7 @@ in after RECOVER refusals, all counted, never past the cap: the relative bound s
 spikes, the cap and the dropped step stop wedging. Why activations have a cap of their own, far
 above the gradients': a stage's output feeds RMSNorms only, so nothing in the loss holds its scale,
 and honest hidden states can grow for thousands of steps (a tiny model's reached 7.5e5 after 300
-steps of 1-bit gradients); a cap they can reach would refuse a micro-batch for ever and stop the
+steps of 1-bit gradients through a fixed rotation); a cap they can reach would refuse a micro-batch for ever and stop the
 run. The activation cap only has to keep the receiver's arithmetic finite: an RMSNorm squares
 and sums a row in float32, finite for values below about 1e17 at hidden sizes to 1e5.
 
