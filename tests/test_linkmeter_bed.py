@@ -4,7 +4,7 @@ and a stage's send loop on each link (a micro-batch every 0.25 s, its payload tu
 link carries, so the meter learns the link; then the tuner fits it and only the round trip is
 left to mislead. After a warm-up the median of the meter's readings must be within 20 % of the
 shaped rate (the starved receiver's: no more than 20 % over, no less than half, see LOW_STARVED)
-and the kept fraction must not run down, whether the receiver answers at once, 200
+and the kept fraction (which follows the reading) must not run down, whether the receiver answers at once, 200
 ms late, or is short of CPU on a fast link (a thread spinning beside its server, both held to 10 %
 of a core in 0.5 s periods by a cgroup: its answers come up to 450 ms late, several at once).
 Medians over 80 readings a link, not single ones: a loaded machine delays a reading now and then
@@ -156,10 +156,12 @@ def test_meter_reads_the_shaped_rate_and_the_bits_hold_whatever_the_receiver(tmp
             f"{name}: shaped {mbit} Mbit/s, read median {statistics.median(read):.2f} "
             f"({min(read):.2f}-{max(read):.2f}), kept {early:.3f} then {late:.3f}, round trip {rtt}"
         )
-        # the kept fraction (fitting: TARGET / 2 of a payload twice the link's) must not fall over the run
-        ran_down = late < 0.95 * early or late < 0.75 * TARGET / 2
+        # the kept fraction (fitting: TARGET / 2 of a payload twice the link's) must not fall over the run;
+        # it follows the reading, so the starved receiver's may start as low as its reading may
+        low = LOW_STARVED if cpu is not None else 0.8
+        ran_down = late < 0.95 * early or late < (low - 0.05) * TARGET / 2
         ratio = statistics.median(read) / mbit
-        if ran_down or ratio > 1.2 or ratio < (LOW_STARVED if cpu is not None else 0.8):
+        if ran_down or ratio > 1.2 or ratio < low:
             bad.append(
                 f"{name}: read median {statistics.median(read):.2f} of {mbit} Mbit/s, kept {early:.3f} then {late:.3f}"
             )
