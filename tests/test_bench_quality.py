@@ -189,3 +189,22 @@ def test_the_gpu_suite_is_refused_where_it_cannot_run_before_anything_loads(
             main(["bench", "quality", "--gpu-suite", "--out", str(tmp_path / "x.json"), *extra])
         assert exc.value.code == 2 and says in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.slow
+def test_a_held_row_sends_its_gradients_at_their_floor_and_nothing_else_changes(
+    pretrained: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = quality.setup_for
+    monkeypatch.setattr(
+        quality, "setup_for", lambda quick, model=None: replace(real(quick, model), adapt_steps=6, eval_batches=2)
+    )
+    out = quality.run_quality(
+        True, None, None, only=["transform_stale1", "transform_stale1_g05"], model=str(pretrained)
+    )
+    full, held = out["runs"]["transform_stale1"], out["runs"]["transform_stale1_g05"]
+    # the first step's gradients go at the run's bits (no compute time known yet), the next five at half
+    assert held["pp_grad_bytes_per_token"] < 0.8 * full["pp_grad_bytes_per_token"]
+    # the activations' link is left alone
+    fwd = [r["pp_bytes_per_token"] - r["pp_grad_bytes_per_token"] for r in (full, held)]
+    assert fwd[1] == pytest.approx(fwd[0], rel=0.02)

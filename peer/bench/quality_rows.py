@@ -51,6 +51,11 @@ class QualitySetup:
         )
 
 
+# rows whose gradient links report a rate too slow for more than their floor: every gradient
+# message after the first step goes at `mask.grad_min_bits` bits per value (peer/bench/quality_train.HeldLinks)
+HELD_GRADIENT_ROWS = frozenset({"transform_stale1_g05", "transform_stale1_g025"})
+
+
 def rows(setup: QualitySetup) -> dict[str, TrainConfig]:
     """The compared runs. DP rows keep the token budget: 2 replicas x half the micro-batches."""
     m = setup.micro_batches
@@ -166,6 +171,15 @@ def rows(setup: QualitySetup) -> dict[str, TrainConfig]:
             mask=replace(transform, grad_rounding="nearest", grad_rotation="message"), pipeline=stale1
         ),
         "transform_stale1_msg": cfg(mask=replace(transform, grad_rotation="message"), pipeline=stale1),
+        # the recommended run with its gradient links held at a floor below a bit per value
+        # (mask.grad_min_bits; each message other components of the rotation): what a slow link's
+        # sub-bit gradients cost, were the floor lowered (the held links: HELD_GRADIENT_ROWS)
+        "transform_stale1_g05": cfg(
+            mask=replace(transform, grad_min_bits=0.5), pipeline=default_pipe, anchor=AnchorConfig()
+        ),
+        "transform_stale1_g025": cfg(
+            mask=replace(transform, grad_min_bits=0.25), pipeline=default_pipe, anchor=AnchorConfig()
+        ),
         # one more bit on one side (~8x instead of 10x at 2,048 tokens): what continual pretraining's gap costs in bytes
         "transform_stale1_b3": cfg(mask=replace(transform, bits=3.0), pipeline=stale1),
         "transform_stale1_g2": cfg(mask=replace(transform, grad_bits=2.0), pipeline=stale1),

@@ -17,13 +17,14 @@ import torch
 from tqdm import tqdm
 
 from peer.bench.quality_clock import long_sequence_bytes, model_dims
-from peer.bench.quality_rows import QualitySetup
+from peer.bench.quality_rows import HELD_GRADIENT_ROWS, QualitySetup
 from peer.config import TrainConfig
 from peer.data import TokenStream
 from peer.model.loading import load_causal_lm
 from peer.model.placement import CPU_FP32, Placement
 from peer.model.stages import lm_loss
 from peer.pipeline.local import LocalPipelineRunner, evaluate_stages
+from peer.pipeline.transport import Address, LocalTransport
 
 CACHE_DIR = Path(os.environ.get("ANCHORMESH_CACHE", ".anchormesh-cache"))
 
@@ -36,6 +37,19 @@ def _windows(stream: TokenStream, seed: int) -> Callable[[int, int, int], torch.
         return stream.batch(bs, T, g)
 
     return batch
+
+
+class HeldLinks(LocalTransport):
+    """In-process queues whose `channels` report a link of one byte a second: an adapting sender
+    (mask.adapt) sends at its floor on them from the step its compute time is known. Why: what
+    a codec's floor costs in quality is measured on the run it would be, the rest unchanged."""
+
+    def __init__(self, channels: tuple[str, ...]) -> None:
+        super().__init__()
+        self.channels = channels
+
+    def link_bps(self, dst: Address, channel: str) -> float | None:
+        return 1.0 if channel in self.channels else None
 
 
 def pretrain(setup: QualitySetup, corpus_a: TokenStream, key: str) -> dict[str, torch.Tensor]:
@@ -98,6 +112,7 @@ def run_row(
         ),
         anchor_batch_fn=lambda step, j: batch(step, 99, m_dense + j, bs=bs, T=T),
         placement=placement,
+        transport=HeldLinks(("backward",)) if name in HELD_GRADIENT_ROWS else None,
     )
     t0 = time.perf_counter()
     bar = tqdm(total=cfg.steps, desc=f"{name:>24}", unit="step", leave=False)
@@ -131,6 +146,8 @@ def run_row(
         # that a run's length amortises; the rest is what every token costs on the link
         "pp_state_bytes_per_token": state / tokens,
         "pp_stream_bytes_per_token": (pp - state) / tokens,
+        # of which the gradients' link (what a floor on their bits changes)
+        "pp_grad_bytes_per_token": runner.transport.total_bytes("backward") / tokens,
         # modelled, not measured: one message each way of one MODELLED_SEQ-token sequence, encoded
         # by the row's codec (no coders, headers or token ids): what a real run's length costs
         "pp_bytes_per_token_modelled": long_bytes,
