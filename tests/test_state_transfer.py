@@ -14,6 +14,7 @@ from peer.daemon.main import PeerDaemon
 from peer.model.loading import load_causal_lm
 from peer.model.stages import split_model
 from peer.pipeline.worker import StageWorker
+from peer.store.sketch import sketches
 from peer.wire import anchormesh_pb2 as pb
 
 CFG = TrainConfig(
@@ -164,7 +165,7 @@ def test_a_hostile_state_from_a_lone_donor_is_refused_and_the_donor_named(daemon
 
 
 def take_judged(daemon: PeerDaemon, *states) -> list[str]:
-    """`take`, with each donor's weights (GetShard WEIGHTS) served from its state, as witnesses."""
+    """`take`, with each donor's weights' sketches (GetShard SKETCH) served from its state, as witnesses."""
     asked: list[str] = []
 
     def download(donor: pb.PeerInfo) -> bool:
@@ -172,9 +173,9 @@ def take_judged(daemon: PeerDaemon, *states) -> list[str]:
         meta, tensors = states[int(donor.peer_id[1:])]
         return daemon.state_sync.apply_state(meta, tensors, f"a group member ({donor.peer_id})")
 
-    def weights(donor: pb.PeerInfo) -> list[torch.Tensor]:
+    def weights(donor: pb.PeerInfo, seed: int, size: int) -> list[torch.Tensor]:
         tensors = states[int(donor.peer_id[1:])][1]
-        return tensors[: len(tensors) // 3]
+        return sketches(tensors[: len(tensors) // 3], seed, size)
 
     daemon.averager = daemon.averager or FakeAverager()
     daemon.state_sync.load_group_state(

@@ -34,6 +34,7 @@ from peer.atomic import write_atomic
 from peer.errors import AnchormeshError
 from peer.pipeline.grpc_transport import GrpcTransport
 from peer.store.shard import CHUNK_BYTES, ShardError, read_shard, shard_chunks, state_from_tensors
+from peer.store.sketch import sketch_length
 from peer.wire import anchormesh_pb2 as pb
 
 log = logging.getLogger("anchormesh.peer")
@@ -198,36 +199,42 @@ class Replicas:
             return False
         return apply(meta, tensors, source)
 
-    def weights(self, holder: pb.PeerInfo, stage: torch.nn.Module) -> list[torch.Tensor]:
-        """`holder`'s weights of this peer's `stage` (`GetShard`, what = WEIGHTS: a third of a state's
-        bytes) in named_parameters order, to compare a donor's state with (peer/daemon/state_witness.py)."""
+    def sketches(self, holder: pb.PeerInfo, stage: torch.nn.Module, seed: int, size: int) -> list[torch.Tensor]:
+        """Count sketches of `holder`'s weights of this peer's `stage` (`GetShard`, what = SKETCH:
+        `size` values a tensor, hashed with `seed`; peer/store/sketch.py) in named_parameters
+        order, to compare a donor's state with (peer/daemon/state_witness.py)."""
         call = self.transport.channel(holder.address).unary_stream(
             "/anchormesh.v1.Stage/GetShard",
             request_serializer=pb.ShardRequest.SerializeToString,
             response_deserializer=pb.ShardChunk.FromString,
         )
-        shard = read_shard(
-            call(
-                pb.ShardRequest(run_id=self.run_id, sender=self.peer_id, what=pb.ShardRequest.WEIGHTS),
-                timeout=PULL_TIMEOUT_S,
-            ),
-            max_bytes=self.max_bytes,
+        request = pb.ShardRequest(
+            run_id=self.run_id, sender=self.peer_id, what=pb.ShardRequest.SKETCH, sketch_seed=seed, sketch_size=size
         )
-        names = [stage.hf_names[name] for name, _ in stage.named_parameters()]
+        shard = read_shard(call(request, timeout=PULL_TIMEOUT_S), max_bytes=self.max_bytes)
+        params = list(stage.named_parameters())
+        names = [stage.hf_names[name] for name, _ in params]
         if shard.run_id != self.run_id or shard.stage != stage.index or sorted(shard.tensors) != sorted(names):
             raise ShardError(
                 f"{holder.peer_id} sent the weights of stage {shard.stage} of run {shard.run_id!r}, not this stage's"
             )
+        for n, (_, p) in zip(names, params):
+            t = shard.tensors[n]
+            if tuple(t.shape) != (sketch_length(p.numel(), size),) or t.dtype != torch.float32:
+                raise ShardError(
+                    f"{holder.peer_id} sent a sketch of {n} of shape {tuple(t.shape)} {t.dtype}, "
+                    f"not ({sketch_length(p.numel(), size)},) float32"
+                )
         return [shard.tensors[n] for n in names]
 
     def fetchers(
         self, stage: torch.nn.Module, apply: Callable[[object, list, str], bool], source: str = ""
-    ) -> tuple[Callable[[pb.PeerInfo], bool], Callable[[pb.PeerInfo], list[torch.Tensor]]]:
+    ) -> tuple[Callable[[pb.PeerInfo], bool], Callable[[pb.PeerInfo, int, int], list[torch.Tensor]]]:
         """For StateSync: download and apply a holder's state of `stage` (`source` names it in the
-        log; default: a group member), and fetch a holder's weights of it."""
+        log; default: a group member), and fetch a holder's sketches of its weights."""
         names = [name for name, _ in stage.named_parameters()]
         return (lambda h: self.download(h, stage.index, names, apply, source or f"a group member ({h.peer_id})")), (
-            lambda h: self.weights(h, stage)
+            lambda h, seed, size: self.sketches(h, stage, seed, size)
         )
 
 

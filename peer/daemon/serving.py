@@ -60,9 +60,10 @@ class Serving:
 
     def shard(self, addr: object, req: pb.ShardRequest) -> Iterator[pb.ShardChunk]:
         """GetShard: the stage's weights, copied between steps (under the step's lock), sent in
-        chunks; or (what = STATE) a stage's training state: this peer's own, or the replica it
+        chunks, or (what = SKETCH) their count sketches (peer/store/sketch.py); or (what = STATE) a stage's training state: this peer's own, or the replica it
         keeps of another stage (KeyError when it holds neither)."""
         from peer.store.shard import shard_chunks, snapshot, state_tensors
+        from peer.store.sketch import MAX_SIZE, MIN_SIZE, sketches
 
         d, w = self.peer, self.peer.worker
         if req.what == pb.ShardRequest.STATE:
@@ -80,8 +81,12 @@ class Serving:
             return d.replicas.chunks(req.stage, w.stage.num_stages if w else 0)
         if w is None or d.state == "joining":
             raise AnchormeshError(f"peer {d.peer_id} serves no stage yet")
+        if req.what == pb.ShardRequest.SKETCH and not MIN_SIZE <= req.sketch_size <= MAX_SIZE:
+            raise WireError(f"ShardRequest.sketch_size={req.sketch_size}: must be in [{MIN_SIZE}, {MAX_SIZE}]")
         with d.step_lock():
             tensors, step = snapshot(w.stage), w.version
+        if req.what == pb.ShardRequest.SKETCH:  # computed outside the step's lock, from the copy
+            tensors = dict(zip(tensors, sketches(list(tensors.values()), req.sketch_seed, req.sketch_size)))
         return shard_chunks(
             tensors,
             run_id=d.transport.run_id,

@@ -22,7 +22,7 @@ from concurrent import futures
 import grpc
 
 from peer.address import add_port
-from peer.errors import AnchormeshError
+from peer.errors import AnchormeshError, WireError
 from peer.pipeline.transport import CHANNELS, Address
 from peer.security import auth
 from peer.wire import anchormesh_pb2 as pb
@@ -202,11 +202,16 @@ class StageServing:
                 context.abort(grpc.StatusCode.UNIMPLEMENTED, "this server does not hand out its weights")
             try:
                 chunks = self.shard_source(addr, req)
+            except WireError as exc:  # a request this peer will not serve as asked (a sketch's size)
+                self._reject(context, addr, str(exc))
             except AnchormeshError as exc:  # e.g. no stage yet: not the caller's fault
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
             except KeyError as exc:  # a stage's state it does not hold
                 context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
-            what = f"the state of stage {req.stage}" if req.what == pb.ShardRequest.STATE else "its weights"
+            what = {
+                pb.ShardRequest.STATE: f"the state of stage {req.stage}",
+                pb.ShardRequest.SKETCH: "a sketch of its weights",
+            }.get(req.what, "its weights")
             log.info("stage server %s: sending %s to %s", addr, what, req.sender or "an unnamed caller")
             yield from chunks
 

@@ -199,22 +199,28 @@ class AnchorPrior(_message.Message):
     def __init__(self, header: _Optional[_Union[MicroBatchHeader, _Mapping]] = ..., stage: _Optional[int] = ..., grads: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ..., loss: _Optional[float] = ...) -> None: ...
 
 class ShardRequest(_message.Message):
-    __slots__ = ("run_id", "sender", "what", "stage")
+    __slots__ = ("run_id", "sender", "what", "stage", "sketch_seed", "sketch_size")
     class What(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         WEIGHTS: _ClassVar[ShardRequest.What]
         STATE: _ClassVar[ShardRequest.What]
+        SKETCH: _ClassVar[ShardRequest.What]
     WEIGHTS: ShardRequest.What
     STATE: ShardRequest.What
+    SKETCH: ShardRequest.What
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
     WHAT_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
+    SKETCH_SEED_FIELD_NUMBER: _ClassVar[int]
+    SKETCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     sender: str
     what: ShardRequest.What
     stage: int
-    def __init__(self, run_id: _Optional[str] = ..., sender: _Optional[str] = ..., what: _Optional[_Union[ShardRequest.What, str]] = ..., stage: _Optional[int] = ...) -> None: ...
+    sketch_seed: int
+    sketch_size: int
+    def __init__(self, run_id: _Optional[str] = ..., sender: _Optional[str] = ..., what: _Optional[_Union[ShardRequest.What, str]] = ..., stage: _Optional[int] = ..., sketch_seed: _Optional[int] = ..., sketch_size: _Optional[int] = ...) -> None: ...
 
 class ShardChunk(_message.Message):
     __slots__ = ("run_id", "peer_id", "stage", "num_stages", "step", "total_bytes", "offset", "data", "names")
