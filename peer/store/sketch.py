@@ -2,9 +2,9 @@
 the weights of every witness (peer/daemon/state_witness.py).
 
 Why: judging a donor needs the distance from its weights to each witness's, per tensor. Fetching
-the witnesses' weights costs a third of a state's bytes each (SmolLM2-135M's stage 0: 270 MB in
-fp32); a sketch of `size` values per tensor costs `size` x 4 bytes (4,096: 16 KB) and keeps
-distances and norms to about 2 % (below). The joiner draws the seed per judgement, so no member
+the witnesses' weights costs a third of a state's bytes each (SmolLM2-135M's first stage of two:
+81 M values, 326 MB in fp32); a sketch of `size` values per tensor costs `size` x 4 bytes (4,096:
+16 KB; that stage's 136 tensors 1.8 MB) and keeps distances and norms to about 2 % (below). The joiner draws the seed per judgement, so no member
 can shape weights that are far in full and close in the sketch.
 
 The sketch of x (n values) into k buckets: y[b] = sum over i with h(i) = b of s(i) x[i], with
