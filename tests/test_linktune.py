@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from peer.config import MaskConfig, OptimConfig, TrainConfig
+from peer.config import MaskConfig, OptimConfig, PipelineConfig, TrainConfig
 from peer.errors import ConfigError, WireError
 from peer.model.loading import load_causal_lm
 from peer.pipeline.linktune import BURST, ComputeClock, LinkMeter, coefficients, keep_fraction
@@ -348,6 +348,16 @@ def test_the_mixed_bench_runs_the_swarm_s_codec_or_the_low_rank_one_fixed_or_ada
     assert low.min_row_bits("backward") == 16  # --grad-min-bits 0.125: the 1-bit gradients down to min_keep's eighth
     with pytest.raises(ConfigError, match="--grad-min-bits"):
         mixed_config("adaptive", 2, 70, 5, codec="lowrank", grad_min_bits=0.5)
+    # the pipeline as the recommended run has it (stage 0 a step ahead), unless told otherwise
+    assert mixed_config("fixed", 2, 70, 5)["pipeline"]["max_staleness"] == PipelineConfig().max_staleness == 1
+    assert mixed_config("fixed", 2, 70, 5, max_staleness=0)["pipeline"]["max_staleness"] == 0
+
+
+def test_a_bad_mixed_bench_staleness_is_refused_before_any_namespace() -> None:
+    from peer.bench.mixed import run_mixed
+
+    with pytest.raises(ConfigError, match="--max-staleness"):
+        run_mixed(True, None, 8.0, 2, 2, max_staleness=9)
 
 
 def steps(bw: float, msg: float, answer, M: int = 2, compute: float = 0.02, turnaround: float = 0.15, n: int = 120):

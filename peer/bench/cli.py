@@ -114,6 +114,7 @@ def run_bench(args: argparse.Namespace) -> None:
             replicas=args.replicas,
             codec=args.codec,
             grad_min_bits=args.grad_min_bits,
+            max_staleness=args.max_staleness,
         )
         print(f"wrote {args.out}")
     elif args.bench == "project":

@@ -17,6 +17,10 @@ the activations go down to min_keep of their bits, the gradients to `--grad-min-
 default 1: the 1-bit gradients do not adapt), or
 "lowrank" at rank 64 (the config's most; adapting, down to 8 coefficients), the first runs' codec.
 
+The pipeline runs as the recommended run does (`--max-staleness`, default pipeline.max_staleness's
+1: stage 0 sends the next step's micro-batches while this step's gradients come back, so a link
+carries several at once), the one a link meter has runs of messages to measure.
+
 The question it answers: does a swarm on mixed links stay near compute-bound without hand tuning?
 Reported per mode: tokens/s, its ratio to compute_bound, wire bytes/token, eval loss at the same
 step, and per peer: its host's link, the link it measured, the share of the rank it sent and its
@@ -28,20 +32,27 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from peer.bench.throughput import check_bed_args
+from peer.bench.throughput import check_bed_args, check_max_staleness
 from peer.bench.throughput_measure import measure_mode
 from peer.bench.throughput_modes import GpuScenario, equivalent_mbit, mode_config
-from peer.config import MaskConfig
+from peer.config import MaskConfig, PipelineConfig
 from peer.errors import ConfigError
 
 MIXED_MODES = ("compute_bound", "fixed", "adaptive")
 MIXED_CODECS = ("transform", "lowrank")
 MAX_RANK = 64
 MIN_KEEP = 0.125
+RUN_STALENESS = PipelineConfig().max_staleness  # the recommended run's: stage 0 a step ahead
 
 
 def mixed_config(
-    mode: str, stages: int, steps: int, dp_every: int, codec: str = "transform", grad_min_bits: float = 1.0
+    mode: str,
+    stages: int,
+    steps: int,
+    dp_every: int,
+    codec: str = "transform",
+    grad_min_bits: float = 1.0,
+    max_staleness: int = RUN_STALENESS,
 ) -> dict:
     """run.toml content of one mode (see the module docstring)."""
     if mode not in MIXED_MODES:
@@ -54,7 +65,7 @@ def mixed_config(
             grad_min_bits,
             "applies to --codec transform only (the low-rank codec's gradients adapt with min_keep)",
         )
-    cfg = mode_config("masked_dp", stages, steps, dp_every)
+    cfg = mode_config("masked_dp", stages, steps, dp_every, max_staleness=max_staleness)
     adapt = mode == "adaptive"
     pp = (
         cfg["mask"] if codec == "transform" else {"scheme": "lowrank", "rank": MAX_RANK, "values": "int8"}
@@ -89,6 +100,7 @@ def run_mixed(
     workdir: Path | None = None,
     codec: str = "transform",
     grad_min_bits: float = 1.0,
+    max_staleness: int = RUN_STALENESS,
 ) -> dict:
     """compute_bound, then fixed and adaptive on mixed links; returns the JSON."""
     if replicas < 2:
@@ -98,6 +110,7 @@ def run_mixed(
     if not slow_factor > 1:
         raise ConfigError("--slow-factor", slow_factor, "must be > 1 (how many times slower the slow links are)")
     check_bed_args("bench mixed", stages, bandwidth_mbit)
+    check_max_staleness(max_staleness)
     MaskConfig(
         **mixed_config("adaptive", stages, 1, 1, codec, grad_min_bits)["mask"]
     )  # a bad --codec or --grad-min-bits fails before any namespace exists
@@ -128,7 +141,7 @@ def run_mixed(
             workdir,
             subnet,
             timeout_s,
-            config=mixed_config(mode, stages, steps, dp_every, codec, grad_min_bits),
+            config=mixed_config(mode, stages, steps, dp_every, codec, grad_min_bits, max_staleness),
             reshape=reshape if fast is not None else None,
         )
 
@@ -157,6 +170,7 @@ def run_mixed(
         "warmup_steps": warmup,
         "steps": steps,
         "dp_every": dp_every,
+        "max_staleness": max_staleness,
         "fast_mbit": fast,
         "slow_mbit": fast / slow_factor,
         "slow_factor": slow_factor,

@@ -189,7 +189,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "--max-staleness",
         type=int,
         default=0,
-        help="pipeline.max_staleness of the swarm's modes: steps stage 0 may run ahead of its applied gradients (default 0, the run default)",
+        help="pipeline.max_staleness of the swarm's modes: steps stage 0 may run ahead of its applied gradients (default 0: the pipeline drains every step; the recommended run's is 1)",
     )
     t.add_argument(
         "--steps",
@@ -227,6 +227,12 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         type=float,
         default=1.0,
         help="transform: the fewest bits per value an adapting link sends gradients with (mask.grad_min_bits; default 1: they do not adapt)",
+    )
+    mx.add_argument(
+        "--max-staleness",
+        type=int,
+        default=1,
+        help="pipeline.max_staleness: steps stage 0 may run ahead of its applied gradients (default 1, the recommended run's)",
     )
     _swarm_shape(mx)
     mx.add_argument("--out", required=True, type=Path, help="write the result (JSON) to this file")

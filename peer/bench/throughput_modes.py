@@ -54,8 +54,8 @@ def equivalent_mbit(scenario: GpuScenario, stages: int, stage_tokens_per_s: floa
 
 
 def mode_config(mode: str, stages: int, steps: int, dp_every: int, seed: int = 0, max_staleness: int = 0) -> dict:
-    """run.toml content of one mode (`max_staleness`: steps stage 0 may run ahead; 0, the run
-    default, drains the pipeline every step)."""
+    """run.toml content of one mode (`max_staleness`: steps stage 0 may run ahead; 0 drains the
+    pipeline every step, the recommended run's 1 does not)."""
     if mode not in MODES:
         raise ConfigError("mode", mode, f"must be one of {', '.join(MODES)}")
     # the recommended run's codec (MaskConfig's defaults: 2-bit activations, 1-bit dithered gradients), its
