@@ -59,18 +59,23 @@ def test_a_negated_state_is_far_and_an_honest_one_close_by_their_sketches() -> N
     assert "cosine -1.00" in far(names, s_neg, s_w, GROUP_REL, 0.0, "its", sizes)
 
 
-def test_a_peer_serves_sketches_of_its_weights_at_the_size_asked() -> None:
+def serving_peer(stage_index: int, version: int) -> tuple[torch.nn.Module, Serving]:
+    """A tiny model's stage and the handlers of a peer that serves it at step `version`."""
     stage = split_model(
         load_causal_lm(ModelConfig(name="tiny-llama", hidden_size=64, num_layers=2, num_heads=2), seed=0), 2
-    )[0]
+    )[stage_index]
     peer = SimpleNamespace(
-        peer_id="me",
+        peer_id="mate",
         state="active",
-        worker=SimpleNamespace(stage=stage, version=5),
+        worker=SimpleNamespace(stage=stage, version=version),
         transport=SimpleNamespace(run_id="run"),
         step_lock=threading.Lock,
     )
-    serving = Serving(peer)
+    return stage, Serving(peer)
+
+
+def test_a_peer_serves_sketches_of_its_weights_at_the_size_asked() -> None:
+    stage, serving = serving_peer(0, 5)
     req = pb.ShardRequest(run_id="run", what=pb.ShardRequest.SKETCH, sketch_seed=7, sketch_size=256)
     shard = read_shard(serving.shard(None, req))
     named = list(stage.named_parameters())
@@ -91,17 +96,8 @@ def test_a_joiner_fetches_a_mates_sketches_over_grpc_and_refuses_a_wrong_size(mo
     from peer.pipeline.grpc_transport import GrpcTransport
     from peer.store.shard import ShardError
 
-    stage = split_model(
-        load_causal_lm(ModelConfig(name="tiny-llama", hidden_size=64, num_layers=2, num_heads=2), seed=0), 2
-    )[1]
-    peer = SimpleNamespace(
-        peer_id="mate",
-        state="active",
-        worker=SimpleNamespace(stage=stage, version=3),
-        transport=SimpleNamespace(run_id="run"),
-        step_lock=threading.Lock,
-    )
-    server = GrpcTransport("run", host="127.0.0.1", shard_source=Serving(peer).shard)
+    stage, serving = serving_peer(1, 3)
+    server = GrpcTransport("run", host="127.0.0.1", shard_source=serving.shard)
     client = GrpcTransport("run")
     try:
         target = server.attach((1, 0), validate=lambda channel, msg: None, port=0)
