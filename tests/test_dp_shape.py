@@ -86,3 +86,17 @@ def test_stage_groups_of_the_swarm_and_of_dense_sync() -> None:
     shape_groups(Bed(), [[2, 3], [1, 4]], 8.0, [0.5, 0.25])
     assert calls == [(2, 8.0, 0.5, [3]), (3, 8.0, 0.5, [2]), (1, 8.0, 0.25, [4]), (4, 8.0, 0.25, [1])]
 
+
+def test_an_unknown_model_fails_before_any_bed() -> None:
+    from peer.bench.throughput import run_throughput
+
+    with pytest.raises(ConfigError, match="--dp-like"):
+        run_throughput(quick=True, bandwidth_mbit=None, stages=2, replicas=2, dp_like="gpt-9")
+
+
+def test_the_flag_parses() -> None:
+    from peer.cli.parser import build_parser
+
+    args = build_parser().parse_args(["bench", "throughput", "--dp-like", "llama-3.1-8b", "--out", "x.json"])
+    assert args.dp_like == "llama-3.1-8b"
+    assert build_parser().parse_args(["bench", "throughput", "--out", "x.json"]).dp_like is None
