@@ -4,6 +4,7 @@ made is gone afterwards. Functional, not timed."""
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -129,4 +130,128 @@ def test_a_slow_link_is_measured_and_sends_fewer_coefficients(tmp_path: Path) ->
         )  # the measured link is the shaped one (tbf's burst lets a little more through)
         assert 0.125 <= first["pp_keep"] < 1.0, first
         assert math.isfinite(s["loss"])
+    assert bed.tag not in _namespaces()
+
+
+_TRAFFIC = r"""
+import json, socket, sys, threading, time
+
+if sys.argv[1] == "sink":  # sink PORT N WINDOW_S: bytes/s from each sender over WINDOW_S after 0.5 s
+    port, n, window = int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("0.0.0.0", port))
+    srv.listen(n)
+    rates = {}
+
+    def serve(conn, addr):
+        first, counted = None, 0
+        while True:
+            got = conn.recv(65536)
+            now = time.monotonic()
+            if not got:
+                break
+            first = first or now
+            if now - first > 0.5 + window:
+                break
+            if now - first >= 0.5:  # tbf's bucket and TCP's start are over
+                counted += len(got)
+        conn.close()
+        rates[addr[0]] = counted / window
+
+    threads = []
+    for _ in range(n):
+        threads.append(threading.Thread(target=serve, args=srv.accept()))
+        threads[-1].start()
+    for t in threads:
+        t.join()
+    print(json.dumps(rates), flush=True)
+else:  # send HOST PORT: as fast as the link takes it, until the sink closes
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            s = socket.create_connection((sys.argv[2], int(sys.argv[3])), timeout=1)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    s.settimeout(None)
+    try:
+        while time.monotonic() < deadline:
+            s.sendall(b"\0" * 65536)
+    except OSError:
+        pass
+"""
+
+
+def test_a_host_s_traffic_to_its_stage_mates_runs_on_its_own_rate(tmp_path: Path) -> None:
+    """Host 1's link at 16 Mbit/s with its traffic to and from host 2 (a stage mate) on a 4 Mbit/s
+    class: TCP streams to hosts 0 and 2 at once, then from them, each get their class's rate
+    (the htb filters match dst on its upload, src on its download); set_rate without a DP rate
+    puts the single tbf back, and the bed leaves nothing behind."""
+    script = tmp_path / "traffic.py"
+    script.write_text(_TRAFFIC)
+    link, dp, window = 16.0, 4.0, 2.0
+    bed = netbed.NetBed([None, None, None], subnet=10)
+    with bed:
+        bed.set_rate(1, link, dp_mbit=dp, dp_hosts=[2])
+        assert (bed.hosts[1].rate_mbit, bed.hosts[1].dp_rate_mbit, bed.hosts[1].dp_hosts) == (link, dp, (2,))
+        for ns, dev in ((bed.hosts[1].ns, "eth0"), (bed.hub, bed.hosts[1].port)):
+            shown = subprocess.run(
+                ["ip", "netns", "exec", ns, "tc", "class", "show", "dev", dev], capture_output=True, text=True
+            ).stdout
+            assert "htb 1:10" in shown and "htb 1:20" in shown and "16Mbit" in shown and "4Mbit" in shown, shown
+        mbit = {}
+        # one direction at a time: a TCP stream's acks queued behind data the other way slow it
+        # (a plain tbf link does the same), and that is not what is tested here
+        for port, flows in ((5001, ((1, 0), (1, 2))), (5002, ((0, 1), (2, 1)))):
+            receivers = sorted({dst for _, dst in flows})
+            sinks = {d: tmp_path / f"sink{port}-{d}.log" for d in receivers}
+            procs = [
+                bed.popen(
+                    d,
+                    [sys.executable, str(script), "sink", str(port), str(sum(t == d for _, t in flows)), str(window)],
+                    log,
+                )
+                for d, log in sinks.items()
+            ]
+            for src, dst in flows:
+                bed.popen(
+                    src,
+                    [sys.executable, str(script), "send", bed.hosts[dst].address, str(port)],
+                    tmp_path / f"send{src}{dst}.log",
+                )
+            for p in procs:
+                p.wait(timeout=30)
+            for src, dst in flows:
+                got = json.loads(sinks[dst].read_text().strip().splitlines()[-1])
+                mbit[f"{src}->{dst}"] = got[bed.hosts[src].address] * 8 / 1e6
+        print("Mbit/s of payload:", {k: round(v, 2) for k, v in mbit.items()})
+        for flow, want in (("1->0", link), ("0->1", link), ("1->2", dp), ("2->1", dp)):
+            assert 0.7 * want < mbit[flow] < 1.3 * want, (flow, mbit)
+        bed.set_rate(1, link)
+        shown = subprocess.run(
+            ["ip", "netns", "exec", bed.hosts[1].ns, "tc", "qdisc", "show", "dev", "eth0"],
+            capture_output=True,
+            text=True,
+        ).stdout
+        assert "tbf" in shown and "htb" not in shown and bed.hosts[1].dp_rate_mbit is None, shown
+        with pytest.raises(ValueError):
+            bed.set_rate(1, None, dp_mbit=dp, dp_hosts=[2])
+        # how `bench throughput --dp-like` applies it: per stage group, a host alone keeps one tbf
+        from peer.bench.dp_shape import shape_groups
+
+        shape_groups(bed, [[0], [1, 2]], 8.0, [1.0, 2.0])
+        assert [(h.rate_mbit, h.dp_rate_mbit, h.dp_hosts) for h in bed.hosts] == [
+            (8.0, None, ()),
+            (8.0, 2.0, (2,)),
+            (8.0, 2.0, (1,)),
+        ]
+        shown = subprocess.run(
+            ["ip", "netns", "exec", bed.hub, "tc", "class", "show", "dev", bed.hosts[2].port],
+            capture_output=True,
+            text=True,
+        ).stdout
+        assert "8Mbit" in shown and "2Mbit" in shown, shown
     assert bed.tag not in _namespaces()

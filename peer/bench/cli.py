@@ -100,6 +100,7 @@ def run_bench(args: argparse.Namespace) -> None:
             repeat=args.repeat,
             max_staleness=args.max_staleness,
             steps=args.steps,
+            dp_like=args.dp_like,
         )
         print(f"wrote {args.out}")
     elif args.bench == "mixed":

@@ -5,6 +5,9 @@ joined by a veth pair to a bridge in a hub namespace `am<tag>hub` (the root name
 touched). A host's link is shaped both ways with `tc qdisc ... tbf`: its upload on `eth0`, its
 download on the hub-side end of its veth, so every host sees the bandwidth of its own access
 link, as a volunteer at home does. netem is not available here, so there is no added delay.
+`set_rate(..., dp_mbit=, dp_hosts=)` splits a link in two: traffic to and from the named hosts
+(a peer's stage mates: its data-parallel traffic) at a rate of its own, the rest at the link's
+(an htb root sorts packets by address with u32 filters; each class's own tbf shapes them).
 
 Processes run inside a host with `ip netns exec`; each gets its own session so it can be killed
 with everything it started. `close()` (also on exit and on SIGTERM/SIGINT through the context
@@ -24,6 +27,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,6 +65,8 @@ class Host:
     address: str
     port: str  # the hub-side veth end (its egress is this host's download)
     rate_mbit: float | None
+    dp_rate_mbit: float | None = None  # the rate of the traffic to and from `dp_hosts`, if split
+    dp_hosts: tuple[int, ...] = ()
 
 
 class NetBed:
@@ -157,30 +163,55 @@ class NetBed:
     def _ns(self, ns: str, *argv: str) -> str:
         return _run("ip", "netns", "exec", ns, *argv)
 
-    def set_rate(self, index: int, rate_mbit: float | None) -> None:
-        """(Re)shape host `index`'s link both ways; None removes the shaping."""
+    def set_rate(
+        self, index: int, rate_mbit: float | None, dp_mbit: float | None = None, dp_hosts: Sequence[int] = ()
+    ) -> None:
+        """(Re)shape host `index`'s link both ways; None removes the shaping. With `dp_mbit` and
+        `dp_hosts`: the traffic to and from those hosts at `dp_mbit`, the rest at `rate_mbit`
+        (`_split`); without, one tbf at `rate_mbit`."""
         h = self.hosts[index]
-        h.rate_mbit = rate_mbit
-        for ns, dev in ((h.ns, "eth0"), (self.hub, h.port)):
+        others = tuple(i for i in dp_hosts if i != index) if dp_mbit is not None else ()
+        if others and (rate_mbit is None or not dp_mbit > 0):
+            raise ValueError(f"a DP class needs a link rate and a DP rate > 0 (got {rate_mbit}, {dp_mbit})")
+        h.rate_mbit, h.dp_rate_mbit, h.dp_hosts = rate_mbit, dp_mbit if others else None, others
+        # upload: packets to a mate (ip dst) on the host's eth0; download: packets from one (ip src) on its port
+        for ns, dev, field in ((h.ns, "eth0", "dst"), (self.hub, h.port, "src")):
             subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"], capture_output=True)
-            if rate_mbit is not None:
-                # latency bounds the queue: a full queue at the rate drains in latency_ms
-                self._ns(
-                    ns,
-                    "tc",
-                    "qdisc",
-                    "add",
-                    "dev",
-                    dev,
-                    "root",
-                    "tbf",
-                    "rate",
-                    f"{rate_mbit}mbit",
-                    "burst",
-                    f"{self.burst_kb}kb",
-                    "latency",
-                    f"{self.latency_ms}ms",
-                )
+            if rate_mbit is None:
+                continue
+            if others:
+                self._split(ns, dev, rate_mbit, dp_mbit, field, [self.hosts[i].address for i in others])
+            else:
+                self._ns(ns, "tc", "qdisc", "add", "dev", dev, "root", *self._tbf(rate_mbit))
+
+    def _tbf(self, rate_mbit: float) -> list[str]:
+        """A tbf qdisc's arguments: latency bounds the queue (a full queue at the rate drains in
+        latency_ms); tbf also splits a segmentation-offload packet larger than its bucket."""
+        return ["tbf", "rate", f"{rate_mbit}mbit", "burst", f"{self.burst_kb}kb", "latency", f"{self.latency_ms}ms"]
+
+    def _split(self, ns: str, dev: str, rate_mbit: float, dp_mbit: float, field: str, addresses: list[str]) -> None:
+        """An htb root on `dev`: class 1:10 (the default) at `rate_mbit`, class 1:20 at `dp_mbit`,
+        both root classes (neither borrows from the other), each with a tbf of its rate as its
+        queue, so each class behaves as the bed's single tbf does (bucket, bounded queue); u32
+        filters send IPv4 packets whose `field` (dst or src) is one of `addresses` to 1:20."""
+        self._ns(ns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10")
+        for minor, mbit in (("10", rate_mbit), ("20", dp_mbit)):
+            bits = f"{round(mbit * 1e6)}bit"
+            burst = f"{self.burst_kb}kb"
+            self._ns(
+                ns,
+                *("tc", "class", "add", "dev", dev, "parent", "1:", "classid", f"1:{minor}", "htb"),
+                *("rate", bits, "ceil", bits, "burst", burst, "cburst", burst, "quantum", "1514"),
+            )
+            self._ns(
+                ns, "tc", "qdisc", "add", "dev", dev, "parent", f"1:{minor}", "handle", f"{minor}:", *self._tbf(mbit)
+            )
+        for address in addresses:
+            self._ns(
+                ns,
+                *("tc", "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1"),
+                *("u32", "match", "ip", field, f"{address}/32", "flowid", "1:20"),
+            )
 
     def counters(self) -> dict[int, tuple[int, int]]:
         """Per host: (bytes sent, bytes received) on its eth0 since the bed came up."""

@@ -8,13 +8,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from peer.bench.parser_bed import add_bed_parsers, swarm_shape
 from peer.config import LR_SCHEDULES
-
-
-def _swarm_shape(p: argparse.ArgumentParser) -> None:
-    """The swarm's shape, the same flags for every bench that builds or models one."""
-    p.add_argument("--stages", type=int, default=2, help="pipeline stages (default 2)")
-    p.add_argument("--replicas", type=int, default=2, help="peers per stage (default 2)")
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -164,78 +159,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         help="seconds one swarm may take from launch to its last peer's exit (default 3600)",
     )
     sq.add_argument("--out", required=True, type=Path, help="write the result (JSON) to this file")
-    t = bsub.add_parser(
-        "throughput",
-        help="tokens/s of dense vs masked vs masked+DP vs compute-bound on shaped links (network namespaces; root)",
-    )
-    t.add_argument("--quick", action="store_true", help="short runs that end within 8 minutes on 2 CPU cores")
-    t.add_argument(
-        "--bandwidth-mbit",
-        type=float,
-        default=None,
-        help="link speed of every host (default: the GPU-equivalent of 200 Mbit/s, see docs/benchmarks.md)",
-    )
-    _swarm_shape(t)
-    t.add_argument(
-        "--modes", help="comma-separated subset of compute_bound,dense,masked,masked_dp,dense_sync (default: all)"
-    )
-    t.add_argument(
-        "--repeat",
-        type=int,
-        default=None,
-        help="measure every mode this many times, interleaved (A B C D A B C D ...); medians and spreads in OUT (default 3; 1 with --quick)",
-    )
-    t.add_argument(
-        "--max-staleness",
-        type=int,
-        default=0,
-        help="pipeline.max_staleness of the swarm's modes: steps stage 0 may run ahead of its applied gradients (default 0: the pipeline drains every step; the recommended run's is 1)",
-    )
-    t.add_argument(
-        "--steps",
-        type=int,
-        default=None,
-        help="measure the swarm's modes until this run step (default 100; 30 with --quick): a longer window averages over more averaging rounds",
-    )
-    t.add_argument("--out", required=True, type=Path, help="write the result (JSON) to this file")
-    mx = bsub.add_parser(
-        "mixed",
-        help="one swarm on two link speeds at once: codec fixed vs self-tuning, against compute-bound (network namespaces; root)",
-    )
-    mx.add_argument(
-        "--quick", action="store_true", help="short runs (steps 10 to 70 per mode; about 7 minutes on 2 CPU cores)"
-    )
-    mx.add_argument(
-        "--bandwidth-mbit",
-        type=float,
-        default=None,
-        help="the fast links' speed (default: the GPU-equivalent of 200 Mbit/s)",
-    )
-    mx.add_argument(
-        "--slow-factor",
-        type=float,
-        default=8.0,
-        help="how many times slower the second peer of each stage group is linked (default 8)",
-    )
-    mx.add_argument(
-        "--codec",
-        default="transform",
-        help="the PP codec: transform (the swarm's, default) or lowrank (rank 64, the first runs')",
-    )
-    mx.add_argument(
-        "--grad-min-bits",
-        type=float,
-        default=1.0,
-        help="transform: the fewest bits per value an adapting link sends gradients with (mask.grad_min_bits; default 1: they do not adapt)",
-    )
-    mx.add_argument(
-        "--max-staleness",
-        type=int,
-        default=1,
-        help="pipeline.max_staleness: steps stage 0 may run ahead of its applied gradients (default 1, the recommended run's)",
-    )
-    _swarm_shape(mx)
-    mx.add_argument("--out", required=True, type=Path, help="write the result (JSON) to this file")
+    add_bed_parsers(bsub)
     pr = bsub.add_parser(
         "project",
         help="predicted tokens/s of the throughput bench's four modes and of dense_sync (stock pipeline + data parallelism) for a model on a device at a link speed (see peer/bench/project.py)",
@@ -251,7 +175,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         help="rtx4090, a100, h100 (published bf16 FLOP/s x --mfu), or cpu (measured on this machine)",
     )
     pr.add_argument("--bandwidth-mbit", type=float, required=True, help="every host's link speed, each way")
-    _swarm_shape(pr)
+    swarm_shape(pr)
     pr.add_argument(
         "--mfu",
         type=float,

@@ -153,9 +153,11 @@ def measure_sync(
     workdir: Path,
     subnet: int,
     timeout_s: float,
+    dp_rates_mbit: list[float] | None = None,
 ) -> dict:
-    """Run the baseline on a fresh bed of `stages * replicas` hosts (every link at `rate_mbit`)
-    and return its tokens/s and the bytes that crossed the links."""
+    """Run the baseline on a fresh bed of `stages * replicas` hosts (every link at `rate_mbit`;
+    with `dp_rates_mbit`, one per stage, a rank's traffic to and from its stage mates at its
+    stage's rate: peer/bench/dp_shape.py) and return its tokens/s and the bytes that crossed the links."""
     import sys
 
     from peer.bench.netbed import NetBed
@@ -172,6 +174,10 @@ def measure_sync(
         flush=True,
     )
     with NetBed([rate_mbit] * n, subnet=subnet) as bed:
+        if dp_rates_mbit is not None:
+            from peer.bench.dp_shape import shape_groups, sync_groups
+
+            shape_groups(bed, sync_groups(stages, replicas), rate_mbit, dp_rates_mbit)
         master = bed.hosts[0].address
         procs = []
         for rank in range(n):
@@ -221,6 +227,7 @@ def measure_sync(
         "wire_bytes_per_token": wire / total_tokens,  # the whole run (warm-up included): the same bytes every step
         "eval_loss": None,
         "rate_mbit": rate_mbit,
+        "dp_rates_mbit": dp_rates_mbit,
         "tokens_measured": got["tokens_measured"],
         "seconds_measured": got["seconds_measured"],
         "step_s_median": sorted(got["step_s"])[len(got["step_s"]) // 2],

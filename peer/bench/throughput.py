@@ -30,6 +30,11 @@ stage_tokens_per_s_cpu = the median peer capacity of the compute_bound run (toke
 fraction of time the peer computed: its stage's compute rate, as on the GPU side), not
 compute_bound tokens/s / replicas: that is the pipeline's throughput with its bubbles, about
 half the compute rate, and would make the bed stand for ~100 Mbit/s, not 200.
+
+`--dp-like MODEL` (llama-3.2-1b, llama-3.1-8b, ...): the GPU scenario takes that model's shape, and
+each peer's traffic to and from its stage mates (averaging; dense_sync's all-reduce) runs on a
+class of its own, slower than the link by the factor that makes DP bytes stand to pipeline bytes
+as the model's would (peer/bench/dp_shape.py); compute_bound stays unshaped.
 """
 
 from __future__ import annotations
@@ -38,6 +43,15 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
+from peer.bench.dp_shape import (
+    bed_tokens_per_step,
+    dp_like_dims,
+    dp_like_setup,
+    scenario_like,
+    shape_groups,
+    swarm_groups,
+    sync_seconds_per_step,
+)
 from peer.bench.netbed import available
 from peer.bench.throughput_measure import measure_mode, median
 from peer.bench.throughput_modes import ALL_MODES, SYNC, TINY_HIDDEN, GpuScenario, equivalent_mbit, mode_config
@@ -101,11 +115,13 @@ def run_throughput(
     repeat: int | None = None,
     max_staleness: int = 0,
     steps: int | None = None,
+    dp_like: str | None = None,
 ) -> dict:
     """All modes, compute_bound first (it sets the GPU-equivalent bandwidth), `repeat` times
     interleaved (A B C D A B C D ...; default 1 with `quick`, else 3); the swarm's modes with
     `max_staleness` (dense_sync is GPipe: it flushes every step) and measured to run step `steps`
-    (default 30 with `quick`, else 100; a longer window averages over more DP rounds); returns the JSON."""
+    (default 30 with `quick`, else 100; a longer window averages over more DP rounds); with
+    `dp_like`, DP traffic on classes shaped as that model's (module docstring); returns the JSON."""
     if replicas < 1:
         raise ConfigError("--replicas", replicas, "must be >= 1")
     repeat = repeat if repeat is not None else (1 if quick else 3)
@@ -124,10 +140,12 @@ def run_throughput(
     for m in modes:
         if m not in ALL_MODES:
             raise ConfigError("--modes", m, f"unknown; known: {', '.join(ALL_MODES)}")
+    like = dp_like_dims(dp_like) if dp_like else None
     check_bed_args("bench throughput", stages, bandwidth_mbit)
     timeout_s = 300.0 if quick else 1800.0
     workdir = workdir or Path(tempfile.mkdtemp(prefix="anchormesh-throughput-"))
-    scenario = GpuScenario()
+    scenario = scenario_like(like) if like else GpuScenario()
+    dp_shape: dict | None = None
     out: dict = {"modes": {}, "setup": {}}
     rate = bandwidth_mbit
     repeats: list[dict[str, dict]] = []
@@ -160,21 +178,29 @@ def run_throughput(
                 f"GPU-equivalent bandwidth: {rate:.2f} Mbit/s stands for {scenario.link_mbit:.0f} Mbit/s ({scenario.model} on an {scenario.gpu})",
                 flush=True,
             )
+        if dp_like and dp_shape is None:
+            dp_shape = dp_like_setup(dp_like, stages, rate)
+            per_stage = ", ".join(f"{d:.4f}" for d in dp_shape["dp_rates_mbit"])
+            print(f"DP classes ({dp_shape['model']['name']}-shaped): {per_stage} Mbit/s, stage 0 first", flush=True)
+            if dp_shape["part_over_timeout"]:
+                print(f"warning: {dp_shape['part_note']}", flush=True)
         for i, mode in enumerate(m for m in modes if m != "compute_bound"):
             print(f"{mode}{tag}", flush=True)
             if mode == SYNC:  # a few steps suffice: every step is the same flush and all-reduce
                 from peer.bench.sync_baseline import measure_sync
 
+                sync_steps = 6 if quick else 15
                 got[mode] = measure_sync(
                     mode_config("dense", stages, steps, dp_every),
                     rate,
                     stages,
                     replicas,
                     2,
-                    6 if quick else 15,
+                    sync_steps,
                     workdir / f"r{r}" / SYNC,
                     11 + i,
-                    timeout_s,
+                    timeout_s + (2 * (2 + sync_steps) * sync_seconds_per_step(dp_shape, replicas) if dp_shape else 0),
+                    dp_rates_mbit=dp_shape["dp_rates_mbit"] if dp_shape else None,
                 )
             else:
                 got[mode] = measure_mode(
@@ -189,6 +215,7 @@ def run_throughput(
                     11 + i,
                     timeout_s,
                     config=mode_config(mode, stages, steps, dp_every, max_staleness=max_staleness),
+                    reshape=_dp_reshape(stages, rate, dp_shape),
                 )
         if "compute_bound" not in modes:
             got.pop("compute_bound", None)
@@ -214,7 +241,7 @@ def run_throughput(
         "bandwidth_given": bandwidth_mbit is not None,
         "warmup_steps": warmup,
         "steps": steps,
-        "tokens_per_step_per_replica": 2 * 8 * 128,
+        "tokens_per_step_per_replica": bed_tokens_per_step(),
         "dp_every": dp_every,
         "max_staleness": max_staleness,
         "model": {"name": "tiny-llama", "hidden": TINY_HIDDEN, "layers": 2 * stages},
@@ -231,11 +258,20 @@ def run_throughput(
             "stage_tokens_per_s": scenario.stage_tokens_per_s(stages),
             "rho": scenario.rho(stages),
         },
-        "shaping": "tc tbf on every host's eth0 (upload) and its bridge port (download), burst 32 KiB; no added latency (netem unavailable)",
+        "shaping": "tc tbf on every host's eth0 (upload) and its bridge port (download), burst 32 KiB; no added latency (netem unavailable)"
+        + ("; DP traffic on its own class (dp_like)" if dp_shape else ""),
+        "dp_like": dp_shape,
         "wire_bytes": "sum of all hosts' eth0 tx byte counters (ip -s link) over the measured window / tokens in it",
         "workdir": str(workdir),
     }
     return out
+
+
+def _dp_reshape(stages: int, rate: float, dp_shape: dict | None):
+    """measure_mode's hook that puts each peer's stage mates on its stage's DP class (None: no hook)."""
+    if dp_shape is None:
+        return None
+    return lambda bed, status: shape_groups(bed, swarm_groups(status, stages), rate, dp_shape["dp_rates_mbit"])
 
 
 def main_json(path: Path, **kwargs) -> dict:

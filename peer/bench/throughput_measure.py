@@ -134,6 +134,9 @@ def measure_mode(
                 "host_rate_mbit": bed.hosts[int(p["id"].removeprefix("bed-peer"))].rate_mbit
                 if p["id"].startswith("bed-peer")
                 else None,
+                "host_dp_rate_mbit": bed.hosts[int(p["id"].removeprefix("bed-peer"))].dp_rate_mbit
+                if p["id"].startswith("bed-peer")
+                else None,
                 "tokens_per_s": p["tokens_per_s"],
                 "link_mbit": p.get("link_mbit"),
                 "pp_keep": p.get("pp_keep"),
