@@ -19,6 +19,15 @@ REASON = netbed.available()
 pytestmark = [pytest.mark.processes, pytest.mark.skipif(bool(REASON), reason=f"no network namespaces here: {REASON}")]
 
 
+def qdiscs(bed: netbed.NetBed, index: int) -> str:
+    """`tc qdisc show` of host `index`'s eth0."""
+    return subprocess.run(
+        ["ip", "netns", "exec", bed.hosts[index].ns, "tc", "qdisc", "show", "dev", "eth0"],
+        capture_output=True,
+        text=True,
+    ).stdout
+
+
 def _namespaces() -> str:
     return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
 
@@ -26,11 +35,7 @@ def _namespaces() -> str:
 def test_swarm_trains_across_shaped_namespaces(tmp_path: Path) -> None:
     bed = netbed.NetBed([50.0, 20.0, 20.0], subnet=7)
     with bed:
-        qdisc = subprocess.run(
-            ["ip", "netns", "exec", bed.hosts[1].ns, "tc", "qdisc", "show", "dev", "eth0"],
-            capture_output=True,
-            text=True,
-        ).stdout
+        qdisc = qdiscs(bed, 1)
         assert "tbf" in qdisc and "20Mbit" in qdisc, qdisc
         before = bed.counters()
         swarm = BedSwarm(bed, None, tmp_path)
@@ -84,18 +89,10 @@ def test_rate_and_cleanup_on_error() -> None:
     with pytest.raises(RuntimeError, match="boom"):
         with bed:
             bed.set_rate(0, 4.0)
-            out = subprocess.run(
-                ["ip", "netns", "exec", bed.hosts[0].ns, "tc", "qdisc", "show", "dev", "eth0"],
-                capture_output=True,
-                text=True,
-            ).stdout
+            out = qdiscs(bed, 0)
             assert "tbf" in out and "4Mbit" in out, out
             bed.set_rate(0, None)
-            out = subprocess.run(
-                ["ip", "netns", "exec", bed.hosts[0].ns, "tc", "qdisc", "show", "dev", "eth0"],
-                capture_output=True,
-                text=True,
-            ).stdout
+            out = qdiscs(bed, 0)
             assert "tbf" not in out, out
             raise RuntimeError("boom")
     assert bed.tag not in _namespaces()
@@ -231,11 +228,7 @@ def test_a_host_s_traffic_to_its_stage_mates_runs_on_its_own_rate(tmp_path: Path
         for flow, want in (("1->0", link), ("0->1", link), ("1->2", dp), ("2->1", dp)):
             assert 0.7 * want < mbit[flow] < 1.3 * want, (flow, mbit)
         bed.set_rate(1, link)
-        shown = subprocess.run(
-            ["ip", "netns", "exec", bed.hosts[1].ns, "tc", "qdisc", "show", "dev", "eth0"],
-            capture_output=True,
-            text=True,
-        ).stdout
+        shown = qdiscs(bed, 1)
         assert "tbf" in shown and "htb" not in shown and bed.hosts[1].dp_rate_mbit is None, shown
         with pytest.raises(ValueError):
             bed.set_rate(1, None, dp_mbit=dp, dp_hosts=[2])
