@@ -32,6 +32,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+from peer.bench.dp_shape import swarm_groups
 from peer.bench.throughput import check_bed_args, check_max_staleness
 from peer.bench.throughput_measure import measure_mode
 from peer.bench.throughput_modes import GpuScenario, equivalent_mbit, mode_config
@@ -81,14 +82,9 @@ def mixed_config(
 
 
 def slow_hosts(status: dict) -> list[int]:
-    """Host indexes of the second peer (by id) of each stage: the ones to slow."""
-    by_stage: dict[int, list[str]] = {}
-    for p in status["peers"]:
-        if p["state"] in ("active", "idle") and p["id"].startswith("bed-peer"):
-            by_stage.setdefault(p["stage"], []).append(p["id"])
-    return sorted(
-        int(ids[1].removeprefix("bed-peer")) for ids in (sorted(v) for v in by_stage.values()) if len(ids) > 1
-    )
+    """Host indexes of the second peer (by host) of each stage: the ones to slow."""
+    stages = 1 + max((p.get("stage") or 0 for p in status["peers"]), default=0)
+    return sorted(hosts[1] for hosts in swarm_groups(status, stages) if len(hosts) > 1)
 
 
 def run_mixed(
