@@ -70,3 +70,19 @@ def test_dense_sync_runs_gpipe_and_an_all_reduce_that_keeps_replicas_identical(t
         sum(dims.stage_params(s, 2) for s in (0, 1)) * 4
     )  # one fp32 copy of every stage's gradients per step, at least
     assert got["wire_bytes_per_token"] * 2 * 8 * 128 * 2 > grads
+
+
+def test_the_window_opens_once_every_peer_has_warmed_not_the_run_s_step_alone() -> None:
+    """The run's step is the fastest stage-0 peer's: 10 steps past it, a slow peer still at its
+    first step keeps the window shut until it too has done 10."""
+    from peer.bench.throughput_measure import warmed
+
+    def status(run: int, *steps: int, dead: int | None = None) -> dict:
+        peers = [{"id": f"p{i}", "state": "dead" if i == dead else "active", "step": x} for i, x in enumerate(steps)]
+        return {"step": run, "peers": peers}
+
+    up = status(3, 3, 0, 2, 1)
+    assert not warmed(status(13, 13, 1, 12, 11), up, 10, 4)  # p1 is one step in
+    assert not warmed(status(12, 12, 10, 12, 11), up, 10, 4)  # the run itself is not 10 past
+    assert warmed(status(30, 30, 10, 12, 11), up, 10, 4)
+    assert not warmed(status(30, 30, 10, 12, 11, dead=3), up, 10, 4)  # a peer down: not every peer live

@@ -212,6 +212,37 @@ def test_routing_prefers_usable_peers_by_capacity() -> None:
         r.next_hop()
 
 
+def test_routing_sends_less_to_a_next_hop_that_holds_more_or_answers_later(monkeypatch) -> None:
+    """Two next-stage peers of equal capacity: one holding three of this peer's micro-batches
+    gets a quarter of the other's share; one whose gradients came back 5x later gets a fifth;
+    its round trips age out and it is tried again as an equal."""
+    import peer.daemon.routing as routing
+
+    now = [100.0]
+    monkeypatch.setattr(routing.time, "monotonic", lambda: now[0])
+    job = lambda dst, sent: SimpleNamespace(dst=dst, sent_s=sent)  # noqa: E731
+    w = SimpleNamespace(stage=SimpleNamespace(index=0), inflight={(1, k): job("b", 99.0) for k in range(3)})
+    r = router(set(), w)
+    r.neighbours = {1: [pb.PeerInfo(peer_id=x, stage=1, capacity_tokens_per_s=500.0) for x in ("a", "b")]}
+
+    def share_of_b() -> float:
+        return collections.Counter(r.next_hop() for _ in range(4000))["b"] / 4000
+
+    assert share_of_b() == pytest.approx(1 / 5, abs=0.03)  # weights 1 : 1/4
+    r.watch(w)  # b's three are in flight; their gradients come 2 s after they were sent
+    now[0] = 101.0
+    w.inflight = {(2, 0): job("a", 100.8)}
+    r.watch(w)
+    now[0] = 101.0 + 0.2
+    w.inflight = {(2, 0): job("a", 101.1)}  # sent again: a held it 0.4 s at least
+    r.watch(w)
+    assert [x for _, x in r.trips["b"]] == [2.0] * 3 and [round(x, 6) for _, x in r.trips["a"]] == [0.4]
+    w.inflight = {}
+    assert share_of_b() == pytest.approx(0.4 / 2.4, abs=0.03)  # trips 0.4 s against 2 s
+    now[0] += routing.TRIPS_WINDOW_S + 1  # nothing heard from either for a while: equals again
+    assert share_of_b() == pytest.approx(0.5, abs=0.03)
+
+
 def test_routing_resends_a_micro_batch_whose_gradient_never_came() -> None:
     sent: list[tuple] = []
 

@@ -11,8 +11,9 @@ Modes (the same tiny model, stages x replicas, batches and seed; only the wire d
                  same bed, links, model, micro-batches and optimizer; tokens/s only (random tokens)
 
 Each mode starts a fresh NetBed (bootstrap on host 0, one peer per further host, every link
-shaped with tbf at the same rate), waits for `warmup` run steps, then measures until run step
-`steps`: tokens/s from the tracker's token count and clock, and bytes/token from the kernel's
+shaped with tbf at the same rate), waits until every peer has done `warmup` steps of its own
+(the run's step is the fastest stage-0 peer's: a slow peer may still be starting), then measures
+the next `steps - warmup` run steps (to `steps` at least): tokens/s from the tracker's token count and clock, and bytes/token from the kernel's
 interface counters of all hosts (what really crossed the links: PP, DP, DHT, heartbeats,
 headers) and from the app's own counters. Eval loss is the tracker's held-out evaluation
 launched at step `steps`: every mode has then trained on the same number of tokens.

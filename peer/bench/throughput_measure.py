@@ -35,6 +35,19 @@ def _rates_text(rates: list[float | None]) -> str:
     return " and ".join(f"{r:.2f}" for r in speeds) + " Mbit/s" + (" (mixed)" if len(speeds) > 1 else "")
 
 
+def warmed(s: dict, up: dict, warmup: int, n: int) -> bool:
+    """Every one of the `n` peers live and `warmup` steps of its own past where it was in `up`
+    (every peer live): the run's step alone is the fastest stage-0 peer's, and a window opened
+    on it would measure a slow peer's start (its codec's warm-up format, its first coder), not
+    the run it settles into."""
+    if _live(s) != n or s["step"] < up["step"] + warmup:
+        return False
+    before = {p["id"]: p.get("step") or 0 for p in up["peers"]}
+    return all(
+        (p.get("step") or 0) >= before.get(p["id"], 0) + warmup for p in s["peers"] if p["state"] in ("active", "idle")
+    )
+
+
 def measure_mode(
     mode: str,
     rates: list[float | None],
@@ -52,29 +65,29 @@ def measure_mode(
     """Run one mode in a fresh bed (host i's link at rates[i] Mbit/s, None = unshaped; host 0 is
     the bootstrap's) and measure it (see the module docstring). `config`: run.toml content
     instead of `mode_config(mode, ...)`. `reshape(bed, status)`: called once every peer is live
-    (with their stages known) to set links; the warm-up then counts from there."""
+    (with their stages known) to set links; the warm-up then counts from there, `warmup` steps
+    of every peer's own (`warmed`), and the window is the next `steps - warmup` run steps (to
+    step `steps` at least, where the compared evaluation runs)."""
     cfg_path = workdir / f"{mode}.toml"
     write_toml(config or mode_config(mode, stages, steps, dp_every), cfg_path)
     n = stages * replicas
     if len(rates) != 1 + n:
         raise ConfigError("rates", len(rates), f"must name 1 + {n} hosts (the bootstrap and {n} peers)")
     print(
-        f"[{mode}] {n} peers + bootstrap, links {_rates_text(rates)}; warm-up to step {warmup}, measure to step {steps}",
+        f"[{mode}] {n} peers + bootstrap, links {_rates_text(rates)}; warm-up: every peer {warmup} steps, "
+        f"then {steps - warmup} run steps measured",
         flush=True,
     )
     t_start = time.monotonic()
     with NetBed(rates, subnet=subnet) as bed:
         swarm = BedSwarm(bed, cfg_path, workdir / mode)
-        start = 0
+        up = swarm.wait_status(lambda s: _live(s) == n, timeout_s, f"{n} live peers")
         if reshape is not None:
-            up = swarm.wait_status(lambda s: _live(s) == n, timeout_s, f"{n} live peers")
             reshape(bed, up)
-            start = up["step"]
         s0 = swarm.wait_status(
-            lambda s: s["step"] >= start + warmup and _live(s) == n,
-            timeout_s,
-            f"{n} live peers and step {start + warmup}",
+            lambda s: warmed(s, up, warmup, n), timeout_s, f"{n} live peers, each {warmup} steps past step {up['step']}"
         )
+        window = steps - warmup  # run steps measured, from wherever every peer was warm
         c0 = bed.counters()
         last_print = time.monotonic()
 
@@ -84,9 +97,12 @@ def measure_mode(
                 last_print = time.monotonic()
                 done = s["step"] - s0["step"]
                 rate = done / max(s["uptime_s"] - s0["uptime_s"], 1e-9)
-                eta = (steps - s["step"]) / rate if rate > 0 else math.inf
-                print(f"[{mode}] step {s['step']}/{steps}  {s['tokens_per_s']:,.0f} tok/s  ETA {eta:.0f}s", flush=True)
-            return s["step"] >= steps
+                eta = (s0["step"] + window - s["step"]) / rate if rate > 0 else math.inf
+                print(
+                    f"[{mode}] step {s['step']}/{s0['step'] + window}  {s['tokens_per_s']:,.0f} tok/s  ETA {eta:.0f}s",
+                    flush=True,
+                )
+            return s["step"] >= max(steps, s0["step"] + window)
 
         s1 = swarm.wait_status(progress, timeout_s, f"step {steps}")
         c1 = bed.counters()
@@ -106,6 +122,8 @@ def measure_mode(
         "rate_mbit": rates[1] if len(set(rates[1:])) == 1 else None,
         "tokens_measured": tokens,
         "seconds_measured": seconds,
+        "warmup_s": s0["uptime_s"] - up["uptime_s"],  # every peer live (links reshaped) to every peer warm
+        "window_steps": [s0["step"], s1["step"]],
         "app_bytes_per_token": {
             "pp": s1["pp_bytes_per_token"],
             "dp": s1["dp_bytes_per_token"],

@@ -1,6 +1,6 @@
 """Where this peer's messages go: the neighbours the tracker names, the next-stage peer for each
-message (by capacity), its stage mates, stage 0's resends of micro-batches whose gradient never
-came, and what its links measure.
+message (by capacity, what each already holds and how fast its gradients come back), its stage
+mates, stage 0's resends of micro-batches whose gradient never came, and what its links measure.
 
 A part of `PeerDaemon` (peer/daemon/main.py) on its own so that routing can be tested without a
 swarm: it needs the transport (endpoints, meters, exclusions), this peer's id and its worker
@@ -25,6 +25,12 @@ from peer.wire import anchormesh_pb2 as pb
 
 log = logging.getLogger("anchormesh.peer")
 
+# round trips (output sent to its gradient back) kept per next hop, and for how long: the median of
+# the recent ones, so one slow start (a coder shipped, a warm-up message) is outvoted, and a peer
+# left unmeasured for a while counts as the median of the others again (it is tried again)
+TRIPS_KEPT = 8
+TRIPS_WINDOW_S = 30.0
+
 
 class Links(Protocol):
     """What routing needs of the transport."""
@@ -45,22 +51,57 @@ class Router:
         self.route_gen = torch.Generator().manual_seed(uuid.uuid4().int & 0xFFFF)
         self.sent_at: dict[tuple[int, int], float] = {}
         self.round_trips: deque[float] = deque(maxlen=64)  # stage 0: seconds from sending a micro-batch to its gradient
+        self.trips: dict[str, deque[tuple[float, float]]] = {}  # per next hop: (when, seconds to the gradient)
+        self._watched: dict[tuple[int, int], tuple[object, float]] = {}  # in flight at the last look: (dst, sent at)
         self.held: set[str] = set()  # "DST CHANNEL: kind of why" of the links whose meter holds its estimate, logged
         self.held_why: list[str] = []  # "DST CHANNEL: why" of those links, for the status
 
     def next_hop(self) -> str:
-        """A live next-stage peer, chosen with probability proportional to its measured capacity
-        (tokens/s it could do if never waiting). Not its throughput: a peer that gets little work
-        shows little throughput, and routing by it would starve that peer further. A peer not
-        measured yet counts as the median of the others. A peer whose stream stopped taking
-        messages is left out while the transport excludes it, unless it is the only one."""
-        stage = self._worker().stage.index
-        peers = self.neighbours.get(stage + 1, [])
+        """A live next-stage peer, chosen with probability
+
+            capacity_p / ((1 + held_p) * trip_p)
+
+        capacity_p: tokens/s it could do if never waiting (not its throughput: a peer that gets
+        little work shows little throughput, and routing by it would starve that peer further);
+        held_p: this peer's micro-batches it holds (sent, no gradient back yet); trip_p: the
+        median of its recent round trips from here. A peer behind a slow link, its own or its
+        answers', returns gradients late and holds more: it gets less, and stage 0's in-flight
+        slots (max_staleness) are not hoarded behind it. Unmeasured figures count as the median
+        of the others. A peer whose stream stopped taking messages is left out while the
+        transport excludes it, unless it is the only one."""
+        w = self._worker()
+        peers = self.neighbours.get(w.stage.index + 1, [])
         if not peers:
-            raise AnchormeshError(f"no live peer of stage {stage + 1} to send to")
+            raise AnchormeshError(f"no live peer of stage {w.stage.index + 1} to send to")
         peers = [p for p in peers if self.transport.usable(p.peer_id)] or peers
-        weights = torch.tensor(fill_unmeasured([p.capacity_tokens_per_s for p in peers]))
+        held: dict[object, int] = {}
+        for job in getattr(w, "inflight", {}).values():
+            held[job.dst] = held.get(job.dst, 0) + 1
+        now = time.monotonic()
+        trips = fill_unmeasured([self._trip(p.peer_id, now) for p in peers])
+        capacity = fill_unmeasured([p.capacity_tokens_per_s for p in peers])
+        weights = torch.tensor(
+            [c / ((1 + held.get(p.peer_id, 0)) * t) for p, c, t in zip(peers, capacity, trips, strict=True)]
+        )
         return peers[int(torch.multinomial(weights, 1, generator=self.route_gen))].peer_id
+
+    def _trip(self, peer_id: str, now: float) -> float:
+        """The median of `peer_id`'s round trips of the last TRIPS_WINDOW_S (0: none)."""
+        kept = self.trips.get(peer_id)
+        while kept and now - kept[0][0] > TRIPS_WINDOW_S:
+            kept.popleft()
+        return sorted(x for _, x in kept)[len(kept) // 2] if kept else 0.0
+
+    def watch(self, w: StageWorker) -> None:
+        """Time each next hop's round trips: a micro-batch seen in flight before and gone now got
+        its gradient (or was dropped: a resend starts a new one). Call once per loop."""
+        now = time.monotonic()
+        for key, (dst, sent) in self._watched.items():
+            job = w.inflight.get(key)
+            # gone, or sent again (its first next hop held it past the resend limit: at least that long)
+            if (job is None or job.sent_s != sent) and isinstance(dst, str) and sent > 0:
+                self.trips.setdefault(dst, deque(maxlen=TRIPS_KEPT)).append((now, now - sent))
+        self._watched = {key: (job.dst, job.sent_s) for key, job in w.inflight.items()}
 
     @staticmethod
     def resolve(sender: str) -> str:

@@ -107,6 +107,8 @@ class StageLoop:
             self._busy += time.perf_counter() - t0
             self.update_rate()
             return
+        if not w.stage.is_last:
+            d.router.watch(w)
         if w.stage.is_first:
             d.router.retry_stale(w)
             d.jobs.schedule(d.anchor, d.feed, cfg)

@@ -23,3 +23,5 @@ class InFlight:
         None  # the codec's note on how the input came (LinkCodec.decode_activation): what the gradient sent back needs
     )
     retry_key: tuple | None = None  # swarm: the input's identity for a sender's retries (StageWorker.retry_key)
+    dst: object = None  # where the output went (its gradient comes from there): routing counts what each next hop holds
+    sent_s: float = 0.0  # time.monotonic() when the output went: routing times each next hop's round trip from it

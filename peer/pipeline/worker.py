@@ -199,13 +199,17 @@ class StageWorker:
         ids = self.placement.to_device(window[:, :-1])
         out = self.weights.run(ids, stash)
         mb = self._mb_key(step, j)
-        sent = self._send_forward(out, window, ids, step, mb)
-        self.inflight[(step, mb)] = InFlight(step, None, out, stash, window, sent=sent)
+        sent, dst = self._send_forward(out, window, ids, step, mb)
+        self.inflight[(step, mb)] = InFlight(
+            step, None, out, stash, window, sent=sent, dst=dst, sent_s=time.monotonic()
+        )
         self.compute.add(time.perf_counter() - t0)
 
-    def _send_forward(self, out: torch.Tensor, window: torch.Tensor, ids: torch.Tensor, step: int, mb: int) -> object:
+    def _send_forward(
+        self, out: torch.Tensor, window: torch.Tensor, ids: torch.Tensor, step: int, mb: int
+    ) -> tuple[object, Address]:
         """Encode and send this stage's output (`ids`: its tokens, on the device); returns the
-        codec's note for the gradient that will come back."""
+        codec's note for the gradient that will come back, and where it went."""
         b = self.stage.index
         msg = pb.ActivationChunk(
             header=self._header(step, mb, b), token_ids=tensor_to_proto(window.to(token_dtype(self.stage.vocab_size)))
@@ -213,7 +217,7 @@ class StageWorker:
         dst = self.next_hop() if self.next_hop else (b + 1, self.replica)
         sent = self.link.encode_activation(msg, out.detach(), ids, dst)
         self.transport.send(self.addr, dst, "forward", msg.SerializeToString())
-        return sent
+        return sent, dst
 
     def forward_one(self) -> bool:
         """Process the oldest activation whose step is within the staleness bound."""
@@ -246,9 +250,19 @@ class StageWorker:
                 InFlight(step, x, out, stash, window, sender=msg.header.sender, received=received, retry_key=key), mb
             )
         else:
-            sent = self._send_forward(out, window, pl.to_device(ids), step, mb)
+            sent, dst = self._send_forward(out, window, pl.to_device(ids), step, mb)
             self.inflight[(step, mb)] = InFlight(
-                step, x, out, stash, window, sender=msg.header.sender, sent=sent, received=received, retry_key=key
+                step,
+                x,
+                out,
+                stash,
+                window,
+                sender=msg.header.sender,
+                sent=sent,
+                received=received,
+                retry_key=key,
+                dst=dst,
+                sent_s=time.monotonic(),
             )
         self.compute.add(time.perf_counter() - t0)
         return True
