@@ -112,7 +112,7 @@ def run_mixed(
     )  # a bad --codec or --grad-min-bits fails before any namespace exists
     # longer than bench throughput's quick run: a self-tuned swarm does 30 steps in ~8 s, too
     # short a window for 1 s status lines and for its (rarer) averaging rounds
-    warmup, steps, dp_every = (10, 70, 5) if quick else (10, 150, 10)
+    warmup, steps, dp_every = (10, 100, 5) if quick else (10, 150, 10)
     timeout_s = 300.0 if quick else 1800.0
     workdir = workdir or Path(tempfile.mkdtemp(prefix="anchormesh-mixed-"))
     n = stages * replicas

@@ -81,11 +81,20 @@ def measure_mode(
     t_start = time.monotonic()
     with NetBed(rates, subnet=subnet) as bed:
         swarm = BedSwarm(bed, cfg_path, workdir / mode)
-        up = swarm.wait_status(lambda s: _live(s) == n, timeout_s, f"{n} live peers")
+        evaluated: list[dict] = []  # the first status showing the evaluation launched at step `steps`
+
+        def seen(s: dict) -> dict:
+            if not evaluated and (s["eval_step"] or -1) >= steps and s["eval_loss"] is not None:
+                evaluated.append(s)
+            return s
+
+        up = swarm.wait_status(lambda s: _live(seen(s)) == n, timeout_s, f"{n} live peers")
         if reshape is not None:
             reshape(bed, up)
         s0 = swarm.wait_status(
-            lambda s: warmed(s, up, warmup, n), timeout_s, f"{n} live peers, each {warmup} steps past step {up['step']}"
+            lambda s: warmed(seen(s), up, warmup, n),
+            timeout_s,
+            f"{n} live peers, each {warmup} steps past step {up['step']}",
         )
         window = steps - warmup  # run steps measured, from wherever every peer was warm
         c0 = bed.counters()
@@ -93,6 +102,7 @@ def measure_mode(
 
         def progress(s: dict) -> bool:
             nonlocal last_print
+            seen(s)
             if time.monotonic() - last_print > 15:
                 last_print = time.monotonic()
                 done = s["step"] - s0["step"]
@@ -106,11 +116,11 @@ def measure_mode(
 
         s1 = swarm.wait_status(progress, timeout_s, f"step {steps}")
         c1 = bed.counters()
-        s2 = swarm.wait_status(
-            lambda s: (s["eval_step"] or -1) >= steps and s["eval_loss"] is not None,
-            timeout_s,
-            f"the evaluation launched at step {steps}",
-        )
+        # the evaluation launched at step `steps`, every mode's at the same tokens (the window may
+        # close after it, or a later one may have replaced it by then)
+        if not evaluated:
+            swarm.wait_status(lambda s: bool(seen(s)) and bool(evaluated), timeout_s, f"the evaluation at step {steps}")
+        s2 = evaluated[0]
     tokens = s1["tokens"] - s0["tokens"]
     seconds = s1["uptime_s"] - s0["uptime_s"]
     wire = sum(c1[i][0] - c0[i][0] for i in c1)
