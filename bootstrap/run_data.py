@@ -84,6 +84,7 @@ def open_run_data(config: TrainConfig, state_dir: Path) -> PreparedData | HubDat
             folder,
             force=True,
             max_bytes=config.data.max_bytes,
+            shard_tokens=config.data.shard_tokens,
             show_progress=False,
             text_field=config.data.text_field,
             eval_fraction=half,

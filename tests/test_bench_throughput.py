@@ -86,3 +86,13 @@ def test_the_window_opens_once_every_peer_has_warmed_not_the_run_s_step_alone() 
     assert not warmed(status(12, 12, 10, 12, 11), up, 10, 4)  # the run itself is not 10 past
     assert warmed(status(30, 30, 10, 12, 11), up, 10, 4)
     assert not warmed(status(30, 30, 10, 12, 11, dead=3), up, 10, 4)  # a peer down: not every peer live
+
+
+def test_the_compared_evaluation_is_the_first_pass_even_when_a_later_one_is_newer() -> None:
+    """A pass through a slow last-stage peer may end after the next pass: the status's eval_loss
+    is then the later pass's; the first one is read from the peer that reported it."""
+    from peer.bench.throughput_measure import first_evaluation
+
+    peers = [{"eval_id": 2, "eval_loss": 2.46}, {"eval_id": 0, "eval_loss": None}]
+    assert first_evaluation({"peers": peers}) is None
+    assert first_evaluation({"peers": [*peers, {"eval_id": 1, "eval_loss": 2.78}]}) == 2.78

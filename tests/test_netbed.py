@@ -109,6 +109,7 @@ def test_a_slow_link_is_measured_and_sends_fewer_coefficients(tmp_path: Path) ->
         {
             "mask": {"scheme": "lowrank", "rank": 64, "values": "int8", "min_keep": 0.125},
             "pipeline": {"micro_batch_size": 8, "micro_batches": 2, "seq_len": 128},
+            "data": {"shard_tokens": 1 << 16},  # 128 KiB: on 0.5 Mbit/s the default shard takes a minute
         },
         cfg,
     )

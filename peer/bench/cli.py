@@ -116,6 +116,7 @@ def run_bench(args: argparse.Namespace) -> None:
             codec=args.codec,
             grad_min_bits=args.grad_min_bits,
             max_staleness=args.max_staleness,
+            drop=args.drop,
         )
         print(f"wrote {args.out}")
     elif args.bench == "project":

@@ -97,8 +97,10 @@ def run_mixed(
     codec: str = "transform",
     grad_min_bits: float = 1.0,
     max_staleness: int = RUN_STALENESS,
+    drop: bool = False,
 ) -> dict:
-    """compute_bound, then fixed and adaptive on mixed links; returns the JSON."""
+    """compute_bound, then fixed and adaptive on mixed links (then, with `drop`, the run whose
+    link falls mid-run: peer/bench/mixed_drop.py); returns the JSON."""
     if replicas < 2:
         raise ConfigError(
             "--replicas", replicas, "must be >= 2 (the second peer of each stage group gets the slow link)"
@@ -151,6 +153,12 @@ def run_mixed(
     )
     for i, mode in enumerate(("fixed", "adaptive")):
         out["modes"][mode] = measure(mode, fast, 21 + i)
+    if drop:
+        from peer.bench.mixed_drop import run_drop
+
+        cfg = mixed_config("adaptive", stages, steps, dp_every, codec, grad_min_bits, max_staleness)
+        out["drop"] = run_drop(fast, stages, replicas, cfg, workdir, 23, warmup)
+        out["drop"]["settled_vs_compute_bound"] = out["drop"]["settled_tokens_per_s"] / cb["tokens_per_s"]
     m = out["modes"]
     out["ratios"] = {
         "fixed_vs_compute_bound": m["fixed"]["tokens_per_s"] / cb["tokens_per_s"],

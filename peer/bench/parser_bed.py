@@ -67,7 +67,9 @@ def add_bed_parsers(bsub: argparse._SubParsersAction) -> None:
         help="one swarm on two link speeds at once: codec fixed vs self-tuning, against compute-bound (network namespaces; root)",
     )
     mx.add_argument(
-        "--quick", action="store_true", help="short runs (steps 10 to 70 per mode; about 7 minutes on 2 CPU cores)"
+        "--quick",
+        action="store_true",
+        help="short runs (each peer warms up 10 steps, then 90 run steps measured per mode; about 7 minutes on 2 CPU cores)",
     )
     mx.add_argument(
         "--bandwidth-mbit",
@@ -97,6 +99,12 @@ def add_bed_parsers(bsub: argparse._SubParsersAction) -> None:
         type=int,
         default=1,
         help="pipeline.max_staleness: steps stage 0 may run ahead of its applied gradients (default 1, the recommended run's)",
+    )
+    mx.add_argument(
+        "--drop",
+        action="store_true",
+        help="then one more run, every link fast, where the last stage's second peer's link falls to a tenth mid-run: "
+        "tokens/s before, settled after, and the seconds to settle (OUT's drop; about 2.5 more minutes)",
     )
     swarm_shape(mx)
     mx.add_argument("--out", required=True, type=Path, help="write the result (JSON) to this file")

@@ -24,7 +24,14 @@ def median(xs: list[float]) -> float:
     return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2 if xs else 0.0
 
 
-def _live(s: dict) -> int:
+def first_evaluation(s: dict) -> float | None:
+    """The loss of the run's first evaluation pass (launched at the first run step >= eval_every)
+    as a last-stage peer reported it, or None. Not the status's eval_loss, the newest pass's: a
+    pass that went through a slow peer may end after the next one, which then hides it."""
+    return next((p["eval_loss"] for p in s["peers"] if p.get("eval_id") == 1 and p.get("eval_loss") is not None), None)
+
+
+def live_peers(s: dict) -> int:
     return sum(p["state"] in ("active", "idle") for p in s["peers"])
 
 
@@ -40,7 +47,7 @@ def warmed(s: dict, up: dict, warmup: int, n: int) -> bool:
     (every peer live): the run's step alone is the fastest stage-0 peer's, and a window opened
     on it would measure a slow peer's start (its codec's warm-up format, its first coder), not
     the run it settles into."""
-    if _live(s) != n or s["step"] < up["step"] + warmup:
+    if live_peers(s) != n or s["step"] < up["step"] + warmup:
         return False
     before = {p["id"]: p.get("step") or 0 for p in up["peers"]}
     return all(
@@ -81,14 +88,14 @@ def measure_mode(
     t_start = time.monotonic()
     with NetBed(rates, subnet=subnet) as bed:
         swarm = BedSwarm(bed, cfg_path, workdir / mode)
-        evaluated: list[dict] = []  # the first status showing the evaluation launched at step `steps`
+        evaluated: list[dict] = []  # the first report of the evaluation launched at step `steps`
 
         def seen(s: dict) -> dict:
-            if not evaluated and (s["eval_step"] or -1) >= steps and s["eval_loss"] is not None:
-                evaluated.append(s)
+            if not evaluated and (got := first_evaluation(s)) is not None:
+                evaluated.append({"eval_loss": got, "eval_step": steps})  # eval_every = steps: its first pass
             return s
 
-        up = swarm.wait_status(lambda s: _live(seen(s)) == n, timeout_s, f"{n} live peers")
+        up = swarm.wait_status(lambda s: live_peers(seen(s)) == n, timeout_s, f"{n} live peers")
         if reshape is not None:
             reshape(bed, up)
         s0 = swarm.wait_status(
@@ -155,31 +162,36 @@ def measure_mode(
             ]
         ),
         "wall_s": time.monotonic() - t_start,
-        "peers": [
-            {
-                "id": p["id"],
-                "stage": p["stage"],
-                "host_rate_mbit": bed.hosts[int(p["id"].removeprefix("bed-peer"))].rate_mbit
-                if p["id"].startswith("bed-peer")
-                else None,
-                "host_dp_rate_mbit": bed.hosts[int(p["id"].removeprefix("bed-peer"))].dp_rate_mbit
-                if p["id"].startswith("bed-peer")
-                else None,
-                "tokens_per_s": p["tokens_per_s"],
-                "link_mbit": p.get("link_mbit"),
-                "pp_keep": p.get("pp_keep"),
-                "dp_period_s": p.get("dp_period_s"),
-                "dp_rounds": p["dp_rounds"],
-            }
-            for p in s1["peers"]
-            if p["state"] in ("active", "idle")
-        ],
+        "peers": peer_rows(bed, s1),
     }
     print(
         f"[{mode}] {result['tokens_per_s']:,.0f} tok/s, {result['wire_bytes_per_token']:.0f} wire B/token, eval loss {result['eval_loss']:.4f} at step {result['eval_step']} ({result['wall_s']:.0f}s)",
         flush=True,
     )
     return result
+
+
+def peer_rows(bed: NetBed, status: dict) -> list[dict]:
+    """Per live peer of `status`: its stage, its host's shaped rates, and what it measured and sent."""
+
+    def host(p: dict):
+        return bed.hosts[int(p["id"].removeprefix("bed-peer"))] if p["id"].startswith("bed-peer") else None
+
+    return [
+        {
+            "id": p["id"],
+            "stage": p["stage"],
+            "host_rate_mbit": h.rate_mbit if (h := host(p)) else None,
+            "host_dp_rate_mbit": h.dp_rate_mbit if h else None,
+            "tokens_per_s": p["tokens_per_s"],
+            "link_mbit": p.get("link_mbit"),
+            "pp_keep": p.get("pp_keep"),
+            "dp_period_s": p.get("dp_period_s"),
+            "dp_rounds": p["dp_rounds"],
+        }
+        for p in status["peers"]
+        if p["state"] in ("active", "idle")
+    ]
 
 
 def startup_phases(per_peer: list[dict | None]) -> dict[str, float]:

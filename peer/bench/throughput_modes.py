@@ -53,6 +53,12 @@ def equivalent_mbit(scenario: GpuScenario, stages: int, stage_tokens_per_s: floa
     return 2 * TINY_HIDDEN * 8 * stage_tokens_per_s / scenario.rho(stages) / 1e6
 
 
+# the run's data in shards of 2^18 ids (512 KiB): a stage-0 peer starts once its first shard is in,
+# and the bed's links stand for links ~40x faster (the GPU-equivalent rule), so the default 32 MiB
+# shard would keep a slow-linked peer out of the run for a minute that stands for seconds
+BED_SHARD_TOKENS = 1 << 18
+
+
 def mode_config(mode: str, stages: int, steps: int, dp_every: int, seed: int = 0, max_staleness: int = 0) -> dict:
     """run.toml content of one mode (`max_staleness`: steps stage 0 may run ahead; 0 drains the
     pipeline every step, the recommended run's 1 does not)."""
@@ -94,6 +100,7 @@ def mode_config(mode: str, stages: int, steps: int, dp_every: int, seed: int = 0
         },
         "mask": mask,
         "dp": dp,
+        "data": {"shard_tokens": BED_SHARD_TOKENS},
         "anchor": {"every": 0},
         "optim": {"lr": 2e-3},
         "pipeline": {

@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from peer.config.checks import choice
+from peer.dataset.manifest import DEFAULT_SHARD_TOKENS
 from peer.errors import ConfigError
+
+MIN_SHARD_TOKENS = 4096  # below this a run's shards are mostly fetch and hash overhead
 
 DATA_TOKENIZERS = ("auto", "bytes", "model")
 
@@ -39,6 +42,10 @@ class DataConfig:
             the data: half for the evaluation passes, half as a confirmation set never evaluated
             during the run (the local runner: the fraction at the end of its text).
         max_bytes: bytes of text the bootstrap prepares from `path`, `dataset` or the built-in corpus.
+        shard_tokens: token ids per shard when the bootstrap prepares the data: a stage-0 peer
+            trains once its first shard is in, so a run whose volunteers sit on slow links
+            starts sooner with smaller shards (the default, 32 MiB of ids, takes 1.3 s at
+            200 Mbit/s and 11 s at 25); every shard costs one more fetch and hash check.
     """
 
     prepared: str = ""
@@ -50,6 +57,7 @@ class DataConfig:
     tokenizer: str = "auto"
     heldout: float = 0.1
     max_bytes: int = 2_000_000
+    shard_tokens: int = DEFAULT_SHARD_TOKENS
 
     def __post_init__(self) -> None:
         if self.path and self.dataset:
@@ -71,6 +79,8 @@ class DataConfig:
             raise ConfigError("data.heldout", self.heldout, "must be in (0, 0.5)")
         if self.max_bytes < 10_000:
             raise ConfigError("data.max_bytes", self.max_bytes, "must be >= 10000")
+        if self.shard_tokens < MIN_SHARD_TOKENS:
+            raise ConfigError("data.shard_tokens", self.shard_tokens, f"must be >= {MIN_SHARD_TOKENS}")
         if not self.split:
             raise ConfigError("data.split", self.split, "must not be empty")
         if not self.text_field:
