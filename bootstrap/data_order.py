@@ -8,6 +8,9 @@ Work is a *work id* = `epoch * windows + window`: the window's id in the prepare
 (peer/dataset/shards.py `Windows`) and the epoch it is trained in, so a window handed out late
 in one epoch never collides with the same window in the next. Each epoch walks a permutation
 of the windows seeded by (seed, epoch): every window once per epoch, in an order no peer picks.
+With several shards the permutation is shard by shard (the shards in a random order, the windows
+of each in a random order): a stage-0 peer fetches whole shards and keeps a few, so a lease drawn
+across all shards would have it fetch a shard for nearly every window.
 
 The exchange, one heartbeat at a time:
 - the tracker hands a stage-0 peer new work ids (`Directive.windows`), up to `lease` held;
@@ -46,6 +49,8 @@ class DataOrder:
     source: what the data is (the manifest's source), for the status.
     budget: windows the run trains in all (its token budget; 0: no end). Not persisted: the
         run.toml's budget holds, also after a restart.
+    shard_ends: the cumulative window count at the end of each shard (`Windows`' numbering);
+        empty: one shard.
     """
 
     windows: int
@@ -63,16 +68,30 @@ class DataOrder:
     lost: int = 0  # windows released by peers that left before training them
     version: int = 0  # changes with every change of the above (the bootstrap saves before it answers)
     budget: int = 0
+    shard_ends: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.windows < 1:
             raise ValueError(f"windows={self.windows}: the prepared data holds no training window")
+        if self.shard_ends and (self.shard_ends[-1] != self.windows or sorted(self.shard_ends) != self.shard_ends):
+            raise ValueError(f"shard_ends={self.shard_ends[:4]}...: must rise to windows={self.windows}")
         self._perm: tuple[int, np.ndarray] | None = None
 
     def permutation(self, epoch: int) -> np.ndarray:
         """Epoch `epoch`'s order of the window ids (the same on every restart)."""
         if self._perm is None or self._perm[0] != epoch:
-            self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.windows))
+            rng = np.random.default_rng([self.seed, epoch])
+            if len(self.shard_ends) <= 1:
+                order = rng.permutation(self.windows)
+            else:
+                starts = [0, *self.shard_ends[:-1]]
+                order = np.concatenate(
+                    [
+                        starts[k] + rng.permutation(self.shard_ends[k] - starts[k])
+                        for k in rng.permutation(len(self.shard_ends))
+                    ]
+                )
+            self._perm = (epoch, order)
         return self._perm[1]
 
     def window(self, work_id: int) -> int:
@@ -182,6 +201,7 @@ class DataOrder:
             "refused",
             "released",
             "lost",
+            "shard_ends",
             "version",
         )
         return {k: getattr(self, k) for k in keys}
@@ -201,4 +221,7 @@ class DataOrder:
         order.refused = {str(k): [int(x) for x in v] for k, v in (d.get("refused") or {}).items()}
         order.released = {str(k): int(v) for k, v in (d.get("released") or {}).items()}
         order.lost, order.version = int(d.get("lost", 0)), int(d.get("version", 0))
+        order.shard_ends = [int(x) for x in d.get("shard_ends") or []]  # none saved: the one-shard order it had
+        if order.shard_ends and order.shard_ends[-1] != order.windows:
+            raise ValueError(f"saved shard_ends end at {order.shard_ends[-1]}, not at windows={order.windows}")
         return order

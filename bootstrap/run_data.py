@@ -102,10 +102,16 @@ def open_run_data(config: TrainConfig, state_dir: Path) -> PreparedData | HubDat
 def data_order(data: PreparedData | HubData, config: TrainConfig) -> tuple[DataOrder, int]:
     """A new run's data order over `data`'s training windows, and how many eval windows it uses."""
     p = config.pipeline
-    windows = data.windows(p.seq_len).count
+    windows = data.windows(p.seq_len)
     lease = min(MAX_LEASE, max(LEASE_STEPS * p.micro_batches * p.micro_batch_size, p.micro_batch_size))
     order = DataOrder(
-        windows, p.seq_len, seed=config.seed, lease=lease, source=data.manifest.source, budget=budget_windows(config)
+        windows.count,
+        p.seq_len,
+        seed=config.seed,
+        lease=lease,
+        source=data.manifest.source,
+        budget=budget_windows(config),
+        shard_ends=windows.shard_ends,
     )
     return order, eval_count(data, config)
 

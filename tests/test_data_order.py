@@ -34,6 +34,25 @@ def test_each_window_once_per_epoch_across_peers_in_a_seeded_order() -> None:
     assert d.tokens_seen == d.done * 8 and d.epoch >= 1
 
 
+def test_with_several_shards_the_order_goes_shard_by_shard_and_survives_a_restart() -> None:
+    """Peers fetch whole shards and keep a few: an epoch takes the shards in a seeded order and the
+    windows of each in a seeded order, so a lease touches one shard, two at a boundary."""
+    ends = [30, 60, 100, 130]
+    d = DataOrder(windows=130, seq_len=8, seed=3, lease=8, shard_ends=ends)
+    shard = [next(k for k, end in enumerate(ends) if w < end) for w in d.permutation(0)]
+    runs = [shard[0]] + [b for a, b in zip(shard, shard[1:]) if b != a]
+    assert sorted(runs) == [0, 1, 2, 3] and runs != [0, 1, 2, 3]  # each shard once, not in prepared order
+    assert sorted(int(x) for x in d.permutation(0)) == list(range(130))
+    assert list(d.permutation(0)[:30]) != sorted(d.permutation(0)[:30])  # shuffled inside the shard too
+    assert list(d.permutation(1)) != list(d.permutation(0))
+    leases = [d.report(peer, [], []) for _ in range(6) for peer in ("a", "b")]
+    assert max(len({shard[list(d.permutation(0)).index(w)] for w in lease}) for lease in leases) <= 2
+    again = DataOrder.from_dict(json.loads(json.dumps(d.to_dict())))
+    assert again.shard_ends == ends and list(again.permutation(0)) == list(d.permutation(0))
+    one = DataOrder(windows=50, seq_len=8, seed=3)  # one shard (or a run saved before): the plain permutation
+    assert list(one.permutation(0)) == list(DataOrder(windows=50, seq_len=8, seed=3, shard_ends=[50]).permutation(0))
+
+
 def test_a_peer_keeps_what_it_holds_and_gives_back_what_it_cannot_train() -> None:
     d = DataOrder(windows=100, seq_len=8, lease=6)
     first = d.report("a", [], [])

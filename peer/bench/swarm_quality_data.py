@@ -61,7 +61,7 @@ def window_batches(data: PreparedData, setup: QualitySetup) -> Callable[..., tor
     passes (replica 99) read from the permutation's far end. The permutation is the tracker's
     first epoch (bootstrap/data_order.py), so the rows train on the windows the swarms train on."""
     windows = data.windows(setup.seq_len)
-    order = DataOrder(windows.count, setup.seq_len, seed=setup.seed).permutation(0)
+    order = DataOrder(windows.count, setup.seq_len, seed=setup.seed, shard_ends=windows.shard_ends).permutation(0)
     m = setup.micro_batches
 
     def batch(step: int, replica: int, j: int, *, bs: int, T: int) -> torch.Tensor:

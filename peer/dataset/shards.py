@@ -145,6 +145,11 @@ class Windows:
     def __len__(self) -> int:
         return self.count
 
+    @property
+    def shard_ends(self) -> list[int]:
+        """The window count at the end of each shard: shard k holds windows [ends[k-1], ends[k])."""
+        return list(self._ends)
+
     def locate(self, window: int) -> tuple[ShardInfo, int]:
         """(shard, token offset in it) of window id `window`."""
         if not 0 <= window < self.count:
