@@ -77,6 +77,8 @@ def status_dict(s: pb.RunStatus) -> dict:
                 "dp_rounds": p.dp_rounds,
                 "reason": p.reason,
                 "anchor_id": p.anchor_id or None,
+                "eval_id": p.eval_id or None,
+                "eval_loss": _num(p.eval_loss) if p.eval_id else None,
                 "anchor_bytes_out": p.anchor_bytes_out,
                 "pp_state_bytes_out": p.pp_state_bytes_out,
                 "capacity_tokens_per_s": p.capacity_tokens_per_s,
