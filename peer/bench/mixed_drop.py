@@ -7,8 +7,12 @@ has its link cut to fast / `factor` (both ways, as `bench mixed` slows its hosts
 goes on for `after_s` seconds. From the tracker's token count (one status line a second):
 
     settled    tokens/s over the last `settle_s` seconds: the pace the swarm found with the slow link
-    recovery   seconds from the cut to the end of the first `smooth_s` window from which every
-               later window's tokens/s stays within `within` of the settled pace
+    recovery   seconds from the cut to the end of the first `smooth_s` window (windows start
+               every second from the cut) whose tokens/s is within `within` of the settled pace
+    windows    tokens/s of consecutive `smooth_s` windows from the cut, to read the dip by eye
+
+Windows of 10 s: the token count moves a step (1,024 tokens) at a time and a 5 s window of the
+bed's swarm swings by a third with no change of link.
 
 The settled pace stands for the swarm's new compute-bound: no other run is made with that link
 slow from the start (the adaptive mode of `bench mixed` is that run for two slowed peers).
@@ -36,7 +40,7 @@ def tokens_at(series: list[tuple[float, int]], t: float) -> float:
 
 
 def recovery(
-    series: list[tuple[float, int]], t_drop: float, smooth_s: float = 5.0, settle_s: float = 20.0, within: float = 0.1
+    series: list[tuple[float, int]], t_drop: float, smooth_s: float = 10.0, settle_s: float = 30.0, within: float = 0.1
 ) -> dict:
     """Before, settled and recovery (module docstring) from (uptime, tokens) status samples."""
 
@@ -48,14 +52,16 @@ def recovery(
         raise ValueError(f"{end - t_drop:.0f} s after the cut: need more than settle_s + smooth_s")
     settled = rate(end - settle_s, end)
     starts = [t_drop + k for k in range(int(end - smooth_s - t_drop) + 1)]
-    good = [rate(u, u + smooth_s) >= (1 - within) * settled for u in starts]
-    first = next((i for i in range(len(good)) if all(good[i:])), None)
+    first = next((u for u in starts if rate(u, u + smooth_s) >= (1 - within) * settled), None)
     return {
         "before_tokens_per_s": rate(series[0][0], t_drop),
         "settled_tokens_per_s": settled,
         "settled_vs_before": settled / max(rate(series[0][0], t_drop), 1e-9),
-        "recovery_s": None if first is None else starts[first] + smooth_s - t_drop,
+        "recovery_s": None if first is None else first + smooth_s - t_drop,
         "lowest_window_tokens_per_s": min(rate(u, u + smooth_s) for u in starts),
+        "windows_tokens_per_s": [
+            round(rate(u, u + smooth_s)) for u in starts[:: int(smooth_s)]
+        ],  # consecutive windows from the cut
     }
 
 
