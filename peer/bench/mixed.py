@@ -107,8 +107,8 @@ def run_mixed(
         )
     if not slow_factor > 1:
         raise ConfigError("--slow-factor", slow_factor, "must be > 1 (how many times slower the slow links are)")
+    check_max_staleness(max_staleness)  # flags first: the bed's check probes a namespace
     check_bed_args("bench mixed", stages, bandwidth_mbit)
-    check_max_staleness(max_staleness)
     MaskConfig(
         **mixed_config("adaptive", stages, 1, 1, codec, grad_min_bits)["mask"]
     )  # a bad --codec or --grad-min-bits fails before any namespace exists
