@@ -173,7 +173,7 @@ def test_a_failed_checkpoint_is_counted_and_the_step_tried_again(
 # -- routing ----------------------------------------------------------------------------------------
 def router(excluded: set[str], worker: object | None = None) -> Router:
     transport = SimpleNamespace(usable=lambda dst: dst not in excluded, endpoints={}, meters={})
-    r = Router(transport, "me", lambda: worker or SimpleNamespace(stage=SimpleNamespace(index=0)))
+    r = Router(transport, "me", lambda: worker or SimpleNamespace(stage=SimpleNamespace(index=0), inflight={}))
     r.route_gen = torch.Generator().manual_seed(0)
     return r
 

@@ -245,7 +245,7 @@ def test_stage_0_routes_around_an_excluded_next_hop_unless_it_is_the_only_one() 
     from peer.daemon.routing import Router
 
     excluded: set[str] = {"b"}
-    worker = SimpleNamespace(stage=SimpleNamespace(index=0))  # only what next_hop reads
+    worker = SimpleNamespace(stage=SimpleNamespace(index=0), inflight={})  # only what next_hop reads
     d = Router(SimpleNamespace(usable=lambda dst: dst not in excluded), "me", lambda: worker)
     d.neighbours = {1: [pb.PeerInfo(peer_id=x, capacity_tokens_per_s=100.0) for x in ("a", "b", "c")]}
     d.route_gen = torch.Generator().manual_seed(0)

@@ -17,6 +17,13 @@ from pathlib import Path
 
 from peer.bench.netbed import NetBed
 
+PEER_PREFIX = "bed-peer"  # a bed peer's id: the prefix and its host's index
+
+
+def host_of(peer_id: str) -> int | None:
+    """The bed host a peer runs on, from its id (`bed-peerN` on host N); None for another id."""
+    return int(peer_id.removeprefix(PEER_PREFIX)) if peer_id.startswith(PEER_PREFIX) else None
+
 
 def write_toml(data: dict, path: Path) -> None:
     """A run.toml from {section: {key: scalar or sub-table}} and top-level scalars; a "mask" entry
@@ -96,7 +103,7 @@ class BedSwarm:
                     log,
                     {
                         **env,
-                        "ANCHORMESH_PEER_ID": f"bed-peer{h.index}",
+                        "ANCHORMESH_PEER_ID": f"{PEER_PREFIX}{h.index}",
                         "ANCHORMESH_TOKEN": self.info["token"],
                         "ANCHORMESH_TRACKER_KEY": self.info["tracker_key"],
                         **({"ANCHORMESH_INSECURE_PLAINTEXT": "1"} if plaintext else {}),

@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from peer.bench.bedswarm import host_of
 from peer.bench.project_model import KNOWN_MODELS, ModelDims, resolve_model
 from peer.bench.throughput_modes import GpuScenario, mode_config
 from peer.errors import ConfigError
@@ -145,8 +146,9 @@ def swarm_groups(status: dict, stages: int) -> list[list[int]]:
     """Bed hosts per stage from a swarm status: peer `bed-peerN` runs on host N."""
     groups: list[list[int]] = [[] for _ in range(stages)]
     for p in status["peers"]:
-        if p["id"].startswith("bed-peer") and p["state"] in ("active", "idle") and p.get("stage") is not None:
-            groups[p["stage"]].append(int(p["id"].removeprefix("bed-peer")))
+        host = host_of(p["id"])
+        if host is not None and p["state"] in ("active", "idle") and p.get("stage") is not None:
+            groups[p["stage"]].append(host)
     return [sorted(g) for g in groups]
 
 

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from peer.bench.bedswarm import BedSwarm, write_toml
+from peer.bench.bedswarm import BedSwarm, host_of, write_toml
 from peer.bench.netbed import NetBed
 from peer.bench.throughput_modes import mode_config
 from peer.errors import ConfigError
@@ -175,7 +175,7 @@ def peer_rows(bed: NetBed, status: dict) -> list[dict]:
     """Per live peer of `status`: its stage, its host's shaped rates, and what it measured and sent."""
 
     def host(p: dict):
-        return bed.hosts[int(p["id"].removeprefix("bed-peer"))] if p["id"].startswith("bed-peer") else None
+        return bed.hosts[i] if (i := host_of(p["id"])) is not None else None
 
     return [
         {

@@ -75,7 +75,7 @@ class Router:
             raise AnchormeshError(f"no live peer of stage {w.stage.index + 1} to send to")
         peers = [p for p in peers if self.transport.usable(p.peer_id)] or peers
         held: dict[object, int] = {}
-        for job in getattr(w, "inflight", {}).values():
+        for job in w.inflight.values():
             held[job.dst] = held.get(job.dst, 0) + 1
         now = time.monotonic()
         trips = fill_unmeasured([self._trip(p.peer_id, now) for p in peers])
