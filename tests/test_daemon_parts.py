@@ -26,7 +26,7 @@ from peer.daemon.serving import Serving
 from peer.daemon.startup import StartupClock
 from peer.daemon.state_sync import StateSync
 from peer.errors import AnchormeshError, WireError
-from peer.pipeline.linktune import LinkMeter
+from peer.pipeline.linkmeter import LinkMeter
 from peer.store.checkpoint import ShardCheckpoints
 from peer.wire import anchormesh_pb2 as pb
 

@@ -159,7 +159,7 @@ def _refused_senders(s: dict) -> list[str]:
 
 
 def _links_held(s: dict) -> list[str]:
-    """A peer whose link meter holds its last estimate (peer/pipeline/linktune.py): a link with no
+    """A peer whose link meter holds its last estimate (peer/pipeline/linkmeter.py): a link with no
     ack for a while is stalled, and its self-tuning works from old figures until acks come back."""
     return [
         f"{p['id']} (stage {p['stage']}) holds its link estimate of {x}"

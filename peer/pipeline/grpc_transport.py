@@ -27,7 +27,7 @@ from collections.abc import Iterator
 import grpc
 
 from peer.errors import AnchormeshError
-from peer.pipeline.linktune import LinkMeter
+from peer.pipeline.linkmeter import LinkMeter
 from peer.pipeline.parking import Parking
 from peer.pipeline.stage_server import (
     METHOD,
@@ -262,6 +262,11 @@ class GrpcTransport(StageServing, Transport):
     def link_bps(self, dst: Address, channel: str) -> float | None:
         meter = self.meters.get((dst, channel))
         return meter.bps() if meter is not None else None
+
+    def budget_bps(self, dst: Address, channel: str) -> float | None:
+        meter = self.meters.get((dst, channel))
+        bps = meter.bps() if meter is not None else None
+        return bps * meter.gain() if bps else bps
 
     def close(self) -> None:
         self._closed = True
