@@ -67,14 +67,17 @@ def _receive(host: str, delay: float, busy: bool) -> None:
 
 
 def _stage(t, dst, bps: float, log: list) -> None:
-    """Send a micro-batch every T, `keep_fraction` of twice what the link carries in T."""
+    """Send a micro-batch every T (T after the last one at the earliest), `keep_fraction` of twice
+    what the link carries in T."""
     from peer.pipeline.linktune import keep_fraction
     from peer.wire import anchormesh_pb2 as pb
 
     full, start, k = 2 * bps * T, time.monotonic(), 0
+    due = start
     while (now := time.monotonic() - start) < SECONDS:
         while t.meters[(dst, "forward")].waiting()[0] >= IN_FLIGHT:
             time.sleep(0.005)
+        due = max(due, time.monotonic()) + T  # a stage held up by its link computes no faster after
         f = keep_fraction(full, 0, t.budget_bps(dst, "forward"), T, TARGET, 0.125)
         header = pb.MicroBatchHeader(run_id="lm", micro_batch_id=k)
         msg = pb.ActivationChunk(header=header, hidden=pb.TensorPayload(payload=bytes(int(f * full))))
@@ -82,7 +85,7 @@ def _stage(t, dst, bps: float, log: list) -> None:
         meter = t.meters[(dst, "forward")]
         log.append((now, f, t.link_bps(dst, "forward"), meter.rtt(), meter.gain()))
         k += 1
-        time.sleep(max(0.0, start + k * T - time.monotonic()))
+        time.sleep(max(0.0, due - time.monotonic()))
 
 
 def _send(out: str, targets: list[str]) -> None:

@@ -406,8 +406,18 @@ def test_a_slow_link_of_small_micro_batches_is_measured() -> None:
     assert out[-1][1] == pytest.approx(134_000, rel=0.2), out[-5:]
 
 
+def test_answers_late_by_chance_do_not_lower_the_estimate() -> None:
+    """Acks come in order, so a receiver that answers one message late delays the next one's ack
+    too: that one is not late for the link, and the window's acks are never all late."""
+    out = steps(10e6, 300_000, lambda d, k: d + 0.05 + 0.25 * random.Random(k).random())
+    first = next(bps for _, bps in out if bps)
+    assert min(bps for _, bps in out if bps) >= first, out[::10]
+
+
 @pytest.mark.xfail(
-    strict=True, reason="answers 50-300 ms late make a short run read low, and late acks then lower the estimate"
+    strict=True,
+    reason="answers 50-300 ms late make every short run read about 5x low: a sample needs an answer as quick as the "
+    "round trip's least",
 )
 def test_answers_late_by_chance_on_a_fast_link_do_not_run_the_bits_down() -> None:
     """300 KB micro-batches on a 10 MB/s link whose receiver answers 50-300 ms late: the link

@@ -30,8 +30,9 @@ Samples are kept raw and read at the current estimates, so a rate sampled before
 trip was known counts in full once it is. The estimate holds what it read while nothing
 contradicts it: once the tuner fits the payload to the link every message goes out alone and the
 link is no longer sampled. It falls only when every ack of `bw_window_s` came later than a link
-at the estimate could have answered (its bytes and those ahead of it, plus R): a link that
-slowed, not a receiver slow now and then. A link that never backs up is not measured (None) and
+at the estimate could have answered (its bytes and those ahead of it, plus R, counted from its
+send or from the previous ack, whichever is later: acks come in order, so one late answer delays
+the next ack too): a link that slowed, not a receiver slow now and then. A link that never backs up is not measured (None) and
 carries the full payload. Stalls, acks twice or out of order, a clock that steps back: no sample
 (never a division by zero or an infinite rate), the estimate holds, and `held` says why.
 """
@@ -160,7 +161,7 @@ class LinkMeter:
                 if now - s <= max(self.bw_window_s / 2, back) and self._run_bytes - before >= TIGHT * self.burst
             )
             rtt, est = self._round_trip(now), self._bw_est
-            late = None not in (rtt, est) and now - sent - rtt > BUSY * (ahead + nbytes) / est
+            late = None not in (rtt, est) and now - rtt > self._due(sent, ahead, nbytes, last, rtt, est)
             self._taken += 1
             self._acks.append((now, late, path, pairs, self._taken))
             self._acked.append((now, nbytes, late))
@@ -169,6 +170,16 @@ class LinkMeter:
             self._read_at = (self._taken, now)
             if grew is not None and self._grew is grew and sent >= grew[1]:
                 self._flat += 1
+
+    @staticmethod
+    def _due(sent: float, ahead: int, nbytes: int, last: float | None, rtt: float, est: float) -> float:
+        """The latest a link at `est` (BUSY times slower) can have delivered a message of `nbytes`
+        sent at `sent` behind `ahead` bytes unacknowledged: from its send, or from the previous
+        message's delivery (by that one's ack `last` less the round trip) when that ack came
+        later, whichever is later. A receiver that answered the previous one late delays this
+        ack too (acks come in order): not late; a link that slowed makes it late either way."""
+        due = sent + BUSY * (ahead + nbytes) / est
+        return due if last is None or last <= sent else max(due, last - rtt + BUSY * nbytes / est)
 
     def _new_run(self) -> None:
         self._run.clear()
