@@ -263,11 +263,6 @@ class GrpcTransport(StageServing, Transport):
         meter = self.meters.get((dst, channel))
         return meter.bps() if meter is not None else None
 
-    def budget_bps(self, dst: Address, channel: str) -> float | None:
-        meter = self.meters.get((dst, channel))
-        bps = meter.bps() if meter is not None else None
-        return bps * meter.gain() if bps else bps
-
     def close(self) -> None:
         self._closed = True
         for out in self._outgoing.values():

@@ -20,12 +20,6 @@ to ack, and a slow answer would read as a slow link. The two are estimated apart
         trip too long would over-read the rate), and a sample subtracts no more than its own
         message's.
 
-A sample is a lower bound, and the first ones (a short run, the round trip not known yet) read
-low; once the tuner fits the payload to such a reading the link no longer backs up and nothing
-corrects it. So, as BBR's startup does, the tuner budgets the estimate times `gain()`: STARTUP_GAIN
-(twice the estimate at the default link target) until the acks of PLATEAU messages sent after the
-estimate last grew by GROWTH did not raise it so much again, then 1.
-
 Samples are kept raw and read at the current estimates, so a rate sampled before the round
 trip was known counts in full once it is. The estimate holds what it read while nothing
 contradicts it: once the tuner fits the payload to the link every message goes out alone and the
@@ -60,13 +54,6 @@ CONFIRM = 4
 RTT_SAMPLES = 16
 # messages back a round-trip sample models the link over (the ones it may have queued behind)
 PATH = 8
-# startup (module docstring): the tuner budgets the estimate times this until it stops growing by
-# GROWTH over the acks of PLATEAU messages sent since it last grew (BBR counts round trips: a link
-# backed up from before only answers for what was sent then); at the default link target 0.8 it
-# offers twice the estimate, so a first reading as low as half the link's still backs it up
-STARTUP_GAIN = 2.5
-GROWTH = 1.05
-PLATEAU = 8
 # acks whose samples are kept, at most (the windows are shorter where acks come faster)
 ACKS = 256
 
@@ -107,9 +94,6 @@ class LinkMeter:
         self._rtt_est: float | None = None  # the round trip: held while the window has too few samples
         self._bw_est: float | None = None  # the rate: held while nothing contradicts it
         self._last_ack: float | None = None
-        self._grew: tuple[float, float] | None = None  # (estimate, when) at its last growth by GROWTH
-        self._flat = 0  # acks since, of messages sent after it
-        self._started = False  # startup is over: the estimate stopped growing (`gain`)
         self.why = ""  # why the last ack gave no sample ("" when it did or needed none)
 
     def sent(self, nbytes: int, now: float | None = None, key: object = None) -> None:
@@ -165,11 +149,8 @@ class LinkMeter:
             self._taken += 1
             self._acks.append((now, late, path, pairs, self._taken))
             self._acked.append((now, nbytes, late))
-            grew = self._grew
             self._estimate(now)
             self._read_at = (self._taken, now)
-            if grew is not None and self._grew is grew and sent >= grew[1]:
-                self._flat += 1
 
     @staticmethod
     def _due(sent: float, ahead: int, nbytes: int, last: float | None, rtt: float, est: float) -> float:
@@ -211,8 +192,8 @@ class LinkMeter:
         in the way count, of those the ones it was busy with the shortest, and no late ones (a
         link slower than the estimate). Read at the current estimate (one taken at an older,
         lower estimate would stay too short); once RTT_SAMPLES, else the last such; None before
-        the first rate. While acks come late it may only shrink: a model at a rate the link no
-        longer has delivers too early."""
+        the first rate. While every ack of the window comes late it may only shrink: a model at a
+        rate the link no longer has delivers too early."""
         while self._acks and now - self._acks[0][0] > self.rtt_window_s:
             self._acks.popleft()
         est = self._bw_est
@@ -231,7 +212,9 @@ class LinkMeter:
         short = got[: max(RTT_SAMPLES, sum(1 for busy, _ in got if busy <= 1.5 * got[0][0]))] if got else []
         read = max(0.0, min(x for _, x in short)) if len(short) >= RTT_SAMPLES else None
         if read is not None:
-            late = self._rtt_est is not None and any(a[2] for a in self._acked)
+            # a window of late acks (the evidence the rate falls on) holds it from growing; one late ack
+            # does not: a round trip read short makes acks look late, and would stay short for good
+            late = self._rtt_est is not None and len(self._acked) >= CONFIRM and all(a[2] for a in self._acked)
             self._rtt_est = min(read, self._rtt_est) if late else read
         return self._rtt_est
 
@@ -288,8 +271,6 @@ class LinkMeter:
         best = max((x for _, x, _ in rates), default=None)
         if best is not None and (self._bw_est is None or best >= self._bw_est):
             self._bw_est = best
-            if self._grew is None or best >= GROWTH * self._grew[0]:
-                self._grew, self._flat = (best, now), 0
         elif len(lates) >= CONFIRM and all(lates):
             spread = self._acked[-1][0] - self._acked[0][0]
             rate = sum(a[1] for a in list(self._acked)[1:]) / spread if spread > 0 else 0.0
@@ -315,13 +296,6 @@ class LinkMeter:
             if self._read_at[0] != self._taken or not 0 <= now - self._read_at[1] < 0.05:  # else as just read
                 self._estimate(now)
             return self._bw_est
-
-    def gain(self) -> float:
-        """What the tuner multiplies the estimate by: STARTUP_GAIN from the first reading until
-        it stops growing (module docstring), then 1."""
-        with self._lock:
-            self._started = self._started or self._flat >= PLATEAU
-            return 1.0 if self._started or self._grew is None else STARTUP_GAIN
 
     def rtt(self, now: float | None = None) -> float | None:
         """Seconds from a message's last byte on the link to its ack (see `_round_trip`), or None

@@ -55,11 +55,6 @@ class Transport(ABC):
         queues have no link)."""
         return None
 
-    def budget_bps(self, dst: Address, channel: str) -> float | None:
-        """Bytes/s a codec may budget for `dst` on `channel`: the measured rate, times the meter's
-        startup gain while it is still learning the link (`LinkMeter.gain`)."""
-        return self.link_bps(dst, channel)
-
     def _count(self, src: Address, dst: Address, channel: str, data: bytes) -> None:
         stats = self.links[(src, dst, channel)]
         stats.messages += 1

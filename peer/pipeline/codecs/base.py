@@ -65,7 +65,7 @@ class LinkCodec(ABC):
         placement: where the stage computes; decoded tensors land there. Pass the placement the
             stage was built with, so that decoding happens on its device and nothing crosses twice.
         transport: the worker's transport; an adapting link (`mask.adapt`) reads each link's
-            measured rate from it (`budget_bps`). Pass the one the worker sends on; a
+            measured rate from it (`link_bps`). Pass the one the worker sends on; a
             `LocalTransport` (no measured rate) keeps every link at its configured payload.
         compute: the worker's compute time per micro-batch, the budget an adapting link fits its
             bytes into (`mask.link_target` of it). Pass the worker's own clock.

@@ -89,7 +89,7 @@ class LowRankLink(LinkCodec):
         f = keep_fraction(
             m.rank * per_coef,
             fixed,
-            self.transport.budget_bps(dst, "forward"),
+            self.transport.link_bps(dst, "forward"),
             self.compute.per_micro_batch,
             m.link_target,
             m.min_keep,

@@ -80,7 +80,7 @@ class MaskLink(LinkCodec):
         f = keep_fraction(
             elements * self.codec.bytes_per_element(),
             fixed,
-            self.transport.budget_bps(dst, "forward"),
+            self.transport.link_bps(dst, "forward"),
             self.compute.per_micro_batch,
             m.link_target,
             m.min_keep,

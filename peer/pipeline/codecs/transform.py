@@ -74,7 +74,7 @@ class TransformLink(LinkCodec):
         f = keep_fraction(
             codes,
             fixed + besides,
-            self.transport.budget_bps(dst, channel),
+            self.transport.link_bps(dst, channel),
             self.compute.per_micro_batch,
             self.cfg.link_target,
             floor / full,
