@@ -26,9 +26,10 @@ contradicts it: once the tuner fits the payload to the link every message goes o
 link is no longer sampled. It falls only when every ack of `bw_window_s` came later than a link
 at the estimate could have answered (its bytes and those ahead of it, plus R, counted from its
 send or from the previous ack, whichever is later: acks come in order, so one late answer delays
-the next ack too): a link that slowed, not a receiver slow now and then. A link that never backs up is not measured (None) and
-carries the full payload. Stalls, acks twice or out of order, a clock that steps back: no sample
-(never a division by zero or an infinite rate), the estimate holds, and `held` says why.
+the next ack too): a link that slowed, not a receiver slow now and then. A link that never backs
+up is not measured (None) and carries the full payload. Stalls, acks twice or out of order, a
+clock that steps back: no sample (never a division by zero or an infinite rate), the estimate
+holds, and `held` says why.
 """
 
 from __future__ import annotations
@@ -153,14 +154,19 @@ class LinkMeter:
             self._read_at = (self._taken, now)
 
     @staticmethod
+    def _free(sent: float, last: float | None, rtt: float) -> float:
+        """The latest the link can have begun a message sent at `sent`: then, or once it had
+        delivered the one before (by that one's ack `last` less the round trip)."""
+        return sent if last is None else max(sent, last - rtt)
+
+    @staticmethod
     def _due(sent: float, ahead: int, nbytes: int, last: float | None, rtt: float, est: float) -> float:
         """The latest a link at `est` (BUSY times slower) can have delivered a message of `nbytes`
-        sent at `sent` behind `ahead` bytes unacknowledged: from its send, or from the previous
-        message's delivery (by that one's ack `last` less the round trip) when that ack came
-        later, whichever is later. A receiver that answered the previous one late delays this
-        ack too (acks come in order): not late; a link that slowed makes it late either way."""
-        due = sent + BUSY * (ahead + nbytes) / est
-        return due if last is None or last <= sent else max(due, last - rtt + BUSY * nbytes / est)
+        sent at `sent` behind `ahead` bytes unacknowledged: all of them from its send, or its own
+        from the previous one's delivery (`_free`), whichever is later. A receiver that answered
+        the previous one late delays this ack too (acks come in order): not late; a link that
+        slowed makes it late either way."""
+        return max(sent + BUSY * (ahead + nbytes) / est, LinkMeter._free(sent, last, rtt) + BUSY * nbytes / est)
 
     def _new_run(self) -> None:
         self._run.clear()
@@ -244,7 +250,7 @@ class LinkMeter:
         own = 0.0
         if self._bw_est:
             (sent, nbytes), last = path[2][-1], path[3]
-            step = max(sent, last - rtt if last is not None else sent) + nbytes / self._bw_est  # after the previous one
+            step = self._free(sent, last, rtt) + nbytes / self._bw_est  # after the previous one
             own = ack - min(self._delivered(path, self._bw_est, rtt)[0], step)
         r = max(0.0, min(rtt, own))
         return max(n / max(ack - s - r, (ack - s) / 2) for s, n in pairs)
@@ -252,12 +258,12 @@ class LinkMeter:
     def _estimate(self, now: float) -> float | None:
         """The best sample kept (`rtt_window_s`: one read again at a round trip learnt since still
         counts) when it is higher than the estimate. Lower only when every ack of the last
-        `bw_window_s` (CONFIRM at least) came later than a link at the estimate could
-        have delivered its message and the bytes ahead of it, plus the round trip: a receiver
-        slow to answer now and then, or a sender the tuner fitted to the link, holds it; a link
-        that slowed makes them all late. Then to the window's delivery rate (bytes acked over
-        its acks' spread: the link was busy throughout) or the best sample of its second half
-        (runs that began within it), if higher; samples above that are dropped."""
+        `bw_window_s` (CONFIRM at least) came later than a link at the estimate could have
+        delivered it (`_due`), plus the round trip: a receiver slow to answer now and then, or a
+        sender the tuner fitted to the link, holds it; a link that slowed makes them all late.
+        Then to the window's delivery rate (bytes acked over its acks' spread: the link was busy
+        throughout) or the best sample of its second half (runs that began within it), if
+        higher; samples above that are dropped."""
         while self._acked and now - self._acked[0][0] > self.bw_window_s:
             self._acked.popleft()
         rtt = self._round_trip(now) or 0.0
